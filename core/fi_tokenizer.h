@@ -1,0 +1,77 @@
+/*
+ * fi_tokenizer.h - byte-level BPE tokenizer built from GGUF metadata.
+ *
+ * Supports tokenizer.ggml.model = "gpt2" (byte-level BPE with merges), the
+ * pre-tokenizer split named by tokenizer.ggml.pre (SmolLM2's "smollm": each
+ * digit alone, then the GPT-2 pattern), special (control) tokens, and the
+ * chat template the model carries (ChatML family).
+ *
+ * Encoding then decoding gives back the input bytes exactly, invalid UTF-8
+ * included: every byte has a token of its own in byte-level BPE.
+ */
+#ifndef FI_TOKENIZER_H
+#define FI_TOKENIZER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fi_gguf.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct fi_tok fi_tok;
+
+/* Builds the tokenizer from an open GGUF. The result does not refer to g
+ * after return (it copies what it needs). NULL with a message in err when
+ * the metadata is missing, inconsistent or of an unsupported kind. */
+fi_tok *fi_tok_new(const fi_gguf *g, char *err, size_t errlen);
+void fi_tok_destroy(fi_tok **t);
+
+int fi_tok_n_vocab(const fi_tok *t);
+int32_t fi_tok_bos(const fi_tok *t);  /* -1 when the model has none */
+int32_t fi_tok_eos(const fi_tok *t);
+/* 1 when id ends a generation (eos, <|im_end|>, <|endoftext|>, ...). */
+int fi_tok_is_eog(const fi_tok *t, int32_t id);
+/* 1 when id is a special (control) token. */
+int fi_tok_is_special(const fi_tok *t, int32_t id);
+/* Id of the token whose text is exactly s, or -1. */
+int32_t fi_tok_find(const fi_tok *t, const char *s);
+
+/* Encodes len bytes of text. With parse_special, the text of a special
+ * token ("<|im_start|>") becomes that token; without, it is plain text.
+ * Writes at most max_out ids and returns the number of ids the text needs
+ * (call again with a larger buffer when it exceeds max_out), or -1 on an
+ * allocation failure. */
+int fi_tok_encode(const fi_tok *t, const char *text, size_t len, int parse_special, int32_t *out,
+                  int max_out);
+
+/* The bytes of one token (byte-level symbols mapped back to raw bytes).
+ * Writes up to cap bytes and returns the full length, or -1 for an id out
+ * of range. Special tokens render as their text. */
+int fi_tok_piece(const fi_tok *t, int32_t id, char *buf, size_t cap);
+
+/* Decodes n ids into a malloc'd NUL-terminated string (raw bytes, which
+ * may be invalid UTF-8 if the ids are). NULL on bad id or allocation
+ * failure. Caller frees. */
+char *fi_tok_decode(const fi_tok *t, const int32_t *ids, int n, size_t *len_out);
+
+/* One chat message. */
+typedef struct fi_chat_msg {
+    const char *role;    /* "system", "user", "assistant" */
+    const char *content;
+} fi_chat_msg;
+
+/* Renders messages with the model's chat template (ChatML family: the
+ * template's default system message is added when the first message is
+ * not a system message, as the template does) and, with add_assistant,
+ * opens the assistant's turn. Returns a malloc'd string or NULL with a
+ * message in err when the template is of an unsupported kind. */
+char *fi_tok_chat(const fi_tok *t, const fi_chat_msg *msgs, int n, int add_assistant, char *err,
+                  size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FI_TOKENIZER_H */

@@ -1,0 +1,49 @@
+/*
+ * fedinfer.c - main of the `fedinfer` binary: dispatches to the command
+ * named by the first argument. Each command lives with the folder that owns
+ * it (core: run, bench, inspect; fabric: keygen, coordinator, shard; edge:
+ * edge) and answers --help itself.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "fi_cmd.h"
+
+typedef struct command {
+    const char *name;                 /* first argument */
+    int (*fn)(int argc, char **argv); /* runs it; returns the exit status */
+    const char *summary;              /* one line for --help */
+} command;
+
+static const command s_commands[] = {
+    {"run", fi_cmd_run, "generate text with a model (chat by default)"},
+    {"bench", fi_cmd_bench, "measure prefill, decode, memory and the bandwidth floor"},
+    {"inspect", fi_cmd_inspect, "print a GGUF file's metadata and tensor table"},
+};
+
+static void s_usage(FILE *f) {
+    fprintf(f, "usage: fedinfer COMMAND [options]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof s_commands / sizeof s_commands[0]; i++)
+        fprintf(f, "  %-12s %s\n", s_commands[i].name, s_commands[i].summary);
+    fprintf(f, "\n`fedinfer COMMAND --help` describes a command's options.\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        s_usage(stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        s_usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "--version")) {
+        printf("fedinfer 0.1.0\n");
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof s_commands / sizeof s_commands[0]; i++)
+        if (!strcmp(argv[1], s_commands[i].name)) return s_commands[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "fedinfer: unknown command '%s'\n", argv[1]);
+    s_usage(stderr);
+    return 2;
+}

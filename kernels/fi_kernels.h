@@ -1,0 +1,175 @@
+/*
+ * fi_kernels.h - compute backends for the fedinfer engine.
+ *
+ * The engine (core/) writes the forward pass once, against the table of
+ * operations below; each backend fills the table. The CPU backend is the
+ * reference and is always built; a CUDA backend fills the same table with
+ * device memory (see kernels/cuda/ when FEDINFER_CUDA is on).
+ *
+ * Memory: every float pointer handed to an operation is backend memory
+ * obtained from ops->alloc (host memory for the CPU backend, device memory
+ * for CUDA). Weights are described by fi_weight; a backend may copy them to
+ * its own memory in ops->weight_upload, otherwise it reads `data` in place
+ * (the CPU backend reads the mmapped GGUF directly: no dequantising at load).
+ *
+ * Layout conventions (row-major, as in GGUF):
+ *   weight W: `rows` rows of `cols` elements, each row row_bytes long;
+ *             GGUF's ne[0] is cols, ne[1] is rows.
+ *   activations x: n tokens, each `dim` floats contiguous: x[t*dim + i].
+ */
+#ifndef FI_KERNELS_H
+#define FI_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define FI_MUST_CHECK __attribute__((warn_unused_result))
+#else
+#define FI_MUST_CHECK
+#endif
+
+/* Element types, numbered as GGUF (ggml_type) numbers them. */
+typedef enum fi_dtype {
+    FI_DTYPE_F32 = 0,
+    FI_DTYPE_F16 = 1,
+    FI_DTYPE_Q4_0 = 2,
+    FI_DTYPE_Q4_1 = 3,
+    FI_DTYPE_Q8_0 = 8,
+    FI_DTYPE_BF16 = 30,
+} fi_dtype;
+
+/* 1 when `id` is a type the kernels can compute with, else 0. */
+int fi_dtype_supported(uint32_t id);
+/* Short name ("q4_1"), or "unknown" for an unsupported id. */
+const char *fi_dtype_name(uint32_t id);
+/* Elements per block (1 for float types, 32 for the quantised ones);
+ * 0 for an unsupported id. */
+int fi_dtype_block_elems(uint32_t id);
+/* Bytes per block; 0 for an unsupported id. */
+size_t fi_dtype_block_bytes(uint32_t id);
+/* Bytes of one row of n elements, or 0 when n is not a multiple of the
+ * block size or the type is unsupported. */
+size_t fi_dtype_row_bytes(uint32_t id, int64_t n);
+
+/* A weight matrix. `data` points to rows*row_bytes bytes the caller keeps
+ * alive (usually the mmapped model file). `dev` belongs to the backend. */
+typedef struct fi_weight {
+    const void *data;   /* host bytes, rows * row_bytes */
+    fi_dtype type;      /* element type of the rows */
+    int rows;           /* output features */
+    int cols;           /* input features (elements per row) */
+    size_t row_bytes;   /* fi_dtype_row_bytes(type, cols) */
+    void *dev;          /* backend copy, or NULL when read in place */
+} fi_weight;
+
+/* Which CPU code path to use. AUTO picks the best the processor supports at
+ * run time; PORTABLE is plain C and gives the same results within
+ * floating-point tolerance. */
+typedef enum fi_simd {
+    FI_SIMD_AUTO = 0,
+    FI_SIMD_PORTABLE = 1,
+    FI_SIMD_AVX2 = 2,
+} fi_simd;
+
+typedef struct fi_backend fi_backend;
+
+/*
+ * The operation table. All operations on one backend run in call order
+ * (a backend may queue them; ops->sync waits for completion). Sizes are
+ * trusted: the engine checks every shape against the model at load time.
+ */
+typedef struct fi_backend_ops {
+    const char *name;                                   /* "cpu", "cuda" */
+    void (*destroy)(void *ctx);
+
+    /* Memory. alloc returns zeroed backend memory or NULL. */
+    void *(*alloc)(void *ctx, size_t bytes);
+    void (*free)(void *ctx, void *p);
+    /* Copies between host and backend memory (and within the backend). */
+    int (*to_backend)(void *ctx, void *dst, const void *host_src, size_t bytes);
+    int (*to_host)(void *ctx, void *host_dst, const void *src, size_t bytes);
+    int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+    /* Optional (may be NULL): make w usable by this backend (sets w->dev). */
+    int (*weight_upload)(void *ctx, fi_weight *w);
+    void (*weight_release)(void *ctx, fi_weight *w);
+    /* Wait for queued work; returns 0, or -1 with the backend's error. */
+    int (*sync)(void *ctx);
+
+    /* y[t][r] = sum_c W[r][c] * x[t][c]   for t < n, r < w->rows.
+     * Quantised weights are read block by block; the backend may quantise
+     * x (for example to 8 bits per 32-element block) to use integer dots. */
+    void (*matmul)(void *ctx, float *y, const fi_weight *w, const float *x, int n);
+    /* y[t][:] = row tok[t] of W, dequantised (embedding lookup). */
+    void (*get_rows)(void *ctx, float *y, const fi_weight *w, const int32_t *tok, int n);
+    /* y[t][i] = x[t][i] / sqrt(mean(x[t]^2) + eps) * g[i]; y may alias x. */
+    void (*rmsnorm)(void *ctx, float *y, const float *x, const float *g, int n, int dim, float eps);
+    /* Rotary embedding, in place, on n tokens of n_heads heads each
+     * head_dim wide (rows of n_heads*head_dim floats). Pairs are adjacent
+     * elements (2i, 2i+1), as GGUF llama stores Q and K; token t is at
+     * position pos[t]; angle = pos * theta^(-2i/head_dim). */
+    void (*rope)(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
+                 float theta);
+    /* Causal grouped-query attention of n query tokens against a cache.
+     * q:   n rows of n_heads*head_dim.
+     * k,v: cache rows, row p (position p) at k + p*kv_dim, kv_dim =
+     *      n_kv_heads*head_dim; query token t sees rows 0..pos[t].
+     * out: n rows of n_heads*head_dim. Query head h uses KV head
+     *      h / (n_heads / n_kv_heads). Scale 1/sqrt(head_dim). */
+    void (*attention)(void *ctx, float *out, const float *q, const float *k, const float *v, int n,
+                      const int32_t *pos, int n_heads, int n_kv_heads, int head_dim);
+    /* g[i] = silu(g[i]) * u[i] for i < n (SwiGLU). */
+    void (*swiglu)(void *ctx, float *g, const float *u, size_t n);
+    /* y[i] += x[i] for i < n (residual). */
+    void (*add)(void *ctx, float *y, const float *x, size_t n);
+} fi_backend_ops;
+
+struct fi_backend {
+    const fi_backend_ops *ops;
+    void *ctx;
+};
+
+/* CPU backend with n_threads threads in a persistent pool (n_threads <= 0:
+ * one per online core). Returns NULL with a message in err on failure.
+ * Owned by the caller: release with fi_backend_destroy. */
+fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t errlen);
+
+/* Which SIMD path the CPU backend chose ("avx2", "portable"); NULL when b is
+ * not a CPU backend. */
+const char *fi_cpu_backend_simd(const fi_backend *b);
+/* Threads in the CPU backend's pool; 0 when b is not a CPU backend. */
+int fi_cpu_backend_threads(const fi_backend *b);
+
+/* Frees the backend and sets *b to NULL; safe on NULL or *b == NULL. */
+void fi_backend_destroy(fi_backend **b);
+
+/* --- thread pool (used by the CPU backend; usable on its own) ---------- */
+typedef struct fi_pool fi_pool;
+typedef void (*fi_pool_fn)(void *arg, int ith, int nth);
+
+/* A pool of n_threads workers (the caller's thread counts as worker 0).
+ * Threads are created once and wait between jobs. NULL on failure. */
+fi_pool *fi_pool_new(int n_threads);
+void fi_pool_destroy(fi_pool **p);
+int fi_pool_threads(const fi_pool *p);
+/* Runs fn(arg, ith, nth) on every worker, ith in [0, nth), and returns when
+ * all have finished. Not reentrant: one job at a time per pool. */
+void fi_pool_run(fi_pool *p, fi_pool_fn fn, void *arg);
+
+/* --- reference helpers (portable C, used by tests and by other backends) */
+/* Dequantises n elements (a multiple of the block size) of type t. */
+void fi_dequantize_row(fi_dtype t, const void *src, float *dst, int64_t n);
+/* fp16 / bf16 conversions. */
+float fi_fp16_to_fp32(uint16_t h);
+uint16_t fi_fp32_to_fp16(float f);
+float fi_bf16_to_fp32(uint16_t h);
+uint16_t fi_fp32_to_bf16(float f);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FI_KERNELS_H */

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# run.sh - sets up, builds and runs the whole test suite:
+#   1. gcc, Release: every test (ctest)
+#   2. clang with AddressSanitizer + UndefinedBehaviorSanitizer: every test
+#      labelled "asan" (parsers of outside input, malformed-file corpora)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+examples/setup.sh
+JOBS=$(nproc)
+
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=gcc >/dev/null
+cmake --build build -j"$JOBS"
+ctest --test-dir build --output-on-failure -j"$JOBS"
+
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang \
+      -DFEDINFER_SANITIZE=ON -DFEDINFER_CUDA=OFF >/dev/null
+cmake --build build-asan -j"$JOBS"
+ctest --test-dir build-asan --output-on-failure -j"$JOBS" -L asan
