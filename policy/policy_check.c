@@ -548,6 +548,84 @@ static int s_conjuncts(fi_policy *pol, uint32_t ni, uint32_t *out, uint32_t *n, 
     return 0;
 }
 
+/* Structural hash and equality of condition trees, for sharing the
+ * results of equal conjuncts between rules. */
+static uint64_t s_shash(const fi_policy *pol, uint32_t ni) {
+    const p_node *n = &pol->nodes[ni];
+    uint64_t h = 1469598103934665603ull;
+#define MIX(x) (h = (h ^ (uint64_t)(x)) * 1099511628211ull)
+    MIX(n->op);
+    MIX(n->scope);
+    MIX(n->attr);
+    MIX(n->lit.num);
+    MIX(n->lit.sym);
+    for (uint32_t i = 0; n->op == OP_SET && i < n->lit.n; i++) MIX(pol->pool[n->lit.off + i]);
+    if (n->a != NODE_NONE) MIX(s_shash(pol, n->a));
+    if (n->b != NODE_NONE) MIX(s_shash(pol, n->b));
+#undef MIX
+    return h;
+}
+
+static bool s_seq(const fi_policy *pol, uint32_t x, uint32_t y) {
+    const p_node *a = &pol->nodes[x], *b = &pol->nodes[y];
+    if (a->op != b->op || a->scope != b->scope || a->attr != b->attr || a->lit.num != b->lit.num ||
+        a->lit.sym != b->lit.sym || a->lit.n != b->lit.n || (a->a == NODE_NONE) != (b->a == NODE_NONE) ||
+        (a->b == NODE_NONE) != (b->b == NODE_NONE))
+        return false;
+    if (a->op == OP_SET && memcmp(pol->pool + a->lit.off, pol->pool + b->lit.off, a->lit.n * sizeof(uint32_t)))
+        return false;
+    return (a->a == NODE_NONE || s_seq(pol, a->a, b->a)) && (a->b == NODE_NONE || s_seq(pol, a->b, b->b));
+}
+
+/* Gives every request-only and mixed conjunct a slot shared with the
+ * structurally equal ones of its class. */
+static int s_slots(fi_policy *pol) {
+    pol->conj_slot = malloc((pol->n_conj ? pol->n_conj : 1) * sizeof *pol->conj_slot);
+    uint32_t cap = 1;
+    while (cap < 2 * pol->n_conj + 2) cap *= 2;
+    uint32_t *tab = malloc(cap * sizeof *tab); /* conjunct index + 1 of each slot's first holder */
+    uint64_t *hs = malloc((pol->n_conj ? pol->n_conj : 1) * sizeof *hs);
+    if (!pol->conj_slot || !tab || !hs) {
+        free(tab);
+        free(hs);
+        return -1;
+    }
+    for (int cls = 0; cls < 2; cls++) {
+        memset(tab, 0, cap * sizeof *tab);
+        uint32_t *count = cls == 0 ? &pol->n_rq_slots : &pol->n_mx_slots;
+        for (uint32_t r = 0; r < pol->n_rules; r++) {
+            const p_rule *ru = &pol->rules[r];
+            uint32_t first = ru->conj + (cls == 0 ? 0 : ru->n_rq + ru->n_tg);
+            uint32_t n = cls == 0 ? ru->n_rq : ru->n_mx;
+            for (uint32_t k = first; k < first + n; k++) {
+                uint32_t node = pol->conj[k];
+                uint64_t h = hs[k] = s_shash(pol, node);
+                uint32_t i = (uint32_t)h & (cap - 1);
+                pol->conj_slot[k] = SLOT_NONE;
+                while (tab[i]) {
+                    uint32_t other = tab[i] - 1;
+                    if (hs[other] == h && s_seq(pol, pol->conj[other], node)) {
+                        pol->conj_slot[k] = pol->conj_slot[other];
+                        break;
+                    }
+                    i = (i + 1) & (cap - 1);
+                }
+                if (!tab[i]) {
+                    tab[i] = k + 1;
+                    pol->conj_slot[k] = *count < SLOT_CAP ? (*count)++ : SLOT_NONE;
+                }
+            }
+        }
+    }
+    for (uint32_t r = 0; r < pol->n_rules; r++) { /* target-only conjuncts are not cached */
+        const p_rule *ru = &pol->rules[r];
+        for (uint32_t k = ru->conj + ru->n_rq; k < ru->conj + ru->n_rq + ru->n_tg; k++) pol->conj_slot[k] = SLOT_NONE;
+    }
+    free(tab);
+    free(hs);
+    return 0;
+}
+
 static int s_compile(fi_policy *pol) {
     /* Every conjunct is a distinct node, so n_nodes bounds their number. */
     pol->conj = calloc(pol->n_nodes ? pol->n_nodes : 1, sizeof *pol->conj);
@@ -574,6 +652,7 @@ static int s_compile(fi_policy *pol) {
             }
     }
     free(tmp);
+    if (s_slots(pol)) return -1;
     uint32_t w = pol->words = (pol->n_rules + 63) / 64;
     size_t nw = w ? w : 1;
     pol->m_forbid = calloc(nw, 8);
@@ -744,6 +823,7 @@ void fi_policy_destroy(fi_policy **self_p) {
     free(p->nodes);
     free(p->rules);
     free(p->conj);
+    free(p->conj_slot);
     free(p->m_forbid);
     free(p->m_permit);
     free(p->m_prefer);

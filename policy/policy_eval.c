@@ -410,13 +410,20 @@ int fi_policy_decide(const fi_policy *pol, const fi_request *req, const uint32_t
     }
     const uint32_t w = pol->words;
     uint64_t rq_t[MAXW], rq_f[MAXW];
+    uint8_t rq_cache[SLOT_CAP], mx_cache[SLOT_CAP]; /* 0: not yet evaluated */
     p_ctx c = {pol, &rq, 0, NULL, 0};
-    /* Request-only conjuncts: once per request. */
+    /* Request-only conjuncts: once per request, and once per distinct one. */
     for (uint32_t i = 0; i < w; i++) rq_t[i] = rq_f[i] = 0;
+    memset(rq_cache, 0, pol->n_rq_slots);
     for (uint32_t r = 0; r < pol->n_rules; r++) {
         const p_rule *ru = &pol->rules[r];
         uint8_t acc = B_T;
-        for (uint32_t k = 0; k < ru->n_rq && acc != B_F; k++) acc = s_and1(acc, p_eval(&c, pol->conj[ru->conj + k]));
+        for (uint32_t k = ru->conj; k < ru->conj + ru->n_rq && acc != B_F; k++) {
+            uint32_t sl = pol->conj_slot[k];
+            uint8_t v = sl == SLOT_NONE ? p_eval(&c, pol->conj[k])
+                                        : rq_cache[sl] ? rq_cache[sl] : (rq_cache[sl] = p_eval(&c, pol->conj[k]));
+            acc = s_and1(acc, v);
+        }
         if (acc == B_T) rq_t[r >> 6] |= 1ull << (r & 63);
         else if (acc == B_F) rq_f[r >> 6] |= 1ull << (r & 63);
     }
@@ -425,6 +432,7 @@ int fi_policy_decide(const fi_policy *pol, const fi_request *req, const uint32_t
         uint32_t t = targets ? targets[i] : (uint32_t)i;
         const uint64_t *tt = pol->tg_t + (size_t)t * w, *tf = pol->tg_f + (size_t)t * w;
         c.target = t;
+        memset(mx_cache, 0, pol->n_mx_slots);
         for (uint32_t k = 0; k < w; k++) {
             uint64_t T = rq_t[k] & tt[k];
             uint64_t F = rq_f[k] | tf[k];
@@ -435,8 +443,13 @@ int fi_policy_decide(const fi_policy *pol, const fi_request *req, const uint32_t
                 mx &= mx - 1;
                 const p_rule *ru = &pol->rules[k * 64 + b];
                 uint8_t acc = (T & bit) ? B_T : B_E;
-                const uint32_t *cj = pol->conj + ru->conj + ru->n_rq + ru->n_tg;
-                for (uint32_t j = 0; j < ru->n_mx && acc != B_F; j++) acc = s_and1(acc, p_eval(&c, cj[j]));
+                uint32_t first = ru->conj + ru->n_rq + ru->n_tg;
+                for (uint32_t j = first; j < first + ru->n_mx && acc != B_F; j++) {
+                    uint32_t sl = pol->conj_slot[j];
+                    uint8_t v = sl == SLOT_NONE ? p_eval(&c, pol->conj[j])
+                                                : mx_cache[sl] ? mx_cache[sl] : (mx_cache[sl] = p_eval(&c, pol->conj[j]));
+                    acc = s_and1(acc, v);
+                }
                 T &= ~bit;
                 if (acc == B_T) T |= bit;
                 else if (acc == B_F) F |= bit;

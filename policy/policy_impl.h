@@ -15,6 +15,8 @@
 #define SYM_NONE 0xFFFFFFFFu    /* absent value */
 #define SYM_UNKNOWN 0xFFFFFFFEu /* a request string the policy does not know */
 #define NODE_NONE 0xFFFFFFFFu
+#define SLOT_NONE 0xFFFFFFFFu
+#define SLOT_CAP 1024 /* cached distinct conjuncts per class; more are evaluated uncached */
 
 /* Entity kinds of the topology. */
 enum { EK_JUR = 0, EK_REGION = 1, EK_SITE = 2, EK_CLUSTER = 3 };
@@ -165,7 +167,11 @@ struct fi_policy {
     uint32_t n_rules;
     uint32_t cap_rules;
     uint32_t *conj;      /* conjunct node indices, per rule: rq, tg, mx */
+    uint32_t *conj_slot; /* per conjunct: cache slot shared by structurally equal
+                            conjuncts (request-only and mixed ones), or SLOT_NONE */
     uint32_t n_conj;
+    uint32_t n_rq_slots; /* distinct request-only conjuncts (<= SLOT_CAP) */
+    uint32_t n_mx_slots; /* distinct mixed conjuncts (<= SLOT_CAP) */
 
     /* Compiled masks over rules (words = ceil(n_rules / 64)). */
     uint32_t words;
