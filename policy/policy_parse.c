@@ -898,6 +898,36 @@ static int s_rule(parser *ps) {
     return 0;
 }
 
+/* IDENT "=" literal ";" inside an entity's braces. Keywords are accepted
+ * as names here so that the checker can say why a name is not allowed. */
+static int s_attr_assign(parser *ps, uint32_t ei) {
+    fi_policy *pol = ps->pol;
+    if (ps->t.k != T_IDENT)
+        return s_expected(ps, "an attribute name or '}'", "attributes are written name = value;");
+    uint32_t an = p_intern(pol, ps->t.str, ps->t.slen);
+    if (an == SYM_NONE) {
+        ps->oom = true;
+        return -1;
+    }
+    unsigned aline = ps->t.line, acol = ps->t.col;
+    s_next(ps);
+    if (s_expect(ps, T_ASSIGN, "after the attribute name", "attributes are written name = value;")) return -1;
+    p_value v;
+    if (s_literal(ps, &v, "for the attribute")) return -1;
+    if (s_expect(ps, T_SEMI, "after the attribute's value", "each attribute ends with ';'")) return -1;
+    if (s_grow((void **)&pol->assigns, &pol->cap_assigns, pol->n_assigns, sizeof(p_assign))) {
+        ps->oom = true;
+        return -1;
+    }
+    p_assign *as = &pol->assigns[pol->n_assigns++];
+    as->ent = ei;
+    as->name = an;
+    as->val = v;
+    as->line = aline;
+    as->col = acol;
+    return 0;
+}
+
 static int s_entity(parser *ps) {
     fi_policy *pol = ps->pol;
     uint8_t kind = s_is_kw(ps, "jurisdiction") ? EK_JUR : s_is_kw(ps, "region") ? EK_REGION
@@ -950,26 +980,12 @@ static int s_entity(parser *ps) {
                           "attributes go in braces: cluster x in r { cost = 3; }");
     s_next(ps);
     while (ps->t.k != T_RBRACE) {
-        if (ps->t.k != T_IDENT || s_is_keyword(ps->t.str))
-            return s_expected(ps, "an attribute name or '}'", "attributes are written name = value;");
-        uint32_t an = p_intern(pol, ps->t.str, ps->t.slen);
-        unsigned aline = ps->t.line, acol = ps->t.col;
-        s_next(ps);
-        if (s_expect(ps, T_ASSIGN, "after the attribute name", "attributes are written name = value;"))
-            return -1;
-        p_value v;
-        if (s_literal(ps, &v, "for the attribute")) return -1;
-        if (s_expect(ps, T_SEMI, "after the attribute's value", "each attribute ends with ';'")) return -1;
-        if (s_grow((void **)&pol->assigns, &pol->cap_assigns, pol->n_assigns, sizeof(p_assign))) {
-            ps->oom = true;
+        if (s_attr_assign(ps, ei)) {
+            /* skip the rest of the block so that parsing resumes after it */
+            while (ps->t.k != T_RBRACE && ps->t.k != T_EOF) s_next(ps);
+            if (ps->t.k == T_RBRACE) s_next(ps);
             return -1;
         }
-        p_assign *as = &pol->assigns[pol->n_assigns++];
-        as->ent = ei;
-        as->name = an;
-        as->val = v;
-        as->line = aline;
-        as->col = acol;
     }
     s_next(ps);
     if (ps->t.k == T_SEMI) s_next(ps);
