@@ -572,7 +572,7 @@ static bool s_seq(const fi_policy *pol, uint32_t x, uint32_t y) {
         a->lit.sym != b->lit.sym || a->lit.n != b->lit.n || (a->a == NODE_NONE) != (b->a == NODE_NONE) ||
         (a->b == NODE_NONE) != (b->b == NODE_NONE))
         return false;
-    if (a->op == OP_SET && memcmp(pol->pool + a->lit.off, pol->pool + b->lit.off, a->lit.n * sizeof(uint32_t)))
+    if (a->op == OP_SET && a->lit.n && memcmp(pol->pool + a->lit.off, pol->pool + b->lit.off, a->lit.n * sizeof(uint32_t)))
         return false;
     return (a->a == NODE_NONE || s_seq(pol, a->a, b->a)) && (a->b == NODE_NONE || s_seq(pol, a->b, b->b));
 }

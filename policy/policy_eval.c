@@ -56,7 +56,7 @@ static uint8_t s_val(const p_ctx *c, uint32_t ni, rv *v) {
     case OP_TRUE: v->type = VT_BOOL; v->num = 1; return V_OK;
     case OP_FALSE: v->type = VT_BOOL; return V_OK;
     case OP_STR: v->type = VT_STR; v->sym = n->lit.sym; return V_OK;
-    case OP_SET: v->type = VT_SET; v->set = pol->pool + n->lit.off; v->n = n->lit.n; return V_OK;
+    case OP_SET: v->type = VT_SET; v->set = n->lit.n ? pol->pool + n->lit.off : NULL; v->n = n->lit.n; return V_OK;
     case OP_TARGET:
         v->type = VT_LOC;
         v->sym = pol->ents[pol->targets[c->target]].name;
@@ -128,8 +128,10 @@ static uint8_t s_val(const p_ctx *c, uint32_t ni, rv *v) {
         v->type = tv->type == VT_STR ? VT_STR : tv->type;
         v->num = tv->num;
         v->sym = tv->sym;
-        v->set = pol->pool + tv->off;
-        v->n = tv->n;
+        if (tv->type == VT_SET && tv->n) {
+            v->set = pol->pool + tv->off;
+            v->n = tv->n;
+        }
         return V_OK;
     }
     }

@@ -570,7 +570,7 @@ static int s_literal(parser *ps, p_value *v, const char *context) {
         s_next(ps);
         /* sort and drop duplicates */
         uint32_t n = pol->n_pool - start;
-        qsort(pol->pool + start, n, sizeof(uint32_t), s_cmp_u32);
+        if (n) qsort(pol->pool + start, n, sizeof(uint32_t), s_cmp_u32);
         uint32_t w = 0;
         for (uint32_t i = 0; i < n; i++)
             if (!w || pol->pool[start + w - 1] != pol->pool[start + i]) pol->pool[start + w++] = pol->pool[start + i];

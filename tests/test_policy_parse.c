@@ -29,6 +29,17 @@ static void test_empty_and_comments(void **state) {
     p = s_parse("# a comment\n// another\n   \n\t# last", NULL);
     assert_non_null(p);
     fi_policy_destroy(&p);
+    /* empty sets before any other set */
+    p = s_parse("jurisdiction J; region r in J; site s in r; cluster c in r { e = []; }\n"
+                "permit \"x\" when target.e <= [] and [] <= target.e and target.e == [];\n", NULL);
+    assert_non_null(p);
+    const char *none[1] = {NULL};
+    fi_request r = {"t", NULL, NULL, "s", NULL, none, 0, -1, -1};
+    fi_verdict v[2];
+    assert_int_equal(fi_policy_decide(p, &r, NULL, 2, v), 0);
+    assert_false(v[0].permitted); /* the site has no e: error, not permitted */
+    assert_true(v[1].permitted);
+    fi_policy_destroy(&p);
 }
 
 static void test_full_syntax(void **state) {
