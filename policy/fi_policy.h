@@ -157,7 +157,8 @@ typedef enum fi_cause {
     FI_CAUSE_FORBID = 1,       /* denied: rules[] are the matching forbids */
     FI_CAUSE_DEFAULT_DENY = 2, /* denied: no permit matched */
     FI_CAUSE_BAD_REQUEST = 3,  /* denied: origin or a label unknown to the policy */
-    FI_CAUSE_FALLBACK = 4      /* no usable policy: only the origin site */
+    FI_CAUSE_FALLBACK = 4,     /* no usable policy: only the origin site */
+    FI_CAUSE_UNKNOWN_TARGET = 5 /* fi_policy_decide_names: target not in the policy */
 } fi_cause;
 
 /* The decision for one candidate target. */
@@ -210,6 +211,16 @@ void fi_policy_rule_trace(const fi_policy *self, const fi_request *req, uint32_t
  * origin_site is permitted; out[i].target = i. */
 void fi_policy_fallback(const char *origin_site, const char *const *names,
                         const fi_target_kind *kinds, size_t n, fi_verdict *out);
+
+/* The edge's and coordinator's one entry point, which always fails closed:
+ * candidates given by name and kind; pol may be NULL (no valid policy).
+ * When pol is NULL or not current at now, this is fi_policy_fallback().
+ * Otherwise it is fi_policy_decide() over the named targets; a name the
+ * policy does not know, or whose kind differs from the policy's, is denied
+ * (FI_CAUSE_UNKNOWN_TARGET). out[i].target is always i (the caller's index),
+ * so pass names[i] to fi_verdict_explain. Allocates nothing. */
+void fi_policy_decide_names(const fi_policy *pol, int64_t now, const fi_request *req, const char *const *names,
+                            const fi_target_kind *kinds, size_t n, fi_verdict *out);
 
 /* ---------------------------------------------------------------- flows */
 

@@ -101,6 +101,17 @@ static fi_policy *s_load(const char *path, bool print_warnings) {
     return pol;
 }
 
+static fi_policy *s_load_text(const char *text, size_t len, const char *name) {
+    fi_diags *d = fi_diags_new();
+    fi_policy *pol = fi_policy_parse(text, len, d);
+    if (!pol) {
+        fi_diags_print(d, name, stderr);
+        fprintf(stderr, "%s: %zu error(s); the policy cannot be used\n", name, fi_diags_errors(d));
+    }
+    fi_diags_destroy(&d);
+    return pol;
+}
+
 static char *s_slurp(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) {
@@ -400,24 +411,25 @@ static int s_replay_one(const fi_audit_record *r, void *arg) {
 
 static int s_diff(int argc, char **argv) {
     if (s_help(argc, argv)) {
-        printf("usage: fedctl policy diff FILE --active ACTIVE [--audit DB [--since T] [--until T]]\n\n"
-               "Before applying FILE: the flows it opens or closes compared with ACTIVE (every\n"
-               "label set, origin site and target of both), and, with --audit, a replay of the\n"
-               "audited requests of the period [--since, --until) under FILE listing the\n"
-               "decisions that would change. Times: YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ or Unix\n"
-               "seconds. ACTIVE is the file of the active version (fedctl policy bundle can\n"
-               "export it from a store).\n");
+        printf("usage: fedctl policy diff FILE (--active ACTIVE | --store DB) [--audit DB [--since T] [--until T]]\n\n"
+               "Before applying FILE: the flows it opens or closes compared with the active\n"
+               "policy (every label set, origin site and target of both), and, with --audit, a\n"
+               "replay of the audited requests of the period [--since, --until) under FILE\n"
+               "listing the decisions that would change. The active policy is the file ACTIVE,\n"
+               "or the latest version in the operator-side store DB. Times: YYYY-MM-DD,\n"
+               "YYYY-MM-DDTHH:MM:SSZ or Unix seconds.\n");
         return 0;
     }
-    const char *with[] = {"--active", "--audit", "--since", "--until", NULL};
+    const char *with[] = {"--active", "--store", "--audit", "--since", "--until", NULL};
     bool bad = false;
     const char *file = s_pos(argc, argv, 0, with);
     const char *active = s_opt(argc, argv, "--active", NULL, &bad);
+    const char *store = s_opt(argc, argv, "--store", NULL, &bad);
     const char *audit = s_opt(argc, argv, "--audit", NULL, &bad);
     const char *since = s_opt(argc, argv, "--since", NULL, &bad);
     const char *until = s_opt(argc, argv, "--until", NULL, &bad);
-    if (bad || !file || !active) {
-        fprintf(stderr, "usage: fedctl policy diff FILE --active ACTIVE [--audit DB [--since T] [--until T]]\n");
+    if (bad || !file || !active == !store) {
+        fprintf(stderr, "usage: fedctl policy diff FILE (--active ACTIVE | --store DB) [--audit DB [--since T] [--until T]]\n");
         return 2;
     }
     int64_t t0 = since ? s_time(since) : 0, t1 = until ? s_time(until) : 0;
@@ -426,7 +438,27 @@ static int s_diff(int argc, char **argv) {
                 t0 < 0 ? since : until);
         return 2;
     }
-    fi_policy *np = s_load(file, false), *op = s_load(active, false);
+    fi_policy *np = s_load(file, false), *op = NULL;
+    char active_name[600];
+    if (active) {
+        op = s_load(active, false);
+        snprintf(active_name, sizeof active_name, "%s", active);
+    } else {
+        char err[400], *content = NULL;
+        size_t clen = 0;
+        fi_store_version sv;
+        fi_store *st = fi_store_open(store, err, sizeof err);
+        int r = st ? fi_store_get(st, 0, &sv, &content, &clen, NULL, NULL, err, sizeof err) : -1;
+        fi_store_destroy(&st);
+        if (r) {
+            fprintf(stderr, "fedctl policy diff: %s\n", r > 0 ? "the store holds no version yet" : err);
+        } else {
+            snprintf(active_name, sizeof active_name, "version %llu of %s", (unsigned long long)sv.version, store);
+            op = s_load_text(content, clen, active_name);
+        }
+        free(content);
+    }
+    active = active_name;
     if (!np || !op) {
         fi_policy_destroy(&np);
         fi_policy_destroy(&op);

@@ -4,7 +4,8 @@
  * all candidate targets, explanations, and the fail-closed fallback.
  *
  * Nothing in this file allocates. fi_policy_decide keeps its scratch (bit
- * masks over at most FI_POLICY_MAX_RULES rules) on the stack, about 3 KiB.
+ * masks over at most FI_POLICY_MAX_RULES rules, result caches) on the
+ * stack, about 5 KiB.
  *
  * Values of conditions are sets of {true, false, error} as bit masks: a
  * decision always yields exactly one; the flow analysis (policy_flows.c)
@@ -535,6 +536,9 @@ void fi_verdict_explain(const fi_policy *pol, const fi_verdict *v, const char *n
         s_cat(buf, cap, &k, "%sthe request names an origin site or label the policy does not know (fail closed)",
               "", "");
         return;
+    case FI_CAUSE_UNKNOWN_TARGET:
+        s_cat(buf, cap, &k, "%sthe target is not in the policy (fail closed)", "", "");
+        return;
     case FI_CAUSE_FALLBACK:
         s_cat(buf, cap, &k, "%s",
               v->permitted ? "no valid policy: the origin site only (fail closed)"
@@ -593,5 +597,36 @@ void fi_policy_fallback(const char *origin_site, const char *const *names, const
         out[i].target = (uint32_t)i;
         out[i].cause = FI_CAUSE_FALLBACK;
         out[i].permitted = origin_site && names[i] && kinds[i] == FI_TARGET_SITE && !strcmp(origin_site, names[i]);
+    }
+}
+
+#define NAMES_CHUNK 128 /* candidates decided per call of fi_policy_decide */
+
+void fi_policy_decide_names(const fi_policy *pol, int64_t now, const fi_request *req, const char *const *names,
+                            const fi_target_kind *kinds, size_t n, fi_verdict *out) {
+    if (!pol || !fi_policy_current(pol, now)) {
+        fi_policy_fallback(req ? req->origin_site : NULL, names, kinds, n, out);
+        return;
+    }
+    for (size_t base = 0; base < n; base += NAMES_CHUNK) {
+        size_t m = n - base < NAMES_CHUNK ? n - base : NAMES_CHUNK;
+        uint32_t idx[NAMES_CHUNK];
+        size_t pos[NAMES_CHUNK], k = 0;
+        fi_verdict tmp[NAMES_CHUNK];
+        for (size_t i = 0; i < m; i++) {
+            fi_verdict *v = &out[base + i];
+            memset(v, 0, sizeof *v);
+            v->target = (uint32_t)(base + i);
+            v->cause = FI_CAUSE_UNKNOWN_TARGET;
+            int t = names[base + i] ? fi_policy_target_find(pol, names[base + i]) : -1;
+            if (t < 0 || fi_policy_target_kind(pol, (size_t)t) != kinds[base + i]) continue;
+            idx[k] = (uint32_t)t;
+            pos[k++] = base + i;
+        }
+        if (!k || fi_policy_decide(pol, req, idx, k, tmp)) continue;
+        for (size_t j = 0; j < k; j++) {
+            out[pos[j]] = tmp[j];
+            out[pos[j]].target = (uint32_t)pos[j];
+        }
     }
 }

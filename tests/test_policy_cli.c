@@ -186,6 +186,11 @@ static void test_store_bundle_diff_audit(void **state) {
     s_has(f, "2 audited request(s) replayed, 1 decision(s) would change");
     assert_int_equal(s_run(f, "policy diff new.policy --active active.policy --audit audit.db --since 2030-01-01"), 0);
     s_has(f, "0 audited request(s) replayed");
+    /* the active version taken from the store: version 3 has version 1's content */
+    assert_int_equal(s_run(f, "policy diff new.policy --store store.db"), 0);
+    s_has(f, "compared with the active version 3 of store.db");
+    s_has(f, "- closes phi from berlin-clinic to berlin-clinic: yes -> no");
+    assert_int_equal(s_run(f, "policy diff new.policy"), 2);
     /* the audit log: listing with filters, verify, tamper */
     assert_int_equal(s_run(f, "audit --db audit.db --label phi"), 0);
     s_has(f, "req-phi");

@@ -410,6 +410,39 @@ static void test_fallback(void **state) {
     for (int i = 0; i < 4; i++) assert_false(v[i].permitted);
 }
 
+static void test_decide_names(void **state) {
+    (void)state;
+    fi_policy *p = s_build("expires \"2027-01-01T00:00:00Z\";\npermit \"eu\" when target within \"EU\";\n");
+    const char *names[] = {"c-us", "c-de", "nowhere", "s-de", "s-fr", "s-de"};
+    fi_target_kind kinds[] = {FI_TARGET_CLUSTER, FI_TARGET_CLUSTER, FI_TARGET_CLUSTER, FI_TARGET_SITE,
+                              FI_TARGET_SITE, FI_TARGET_CLUSTER};
+    const char *labels[] = {"pii"};
+    fi_request r = {"t", NULL, NULL, "s-de", NULL, labels, 1, -1, -1};
+    fi_verdict v[6];
+    int64_t before = 1798761600 - 1, after = 1798761600;
+    fi_policy_decide_names(p, before, &r, names, kinds, 6, v);
+    bool want[] = {false, true, false, true, true, false};
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(v[i].target, i);
+        assert_int_equal(v[i].permitted, want[i]);
+    }
+    assert_int_equal(v[2].cause, FI_CAUSE_UNKNOWN_TARGET);
+    assert_int_equal(v[5].cause, FI_CAUSE_UNKNOWN_TARGET); /* s-de is a site, not a cluster */
+    char line[256];
+    fi_verdict_explain(p, &v[2], names[2], line, sizeof line);
+    assert_string_equal(line, "denied nowhere: the target is not in the policy (fail closed)");
+    /* expired: fail closed, the origin site only */
+    fi_policy_decide_names(p, after, &r, names, kinds, 6, v);
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(v[i].cause, FI_CAUSE_FALLBACK);
+        assert_int_equal(v[i].permitted, i == 3);
+    }
+    /* no policy at all */
+    fi_policy_decide_names(NULL, before, &r, names, kinds, 6, v);
+    for (int i = 0; i < 6; i++) assert_int_equal(v[i].permitted, i == 3);
+    fi_policy_destroy(&p);
+}
+
 static void test_expiry(void **state) {
     (void)state;
     const char *text = "expires \"2027-01-01T00:00:00Z\";\njurisdiction X;\n";
@@ -551,6 +584,7 @@ int main(void) {
         cmocka_unit_test(test_candidates_subset),
         cmocka_unit_test(test_fallback),
         cmocka_unit_test(test_expiry),
+        cmocka_unit_test(test_decide_names),
         cmocka_unit_test(test_compiled_matches_reference),
         cmocka_unit_test(test_flows_sound),
         cmocka_unit_test(test_accessors),
