@@ -202,7 +202,10 @@ void p_analyse(const fi_policy *pol, fi_diags *d) {
     uint8_t *maybe_shadow = malloc(R);    /* permit: every possible match is definitely forbidden */
     int *shadower = malloc(R * sizeof(int));
     uint8_t *m = malloc(R);
-    if (!u || !ut || !maybe_shadow || !shadower || !m) goto done;
+    if (!u || !ut || !maybe_shadow || !shadower || !m) {
+        p_diag(d, FI_DIAG_WARNING, 0, 0, NULL, "rule analysis skipped: out of memory");
+        goto done;
+    }
     memset(maybe_shadow, 1, R);
     for (uint32_t r = 0; r < R; r++) shadower[r] = -1;
     for (uint32_t mask = 0; mask < nsets; mask++)
