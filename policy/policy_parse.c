@@ -413,11 +413,14 @@ static void s_next(parser *ps) {
     case '>': if (c2 == '=') { k = T_GE; n = 2; } else k = T_GT; break;
     default: break;
     }
+    if (k == T_BAD && (c == '&' || c == '|') && c2 == c) n = 2; /* report && and || once */
     t->k = k;
     t->len = n;
     if (k == T_BAD) {
         char msg[80];
-        if (c == '!')
+        if (n == 2)
+            snprintf(msg, sizeof msg, "unexpected '%c%c'", c, c);
+        else if (c == '!')
             snprintf(msg, sizeof msg, "unexpected '!'");
         else if (isprint(c))
             snprintf(msg, sizeof msg, "unexpected character '%c'", c);
@@ -471,22 +474,23 @@ static int s_expect(parser *ps, tok_kind k, const char *context, const char *hin
 /* Skips to just after the next ';' at nesting depth 0, or to a statement
  * keyword at the start of a line, so that parsing can resume. */
 static void s_recover(parser *ps) {
-    int depth = 0;
+    int depth = 0; /* braces opened since the error */
     while (ps->t.k != T_EOF) {
-        if (ps->t.k == T_LBRACE) depth++;
-        if (ps->t.k == T_RBRACE && --depth <= 0 && depth < 0) {
+        if (ps->t.k == T_LBRACE) {
+            depth++;
+        } else if (ps->t.k == T_RBRACE) {
+            s_next(ps);
+            if (depth-- <= 1) return; /* the block that held the error, or one opened since */
+            continue;
+        } else if (ps->t.k == T_SEMI && depth == 0) {
             s_next(ps);
             return;
-        }
-        if (ps->t.k == T_SEMI && depth <= 0) {
-            s_next(ps);
+        } else if (depth == 0 && ps->t.col == 1 && ps->t.k == T_IDENT &&
+                   (s_is_kw(ps, "permit") || s_is_kw(ps, "forbid") || s_is_kw(ps, "prefer") || s_is_kw(ps, "site") ||
+                    s_is_kw(ps, "cluster") || s_is_kw(ps, "region") || s_is_kw(ps, "jurisdiction") ||
+                    s_is_kw(ps, "labels") || s_is_kw(ps, "default_label") || s_is_kw(ps, "expires"))) {
             return;
         }
-        if (depth <= 0 && ps->t.col == 1 && ps->t.k == T_IDENT &&
-            (s_is_kw(ps, "permit") || s_is_kw(ps, "forbid") || s_is_kw(ps, "prefer") ||
-             s_is_kw(ps, "site") || s_is_kw(ps, "cluster") || s_is_kw(ps, "region") ||
-             s_is_kw(ps, "jurisdiction") || s_is_kw(ps, "labels")))
-            return;
         s_next(ps);
     }
 }
