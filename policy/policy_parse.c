@@ -20,6 +20,7 @@
 
 #define MAX_DIAGS 100     /* stop reporting after this many */
 #define MAX_STR 1024      /* longest string literal or name */
+#define MAX_COND_NODES 2048 /* terms of one rule's condition */
 
 /* ------------------------------------------------------------ diagnostics */
 
@@ -872,10 +873,19 @@ static int s_rule(parser *ps) {
     }
     uint32_t cond = NODE_NONE;
     if (s_is_kw(ps, "when")) {
+        unsigned cline = ps->t.line, ccol = ps->t.col;
+        uint32_t first = pol->n_nodes;
         s_next(ps);
         ps->depth = 0;
         cond = s_cond(ps);
         if (cond == NODE_NONE) return -1;
+        /* The evaluators recurse along and/or chains: bound their length. */
+        if (pol->n_nodes - first > MAX_COND_NODES) {
+            p_diag(ps->d, FI_DIAG_ERROR, cline, ccol, "split the condition into several rules",
+                   "condition too long: %u terms (at most %d)", pol->n_nodes - first, MAX_COND_NODES);
+            ps->errors++;
+            return -1;
+        }
     } else if (ps->t.k != T_SEMI) {
         return s_expected(ps, "'when' or ';' after the rule id",
                           "permit \"id\" when CONDITION;  or, unconditionally, permit \"id\";");
