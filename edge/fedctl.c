@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "fi_fabric_cmd.h"
+
 typedef struct verb {
     const char *name;                 /* first argument */
     int (*fn)(int argc, char **argv); /* runs it; returns the exit status */
@@ -15,6 +17,9 @@ typedef struct verb {
 
 /* Verbs are added here as their folders provide them. */
 static const verb s_verbs[] = {
+    {"status", fi_ctl_status, "list sites, edges and clusters with their health"},
+    {"enrol", fi_ctl_enrol, "create a one-time enrolment token"},
+    {"revoke", fi_ctl_revoke, "revoke a peer's key and cut it off"},
     {NULL, NULL, NULL},
 };
 
