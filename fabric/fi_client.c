@@ -110,7 +110,8 @@ static int s_open(fi_client *c, char *err, size_t errlen) {
     }
     if (fi_sock_client(c->sock, &c->o.kp, c->o.server_pub, &so, err, errlen) != 0) goto fail;
     if (zmq_socket_monitor(c->sock, mon_ep,
-                           ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_SUCCEEDED) != 0 ||
+                           ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
+                               ZMQ_EVENT_DISCONNECTED) != 0 ||
         !(c->mon = zmq_socket(c->ctx, ZMQ_PAIR)) || zmq_connect(c->mon, mon_ep) != 0) {
         snprintf(err, errlen, "socket monitor: %s", zmq_strerror(zmq_errno()));
         goto fail;
@@ -179,6 +180,13 @@ static void s_monitor(fi_client *c) {
         }
         if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) c->refused = 1;
         if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) c->refused = 0;
+        if (event == ZMQ_EVENT_DISCONNECTED && c->ready) {
+            /* libzmq reconnects by itself, but whatever the coordinator
+             * held for us (open requests, our registration) may be gone:
+             * count it as a reconnection and say Hello again. */
+            c->ready = 0;
+            c->reconnects++;
+        }
     }
 }
 
@@ -213,9 +221,11 @@ static void s_housekeeping(fi_client *c) {
 
 int fi_client_recv(fi_client *c, int timeout_ms, fi_msg **out, char *err, size_t errlen) {
     uint64_t deadline = fi_wire_now_ms() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
+    unsigned gen = c->reconnects;
     *out = NULL;
     for (;;) {
         if (c->mon) s_monitor(c);
+        if (c->reconnects != gen) return 0; /* callers check for lost requests */
         if (c->refused || c->revoked) {
             snprintf(err, errlen, c->revoked ? "the coordinator revoked this key"
                                              : "the coordinator refused this key at the "
@@ -223,6 +233,7 @@ int fi_client_recv(fi_client *c, int timeout_ms, fi_msg **out, char *err, size_t
             return -1;
         }
         s_housekeeping(c);
+        if (c->reconnects != gen) return 0;
         uint64_t now = fi_wire_now_ms();
         if (now >= deadline && timeout_ms >= 0 && now > deadline) return 0;
         long wait = (long)(deadline > now ? deadline - now : 0);

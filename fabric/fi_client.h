@@ -63,7 +63,8 @@ FI_WIRE_MUST_CHECK int fi_client_send_encoded(fi_client *c, uint8_t *buf, const 
 /* Waits up to timeout_ms for the next message that is not a heartbeat or
  * the coordinator's Hello, while keeping heartbeats and reconnection
  * going. Returns 1 with *out (free with fi_wire_free), 0 on timeout (or
- * early, just after the coordinator's Hello arrived), or -1
+ * early: just after the coordinator's Hello arrived, or when the
+ * connection was lost, see fi_client_reconnects), or -1
  * with a message when the coordinator refused our key (unknown or
  * revoked) or revoked us. */
 int fi_client_recv(fi_client *c, int timeout_ms, fi_msg **out, char *err, size_t errlen);

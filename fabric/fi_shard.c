@@ -97,6 +97,7 @@ typedef struct s_serve {
     int cancel;              /* the current request was cancelled */
     int fatal;               /* refused or revoked */
     atomic_int *stop;        /* set by the owner to stop */
+    unsigned gen;            /* fi_client_reconnects when the queue was last valid */
     char err[256];           /* why fatal */
 } s_serve;
 
@@ -136,15 +137,28 @@ static void s_take(s_serve *s, fi_msg *m) {
     fi_wire_free(&m);
 }
 
+/* After a lost connection the coordinator that routed our requests may be
+ * gone with its bookkeeping: drop them rather than make new requests wait
+ * behind work nobody will receive. */
+static void s_check_link(s_serve *s) {
+    if (fi_client_reconnects(s->c) == s->gen) return;
+    s->gen = fi_client_reconnects(s->c);
+    if (s->current) s->cancel = 1;
+    for (int i = 0; i < s->n_queue; i++) fi_wire_free(&s->queue[i]);
+    s->n_queue = 0;
+}
+
 /* Reads what arrived, waiting at most timeout_ms. */
 static void s_pump(s_serve *s, int timeout_ms) {
     for (;;) {
+        s_check_link(s);
         fi_msg *m = NULL;
         int rc = fi_client_recv(s->c, timeout_ms, &m, s->err, sizeof s->err);
         if (rc < 0) {
             s->fatal = 1;
             return;
         }
+        s_check_link(s);
         if (rc == 0) return;
         s_take(s, m);
         timeout_ms = 0;
@@ -203,7 +217,7 @@ static void s_serve_one(s_serve *s, const fi_shard_backend *be, fi_msg *m) {
 int fi_shard_serve(fi_client *c, const fi_shard_backend *be, int max_queue, atomic_int *stop,
                    char *err, size_t errlen) {
     s_serve s = {c, calloc((size_t)(max_queue > 0 ? max_queue : 1), sizeof(fi_msg *)), 0,
-                 max_queue > 0 ? max_queue : 1, NULL, 0, 0, 0, stop, ""};
+                 max_queue > 0 ? max_queue : 1, NULL, 0, 0, 0, stop, fi_client_reconnects(c), ""};
     if (!s.queue) {
         snprintf(err, errlen, "out of memory");
         return -1;

@@ -24,6 +24,9 @@
 #include "fi_store.h"
 
 /* Short heartbeats keep the suite fast: a dead peer is found in 300 ms. */
+/* Each test program uses a part of the harness. */
+#define H_FN static __attribute__((unused))
+
 #define H_HB_MS 100
 #define H_LIVENESS 3
 
@@ -41,12 +44,12 @@ typedef struct harness {
     int max_msg;            /* coordinator's message limit */
 } harness;
 
-static void h_sleep_ms(int ms) {
+H_FN void h_sleep_ms(int ms) {
     struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
 }
 
-static void *h_coord_main(void *arg) {
+H_FN void *h_coord_main(void *arg) {
     harness *h = arg;
     if (fi_coord_run(h->c, &h->stop) != 0) fprintf(stderr, "harness: coordinator failed\n");
     return NULL;
@@ -54,7 +57,7 @@ static void *h_coord_main(void *arg) {
 
 /* Enrols kp directly in the database (a second connection; WAL lets the
  * coordinator's own stay open). */
-static int h_enrol_direct(harness *h, const fi_keypair *kp, Fi__Role role, const char *site,
+H_FN int h_enrol_direct(harness *h, const fi_keypair *kp, Fi__Role role, const char *site,
                           const char *region) {
     char err[256];
     fi_store *st = fi_store_open(h->db, err, sizeof err);
@@ -65,7 +68,7 @@ static int h_enrol_direct(harness *h, const fi_keypair *kp, Fi__Role role, const
     return rc;
 }
 
-static void h_opts(harness *h, fi_coord_opts *o, const char *bind, const char *enrol_bind) {
+H_FN void h_opts(harness *h, fi_coord_opts *o, const char *bind, const char *enrol_bind) {
     fi_coord_opts_default(o);
     snprintf(o->bind, sizeof o->bind, "%s", bind);
     snprintf(o->enrol_bind, sizeof o->enrol_bind, "%s", enrol_bind);
@@ -77,7 +80,7 @@ static void h_opts(harness *h, fi_coord_opts *o, const char *bind, const char *e
 }
 
 /* Makes the directory, the keys and the bootstrapped operator. */
-static int h_init(harness *h) {
+H_FN int h_init(harness *h) {
     memset(h, 0, sizeof *h);
     snprintf(h->dir, sizeof h->dir, "/tmp/fi_fabric_test_XXXXXX");
     if (!mkdtemp(h->dir)) return -1;
@@ -87,7 +90,7 @@ static int h_init(harness *h) {
 }
 
 /* Starts the coordinator thread on loopback ports chosen by the system. */
-static int h_start(harness *h) {
+H_FN int h_start(harness *h) {
     fi_coord_opts o;
     char err[256];
     h_opts(h, &o, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*");
@@ -102,21 +105,21 @@ static int h_start(harness *h) {
     return pthread_create(&h->th, NULL, h_coord_main, h) ? -1 : 0;
 }
 
-static void h_halt(harness *h) {
+H_FN void h_halt(harness *h) {
     if (!h->c) return;
     atomic_store(&h->stop, 1);
     pthread_join(h->th, NULL);
     fi_coord_destroy(&h->c);
 }
 
-static void h_stop(harness *h) {
+H_FN void h_stop(harness *h) {
     h_halt(h);
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", h->dir);
     if (system(cmd) != 0) fprintf(stderr, "harness: could not remove %s\n", h->dir);
 }
 
-static void h_client_opts(const harness *h, fi_client_opts *o, const fi_keypair *kp,
+H_FN void h_client_opts(const harness *h, fi_client_opts *o, const fi_keypair *kp,
                           Fi__Role role) {
     fi_client_opts_default(o);
     snprintf(o->endpoint, sizeof o->endpoint, "%s", h->ep);
@@ -131,7 +134,7 @@ static void h_client_opts(const harness *h, fi_client_opts *o, const fi_keypair 
 }
 
 /* A connected client (waits for the coordinator's Hello); NULL on failure. */
-static fi_client *h_client(const harness *h, const fi_keypair *kp, Fi__Role role) {
+H_FN fi_client *h_client(const harness *h, const fi_keypair *kp, Fi__Role role) {
     fi_client_opts o;
     char err[256];
     h_client_opts(h, &o, kp, role);
@@ -156,7 +159,7 @@ typedef struct h_worker {
     int rc;                 /* fi_shard_serve's result */
 } h_worker;
 
-static void *h_worker_main(void *arg) {
+H_FN void *h_worker_main(void *arg) {
     h_worker *w = arg;
     fi_client_opts o;
     char err[256];
@@ -178,7 +181,7 @@ static void *h_worker_main(void *arg) {
 }
 
 /* Enrols a fresh key as a cluster and starts serving `model`. */
-static int h_worker_start(harness *h, h_worker *w, const char *model, int delay_ms) {
+H_FN int h_worker_start(harness *h, h_worker *w, const char *model, int delay_ms) {
     memset(w, 0, sizeof *w);
     w->h = h;
     w->delay_ms = delay_ms;
@@ -193,7 +196,7 @@ static int h_worker_start(harness *h, h_worker *w, const char *model, int delay_
     return atomic_load(&w->ready) ? 0 : -1;
 }
 
-static void h_worker_stop(h_worker *w) {
+H_FN void h_worker_stop(h_worker *w) {
     atomic_store(&w->stop, 1);
     pthread_join(w->th, NULL);
 }
@@ -204,7 +207,7 @@ typedef struct h_text {
     size_t len;     /* bytes in buf */
 } h_text;
 
-static int h_on_text(void *user, const char *t, size_t n) {
+H_FN int h_on_text(void *user, const char *t, size_t n) {
     h_text *x = user;
     if (x->len + n < sizeof x->buf) {
         memcpy(x->buf + x->len, t, n);
@@ -215,7 +218,7 @@ static int h_on_text(void *user, const char *t, size_t n) {
 }
 
 /* One inference through the fabric; 0 with the text in out. */
-static int h_infer(fi_client *c, const char *id, const char *model, const char *prompt,
+H_FN int h_infer(fi_client *c, const char *id, const char *model, const char *prompt,
                    h_text *out, fi_client_result *res) {
     Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
     rq.request_id = (char *)id;
