@@ -3,7 +3,8 @@
  *
  * protobuf-c's unpacker checks the structure (lengths, wire types, nested
  * sizes) and never reads past the buffer; what it leaves to us is the size
- * limit, the version and the body type.
+ * limit, fields the schema does not define, the version and the body
+ * type.
  */
 #include "fi_wire.h"
 
@@ -11,6 +12,33 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* 0 when m and every message inside it hold only fields the schema
+ * defines. protobuf-c keeps unknown fields (even the invalid field number
+ * 0) and would send them on; we speak one version of the schema exactly,
+ * so anything else is malformed. depth bounds the walk. */
+static int s_strict(const ProtobufCMessage *m, int depth) {
+    if (!m) return 0;
+    if (depth > 16 || m->n_unknown_fields) return -1;
+    const ProtobufCMessageDescriptor *d = m->descriptor;
+    const char *base = (const char *)m;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        if (f->type != PROTOBUF_C_TYPE_MESSAGE) continue;
+        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+            size_t n = *(const size_t *)(base + f->quantifier_offset);
+            ProtobufCMessage *const *arr = *(ProtobufCMessage *const *const *)(base + f->offset);
+            for (size_t k = 0; k < n; k++)
+                if (s_strict(arr[k], depth + 1)) return -1;
+            continue;
+        }
+        if ((f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) &&
+            *(const uint32_t *)(base + f->quantifier_offset) != f->id)
+            continue;
+        if (s_strict(*(ProtobufCMessage *const *)(base + f->offset), depth + 1)) return -1;
+    }
+    return 0;
+}
 
 fi_msg *fi_wire_decode(const void *buf, size_t len, size_t max, Fi__ErrorCode *code, char *err,
                        size_t errlen) {
@@ -38,6 +66,13 @@ fi_msg *fi_wire_decode(const void *buf, size_t len, size_t max, Fi__ErrorCode *c
         *code = FI__ERROR_CODE__ERR_UNKNOWN_TYPE;
         snprintf(err, errlen, "message has %s body type",
                  m->body_case == FI__ENVELOPE__BODY__NOT_SET ? "no known" : "an unknown");
+        fi__envelope__free_unpacked(m, NULL);
+        return NULL;
+    }
+    if (s_strict(&m->base, 0) != 0) {
+        *code = FI__ERROR_CODE__ERR_MALFORMED;
+        snprintf(err, errlen, "message holds fields protocol version %u does not define",
+                 FI_WIRE_VERSION);
         fi__envelope__free_unpacked(m, NULL);
         return NULL;
     }

@@ -125,10 +125,20 @@ static void test_refusals(void **state) {
     const uint8_t v0[] = {0x5a, 0x00};
     assert_null(fi_wire_decode(v0, sizeof v0, 0, &code, err, sizeof err));
     assert_int_equal(code, FI__ERROR_CODE__ERR_BAD_VERSION);
-    /* a body field this build does not know (99) */
+    /* a body field this build does not know (99): an unknown type, told
+     * apart from other unknown fields */
     const uint8_t unknown[] = {0x08, 0x01, 0x9a, 0x06, 0x00};
     assert_null(fi_wire_decode(unknown, sizeof unknown, 0, &code, err, sizeof err));
     assert_int_equal(code, FI__ERROR_CODE__ERR_UNKNOWN_TYPE);
+    /* field number 0 inside a body (found by the fuzzer: protobuf-c keeps
+     * it and would re-send it) */
+    const uint8_t field0[] = {0x08, 0x01, 0x82, 0x01, 0x02, 0x08, 0x01, 0x82, 0x00, 0x00, 0x10, 0x00};
+    assert_null(fi_wire_decode(field0, sizeof field0, 0, &code, err, sizeof err));
+    assert_int_equal(code, FI__ERROR_CODE__ERR_MALFORMED);
+    /* an unknown field inside a known body */
+    const uint8_t extra[] = {0x08, 0x01, 0x5a, 0x03, 0xf8, 0x01, 0x01};
+    assert_null(fi_wire_decode(extra, sizeof extra, 0, &code, err, sizeof err));
+    assert_int_equal(code, FI__ERROR_CODE__ERR_MALFORMED);
     /* no body at all */
     const uint8_t none[] = {0x08, 0x01};
     assert_null(fi_wire_decode(none, sizeof none, 0, &code, err, sizeof err));
