@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -284,11 +285,10 @@ static void s_cut_off(const s_peer *p) {
     socklen_t sl = sizeof ss;
     if (getpeername(p->fd, (struct sockaddr *)&ss, &sl) != 0) return;
     char host[S_ADDR_LEN] = "";
-    if (ss.ss_family == AF_INET) {
-        const uint8_t *a = (const uint8_t *)&((struct sockaddr_in *)&ss)->sin_addr;
-        snprintf(host, sizeof host, "%u.%u.%u.%u", a[0], a[1], a[2], a[3]);
-    }
-    if (host[0] && strcmp(host, p->addr)) return;
+    const void *a = ss.ss_family == AF_INET    ? (const void *)&((struct sockaddr_in *)&ss)->sin_addr
+                    : ss.ss_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)&ss)->sin6_addr
+                                               : NULL;
+    if (!a || !inet_ntop(ss.ss_family, a, host, sizeof host) || strcmp(host, p->addr)) return;
     shutdown(p->fd, SHUT_RDWR);
 }
 

@@ -339,11 +339,46 @@ static void test_worker_kill9_fails_requests(void **state) {
     fi_client_destroy(&edge);
 }
 
+/* A worker that stops answering (SIGSTOP: its TCP connection stays up but
+ * nothing comes from it, as with a half-open link) is dropped by the
+ * coordinator within a few heartbeats; resumed, it comes back. */
+static void test_worker_stalled_then_back(void **state) {
+    procs *p = *state;
+    char err[256];
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(&p->h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
+    assert_true((p->coord = s_start_coord(p)) > 0);
+    assert_true((p->worker = s_start_worker(p)) > 0);
+    fi_client_opts eo;
+    h_client_opts(&p->h, &eo, &ek, FI__ROLE__ROLE_EDGE);
+    fi_client *edge = fi_client_new(&eo, err, sizeof err);
+    assert_non_null(edge);
+    assert_true(s_until_served(edge, "warm", 5000) >= 0);
+    kill(p->worker, SIGSTOP);
+    /* Keep the edge alive while the coordinator notices. */
+    for (int i = 0; i < 10; i++) {
+        fi_msg *m = NULL;
+        (void)fi_client_recv(edge, 60, &m, err, sizeof err);
+        fi_wire_free(&m);
+    }
+    h_text t;
+    fi_client_result res;
+    assert_int_equal(h_infer(edge, "stalled", "smol", "x", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_NO_WORKER);
+    kill(p->worker, SIGCONT);
+    long back = s_until_served(edge, "resumed", 5000);
+    print_message("stalled worker: out of routing, back %ld ms after SIGCONT\n", back);
+    assert_true(back >= 0);
+    fi_client_destroy(&edge);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_coordinator_kill9_restart, setup, teardown),
         cmocka_unit_test_setup_teardown(test_worker_kill9_fails_requests, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_worker_stalled_then_back, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
