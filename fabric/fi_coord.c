@@ -335,15 +335,20 @@ static void s_on_hello(fi_coord *c, s_peer *p, const Fi__Hello *h) {
     (void)s_send_msg(c, c->router, p->rid, p->rid_len, &m);
 }
 
-static s_peer *s_pick_worker(fi_coord *c, const char *model) {
+/* The least-loaded live worker with room for a request of model; NULL
+ * when none, with *serving telling whether some live worker serves the
+ * model at all. */
+static s_peer *s_pick_worker(fi_coord *c, const char *model, int *serving) {
     s_peer *best = NULL;
+    *serving = 0;
     double best_load = 2.0;
     for (size_t i = 0; i < c->n_peers; i++) {
         s_peer *w = &c->peers[i];
         if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
         for (int k = 0; k < w->n_models; k++) {
-            if (strcmp(w->models[k].name, model) || w->in_flight >= w->models[k].capacity)
-                continue;
+            if (strcmp(w->models[k].name, model)) continue;
+            *serving = 1;
+            if (w->in_flight >= w->models[k].capacity) continue;
             double load = (double)w->in_flight / w->models[k].capacity;
             if (load < best_load) {
                 best_load = load;
@@ -367,12 +372,14 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
                      "too many requests in flight from this peer");
         return;
     }
-    s_peer *w = s_pick_worker(c, rq->model);
+    int serving = 0;
+    s_peer *w = s_pick_worker(c, rq->model, &serving);
     if (!w) {
         char msg[160];
-        snprintf(msg, sizeof msg, "no live worker with free capacity serves model '%.64s'",
-                 rq->model);
-        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_NO_WORKER, msg);
+        snprintf(msg, sizeof msg, serving ? "every worker serving model '%.64s' is at capacity"
+                                          : "no live worker serves model '%.64s'", rq->model);
+        s_send_error(c, c->router, e->rid, e->rid_len, rid,
+                     serving ? FI__ERROR_CODE__ERR_BUSY : FI__ERROR_CODE__ERR_NO_WORKER, msg);
         return;
     }
     if (c->o.policy) {

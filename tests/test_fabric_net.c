@@ -388,6 +388,45 @@ static void test_bad_messages_answered(void **state) {
     fi_client_destroy(&op);
 }
 
+static void test_capacity_and_cancel(void **state) {
+    harness *h = *state;
+    char err[256];
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s5", "r1"), 0);
+    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(edge);
+    h_worker w;
+    assert_int_equal(h_worker_start_cap(h, &w, "one", 50, 1), 0);
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)"first";
+    rq.model = (char *)"one";
+    rq.prompt = (char *)"a fairly long prompt to keep the only slot busy for a while";
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_INFER;
+    m.infer = &rq;
+    assert_int_equal(fi_client_send(edge, &m), 0);
+    /* The second finds the worker at capacity: busy, not "no worker". */
+    h_text t;
+    fi_client_result res;
+    assert_int_equal(h_infer(edge, "second", "one", "x", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_BUSY);
+    /* Cancel the first: the slot frees, and no more of its stream comes. */
+    Fi__Cancel cn = FI__CANCEL__INIT;
+    cn.request_id = (char *)"first";
+    m.body_case = FI__ENVELOPE__BODY_CANCEL;
+    m.cancel = &cn;
+    assert_int_equal(fi_client_send(edge, &m), 0);
+    h_sleep_ms(150);
+    fi_msg *r = NULL;
+    while (fi_client_recv(edge, 100, &r, err, sizeof err) == 1) fi_wire_free(&r);
+    assert_int_equal(h_infer(edge, "third", "one", "ok", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_UNSPECIFIED);
+    assert_string_equal(t.buf, "echo: ok");
+    h_worker_stop(&w);
+    fi_client_destroy(&edge);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_every_message_type, setup, teardown),
@@ -395,6 +434,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_revoked_key_cut_off, setup, teardown),
         cmocka_unit_test_setup_teardown(test_revoked_client_told, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -180,10 +180,13 @@ H_FN void *h_worker_main(void *arg) {
     return NULL;
 }
 
-/* Enrols a fresh key as a cluster and starts serving `model`. */
-H_FN int h_worker_start(harness *h, h_worker *w, const char *model, int delay_ms) {
+/* Enrols a fresh key as a cluster and starts serving `model` with the
+ * given capacity (0: 4). */
+H_FN int h_worker_start_cap(harness *h, h_worker *w, const char *model, int delay_ms,
+                            int capacity) {
     memset(w, 0, sizeof *w);
     w->h = h;
+    w->capacity = capacity;
     w->delay_ms = delay_ms;
     snprintf(w->model, sizeof w->model, "%s", model);
     if (fi_keys_generate(&w->kp) ||
@@ -194,6 +197,10 @@ H_FN int h_worker_start(harness *h, h_worker *w, const char *model, int delay_ms
     /* The coordinator routes to it once its Hello is processed, which the
      * answer proves. */
     return atomic_load(&w->ready) ? 0 : -1;
+}
+
+H_FN int h_worker_start(harness *h, h_worker *w, const char *model, int delay_ms) {
+    return h_worker_start_cap(h, w, model, delay_ms, 0);
 }
 
 H_FN void h_worker_stop(h_worker *w) {
