@@ -58,6 +58,9 @@ struct fi_coord {
     void *zap;                     /* ZAP handler (REP, inproc) */
     void *router;                  /* fabric endpoint */
     void *enrol;                   /* enrolment endpoint */
+    void *mon[2];                  /* PAIRs receiving each endpoint's failed handshakes */
+    uint64_t failed_handshakes;    /* since the last log line */
+    uint64_t failed_total;         /* since start */
     char ep[2][FI_CONF_STR_MAX];   /* bound endpoints */
     s_peer *peers;                 /* connected peers */
     size_t n_peers, cap_peers;     /* used / allocated */
@@ -823,8 +826,37 @@ static int s_drain(fi_coord *c, void *sock) {
     return 0;
 }
 
+/* Counts handshakes that failed before ZAP (garbage, timeouts, another
+ * mechanism); they are logged as one line per heartbeat interval, so that
+ * a flood of junk connections cannot flood the log. */
+static void s_monitor(fi_coord *c, void *mon) {
+    for (;;) {
+        zmq_msg_t ev;
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&ev);
+            return;
+        }
+        int more = zmq_msg_more(&ev);
+        zmq_msg_close(&ev);
+        while (more) {
+            zmq_msg_init(&ev);
+            more = zmq_msg_recv(&ev, mon, 0) >= 0 && zmq_msg_more(&ev);
+            zmq_msg_close(&ev);
+        }
+        c->failed_handshakes++;
+        c->failed_total++;
+    }
+}
+
 static void s_tick(fi_coord *c) {
     uint64_t now = fi_wire_now_ms();
+    if (c->failed_handshakes) {
+        s_log("dropped %llu connection(s) that failed the handshake (not ZMTP, timed out or "
+              "not CURVE); %llu since start",
+              (unsigned long long)c->failed_handshakes, (unsigned long long)c->failed_total);
+        c->failed_handshakes = 0;
+    }
     uint64_t dead_after = (uint64_t)c->o.heartbeat_ms * (uint64_t)c->o.liveness;
     for (size_t i = 0; i < c->n_peers;) {
         s_peer *p = &c->peers[i];
@@ -878,6 +910,16 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
     if (fi_sock_server(c->router, &c->kp, FI_ZAP_DOMAIN_FABRIC, &so, err, errlen) != 0 ||
         fi_sock_server(c->enrol, &c->kp, FI_ZAP_DOMAIN_ENROL, &so, err, errlen) != 0)
         goto fail;
+    for (int i = 0; i < 2; i++) {
+        const char *ep = i ? "inproc://fi-coord-monitor-enrol" : "inproc://fi-coord-monitor";
+        if (zmq_socket_monitor(i ? c->enrol : c->router, ep,
+                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                                   ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0 ||
+            !(c->mon[i] = zmq_socket(c->ctx, ZMQ_PAIR)) || zmq_connect(c->mon[i], ep) != 0) {
+            snprintf(err, errlen, "socket monitor: %s", zmq_strerror(zmq_errno()));
+            goto fail;
+        }
+    }
     zmq_setsockopt(c->router, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
     zmq_setsockopt(c->enrol, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
     if (zmq_bind(c->router, o->bind) != 0 || zmq_bind(c->enrol, o->enrol_bind) != 0) {
@@ -902,6 +944,8 @@ void fi_coord_destroy(fi_coord **cp) {
     if (c->router) zmq_close(c->router);
     if (c->enrol) zmq_close(c->enrol);
     if (c->zap) zmq_close(c->zap);
+    for (int i = 0; i < 2; i++)
+        if (c->mon[i]) zmq_close(c->mon[i]);
     if (c->ctx) zmq_ctx_term(c->ctx);
     fi_store_destroy(&c->st);
     free(c->peers);
@@ -919,13 +963,15 @@ int fi_coord_run(fi_coord *c, atomic_int *stop) {
     s_log("serving on %s (enrolment on %s), heartbeat %d ms x %d", c->ep[0], c->ep[1],
           c->o.heartbeat_ms, c->o.liveness);
     while (!atomic_load(stop)) {
-        zmq_pollitem_t items[3] = {{c->zap, 0, ZMQ_POLLIN, 0},
+        zmq_pollitem_t items[5] = {{c->zap, 0, ZMQ_POLLIN, 0},
                                    {c->router, 0, ZMQ_POLLIN, 0},
-                                   {c->enrol, 0, ZMQ_POLLIN, 0}};
+                                   {c->enrol, 0, ZMQ_POLLIN, 0},
+                                   {c->mon[0], 0, ZMQ_POLLIN, 0},
+                                   {c->mon[1], 0, ZMQ_POLLIN, 0}};
         uint64_t now = fi_wire_now_ms();
         long timeout = c->next_beat_ms > now ? (long)(c->next_beat_ms - now) : 0;
         if (timeout > 100) timeout = 100; /* so that *stop is seen soon */
-        if (zmq_poll(items, 3, timeout) < 0) {
+        if (zmq_poll(items, 5, timeout) < 0) {
             if (zmq_errno() == EINTR) continue;
             s_log("zmq_poll: %s", zmq_strerror(zmq_errno()));
             return -1;
@@ -934,6 +980,8 @@ int fi_coord_run(fi_coord *c, atomic_int *stop) {
             s_log("ZAP handler: %s", zmq_strerror(zmq_errno()));
         if ((items[1].revents & ZMQ_POLLIN) && s_drain(c, c->router) < 0) return -1;
         if ((items[2].revents & ZMQ_POLLIN) && s_drain(c, c->enrol) < 0) return -1;
+        if (items[3].revents & ZMQ_POLLIN) s_monitor(c, c->mon[0]);
+        if (items[4].revents & ZMQ_POLLIN) s_monitor(c, c->mon[1]);
         if (fi_wire_now_ms() >= c->next_beat_ms) s_tick(c);
     }
     return 0;
