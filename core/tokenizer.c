@@ -601,7 +601,8 @@ int fi_tok_piece(const fi_tok *t, int32_t id, char *buf, size_t cap) {
     if (id < 0 || id >= t->n_vocab)
         return -1;
     size_t n = t->piece_off[id + 1] - t->piece_off[id];
-    memcpy(buf, t->piece + t->piece_off[id], n < cap ? n : cap);
+    if (cap > 0)
+        memcpy(buf, t->piece + t->piece_off[id], n < cap ? n : cap);
     return (int)n;
 }
 
