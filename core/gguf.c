@@ -262,7 +262,7 @@ static int s_array_body(s_rd *r, uint32_t et, uint64_t count, fi_str *strs, int 
     if (esz) {
         if (count > s_left(r) / esz) {
             s_fail(r, at,
-                   "array of %" PRIu64 " x %s needs more than the %" PRIu64
+                   "array of %" PRIu64 " x %s exceeds the %" PRIu64
                    " bytes left in the file (%" PRIu64 " bytes)",
                    count, fi_gguf_type_name((fi_gguf_type)et), s_left(r), r->size);
             return -1;
@@ -564,10 +564,12 @@ static int s_tensor_info(s_rd *r, fi_gguf *g, int64_t i)
             return -1;
         }
     }
-    row_bytes = (uint64_t)t->ne[0] / dt->block_elems * dt->block_bytes;
-    if (s_mul_u64(row_bytes, rows, &t->n_bytes) < 0 || t->n_bytes > (uint64_t)INT64_MAX) {
-        s_fail(r, dims_at, "data size %" PRIu64 " bytes per row x %" PRIu64 " rows overflows",
-               row_bytes, rows);
+    if (s_mul_u64((uint64_t)t->ne[0] / dt->block_elems, dt->block_bytes, &row_bytes) < 0 ||
+        s_mul_u64(row_bytes, rows, &t->n_bytes) < 0 || t->n_bytes > (uint64_t)INT64_MAX) {
+        s_fail(r, dims_at,
+               "data size of %" PRId64 " x %" PRId64 " x %" PRId64 " x %" PRId64
+               " %s elements overflows",
+               t->ne[0], t->ne[1], t->ne[2], t->ne[3], dt->name);
         return -1;
     }
     if (t->offset % g->alignment) {
@@ -1090,24 +1092,58 @@ static void s_put(s_buf *b, const char *fmt, ...)
     b->n += (size_t)k < b->cap - b->n ? (size_t)k : b->cap - b->n - 1;
 }
 
-/* A string, quoted and escaped, at most 60 bytes of it. */
+/* Length of the valid UTF-8 sequence at p (n bytes available), or 0. */
+static int s_utf8_len(const unsigned char *p, uint64_t n)
+{
+    int k;
+    unsigned lo = 0x80, hi = 0xbf;
+    if (p[0] < 0x80)
+        return 1;
+    if (p[0] >= 0xc2 && p[0] <= 0xdf)
+        k = 2;
+    else if (p[0] >= 0xe0 && p[0] <= 0xef)
+        k = 3, lo = p[0] == 0xe0 ? 0xa0 : 0x80, hi = p[0] == 0xed ? 0x9f : 0xbf;
+    else if (p[0] >= 0xf0 && p[0] <= 0xf4)
+        k = 4, lo = p[0] == 0xf0 ? 0x90 : 0x80, hi = p[0] == 0xf4 ? 0x8f : 0xbf;
+    else
+        return 0;
+    if ((uint64_t)k > n || p[1] < lo || p[1] > hi)
+        return 0;
+    for (int i = 2; i < k; i++)
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+    return k;
+}
+
+/* A string, quoted, with controls, quotes and invalid UTF-8 escaped; at
+ * most about 60 bytes of it. */
 static void s_put_str(s_buf *b, const char *p, uint64_t len)
 {
+    const unsigned char *u = (const unsigned char *)p;
+    uint64_t i = 0;
     s_put(b, "\"");
-    for (uint64_t i = 0; i < len && i < 60; i++) {
-        unsigned char c = (unsigned char)p[i];
+    while (i < len && i < 60) {
+        unsigned char c = u[i];
+        int k = s_utf8_len(u + i, len - i);
         if (c == '"' || c == '\\')
             s_put(b, "\\%c", c);
         else if (c == '\n')
             s_put(b, "\\n");
         else if (c == '\t')
             s_put(b, "\\t");
-        else if (c < 0x20 || c == 0x7f)
+        else if (c < 0x20 || c == 0x7f || k == 0)
             s_put(b, "\\x%02x", c);
-        else
-            s_put(b, "%c", c);
+        else {
+            s_put(b, "%.*s", k, p + i);
+            i += (uint64_t)k;
+            continue;
+        }
+        i++;
     }
-    s_put(b, len > 60 ? "\"...(%" PRIu64 " bytes)" : "\"", len);
+    if (i < len)
+        s_put(b, "\"...(%" PRIu64 " bytes)", len);
+    else
+        s_put(b, "\"");
 }
 
 static void s_put_scalar(s_buf *b, fi_gguf_type t, const uint8_t *p)
