@@ -22,6 +22,7 @@
 
 #include "fi_gguf.h"
 #include "fi_tokenizer.h"
+#include "gguf_writer.h"
 
 typedef struct fixture {
     fi_gguf *g;  /* the model file */
@@ -456,56 +457,6 @@ static void test_speed(void **state) {
 
 /* --- bad metadata ------------------------------------------------------- */
 
-/* A GGUF v3 file with metadata only, built in memory. */
-typedef struct gbuf {
-    unsigned char *p; /* bytes */
-    size_t n;         /* used */
-    size_t cap;       /* allocated */
-    uint64_t n_kv;    /* kvs written */
-} gbuf;
-
-static void g_put(gbuf *b, const void *x, size_t k) {
-    if (b->n + k > b->cap) {
-        b->cap = (b->n + k) * 2 + 64;
-        b->p = realloc(b->p, b->cap);
-        assert_non_null(b->p);
-    }
-    memcpy(b->p + b->n, x, k);
-    b->n += k;
-}
-static void g_u32(gbuf *b, uint32_t v) { g_put(b, &v, 4); }
-static void g_u64(gbuf *b, uint64_t v) { g_put(b, &v, 8); }
-static void g_str(gbuf *b, const char *s) {
-    g_u64(b, strlen(s));
-    g_put(b, s, strlen(s));
-}
-static void g_key(gbuf *b, const char *key, uint32_t type) {
-    g_str(b, key);
-    g_u32(b, type);
-    b->n_kv++;
-}
-static void g_kv_str(gbuf *b, const char *key, const char *s) {
-    g_key(b, key, FI_GGUF_STRING);
-    g_str(b, s);
-}
-static void g_kv_u32(gbuf *b, const char *key, uint32_t v) {
-    g_key(b, key, FI_GGUF_UINT32);
-    g_u32(b, v);
-}
-static void g_kv_strs(gbuf *b, const char *key, char **s, size_t n) {
-    g_key(b, key, FI_GGUF_ARRAY);
-    g_u32(b, FI_GGUF_STRING);
-    g_u64(b, n);
-    for (size_t i = 0; i < n; i++)
-        g_str(b, s[i]);
-}
-static void g_kv_i32s(gbuf *b, const char *key, const int32_t *v, size_t n) {
-    g_key(b, key, FI_GGUF_ARRAY);
-    g_u32(b, FI_GGUF_INT32);
-    g_u64(b, n);
-    g_put(b, v, 4 * n);
-}
-
 /* What to break in the synthetic tokenizer. */
 typedef struct spec {
     const char *model;        /* tokenizer.ggml.model */
@@ -525,38 +476,20 @@ static void s_spec_default(spec *s) {
                         "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"};
 }
 
-/* Byte-level symbol of byte b as UTF-8 (GPT-2's bytes_to_unicode). */
-static void s_byte_sym(int b, char *o) {
-    int cp = b, k = 0;
-    if (!((b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae)) {
-        cp = 256;
-        for (int i = 0; i < b; i++)
-            if (!((i >= 0x21 && i <= 0x7e) || (i >= 0xa1 && i <= 0xac) || i >= 0xae))
-                cp++;
-    }
-    if (cp < 0x80) {
-        o[k++] = (char)cp;
-    } else {
-        o[k++] = (char)(0xc0 | (cp >> 6));
-        o[k++] = (char)(0x80 | (cp & 0x3f));
-    }
-    o[k] = 0;
-}
-
-/* Builds the file; vocabulary: 3 control tokens, 256 bytes, then "Ġt",
- * "he", "Ġthe", "12". */
+/* Builds the file with the test support writer; vocabulary: 3 control
+ * tokens, 256 bytes, then "Ġt", "he", "Ġthe", "12". */
 static unsigned char *s_build(const spec *sp, size_t *len) {
-    char *toks[3 + 256 + 4];
+    const char *toks[3 + 256 + 4];
     int32_t types[3 + 256 + 4];
     size_t nt = 0;
-    static char syms[256][4];
+    char syms[256][4];
     const char *ctl[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
     for (int i = 0; i < 3; i++) {
         types[nt] = 3;
-        toks[nt++] = (char *)ctl[i];
+        toks[nt++] = ctl[i];
     }
     for (int b = 0; b < 256; b++) {
-        s_byte_sym(b, syms[b]);
+        syms[b][fi_gw_byte_symbol((uint8_t)b, syms[b])] = 0;
         if (b == sp->drop_byte)
             continue;
         types[nt] = 1;
@@ -565,37 +498,34 @@ static unsigned char *s_build(const spec *sp, size_t *len) {
     const char *merged[] = {"Ġt", "he", "Ġthe", "12"};
     for (int i = 0; i < 4; i++) {
         types[nt] = 1;
-        toks[nt++] = (char *)merged[i];
+        toks[nt++] = merged[i];
     }
     if (sp->bad_type_at >= 0)
         types[sp->bad_type_at] = 9;
-    char *merges[5] = {"Ġ t", "h e", "Ġt he", "1 2", NULL};
+    const char *merges[5] = {"Ġ t", "h e", "Ġt he", "1 2", NULL};
     size_t nm = 4;
     if (sp->extra_merge)
-        merges[nm++] = (char *)sp->extra_merge;
+        merges[nm++] = sp->extra_merge;
 
-    gbuf b = {0};
-    g_u32(&b, 0x46554747); /* "GGUF" */
-    g_u32(&b, 3);
-    g_u64(&b, 0);
-    g_u64(&b, 0); /* n_kv, patched below */
-    g_kv_str(&b, "general.architecture", "llama");
-    g_kv_str(&b, "tokenizer.ggml.model", sp->model);
+    fi_gw *w = fi_gw_new();
+    assert_non_null(w);
+    fi_gw_add_str(w, "general.architecture", "llama");
+    fi_gw_add_str(w, "tokenizer.ggml.model", sp->model);
     if (sp->pre)
-        g_kv_str(&b, "tokenizer.ggml.pre", sp->pre);
-    g_kv_strs(&b, "tokenizer.ggml.tokens", toks, nt);
-    g_kv_i32s(&b, "tokenizer.ggml.token_type", types, nt - (sp->types_short ? 1 : 0));
+        fi_gw_add_str(w, "tokenizer.ggml.pre", sp->pre);
+    fi_gw_add_str_array(w, "tokenizer.ggml.tokens", toks, nt);
+    fi_gw_add_array(w, "tokenizer.ggml.token_type", FI_GGUF_INT32, types,
+                    nt - (sp->types_short ? 1 : 0));
     if (!sp->no_merges)
-        g_kv_strs(&b, "tokenizer.ggml.merges", merges, nm);
-    g_kv_u32(&b, "tokenizer.ggml.bos_token_id", sp->bos);
-    g_kv_u32(&b, "tokenizer.ggml.eos_token_id", 2);
+        fi_gw_add_str_array(w, "tokenizer.ggml.merges", merges, nm);
+    fi_gw_add_u32(w, "tokenizer.ggml.bos_token_id", sp->bos);
+    fi_gw_add_u32(w, "tokenizer.ggml.eos_token_id", 2);
     if (sp->tmpl)
-        g_kv_str(&b, "tokenizer.chat_template", sp->tmpl);
-    memcpy(b.p + 16, &b.n_kv, 8);
-    while (b.n % 32)
-        g_put(&b, "", 1);
-    *len = b.n;
-    return b.p;
+        fi_gw_add_str(w, "tokenizer.chat_template", sp->tmpl);
+    unsigned char *buf = fi_gw_serialize(w, len, NULL);
+    assert_non_null(buf);
+    fi_gw_destroy(&w);
+    return buf;
 }
 
 /* Loads the synthetic file; returns the tokenizer or NULL with err. */
@@ -725,6 +655,53 @@ static void test_bad_metadata(void **state) {
     s_expect_error(&sp, "tokenizer.ggml.bos_token_id", "263");
 }
 
+/* The tokenizer of the support library's tiny model, which engine tests
+ * use: its documented facts must hold. */
+static void test_tiny_llama(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.n_vocab = FI_GW_TINY_MIN_VOCAB + 5;
+    fi_gw *w = fi_gw_tiny_llama(&o);
+    assert_non_null(w);
+    size_t len;
+    uint8_t *buf = fi_gw_serialize(w, &len, NULL);
+    assert_non_null(buf);
+    char err[256];
+    fi_gguf *g = fi_gguf_open_memory(buf, len, "tiny.gguf", err, sizeof err);
+    if (!g)
+        fail_msg("%s", err);
+    fi_tok *t = fi_tok_new(g, err, sizeof err);
+    if (!t)
+        fail_msg("fi_tok_new: %s", err);
+    assert_int_equal(fi_tok_n_vocab(t), FI_GW_TINY_MIN_VOCAB + 5);
+    assert_int_equal(fi_tok_bos(t), FI_GW_TOK_IM_START);
+    assert_int_equal(fi_tok_eos(t), FI_GW_TOK_IM_END);
+    assert_true(fi_tok_is_eog(t, FI_GW_TOK_IM_END));
+    assert_true(fi_tok_is_eog(t, FI_GW_TOK_ENDOFTEXT));
+    assert_false(fi_tok_is_eog(t, FI_GW_TOK_IM_START));
+    assert_true(fi_tok_is_special(t, FI_GW_TINY_MIN_VOCAB)); /* <|reserved_0|> */
+    int32_t ids[8];
+    assert_int_equal(fi_tok_encode(t, "Hello world", 11, 0, ids, 8), 2);
+    assert_int_equal(ids[0], fi_tok_find(t, "Hello"));
+    assert_int_equal(ids[1], fi_tok_find(t, "Ġworld"));
+    assert_int_equal(fi_tok_encode(t, "\x00", 1, 0, ids, 8), 1);
+    assert_int_equal(ids[0], FI_GW_TOK_BYTE0);
+    char *c = fi_tok_chat(t, (fi_chat_msg[]){{"user", "hi"}}, 1, 1, err, sizeof err);
+    assert_non_null(c);
+    assert_string_equal(c, "<|im_start|>system\n" FI_GW_TINY_SYSTEM "<|im_end|>\n"
+                           "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    /* every byte has a token here: exact round trips */
+    s_assert_roundtrip(t, c, strlen(c), 1);
+    s_assert_roundtrip(t, "\xff\xfe\x00\x80 \xc0\xaf", 7, 0);
+    assert_true(fi_tok_can_encode(t, "\xff\x04", 2));
+    free(c);
+    fi_tok_destroy(&t);
+    fi_gguf_close(&g);
+    free(buf);
+    fi_gw_destroy(&w);
+}
+
 /* A byte without a token is dropped; its neighbours in a word still merge. */
 static void test_missing_byte(void **state) {
     (void)state;
@@ -758,7 +735,7 @@ int main(void) {
         cmocka_unit_test(test_eog),         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_buffers),     cmocka_unit_test(test_speed),
         cmocka_unit_test(test_synthetic),   cmocka_unit_test(test_bad_metadata),
-        cmocka_unit_test(test_missing_byte),
+        cmocka_unit_test(test_missing_byte), cmocka_unit_test(test_tiny_llama),
     };
     return cmocka_run_group_tests(tests, s_setup, s_teardown);
 }
