@@ -34,7 +34,7 @@ N_GEN = 32           # greedy tokens per prompt
 N_TOP = 8            # best ids stored per position (the test checks 5)
 N_SUBSET = 256       # fixed vocab subset for cosine estimates
 PROMPT_POS = 4       # first prompt positions with logit records
-GEN_STEPS = (1, 4, 16, 31)   # generation steps with logit records
+GEN_STEPS = (0, 1, 4, 16, 31)   # generation steps with logit records (0: last prompt pos)
 SUBSET_SEED = 0x5EED2026
 FULL_PROMPT = "completion"   # prompt whose last position gets a full row
 
