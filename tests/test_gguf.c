@@ -1080,6 +1080,117 @@ static void test_mutations(void **state)
     fi_gw_destroy(&w);
 }
 
+/* --- allocation failures ------------------------------------------------------
+ * Where the linker supports it (tests/gguf.cmake), test_gguf is linked with
+ * --wrap for malloc, calloc, realloc and free: while counting is on, the
+ * wrappers count live blocks and fail the nth allocation, so that every
+ * allocation in fi_gguf_open is made to fail in turn and every error path
+ * is checked for a clear message and for leaks (also without ASan). */
+#ifdef FI_TEST_WRAP_ALLOC
+void *__real_malloc(size_t n);
+void *__real_calloc(size_t k, size_t n);
+void *__real_realloc(void *p, size_t n);
+void __real_free(void *p);
+void *__wrap_malloc(size_t n);
+void *__wrap_calloc(size_t k, size_t n);
+void *__wrap_realloc(void *p, size_t n);
+void __wrap_free(void *p);
+
+static int s_alloc_on;       /* 1: count and inject */
+static long s_alloc_n;       /* allocations since counting began */
+static long s_alloc_fail_at; /* the allocation that fails (1-based); 0: none */
+static long s_alloc_live;    /* blocks allocated minus blocks freed while counting */
+
+static int s_alloc_fails(void)
+{
+    return s_alloc_on && ++s_alloc_n == s_alloc_fail_at;
+}
+
+void *__wrap_malloc(size_t n)
+{
+    if (s_alloc_fails())
+        return NULL;
+    void *p = __real_malloc(n);
+    s_alloc_live += p && s_alloc_on;
+    return p;
+}
+
+void *__wrap_calloc(size_t k, size_t n)
+{
+    if (s_alloc_fails())
+        return NULL;
+    void *p = __real_calloc(k, n);
+    s_alloc_live += p && s_alloc_on;
+    return p;
+}
+
+void *__wrap_realloc(void *p, size_t n)
+{
+    if (s_alloc_fails())
+        return NULL;
+    void *q = __real_realloc(p, n);
+    s_alloc_live += q && !p && s_alloc_on;
+    return q;
+}
+
+void __wrap_free(void *p)
+{
+    s_alloc_live -= p && s_alloc_on;
+    __real_free(p);
+}
+
+/* Opens buf with allocation 1, 2, ... failing until an open succeeds;
+ * returns the number of allocations a successful open makes. */
+static long s_oom_loop(const uint8_t *buf, size_t len, const char *path)
+{
+    char err[ERRLEN];
+    for (long n = 1;; n++) {
+        s_alloc_on = 1;
+        s_alloc_n = 0;
+        s_alloc_fail_at = n;
+        s_alloc_live = 0;
+        fi_gguf *g = path ? fi_gguf_open(path, err, sizeof err)
+                          : fi_gguf_open_memory(buf, len, "test.gguf", err, sizeof err);
+        long made = s_alloc_n, live = s_alloc_live;
+        fi_gguf_close(&g);
+        long after_close = s_alloc_live;
+        s_alloc_on = 0;
+        if (made < n) { /* nothing failed: the open must have worked */
+            assert_int_equal(live > 0, 1);
+            assert_int_equal(after_close, 0);
+            return made;
+        }
+        assert_int_equal(live, 0); /* a failed open frees everything */
+        if (!strstr(err, "out of memory"))
+            fail_msg("allocation %ld failed, message: %s", n, err);
+    }
+}
+
+static void test_alloc_failures(void **state)
+{
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_gw *w = fi_gw_tiny_llama(&o);
+    size_t len;
+    uint8_t *buf = fi_gw_serialize(w, &len, NULL);
+    assert_non_null(buf);
+    long n = s_oom_loop(buf, len, NULL);
+    print_message("tiny llama: %ld allocations per open, each failed in turn\n", n);
+    assert_true(n >= 5);
+    free(buf);
+    fi_gw_destroy(&w);
+    if (access(FI_TEST_MODEL, R_OK) == 0) {
+        n = s_oom_loop(NULL, 0, FI_TEST_MODEL);
+        print_message("model: %ld allocations per open, each failed in turn\n", n);
+    }
+}
+#else
+static void test_alloc_failures(void **state)
+{
+    skip(); /* the linker cannot wrap malloc here */
+}
+#endif
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1098,6 +1209,7 @@ int main(void)
         cmocka_unit_test(test_bad_alignment),
         cmocka_unit_test(test_bad_tensor),
         cmocka_unit_test(test_mutations),
+        cmocka_unit_test(test_alloc_failures),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
