@@ -992,6 +992,20 @@ static int s_int_at(const uint8_t *p, fi_gguf_type t, int *neg, int64_t *sv, uin
     return 0;
 }
 
+int fi_gguf_arr_i64(const fi_gguf_kv *kv, uint64_t i, int64_t *out)
+{
+    int neg;
+    int64_t sv;
+    uint64_t uv;
+    if (!kv || kv->type != FI_GGUF_ARRAY || i >= kv->arr_len || !s_scalar_size(kv->arr_type))
+        return -1;
+    const uint8_t *p = (const uint8_t *)kv->data + i * s_scalar_size(kv->arr_type);
+    if (s_int_at(p, kv->arr_type, &neg, &sv, &uv) < 0 || (!neg && uv > (uint64_t)INT64_MAX))
+        return -1;
+    *out = neg ? sv : (int64_t)uv;
+    return 0;
+}
+
 int fi_gguf_get_u32(const fi_gguf *g, const char *key, uint32_t *out)
 {
     const fi_gguf_kv *kv = fi_gguf_find(g, key);
@@ -1036,6 +1050,20 @@ static double s_f64_at(const uint8_t *p)
     double d;
     memcpy(&d, &u, sizeof d);
     return d;
+}
+
+int fi_gguf_arr_f32(const fi_gguf_kv *kv, uint64_t i, float *out)
+{
+    if (!kv || kv->type != FI_GGUF_ARRAY || i >= kv->arr_len)
+        return -1;
+    const uint8_t *p = kv->data;
+    if (kv->arr_type == FI_GGUF_FLOAT32)
+        *out = s_f32_at(p + 4 * i);
+    else if (kv->arr_type == FI_GGUF_FLOAT64)
+        *out = (float)s_f64_at(p + 8 * i);
+    else
+        return -1;
+    return 0;
 }
 
 int fi_gguf_get_f32(const fi_gguf *g, const char *key, float *out)

@@ -51,7 +51,8 @@ static void s_expect_fail(const uint8_t *buf, size_t len, ...)
         fi_gguf_close(&g);
         fail_msg("open succeeded on a malformed file");
     }
-    assert_true(strncmp(err, "test.gguf: ", 11) == 0);
+    if (strncmp(err, "test.gguf: ", 11) != 0 || !strstr(err, " (at byte offset "))
+        fail_msg("message lacks the file or the offset: %s", err);
     va_start(ap, len);
     for (const char *w = va_arg(ap, const char *); w; w = va_arg(ap, const char *))
         if (!strstr(err, w)) {
@@ -127,7 +128,7 @@ static int s_model_teardown(void **state)
 
 static void test_model_facts(void **state)
 {
-    fi_gguf *g = *state == NULL ? s_model : *state;
+    fi_gguf *g = s_model;
     if (!g)
         skip();
     assert_int_equal(fi_gguf_version(g), 3);
@@ -266,11 +267,12 @@ static void test_roundtrip_types(void **state)
     uint8_t nest2[] = {9, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
                        1, 0, 0, 0, 0, 0, 0, 0, 's'};
     fi_gw_add_raw(w, "t.nested_str", 12, FI_GGUF_ARRAY, nest2, sizeof nest2);
+    fi_gw_add_raw(w, "k\xff", 2, FI_GGUF_UINT8, nest2, 1);
 
     uint8_t *buf;
     size_t len;
     fi_gguf *g = s_open_writer(w, &buf, &len);
-    assert_int_equal(fi_gguf_n_kv(g), 22);
+    assert_int_equal(fi_gguf_n_kv(g), 23);
     assert_int_equal(fi_gguf_n_tensors(g), 0);
     uint32_t u;
     int64_t i;
@@ -338,6 +340,23 @@ static void test_roundtrip_types(void **state)
     assert_string_equal(out, "[3 x");
     fi_gguf_kv_format(fi_gguf_find(g, "t.arr_str"), out, 1);
     assert_string_equal(out, "");
+
+    /* Array elements, read through the unaligned-safe accessors. */
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.arr_i16"), 2, &i), 0);
+    assert_int_equal(i, -3);
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.arr_i16"), 3, &i), -1);
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.arr_bool"), 0, &i), -1);
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.arr_str"), 0, &i), -1);
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.u8"), 0, &i), -1);
+    assert_int_equal(fi_gguf_arr_f32(fi_gguf_find(g, "t.arr_f32"), 1, &f), 0);
+    assert_true(f == -2.0f);
+    assert_int_equal(fi_gguf_arr_f32(fi_gguf_find(g, "t.arr_f64"), 0, &f), 0);
+    assert_true(f == 3.0f);
+    assert_int_equal(fi_gguf_arr_f32(fi_gguf_find(g, "t.arr_f64"), 1, &f), -1);
+    assert_int_equal(fi_gguf_arr_f32(fi_gguf_find(g, "t.arr_i16"), 0, &f), -1);
+    assert_int_equal(fi_gguf_arr_i64(NULL, 0, &i), -1);
+    /* Keys may be any bytes but NUL. */
+    assert_non_null(fi_gguf_find(g, "k\xff"));
 
     const fi_gguf_kv *kv = fi_gguf_find(g, "t.arr_str");
     assert_int_equal(kv->arr_len, 3);
@@ -712,11 +731,11 @@ static void test_bad_header(void **state)
     s_expect_fail(buf, len, "bad magic '?\?\?\?'", NULL);
     memcpy(buf, "GGUF", 4);
     s_put32(buf + 4, 1);
-    s_expect_fail(buf, len, "GGUF version 1 is not supported", "byte offset 4 ", NULL);
+    s_expect_fail(buf, len, "header: GGUF version 1 is not supported", "byte offset 4 ", NULL);
     s_put32(buf + 4, 4);
-    s_expect_fail(buf, len, "unsupported GGUF version 4", NULL);
+    s_expect_fail(buf, len, "header: unsupported GGUF version 4", NULL);
     s_put32(buf + 4, 0x03000000);
-    s_expect_fail(buf, len, "big-endian", NULL);
+    s_expect_fail(buf, len, "header: big-endian", "version 3 byte-swapped", NULL);
     s_put32(buf + 4, 2); /* v2 has the same layout: accepted */
     fi_gguf *g = s_open_buf(buf, len, err);
     assert_non_null(g);
@@ -960,7 +979,7 @@ static void test_bad_tensor(void **state)
         w = s_small();
         fi_gw_add_tensor_raw(w, "c.weight", 8, 2, ne, FI_DTYPE_F32, offs[i].offset);
         fi_gw_set_tail(w, 2048);
-        EXPECT_FAIL_W(w, offs[i].words, NULL);
+        EXPECT_FAIL_W(w, "tensor 2 'c.weight'", offs[i].words, NULL);
     }
     /* Adjacent is fine: c right after b (b ends at 32 + 68 = 100, so 128). */
     w = s_small();
