@@ -106,6 +106,13 @@ FI_MUST_CHECK int fi_gguf_get_str(const fi_gguf *g, const char *key, fi_str *out
 /* The value of a STRING kv: 0, or -1 when kv is NULL or not a string. */
 FI_MUST_CHECK int fi_gguf_kv_str(const fi_gguf_kv *kv, fi_str *out);
 
+/* Element i of an array kv of any integer type, as int64 (a uint64 above
+ * INT64_MAX fails); for FLOAT32 or FLOAT64 arrays, fi_gguf_arr_f32. 0, or
+ * -1 when kv is NULL, not an array of such elements, or i >= arr_len.
+ * (Array data in the mapping is not aligned: use these, or memcpy.) */
+FI_MUST_CHECK int fi_gguf_arr_i64(const fi_gguf_kv *kv, uint64_t i, int64_t *out);
+FI_MUST_CHECK int fi_gguf_arr_f32(const fi_gguf_kv *kv, uint64_t i, float *out);
+
 /* Human-readable name of a metadata type ("uint32", "array"). */
 const char *fi_gguf_type_name(fi_gguf_type t);
 /* Writes a short rendering of a value (arrays abbreviated) into buf. */

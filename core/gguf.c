@@ -229,21 +229,30 @@ static int s_u64(s_rd *r, uint64_t *v, const char *what)
     return 0;
 }
 
-/* A gguf string: u64 length then bytes. `what` names it in messages. */
-static int s_str(s_rd *r, fi_str *s, const char *what)
+/* A gguf string: u64 length then bytes. `what` names it in messages, with
+ * " <idx> of the array" appended when idx is not UINT64_MAX. Messages are
+ * only formatted on failure: this runs once per vocabulary entry. */
+static int s_str(s_rd *r, fi_str *s, const char *what, uint64_t idx)
 {
-    uint64_t at = r->pos, len;
-    char lw[96];
-    snprintf(lw, sizeof lw, "length of %s", what);
-    if (s_u64(r, &len, lw) < 0)
-        return -1;
-    if (len > s_left(r)) {
+    uint64_t at = r->pos, len = 0;
+    char name[96];
+    if (s_left(r) < 8 || (len = s_le64(r->base + r->pos)) > s_left(r) - 8) {
+        if (idx == UINT64_MAX)
+            snprintf(name, sizeof name, "%s", what);
+        else
+            snprintf(name, sizeof name, "%s %" PRIu64 " of the array", what, idx);
+        if (s_left(r) < 8) {
+            char lw[128];
+            snprintf(lw, sizeof lw, "length of %s", name);
+            return s_need(r, 8, lw);
+        }
         s_fail(r, at,
                "%s length %" PRIu64 " exceeds the %" PRIu64 " bytes left in the file (%" PRIu64
                " bytes)",
-               what, len, s_left(r), r->size);
+               name, len, s_left(r) - 8, r->size);
         return -1;
     }
+    r->pos += 8;
     s->ptr = (const char *)r->base + r->pos;
     s->len = len;
     r->pos += len;
@@ -289,10 +298,8 @@ static int s_array_body(s_rd *r, uint32_t et, uint64_t count, fi_str *strs, int 
             return -1;
         }
         for (uint64_t i = 0; i < count; i++) {
-            char what[64];
             fi_str s;
-            snprintf(what, sizeof what, "string %" PRIu64 " of the array", i);
-            if (s_str(r, &s, what) < 0)
+            if (s_str(r, &s, "string", i) < 0)
                 return -1;
             if (strs)
                 strs[i] = s;
@@ -334,7 +341,7 @@ static int s_value(s_rd *r, fi_gguf_kv *kv)
     if (kv->type == FI_GGUF_STRING) {
         fi_str s;
         kv->data = r->base + r->pos; /* the gguf string: u64 length, bytes */
-        return s_str(r, &s, "string value");
+        return s_str(r, &s, "string value", UINT64_MAX);
     }
     if (kv->type != FI_GGUF_ARRAY) {
         uint64_t sz = s_scalar_size(kv->type);
@@ -490,7 +497,7 @@ static int s_tensor_info(s_rd *r, fi_gguf *g, int64_t i)
     fi_gguf_tensor *t = &g->tensors[i];
     uint64_t at = r->pos;
     s_where(r, "tensor", i, NULL);
-    if (s_str(r, &t->name, "tensor name") < 0)
+    if (s_str(r, &t->name, "tensor name", UINT64_MAX) < 0)
         return -1;
     if (t->name.len == 0) {
         s_fail(r, at, "empty tensor name");
@@ -701,7 +708,7 @@ static int s_parse_kvs(fi_gguf *g, s_rd *r, uint64_t n_kv)
         uint64_t at = r->pos;
         g->n_kv = (int64_t)i + 1;
         s_where(r, "kv", (int64_t)i, NULL);
-        if (s_str(r, &kv->key, "key") < 0)
+        if (s_str(r, &kv->key, "key", UINT64_MAX) < 0)
             return -1;
         if (kv->key.len == 0) {
             s_fail(r, at, "empty key");
@@ -992,6 +999,20 @@ static int s_int_at(const uint8_t *p, fi_gguf_type t, int *neg, int64_t *sv, uin
     return 0;
 }
 
+int fi_gguf_arr_i64(const fi_gguf_kv *kv, uint64_t i, int64_t *out)
+{
+    int neg;
+    int64_t sv;
+    uint64_t uv;
+    if (!kv || kv->type != FI_GGUF_ARRAY || i >= kv->arr_len || !s_scalar_size(kv->arr_type))
+        return -1;
+    const uint8_t *p = (const uint8_t *)kv->data + i * s_scalar_size(kv->arr_type);
+    if (s_int_at(p, kv->arr_type, &neg, &sv, &uv) < 0 || (!neg && uv > (uint64_t)INT64_MAX))
+        return -1;
+    *out = neg ? sv : (int64_t)uv;
+    return 0;
+}
+
 int fi_gguf_get_u32(const fi_gguf *g, const char *key, uint32_t *out)
 {
     const fi_gguf_kv *kv = fi_gguf_find(g, key);
@@ -1036,6 +1057,20 @@ static double s_f64_at(const uint8_t *p)
     double d;
     memcpy(&d, &u, sizeof d);
     return d;
+}
+
+int fi_gguf_arr_f32(const fi_gguf_kv *kv, uint64_t i, float *out)
+{
+    if (!kv || kv->type != FI_GGUF_ARRAY || i >= kv->arr_len)
+        return -1;
+    const uint8_t *p = kv->data;
+    if (kv->arr_type == FI_GGUF_FLOAT32)
+        *out = s_f32_at(p + 4 * i);
+    else if (kv->arr_type == FI_GGUF_FLOAT64)
+        *out = (float)s_f64_at(p + 8 * i);
+    else
+        return -1;
+    return 0;
 }
 
 int fi_gguf_get_f32(const fi_gguf *g, const char *key, float *out)

@@ -51,7 +51,8 @@ static void s_expect_fail(const uint8_t *buf, size_t len, ...)
         fi_gguf_close(&g);
         fail_msg("open succeeded on a malformed file");
     }
-    assert_true(strncmp(err, "test.gguf: ", 11) == 0);
+    if (strncmp(err, "test.gguf: ", 11) != 0 || !strstr(err, " (at byte offset "))
+        fail_msg("message lacks the file or the offset: %s", err);
     va_start(ap, len);
     for (const char *w = va_arg(ap, const char *); w; w = va_arg(ap, const char *))
         if (!strstr(err, w)) {
@@ -127,7 +128,7 @@ static int s_model_teardown(void **state)
 
 static void test_model_facts(void **state)
 {
-    fi_gguf *g = *state == NULL ? s_model : *state;
+    fi_gguf *g = s_model;
     if (!g)
         skip();
     assert_int_equal(fi_gguf_version(g), 3);
@@ -266,11 +267,12 @@ static void test_roundtrip_types(void **state)
     uint8_t nest2[] = {9, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
                        1, 0, 0, 0, 0, 0, 0, 0, 's'};
     fi_gw_add_raw(w, "t.nested_str", 12, FI_GGUF_ARRAY, nest2, sizeof nest2);
+    fi_gw_add_raw(w, "k\xff", 2, FI_GGUF_UINT8, nest2, 1);
 
     uint8_t *buf;
     size_t len;
     fi_gguf *g = s_open_writer(w, &buf, &len);
-    assert_int_equal(fi_gguf_n_kv(g), 22);
+    assert_int_equal(fi_gguf_n_kv(g), 23);
     assert_int_equal(fi_gguf_n_tensors(g), 0);
     uint32_t u;
     int64_t i;
@@ -338,6 +340,23 @@ static void test_roundtrip_types(void **state)
     assert_string_equal(out, "[3 x");
     fi_gguf_kv_format(fi_gguf_find(g, "t.arr_str"), out, 1);
     assert_string_equal(out, "");
+
+    /* Array elements, read through the unaligned-safe accessors. */
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.arr_i16"), 2, &i), 0);
+    assert_int_equal(i, -3);
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.arr_i16"), 3, &i), -1);
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.arr_bool"), 0, &i), -1);
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.arr_str"), 0, &i), -1);
+    assert_int_equal(fi_gguf_arr_i64(fi_gguf_find(g, "t.u8"), 0, &i), -1);
+    assert_int_equal(fi_gguf_arr_f32(fi_gguf_find(g, "t.arr_f32"), 1, &f), 0);
+    assert_true(f == -2.0f);
+    assert_int_equal(fi_gguf_arr_f32(fi_gguf_find(g, "t.arr_f64"), 0, &f), 0);
+    assert_true(f == 3.0f);
+    assert_int_equal(fi_gguf_arr_f32(fi_gguf_find(g, "t.arr_f64"), 1, &f), -1);
+    assert_int_equal(fi_gguf_arr_f32(fi_gguf_find(g, "t.arr_i16"), 0, &f), -1);
+    assert_int_equal(fi_gguf_arr_i64(NULL, 0, &i), -1);
+    /* Keys may be any bytes but NUL. */
+    assert_non_null(fi_gguf_find(g, "k\xff"));
 
     const fi_gguf_kv *kv = fi_gguf_find(g, "t.arr_str");
     assert_int_equal(kv->arr_len, 3);
@@ -712,11 +731,11 @@ static void test_bad_header(void **state)
     s_expect_fail(buf, len, "bad magic '?\?\?\?'", NULL);
     memcpy(buf, "GGUF", 4);
     s_put32(buf + 4, 1);
-    s_expect_fail(buf, len, "GGUF version 1 is not supported", "byte offset 4 ", NULL);
+    s_expect_fail(buf, len, "header: GGUF version 1 is not supported", "byte offset 4 ", NULL);
     s_put32(buf + 4, 4);
-    s_expect_fail(buf, len, "unsupported GGUF version 4", NULL);
+    s_expect_fail(buf, len, "header: unsupported GGUF version 4", NULL);
     s_put32(buf + 4, 0x03000000);
-    s_expect_fail(buf, len, "big-endian", NULL);
+    s_expect_fail(buf, len, "header: big-endian", "version 3 byte-swapped", NULL);
     s_put32(buf + 4, 2); /* v2 has the same layout: accepted */
     fi_gguf *g = s_open_buf(buf, len, err);
     assert_non_null(g);
@@ -960,7 +979,7 @@ static void test_bad_tensor(void **state)
         w = s_small();
         fi_gw_add_tensor_raw(w, "c.weight", 8, 2, ne, FI_DTYPE_F32, offs[i].offset);
         fi_gw_set_tail(w, 2048);
-        EXPECT_FAIL_W(w, offs[i].words, NULL);
+        EXPECT_FAIL_W(w, "tensor 2 'c.weight'", offs[i].words, NULL);
     }
     /* Adjacent is fine: c right after b (b ends at 32 + 68 = 100, so 128). */
     w = s_small();
@@ -1080,6 +1099,117 @@ static void test_mutations(void **state)
     fi_gw_destroy(&w);
 }
 
+/* --- allocation failures ------------------------------------------------------
+ * Where the linker supports it (tests/gguf.cmake), test_gguf is linked with
+ * --wrap for malloc, calloc, realloc and free: while counting is on, the
+ * wrappers count live blocks and fail the nth allocation, so that every
+ * allocation in fi_gguf_open is made to fail in turn and every error path
+ * is checked for a clear message and for leaks (also without ASan). */
+#ifdef FI_TEST_WRAP_ALLOC
+void *__real_malloc(size_t n);
+void *__real_calloc(size_t k, size_t n);
+void *__real_realloc(void *p, size_t n);
+void __real_free(void *p);
+void *__wrap_malloc(size_t n);
+void *__wrap_calloc(size_t k, size_t n);
+void *__wrap_realloc(void *p, size_t n);
+void __wrap_free(void *p);
+
+static int s_alloc_on;       /* 1: count and inject */
+static long s_alloc_n;       /* allocations since counting began */
+static long s_alloc_fail_at; /* the allocation that fails (1-based); 0: none */
+static long s_alloc_live;    /* blocks allocated minus blocks freed while counting */
+
+static int s_alloc_fails(void)
+{
+    return s_alloc_on && ++s_alloc_n == s_alloc_fail_at;
+}
+
+void *__wrap_malloc(size_t n)
+{
+    if (s_alloc_fails())
+        return NULL;
+    void *p = __real_malloc(n);
+    s_alloc_live += p && s_alloc_on;
+    return p;
+}
+
+void *__wrap_calloc(size_t k, size_t n)
+{
+    if (s_alloc_fails())
+        return NULL;
+    void *p = __real_calloc(k, n);
+    s_alloc_live += p && s_alloc_on;
+    return p;
+}
+
+void *__wrap_realloc(void *p, size_t n)
+{
+    if (s_alloc_fails())
+        return NULL;
+    void *q = __real_realloc(p, n);
+    s_alloc_live += q && !p && s_alloc_on;
+    return q;
+}
+
+void __wrap_free(void *p)
+{
+    s_alloc_live -= p && s_alloc_on;
+    __real_free(p);
+}
+
+/* Opens buf with allocation 1, 2, ... failing until an open succeeds;
+ * returns the number of allocations a successful open makes. */
+static long s_oom_loop(const uint8_t *buf, size_t len, const char *path)
+{
+    char err[ERRLEN];
+    for (long n = 1;; n++) {
+        s_alloc_on = 1;
+        s_alloc_n = 0;
+        s_alloc_fail_at = n;
+        s_alloc_live = 0;
+        fi_gguf *g = path ? fi_gguf_open(path, err, sizeof err)
+                          : fi_gguf_open_memory(buf, len, "test.gguf", err, sizeof err);
+        long made = s_alloc_n, live = s_alloc_live;
+        fi_gguf_close(&g);
+        long after_close = s_alloc_live;
+        s_alloc_on = 0;
+        if (made < n) { /* nothing failed: the open must have worked */
+            assert_int_equal(live > 0, 1);
+            assert_int_equal(after_close, 0);
+            return made;
+        }
+        assert_int_equal(live, 0); /* a failed open frees everything */
+        if (!strstr(err, "out of memory"))
+            fail_msg("allocation %ld failed, message: %s", n, err);
+    }
+}
+
+static void test_alloc_failures(void **state)
+{
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_gw *w = fi_gw_tiny_llama(&o);
+    size_t len;
+    uint8_t *buf = fi_gw_serialize(w, &len, NULL);
+    assert_non_null(buf);
+    long n = s_oom_loop(buf, len, NULL);
+    print_message("tiny llama: %ld allocations per open, each failed in turn\n", n);
+    assert_true(n >= 5);
+    free(buf);
+    fi_gw_destroy(&w);
+    if (access(FI_TEST_MODEL, R_OK) == 0) {
+        n = s_oom_loop(NULL, 0, FI_TEST_MODEL);
+        print_message("model: %ld allocations per open, each failed in turn\n", n);
+    }
+}
+#else
+static void test_alloc_failures(void **state)
+{
+    skip(); /* the linker cannot wrap malloc here */
+}
+#endif
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1098,6 +1228,7 @@ int main(void)
         cmocka_unit_test(test_bad_alignment),
         cmocka_unit_test(test_bad_tensor),
         cmocka_unit_test(test_mutations),
+        cmocka_unit_test(test_alloc_failures),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -49,6 +49,7 @@ struct fi_gw {
     uint64_t over_tensors; /* header tensor count override, UINT64_MAX: none */
     uint64_t over_kv;      /* header kv count override, UINT64_MAX: none */
     size_t tail;           /* zero bytes after the data */
+    size_t align_at;       /* value of our general.alignment kv in kv.p; 0: none */
     int serialised;        /* 1 after a successful serialise */
     int failed;            /* sticky error */
 };
@@ -245,7 +246,14 @@ int fi_gw_set_alignment(fi_gw *w, uint32_t a)
     if (!w || a == 0 || (a & (a - 1)))
         return s_fail(w);
     w->alignment = a;
-    return fi_gw_add_u32(w, "general.alignment", a);
+    if (w->align_at) { /* set before: change the value, do not add a second kv */
+        memcpy(w->kv.p + w->align_at, &a, 4);
+        return 0;
+    }
+    if (fi_gw_add_u32(w, "general.alignment", a) < 0)
+        return -1;
+    w->align_at = w->kv.n - 4;
+    return 0;
 }
 
 void fi_gw_set_version(fi_gw *w, uint32_t version)

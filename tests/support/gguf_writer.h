@@ -84,8 +84,9 @@ int fi_gw_add_raw(fi_gw *w, const char *key, uint64_t key_len, uint32_t type, co
                   size_t len);
 
 /* Sets the alignment of the data section and records it as a
- * "general.alignment" uint32 kv (added now, in order). a must be a power
- * of two; to write a bad general.alignment use fi_gw_add_u32 directly. */
+ * "general.alignment" uint32 kv (added at the first call, in order; later
+ * calls change its value). a must be a power of two; to write a bad
+ * general.alignment use fi_gw_add_u32 directly. */
 int fi_gw_set_alignment(fi_gw *w, uint32_t a);
 /* Version number written to the header (default 3). */
 void fi_gw_set_version(fi_gw *w, uint32_t version);
