@@ -690,6 +690,24 @@ static void test_synthetic(void **state) {
     fi_gguf_close(&g);
     free(buf);
 
+    /* Qwen2-style: escaped newlines; the first "<|im_start|>system" is
+     * followed by the message's content, not a literal, and is skipped */
+    sp.pre = "smollm";
+    sp.tmpl = "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
+              "messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>"
+              "system\\nYou are \\'Q\\', a \"helper\".<|im_end|>\\n' }}{%- endif %}"
+              "{%- for message in messages %}...{%- endfor %}";
+    t = s_load(&sp, err, sizeof err, &buf, &g);
+    assert_non_null(t);
+    c = fi_tok_chat(t, (fi_chat_msg[]){{"user", "x"}}, 1, 0, err, sizeof err);
+    assert_non_null(c);
+    assert_string_equal(c, "<|im_start|>system\nYou are 'Q', a \"helper\".<|im_end|>\n"
+                           "<|im_start|>user\nx<|im_end|>\n");
+    free(c);
+    fi_tok_destroy(&t);
+    fi_gguf_close(&g);
+    free(buf);
+
     /* an unsupported template is refused when rendering, naming it */
     s_spec_default(&sp);
     sp.tmpl = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}";
