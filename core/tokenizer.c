@@ -918,6 +918,7 @@ static size_t s_find_special(const fi_tok *t, const unsigned char *s, size_t fro
 
 int fi_tok_encode(const fi_tok *t, const char *text, size_t len, int parse_special, int32_t *out,
                   int max_out) {
+    assert(out || max_out <= 0);
     s_work w = {.out = out, .max_out = max_out > 0 ? max_out : 0};
     const unsigned char *s = (const unsigned char *)text;
     int rc = 0;

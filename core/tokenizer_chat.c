@@ -41,10 +41,11 @@ static void s_head(char *o, size_t cap, const char *s, size_t n) {
 
 /* Finds the default system message: a string literal in the template that
  * reads <|im_start|>system, a newline (real or escaped), then text without
- * the literal's quote or Jinja markup, then <|im_end|>. Returns a malloc'd,
- * unescaped copy, or NULL when there is none (or on allocation failure,
- * which then only loses the default). */
-static char *s_default_system(const char *s, size_t n) {
+ * the literal's quote or Jinja markup, then <|im_end|>. Sets *out to a
+ * malloc'd, unescaped copy, or NULL when there is none. -1 on allocation
+ * failure. */
+static int s_default_system(const char *s, size_t n, char **out) {
+    *out = NULL;
     static const char needle[] = "<|im_start|>system";
     size_t nl = sizeof needle - 1;
     for (size_t i = 1; i + nl <= n; i++) {
@@ -75,7 +76,7 @@ static char *s_default_system(const char *s, size_t n) {
             continue;
         char *msg = malloc(end - j + 1);
         if (!msg)
-            return NULL;
+            return -1;
         size_t k = 0;
         for (size_t p = j; p < end; p++) {
             if (s[p] == '\\' && p + 1 < end) {
@@ -86,9 +87,10 @@ static char *s_default_system(const char *s, size_t n) {
             }
         }
         msg[k] = 0;
-        return msg;
+        *out = msg;
+        return 0;
     }
-    return NULL;
+    return 0;
 }
 
 int fi_tok_chat_load(fi_tok *t, const fi_gguf *g, char *err, size_t errlen) {
@@ -113,8 +115,11 @@ int fi_tok_chat_load(fi_tok *t, const fi_gguf *g, char *err, size_t errlen) {
             break;
         }
     }
-    if (t->chat_kind == FI_TOK_CHAT_CHATML)
-        t->chat_system = s_default_system(s.ptr, n);
+    if (t->chat_kind == FI_TOK_CHAT_CHATML && s_default_system(s.ptr, n, &t->chat_system) != 0) {
+        if (err && errlen)
+            snprintf(err, errlen, "%s: out of memory", key);
+        return -1;
+    }
     return 0;
 }
 

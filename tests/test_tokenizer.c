@@ -427,6 +427,103 @@ static void test_buffers(void **state) {
     free(d);
 }
 
+/* --- allocation failures ---------------------------------------------- */
+
+/* tests/tokenizer.cmake links this test with -Wl,--wrap for malloc, calloc
+ * and realloc, so that every allocation the tokenizer makes comes here:
+ * once armed, allocation number s_fail_at fails. */
+static long s_alloc_n = 0;     /* allocations since s_arm */
+static long s_fail_at = -1;    /* the one to fail; -1: none */
+
+void *__real_malloc(size_t n);
+void *__real_calloc(size_t n, size_t k);
+void *__real_realloc(void *p, size_t n);
+void *__wrap_malloc(size_t n);
+void *__wrap_calloc(size_t n, size_t k);
+void *__wrap_realloc(void *p, size_t n);
+
+static int s_fail_now(void) { return s_fail_at >= 0 && s_alloc_n++ == s_fail_at; }
+void *__wrap_malloc(size_t n) { return s_fail_now() ? NULL : __real_malloc(n); }
+void *__wrap_calloc(size_t n, size_t k) { return s_fail_now() ? NULL : __real_calloc(n, k); }
+void *__wrap_realloc(void *p, size_t n) { return s_fail_now() ? NULL : __real_realloc(p, n); }
+
+static void s_arm(long k) {
+    s_alloc_n = 0;
+    s_fail_at = k;
+}
+
+/* Disarms; 1 when the armed failure happened. */
+static int s_disarm(void) {
+    int hit = s_fail_at >= 0 && s_alloc_n > s_fail_at;
+    s_fail_at = -1;
+    return hit;
+}
+
+static void test_alloc_failures(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_gw *w = fi_gw_tiny_llama(&o);
+    size_t len;
+    uint8_t *buf = fi_gw_serialize(w, &len, NULL);
+    fi_gw_destroy(&w);
+    assert_non_null(buf);
+    char err[256];
+    fi_gguf *g = fi_gguf_open_memory(buf, len, "tiny.gguf", err, sizeof err);
+    assert_non_null(g);
+
+    /* every allocation of fi_tok_new fails in turn: NULL with a message */
+    fi_tok *t = NULL;
+    long k;
+    for (k = 0; !t; k++) {
+        s_arm(k);
+        err[0] = 0;
+        t = fi_tok_new(g, err, sizeof err);
+        int hit = s_disarm();
+        assert_int_equal(hit, t == NULL);
+        if (!t && !strstr(err, "out of memory"))
+            fail_msg("allocation %ld failed: \"%s\"", k, err);
+    }
+    assert_true(k > 5);
+    char *c = fi_tok_chat(t, (fi_chat_msg[]){{"user", "hi"}}, 1, 1, err, sizeof err);
+    assert_non_null(c);
+    assert_non_null(strstr(c, FI_GW_TINY_SYSTEM)); /* the default survived */
+
+    /* encoding: -1, then the full count once allocations succeed */
+    const char *text = "Hello world, hello there: a longer word supercalifragilistic";
+    int want = fi_tok_encode(t, text, strlen(text), 0, NULL, 0);
+    int32_t ids[128];
+    for (k = 0;; k++) {
+        s_arm(k);
+        int n = fi_tok_encode(t, text, strlen(text), 0, ids, 128);
+        int hit = s_disarm();
+        assert_int_equal(n, hit ? -1 : want);
+        if (!hit)
+            break;
+    }
+    /* chat and decode: NULL */
+    for (k = 0;; k++) {
+        s_arm(k);
+        char *c2 = fi_tok_chat(t, (fi_chat_msg[]){{"user", "hi"}}, 1, 1, err, sizeof err);
+        int hit = s_disarm();
+        if (!hit) {
+            assert_string_equal(c2, c);
+            free(c2);
+            break;
+        }
+        assert_null(c2);
+        assert_non_null(strstr(err, "out of memory"));
+    }
+    s_arm(0);
+    char *d = fi_tok_decode(t, ids, 2, NULL);
+    assert_true(s_disarm());
+    assert_null(d);
+    free(c);
+    fi_tok_destroy(&t);
+    fi_gguf_close(&g);
+    free(buf);
+}
+
 /* --- speed -------------------------------------------------------------- */
 
 static double s_now(void) {
@@ -593,6 +690,24 @@ static void test_synthetic(void **state) {
     fi_gguf_close(&g);
     free(buf);
 
+    /* Qwen2-style: escaped newlines; the first "<|im_start|>system" is
+     * followed by the message's content, not a literal, and is skipped */
+    sp.pre = "smollm";
+    sp.tmpl = "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
+              "messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>"
+              "system\\nYou are \\'Q\\', a \"helper\".<|im_end|>\\n' }}{%- endif %}"
+              "{%- for message in messages %}...{%- endfor %}";
+    t = s_load(&sp, err, sizeof err, &buf, &g);
+    assert_non_null(t);
+    c = fi_tok_chat(t, (fi_chat_msg[]){{"user", "x"}}, 1, 0, err, sizeof err);
+    assert_non_null(c);
+    assert_string_equal(c, "<|im_start|>system\nYou are 'Q', a \"helper\".<|im_end|>\n"
+                           "<|im_start|>user\nx<|im_end|>\n");
+    free(c);
+    fi_tok_destroy(&t);
+    fi_gguf_close(&g);
+    free(buf);
+
     /* an unsupported template is refused when rendering, naming it */
     s_spec_default(&sp);
     sp.tmpl = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}";
@@ -736,6 +851,7 @@ int main(void) {
         cmocka_unit_test(test_buffers),     cmocka_unit_test(test_speed),
         cmocka_unit_test(test_synthetic),   cmocka_unit_test(test_bad_metadata),
         cmocka_unit_test(test_missing_byte), cmocka_unit_test(test_tiny_llama),
+        cmocka_unit_test(test_alloc_failures),
     };
     return cmocka_run_group_tests(tests, s_setup, s_teardown);
 }

@@ -10,8 +10,13 @@
 # tokenizer and the GGUF reader are compiled into the target itself, with
 # the fuzzer's coverage instrumentation. fuzz_tokenizer_seeds writes a seed
 # corpus into the build folder first (a fixture).
+#
+# test_tokenizer wraps malloc, calloc and realloc (-Wl,--wrap) to fail the
+# Nth allocation of the code it links statically (the tokenizer).
 if(TARGET test_tokenizer)
   set_tests_properties(test_tokenizer PROPERTIES LABELS asan)
+  target_link_options(test_tokenizer PRIVATE -Wl,--wrap=malloc -Wl,--wrap=calloc
+                                             -Wl,--wrap=realloc)
 endif()
 
 if(CMAKE_C_COMPILER_ID STREQUAL "Clang" AND TARGET fi_test_support)

@@ -66,6 +66,9 @@ PROMPTS = [
     (0, "tabs\tand\ttabs\t\t\tend"),
     (0, "line1\r\nline2\rline3\n"),
     (0, "\u200b zero\u200bwidth \ufeffbom"),
+    # \s is Unicode White_Space: U+0085 and U+2028 are, U+001C..1F, U+180E
+    # and U+200B are not
+    (0, "a\x1c\x1cb a\x85\x85b a\u180e\u180eb a\u2028\u2028b a\x1f b \u205f\u205fx\u1680"),
     (0, "<|im_start|>user\nhi<|im_end|>"),
     (1, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"),
     (1, "<|endoftext|><|endoftext|>text<|im_end|>"),
