@@ -23,6 +23,9 @@
 
 /* Most tokens a forward pass takes at once; longer prompts go in chunks. */
 #define FI_MAX_BATCH 256
+/* Most rows of logits computed at once (a row is n_vocab floats: 192 KiB
+ * for the default model, so a whole batch of them would cost 48 MiB). */
+#define FI_LOGIT_ROWS 16
 
 typedef struct layer {
     float *attn_norm;       /* (dim) backend memory */
@@ -62,7 +65,7 @@ struct fi_session {
     float *v;               /* (batch, kv_dim) */
     float *hb;              /* (batch, ffn_dim) gate, then swiglu */
     float *hb2;             /* (batch, ffn_dim) up */
-    float *logits;          /* (batch, n_vocab) */
+    float *logits;          /* (FI_LOGIT_ROWS, n_vocab) */
     int32_t *toks;          /* (batch) backend memory */
     int32_t *pos_buf;       /* (batch) backend memory */
     int32_t *pos_host;      /* (batch) host copy */
@@ -426,7 +429,7 @@ fi_session *fi_session_new(fi_model *m, int n_ctx, char *err, size_t errlen) {
     s->v = ops->alloc(bc, B * kv_dim * sizeof(float));
     s->hb = ops->alloc(bc, B * c->ffn_dim * sizeof(float));
     s->hb2 = ops->alloc(bc, B * c->ffn_dim * sizeof(float));
-    s->logits = ops->alloc(bc, B * (size_t)c->n_vocab * sizeof(float));
+    s->logits = ops->alloc(bc, (size_t)FI_LOGIT_ROWS * (size_t)c->n_vocab * sizeof(float));
     s->toks = ops->alloc(bc, B * sizeof(int32_t));
     s->pos_buf = ops->alloc(bc, B * sizeof(int32_t));
     s->pos_host = malloc(B * sizeof(int32_t));
@@ -542,9 +545,13 @@ int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, fl
         int last_chunk = done + b == n;
         if (all_logits) {
             ops->rmsnorm(bc, s->xb, s->x, m->output_norm, b, c->dim, c->norm_eps);
-            ops->matmul(bc, s->logits, &m->output, s->xb, b);
-            if (ops->to_host(bc, all_logits + (size_t)done * V, s->logits, (size_t)b * V * sizeof(float)))
-                goto backend_fail;
+            for (int r = 0; r < b; r += FI_LOGIT_ROWS) {
+                int nr = b - r < FI_LOGIT_ROWS ? b - r : FI_LOGIT_ROWS;
+                ops->matmul(bc, s->logits, &m->output, s->xb + (size_t)r * c->dim, nr);
+                if (ops->to_host(bc, all_logits + (size_t)(done + r) * V, s->logits,
+                                 (size_t)nr * V * sizeof(float)))
+                    goto backend_fail;
+            }
             if (last_chunk && logits)
                 memcpy(logits, all_logits + (size_t)(n - 1) * V, V * sizeof(float));
         } else if (last_chunk && logits) {

@@ -12,6 +12,7 @@
  * the tokens are processed in groups that fit).
  */
 #include "fi_kernels_impl.h"
+#include "fi_cpu_q16_impl.h"
 
 #include <assert.h>
 #include <math.h>
@@ -32,6 +33,8 @@ typedef struct s_cpu {
     fi_pool *pool;          /* workers, caller is worker 0 */
     int n_threads;          /* pool size */
     fi_cpu_kernels k;       /* the chosen kernels */
+    fi_q16_kernels q16;     /* the chosen 16-bit-activation kernels */
+    int act_bits;           /* activations of quantised matmuls: 16 or 8 */
     uint8_t *scratch;       /* quantised activations, S_ALIGN aligned */
     size_t scratch_bytes;   /* its size */
 } s_cpu;
@@ -144,8 +147,67 @@ static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t) {
     return NULL;
 }
 
+typedef struct s_quant16_job {
+    const fi_q16_kernels *k;    /* quantiser */
+    const float *x;             /* n rows of cols floats */
+    uint8_t *xq;                /* n rows of xrow bytes */
+    int n, cols;                /* shape */
+    size_t xrow;                /* bytes per quantised row */
+} s_quant16_job;
+
+static void s_quant16_worker(void *arg, int ith, int nth) {
+    s_quant16_job *j = arg;
+    int k0 = (int)((long)j->n * ith / nth), k1 = (int)((long)j->n * (ith + 1) / nth);
+    for (int k = k0; k < k1; k++)
+        j->k->quantize(j->x + (size_t)k * j->cols, (fi_block_q16x *)(j->xq + (size_t)k * j->xrow),
+                       j->cols / FI_QK);
+}
+
+static fi_mm_fn s_mm16_fn(const s_cpu *c, fi_dtype t) {
+    switch (t) {
+    case FI_DTYPE_Q4_0: return c->q16.mm_q4_0;
+    case FI_DTYPE_Q4_1: return c->q16.mm_q4_1;
+    case FI_DTYPE_Q8_0: return c->q16.mm_q8_0;
+    default: return NULL;
+    }
+}
+
+/* Quantised weights with 16-bit activations (the default: accurate). */
+static void s_matmul16(s_cpu *c, float *y, const fi_weight *w, const float *x, int n) {
+    fi_mm_fn fn = s_mm16_fn(c, w->type);
+    assert(fn);
+    size_t xrow = (size_t)(w->cols / FI_QK) * sizeof(fi_block_q16x);
+    int group = n;
+    if (s_reserve(c, xrow * (size_t)n) != 0)
+        group = (int)(c->scratch_bytes / xrow);
+    if (group < 1) {
+        for (size_t i = 0; i < (size_t)n * (size_t)w->rows; i++)
+            y[i] = NAN;
+        return;
+    }
+    for (int k0 = 0; k0 < n; k0 += group) {
+        int g = n - k0 < group ? n - k0 : group;
+        s_quant16_job q = {.k = &c->q16, .x = x + (size_t)k0 * w->cols, .xq = c->scratch,
+                           .n = g, .cols = w->cols, .xrow = xrow};
+        if (c->n_threads > 1 && (size_t)g * (size_t)w->cols >= S_PAR_ELEMS && g > 1)
+            fi_pool_run(c->pool, s_quant16_worker, &q);
+        else
+            s_quant16_worker(&q, 0, 1);
+        fi_mm_task t = {
+            .w = w->data, .w_stride = w->row_bytes, .cols = w->cols,
+            .x = c->scratch, .x_stride = xrow, .n = g,
+            .y = y + (size_t)k0 * w->rows, .y_stride = w->rows,
+        };
+        s_run_rows(c, fn, &t, w->rows);
+    }
+}
+
 static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
     s_cpu *c = ctx;
+    if (c->act_bits == 16 && fi_dtype_block_elems(w->type) != 1) {
+        s_matmul16(c, y, w, x, n);
+        return;
+    }
     fi_mm_fn fn = s_mm_fn(c, w->type);
     assert(fn);
     fi_mm_task t = {
@@ -246,7 +308,8 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
 typedef struct s_att_job {
     const fi_cpu_kernels *k;    /* dot / axpy */
     float *out;                 /* n rows of n_heads*head_dim */
-    const float *q, *kc, *vc;   /* queries, key and value caches */
+    const float *q;             /* queries */
+    const uint16_t *kc, *vc;    /* key and value caches, fp16 */
     const int32_t *pos;         /* position of each query token */
     int n, n_heads, n_kv_heads, head_dim;
 } s_att_job;
@@ -268,7 +331,7 @@ static void s_att_one(const s_att_job *j, int t, int h) {
         int cn = np - p0 < S_ATT_CHUNK ? np - p0 : S_ATT_CHUNK;
         float cm = -INFINITY;
         for (int i = 0; i < cn; i++) {
-            const float *k = j->kc + (size_t)(p0 + i) * kv_dim + (size_t)kh * hd;
+            const uint16_t *k = j->kc + (size_t)(p0 + i) * kv_dim + (size_t)kh * hd;
             sc[i] = j->k->dot(q, k, hd) * scale;
             cm = sc[i] > cm ? sc[i] : cm;
         }
@@ -298,8 +361,9 @@ static void s_att_worker(void *arg, int ith, int nth) {
         s_att_one(j, (int)(i / j->n_heads), (int)(i % j->n_heads));
 }
 
-static void s_attention(void *ctx, float *out, const float *q, const float *k, const float *v,
-                        int n, const int32_t *pos, int n_heads, int n_kv_heads, int head_dim) {
+static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
+                        const uint16_t *v, int n, const int32_t *pos, int n_heads, int n_kv_heads,
+                        int head_dim) {
     s_cpu *c = ctx;
     s_att_job j = {.k = &c->k, .out = out, .q = q, .kc = k, .vc = v, .pos = pos, .n = n,
                    .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim};
@@ -335,6 +399,11 @@ static void s_ew(s_cpu *c, s_ew_job *j) {
         fi_pool_run(c->pool, s_ew_worker, j);
     else
         s_ew_worker(j, 0, 1);
+}
+
+static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
+    s_cpu *c = ctx;
+    c->k.to_f16(dst, src, n);
 }
 
 static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
@@ -374,6 +443,7 @@ static const fi_backend_ops s_cpu_ops = {
     .rmsnorm = s_rmsnorm,
     .rope = s_rope,
     .attention = s_attention,
+    .store_f16 = s_store_f16,
     .swiglu = s_swiglu,
     .add = s_add,
 };
@@ -408,10 +478,13 @@ fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t er
         goto fail;
     }
     fi_cpu_kernels_portable(&c->k);
+    fi_q16_kernels_portable(&c->q16);
+    c->act_bits = 16;
     if (simd == FI_SIMD_AVX2 || simd == FI_SIMD_AUTO) {
         if (s_cpu_has_avx2()) {
 #if defined(FI_HAVE_X86) && FI_HAVE_X86
             fi_cpu_kernels_avx2(&c->k);
+            fi_q16_kernels_avx2(&c->q16);
 #endif
         } else if (simd == FI_SIMD_AVX2) {
             snprintf(err, errlen, "cpu backend: AVX2/FMA/F16C requested but not supported here");
@@ -439,6 +512,19 @@ const char *fi_cpu_backend_simd(const fi_backend *b) {
     if (!b || b->ops != &s_cpu_ops)
         return NULL;
     return ((const s_cpu *)b->ctx)->k.name;
+}
+
+int fi_cpu_backend_set_act_bits(fi_backend *b, int bits) {
+    if (!b || b->ops != &s_cpu_ops || (bits != 8 && bits != 16))
+        return -1;
+    ((s_cpu *)b->ctx)->act_bits = bits;
+    return 0;
+}
+
+int fi_cpu_backend_act_bits(const fi_backend *b) {
+    if (!b || b->ops != &s_cpu_ops)
+        return 0;
+    return ((const s_cpu *)b->ctx)->act_bits;
 }
 
 int fi_cpu_backend_threads(const fi_backend *b) {

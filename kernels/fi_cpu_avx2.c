@@ -257,28 +257,41 @@ static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
 
 /* --- attention helpers ------------------------------------------------------ */
 
-static float s_dot(const float *a, const float *b, int n) {
+static inline __m256 s_load_h8(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
+}
+
+static float s_dot(const float *a, const uint16_t *b, int n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int i = 0;
     for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), s_load_h8(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), s_load_h8(b + i + 8), s1);
     }
     for (; i + 8 <= n; i += 8)
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), s_load_h8(b + i), s0);
     float s = s_hsum(_mm256_add_ps(s0, s1));
     for (; i < n; i++)
-        s += a[i] * b[i];
+        s += a[i] * fi_h2f(b[i]);
     return s;
 }
 
-static void s_axpy(float *y, float a, const float *x, int n) {
+static void s_axpy(float *y, float a, const uint16_t *x, int n) {
     __m256 va = _mm256_set1_ps(a);
     int i = 0;
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, s_load_h8(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++)
-        y[i] += a * x[i];
+        y[i] += a * fi_h2f(x[i]);
+}
+
+static void s_to_f16(uint16_t *dst, const float *src, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(void *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        dst[i] = fi_fp32_to_fp16(src[i]);
 }
 
 void fi_cpu_kernels_avx2(fi_cpu_kernels *k) {
@@ -292,4 +305,5 @@ void fi_cpu_kernels_avx2(fi_cpu_kernels *k) {
     k->mm_q8_0 = s_mm_q8_0;
     k->dot = s_dot;
     k->axpy = s_axpy;
+    k->to_f16 = s_to_f16;
 }

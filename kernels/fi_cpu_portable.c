@@ -116,20 +116,25 @@ static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
     }
 }
 
-static float s_dot(const float *a, const float *b, int n) {
+static float s_dot(const float *a, const uint16_t *b, int n) {
     float s[4] = {0, 0, 0, 0};
     int i = 0;
     for (; i + 4 <= n; i += 4)
         for (int j = 0; j < 4; j++)
-            s[j] += a[i + j] * b[i + j];
+            s[j] += a[i + j] * fi_h2f(b[i + j]);
     for (; i < n; i++)
-        s[0] += a[i] * b[i];
+        s[0] += a[i] * fi_h2f(b[i]);
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-static void s_axpy(float *y, float a, const float *x, int n) {
+static void s_axpy(float *y, float a, const uint16_t *x, int n) {
     for (int i = 0; i < n; i++)
-        y[i] += a * x[i];
+        y[i] += a * fi_h2f(x[i]);
+}
+
+static void s_to_f16(uint16_t *dst, const float *src, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        dst[i] = fi_fp32_to_fp16(src[i]);
 }
 
 void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
@@ -143,4 +148,5 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->mm_q8_0 = s_mm_q8_0;
     k->dot = s_dot;
     k->axpy = s_axpy;
+    k->to_f16 = s_to_f16;
 }

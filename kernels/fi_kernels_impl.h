@@ -82,9 +82,11 @@ typedef struct fi_cpu_kernels {
     fi_mm_fn mm_q4_0;                                          /* quantised weights */
     fi_mm_fn mm_q4_1;
     fi_mm_fn mm_q8_0;
-    /* Float helpers for attention: dot product and y += a * x. */
-    float (*dot)(const float *a, const float *b, int n);
-    void (*axpy)(float *y, float a, const float *x, int n);
+    /* Attention helpers over fp16 cache rows: dot product and y += a * x. */
+    float (*dot)(const float *a, const uint16_t *b, int n);
+    void (*axpy)(float *y, float a, const uint16_t *x, int n);
+    /* fp32 -> fp16, round to nearest even (stores into the KV cache). */
+    void (*to_f16)(uint16_t *dst, const float *src, size_t n);
 } fi_cpu_kernels;
 
 /* Fills k with the portable kernels. Cannot fail. */

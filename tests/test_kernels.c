@@ -152,18 +152,26 @@ static const fi_dtype all_types[] = {FI_DTYPE_F32, FI_DTYPE_F16, FI_DTYPE_BF16,
                                      FI_DTYPE_Q8_0, FI_DTYPE_Q4_0, FI_DTYPE_Q4_1};
 #define N_TYPES (sizeof all_types / sizeof all_types[0])
 
+/* Activation precision of quantised matmuls in the backends made below
+ * (16 or 8); the matmul tests run with both. */
+static int s_act_bits = 16;
+
 /* Backends to compare: portable, and AVX2 when the processor has it. */
 static int make_backends(fi_backend **out, int n_threads) {
     char err[256];
     int n = 0;
     out[n] = fi_cpu_backend_new(n_threads, FI_SIMD_PORTABLE, err, sizeof err);
     assert_non_null(out[n]);
+    assert_int_equal(fi_cpu_backend_act_bits(out[n]), 16); /* the default */
+    assert_int_equal(fi_cpu_backend_set_act_bits(out[n], s_act_bits), 0);
     n++;
     fi_backend *b = fi_cpu_backend_new(n_threads, FI_SIMD_AVX2, err, sizeof err);
-    if (b)
+    if (b) {
+        assert_int_equal(fi_cpu_backend_set_act_bits(b, s_act_bits), 0);
         out[n++] = b;
-    else
+    } else {
         fprintf(stderr, "note: no AVX2 here, portable only (%s)\n", err);
+    }
     return n;
 }
 
@@ -350,8 +358,8 @@ static void test_dequantize(void **state) {
 /* --- matmul ------------------------------------------------------------- */
 
 /* Checks y (n x rows) against double references; for quantised weights
- * the tolerance is the bound of 8-bit activation rounding: each x[i] moves
- * by at most half its block's step amax/127. */
+ * the tolerance is the bound of activation rounding: each x[i] moves by at
+ * most half its block's step, amax/127 (8 bits) or amax/32767 (16 bits). */
 static void check_matmul(const char *what, fi_dtype t, const float *y, const double *wd,
                          const float *x, int rows, int cols, int n) {
     int quant = fi_dtype_block_elems(t) == 32;
@@ -368,7 +376,7 @@ static void check_matmul(const char *what, fi_dtype t, const float *y, const dou
                 for (int c = b; c < e; c++) {
                     ref += wr[c] * xk[c];
                     mag += fabs(wr[c] * xk[c]);
-                    qerr += fabs(wr[c]) * amax / 254.0;
+                    qerr += fabs(wr[c]) * amax / (s_act_bits == 16 ? 65534.0 : 254.0);
                 }
             }
             double tol = 1e-5 * mag + 1e-6 + (quant ? 1.01 * qerr + 1e-5 * mag : 0.0);
@@ -447,8 +455,7 @@ static void run_matmul_case(fi_dtype t, int rows, int cols, const int *ns, int n
     free(wbytes);
 }
 
-static void test_matmul_small(void **state) {
-    (void)state;
+static void s_matmul_small(void) {
     static const int ns[] = {1, 3, 4, 5, 17};
     for (size_t ti = 0; ti < N_TYPES; ti++) {
         run_matmul_case(all_types[ti], 37, 160, ns, 5, 1000 + ti);
@@ -460,14 +467,44 @@ static void test_matmul_small(void **state) {
     run_matmul_case(FI_DTYPE_BF16, 3, 45, ns, 5, 3002);
 }
 
-static void test_matmul_model_shapes(void **state) {
-    (void)state;
+static void s_matmul_model_shapes(void) {
     static const int ns[] = {1, 6};
     run_matmul_case(FI_DTYPE_Q4_1, 200, 576, ns, 2, 4000);
     run_matmul_case(FI_DTYPE_Q4_1, 67, 1536, ns, 2, 4001);
     run_matmul_case(FI_DTYPE_Q8_0, 301, 576, ns, 2, 4002);
     run_matmul_case(FI_DTYPE_Q4_0, 99, 576, ns, 2, 4003);
     run_matmul_case(FI_DTYPE_F16, 70, 576, ns, 2, 4004);
+}
+
+static void test_matmul_small(void **state) {
+    (void)state;
+    for (int bits = 16; bits >= 8; bits -= 8) {
+        s_act_bits = bits;
+        s_matmul_small();
+    }
+    s_act_bits = 16;
+}
+
+static void test_matmul_model_shapes(void **state) {
+    (void)state;
+    for (int bits = 16; bits >= 8; bits -= 8) {
+        s_act_bits = bits;
+        s_matmul_model_shapes();
+    }
+    s_act_bits = 16;
+}
+
+static void test_act_bits_setting(void **state) {
+    (void)state;
+    char err[128];
+    fi_backend *b = fi_cpu_backend_new(1, FI_SIMD_AUTO, err, sizeof err);
+    assert_non_null(b);
+    assert_int_equal(fi_cpu_backend_set_act_bits(b, 12), -1);
+    assert_int_equal(fi_cpu_backend_act_bits(b), 16);
+    assert_int_equal(fi_cpu_backend_set_act_bits(b, 8), 0);
+    assert_int_equal(fi_cpu_backend_act_bits(b), 8);
+    assert_int_equal(fi_cpu_backend_set_act_bits(NULL, 8), -1);
+    fi_backend_destroy(&b);
 }
 
 /* --- other ops ------------------------------------------------------------ */
@@ -619,9 +656,12 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
     double *ref = malloc(n * qd * sizeof *ref);
     for (int i = 0; i < n * qd; i++)
         q[i] = rng_f(&r, -1, 1) * qscale;
-    for (int i = 0; i < (maxp + 1) * kv_dim; i++) {
-        k[i] = rng_f(&r, -1, 1);
-        v[i] = rng_f(&r, -1, 1);
+    /* the cache holds fp16: the reference sees the same rounded values */
+    size_t nkvv = (size_t)(maxp + 1) * kv_dim;
+    uint16_t *kh = malloc(nkvv * sizeof *kh), *vh = malloc(nkvv * sizeof *vh);
+    for (size_t i = 0; i < nkvv; i++) {
+        k[i] = fi_fp16_to_fp32(fi_fp32_to_fp16(rng_f(&r, -1, 1)));
+        v[i] = fi_fp16_to_fp32(fi_fp32_to_fp16(rng_f(&r, -1, 1)));
     }
     ref_attention(ref, q, k, v, n, pos, nh, nkv, hd);
     for (int threads = 1; threads <= 3; threads++) {
@@ -629,7 +669,14 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
         int nb = make_backends(bs, threads);
         for (int bi = 0; bi < nb; bi++) {
             poison(out, n * qd);
-            bs[bi]->ops->attention(bs[bi]->ctx, out, q, k, v, n, pos, nh, nkv, hd);
+            memset(kh, 0xff, nkvv * sizeof *kh);
+            memset(vh, 0xff, nkvv * sizeof *vh);
+            bs[bi]->ops->store_f16(bs[bi]->ctx, kh, k, nkvv);
+            bs[bi]->ops->store_f16(bs[bi]->ctx, vh, v, nkvv);
+            for (size_t i = 0; i < nkvv; i++)
+                if (kh[i] != fi_fp32_to_fp16(k[i]) || vh[i] != fi_fp32_to_fp16(v[i]))
+                    fail_msg("store_f16 %s: element %zu differs", fi_cpu_backend_simd(bs[bi]), i);
+            bs[bi]->ops->attention(bs[bi]->ctx, out, q, kh, vh, n, pos, nh, nkv, hd);
             for (int i = 0; i < n * qd; i++)
                 if (!(fabs(out[i] - ref[i]) <= 2e-5 * (1 + fabs(ref[i]))))
                     fail_msg("attention %s %dt n=%d: out[%d] = %g, want %g", fi_cpu_backend_simd(bs[bi]),
@@ -640,6 +687,8 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
     free(q);
     free(k);
     free(v);
+    free(kh);
+    free(vh);
     free(out);
     free(ref);
 }
@@ -794,6 +843,7 @@ int main(void) {
         cmocka_unit_test(test_dequantize),
         cmocka_unit_test(test_matmul_small),
         cmocka_unit_test(test_matmul_model_shapes),
+        cmocka_unit_test(test_act_bits_setting),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
