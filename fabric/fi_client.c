@@ -220,6 +220,11 @@ static void s_housekeeping(fi_client *c) {
 }
 
 int fi_client_recv(fi_client *c, int timeout_ms, fi_msg **out, char *err, size_t errlen) {
+    return fi_client_recv_or(c, timeout_ms, NULL, out, err, errlen);
+}
+
+int fi_client_recv_or(fi_client *c, int timeout_ms, void *other, fi_msg **out, char *err,
+                      size_t errlen) {
     uint64_t deadline = fi_wire_now_ms() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
     unsigned gen = c->reconnects;
     *out = NULL;
@@ -240,15 +245,20 @@ int fi_client_recv(fi_client *c, int timeout_ms, fi_msg **out, char *err, size_t
         long hb = c->o.heartbeat_ms / 2 > 0 ? c->o.heartbeat_ms / 2 : 1;
         if (wait > hb) wait = hb;
         if (!c->sock) {
-            zmq_poll(NULL, 0, wait);
+            zmq_pollitem_t it = {other, 0, ZMQ_POLLIN, 0};
+            if (zmq_poll(other ? &it : NULL, other ? 1 : 0, wait) > 0) return 2;
             if (fi_wire_now_ms() >= deadline) return 0;
             continue;
         }
-        zmq_pollitem_t items[2] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0}};
-        if (zmq_poll(items, 2, wait) < 0 && zmq_errno() != EINTR) {
+        zmq_pollitem_t items[3] = {{c->sock, 0, ZMQ_POLLIN, 0},
+                                   {c->mon, 0, ZMQ_POLLIN, 0},
+                                   {other, 0, ZMQ_POLLIN, 0}};
+        if (zmq_poll(items, other ? 3 : 2, wait) < 0 && zmq_errno() != EINTR) {
             snprintf(err, errlen, "zmq_poll: %s", zmq_strerror(zmq_errno()));
             return -1;
         }
+        if (other && (items[2].revents & ZMQ_POLLIN) && !(items[0].revents & ZMQ_POLLIN))
+            return 2;
         if (items[0].revents & ZMQ_POLLIN) {
             zmq_msg_t msg;
             zmq_msg_init(&msg);

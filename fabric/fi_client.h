@@ -68,6 +68,11 @@ FI_WIRE_MUST_CHECK int fi_client_send_encoded(fi_client *c, uint8_t *buf, const 
  * with a message when the coordinator refused our key (unknown or
  * revoked) or revoked us. */
 int fi_client_recv(fi_client *c, int timeout_ms, fi_msg **out, char *err, size_t errlen);
+/* fi_client_recv that also returns 2 as soon as the ZeroMQ socket other
+ * (of any context) has input: for a loop that serves the fabric and a
+ * pipe to a background thread at once. */
+int fi_client_recv_or(fi_client *c, int timeout_ms, void *other, fi_msg **out, char *err,
+                      size_t errlen);
 /* Waits until the coordinator has answered our Hello; 0, or -1 on timeout
  * or refusal. */
 int fi_client_wait_ready(fi_client *c, int timeout_ms, char *err, size_t errlen);

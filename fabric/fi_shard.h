@@ -6,9 +6,10 @@
  * What generates text is a backend (a table of functions and a context,
  * like the compute backends): the engine (fi_shard_engine.c, a whole model
  * in one process) or, for tests and the benchmark, an echo backend that
- * needs no model. Requests are served one at a time in arrival order;
- * those that arrive meanwhile wait in a bounded queue, and heartbeats and
- * cancellations are handled between tokens.
+ * needs no model. Requests are served one at a time in arrival order by
+ * a generator thread; those that arrive meanwhile wait in a bounded queue.
+ * The connection (heartbeats, cancellations) is served by the calling
+ * thread all along, so a long prefill never looks like a dead worker.
  */
 #ifndef FI_SHARD_H
 #define FI_SHARD_H
@@ -25,7 +26,8 @@ extern "C" {
 #endif
 
 /* Called by a backend with each piece of text; returns nonzero when the
- * request must stop (cancelled, or the worker is stopping). */
+ * request must stop (cancelled, the link was lost, or the worker is
+ * stopping). Backends run on the generator thread. */
 typedef int (*fi_shard_emit_fn)(void *emit_user, const char *text, size_t len);
 
 typedef struct fi_shard_gen {

@@ -53,7 +53,7 @@ static int s_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn em
     o.max_tokens = rq->max_tokens && (int)rq->max_tokens < en->max_tokens ? (int)rq->max_tokens
                                                                           : en->max_tokens;
     o.sampling = fi_sampler_defaults();
-    if (rq->temperature > 0) o.sampling.temperature = rq->temperature;
+    o.sampling.temperature = rq->temperature; /* 0 (the wire default): greedy */
     o.sampling.seed = rq->seed;
     s_emit_ctx ec = {emit, emit_user};
     o.on_text = s_on_text;
