@@ -40,5 +40,10 @@ site = core-1
 region = eu-west
 CONF
 "$FI" shard --config shard.conf --enrol "$TOKEN" ${ECHO:+--echo} 2>shard.log &
-sleep 2
+for _ in $(seq 60); do   # the worker loads the model, then connects
+  "$CTL" status | grep -q "^cluster.* up " && break
+  sleep 0.5
+done
 "$CTL" status
+echo "--- coordinator log"; cat coordinator.log
+echo "--- shard log"; cat shard.log
