@@ -11,7 +11,11 @@
  * option FEDINFER_FABRIC_BENCH_PLAINTEXT=ON, the same without encryption
  * (ZMQ PLAIN: same ZAP path, no crypto) and the ratio.
  *
- *   fi_fabric_bench [-n ROUNDTRIPS] [-w WINDOW] [-s PROMPT_BYTES]
+ *   fi_fabric_bench [-n ROUNDTRIPS] [-w WINDOW] [-s PROMPT_BYTES] [-r ROUNDS]
+ *
+ * With -r, the modes alternate ROUNDS times (CURVE, plaintext, CURVE, ...)
+ * and the medians are reported, which keeps a busy machine's drift out of
+ * the ratio.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -235,35 +239,67 @@ done:
     return rc;
 }
 
+static double s_median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, s_cmp);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static void s_print(const char *name, const result *r) {
+    printf("%-10s p50 %8.1f us  p99 %8.1f us  %9.0f round trips/s  %9.0f msgs/s\n", name,
+           r->p50_us, r->p99_us, r->rt_per_s, r->msg_per_s);
+}
+
+/* Medians of each metric over n results. */
+static result s_medians(const result *rs, int n) {
+    double a[4][64];
+    for (int i = 0; i < n; i++) {
+        a[0][i] = rs[i].p50_us;
+        a[1][i] = rs[i].p99_us;
+        a[2][i] = rs[i].rt_per_s;
+        a[3][i] = rs[i].msg_per_s;
+    }
+    result m = {s_median(a[0], n), s_median(a[1], n), s_median(a[2], n), s_median(a[3], n)};
+    return m;
+}
+
 int main(int argc, char **argv) {
-    int n = 5000, window = 32, size = 64, ch;
-    while ((ch = getopt(argc, argv, "n:w:s:h")) != -1) {
+    int n = 5000, window = 32, size = 64, rounds = 1, ch;
+    while ((ch = getopt(argc, argv, "n:w:s:r:h")) != -1) {
         switch (ch) {
         case 'n': n = atoi(optarg); break;
         case 'w': window = atoi(optarg); break;
         case 's': size = atoi(optarg); break;
+        case 'r': rounds = atoi(optarg); break;
         default:
             fprintf(ch == 'h' ? stdout : stderr,
-                    "usage: fi_fabric_bench [-n ROUNDTRIPS] [-w WINDOW] [-s PROMPT_BYTES]\n");
+                    "usage: fi_fabric_bench [-n ROUNDTRIPS] [-w WINDOW] [-s PROMPT_BYTES] "
+                    "[-r ROUNDS]\n");
             return ch == 'h' ? 0 : 2;
         }
     }
-    if (n < 100 || window < 1 || size < 1 || size > 65536) {
-        fprintf(stderr, "fi_fabric_bench: -n >= 100, -w >= 1, -s in 1..65536\n");
+    if (n < 100 || window < 1 || size < 1 || size > 65536 || rounds < 1 || rounds > 64) {
+        fprintf(stderr, "fi_fabric_bench: -n >= 100, -w >= 1, -s in 1..65536, -r in 1..64\n");
         return 2;
     }
     printf("fabric round trip edge -> coordinator -> echo worker -> edge, loopback TCP, "
-           "%d round trips, window %d, prompt %d bytes\n", n, window, size);
-    result curve, plain;
-    if (s_run(0, n, window, size, &curve) != 0) return 1;
-    printf("%-10s p50 %8.1f us  p99 %8.1f us  %9.0f round trips/s  %9.0f msgs/s\n", "CURVE",
-           curve.p50_us, curve.p99_us, curve.rt_per_s, curve.msg_per_s);
+           "%d round trips, window %d, prompt %d bytes, %d round(s)\n", n, window, size, rounds);
+    result curve[64], plain[64];
+    for (int r = 0; r < rounds; r++) {
+        if (s_run(0, n, window, size, &curve[r]) != 0) return 1;
+        if (rounds > 1) s_print("CURVE", &curve[r]);
 #ifdef FI_FABRIC_PLAINTEXT_BENCH
-    if (s_run(1, n, window, size, &plain) != 0) return 1;
-    printf("%-10s p50 %8.1f us  p99 %8.1f us  %9.0f round trips/s  %9.0f msgs/s\n", "plaintext",
-           plain.p50_us, plain.p99_us, plain.rt_per_s, plain.msg_per_s);
-    printf("CURVE/plaintext: p50 x%.2f  p99 x%.2f  throughput x%.2f\n", curve.p50_us / plain.p50_us,
-           curve.p99_us / plain.p99_us, curve.rt_per_s / plain.rt_per_s);
+        if (s_run(1, n, window, size, &plain[r]) != 0) return 1;
+        if (rounds > 1) s_print("plaintext", &plain[r]);
+#endif
+    }
+    result c = s_medians(curve, rounds);
+    if (rounds > 1) printf("medians:\n");
+    s_print("CURVE", &c);
+#ifdef FI_FABRIC_PLAINTEXT_BENCH
+    result p = s_medians(plain, rounds);
+    s_print("plaintext", &p);
+    printf("CURVE/plaintext: p50 x%.2f  p99 x%.2f  throughput x%.2f\n", c.p50_us / p.p50_us,
+           c.p99_us / p.p99_us, c.rt_per_s / p.rt_per_s);
 #else
     (void)plain;
     printf("(plaintext comparison: configure with -DFEDINFER_FABRIC_BENCH_PLAINTEXT=ON)\n");
