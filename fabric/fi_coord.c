@@ -226,9 +226,12 @@ static void s_fail_requests_of(fi_coord *c, const s_peer *p, const char *why) {
     }
 }
 
-static void s_peer_remove(fi_coord *c, s_peer *p, const char *why) {
-    s_log("peer %s (%s %s) removed: %s", p->rec.fpr, fi_wire_role_name(p->rec.role),
-          p->rec.site[0] ? p->rec.site : "-", why);
+/* Removes p from routing; its requests end (see s_fail_requests_of). Logs
+ * why unless quiet. */
+static void s_peer_remove(fi_coord *c, s_peer *p, const char *why, int quiet) {
+    if (!quiet)
+        s_log("peer %s (%s %s) removed: %s", p->rec.fpr, fi_wire_role_name(p->rec.role),
+              p->rec.site[0] ? p->rec.site : "-", why);
     s_fail_requests_of(c, p, why);
     *p = c->peers[--c->n_peers];
 }
@@ -300,11 +303,13 @@ static void s_cut_off(const s_peer *p) {
 static void s_on_hello(fi_coord *c, s_peer *p, const Fi__Hello *h) {
     /* One live connection per key: an older one is a connection that died
      * without us noticing yet. */
+    int replaced = 0;
     for (size_t i = 0; i < c->n_peers;) {
         s_peer *q = &c->peers[i];
         if (q != p && !memcmp(q->rec.pub, p->rec.pub, FI_KEYS_BYTES)) {
             uint64_t keep = p->serial;
-            s_peer_remove(c, q, "replaced by a new connection of the same key");
+            s_peer_remove(c, q, "replaced by a new connection of the same key", 1);
+            replaced = 1;
             p = s_peer_by_serial(c, keep);
             if (!p) return;
         } else {
@@ -324,9 +329,10 @@ static void s_on_hello(fi_coord *c, s_peer *p, const Fi__Hello *h) {
         }
     }
     if (!p->hello)
-        s_log("peer %s (%s %s/%s) connected from %s, %d model(s)", p->rec.fpr,
+        s_log("peer %s (%s %s/%s) %s from %s, %d model(s)", p->rec.fpr,
               fi_wire_role_name(p->rec.role), p->rec.site[0] ? p->rec.site : "-",
-              p->rec.region[0] ? p->rec.region : "-", p->addr, p->n_models);
+              p->rec.region[0] ? p->rec.region : "-", replaced ? "reconnected" : "connected",
+              p->addr, p->n_models);
     p->hello = 1;
     Fi__Hello r = FI__HELLO__INIT;
     r.role = FI__ROLE__ROLE_COORDINATOR;
@@ -616,7 +622,7 @@ static void s_on_revoke(fi_coord *c, s_peer *op, const Fi__RevokeRequest *rr) {
         s_send_error(c, c->router, p->rid, p->rid_len, "", FI__ERROR_CODE__ERR_REVOKED,
                      "this key was revoked");
         s_cut_off(p);
-        s_peer_remove(c, p, "revoked");
+        s_peer_remove(c, p, "revoked", 0);
     }
     op = s_peer_by_serial(c, op_serial);
     if (!op) return; /* the operator revoked itself */
@@ -864,7 +870,7 @@ static void s_tick(fi_coord *c) {
             char why[96];
             snprintf(why, sizeof why, "no message for %llu ms: peer is dead",
                      (unsigned long long)(now - p->last_ms));
-            s_peer_remove(c, p, why);
+            s_peer_remove(c, p, why, 0);
             continue;
         }
         size_t len = 0;
