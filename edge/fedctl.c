@@ -6,6 +6,7 @@
  */
 #include <stdio.h>
 #include <string.h>
+#include "fi_policy_cmd.h"
 
 typedef struct verb {
     const char *name;                 /* first argument */
@@ -15,6 +16,8 @@ typedef struct verb {
 
 /* Verbs are added here as their folders provide them. */
 static const verb s_verbs[] = {
+    {"policy", fi_cmd_policy, "author, test, explain, diff, sign and ship residency policies"},
+    {"audit", fi_cmd_audit, "list and verify the hash-chained decision audit log"},
     {NULL, NULL, NULL},
 };
 
