@@ -191,7 +191,7 @@ int fi_cmd_bench(int argc, char **argv) {
         return 2;
     }
     char err[512];
-    fi_model_opts mo = {(int)threads, simd};
+    fi_model_opts mo = {(int)threads, simd, 0};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);
@@ -261,10 +261,40 @@ int fi_cmd_bench(int argc, char **argv) {
         dec[r] = (double)n_gen / (s_now() - t2);
     }
     double pre_med = s_median(pre, (int)reps), dec_med = s_median(dec, (int)reps);
+    /* the same decode with 8-bit activations, for the trade-off */
+    fi_backend *beb = fi_model_backend(m);
+    double dec8 = 0;
+    if (fi_cpu_backend_set_act_bits(beb, 8) == 0) {
+        double *d8 = calloc((size_t)reps, sizeof(double));
+        if (!d8) goto done;
+        for (long r = 0; r < reps; r++) {
+            fi_session_rewind(s, 0);
+            if (fi_session_eval(s, toks, (int)n_prompt, logits, NULL, err, sizeof err) != 0) {
+                free(d8);
+                goto eval_fail;
+            }
+            int32_t id = s_argmax(logits, cfg->n_vocab);
+            double t2 = s_now();
+            for (long g = 0; g < n_gen; g++) {
+                if (fi_session_eval(s, &id, 1, logits, NULL, err, sizeof err) != 0) {
+                    free(d8);
+                    goto eval_fail;
+                }
+                id = s_argmax(logits, cfg->n_vocab);
+            }
+            d8[r] = (double)n_gen / (s_now() - t2);
+        }
+        dec8 = s_median(d8, (int)reps);
+        free(d8);
+        if (fi_cpu_backend_set_act_bits(beb, 16) != 0) goto done;
+    }
     printf("prefill        %.1f tok/s  (%ld-token prompt, median of %ld; min %.1f max %.1f)\n",
            pre_med, n_prompt, reps, pre[0], pre[reps - 1]);
     printf("decode         %.1f tok/s  (%ld tokens after the prompt, median of %ld; min %.1f max %.1f)\n",
            dec_med, n_gen, reps, dec[0], dec[reps - 1]);
+    if (dec8 > 0)
+        printf("decode 8-bit   %.1f tok/s  (same, with 8-bit activations: %.2fx; less exact)\n", dec8,
+               dec8 / dec_med);
 
     /* fill the context, then read the peak RSS */
     fi_session_rewind(s, 0);

@@ -81,6 +81,8 @@ static void s_run_usage(FILE *f) {
             "  -t, --threads N         CPU threads (default: one per core)\n"
             "  -c, --ctx N             context size in tokens (default 4096)\n"
             "      --simd MODE         auto, portable or avx2 (default auto)\n"
+            "      --act-bits N        activation precision in quantised products: 16\n"
+            "                          (default, matches an exact computation) or 8 (faster)\n"
             "      --stats             print timings and token counts to stderr\n"
             "  -h, --help              this text\n",
             FI_DEFAULT_MODEL);
@@ -131,10 +133,11 @@ int fi_cmd_run(int argc, char **argv) {
         {"stop", required_argument, 0, 'x'},    {"threads", required_argument, 0, 't'},
         {"ctx", required_argument, 0, 'c'},     {"simd", required_argument, 0, 'I'},
         {"stats", no_argument, 0, 'z'},         {"help", no_argument, 0, 'h'},
+        {"act-bits", required_argument, 0, 'B'},
         {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *system = NULL;
     int raw = 0, stats = 0, seed_given = 0;
-    long max_tokens = 256, threads = 0, n_ctx = 4096, v;
+    long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 16, v;
     fi_simd simd = FI_SIMD_AUTO;
     fi_sampler_params sp = fi_sampler_defaults();
     const char *stops[16];
@@ -175,6 +178,11 @@ int fi_cmd_run(int argc, char **argv) {
         case 'c': if (s_parse_int("--ctx", optarg, 1, 1 << 24, &n_ctx)) return 2; break;
         case 'I': if (fi_parse_simd(optarg, &simd)) return 2; break;
         case 'z': stats = 1; break;
+        case 'B': if (s_parse_int("--act-bits", optarg, 8, 16, &act_bits) || (act_bits != 8 && act_bits != 16)) {
+                      fprintf(stderr, "fedinfer: --act-bits must be 8 or 16\n");
+                      return 2;
+                  }
+                  break;
         case 'h': s_run_usage(stdout); return 0;
         default: s_run_usage(stderr); return 2;
         }
@@ -211,7 +219,7 @@ int fi_cmd_run(int argc, char **argv) {
     char *text = NULL;
     int32_t *ids = NULL;
     fi_session *s = NULL;
-    fi_model_opts mo = {(int)threads, simd};
+    fi_model_opts mo = {(int)threads, simd, (int)act_bits};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);

@@ -42,6 +42,8 @@ typedef struct fi_model fi_model;
 typedef struct fi_model_opts {
     int n_threads;   /* CPU threads; <= 0: one per core */
     fi_simd simd;    /* CPU code path */
+    int act_bits;    /* activation precision of quantised products: 16
+                        (0 means this default) or 8 (faster, less exact) */
 } fi_model_opts;
 
 /* Loads a model: opens the GGUF, checks every tensor's presence, type and

@@ -259,7 +259,7 @@ static float *s_bind_vector(fi_model *m, const char *name, int n, char *err, siz
 }
 
 fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, size_t errlen) {
-    fi_model_opts defaults = {0, FI_SIMD_AUTO};
+    fi_model_opts defaults = {0, FI_SIMD_AUTO, 0};
     if (!opts) opts = &defaults;
     fi_model *m = calloc(1, sizeof *m);
     if (!m) {
@@ -278,6 +278,10 @@ fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, 
     if (!m->tok) goto fail;
     m->be = fi_cpu_backend_new(opts->n_threads, opts->simd, err, errlen);
     if (!m->be) goto fail;
+    if (opts->act_bits && fi_cpu_backend_set_act_bits(m->be, opts->act_bits) != 0) {
+        s_err(err, errlen, "activation precision must be 8 or 16 bits, not %d", opts->act_bits);
+        goto fail;
+    }
 
     fi_config *c = &m->cfg;
     const fi_gguf_tensor *emb = fi_gguf_find_tensor(m->gguf, "token_embd.weight");

@@ -32,7 +32,7 @@ static const char *s_write(const fi_gw_llama_opts *o) {
 
 static fi_model *s_load(const fi_gw_llama_opts *o, fi_simd simd, int threads) {
     char err[512];
-    fi_model_opts mo = {threads, simd};
+    fi_model_opts mo = {threads, simd, 0};
     fi_model *m = fi_model_load(s_write(o), &mo, err, sizeof err);
     if (!m) fail_msg("load failed: %s", err);
     unlink(s_path);
