@@ -8,6 +8,8 @@
 #include <string.h>
 #include "fi_policy_cmd.h"
 
+#include "fi_fabric_cmd.h"
+
 typedef struct verb {
     const char *name;                 /* first argument */
     int (*fn)(int argc, char **argv); /* runs it; returns the exit status */
@@ -18,6 +20,9 @@ typedef struct verb {
 static const verb s_verbs[] = {
     {"policy", fi_cmd_policy, "author, test, explain, diff, sign and ship residency policies"},
     {"audit", fi_cmd_audit, "list and verify the hash-chained decision audit log"},
+    {"status", fi_ctl_status, "list sites, edges and clusters with their health"},
+    {"enrol", fi_ctl_enrol, "create a one-time enrolment token"},
+    {"revoke", fi_ctl_revoke, "revoke a peer's key and cut it off"},
     {NULL, NULL, NULL},
 };
 
