@@ -118,10 +118,10 @@ int fi_cmd_coordinator(int argc, char **argv) {
             fprintf(stderr, "fedinfer coordinator: %s\n", err);
             return 1;
         }
-        fi_fleet *st = fi_fleet_open(o.db, err, sizeof err);
-        int rc = st ? fi_fleet_peer_add(st, pub, FI__ROLE__ROLE_OPERATOR, "", "", err, sizeof err)
+        fi_store *st = fi_store_open(o.db, err, sizeof err);
+        int rc = st ? fi_store_peer_add(st, pub, FI__ROLE__ROLE_OPERATOR, "", "", err, sizeof err)
                     : -1;
-        fi_fleet_destroy(&st);
+        fi_store_destroy(&st);
         if (rc != 0) {
             fprintf(stderr, "fedinfer coordinator: --init: %s\n", err);
             return 1;

@@ -53,7 +53,7 @@ typedef struct s_req {
 struct fi_coord {
     fi_coord_opts o;               /* options, copied */
     fi_keypair kp;                 /* coordinator's key pair (wiped on destroy) */
-    fi_fleet *st;                  /* fleet state */
+    fi_store *st;                  /* fleet state */
     void *ctx;                     /* ZeroMQ context */
     void *zap;                     /* ZAP handler (REP, inproc) */
     void *router;                  /* fabric endpoint */
@@ -123,7 +123,7 @@ static int s_zap_check(void *user, const char *domain, const uint8_t pub[FI_KEYS
     char fpr[FI_KEYS_FPR_LEN], z[FI_KEYS_Z85_LEN];
     fi_keys_fingerprint(pub, fpr);
     fi_peer_rec rec;
-    int have = fi_fleet_peer_get(c->st, pub, &rec);
+    int have = fi_store_peer_get(c->st, pub, &rec);
     int enrol = !strcmp(domain, FI_ZAP_DOMAIN_ENROL);
     if (!enrol && strcmp(domain, FI_ZAP_DOMAIN_FABRIC)) {
         snprintf(reason, reasonlen, "unknown domain");
@@ -263,7 +263,7 @@ static s_peer *s_peer_for(fi_coord *c, const void *rid, size_t rid_len, const ch
         }
         p = &c->peers[c->n_peers];
         memset(p, 0, sizeof *p);
-        int have = fi_fleet_peer_get(c->st, pub, &p->rec);
+        int have = fi_store_peer_get(c->st, pub, &p->rec);
         if (have != 1) {
             s_log("dropped a message from a key not in the store (from %s)", addr);
             return NULL;
@@ -537,7 +537,7 @@ static int s_status_row(void *user, const fi_peer_rec *rec) {
 }
 
 static void s_on_status(fi_coord *c, s_peer *op) {
-    int64_t total = fi_fleet_count(c->st, "peers");
+    int64_t total = fi_store_count(c->st, "peers");
     size_t n = total < 0 ? 0 : total > S_MAX_STATUS ? S_MAX_STATUS : (size_t)total;
     s_status_ctx s = {c, calloc(n + 1, sizeof(Fi__PeerStatus)),
                       calloc(n + 1, sizeof(Fi__PeerStatus *)),
@@ -549,7 +549,7 @@ static void s_on_status(fi_coord *c, s_peer *op) {
                      "cannot read the fleet");
     } else {
         s.n = 0;
-        if (n) (void)fi_fleet_peer_each(c->st, s_status_row, &s);
+        if (n) (void)fi_store_peer_each(c->st, s_status_row, &s);
         Fi__StatusReply sr = FI__STATUS_REPLY__INIT;
         sr.n_peers = s.n;
         sr.peers = s.ptrs;
@@ -569,7 +569,7 @@ static void s_on_token(fi_coord *c, s_peer *op, const Fi__TokenRequest *tr) {
     const char *site = tr->site ? tr->site : "", *region = tr->region ? tr->region : "";
     int need_site = tr->role == FI__ROLE__ROLE_EDGE || tr->role == FI__ROLE__ROLE_CLUSTER;
     if ((!need_site && tr->role != FI__ROLE__ROLE_OPERATOR) ||
-        (need_site && (!fi_fleet_name_ok(site) || !fi_fleet_name_ok(region))) ||
+        (need_site && (!fi_store_name_ok(site) || !fi_store_name_ok(region))) ||
         (!need_site && (site[0] || region[0])) || tr->ttl_s == 0 || tr->ttl_s > 7 * 86400) {
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_BAD_REQUEST,
                      "token request needs a role (edge, cluster, operator), a site and region "
@@ -584,7 +584,7 @@ static void s_on_token(fi_coord *c, s_peer *op, const Fi__TokenRequest *tr) {
         return;
     }
     fi_keys_token_hash(tok, hash);
-    if (fi_fleet_token_add(c->st, hash, tr->role, site, region, expires, err, sizeof err) != 0) {
+    if (fi_store_token_add(c->st, hash, tr->role, site, region, expires, err, sizeof err) != 0) {
         s_log("token: %s", err);
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL, err);
         return;
@@ -603,7 +603,7 @@ static void s_on_token(fi_coord *c, s_peer *op, const Fi__TokenRequest *tr) {
 static void s_on_revoke(fi_coord *c, s_peer *op, const Fi__RevokeRequest *rr) {
     fi_peer_rec rec;
     const char *fpr = rr->fingerprint ? rr->fingerprint : "";
-    int rc = strlen(fpr) == FI_KEYS_FPR_LEN - 1 ? fi_fleet_peer_revoke(c->st, fpr, &rec) : 0;
+    int rc = strlen(fpr) == FI_KEYS_FPR_LEN - 1 ? fi_store_peer_revoke(c->st, fpr, &rec) : 0;
     if (rc <= 0) {
         s_send_error(c, c->router, op->rid, op->rid_len, "",
                      rc < 0 ? FI__ERROR_CODE__ERR_INTERNAL : FI__ERROR_CODE__ERR_NOT_FOUND,
@@ -631,7 +631,7 @@ static void s_on_revoke(fi_coord *c, s_peer *op, const Fi__RevokeRequest *rr) {
 }
 
 static void s_on_bundle(fi_coord *c, s_peer *op, const Fi__PolicyBundle *b) {
-    if (fi_fleet_bundle_put(c->st, b->version, b->bundle.data, b->bundle.len, op->rec.fpr) != 0) {
+    if (fi_store_bundle_put(c->st, b->version, b->bundle.data, b->bundle.len, op->rec.fpr) != 0) {
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
                      "cannot store the bundle");
         return;
@@ -660,7 +660,7 @@ static void s_on_audit(fi_coord *c, s_peer *p, const Fi__AuditUpload *a) {
                      "audit upload needs a batch_id of 1..64 bytes");
         return;
     }
-    if (fi_fleet_audit_put(c->st, p->rec.fpr, bid, a->first_seq, a->count, a->batch.data,
+    if (fi_store_audit_put(c->st, p->rec.fpr, bid, a->first_seq, a->count, a->batch.data,
                            a->batch.len) != 0) {
         s_send_error(c, c->router, p->rid, p->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
                      "cannot store the audit batch");
@@ -741,7 +741,7 @@ static void s_on_enrol(fi_coord *c, const void *rid, size_t rid_len, const char 
     const char *site = en->site ? en->site : "", *region = en->region ? en->region : "";
     char hash[65], err[256];
     fi_keys_token_hash(en->token ? en->token : "", hash);
-    if (fi_fleet_enrol(c->st, hash, en->role, site, region, pub, (int64_t)time(NULL), err,
+    if (fi_store_enrol(c->st, hash, en->role, site, region, pub, (int64_t)time(NULL), err,
                        sizeof err) != 0) {
         s_log("enrolment of %s (%s %s/%s) from %s refused: %s", fpr, fi_wire_role_name(en->role),
               site, region, addr, err);
@@ -898,7 +898,7 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
     so.plaintext = o->plaintext;
     int one = 1;
     size_t n;
-    if (!(c->st = fi_fleet_open(o->db, err, errlen))) goto fail;
+    if (!(c->st = fi_store_open(o->db, err, errlen))) goto fail;
     if (!(c->ctx = zmq_ctx_new())) {
         snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
         goto fail;
@@ -953,7 +953,7 @@ void fi_coord_destroy(fi_coord **cp) {
     for (int i = 0; i < 2; i++)
         if (c->mon[i]) zmq_close(c->mon[i]);
     if (c->ctx) zmq_ctx_term(c->ctx);
-    fi_fleet_destroy(&c->st);
+    fi_store_destroy(&c->st);
     free(c->peers);
     free(c->reqs);
     fi_keys_wipe(&c->kp);
@@ -963,7 +963,7 @@ void fi_coord_destroy(fi_coord **cp) {
 
 const char *fi_coord_endpoint(const fi_coord *c, int enrol) { return c->ep[enrol ? 1 : 0]; }
 
-fi_fleet *fi_coord_fleet(fi_coord *c) { return c->st; }
+fi_store *fi_coord_store(fi_coord *c) { return c->st; }
 
 int fi_coord_run(fi_coord *c, atomic_int *stop) {
     s_log("serving on %s (enrolment on %s), heartbeat %d ms x %d", c->ep[0], c->ep[1],

@@ -21,7 +21,7 @@
 
 #include "fi_conf.h"
 #include "fi_keys.h"
-#include "fi_fleet.h"
+#include "fi_store.h"
 #include "fi_transport.h"
 
 #ifdef __cplusplus
@@ -73,7 +73,7 @@ int fi_coord_run(fi_coord *c, atomic_int *stop);
  * fabric, 1 for enrolment. */
 const char *fi_coord_endpoint(const fi_coord *c, int enrol);
 /* The store, for bootstrap and tests (owned by c). */
-fi_fleet *fi_coord_fleet(fi_coord *c);
+fi_store *fi_coord_store(fi_coord *c);
 
 #ifdef __cplusplus
 }

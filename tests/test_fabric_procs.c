@@ -182,9 +182,9 @@ static int s_kill_coord_on_text(void *user, const char *text, size_t len) {
 
 static int64_t s_count(procs *p, const char *table) {
     char err[256];
-    fi_fleet *st = fi_fleet_open(p->h.db, err, sizeof err);
-    int64_t n = st ? fi_fleet_count(st, table) : -1;
-    fi_fleet_destroy(&st);
+    fi_store *st = fi_store_open(p->h.db, err, sizeof err);
+    int64_t n = st ? fi_store_count(st, table) : -1;
+    fi_store_destroy(&st);
     return n;
 }
 

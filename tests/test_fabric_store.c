@@ -17,7 +17,7 @@
 
 #include "fi_conf.h"
 #include "fi_keys.h"
-#include "fi_fleet.h"
+#include "fi_store.h"
 
 typedef struct s_dir {
     char path[64]; /* temporary directory */
@@ -25,7 +25,7 @@ typedef struct s_dir {
 
 static int setup(void **state) {
     s_dir *d = calloc(1, sizeof *d);
-    snprintf(d->path, sizeof d->path, "/tmp/fi_fleet_test_XXXXXX");
+    snprintf(d->path, sizeof d->path, "/tmp/fi_store_test_XXXXXX");
     if (!mkdtemp(d->path)) return -1;
     *state = d;
     return 0;
@@ -150,76 +150,76 @@ static void test_store(void **state) {
     s_dir *d = *state;
     char db[128], err[512];
     snprintf(db, sizeof db, "%s/state.db", d->path);
-    fi_fleet *st = fi_fleet_open(db, err, sizeof err);
+    fi_store *st = fi_store_open(db, err, sizeof err);
     assert_non_null(st);
     fi_keypair a, b, c;
     assert_int_equal(fi_keys_generate(&a) | fi_keys_generate(&b) | fi_keys_generate(&c), 0);
-    assert_int_equal(fi_fleet_peer_add(st, a.pub, FI__ROLE__ROLE_OPERATOR, "", "", err, sizeof err), 0);
-    assert_int_equal(fi_fleet_peer_add(st, a.pub, FI__ROLE__ROLE_EDGE, "s", "r", err, sizeof err), -1);
+    assert_int_equal(fi_store_peer_add(st, a.pub, FI__ROLE__ROLE_OPERATOR, "", "", err, sizeof err), 0);
+    assert_int_equal(fi_store_peer_add(st, a.pub, FI__ROLE__ROLE_EDGE, "s", "r", err, sizeof err), -1);
     assert_non_null(strstr(err, "already enrolled"));
     fi_peer_rec rec;
-    assert_int_equal(fi_fleet_peer_get(st, a.pub, &rec), 1);
+    assert_int_equal(fi_store_peer_get(st, a.pub, &rec), 1);
     assert_int_equal(rec.role, FI__ROLE__ROLE_OPERATOR);
-    assert_int_equal(fi_fleet_peer_get(st, b.pub, &rec), 0);
+    assert_int_equal(fi_store_peer_get(st, b.pub, &rec), 0);
 
     /* tokens: right role/site/region, once, before expiry */
     char tok[FI_KEYS_TOKEN_LEN], h[65];
     assert_int_equal(fi_keys_token(tok), 0);
     fi_keys_token_hash(tok, h);
     int64_t now = (int64_t)time(NULL);
-    assert_int_equal(fi_fleet_token_add(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", now + 60, err,
+    assert_int_equal(fi_store_token_add(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", now + 60, err,
                                         sizeof err), 0);
-    assert_int_equal(fi_fleet_enrol(st, h, FI__ROLE__ROLE_CLUSTER, "clinic", "eu", b.pub, now, err,
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_CLUSTER, "clinic", "eu", b.pub, now, err,
                                     sizeof err), -1);
-    assert_int_equal(fi_fleet_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "us", b.pub, now, err,
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "us", b.pub, now, err,
                                     sizeof err), -1);
-    assert_int_equal(fi_fleet_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", b.pub, now + 61,
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", b.pub, now + 61,
                                     err, sizeof err), -1);
     assert_non_null(strstr(err, "expired"));
-    assert_int_equal(fi_fleet_peer_get(st, b.pub, &rec), 0); /* nothing half-done */
-    assert_int_equal(fi_fleet_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", b.pub, now, err,
+    assert_int_equal(fi_store_peer_get(st, b.pub, &rec), 0); /* nothing half-done */
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", b.pub, now, err,
                                     sizeof err), 0);
-    assert_int_equal(fi_fleet_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
                                     sizeof err), -1);
     assert_non_null(strstr(err, "already used"));
     fi_keys_token_hash("fit_nope", h);
-    assert_int_equal(fi_fleet_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
                                     sizeof err), -1);
     assert_non_null(strstr(err, "unknown"));
-    assert_int_equal(fi_fleet_peer_get(st, b.pub, &rec), 1);
+    assert_int_equal(fi_store_peer_get(st, b.pub, &rec), 1);
     assert_string_equal(rec.site, "clinic");
     assert_false(rec.revoked);
 
     /* revoke */
     char fpr[FI_KEYS_FPR_LEN];
     fi_keys_fingerprint(b.pub, fpr);
-    assert_int_equal(fi_fleet_peer_revoke(st, fpr, &rec), 1);
+    assert_int_equal(fi_store_peer_revoke(st, fpr, &rec), 1);
     assert_true(rec.revoked);
-    assert_int_equal(fi_fleet_peer_revoke(st, "00000000000000000000000000000000", &rec), 0);
+    assert_int_equal(fi_store_peer_revoke(st, "00000000000000000000000000000000", &rec), 0);
     /* opaque carriage for policy/ */
-    assert_int_equal(fi_fleet_bundle_put(st, 1, "b", 1, fpr), 0);
-    assert_int_equal(fi_fleet_audit_put(st, fpr, "x", 1, 1, "a", 1), 0);
-    assert_int_equal(fi_fleet_audit_put(st, fpr, "x", 1, 1, "a", 1), 0); /* resent: kept once */
-    assert_int_equal(fi_fleet_count(st, "audit"), 1);
-    assert_int_equal(fi_fleet_count(st, "sites"), 1);
-    assert_int_equal(fi_fleet_count(st, "nope"), -1);
-    fi_fleet_destroy(&st);
+    assert_int_equal(fi_store_bundle_put(st, 1, "b", 1, fpr), 0);
+    assert_int_equal(fi_store_audit_put(st, fpr, "x", 1, 1, "a", 1), 0);
+    assert_int_equal(fi_store_audit_put(st, fpr, "x", 1, 1, "a", 1), 0); /* resent: kept once */
+    assert_int_equal(fi_store_count(st, "audit"), 1);
+    assert_int_equal(fi_store_count(st, "sites"), 1);
+    assert_int_equal(fi_store_count(st, "nope"), -1);
+    fi_store_destroy(&st);
     assert_null(st);
-    fi_fleet_destroy(&st);
+    fi_store_destroy(&st);
 
     /* everything survives a reopen */
-    st = fi_fleet_open(db, err, sizeof err);
+    st = fi_store_open(db, err, sizeof err);
     assert_non_null(st);
-    assert_int_equal(fi_fleet_peer_get(st, b.pub, &rec), 1);
+    assert_int_equal(fi_store_peer_get(st, b.pub, &rec), 1);
     assert_true(rec.revoked);
-    assert_int_equal(fi_fleet_count(st, "peers"), 2);
-    assert_int_equal(fi_fleet_count(st, "tokens"), 1);
-    assert_int_equal(fi_fleet_count(st, "bundles"), 1);
-    fi_fleet_destroy(&st);
-    assert_null(fi_fleet_open("/nonexistent/dir/x.db", err, sizeof err));
-    assert_true(fi_fleet_name_ok("clinic-7.eu_1"));
-    assert_false(fi_fleet_name_ok("a b"));
-    assert_false(fi_fleet_name_ok(""));
+    assert_int_equal(fi_store_count(st, "peers"), 2);
+    assert_int_equal(fi_store_count(st, "tokens"), 1);
+    assert_int_equal(fi_store_count(st, "bundles"), 1);
+    fi_store_destroy(&st);
+    assert_null(fi_store_open("/nonexistent/dir/x.db", err, sizeof err));
+    assert_true(fi_store_name_ok("clinic-7.eu_1"));
+    assert_false(fi_store_name_ok("a b"));
+    assert_false(fi_store_name_ok(""));
 }
 
 int main(void) {

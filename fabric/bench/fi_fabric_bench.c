@@ -95,16 +95,16 @@ static int s_start(bench *b, int plaintext) {
     if (fi_keys_generate(&b->coord) || fi_keys_generate(&b->edge) ||
         fi_keys_generate(&b->worker))
         return -1;
-    fi_fleet *st = fi_fleet_open(b->db, err, sizeof err);
-    if (!st || fi_fleet_peer_add(st, b->edge.pub, FI__ROLE__ROLE_EDGE, "site", "region", err,
+    fi_store *st = fi_store_open(b->db, err, sizeof err);
+    if (!st || fi_store_peer_add(st, b->edge.pub, FI__ROLE__ROLE_EDGE, "site", "region", err,
                                  sizeof err) ||
-        fi_fleet_peer_add(st, b->worker.pub, FI__ROLE__ROLE_CLUSTER, "core", "region", err,
+        fi_store_peer_add(st, b->worker.pub, FI__ROLE__ROLE_CLUSTER, "core", "region", err,
                           sizeof err)) {
         fprintf(stderr, "bench: %s\n", err);
-        fi_fleet_destroy(&st);
+        fi_store_destroy(&st);
         return -1;
     }
-    fi_fleet_destroy(&st);
+    fi_store_destroy(&st);
     fi_coord_opts o;
     fi_coord_opts_default(&o);
     snprintf(o.bind, sizeof o.bind, "tcp://127.0.0.1:*");

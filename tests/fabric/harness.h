@@ -21,7 +21,7 @@
 #include "fi_coord.h"
 #include "fi_keys.h"
 #include "fi_shard.h"
-#include "fi_fleet.h"
+#include "fi_store.h"
 
 /* Short heartbeats keep the suite fast: a dead peer is found in 300 ms. */
 /* Each test program uses a part of the harness. */
@@ -60,11 +60,11 @@ H_FN void *h_coord_main(void *arg) {
 H_FN int h_enrol_direct(harness *h, const fi_keypair *kp, Fi__Role role, const char *site,
                           const char *region) {
     char err[256];
-    fi_fleet *st = fi_fleet_open(h->db, err, sizeof err);
+    fi_store *st = fi_store_open(h->db, err, sizeof err);
     if (!st) return -1;
-    int rc = fi_fleet_peer_add(st, kp->pub, role, site, region, err, sizeof err);
+    int rc = fi_store_peer_add(st, kp->pub, role, site, region, err, sizeof err);
     if (rc) fprintf(stderr, "harness: %s\n", err);
-    fi_fleet_destroy(&st);
+    fi_store_destroy(&st);
     return rc;
 }
 

@@ -1,7 +1,7 @@
 /*
- * fi_fleet.c - fleet state in SQLite. See fi_fleet.h.
+ * fi_store.c - fleet state in SQLite. See fi_store.h.
  */
-#include "fi_fleet.h"
+#include "fi_store.h"
 
 #include <sqlite3.h>
 #include <stdarg.h>
@@ -10,7 +10,7 @@
 #include <string.h>
 #include <time.h>
 
-struct fi_fleet {
+struct fi_store {
     sqlite3 *db; /* the open database */
 };
 
@@ -31,8 +31,8 @@ static const char *s_schema =
     "  batch_id TEXT NOT NULL, first_seq INTEGER NOT NULL, count INTEGER NOT NULL,"
     "  blob BLOB NOT NULL, received INTEGER NOT NULL, UNIQUE(from_fpr, batch_id));";
 
-fi_fleet *fi_fleet_open(const char *path, char *err, size_t errlen) {
-    fi_fleet *st = calloc(1, sizeof *st);
+fi_store *fi_store_open(const char *path, char *err, size_t errlen) {
+    fi_store *st = calloc(1, sizeof *st);
     if (!st) {
         snprintf(err, errlen, "out of memory");
         return NULL;
@@ -53,20 +53,20 @@ fi_fleet *fi_fleet_open(const char *path, char *err, size_t errlen) {
     }
     return st;
 fail:
-    fi_fleet_destroy(&st);
+    fi_store_destroy(&st);
     return NULL;
 }
 
-void fi_fleet_destroy(fi_fleet **st) {
+void fi_store_destroy(fi_store **st) {
     if (!st || !*st) return;
     sqlite3_close((*st)->db);
     free(*st);
     *st = NULL;
 }
 
-int fi_fleet_name_ok(const char *s) {
+int fi_store_name_ok(const char *s) {
     size_t n = s ? strlen(s) : 0;
-    if (n == 0 || n >= FI_FLEET_NAME_MAX) return 0;
+    if (n == 0 || n >= FI_STORE_NAME_MAX) return 0;
     for (size_t i = 0; i < n; i++) {
         char c = s[i];
         if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
@@ -79,7 +79,7 @@ int fi_fleet_name_ok(const char *s) {
 /* Prepares sql and binds the arguments described by fmt: 'b' key blob
  * (32 bytes), 's' text, 'i' int64, 'B' blob + size_t length. NULL on a
  * database error. */
-static sqlite3_stmt *s_prep(fi_fleet *st, const char *sql, const char *fmt, ...) {
+static sqlite3_stmt *s_prep(fi_store *st, const char *sql, const char *fmt, ...) {
     sqlite3_stmt *q = NULL;
     if (sqlite3_prepare_v2(st->db, sql, -1, &q, NULL) != SQLITE_OK) return NULL;
     va_list ap;
@@ -110,7 +110,7 @@ static sqlite3_stmt *s_prep(fi_fleet *st, const char *sql, const char *fmt, ...)
 }
 
 /* Runs a prepared statement that returns no rows; 0 or -1. */
-static int s_run(fi_fleet *st, sqlite3_stmt *q, char *err, size_t errlen) {
+static int s_run(fi_store *st, sqlite3_stmt *q, char *err, size_t errlen) {
     if (!q) {
         if (err) snprintf(err, errlen, "database: %s", sqlite3_errmsg(st->db));
         return -1;
@@ -124,16 +124,16 @@ static int s_run(fi_fleet *st, sqlite3_stmt *q, char *err, size_t errlen) {
     return 0;
 }
 
-static int s_exec(fi_fleet *st, const char *sql) {
+static int s_exec(fi_store *st, const char *sql) {
     return sqlite3_exec(st->db, sql, NULL, NULL, NULL) == SQLITE_OK ? 0 : -1;
 }
 
-static int s_peer_insert(fi_fleet *st, const uint8_t pub[FI_KEYS_BYTES], Fi__Role role,
+static int s_peer_insert(fi_store *st, const uint8_t pub[FI_KEYS_BYTES], Fi__Role role,
                          const char *site, const char *region, char *err, size_t errlen) {
     char fpr[FI_KEYS_FPR_LEN];
     fi_keys_fingerprint(pub, fpr);
     fi_peer_rec old;
-    int have = fi_fleet_peer_get(st, pub, &old);
+    int have = fi_store_peer_get(st, pub, &old);
     if (have != 0) {
         snprintf(err, errlen, have > 0 ? "key %s is already enrolled" : "database: lookup failed",
                  fpr);
@@ -149,7 +149,7 @@ static int s_peer_insert(fi_fleet *st, const uint8_t pub[FI_KEYS_BYTES], Fi__Rol
                             region, (int64_t)time(NULL)), err, errlen);
 }
 
-int fi_fleet_peer_add(fi_fleet *st, const uint8_t pub[FI_KEYS_BYTES], Fi__Role role,
+int fi_store_peer_add(fi_store *st, const uint8_t pub[FI_KEYS_BYTES], Fi__Role role,
                       const char *site, const char *region, char *err, size_t errlen) {
     if (s_exec(st, "BEGIN IMMEDIATE") != 0) {
         snprintf(err, errlen, "database: %s", sqlite3_errmsg(st->db));
@@ -181,7 +181,7 @@ static void s_row_to_peer(sqlite3_stmt *q, fi_peer_rec *p) {
 
 #define S_PEER_COLS "pubkey, fpr, role, site, region, enrolled, revoked"
 
-int fi_fleet_peer_get(fi_fleet *st, const uint8_t pub[FI_KEYS_BYTES], fi_peer_rec *out) {
+int fi_store_peer_get(fi_store *st, const uint8_t pub[FI_KEYS_BYTES], fi_peer_rec *out) {
     sqlite3_stmt *q = s_prep(st, "SELECT " S_PEER_COLS " FROM peers WHERE pubkey = ?", "b", pub);
     if (!q) return -1;
     int rc = sqlite3_step(q);
@@ -191,7 +191,7 @@ int fi_fleet_peer_get(fi_fleet *st, const uint8_t pub[FI_KEYS_BYTES], fi_peer_re
     return res;
 }
 
-int fi_fleet_peer_revoke(fi_fleet *st, const char *fpr, fi_peer_rec *out) {
+int fi_store_peer_revoke(fi_store *st, const char *fpr, fi_peer_rec *out) {
     if (s_run(st, s_prep(st, "UPDATE peers SET revoked = ? WHERE fpr = ? AND revoked IS NULL",
                          "is", (int64_t)time(NULL), fpr), NULL, 0) != 0)
         return -1;
@@ -204,7 +204,7 @@ int fi_fleet_peer_revoke(fi_fleet *st, const char *fpr, fi_peer_rec *out) {
     return res;
 }
 
-int fi_fleet_peer_each(fi_fleet *st, int (*fn)(void *user, const fi_peer_rec *p), void *user) {
+int fi_store_peer_each(fi_store *st, int (*fn)(void *user, const fi_peer_rec *p), void *user) {
     sqlite3_stmt *q = s_prep(st, "SELECT " S_PEER_COLS " FROM peers ORDER BY role, site, fpr", "");
     if (!q) return -1;
     int rc, res = 0;
@@ -218,14 +218,14 @@ int fi_fleet_peer_each(fi_fleet *st, int (*fn)(void *user, const fi_peer_rec *p)
     return res;
 }
 
-int fi_fleet_token_add(fi_fleet *st, const char *token_hash, Fi__Role role, const char *site,
+int fi_store_token_add(fi_store *st, const char *token_hash, Fi__Role role, const char *site,
                        const char *region, int64_t expires_unix, char *err, size_t errlen) {
     return s_run(st, s_prep(st, "INSERT INTO tokens(hash, role, site, region, created, expires) "
                                 "VALUES(?,?,?,?,?,?)", "sissii", token_hash, (int64_t)role,
                             site, region, (int64_t)time(NULL), expires_unix), err, errlen);
 }
 
-int fi_fleet_enrol(fi_fleet *st, const char *token_hash, Fi__Role role, const char *site,
+int fi_store_enrol(fi_store *st, const char *token_hash, Fi__Role role, const char *site,
                    const char *region, const uint8_t pub[FI_KEYS_BYTES], int64_t now_unix,
                    char *err, size_t errlen) {
     if (s_exec(st, "BEGIN IMMEDIATE") != 0) {
@@ -265,14 +265,14 @@ int fi_fleet_enrol(fi_fleet *st, const char *token_hash, Fi__Role role, const ch
     return ok ? 0 : -1;
 }
 
-int fi_fleet_bundle_put(fi_fleet *st, uint64_t version, const void *blob, size_t len,
+int fi_store_bundle_put(fi_store *st, uint64_t version, const void *blob, size_t len,
                         const char *from_fpr) {
     return s_run(st, s_prep(st, "INSERT INTO bundles(version, blob, from_fpr, received) "
                                 "VALUES(?,?,?,?)", "iBsi", (int64_t)version, blob, len, from_fpr,
                             (int64_t)time(NULL)), NULL, 0);
 }
 
-int fi_fleet_audit_put(fi_fleet *st, const char *from_fpr, const char *batch_id,
+int fi_store_audit_put(fi_store *st, const char *from_fpr, const char *batch_id,
                        uint64_t first_seq, uint64_t count, const void *blob, size_t len) {
     /* A batch sent again after a lost ack is kept once. */
     return s_run(st, s_prep(st, "INSERT OR IGNORE INTO audit(from_fpr, batch_id, first_seq, "
@@ -281,7 +281,7 @@ int fi_fleet_audit_put(fi_fleet *st, const char *from_fpr, const char *batch_id,
                             (int64_t)time(NULL)), NULL, 0);
 }
 
-int64_t fi_fleet_count(fi_fleet *st, const char *table) {
+int64_t fi_store_count(fi_store *st, const char *table) {
     static const char *const ok[] = {"peers", "tokens", "bundles", "audit", "sites", "regions"};
     int known = 0;
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) known |= !strcmp(ok[i], table);
