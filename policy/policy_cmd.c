@@ -13,7 +13,7 @@
 #include "fi_bundle.h"
 #include "fi_cases.h"
 #include "fi_policy_cmd.h"
-#include "fi_store.h"
+#include "fi_pstore.h"
 
 #define DEFAULT_VALID_DAYS 30
 
@@ -70,7 +70,7 @@ static int64_t s_time(const char *s) {
     char *e;
     errno = 0;
     long long x = strtoll(s, &e, 10);
-    if (!*e && !errno && x >= 0 && strlen(s) != 10) return x;
+    if (*s && !*e && !errno && x >= 0) return x; /* Unix seconds */
     size_t n = strlen(s);
     if (!((n == 20 && sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2dZ", &Y, &M, &D, &h, &m, &sec) == 6) ||
           (n == 10 && sscanf(s, "%4d-%2d-%2d", &Y, &M, &D) == 3)))
@@ -446,10 +446,10 @@ static int s_diff(int argc, char **argv) {
     } else {
         char err[400], *content = NULL;
         size_t clen = 0;
-        fi_store_version sv;
-        fi_store *st = fi_store_open(store, err, sizeof err);
-        int r = st ? fi_store_get(st, 0, &sv, &content, &clen, NULL, NULL, err, sizeof err) : -1;
-        fi_store_destroy(&st);
+        fi_pstore_version sv;
+        fi_pstore *st = fi_pstore_open(store, err, sizeof err);
+        int r = st ? fi_pstore_get(st, 0, &sv, &content, &clen, NULL, NULL, err, sizeof err) : -1;
+        fi_pstore_destroy(&st);
         if (r) {
             fprintf(stderr, "fedctl policy diff: %s\n", r > 0 ? "the store holds no version yet" : err);
         } else {
@@ -582,12 +582,12 @@ static int s_apply(int argc, char **argv) {
     char err[800];
     uint8_t sk[FI_BUNDLE_SK_BYTES];
     int rc = 1;
-    fi_store *s = NULL;
+    fi_pstore *s = NULL;
     if (fi_bundle_key_load(key, sk, err, sizeof err)) {
         fprintf(stderr, "fedctl policy apply: %s\n", err);
         goto done;
     }
-    if (!(s = fi_store_open(store, err, sizeof err))) {
+    if (!(s = fi_pstore_open(store, err, sizeof err))) {
         fprintf(stderr, "fedctl policy apply: %s\n", err);
         goto done;
     }
@@ -595,14 +595,14 @@ static int s_apply(int argc, char **argv) {
     fi_policy *pol = s_load(file, true);
     fi_policy_destroy(&pol);
     uint64_t v;
-    if (fi_store_apply(s, text, len, s_author(author), why, sk, time(NULL), nd * 86400, &v, err, sizeof err)) {
+    if (fi_pstore_apply(s, text, len, s_author(author), why, sk, time(NULL), nd * 86400, &v, err, sizeof err)) {
         fprintf(stderr, "fedctl policy apply: %s\n", err);
         goto done;
     }
-    fi_store_version sv;
+    fi_pstore_version sv;
     char *bundle = NULL;
     size_t blen = 0;
-    if (fi_store_get(s, v, &sv, NULL, NULL, &bundle, &blen, err, sizeof err)) {
+    if (fi_pstore_get(s, v, &sv, NULL, NULL, &bundle, &blen, err, sizeof err)) {
         fprintf(stderr, "fedctl policy apply: %s\n", err);
         goto done;
     }
@@ -622,12 +622,12 @@ static int s_apply(int argc, char **argv) {
     rc = 0;
 done:
     sodium_memzero(sk, sizeof sk);
-    fi_store_destroy(&s);
+    fi_pstore_destroy(&s);
     free(text);
     return rc;
 }
 
-static int s_history_row(const fi_store_version *v, void *arg) {
+static int s_history_row(const fi_pstore_version *v, void *arg) {
     (void)arg;
     char t[32];
     s_fmt_time(v->created, t, sizeof t);
@@ -649,15 +649,15 @@ static int s_history(int argc, char **argv) {
         return 2;
     }
     char err[400];
-    fi_store *s = fi_store_open(store, err, sizeof err);
+    fi_pstore *s = fi_pstore_open(store, err, sizeof err);
     if (!s) {
         fprintf(stderr, "fedctl policy history: %s\n", err);
         return 1;
     }
     printf("%-7s %-20s %-16s %-16s  %s\n", "version", "time", "author", "digest", "comment");
-    int rc = fi_store_history(s, s_history_row, NULL, err, sizeof err);
+    int rc = fi_pstore_history(s, s_history_row, NULL, err, sizeof err);
     if (rc) fprintf(stderr, "fedctl policy history: %s\n", err);
-    fi_store_destroy(&s);
+    fi_pstore_destroy(&s);
     return rc ? 1 : 0;
 }
 
@@ -694,18 +694,18 @@ static int s_rollback(int argc, char **argv) {
         fprintf(stderr, "fedctl policy rollback: %s\n", err);
         return 1;
     }
-    fi_store *s = fi_store_open(store, err, sizeof err);
+    fi_pstore *s = fi_pstore_open(store, err, sizeof err);
     if (!s) {
         sodium_memzero(sk, sizeof sk);
         fprintf(stderr, "fedctl policy rollback: %s\n", err);
         return 1;
     }
     uint64_t v;
-    int rc = fi_store_rollback(s, old, s_author(author), why ? why : "", sk, time(NULL), nd * 86400, &v, err, sizeof err);
+    int rc = fi_pstore_rollback(s, old, s_author(author), why ? why : "", sk, time(NULL), nd * 86400, &v, err, sizeof err);
     sodium_memzero(sk, sizeof sk);
     if (rc) fprintf(stderr, "fedctl policy rollback: %s\n", err);
     else printf("version %llu restores the content of version %llu\n", (unsigned long long)v, old);
-    fi_store_destroy(&s);
+    fi_pstore_destroy(&s);
     return rc ? 1 : 0;
 }
 
@@ -725,16 +725,16 @@ static int s_bundle(int argc, char **argv) {
         return 2;
     }
     char err[400];
-    fi_store *s = fi_store_open(store, err, sizeof err);
+    fi_pstore *s = fi_pstore_open(store, err, sizeof err);
     if (!s) {
         fprintf(stderr, "fedctl policy bundle: %s\n", err);
         return 1;
     }
     char *content = NULL, *bundle = NULL;
     size_t clen = 0, blen = 0;
-    fi_store_version sv;
-    int r = fi_store_get(s, ver ? strtoull(ver, NULL, 10) : 0, &sv, &content, &clen, &bundle, &blen, err, sizeof err);
-    fi_store_destroy(&s);
+    fi_pstore_version sv;
+    int r = fi_pstore_get(s, ver ? strtoull(ver, NULL, 10) : 0, &sv, &content, &clen, &bundle, &blen, err, sizeof err);
+    fi_pstore_destroy(&s);
     if (r) {
         fprintf(stderr, "fedctl policy bundle: %s\n", r > 0 ? "no such version in the store" : err);
         return 1;

@@ -1,14 +1,14 @@
 /*
- * policy_store.c - the operator-side policy store (contract in fi_store.h).
+ * policy_store.c - the operator-side policy store (contract in fi_pstore.h).
  */
 #include <sodium.h>
 #include <sqlite3.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "fi_store.h"
+#include "fi_pstore.h"
 
-struct fi_store {
+struct fi_pstore {
     sqlite3 *db; /* the open database */
 };
 
@@ -30,8 +30,8 @@ static const char *s_schema =
     "CREATE TRIGGER IF NOT EXISTS policy_versions_no_delete BEFORE DELETE ON policy_versions"
     " BEGIN SELECT RAISE(ABORT, 'policy versions are immutable'); END;";
 
-fi_store *fi_store_open(const char *path, char *err, size_t cap) {
-    fi_store *s = calloc(1, sizeof *s);
+fi_pstore *fi_pstore_open(const char *path, char *err, size_t cap) {
+    fi_pstore *s = calloc(1, sizeof *s);
     if (!s) {
         snprintf(err, cap, "out of memory");
         return NULL;
@@ -41,20 +41,20 @@ fi_store *fi_store_open(const char *path, char *err, size_t cap) {
         sqlite3_busy_timeout(s->db, 5000) != SQLITE_OK || sqlite3_exec(s->db, s_schema, NULL, NULL, &msg) != SQLITE_OK) {
         snprintf(err, cap, "cannot open policy store %s: %s", path, msg ? msg : sqlite3_errmsg(s->db));
         sqlite3_free(msg);
-        fi_store_destroy(&s);
+        fi_pstore_destroy(&s);
         return NULL;
     }
     return s;
 }
 
-void fi_store_destroy(fi_store **self_p) {
+void fi_pstore_destroy(fi_pstore **self_p) {
     if (!self_p || !*self_p) return;
     sqlite3_close((*self_p)->db);
     free(*self_p);
     *self_p = NULL;
 }
 
-static int s_insert(fi_store *s, const char *content, size_t len, const char *author, const char *comment,
+static int s_insert(fi_pstore *s, const char *content, size_t len, const char *author, const char *comment,
                     const uint8_t sk[FI_BUNDLE_SK_BYTES], int64_t now, int64_t valid_for, uint64_t rollback_of,
                     uint64_t *version, char *err, size_t cap) {
     fi_diags *d = fi_diags_new();
@@ -133,23 +133,23 @@ done:
     return rc;
 }
 
-int fi_store_apply(fi_store *self, const char *content, size_t len, const char *author, const char *comment,
+int fi_pstore_apply(fi_pstore *self, const char *content, size_t len, const char *author, const char *comment,
                    const uint8_t sk[FI_BUNDLE_SK_BYTES], int64_t now, int64_t valid_for, uint64_t *version,
                    char *err, size_t cap) {
     return s_insert(self, content, len, author, comment, sk, now, valid_for, 0, version, err, cap);
 }
 
-int fi_store_rollback(fi_store *self, uint64_t old, const char *author, const char *comment,
+int fi_pstore_rollback(fi_pstore *self, uint64_t old, const char *author, const char *comment,
                       const uint8_t sk[FI_BUNDLE_SK_BYTES], int64_t now, int64_t valid_for, uint64_t *version,
                       char *err, size_t cap) {
-    fi_store_version v;
+    fi_pstore_version v;
     char *content = NULL;
     size_t len = 0;
     if (!old) {
         snprintf(err, cap, "no version 0: versions start at 1");
         return -1;
     }
-    int r = fi_store_get(self, old, &v, &content, &len, NULL, NULL, err, cap);
+    int r = fi_pstore_get(self, old, &v, &content, &len, NULL, NULL, err, cap);
     if (r > 0) snprintf(err, cap, "no version %llu in the store", (unsigned long long)old);
     if (r) return -1;
     char why[700];
@@ -160,7 +160,7 @@ int fi_store_rollback(fi_store *self, uint64_t old, const char *author, const ch
     return rc;
 }
 
-static void s_row(sqlite3_stmt *st, fi_store_version *v) {
+static void s_row(sqlite3_stmt *st, fi_pstore_version *v) {
     memset(v, 0, sizeof *v);
     v->version = (uint64_t)sqlite3_column_int64(st, 0);
     v->created = sqlite3_column_int64(st, 1);
@@ -174,7 +174,7 @@ static void s_row(sqlite3_stmt *st, fi_store_version *v) {
 
 #define COLS "version, created, author, digest, comment, not_before, not_after, rollback_of"
 
-int fi_store_history(fi_store *self, int (*fn)(const fi_store_version *v, void *arg), void *arg, char *err,
+int fi_pstore_history(fi_pstore *self, int (*fn)(const fi_pstore_version *v, void *arg), void *arg, char *err,
                      size_t cap) {
     sqlite3_stmt *st = NULL;
     if (sqlite3_prepare_v2(self->db, "SELECT " COLS " FROM policy_versions ORDER BY version", -1, &st, NULL) !=
@@ -184,7 +184,7 @@ int fi_store_history(fi_store *self, int (*fn)(const fi_store_version *v, void *
     }
     int r;
     while ((r = sqlite3_step(st)) == SQLITE_ROW) {
-        fi_store_version v;
+        fi_pstore_version v;
         s_row(st, &v);
         if (fn(&v, arg)) {
             r = SQLITE_DONE;
@@ -208,7 +208,7 @@ static int s_blob(sqlite3_stmt *st, int col, char **out, size_t *len) {
     return 0;
 }
 
-int fi_store_get(fi_store *self, uint64_t version, fi_store_version *v, char **content, size_t *content_len,
+int fi_pstore_get(fi_pstore *self, uint64_t version, fi_pstore_version *v, char **content, size_t *content_len,
                  char **bundle, size_t *bundle_len, char *err, size_t cap) {
     if (content) *content = NULL;
     if (bundle) *bundle = NULL;

@@ -18,7 +18,7 @@
 #include <cmocka.h>
 
 #include "fi_bundle.h"
-#include "fi_store.h"
+#include "fi_pstore.h"
 
 static const char *POLICY = "labels public;\njurisdiction EU;\nregion r in EU;\nsite s in r;\npermit \"all\";\n";
 static const char *POLICY2 = "labels public;\njurisdiction EU;\nregion r in EU;\nsite s in r;\npermit \"all\";\n"
@@ -251,8 +251,8 @@ static void test_keys(void **state) {
     assert_int_equal(fi_bundle_pub_load(path, pk, err, sizeof err), -1); /* a secret key is not a public key */
 }
 
-static int s_count(const fi_store_version *v, void *arg) {
-    fi_store_version *last = arg;
+static int s_count(const fi_pstore_version *v, void *arg) {
+    fi_pstore_version *last = arg;
     *last = *v;
     return 0;
 }
@@ -261,31 +261,31 @@ static void test_store(void **state) {
     fx *f = *state;
     char path[512], err[800];
     snprintf(path, sizeof path, "%s/store.db", f->dir);
-    fi_store *s = fi_store_open(path, err, sizeof err);
+    fi_pstore *s = fi_pstore_open(path, err, sizeof err);
     assert_non_null(s);
     uint64_t v1, v2, v3;
-    assert_int_equal(fi_store_apply(s, POLICY, strlen(POLICY), "alice", "first", f->sk, NOW, 3600, &v1, err, sizeof err), 0);
-    assert_int_equal(fi_store_apply(s, POLICY2, strlen(POLICY2), "bob", "second", f->sk, NOW + 1, 3600, &v2, err, sizeof err), 0);
+    assert_int_equal(fi_pstore_apply(s, POLICY, strlen(POLICY), "alice", "first", f->sk, NOW, 3600, &v1, err, sizeof err), 0);
+    assert_int_equal(fi_pstore_apply(s, POLICY2, strlen(POLICY2), "bob", "second", f->sk, NOW + 1, 3600, &v2, err, sizeof err), 0);
     assert_true(v1 == 1 && v2 == 2);
     /* a policy with errors is never stored */
     const char *broken = "permit \"x\" when target.nope == 1;";
     uint64_t vx;
-    assert_int_equal(fi_store_apply(s, broken, strlen(broken), "eve", "bad", f->sk, NOW, 3600, &vx, err, sizeof err), -1);
+    assert_int_equal(fi_pstore_apply(s, broken, strlen(broken), "eve", "bad", f->sk, NOW, 3600, &vx, err, sizeof err), -1);
     assert_non_null(strstr(err, "unknown attribute target.nope"));
     /* roll back: a new version with old content */
-    assert_int_equal(fi_store_rollback(s, 1, "carol", "revert", f->sk, NOW + 2, 3600, &v3, err, sizeof err), 0);
+    assert_int_equal(fi_pstore_rollback(s, 1, "carol", "revert", f->sk, NOW + 2, 3600, &v3, err, sizeof err), 0);
     assert_true(v3 == 3);
-    assert_int_equal(fi_store_rollback(s, 42, "carol", "", f->sk, NOW + 2, 3600, &vx, err, sizeof err), -1);
-    fi_store_version last;
-    assert_int_equal(fi_store_history(s, s_count, &last, err, sizeof err), 0);
+    assert_int_equal(fi_pstore_rollback(s, 42, "carol", "", f->sk, NOW + 2, 3600, &vx, err, sizeof err), -1);
+    fi_pstore_version last;
+    assert_int_equal(fi_pstore_history(s, s_count, &last, err, sizeof err), 0);
     assert_true(last.version == 3);
     assert_true(last.rollback_of == 1);
     assert_string_equal(last.author, "carol");
     assert_string_equal(last.comment, "rollback to version 1: revert");
     char *content, *bundle;
     size_t cl, bl;
-    fi_store_version sv;
-    assert_int_equal(fi_store_get(s, 0, &sv, &content, &cl, &bundle, &bl, err, sizeof err), 0);
+    fi_pstore_version sv;
+    assert_int_equal(fi_pstore_get(s, 0, &sv, &content, &cl, &bundle, &bl, err, sizeof err), 0);
     assert_string_equal(content, POLICY);
     fi_bundle_info info;
     /* the rollback's bundle is accepted by an edge holding version 2 */
@@ -295,23 +295,23 @@ static void test_store(void **state) {
     assert_true(info.not_after == NOW + 2 + 3600);
     free(content);
     free(bundle);
-    assert_int_equal(fi_store_get(s, 99, &sv, NULL, NULL, NULL, NULL, err, sizeof err), 1);
-    fi_store_destroy(&s);
+    assert_int_equal(fi_pstore_get(s, 99, &sv, NULL, NULL, NULL, NULL, err, sizeof err), 1);
+    fi_pstore_destroy(&s);
     /* versions are immutable, even through SQL */
     char cmd[700];
     snprintf(cmd, sizeof cmd, "sqlite3 '%s' \"UPDATE policy_versions SET comment='x' WHERE version=1\" 2>/dev/null", path);
     int rc = system(cmd);
     if (rc != -1 && WEXITSTATUS(rc) != 127) assert_true(rc != 0); /* refused by the trigger (skipped without sqlite3) */
     /* the policy's own expiry bounds the bundle */
-    s = fi_store_open(path, err, sizeof err);
+    s = fi_pstore_open(path, err, sizeof err);
     const char *exp = "expires \"2027-01-01T00:00:00Z\";\njurisdiction X;\n";
-    assert_int_equal(fi_store_apply(s, exp, strlen(exp), "a", "b", f->sk, 1798761600 - 100, 86400, &vx, err, sizeof err), 0);
-    assert_int_equal(fi_store_get(s, vx, &sv, NULL, NULL, NULL, NULL, err, sizeof err), 0);
+    assert_int_equal(fi_pstore_apply(s, exp, strlen(exp), "a", "b", f->sk, 1798761600 - 100, 86400, &vx, err, sizeof err), 0);
+    assert_int_equal(fi_pstore_get(s, vx, &sv, NULL, NULL, NULL, NULL, err, sizeof err), 0);
     assert_true(sv.not_after == 1798761600);
-    assert_int_equal(fi_store_apply(s, exp, strlen(exp), "a", "b", f->sk, 1798761600, 86400, &vx, err, sizeof err), -1);
+    assert_int_equal(fi_pstore_apply(s, exp, strlen(exp), "a", "b", f->sk, 1798761600, 86400, &vx, err, sizeof err), -1);
     assert_non_null(strstr(err, "expired"));
-    fi_store_destroy(&s);
-    fi_store_destroy(&s);
+    fi_pstore_destroy(&s);
+    fi_pstore_destroy(&s);
 }
 
 int main(void) {
