@@ -18,8 +18,8 @@ typedef struct verb {
 
 /* Verbs are added here as their folders provide them. */
 static const verb s_verbs[] = {
-    {"policy", fi_cmd_policy, "author, test, explain, diff, sign and ship residency policies"},
-    {"audit", fi_cmd_audit, "list and verify the hash-chained decision audit log"},
+    {"policy", fi_ctl_policy, "author, test, explain, diff, sign and ship residency policies"},
+    {"audit", fi_ctl_audit, "list and verify the coordinator's hash-chained decision audit log"},
     {"status", fi_ctl_status, "list sites, edges and clusters with their health"},
     {"enrol", fi_ctl_enrol, "create a one-time enrolment token"},
     {"revoke", fi_ctl_revoke, "revoke a peer's key and cut it off"},

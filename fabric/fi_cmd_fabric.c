@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "fi_coord.h"
+#include "fi_coord_ship.h"
 #include "fi_fabric_cmd.h"
 
 int fi_cmd_keygen(int argc, char **argv) {
@@ -88,12 +89,17 @@ int fi_cmd_coordinator(int argc, char **argv) {
                     "usage: fedinfer coordinator --config FILE\n"
                     "       fedinfer coordinator --config FILE --init --operator-key OP.pub\n\n"
                     "Runs the coordinator. --init records the first operator's public key in\n"
-                    "the database and exits (bootstrap; later peers enrol with tokens).\n\n"
+                    "the database, makes the policy-signing key (unless it exists; its public\n"
+                    "key, KEY.pub, is what edges trust as the signer of policy bundles) and\n"
+                    "exits (bootstrap; later peers enrol with tokens).\n\n"
                     "Configuration (key = value lines; unknown keys are errors):\n"
                     "  db = FILE            SQLite state (required)\n"
                     "  secret_key = FILE    the coordinator's secret key (required, mode 0600)\n"
                     "  bind = ENDPOINT      fabric endpoint (tcp://0.0.0.0:7700)\n"
                     "  enrol_bind = ENDPOINT  enrolment endpoint (tcp://0.0.0.0:7701)\n"
+                    "  policy_key = FILE    policy-signing key (DB.policy.key)\n"
+                    "  audit_db = FILE      the coordinator's audit log (DB.audit)\n"
+                    "  policy_valid_s = N   default validity of a signed bundle (2592000)\n"
                     "  heartbeat_ms, liveness, handshake_ms, max_msg, hwm, max_in_flight\n");
             return ch == 'h' ? 0 : 2;
         }
@@ -128,6 +134,17 @@ int fi_cmd_coordinator(int argc, char **argv) {
         }
         fi_keys_fingerprint(pub, fpr);
         printf("operator %s recorded in %s\n", fpr, o.db);
+        /* The policy-signing key: bundles are signed with it at the
+         * coordinator; edges pin its public key as the one known signer. */
+        char key[FI_CONF_STR_MAX + 16], hex[65];
+        int created = 0;
+        fi_ship_paths(o.db, o.policy_key, o.audit_db, key, sizeof key, NULL, 0);
+        if (fi_ship_keygen(key, hex, &created, err, sizeof err) != 0) {
+            fprintf(stderr, "fedinfer coordinator: --init: policy-signing key: %s\n", err);
+            return 1;
+        }
+        printf("policy-signing key %s %s (0600); public key %s.pub: %s\n", key,
+               created ? "written" : "kept", key, hex);
         return 0;
     }
     fi_keypair kp;

@@ -6,6 +6,7 @@
  * work on each message. Requests likewise.
  */
 #include "fi_coord.h"
+#include "fi_coord_ship.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -54,6 +55,7 @@ struct fi_coord {
     fi_coord_opts o;               /* options, copied */
     fi_keypair kp;                 /* coordinator's key pair (wiped on destroy) */
     fi_store *st;                  /* fleet state */
+    fi_ship *ship;                 /* policy store, signing key, audit log */
     void *ctx;                     /* ZeroMQ context */
     void *zap;                     /* ZAP handler (REP, inproc) */
     void *router;                  /* fabric endpoint */
@@ -83,6 +85,9 @@ const fi_conf_key fi_coord_conf_keys[] = {
     {"max_msg", FI_CONF_INT, S_OFF(max_msg), 0, 1024, (long)FI_WIRE_MAX_MSG},
     {"hwm", FI_CONF_INT, S_OFF(hwm), 0, 10, 1000000},
     {"max_in_flight", FI_CONF_INT, S_OFF(max_in_flight), 0, 1, 100000},
+    {"policy_key", FI_CONF_STR, S_OFF(policy_key), 0, 0, 0},
+    {"audit_db", FI_CONF_STR, S_OFF(audit_db), 0, 0, 0},
+    {"policy_valid_s", FI_CONF_INT, S_OFF(policy_valid_s), 0, 60, 10 * 366 * 86400},
     {NULL, FI_CONF_STR, 0, 0, 0, 0},
 };
 
@@ -97,6 +102,7 @@ void fi_coord_opts_default(fi_coord_opts *o) {
     o->max_msg = (int)FI_WIRE_MAX_MSG;
     o->hwm = 1000;
     o->max_in_flight = 64;
+    o->policy_valid_s = FI_SHIP_DEFAULT_VALID_S;
 }
 
 static void s_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -653,21 +659,36 @@ static void s_on_bundle(fi_coord *c, s_peer *op, const Fi__PolicyBundle *b) {
     (void)s_send(c, c->router, op->rid, op->rid_len, fi_wire_ack(ref, &len), &len);
 }
 
-static void s_on_audit(fi_coord *c, s_peer *p, const Fi__AuditUpload *a) {
-    const char *bid = a->batch_id ? a->batch_id : "";
-    if (!bid[0] || strlen(bid) > FI_WIRE_MAX_ID) {
-        s_send_error(c, c->router, p->rid, p->rid_len, "", FI__ERROR_CODE__ERR_BAD_REQUEST,
-                     "audit upload needs a batch_id of 1..64 bytes");
-        return;
+/* Sends an encoded message to every connected edge (fi_ship_push_fn). */
+static int s_push_edges(void *user, const uint8_t *buf, size_t len) {
+    fi_coord *c = user;
+    int sent = 0;
+    for (size_t i = 0; i < c->n_peers; i++) {
+        s_peer *p = &c->peers[i];
+        if (p->rec.role != FI__ROLE__ROLE_EDGE || !p->hello) continue;
+        if (zmq_send(c->router, p->rid, p->rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
+            zmq_send(c->router, buf, len, ZMQ_DONTWAIT) >= 0)
+            sent++;
     }
-    if (fi_store_audit_put(c->st, p->rec.fpr, bid, a->first_seq, a->count, a->batch.data,
-                           a->batch.len) != 0) {
-        s_send_error(c, c->router, p->rid, p->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
-                     "cannot store the audit batch");
-        return;
-    }
+    return sent;
+}
+
+/* Policy and audit requests, and audit uploads (fi_coord_ship.c). */
+static void s_on_ship(fi_coord *c, s_peer *p, const fi_msg *m) {
+    uint64_t serial = p->serial;
+    fi_peer_rec from = p->rec;
     size_t len = 0;
-    (void)s_send(c, c->router, p->rid, p->rid_len, fi_wire_ack(bid, &len), &len);
+    uint8_t *buf = fi_ship_handle(c->ship, &from, m, s_push_edges, c, &len);
+    p = s_peer_by_serial(c, serial);
+    if (p) (void)s_send(c, c->router, p->rid, p->rid_len, buf, &len);
+    else free(buf);
+}
+
+/* An edge that says Hello gets the active policy bundle. */
+static void s_push_active(fi_coord *c, s_peer *p) {
+    size_t len = 0;
+    uint8_t *buf = fi_ship_active_bundle(c->ship, &len);
+    if (buf) (void)s_send(c, c->router, p->rid, p->rid_len, buf, &len);
 }
 
 /* Which message types each role may send on the fabric endpoint. */
@@ -682,6 +703,12 @@ static int s_allowed(Fi__Role role, fi_msg_type t) {
     case FI__ENVELOPE__BODY_ERROR: return role == FI__ROLE__ROLE_CLUSTER;
     case FI__ENVELOPE__BODY_AUDIT_UPLOAD:
         return role == FI__ROLE__ROLE_EDGE || role == FI__ROLE__ROLE_CLUSTER;
+    case FI__ENVELOPE__BODY_POLICY_APPLY:
+    case FI__ENVELOPE__BODY_POLICY_ROLLBACK:
+    case FI__ENVELOPE__BODY_POLICY_HISTORY_REQUEST:
+    case FI__ENVELOPE__BODY_POLICY_GET:
+    case FI__ENVELOPE__BODY_AUDIT_QUERY:
+    case FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST:
     case FI__ENVELOPE__BODY_POLICY_BUNDLE:
     case FI__ENVELOPE__BODY_STATUS_REQUEST:
     case FI__ENVELOPE__BODY_TOKEN_REQUEST:
@@ -710,14 +737,28 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
         return;
     }
     switch (m->body_case) {
-    case FI__ENVELOPE__BODY_HELLO: s_on_hello(c, p, m->hello); break;
+    case FI__ENVELOPE__BODY_HELLO:
+        if (p->rec.role == FI__ROLE__ROLE_EDGE) {
+            uint64_t serial = p->serial;
+            s_on_hello(c, p, m->hello);
+            if ((p = s_peer_by_serial(c, serial))) s_push_active(c, p);
+        } else {
+            s_on_hello(c, p, m->hello);
+        }
+        break;
     case FI__ENVELOPE__BODY_HEARTBEAT: break;
     case FI__ENVELOPE__BODY_INFER: s_on_infer(c, p, m->infer); break;
     case FI__ENVELOPE__BODY_CANCEL: s_on_cancel(c, p, m->cancel); break;
     case FI__ENVELOPE__BODY_CHUNK:
     case FI__ENVELOPE__BODY_FINAL:
     case FI__ENVELOPE__BODY_ERROR: s_on_worker_reply(c, p, m); break;
-    case FI__ENVELOPE__BODY_AUDIT_UPLOAD: s_on_audit(c, p, m->audit_upload); break;
+    case FI__ENVELOPE__BODY_AUDIT_UPLOAD:
+    case FI__ENVELOPE__BODY_POLICY_APPLY:
+    case FI__ENVELOPE__BODY_POLICY_ROLLBACK:
+    case FI__ENVELOPE__BODY_POLICY_HISTORY_REQUEST:
+    case FI__ENVELOPE__BODY_POLICY_GET:
+    case FI__ENVELOPE__BODY_AUDIT_QUERY:
+    case FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST: s_on_ship(c, p, m); break;
     case FI__ENVELOPE__BODY_POLICY_BUNDLE: s_on_bundle(c, p, m->policy_bundle); break;
     case FI__ENVELOPE__BODY_STATUS_REQUEST: s_on_status(c, p); break;
     case FI__ENVELOPE__BODY_TOKEN_REQUEST: s_on_token(c, p, m->token_request); break;
@@ -899,6 +940,11 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
     int one = 1;
     size_t n;
     if (!(c->st = fi_store_open(o->db, err, errlen))) goto fail;
+    {
+        char key[FI_CONF_STR_MAX + 16], audit[FI_CONF_STR_MAX + 16];
+        fi_ship_paths(o->db, o->policy_key, o->audit_db, key, sizeof key, audit, sizeof audit);
+        if (!(c->ship = fi_ship_open(c->st, o->db, audit, key, o->policy_valid_s, err, errlen))) goto fail;
+    }
     if (!(c->ctx = zmq_ctx_new())) {
         snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
         goto fail;
@@ -954,6 +1000,7 @@ void fi_coord_destroy(fi_coord **cp) {
         if (c->mon[i]) zmq_close(c->mon[i]);
     if (c->ctx) zmq_ctx_term(c->ctx);
     fi_store_destroy(&c->st);
+    fi_ship_destroy(&c->ship);
     free(c->peers);
     free(c->reqs);
     fi_keys_wipe(&c->kp);
@@ -964,6 +1011,8 @@ void fi_coord_destroy(fi_coord **cp) {
 const char *fi_coord_endpoint(const fi_coord *c, int enrol) { return c->ep[enrol ? 1 : 0]; }
 
 fi_store *fi_coord_store(fi_coord *c) { return c->st; }
+
+fi_ship *fi_coord_ship(fi_coord *c) { return c->ship; }
 
 int fi_coord_run(fi_coord *c, atomic_int *stop) {
     s_log("serving on %s (enrolment on %s), heartbeat %d ms x %d", c->ep[0], c->ep[1],

@@ -50,6 +50,11 @@ typedef struct fi_coord_opts {
     int plaintext;                    /* benchmark builds only */
     fi_coord_policy_fn policy;        /* may be NULL, see above */
     void *policy_user;                /* passed to policy */
+    /* Policy shipping and auditing (fi_coord_ship.h). Empty paths: next to
+     * db, as DB.policy.key and DB.audit. */
+    char policy_key[FI_CONF_STR_MAX]; /* policy-signing key (made by --init) */
+    char audit_db[FI_CONF_STR_MAX];   /* the coordinator's audit log (SQLite) */
+    int policy_valid_s;               /* default bundle validity, seconds (30 days) */
 } fi_coord_opts;
 
 /* Defaults: tcp://0.0.0.0:7700 and :7701, coordinator.db, heartbeat
@@ -74,6 +79,8 @@ int fi_coord_run(fi_coord *c, atomic_int *stop);
 const char *fi_coord_endpoint(const fi_coord *c, int enrol);
 /* The store, for bootstrap and tests (owned by c). */
 fi_store *fi_coord_store(fi_coord *c);
+/* The policy store and audit log (fi_coord_ship.h), for tests (owned by c). */
+struct fi_ship *fi_coord_ship(fi_coord *c);
 
 #ifdef __cplusplus
 }

@@ -39,7 +39,7 @@ static const fi_conf_key s_ctl_keys[] = {
     "                  coordinator_key, secret_key [, timeout_ms]\n"
 
 /* Connects as an operator. NULL (message printed) on failure. */
-static fi_client *s_connect(const char *verb, const char *config) {
+fi_client *fi_ctl_connect(const char *verb, const char *config) {
     if (!config) config = getenv("FEDCTL_CONFIG");
     if (!config) {
         fprintf(stderr, "fedctl %s: no --config and no $FEDCTL_CONFIG\n", verb);
@@ -66,21 +66,30 @@ static fi_client *s_connect(const char *verb, const char *config) {
     return c;
 }
 
-/* Sends m and waits for want; prints an Error reply. Returns the reply or
- * NULL. */
-static fi_msg *s_call(const char *verb, fi_client *c, const fi_msg *m, fi_msg_type want) {
+fi_msg *fi_ctl_call(const char *verb, fi_client *c, const fi_msg *m, int want, int *code) {
     fi_msg *r = NULL;
     char err[512];
-    if (fi_client_call(c, m, want, 10000, &r, err, sizeof err) != 1) {
+    if (code) *code = FI__ERROR_CODE__ERR_UNSPECIFIED;
+    int rc = fi_client_call(c, m, (fi_msg_type)want, 10000, &r, err, sizeof err);
+    if (rc != 1) {
         fprintf(stderr, "fedctl %s: %s\n", verb, err);
         return NULL;
     }
     if (r->body_case == FI__ENVELOPE__BODY_ERROR) {
+        if (code) *code = r->error->code;
         fprintf(stderr, "fedctl %s: %s (%s)\n", verb, r->error->message,
                 fi_wire_error_name(r->error->code));
         fi_wire_free(&r);
     }
     return r;
+}
+
+static fi_client *s_connect(const char *verb, const char *config) {
+    return fi_ctl_connect(verb, config);
+}
+
+static fi_msg *s_call(const char *verb, fi_client *c, const fi_msg *m, fi_msg_type want) {
+    return fi_ctl_call(verb, c, m, want, NULL);
 }
 
 /* Parses --config/--help only; returns -1 to exit with *rc. */

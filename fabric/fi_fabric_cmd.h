@@ -7,6 +7,8 @@
 #ifndef FI_FABRIC_CMD_H
 #define FI_FABRIC_CMD_H
 
+#include "fi_client.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -18,6 +20,24 @@ int fi_cmd_shard(int argc, char **argv);       /* fedinfer shard       */
 int fi_ctl_status(int argc, char **argv); /* fedctl status */
 int fi_ctl_enrol(int argc, char **argv);  /* fedctl enrol  */
 int fi_ctl_revoke(int argc, char **argv); /* fedctl revoke */
+
+/* fedctl policy / fedctl audit: the verbs that change or read the fleet's
+ * policy and audit log go to the coordinator (fi_ctl_policy.c); the rest,
+ * and the offline modes (--store FILE, --db FILE), are policy/'s
+ * fi_cmd_policy / fi_cmd_audit. */
+int fi_ctl_policy(int argc, char **argv); /* fedctl policy */
+int fi_ctl_audit(int argc, char **argv);  /* fedctl audit  */
+
+/* The console's connection to the coordinator, as an operator, from the
+ * configuration file config (NULL: $FEDCTL_CONFIG): coordinator,
+ * coordinator_key, secret_key [, timeout_ms]. Returns an opaque
+ * fi_client (fi_client.h), or NULL with a message printed as
+ * "fedctl VERB: ...". */
+fi_client *fi_ctl_connect(const char *verb, const char *config);
+/* Sends m and waits for a reply of type want; an Error reply is printed
+ * and NULL returned (as on a timeout). *code (may be NULL) gets the
+ * error's code, ERR_UNSPECIFIED otherwise. */
+fi_msg *fi_ctl_call(const char *verb, fi_client *c, const fi_msg *m, int want, int *code);
 
 #ifdef __cplusplus
 }

@@ -116,6 +116,17 @@ const char *fi_wire_type_name(fi_msg_type t) {
     case FI__ENVELOPE__BODY_TOKEN_REPLY: return "token_reply";
     case FI__ENVELOPE__BODY_REVOKE_REQUEST: return "revoke_request";
     case FI__ENVELOPE__BODY_CANCEL: return "cancel";
+    case FI__ENVELOPE__BODY_POLICY_APPLY: return "policy_apply";
+    case FI__ENVELOPE__BODY_POLICY_REPLY: return "policy_reply";
+    case FI__ENVELOPE__BODY_POLICY_HISTORY_REQUEST: return "policy_history_request";
+    case FI__ENVELOPE__BODY_POLICY_HISTORY_REPLY: return "policy_history_reply";
+    case FI__ENVELOPE__BODY_POLICY_ROLLBACK: return "policy_rollback";
+    case FI__ENVELOPE__BODY_POLICY_GET: return "policy_get";
+    case FI__ENVELOPE__BODY_POLICY_CONTENT: return "policy_content";
+    case FI__ENVELOPE__BODY_AUDIT_QUERY: return "audit_query";
+    case FI__ENVELOPE__BODY_AUDIT_RECORDS: return "audit_records";
+    case FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST: return "audit_verify_request";
+    case FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY: return "audit_verify_reply";
     default: return "unknown";
     }
 }

@@ -33,6 +33,12 @@ extern "C" {
 #define FI_WIRE_MAX_MSG (1u << 20)
 /* Longest request id we take, bytes. */
 #define FI_WIRE_MAX_ID 64
+/* Policy shipping: longest policy text in PolicyApply (so that a
+ * PolicyContent with the text and its signed bundle fits one message),
+ * comment, and filter string of an AuditQuery, bytes. */
+#define FI_WIRE_MAX_POLICY (448u * 1024u)
+#define FI_WIRE_MAX_COMMENT 500
+#define FI_WIRE_MAX_FILTER 256
 
 typedef Fi__Envelope fi_msg;
 typedef Fi__Envelope__BodyCase fi_msg_type;

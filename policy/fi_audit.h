@@ -73,12 +73,41 @@ typedef struct fi_audit_filter {
     const char *request_id;
     const char *rule;          /* record names this rule id */
     size_t limit;              /* at most this many, the newest (0: all) */
+    int64_t after_seq;         /* seq > after_seq (paging; 0: from the start) */
 } fi_audit_filter;
 
 /* Calls fn for each matching record in sequence order; stops when fn
  * returns nonzero. 0 or -1. */
 int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_audit_record *r, void *arg),
                    void *arg, char *err, size_t cap) FI_WUR;
+
+/* Copies records from another hash-chained log (an edge's upload) into
+ * this one. source names that log (the uploader's key fingerprint); this
+ * log keeps, per source, the sequence number and hash of the last record
+ * taken (the source's head), in the same transaction as the records.
+ *
+ * recs are the source's records in its own numbering (seq, hash as the
+ * source computed them), consecutive. The batch is refused, with nothing
+ * taken, when: the records are not consecutive; a record does not hash to
+ * its hash under the chain rule of this file (each linked to the one
+ * before; the first to the held head when it follows it, to genesis when
+ * it is record 1); the records leave a gap after the held head; a record
+ * the log already holds comes with a different hash than the held head
+ * (the source's log was rewritten); or, when origin is given, a record's
+ * origin is another site. Records up to the held head are skipped, so a
+ * batch sent twice is taken once. Taken records are appended with this
+ * log's own seq and hash. *taken gets how many were new.
+ * 0, 1 refused (err says why), -1 database error. */
+int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, const fi_audit_record *recs, size_t n,
+                    size_t *taken, char *err, size_t cap) FI_WUR;
+
+/* The head held for a source: *seq 0 and head "" when none. 0 or -1. */
+int fi_audit_source_head(fi_audit *self, const char *source, int64_t *seq, char head[65], char *err,
+                         size_t cap) FI_WUR;
+
+/* The chain hash of rec linked to prev_hex ("" for the first record),
+ * hex into out[65]; for a source that builds its batch itself. */
+void fi_audit_chain_hash(const char *prev_hex, const fi_audit_record *rec, char out[65]);
 
 typedef struct fi_audit_check {
     int64_t records;  /* records read */

@@ -19,6 +19,8 @@
 
 #include <stddef.h>
 
+#include "fi_audit.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -31,6 +33,29 @@ int fi_policy_bench_cmd(int argc, char **argv);
 /* Writes the benchmark's generated policy of nrules rules (shapes in
  * policy_bench.c) into buf; returns its length, or -1 when cap is short. */
 int fi_policy_bench_text(unsigned nrules, char *buf, size_t cap);
+
+/* Pieces of `fedctl policy diff`, shared with the fabric's console verbs
+ * (fabric/fi_ctl_policy.c), which fetch the active policy and the audited
+ * requests from the coordinator. */
+
+/* Prints the flows new_pol opens or closes compared with active (every
+ * label set, origin site and target of both). 0, or 1 when the two
+ * declare too many labels together to enumerate. */
+int fi_policy_diff_flows(const fi_policy *active, const char *active_name, const fi_policy *new_pol,
+                         const char *new_name);
+
+/* Replays audited requests under pol; each decision that would change is
+ * printed. Use fi_policy_replay_record as an fi_audit_query callback or
+ * call it per record. */
+typedef struct fi_policy_replay {
+    const fi_policy *pol; /* the new policy */
+    size_t seen;          /* records replayed */
+    size_t changed;       /* decisions that would change */
+} fi_policy_replay;
+int fi_policy_replay_record(const fi_audit_record *r, void *arg);
+
+/* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad. */
+int64_t fi_policy_cmd_time(const char *s);
 
 #ifdef __cplusplus
 }

@@ -27,7 +27,9 @@ static const char *s_schema =
     "CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit"
     " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;"
     "CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit"
-    " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;";
+    " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;"
+    "CREATE TABLE IF NOT EXISTS audit_sources("
+    " source TEXT PRIMARY KEY, seq INTEGER NOT NULL, hash TEXT NOT NULL);";
 
 #define COLS                                                                                                     \
     "seq, time, request_id, tenant, application, origin, labels, model, latency_ms, prompt_tokens, decision, " \
@@ -101,10 +103,25 @@ static void s_chain(const char *prev_hex, const fi_audit_record *r, char out[65]
 
 static const char *s_nz(const char *s) { return s ? s : ""; }
 
-int fi_audit_append(fi_audit *self, fi_audit_record *rec, char *err, size_t cap) {
+void fi_audit_chain_hash(const char *prev_hex, const fi_audit_record *rec, char out[65]) {
+    fi_audit_record c = *rec;
+    c.request_id = s_nz(c.request_id);
+    c.tenant = s_nz(c.tenant);
+    c.application = s_nz(c.application);
+    c.origin = s_nz(c.origin);
+    c.labels = s_nz(c.labels);
+    c.model = s_nz(c.model);
+    c.decision = s_nz(c.decision);
+    c.target = s_nz(c.target);
+    c.rules = s_nz(c.rules);
+    c.policy_digest = s_nz(c.policy_digest);
+    s_chain(prev_hex ? prev_hex : "", &c, out);
+}
+
+/* Appends rec inside the caller's transaction. 0 or -1 (SQLite error). */
+static int s_append_tx(fi_audit *self, fi_audit_record *rec) {
     sqlite3_stmt *st = NULL;
     char prev[65] = "";
-    if (sqlite3_exec(self->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) goto dberr;
     if (sqlite3_prepare_v2(self->db, "SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1", -1, &st, NULL) !=
         SQLITE_OK)
         goto dberr_tx;
@@ -143,14 +160,138 @@ int fi_audit_append(fi_audit *self, fi_audit_record *rec, char *err, size_t cap)
     for (int i = 0; i < 6; i++) sqlite3_bind_text(st, 11 + i, t[i], -1, SQLITE_TRANSIENT);
     if (sqlite3_step(st) != SQLITE_DONE) goto dberr_tx;
     sqlite3_finalize(st);
-    if (sqlite3_exec(self->db, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
-        st = NULL;
-        goto dberr_tx;
+    return 0;
+dberr_tx:
+    sqlite3_finalize(st);
+    return -1;
+}
+
+int fi_audit_append(fi_audit *self, fi_audit_record *rec, char *err, size_t cap) {
+    if (sqlite3_exec(self->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) goto dberr;
+    if (s_append_tx(self, rec) != 0 || sqlite3_exec(self->db, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
+        snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+        sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL);
+        return -1;
     }
+    return 0;
+dberr:
+    snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+    return -1;
+}
+
+/* The held head of source inside a transaction. 0 or -1. */
+static int s_source_head(fi_audit *self, const char *source, int64_t *seq, char head[65]) {
+    sqlite3_stmt *st = NULL;
+    *seq = 0;
+    head[0] = 0;
+    if (sqlite3_prepare_v2(self->db, "SELECT seq, hash FROM audit_sources WHERE source = ?", -1, &st, NULL) !=
+        SQLITE_OK)
+        return -1;
+    sqlite3_bind_text(st, 1, source, -1, SQLITE_TRANSIENT);
+    int r = sqlite3_step(st);
+    if (r == SQLITE_ROW) {
+        *seq = sqlite3_column_int64(st, 0);
+        const char *h = (const char *)sqlite3_column_text(st, 1);
+        snprintf(head, 65, "%s", h ? h : "");
+    }
+    sqlite3_finalize(st);
+    return r == SQLITE_ROW || r == SQLITE_DONE ? 0 : -1;
+}
+
+int fi_audit_source_head(fi_audit *self, const char *source, int64_t *seq, char head[65], char *err, size_t cap) {
+    if (s_source_head(self, source, seq, head) != 0) {
+        snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+        return -1;
+    }
+    return 0;
+}
+
+int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, const fi_audit_record *recs, size_t n,
+                    size_t *taken, char *err, size_t cap) {
+    *taken = 0;
+    if (!source || !source[0]) {
+        snprintf(err, cap, "audit batch without a source");
+        return 1;
+    }
+    /* Checks that need nothing from the database first. */
+    for (size_t i = 0; i < n; i++) {
+        const fi_audit_record *r = &recs[i];
+        if (r->seq < 1 || (i && r->seq != recs[i - 1].seq + 1)) {
+            snprintf(err, cap, "audit batch: record %zu has sequence number %lld, expected %lld", i,
+                     (long long)r->seq, (long long)(i ? recs[i - 1].seq + 1 : 1));
+            return 1;
+        }
+        if (origin && strcmp(s_nz(r->origin), origin)) {
+            snprintf(err, cap, "audit batch: record %lld has origin '%.64s', not the uploader's site '%.64s'",
+                     (long long)r->seq, s_nz(r->origin), origin);
+            return 1;
+        }
+        if (i) {
+            char h[65];
+            fi_audit_chain_hash(recs[i - 1].hash, r, h);
+            if (strcmp(h, r->hash)) {
+                snprintf(err, cap, "audit batch: record %lld does not hash to its chain hash (edited, or not linked "
+                         "to record %lld)", (long long)r->seq, (long long)r->seq - 1);
+                return 1;
+            }
+        }
+    }
+    if (sqlite3_exec(self->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) goto dberr;
+    int64_t held;
+    char head[65];
+    if (s_source_head(self, source, &held, head) != 0) goto dberr_tx;
+    int refused = 0;
+    if (n && recs[0].seq > held + 1) {
+        snprintf(err, cap, "audit batch starts at record %lld but records %lld..%lld were never received",
+                 (long long)recs[0].seq, (long long)held + 1, (long long)recs[0].seq - 1);
+        refused = 1;
+    }
+    /* The link between what is held and what is new: the first record
+     * after the held head must chain from it (genesis for record 1). */
+    for (size_t i = 0; !refused && i < n; i++) {
+        const fi_audit_record *r = &recs[i];
+        if (r->seq == held && strcmp(r->hash, head)) {
+            snprintf(err, cap, "audit batch: record %lld differs from the one already received (the source's log "
+                     "was rewritten)", (long long)r->seq);
+            refused = 1;
+        } else if (r->seq == held + 1 && i == 0) {
+            char h[65];
+            fi_audit_chain_hash(held ? head : "", r, h);
+            if (strcmp(h, r->hash)) {
+                snprintf(err, cap, "audit batch: record %lld does not link to the last record received (%lld) or "
+                         "was edited", (long long)r->seq, (long long)held);
+                refused = 1;
+            }
+        }
+    }
+    if (refused) {
+        sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL);
+        return 1;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (recs[i].seq <= held) continue;
+        fi_audit_record c = recs[i];
+        if (s_append_tx(self, &c) != 0) goto dberr_tx;
+        k++;
+    }
+    if (k) {
+        sqlite3_stmt *st = NULL;
+        if (sqlite3_prepare_v2(self->db, "INSERT OR REPLACE INTO audit_sources(source, seq, hash) VALUES(?,?,?)", -1,
+                               &st, NULL) != SQLITE_OK)
+            goto dberr_tx;
+        sqlite3_bind_text(st, 1, source, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_int64(st, 2, recs[n - 1].seq);
+        sqlite3_bind_text(st, 3, recs[n - 1].hash, -1, SQLITE_TRANSIENT);
+        int r = sqlite3_step(st);
+        sqlite3_finalize(st);
+        if (r != SQLITE_DONE) goto dberr_tx;
+    }
+    if (sqlite3_exec(self->db, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) goto dberr_tx;
+    *taken = k;
     return 0;
 dberr_tx:
     snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
-    sqlite3_finalize(st);
     sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL);
     return -1;
 dberr:
@@ -238,7 +379,7 @@ int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_
         "SELECT * FROM (SELECT " COLS " FROM audit WHERE time >= ?1 AND (?2 = 0 OR time < ?2)"
         " AND (?3 IS NULL OR origin = ?3) AND (?4 IS NULL OR instr(',' || labels || ',', ',' || ?4 || ',') > 0)"
         " AND (?5 IS NULL OR target = ?5) AND (?6 IS NULL OR decision = ?6) AND (?7 IS NULL OR request_id = ?7)"
-        " AND (?8 IS NULL OR instr(',' || rules || ',', ',' || ?8 || ',') > 0)"
+        " AND (?8 IS NULL OR instr(',' || rules || ',', ',' || ?8 || ',') > 0) AND seq > ?10"
         " ORDER BY seq DESC LIMIT ?9) ORDER BY seq";
     sqlite3_stmt *st = NULL;
     if (sqlite3_prepare_v2(self->db, sql, -1, &st, NULL) != SQLITE_OK) {
@@ -251,6 +392,7 @@ int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_
     for (int i = 0; i < 6; i++)
         if (b[i]) sqlite3_bind_text(st, 3 + i, b[i], -1, SQLITE_TRANSIENT);
     sqlite3_bind_int64(st, 9, f->limit ? (sqlite3_int64)f->limit : -1);
+    sqlite3_bind_int64(st, 10, f->after_seq);
     int r;
     while ((r = sqlite3_step(st)) == SQLITE_ROW) {
         fi_audit_record rec;

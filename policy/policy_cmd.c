@@ -65,7 +65,7 @@ static const char *s_pos(int argc, char **argv, int want, const char *const *wit
 }
 
 /* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad. */
-static int64_t s_time(const char *s) {
+int64_t fi_policy_cmd_time(const char *s) {
     int Y, M, D, h = 0, m = 0, sec = 0;
     char *e;
     errno = 0;
@@ -365,14 +365,8 @@ static void s_union_add(const char **v, size_t *n, const char *s) {
     if (*n < 4096) v[(*n)++] = s;
 }
 
-typedef struct replay {
-    const fi_policy *pol;  /* the new policy */
-    size_t seen;           /* records replayed */
-    size_t changed;        /* decisions that would change */
-} replay;
-
-static int s_replay_one(const fi_audit_record *r, void *arg) {
-    replay *rp = arg;
+int fi_policy_replay_record(const fi_audit_record *r, void *arg) {
+    fi_policy_replay *rp = arg;
     rp->seen++;
     const char *labels[FI_POLICY_MAX_REQ_LABELS];
     char lb[1024];
@@ -409,6 +403,56 @@ static int s_replay_one(const fi_audit_record *r, void *arg) {
     return 0;
 }
 
+int fi_policy_diff_flows(const fi_policy *op, const char *active_name, const fi_policy *np, const char *new_name) {
+    const char *labels[MAXU], *sites[4096], *targets[4096];
+    size_t nl = 0, ns = 0, nt = 0;
+    const fi_policy *both[2] = {op, np};
+    for (int p = 0; p < 2; p++) {
+        for (size_t i = 0; i < fi_policy_label_count(both[p]); i++) {
+            size_t before = nl;
+            if (nl < MAXU) s_union_add(labels, &nl, fi_policy_label_name(both[p], i));
+            (void)before;
+        }
+        for (size_t i = 0; i < fi_policy_site_count(both[p]); i++) s_union_add(sites, &ns, fi_policy_site_name(both[p], i));
+        for (size_t i = 0; i < fi_policy_target_count(both[p]); i++)
+            s_union_add(targets, &nt, fi_policy_target_name(both[p], i));
+    }
+    int rc = 0;
+    const char *active = active_name, *file = new_name;
+    if (nl > FI_POLICY_MAX_LABELS) {
+        fprintf(stderr, "fedctl policy diff: the two policies declare %zu labels together; at most %d can be enumerated\n",
+                nl, FI_POLICY_MAX_LABELS);
+        return 1;
+    }
+    printf("flows of %s compared with the active %s (%u label sets x %zu origins x %zu targets):\n", file, active,
+           1u << nl, ns, nt);
+    size_t opened = 0, closed = 0, other = 0;
+    static const char *w[] = {"no", "yes", "maybe"};
+    for (uint32_t m = 0; m < (1u << nl); m++)
+        for (size_t o = 0; o < ns; o++)
+            for (size_t t = 0; t < nt; t++) {
+                char wo[128], wn[128];
+                fi_flow a = s_flow_by_name(op, labels, m, nl, sites[o], targets[t], wo, sizeof wo);
+                fi_flow b = s_flow_by_name(np, labels, m, nl, sites[o], targets[t], wn, sizeof wn);
+                if (a == b) continue;
+                char ms[512] = "";
+                size_t k = 0;
+                for (size_t l = 0; l < nl; l++)
+                    if (m >> l & 1) k += (size_t)snprintf(ms + k, sizeof ms - k, "%s%s", k ? "," : "", labels[l]);
+                if (!m) snprintf(ms, sizeof ms, "(no labels)");
+                const char *kind = b == FI_FLOW_ALLOW || (b == FI_FLOW_MAYBE && a == FI_FLOW_DENY) ? "opens "
+                                   : b == FI_FLOW_DENY || (b == FI_FLOW_MAYBE && a == FI_FLOW_ALLOW) ? "closes"
+                                                                                                   : "changes";
+                if (kind[0] == 'o') opened++;
+                else if (kind[0] == 'c' && kind[1] == 'l') closed++;
+                else other++;
+                printf("  %c %s %s from %s to %s: %s -> %s%s%s%s\n", kind[0] == 'o' ? '+' : '-', kind, ms, sites[o],
+                       targets[t], w[a], w[b], wn[0] ? " (" : "", wn, wn[0] ? ")" : "");
+            }
+    printf("%zu flow(s) opened, %zu closed, %zu otherwise changed\n", opened, closed, other);
+    return rc;
+}
+
 static int s_diff(int argc, char **argv) {
     if (s_help(argc, argv)) {
         printf("usage: fedctl policy diff FILE (--active ACTIVE | --store DB) [--audit DB [--since T] [--until T]]\n\n"
@@ -432,7 +476,7 @@ static int s_diff(int argc, char **argv) {
         fprintf(stderr, "usage: fedctl policy diff FILE (--active ACTIVE | --store DB) [--audit DB [--since T] [--until T]]\n");
         return 2;
     }
-    int64_t t0 = since ? s_time(since) : 0, t1 = until ? s_time(until) : 0;
+    int64_t t0 = since ? fi_policy_cmd_time(since) : 0, t1 = until ? fi_policy_cmd_time(until) : 0;
     if (t0 < 0 || t1 < 0) {
         fprintf(stderr, "fedctl policy diff: bad time '%s' (YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ or Unix seconds)\n",
                 t0 < 0 ? since : until);
@@ -464,52 +508,8 @@ static int s_diff(int argc, char **argv) {
         fi_policy_destroy(&op);
         return 1;
     }
-    const char *labels[MAXU], *sites[4096], *targets[4096];
-    size_t nl = 0, ns = 0, nt = 0;
-    const fi_policy *both[2] = {op, np};
-    for (int p = 0; p < 2; p++) {
-        for (size_t i = 0; i < fi_policy_label_count(both[p]); i++) {
-            size_t before = nl;
-            if (nl < MAXU) s_union_add(labels, &nl, fi_policy_label_name(both[p], i));
-            (void)before;
-        }
-        for (size_t i = 0; i < fi_policy_site_count(both[p]); i++) s_union_add(sites, &ns, fi_policy_site_name(both[p], i));
-        for (size_t i = 0; i < fi_policy_target_count(both[p]); i++)
-            s_union_add(targets, &nt, fi_policy_target_name(both[p], i));
-    }
-    int rc = 0;
-    if (nl > FI_POLICY_MAX_LABELS) {
-        fprintf(stderr, "fedctl policy diff: the two policies declare %zu labels together; at most %d can be enumerated\n",
-                nl, FI_POLICY_MAX_LABELS);
-        rc = 1;
-        goto done;
-    }
-    printf("flows of %s compared with the active %s (%u label sets x %zu origins x %zu targets):\n", file, active,
-           1u << nl, ns, nt);
-    size_t opened = 0, closed = 0, other = 0;
-    static const char *w[] = {"no", "yes", "maybe"};
-    for (uint32_t m = 0; m < (1u << nl); m++)
-        for (size_t o = 0; o < ns; o++)
-            for (size_t t = 0; t < nt; t++) {
-                char wo[128], wn[128];
-                fi_flow a = s_flow_by_name(op, labels, m, nl, sites[o], targets[t], wo, sizeof wo);
-                fi_flow b = s_flow_by_name(np, labels, m, nl, sites[o], targets[t], wn, sizeof wn);
-                if (a == b) continue;
-                char ms[512] = "";
-                size_t k = 0;
-                for (size_t l = 0; l < nl; l++)
-                    if (m >> l & 1) k += (size_t)snprintf(ms + k, sizeof ms - k, "%s%s", k ? "," : "", labels[l]);
-                if (!m) snprintf(ms, sizeof ms, "(no labels)");
-                const char *kind = b == FI_FLOW_ALLOW || (b == FI_FLOW_MAYBE && a == FI_FLOW_DENY) ? "opens "
-                                   : b == FI_FLOW_DENY || (b == FI_FLOW_MAYBE && a == FI_FLOW_ALLOW) ? "closes"
-                                                                                                   : "changes";
-                if (kind[0] == 'o') opened++;
-                else if (kind[0] == 'c' && kind[1] == 'l') closed++;
-                else other++;
-                printf("  %c %s %s from %s to %s: %s -> %s%s%s%s\n", kind[0] == 'o' ? '+' : '-', kind, ms, sites[o],
-                       targets[t], w[a], w[b], wn[0] ? " (" : "", wn, wn[0] ? ")" : "");
-            }
-    printf("%zu flow(s) opened, %zu closed, %zu otherwise changed\n", opened, closed, other);
+    int rc = fi_policy_diff_flows(op, active, np, file);
+    if (rc) goto done;
     if (audit) {
         char err[400];
         fi_audit *a = fi_audit_open(audit, err, sizeof err);
@@ -521,10 +521,10 @@ static int s_diff(int argc, char **argv) {
         fi_audit_filter f = {0};
         f.since_ms = t0 * 1000;
         f.until_ms = t1 * 1000;
-        replay rp = {np, 0, 0};
+        fi_policy_replay rp = {np, 0, 0};
         printf("\nreplay of the audited requests%s%s%s%s under %s:\n", since ? " since " : "", since ? since : "",
                until ? " until " : "", until ? until : "", file);
-        if (fi_audit_query(a, &f, s_replay_one, &rp, err, sizeof err)) {
+        if (fi_audit_query(a, &f, fi_policy_replay_record, &rp, err, sizeof err)) {
             fprintf(stderr, "fedctl policy diff: %s\n", err);
             rc = 1;
         }
@@ -838,12 +838,12 @@ static const sub s_subs[] = {
     {"test", s_test, "run a cases file against a policy; nonzero exit on a failing case"},
     {"explain", s_explain, "decide one request for every target and say why"},
     {"flows", s_flows, "the matrix of which labels may flow from which site to which target"},
-    {"diff", s_diff, "flows opened or closed against the active policy; replay of audited requests"},
+    {"diff", s_diff, "flows opened/closed vs the active policy; replay of audited requests"},
     {"bench", fi_policy_bench_cmd, "decisions per second and latency for 1, 10 and 100 rules"},
-    {"apply", s_apply, "store and sign a new version (operator-side store, --store)"},
-    {"history", s_history, "list the stored versions (--store)"},
-    {"rollback", s_rollback, "a new version with an old version's content (--store)"},
-    {"bundle", s_bundle, "export a version's signed bundle or content from the store"},
+    {"apply", s_apply, "store, sign and ship a new version (coordinator; offline: --store)"},
+    {"history", s_history, "list the stored versions (coordinator; offline: --store)"},
+    {"rollback", s_rollback, "a new version with an old version's content (coordinator; --store)"},
+    {"bundle", s_bundle, "export a version's signed bundle or content (coordinator; --store)"},
     {"install", s_install, "edge side: verify a bundle and keep it as the one to enforce"},
     {"keygen", s_keygen, "make a policy-signing key pair"},
 };
@@ -943,7 +943,7 @@ int fi_cmd_audit(int argc, char **argv) {
         fprintf(stderr, "usage: fedctl audit --db DB [filters] (see --help)\n");
         return 2;
     }
-    int64_t t0 = since ? s_time(since) : 0, t1 = until ? s_time(until) : 0;
+    int64_t t0 = since ? fi_policy_cmd_time(since) : 0, t1 = until ? fi_policy_cmd_time(until) : 0;
     if (t0 < 0 || t1 < 0) {
         fprintf(stderr, "fedctl audit: bad time (YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ or Unix seconds)\n");
         return 2;

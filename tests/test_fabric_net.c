@@ -102,8 +102,10 @@ static void test_every_message_type(void **state) {
     au.batch_id = (char *)"b1";
     au.first_seq = 1;
     au.count = 2;
-    au.batch.data = (uint8_t *)"opaque";
-    au.batch.len = 6;
+    char *batch = h_audit_batch("clinic-7", 1, 2, "", NULL);
+    assert_non_null(batch);
+    au.batch.data = (uint8_t *)batch;
+    au.batch.len = strlen(batch);
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_AUDIT_UPLOAD;
     m.audit_upload = &au;
@@ -112,6 +114,7 @@ static void test_every_message_type(void **state) {
     assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
     assert_string_equal(r->ack->ref, "b1");
     fi_wire_free(&r);
+    free(batch);
 
     /* Policy bundle push: stored and forwarded to the edge. */
     Fi__PolicyBundle pb = FI__POLICY_BUNDLE__INIT;

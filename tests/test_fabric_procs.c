@@ -221,14 +221,18 @@ static void test_coordinator_kill9_restart(void **state) {
     fi_wire_free(&r);
     Fi__AuditUpload au = FI__AUDIT_UPLOAD__INIT;
     au.batch_id = (char *)"batch-1";
+    au.first_seq = 1;
     au.count = 1;
-    au.batch.data = (uint8_t *)"entry";
-    au.batch.len = 5;
+    char *batch = h_audit_batch("clinic-7", 1, 1, "", NULL);
+    assert_non_null(batch);
+    au.batch.data = (uint8_t *)batch;
+    au.batch.len = strlen(batch);
     m.body_case = FI__ENVELOPE__BODY_AUDIT_UPLOAD;
     m.audit_upload = &au;
     assert_int_equal(fi_client_call(edge, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
     assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
     fi_wire_free(&r);
+    free(batch);
     fi_client_destroy(&op);
     /* The acks came after the commits: all of it is on disk now. */
     int64_t peers = s_count(p, "peers"), tokens = s_count(p, "tokens"),

@@ -19,6 +19,7 @@
 
 #include "fi_client.h"
 #include "fi_coord.h"
+#include "fi_coord_ship.h"
 #include "fi_keys.h"
 #include "fi_shard.h"
 #include "fi_store.h"
@@ -144,6 +145,38 @@ H_FN fi_client *h_client(const harness *h, const fi_keypair *kp, Fi__Role role) 
         fi_client_destroy(&c);
     }
     return c;
+}
+
+/* An audit batch as an edge uploads it (fi_ship_audit_batch): n records
+ * numbered first.. with origin site, chained from prev ("" for record 1);
+ * the last record's hash goes to last (may be NULL). malloc'd JSON. */
+H_FN char *h_audit_batch(const char *site, int64_t first, size_t n, const char *prev, char last[65]) {
+    fi_audit_record *r = calloc(n ? n : 1, sizeof *r);
+    char ids[64][32];
+    if (!r || n > 64) {
+        free(r);
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        snprintf(ids[i], sizeof ids[i], "req-%lld", (long long)first + (long long)i);
+        r[i].seq = first + (int64_t)i;
+        r[i].time = (int64_t)time(NULL) * 1000 + (int64_t)i;
+        r[i].request_id = ids[i];
+        r[i].origin = site;
+        r[i].labels = "phi";
+        r[i].model = "smol";
+        r[i].latency_ms = -1;
+        r[i].prompt_tokens = 12;
+        r[i].decision = "permit";
+        r[i].target = site;
+        r[i].rules = "phi stays on site";
+        r[i].policy_digest = "";
+        fi_audit_chain_hash(i ? r[i - 1].hash : prev, &r[i], r[i].hash);
+    }
+    if (last && n) snprintf(last, 65, "%s", r[n - 1].hash);
+    char *out = fi_ship_audit_batch(r, n);
+    free(r);
+    return out;
 }
 
 /* --- an echo worker in a thread -------------------------------------- */
