@@ -240,8 +240,8 @@ static uint8_t *s_shipped(fi_ship *s, uint64_t v, const s_diag *dg, fi_ship_push
     if (!bmsg) return s_error(FI__ERROR_CODE__ERR_INTERNAL, "the new version cannot be read back", len);
     int pushed = push ? push(push_user, bmsg, blen) : 0;
     free(bmsg);
-    s_log("operator %s stored policy version %llu (digest %.16s%s%s), pushed to %d edge(s)", from->fpr,
-          (unsigned long long)v, sv.digest, sv.rollback_of ? ", a rollback" : "", "", pushed);
+    s_log("operator %s stored policy version %llu (digest %.16s%s), pushed to %d edge(s)", from->fpr,
+          (unsigned long long)v, sv.digest, sv.rollback_of ? ", a rollback" : "", pushed);
     Fi__PolicyReply r = FI__POLICY_REPLY__INIT;
     r.version = v;
     r.digest = sv.digest;

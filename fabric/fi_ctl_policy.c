@@ -525,7 +525,7 @@ int fi_ctl_audit(int argc, char **argv) {
                "fedctl audit verify --db DB [--head HASH]\n");
         return 0;
     }
-    static const char *const names[] = {"--since=",   "--until=",   "--site=|--origin=", "--label=", "--target=",
+    static const char *const names[] = {"--since=",   "--until=",   "--site|--origin=", "--label=", "--target=",
                                         "--decision=", "--request=", "--rule=",           "--limit=", "--config=",
                                         NULL};
     s_args a;
