@@ -669,8 +669,8 @@ char *fi_ship_audit_batch(const fi_audit_record *recs, size_t n) {
     return out;
 }
 
-uint8_t *fi_ship_handle(fi_ship *s, const fi_peer_rec *from, const fi_msg *m, fi_ship_push_fn push, void *push_user,
-                        size_t *len) {
+static uint8_t *s_handle(fi_ship *s, const fi_peer_rec *from, const fi_msg *m, fi_ship_push_fn push, void *push_user,
+                         size_t *len) {
     int op = from->role == FI__ROLE__ROLE_OPERATOR;
     if (m->body_case == FI__ENVELOPE__BODY_AUDIT_UPLOAD) {
         if (from->role != FI__ROLE__ROLE_EDGE && from->role != FI__ROLE__ROLE_CLUSTER)
@@ -689,4 +689,12 @@ uint8_t *fi_ship_handle(fi_ship *s, const fi_peer_rec *from, const fi_msg *m, fi
     case FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST: return s_audit_verify(s, len);
     default: return s_error(FI__ERROR_CODE__ERR_UNKNOWN_TYPE, "not a policy or audit request", len);
     }
+}
+
+uint8_t *fi_ship_handle(fi_ship *s, const fi_peer_rec *from, const fi_msg *m, fi_ship_push_fn push, void *push_user,
+                        size_t *len) {
+    uint8_t *out = s_handle(s, from, m, push, push_user, len);
+    /* A reply that cannot be encoded (out of memory, over the size limit)
+     * still gets an answer. */
+    return out ? out : s_error(FI__ERROR_CODE__ERR_INTERNAL, "the reply could not be encoded", len);
 }

@@ -9,10 +9,10 @@
  * check or case, a refused bundle, a broken audit chain), 2 bad usage.
  * Each answers --help, as does every sub-verb.
  *
- * apply, history, rollback and bundle work on the operator-side store
- * named with --store FILE (the coordinator's SQLite store, opened directly
- * until the fabric carries these verbs to the coordinator); audit reads the
- * log named with --db FILE.
+ * Here, apply, history, rollback and bundle work on a local store named
+ * with --store FILE and audit on a log named with --db FILE: the offline
+ * tools. fedctl sends these verbs to the coordinator instead when those
+ * options are absent (fabric/fi_ctl_policy.c: fi_ctl_policy, fi_ctl_audit).
  */
 #ifndef FI_POLICY_CMD_H
 #define FI_POLICY_CMD_H

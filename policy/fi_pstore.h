@@ -3,9 +3,10 @@
  * SQLite with its author, time, content hash and comment, signed into a
  * bundle by the policy-signing key.
  *
- * This store is what the coordinator keeps. Until the fabric exposes it,
- * `fedctl policy apply | history | rollback` open it directly from a path
- * (--store FILE); the fabric's coordinator will call the same functions.
+ * This store is what the coordinator keeps (fabric/fi_coord_ship.c, in
+ * its database); `fedctl policy apply | history | rollback` reach it over
+ * the fabric. With --store FILE they open a local store directly (an
+ * offline tool).
  *
  * Versions are never edited or deleted (triggers refuse it); a roll-back is
  * a new version that carries an old version's content. Version numbers

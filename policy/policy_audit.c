@@ -15,6 +15,7 @@ struct fi_audit {
 
 static const char *s_schema =
     "PRAGMA journal_mode=WAL;"
+    "PRAGMA synchronous=FULL;"
     "CREATE TABLE IF NOT EXISTS audit("
     " seq INTEGER PRIMARY KEY,"
     " time INTEGER NOT NULL,"

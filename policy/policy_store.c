@@ -14,6 +14,7 @@ struct fi_pstore {
 
 static const char *s_schema =
     "PRAGMA journal_mode=WAL;"
+    "PRAGMA synchronous=FULL;"
     "CREATE TABLE IF NOT EXISTS policy_versions("
     " version INTEGER PRIMARY KEY,"
     " created INTEGER NOT NULL,"

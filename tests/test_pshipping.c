@@ -501,9 +501,94 @@ static void test_help(void **state) {
     assert_int_equal(s_fedctl(f, "audit --bogus 1"), 2);
 }
 
+/* fi_audit_ingest on its own: overlap, re-send, gap, rewrite, origin. */
+static int s_count_rec(const fi_audit_record *r, void *arg) {
+    (void)r;
+    (*(int *)arg)++;
+    return 0;
+}
+
+static void s_records(fi_audit_record *r, int64_t first, size_t n, const char *site, const char *prev,
+                      const char *decision) {
+    for (size_t i = 0; i < n; i++) {
+        memset(&r[i], 0, sizeof r[i]);
+        r[i].seq = first + (int64_t)i;
+        r[i].time = 1800000000000 + r[i].seq;
+        r[i].request_id = "q";
+        r[i].origin = site;
+        r[i].labels = "public";
+        r[i].latency_ms = -1;
+        r[i].prompt_tokens = -1;
+        r[i].decision = decision;
+        r[i].target = site;
+        fi_audit_chain_hash(i ? r[i - 1].hash : prev, &r[i], r[i].hash);
+    }
+}
+
+static void test_ingest(void **state) {
+    fx *f = *state;
+    char path[400], err[512];
+    snprintf(path, sizeof path, "%s/ingest.db", f->h.dir);
+    fi_audit *a = fi_audit_open(path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_record r[8], o[8];
+    size_t taken = 0;
+    s_records(r, 1, 6, "s1", "", "permit");
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s1", r, 3, &taken, err, sizeof err), 0);
+    assert_int_equal(taken, 3);
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s1", r, 3, &taken, err, sizeof err), 0);
+    assert_int_equal(taken, 0);
+    /* overlapping 2..5: 4 and 5 are new */
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s1", r + 1, 4, &taken, err, sizeof err), 0);
+    assert_int_equal(taken, 2);
+    /* another source starts its own numbering at 1 */
+    s_records(o, 1, 2, "s2", "", "deny");
+    assert_int_equal(fi_audit_ingest(a, "edge-b", "s2", o, 2, &taken, err, sizeof err), 0);
+    assert_int_equal(taken, 2);
+    /* edge-a's record 6 held back; 7.. would be a gap */
+    fi_audit_record g[2];
+    s_records(g, 7, 2, "s1", r[5].hash, "permit");
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s1", g, 2, &taken, err, sizeof err), 1);
+    assert_non_null(strstr(err, "never received"));
+    /* a rewritten record 5 (same number, other content) */
+    fi_audit_record w[2];
+    s_records(w, 4, 2, "s1", r[2].hash, "deny");
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s1", w, 2, &taken, err, sizeof err), 1);
+    /* a record of another site, and one not linked to the held head */
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s9", r + 5, 1, &taken, err, sizeof err), 1);
+    fi_audit_record x[1];
+    s_records(x, 6, 1, "s1", "", "permit");
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s1", x, 1, &taken, err, sizeof err), 1);
+    /* not consecutive */
+    fi_audit_record nc[2] = {r[0], r[2]};
+    assert_int_equal(fi_audit_ingest(a, "edge-c", NULL, nc, 2, &taken, err, sizeof err), 1);
+    /* the right record 6 */
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s1", r + 5, 1, &taken, err, sizeof err), 0);
+    assert_int_equal(taken, 1);
+    int64_t seq = 0;
+    char head[65];
+    assert_int_equal(fi_audit_source_head(a, "edge-a", &seq, head, err, sizeof err), 0);
+    assert_int_equal(seq, 6);
+    assert_string_equal(head, r[5].hash);
+    int n = 0;
+    assert_int_equal(fi_audit_query(a, NULL, s_count_rec, &n, err, sizeof err), 0);
+    assert_int_equal(n, 8);
+    fi_audit_filter fl;
+    memset(&fl, 0, sizeof fl);
+    fl.after_seq = 6;
+    n = 0;
+    assert_int_equal(fi_audit_query(a, &fl, s_count_rec, &n, err, sizeof err), 0);
+    assert_int_equal(n, 2);
+    fi_audit_check ck;
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
+    assert_int_equal(ck.records, 8);
+    fi_audit_destroy(&a);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_help, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ingest, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ship_and_audit, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
