@@ -32,7 +32,10 @@ struct fi_client {
     uint64_t retry_at_ms;   /* when to reconnect while sock is NULL */
     int backoff_ms;         /* next back-off delay */
     uint64_t hello_at_ms;   /* when Hello was last sent */
+    uint64_t policy_version; /* edges: the policy bundle version held, for Hello */
 };
+
+void fi_client_set_policy_version(fi_client *c, uint64_t version) { c->policy_version = version; }
 
 void fi_client_opts_default(fi_client_opts *o) {
     memset(o, 0, sizeof *o);
@@ -75,6 +78,7 @@ static int s_send_hello(fi_client *c) {
     h.role = c->o.role;
     h.software = (char *)"fedinfer " FI_VERSION;
     h.heartbeat_ms = (uint32_t)c->o.heartbeat_ms;
+    h.policy_version = c->policy_version ? c->policy_version : c->o.policy_version;
     h.n_models = (size_t)c->o.n_models;
     h.models = ptrs;
     fi_msg m = FI__ENVELOPE__INIT;

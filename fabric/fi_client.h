@@ -40,6 +40,7 @@ typedef struct fi_client_opts {
     char models[FI_CLIENT_MAX_MODELS][64]; /* their names */
     uint32_t capacity[FI_CLIENT_MAX_MODELS]; /* requests at once, per model */
     int plaintext;                      /* benchmark builds only */
+    uint64_t policy_version;            /* edges: policy bundle version held (see below) */
 } fi_client_opts;
 
 /* Defaults: heartbeat 1000 ms, liveness 3, handshake 2000 ms, reconnect
@@ -78,6 +79,11 @@ int fi_client_recv_or(fi_client *c, int timeout_ms, void *other, fi_msg **out, c
 int fi_client_wait_ready(fi_client *c, int timeout_ms, char *err, size_t errlen);
 /* 1 when the coordinator has answered Hello on the current connection. */
 int fi_client_ready(const fi_client *c);
+/* Edges: the version of the policy bundle held (initially
+ * o.policy_version), said in every Hello from now on; the coordinator
+ * pushes its active bundle after Hello only when it is newer (0, the
+ * default: whatever is active). */
+void fi_client_set_policy_version(fi_client *c, uint64_t version);
 /* How many times the client has reconnected (a request open across a
  * reconnect is lost: the coordinator that had it may be gone). */
 unsigned fi_client_reconnects(const fi_client *c);

@@ -684,10 +684,11 @@ static void s_on_ship(fi_coord *c, s_peer *p, const fi_msg *m) {
     else free(buf);
 }
 
-/* An edge that says Hello gets the active policy bundle. */
-static void s_push_active(fi_coord *c, s_peer *p) {
+/* An edge that says Hello gets the active policy bundle when it holds an
+ * older one. */
+static void s_push_active(fi_coord *c, s_peer *p, uint64_t held) {
     size_t len = 0;
-    uint8_t *buf = fi_ship_active_bundle(c->ship, &len);
+    uint8_t *buf = fi_ship_active_bundle(c->ship, held, &len);
     if (buf) (void)s_send(c, c->router, p->rid, p->rid_len, buf, &len);
 }
 
@@ -741,7 +742,7 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
         if (p->rec.role == FI__ROLE__ROLE_EDGE) {
             uint64_t serial = p->serial;
             s_on_hello(c, p, m->hello);
-            if ((p = s_peer_by_serial(c, serial))) s_push_active(c, p);
+            if ((p = s_peer_by_serial(c, serial))) s_push_active(c, p, m->hello->policy_version);
         } else {
             s_on_hello(c, p, m->hello);
         }

@@ -229,7 +229,12 @@ static uint8_t *s_bundle_msg(fi_ship *s, uint64_t v, size_t *len, fi_pstore_vers
     return out;
 }
 
-uint8_t *fi_ship_active_bundle(fi_ship *s, size_t *len) { return s_bundle_msg(s, 0, len, NULL); }
+uint8_t *fi_ship_active_bundle(fi_ship *s, uint64_t held, size_t *len) {
+    fi_pstore_version v;
+    char err[256];
+    if (fi_pstore_get(s->ps, 0, &v, NULL, NULL, NULL, NULL, err, sizeof err) != 0 || v.version <= held) return NULL;
+    return s_bundle_msg(s, v.version, len, NULL);
+}
 
 /* After a new version v: push its bundle, answer with PolicyReply. */
 static uint8_t *s_shipped(fi_ship *s, uint64_t v, const s_diag *dg, fi_ship_push_fn push, void *push_user,

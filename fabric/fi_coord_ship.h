@@ -80,8 +80,9 @@ uint8_t *fi_ship_handle(fi_ship *s, const fi_peer_rec *from, const fi_msg *m, fi
 int fi_ship_serves(fi_msg_type t);
 
 /* The encoded PolicyBundle message of the active version, or NULL when
- * there is none (or on error). */
-uint8_t *fi_ship_active_bundle(fi_ship *s, size_t *len);
+ * there is none, when its version is not above held (what the edge said
+ * it holds in Hello), or on error. */
+uint8_t *fi_ship_active_bundle(fi_ship *s, uint64_t held, size_t *len);
 
 /* The audit log (owned by s), for tests. */
 fi_audit *fi_ship_audit(fi_ship *s);

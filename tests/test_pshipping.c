@@ -436,6 +436,26 @@ static void test_ship_and_audit(void **state) {
         fi_wire_free(&m);
     }
     assert_int_equal(got, 5);
+    /* An edge that says it holds version 5 is not sent it again. */
+    fi_client_destroy(&edge);
+    {
+        fi_client_opts eo;
+        char err[256];
+        h_client_opts(&f->h, &eo, &f->edge, FI__ROLE__ROLE_EDGE);
+        eo.policy_version = 5;
+        edge = fi_client_new(&eo, err, sizeof err);
+        assert_non_null(edge);
+        assert_int_equal(fi_client_wait_ready(edge, 3000, err, sizeof err), 0);
+        t0 = fi_wire_now_ms();
+        while (fi_wire_now_ms() - t0 < 500) {
+            fi_msg *m = NULL;
+            if (fi_client_recv(edge, 100, &m, err, sizeof err) == 1 &&
+                m->body_case == FI__ENVELOPE__BODY_POLICY_BUNDLE)
+                fail_msg("bundle %llu pushed to an edge that holds version 5",
+                         (unsigned long long)m->policy_bundle->version);
+            fi_wire_free(&m);
+        }
+    }
 
     /* kill -9 and restart: versions and audit are kept. */
     fi_client_destroy(&op);
