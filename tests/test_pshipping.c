@@ -61,7 +61,8 @@ static const char *P2 =
 typedef struct fx {
     harness h;                          /* directory, keys, database path */
     pid_t coord;                        /* coordinator process */
-    fi_keypair edge;                    /* an edge at berlin-clinic */
+    fi_keypair edge;                    /* an edge at berlin-clinic (uploads, refusals) */
+    fi_keypair listener;                /* another edge there, receiving pushed bundles */
     uint8_t trusted[1][FI_BUNDLE_PK_BYTES]; /* the policy-signing public key */
     char conf[320];                     /* coordinator configuration */
     char ctl[320];                      /* fedctl configuration */
@@ -150,8 +151,9 @@ static int setup(void **state) {
     if (fi_keys_save(&f->h.coord, sec, pub, 0, err, sizeof err) ||
         fi_keys_save(&f->h.op, osec, opub, 0, err, sizeof err))
         return -1;
-    if (fi_keys_generate(&f->edge) ||
-        h_enrol_direct(&f->h, &f->edge, FI__ROLE__ROLE_EDGE, "berlin-clinic", "eu-central"))
+    if (fi_keys_generate(&f->edge) || fi_keys_generate(&f->listener) ||
+        h_enrol_direct(&f->h, &f->edge, FI__ROLE__ROLE_EDGE, "berlin-clinic", "eu-central") ||
+        h_enrol_direct(&f->h, &f->listener, FI__ROLE__ROLE_EDGE, "berlin-clinic", "eu-central"))
         return -1;
     /* What --init does: the policy-signing key next to the database. */
     int created = 0;
@@ -214,37 +216,78 @@ static fi_msg *s_apply(fi_client *op, const char *content, const char *comment) 
     return s_call(op, FI__ENVELOPE__BODY_POLICY_APPLY, &pa, FI__ENVELOPE__BODY_POLICY_REPLY);
 }
 
-/* Waits for the next pushed bundle at the edge and installs it as an edge
- * would; returns its version (0 when none came). */
-static uint64_t s_bundle_at_edge(fx *f, fi_client *edge, int ms) {
-    uint64_t t0 = fi_wire_now_ms();
-    char err[512];
-    while (fi_wire_now_ms() - t0 < (uint64_t)ms) {
+/* An edge on a thread of its own, so that its heartbeats go on while the
+ * test waits for fedctl processes: verifies and installs every pushed
+ * bundle as an edge does, and counts them. */
+typedef struct s_listener {
+    fx *f;                     /* the fixture */
+    uint64_t held;             /* said in Hello */
+    pthread_t th;
+    atomic_int stop;           /* ends the thread */
+    atomic_int ready;          /* connected */
+    atomic_uint_fast64_t last; /* version of the last bundle installed */
+    atomic_int bundles;        /* bundles received */
+    atomic_int refused;        /* bundles that did not verify or install */
+} s_listener;
+
+static void *s_listener_main(void *arg) {
+    s_listener *l = arg;
+    fx *f = l->f;
+    fi_client_opts o;
+    char err[512], dir[320];
+    static atomic_int n_dirs;
+    snprintf(dir, sizeof dir, "%s/edge-%d", f->h.dir, atomic_fetch_add(&n_dirs, 1)); /* its own kept bundle */
+    mkdir(dir, 0700);
+    h_client_opts(&f->h, &o, &f->listener, FI__ROLE__ROLE_EDGE);
+    o.policy_version = l->held;
+    fi_client *c = fi_client_new(&o, err, sizeof err);
+    if (!c) return NULL;
+    if (fi_client_wait_ready(c, 3000, err, sizeof err) == 0) atomic_store(&l->ready, 1);
+    while (!atomic_load(&l->stop)) {
         fi_msg *m = NULL;
-        int rc = fi_client_recv(edge, 100, &m, err, sizeof err);
-        assert_true(rc >= 0);
-        if (rc == 1 && m->body_case == FI__ENVELOPE__BODY_POLICY_BUNDLE) {
+        if (fi_client_recv(c, 50, &m, err, sizeof err) == 1 && m->body_case == FI__ENVELOPE__BODY_POLICY_BUNDLE) {
             const Fi__PolicyBundle *pb = m->policy_bundle;
             fi_bundle_info info;
-            assert_int_equal(fi_bundle_verify((const char *)pb->bundle.data, pb->bundle.len,
-                                              (const uint8_t(*)[FI_BUNDLE_PK_BYTES])f->trusted, 1, 0, time(NULL),
-                                              &info),
-                             FI_BUNDLE_OK);
-            assert_int_equal(info.version, pb->version);
-            char dir[320];
-            snprintf(dir, sizeof dir, "%s/edge", f->h.dir);
-            mkdir(dir, 0700);
-            fi_bundle_status st = fi_bundle_install(dir, (const char *)pb->bundle.data, pb->bundle.len,
-                                                    (const uint8_t(*)[FI_BUNDLE_PK_BYTES])f->trusted, 1, time(NULL),
-                                                    err, sizeof err);
-            if (st != FI_BUNDLE_OK) fail_msg("edge refused bundle %llu: %s", (unsigned long long)pb->version, err);
-            uint64_t v = pb->version;
-            fi_wire_free(&m);
-            return v;
+            atomic_fetch_add(&l->bundles, 1);
+            if (fi_bundle_verify((const char *)pb->bundle.data, pb->bundle.len,
+                                 (const uint8_t(*)[FI_BUNDLE_PK_BYTES])f->trusted, 1, 0, time(NULL),
+                                 &info) != FI_BUNDLE_OK ||
+                info.version != pb->version ||
+                fi_bundle_install(dir, (const char *)pb->bundle.data, pb->bundle.len,
+                                  (const uint8_t(*)[FI_BUNDLE_PK_BYTES])f->trusted, 1, time(NULL), err,
+                                  sizeof err) != FI_BUNDLE_OK) {
+                fprintf(stderr, "listener: bundle %llu refused: %s\n", (unsigned long long)pb->version, err);
+                atomic_fetch_add(&l->refused, 1);
+            } else {
+                atomic_store(&l->last, pb->version);
+            }
         }
         fi_wire_free(&m);
     }
-    return 0;
+    fi_client_destroy(&c);
+    return NULL;
+}
+
+static void s_listener_start(fx *f, s_listener *l, uint64_t held) {
+    memset(l, 0, sizeof *l);
+    l->f = f;
+    l->held = held;
+    assert_int_equal(pthread_create(&l->th, NULL, s_listener_main, l), 0);
+    for (int i = 0; i < 300 && !atomic_load(&l->ready); i++) h_sleep_ms(10);
+    assert_true(atomic_load(&l->ready));
+}
+
+static void s_listener_stop(s_listener *l) {
+    atomic_store(&l->stop, 1);
+    pthread_join(l->th, NULL);
+}
+
+/* Waits until the listener has installed version want (or ms pass). */
+static uint64_t s_bundle_at_edge(s_listener *l, uint64_t want, int ms) {
+    uint64_t t0 = fi_wire_now_ms();
+    while (atomic_load(&l->last) != want && fi_wire_now_ms() - t0 < (uint64_t)ms) h_sleep_ms(10);
+    assert_int_equal(atomic_load(&l->refused), 0);
+    return atomic_load(&l->last);
 }
 
 static fi_msg *s_upload(fi_client *edge, const char *id, int64_t first, uint64_t count, const char *batch) {
@@ -270,17 +313,19 @@ static void test_ship_and_audit(void **state) {
     assert_non_null(op);
     edge = h_client(&f->h, &f->edge, FI__ROLE__ROLE_EDGE);
     assert_non_null(edge);
+    s_listener lis;
+    s_listener_start(f, &lis, 0);
 
-    /* Version 1: stored, signed, pushed to the connected edge. */
+    /* Version 1: stored, signed, pushed to the connected edges. */
     fi_msg *r = s_apply(op, P1, "first policy");
     assert_int_equal(r->body_case, FI__ENVELOPE__BODY_POLICY_REPLY);
     assert_int_equal(r->policy_reply->version, 1);
-    assert_int_equal(r->policy_reply->pushed, 1);
+    assert_true(r->policy_reply->pushed >= 1);
     assert_int_equal(strlen(r->policy_reply->digest), 64);
     snprintf(d1, sizeof d1, "%s", r->policy_reply->digest);
     assert_true(r->policy_reply->not_after > r->policy_reply->not_before);
     fi_wire_free(&r);
-    assert_int_equal(s_bundle_at_edge(f, edge, 3000), 1);
+    assert_int_equal(s_bundle_at_edge(&lis, 1, 3000), 1);
 
     /* History: author is the operator's key fingerprint, with the comment. */
     Fi__PolicyHistoryRequest hq = FI__POLICY_HISTORY_REQUEST__INIT;
@@ -298,7 +343,7 @@ static void test_ship_and_audit(void **state) {
     assert_int_equal(r->policy_reply->version, 2);
     assert_true(r->policy_reply->n_warnings >= 1);
     fi_wire_free(&r);
-    assert_int_equal(s_bundle_at_edge(f, edge, 3000), 2);
+    assert_int_equal(s_bundle_at_edge(&lis, 2, 3000), 2);
 
     /* Rollback to 1: version 3 with version 1's content. */
     Fi__PolicyRollback rb = FI__POLICY_ROLLBACK__INIT;
@@ -310,7 +355,7 @@ static void test_ship_and_audit(void **state) {
     assert_int_equal(r->policy_reply->rollback_of, 1);
     assert_string_equal(r->policy_reply->digest, d1);
     fi_wire_free(&r);
-    assert_int_equal(s_bundle_at_edge(f, edge, 3000), 3);
+    assert_int_equal(s_bundle_at_edge(&lis, 3, 3000), 3);
     Fi__PolicyGet pg = FI__POLICY_GET__INIT;
     r = s_call(op, FI__ENVELOPE__BODY_POLICY_GET, &pg, FI__ENVELOPE__BODY_POLICY_CONTENT);
     assert_int_equal(r->body_case, FI__ENVELOPE__BODY_POLICY_CONTENT);
@@ -416,46 +461,22 @@ static void test_ship_and_audit(void **state) {
     s_has(f, "5 audited request(s) replayed");
     assert_int_equal(s_fedctl(f, "policy apply p2.policy -m 'from the console'"), 0);
     s_has(f, "as version 4");
-    s_has(f, "pushed to 1 edge(s)");
-    assert_int_equal(s_bundle_at_edge(f, edge, 3000), 4);
+    s_has(f, "pushed to ");
+    assert_int_equal(s_bundle_at_edge(&lis, 4, 3000), 4);
     assert_int_equal(s_fedctl(f, "policy rollback 3 -m back"), 0);
     s_has(f, "as version 5");
-    assert_int_equal(s_bundle_at_edge(f, edge, 3000), 5);
+    assert_int_equal(s_bundle_at_edge(&lis, 5, 3000), 5);
 
-    /* A second edge connection (Hello) gets the active bundle. */
-    fi_client_destroy(&edge);
-    edge = h_client(&f->h, &f->edge, FI__ROLE__ROLE_EDGE);
-    assert_non_null(edge);
-    uint64_t t0 = fi_wire_now_ms();
-    uint64_t got = 0;
-    while (!got && fi_wire_now_ms() - t0 < 3000) {
-        fi_msg *m = NULL;
-        char err[256];
-        if (fi_client_recv(edge, 100, &m, err, sizeof err) == 1 && m->body_case == FI__ENVELOPE__BODY_POLICY_BUNDLE)
-            got = m->policy_bundle->version;
-        fi_wire_free(&m);
-    }
-    assert_int_equal(got, 5);
-    /* An edge that says it holds version 5 is not sent it again. */
-    fi_client_destroy(&edge);
-    {
-        fi_client_opts eo;
-        char err[256];
-        h_client_opts(&f->h, &eo, &f->edge, FI__ROLE__ROLE_EDGE);
-        eo.policy_version = 5;
-        edge = fi_client_new(&eo, err, sizeof err);
-        assert_non_null(edge);
-        assert_int_equal(fi_client_wait_ready(edge, 3000, err, sizeof err), 0);
-        t0 = fi_wire_now_ms();
-        while (fi_wire_now_ms() - t0 < 500) {
-            fi_msg *m = NULL;
-            if (fi_client_recv(edge, 100, &m, err, sizeof err) == 1 &&
-                m->body_case == FI__ENVELOPE__BODY_POLICY_BUNDLE)
-                fail_msg("bundle %llu pushed to an edge that holds version 5",
-                         (unsigned long long)m->policy_bundle->version);
-            fi_wire_free(&m);
-        }
-    }
+    /* A new connection (Hello) of an edge that holds nothing gets the
+     * active bundle; one that says it holds version 5 is not sent it again. */
+    s_listener_stop(&lis);
+    s_listener_start(f, &lis, 0);
+    assert_int_equal(s_bundle_at_edge(&lis, 5, 3000), 5);
+    s_listener_stop(&lis);
+    s_listener_start(f, &lis, 5);
+    h_sleep_ms(500);
+    assert_int_equal(atomic_load(&lis.bundles), 0);
+    s_listener_stop(&lis);
 
     /* kill -9 and restart: versions and audit are kept. */
     fi_client_destroy(&op);
