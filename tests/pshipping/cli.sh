@@ -5,7 +5,7 @@
 # / bundle and fedctl audit [verify] over the fabric, with the operator's
 # configuration only (fedctl never opens the coordinator's files), and the
 # offline tools checking what came back (bundle install with the pinned
-# signing key).
+# signing key); then kill -9 and a restart keep the versions.
 set -euo pipefail
 FEDINFER=$1
 FEDCTL=$2
@@ -94,6 +94,15 @@ cat >> stranger.conf <<CONF
 timeout_ms = 500
 CONF
 if "$FEDCTL" policy history --config stranger.conf > out.txt 2>err.txt; then fail "unknown key served"; fi
-kill $COORD; wait $COORD || true; COORD=""
 grep -q "stored policy version 3" coord.log || fail "coordinator log"
+# kill -9 and restart: the versions are still there, the bundle is the same.
+kill -9 $COORD; wait $COORD 2>/dev/null || true
+"$FEDINFER" coordinator --config coord.conf 2>>coord.log &
+COORD=$!
+for _ in $(seq 50); do "$FEDCTL" policy history > out.txt 2>err.txt && break; sleep 0.1; done
+[ "$(grep -c "$FPR" out.txt)" = 3 ] || fail "history lost in the restart"
+"$FEDCTL" policy bundle --out again.bundle > /dev/null 2>err.txt || fail "bundle after restart"
+cmp -s again.bundle active.bundle || fail "active bundle changed in the restart"
+"$FEDCTL" audit verify > out.txt 2>err.txt || fail "audit verify after restart"
+kill $COORD; wait $COORD || true; COORD=""
 echo "pshipping cli: ok"
