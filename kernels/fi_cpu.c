@@ -378,17 +378,22 @@ static const fi_backend_ops s_cpu_ops = {
     .add = s_add,
 };
 
-/* AVX2 and FMA as the compiler sees them; F16C (which every AVX2 part
- * has, but clang's __builtin_cpu_supports cannot name) from CPUID 1 ECX. */
-static int s_cpu_has_avx2(void) {
+/* Which x86 extensions this processor has: 0 none usable, 1 AVX2 + FMA +
+ * F16C, 2 also AVX-VNNI. AVX2 and FMA as the compiler's run-time check sees
+ * them; F16C (every AVX2 part has it, but clang's __builtin_cpu_supports
+ * cannot name it) from CPUID 1 ECX bit 29; AVX-VNNI from CPUID 7.1 EAX bit
+ * 4 (AVX state is enabled by the OS once avx2 is reported). */
+static int s_cpu_x86_level(void) {
 #if defined(FI_HAVE_X86) && FI_HAVE_X86 && (defined(__GNUC__) || defined(__clang__))
     unsigned a, b, c, d;
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
         return 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d))
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 29) & 1u))
         return 0;
-    return (c >> 29) & 1u;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1u))
+        return 2;
+    return 1;
 #else
     return 0;
 #endif
@@ -407,17 +412,23 @@ fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t er
         snprintf(err, errlen, "cpu backend: out of memory");
         goto fail;
     }
+    /* PORTABLE: plain C. AVX2: exactly the AVX2 kernels. AUTO: the best
+     * the processor has (AVX-VNNI > AVX2 > portable). */
     fi_cpu_kernels_portable(&c->k);
-    if (simd == FI_SIMD_AVX2 || simd == FI_SIMD_AUTO) {
-        if (s_cpu_has_avx2()) {
-#if defined(FI_HAVE_X86) && FI_HAVE_X86
-            fi_cpu_kernels_avx2(&c->k);
-#endif
-        } else if (simd == FI_SIMD_AVX2) {
-            snprintf(err, errlen, "cpu backend: AVX2/FMA/F16C requested but not supported here");
-            goto fail;
-        }
+    int level = simd == FI_SIMD_PORTABLE ? 0 : s_cpu_x86_level();
+    if (simd == FI_SIMD_AVX2 && level < 1) {
+        snprintf(err, errlen, "cpu backend: AVX2/FMA/F16C requested but not supported here");
+        goto fail;
     }
+#if defined(FI_HAVE_AVXVNNI) && FI_HAVE_AVXVNNI
+    if (simd == FI_SIMD_AUTO && level >= 2)
+        fi_cpu_kernels_avxvnni(&c->k);
+    else
+#endif
+#if defined(FI_HAVE_X86) && FI_HAVE_X86
+    if (level >= 1)
+        fi_cpu_kernels_avx2(&c->k);
+#endif
     c->scratch = aligned_alloc(S_ALIGN, S_SCRATCH_MIN);
     c->scratch_bytes = S_SCRATCH_MIN;
     c->pool = fi_pool_new(n_threads);

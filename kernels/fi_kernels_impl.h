@@ -94,6 +94,11 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k);
  * after checking that the processor has them. */
 void fi_cpu_kernels_avx2(fi_cpu_kernels *k);
 #endif
+#if defined(FI_HAVE_AVXVNNI) && FI_HAVE_AVXVNNI
+/* The same with AVX-VNNI dot products; only call after checking for
+ * AVX2, FMA, F16C and AVX-VNNI. */
+void fi_cpu_kernels_avxvnni(fi_cpu_kernels *k);
+#endif
 
 /* Portable quantiser, also the reference for the SIMD ones: d = amax/127,
  * qs = round-to-nearest-even(x * 127/amax). */
