@@ -26,7 +26,9 @@
 #define S_ALIGN 64
 #define S_SCRATCH_MIN ((size_t)1 << 20) /* bytes of scratch made at start */
 #define S_PAR_ELEMS 32768               /* element-wise ops: go parallel above this */
-#define S_ATT_CHUNK 128                 /* positions scored per softmax step */
+#define S_ATT_CHUNK 64                  /* positions scored per softmax step */
+#define S_ATT_MIN_SEG 128               /* fewest positions worth a segment */
+#define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
 
 typedef struct s_cpu {
     fi_pool *pool;          /* workers, caller is worker 0 */
@@ -243,70 +245,159 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
     }
 }
 
+/* Attention work item: token t, KV head kh, position segment seg. All the
+ * query heads that share kh are done together, so each K/V row is read
+ * from memory once per group. When there are fewer (token, kv head) pairs
+ * than threads can use (decode), positions are split into segments whose
+ * partial softmax states (max, sum, unnormalised output) are merged after
+ * the parallel part, as in flash-decoding. */
 typedef struct s_att_job {
-    const fi_cpu_kernels *k;    /* dot / axpy */
+    const fi_cpu_kernels *k;    /* dots / wsum */
     float *out;                 /* n rows of n_heads*head_dim */
     const float *q, *kc, *vc;   /* queries, key and value caches */
     const int32_t *pos;         /* position of each query token */
     int n, n_heads, n_kv_heads, head_dim;
+    int segs;                   /* position segments per (token, kv head) */
+    int seg_len;                /* positions per segment (last may be short) */
+    float *part;                /* segs > 1: per (t, h, seg): m, l, o[head_dim] */
+    atomic_int next;            /* next item to claim */
 } s_att_job;
 
-/* One (token, head): online softmax over the visible positions in chunks,
- * accumulating directly in this head's slice of out. */
-static void s_att_one(const s_att_job *j, int t, int h) {
-    int hd = j->head_dim;
-    int kv_dim = j->n_kv_heads * hd;
-    int kh = h / (j->n_heads / j->n_kv_heads);
-    const float *q = j->q + (size_t)t * j->n_heads * hd + (size_t)h * hd;
-    float *o = j->out + (size_t)t * j->n_heads * hd + (size_t)h * hd;
-    float scale = 1.0f / sqrtf((float)hd);
+/* Partial state of one (token, head, segment): m, l, then head_dim floats. */
+static float *s_att_part(const s_att_job *j, int t, int h, int seg) {
+    size_t i = ((size_t)t * j->n_heads + h) * j->segs + seg;
+    return j->part + i * (size_t)(j->head_dim + 2);
+}
+
+static void s_att_item(const s_att_job *j, int t, int kh, int seg) {
+    const int hd = j->head_dim;
+    const int group = j->n_heads / j->n_kv_heads;
+    const size_t kv_dim = (size_t)j->n_kv_heads * hd;
+    const float scale = 1.0f / sqrtf((float)hd);
+    int p_begin = seg * j->seg_len;
+    int p_end = p_begin + j->seg_len;
+    if (p_end > j->pos[t] + 1)
+        p_end = j->pos[t] + 1;
     float sc[S_ATT_CHUNK];
-    float m = -INFINITY, l = 0.0f;
-    int np = j->pos[t] + 1;
-    memset(o, 0, (size_t)hd * sizeof *o);
-    for (int p0 = 0; p0 < np; p0 += S_ATT_CHUNK) {
-        int cn = np - p0 < S_ATT_CHUNK ? np - p0 : S_ATT_CHUNK;
-        float cm = -INFINITY;
-        for (int i = 0; i < cn; i++) {
-            const float *k = j->kc + (size_t)(p0 + i) * kv_dim + (size_t)kh * hd;
-            sc[i] = j->k->dot(q, k, hd) * scale;
-            cm = sc[i] > cm ? sc[i] : cm;
+    /* Heads of the group in sets of up to S_ATT_HEADS, each set walking
+     * the positions chunk by chunk: a chunk's K/V rows come from L2 or
+     * memory once and from L1 for the other heads of the set. */
+    for (int g0 = 0; g0 < group; g0 += S_ATT_HEADS) {
+        int gn = group - g0 < S_ATT_HEADS ? group - g0 : S_ATT_HEADS;
+        float m[S_ATT_HEADS], l[S_ATT_HEADS];
+        float *o[S_ATT_HEADS];
+        const float *q[S_ATT_HEADS];
+        for (int g = 0; g < gn; g++) {
+            int h = kh * group + g0 + g;
+            q[g] = j->q + (size_t)t * j->n_heads * hd + (size_t)h * hd;
+            o[g] = j->segs > 1 ? s_att_part(j, t, h, seg) + 2
+                               : j->out + (size_t)t * j->n_heads * hd + (size_t)h * hd;
+            memset(o[g], 0, (size_t)hd * sizeof(float));
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
         }
-        if (cm > m) {
-            float r = expf(m - cm); /* 0 on the first chunk */
-            l *= r;
-            for (int d = 0; d < hd; d++)
-                o[d] *= r;
-            m = cm;
+        for (int p0 = p_begin; p0 < p_end; p0 += S_ATT_CHUNK) {
+            int cn = p_end - p0 < S_ATT_CHUNK ? p_end - p0 : S_ATT_CHUNK;
+            const float *kr = j->kc + (size_t)p0 * kv_dim + (size_t)kh * hd;
+            const float *vr = j->vc + (size_t)p0 * kv_dim + (size_t)kh * hd;
+            for (int g = 0; g < gn; g++) {
+                float cm = j->k->dots(sc, q[g], kr, kv_dim, cn, hd, scale);
+                if (cm > m[g]) {
+                    float r = expf(m[g] - cm); /* 0 on the first chunk */
+                    l[g] *= r;
+                    for (int d = 0; d < hd; d++)
+                        o[g][d] *= r;
+                    m[g] = cm;
+                }
+                l[g] += j->k->exp_sum(sc, cn, m[g]);
+                j->k->wsum(o[g], sc, vr, kv_dim, cn, hd);
+            }
         }
-        for (int i = 0; i < cn; i++) {
-            float e = expf(sc[i] - m);
-            l += e;
-            j->k->axpy(o, e, j->vc + (size_t)(p0 + i) * kv_dim + (size_t)kh * hd, hd);
+        for (int g = 0; g < gn; g++) {
+            if (j->segs > 1) {
+                o[g][-2] = m[g];
+                o[g][-1] = l[g];
+            } else {
+                float il = 1.0f / l[g];
+                for (int d = 0; d < hd; d++)
+                    o[g][d] *= il;
+            }
         }
     }
-    float il = 1.0f / l;
-    for (int d = 0; d < hd; d++)
-        o[d] *= il;
 }
 
 static void s_att_worker(void *arg, int ith, int nth) {
     s_att_job *j = arg;
-    long items = (long)j->n * j->n_heads;
-    long i0 = items * ith / nth, i1 = items * (ith + 1) / nth;
-    for (long i = i0; i < i1; i++)
-        s_att_one(j, (int)(i / j->n_heads), (int)(i % j->n_heads));
+    int per_t = j->n_kv_heads * j->segs;
+    int items = j->n * per_t;
+    for (;;) {
+        int i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (i >= items)
+            break;
+        int t = i / per_t, r = i % per_t;
+        s_att_item(j, t, r / j->segs, r % j->segs);
+    }
+}
+
+/* Combines the segments' partial states into out (segs > 1). A segment
+ * past pos[t] is empty (m = -inf, l = 0) and weighs nothing. */
+static void s_att_merge(const s_att_job *j) {
+    const int hd = j->head_dim;
+    for (int t = 0; t < j->n; t++)
+        for (int h = 0; h < j->n_heads; h++) {
+            float m = -INFINITY;
+            for (int s = 0; s < j->segs; s++) {
+                float ms = s_att_part(j, t, h, s)[0];
+                m = ms > m ? ms : m;
+            }
+            float *o = j->out + (size_t)t * j->n_heads * hd + (size_t)h * hd;
+            float l = 0.0f;
+            memset(o, 0, (size_t)hd * sizeof *o);
+            for (int s = 0; s < j->segs; s++) {
+                const float *ps = s_att_part(j, t, h, s);
+                if (ps[1] == 0.0f)
+                    continue;
+                float w = expf(ps[0] - m);
+                l += w * ps[1];
+                for (int d = 0; d < hd; d++)
+                    o[d] += w * ps[2 + d];
+            }
+            float il = 1.0f / l;
+            for (int d = 0; d < hd; d++)
+                o[d] *= il;
+        }
 }
 
 static void s_attention(void *ctx, float *out, const float *q, const float *k, const float *v,
                         int n, const int32_t *pos, int n_heads, int n_kv_heads, int head_dim) {
     s_cpu *c = ctx;
     s_att_job j = {.k = &c->k, .out = out, .q = q, .kc = k, .vc = v, .pos = pos, .n = n,
-                   .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim};
-    if (c->n_threads > 1 && (long)n * n_heads > 1)
+                   .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .segs = 1};
+    int maxp = 0;
+    for (int t = 0; t < n; t++)
+        maxp = pos[t] > maxp ? pos[t] : maxp;
+    j.seg_len = maxp + 1;
+    /* Split positions only when the (token, kv head) pairs cannot keep
+     * every thread busy and there are enough positions to share. */
+    int pairs = n * n_kv_heads;
+    if (c->n_threads > 1 && pairs < 2 * c->n_threads && maxp + 1 >= 2 * S_ATT_MIN_SEG) {
+        int segs = (2 * c->n_threads + pairs - 1) / pairs;
+        if (segs > (maxp + 1) / S_ATT_MIN_SEG)
+            segs = (maxp + 1) / S_ATT_MIN_SEG;
+        size_t bytes = (size_t)n * n_heads * segs * (head_dim + 2) * sizeof(float);
+        if (segs > 1 && s_reserve(c, bytes) == 0) {
+            j.segs = segs;
+            j.seg_len = (maxp + 1 + segs - 1) / segs;
+            j.part = (float *)c->scratch;
+        }
+    }
+    atomic_init(&j.next, 0);
+    if (c->n_threads > 1 && pairs * j.segs > 1)
         fi_pool_run(c->pool, s_att_worker, &j);
     else
         s_att_worker(&j, 0, 1);
+    if (j.segs > 1)
+        s_att_merge(&j);
 }
 
 typedef struct s_ew_job {

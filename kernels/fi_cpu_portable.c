@@ -12,6 +12,8 @@
  */
 #include "fi_kernels_impl.h"
 
+#include <math.h>
+
 #define S_ROW(t, r) ((const void *)((t)->w + (size_t)(r) * (t)->w_stride))
 #define S_XROW(t, k) ((const void *)((t)->x + (size_t)(k) * (t)->x_stride))
 
@@ -116,20 +118,39 @@ static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
     }
 }
 
-static float s_dot(const float *a, const float *b, int n) {
-    float s[4] = {0, 0, 0, 0};
-    int i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++)
-            s[j] += a[i + j] * b[i + j];
-    for (; i < n; i++)
-        s[0] += a[i] * b[i];
-    return (s[0] + s[1]) + (s[2] + s[3]);
+static float s_dots(float *s, const float *q, const float *k, size_t stride, int np, int hd,
+                    float scale) {
+    float mx = -INFINITY;
+    for (int i = 0; i < np; i++) {
+        const float *kr = k + (size_t)i * stride;
+        float a[4] = {0, 0, 0, 0};
+        int d = 0;
+        for (; d + 4 <= hd; d += 4)
+            for (int u = 0; u < 4; u++)
+                a[u] += q[d + u] * kr[d + u];
+        for (; d < hd; d++)
+            a[0] += q[d] * kr[d];
+        s[i] = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
+        mx = s[i] > mx ? s[i] : mx;
+    }
+    return mx;
 }
 
-static void s_axpy(float *y, float a, const float *x, int n) {
-    for (int i = 0; i < n; i++)
-        y[i] += a * x[i];
+static void s_wsum(float *o, const float *e, const float *v, size_t stride, int np, int hd) {
+    for (int i = 0; i < np; i++) {
+        const float *vr = v + (size_t)i * stride;
+        for (int d = 0; d < hd; d++)
+            o[d] += e[i] * vr[d];
+    }
+}
+
+static float s_exp_sum(float *s, int n, float m) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return sum;
 }
 
 void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
@@ -141,6 +162,7 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
-    k->dot = s_dot;
-    k->axpy = s_axpy;
+    k->dots = s_dots;
+    k->wsum = s_wsum;
+    k->exp_sum = s_exp_sum;
 }

@@ -30,6 +30,7 @@
 #include "fi_kernels_impl.h"
 
 #include <immintrin.h>
+#include <math.h>
 
 #define S_INLINE static inline __attribute__((always_inline))
 #define S_RB 16 /* rows per sub-block in the prefill loop */
@@ -525,28 +526,123 @@ static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
 
 /* --- attention helpers ------------------------------------------------------ */
 
-static float s_dot(const float *a, const float *b, int n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+/* 8 rows at a time; their sums reduced together with hadd. */
+static float s_dots(float *s, const float *q, const float *k, size_t stride, int np, int hd,
+                    float scale) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    if ((hd & 7) == 0) {
+        /* 8 rows: 8 independent FMA chains */
+        for (; i + 8 <= np; i += 8) {
+            const float *k0 = k + (size_t)i * stride;
+            __m256 a[8];
+            for (int u = 0; u < 8; u++)
+                a[u] = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d += 8) {
+                __m256 qv = _mm256_loadu_ps(q + d);
+                for (int u = 0; u < 8; u++)
+                    a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + (size_t)u * stride + d), a[u]);
+            }
+            for (int u = 0; u < 8; u += 4) {
+                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[u], a[u + 1]), _mm256_hadd_ps(a[u + 2], a[u + 3]));
+                __m128 r = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vs);
+                mx4 = _mm_max_ps(mx4, r);
+                _mm_storeu_ps(s + i + u, r);
+            }
+        }
     }
-    for (; i + 8 <= n; i += 8)
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    float s = s_hsum(_mm256_add_ps(s0, s1));
-    for (; i < n; i++)
-        s += a[i] * b[i];
-    return s;
+    mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));
+    mx4 = _mm_max_ss(mx4, _mm_movehdup_ps(mx4));
+    float mx = _mm_cvtss_f32(mx4);
+    for (; i < np; i++) {
+        const float *kr = k + (size_t)i * stride;
+        __m256 a0 = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 8 <= hd; d += 8)
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kr + d), a0);
+        float r = s_hsum(a0);
+        for (; d < hd; d++)
+            r += q[d] * kr[d];
+        s[i] = r * scale;
+        mx = s[i] > mx ? s[i] : mx;
+    }
+    return mx;
 }
 
-static void s_axpy(float *y, float a, const float *x, int n) {
-    __m256 va = _mm256_set1_ps(a);
+/* exp(x) for x <= 0 (Cephes polynomial, about 1 ulp in range; 0 below
+ * -87.3). */
+S_INLINE __m256 s_exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static float s_exp_sum(float *s, int n, float m) {
+    __m256 vm = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++)
-        y[i] += a * x[i];
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = s_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = s_hsum(acc);
+    if (i < n) {
+        float tmp[8] = {0};
+        int r = n - i;
+        memcpy(tmp, s + i, (size_t)r * sizeof(float));
+        __m256 e = s_exp8(_mm256_sub_ps(_mm256_loadu_ps(tmp), vm));
+        _mm256_storeu_ps(tmp, e);
+        for (int j = 0; j < r; j++) {
+            s[i + j] = tmp[j];
+            sum += tmp[j];
+        }
+    }
+    return sum;
+}
+
+/* o += sum_i e[i] * v_i, 64 columns at a time held in registers (eight
+ * independent FMA chains), then 8 at a time. */
+static void s_wsum(float *o, const float *e, const float *v, size_t stride, int np, int hd) {
+    int d = 0;
+    for (; d + 64 <= hd; d += 64) {
+        __m256 acc[8];
+        for (int u = 0; u < 8; u++)
+            acc[u] = _mm256_loadu_ps(o + d + 8 * u);
+        for (int i = 0; i < np; i++) {
+            const float *vr = v + (size_t)i * stride + d;
+            __m256 w = _mm256_broadcast_ss(e + i);
+            for (int u = 0; u < 8; u++)
+                acc[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * u), acc[u]);
+        }
+        for (int u = 0; u < 8; u++)
+            _mm256_storeu_ps(o + d + 8 * u, acc[u]);
+    }
+    for (; d + 8 <= hd; d += 8) {
+        __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 2 <= np; i += 2) {
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), _mm256_loadu_ps(v + (size_t)i * stride + d), o0);
+            o1 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i + 1),
+                                 _mm256_loadu_ps(v + (size_t)(i + 1) * stride + d), o1);
+        }
+        if (i < np)
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), _mm256_loadu_ps(v + (size_t)i * stride + d), o0);
+        _mm256_storeu_ps(o + d, _mm256_add_ps(o0, o1));
+    }
+    for (; d < hd; d++)
+        for (int i = 0; i < np; i++)
+            o[d] += e[i] * v[(size_t)i * stride + d];
 }
 
 /* Fills k with this flavour's kernels under `name`. */
@@ -559,6 +655,7 @@ static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
-    k->dot = s_dot;
-    k->axpy = s_axpy;
+    k->dots = s_dots;
+    k->wsum = s_wsum;
+    k->exp_sum = s_exp_sum;
 }

@@ -82,9 +82,13 @@ typedef struct fi_cpu_kernels {
     fi_mm_fn mm_q4_0;                                          /* quantised weights */
     fi_mm_fn mm_q4_1;
     fi_mm_fn mm_q8_0;
-    /* Float helpers for attention: dot product and y += a * x. */
-    float (*dot)(const float *a, const float *b, int n);
-    void (*axpy)(float *y, float a, const float *x, int n);
+    /* Attention helpers over np >= 1 rows of length hd spaced `stride`
+     * floats: s[i] = scale * dot(q, k + i*stride), returning max s[i];
+     * o[d] += sum_i e[i] * v[i*stride + d]. */
+    float (*dots)(float *s, const float *q, const float *k, size_t stride, int np, int hd, float scale);
+    void (*wsum)(float *o, const float *e, const float *v, size_t stride, int np, int hd);
+    /* s[i] = exp(s[i] - m) for i < n (s[i] <= m); returns their sum. */
+    float (*exp_sum)(float *s, int n, float m);
 } fi_cpu_kernels;
 
 /* Fills k with the portable kernels. Cannot fail. */

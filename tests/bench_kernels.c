@@ -104,6 +104,21 @@ static void s_noop(void *arg, int ith, int nth) {
     (void)nth;
 }
 
+/* A job part of fixed cost (about 2 us); counts which indices ran. */
+typedef struct s_spin_job {
+    int iters;              /* loop trips per part */
+    atomic_uint sink;       /* keeps the loop */
+} s_spin_job;
+
+static void s_spin_part(void *arg, int ith, int nth) {
+    s_spin_job *j = arg;
+    unsigned v = (unsigned)ith;
+    for (int i = 0; i < j->iters; i++)
+        v = v * 1664525u + 1013904223u;
+    atomic_fetch_add_explicit(&j->sink, v, memory_order_relaxed);
+    (void)nth;
+}
+
 typedef struct s_layer {
     fi_weight w[7]; /* q, k, v, o, gate, up, down */
 } s_layer;
@@ -205,6 +220,42 @@ int main(int argc, char **argv) {
                        flops * 16 / t16 / 1e9);
                 s_release(&w);
             }
+            {
+                /* attention, SmolLM2 heads (9 q, 3 kv, 64 wide), one token
+                 * at position 1023, and 64 prefill tokens at 0..63 */
+                const int ctx = 1024, kv_dim = 3 * 64;
+                float *kc = malloc(sizeof(float) * ctx * kv_dim), *vc = malloc(sizeof(float) * ctx * kv_dim);
+                float *q = malloc(sizeof(float) * 64 * 576), *o = malloc(sizeof(float) * 64 * 576);
+                int32_t pos[64];
+                for (int i = 0; i < ctx * kv_dim; i++) {
+                    kc[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;
+                    vc[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;
+                }
+                for (int i = 0; i < 64 * 576; i++)
+                    q[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;
+                double best1 = 1e30, best64 = 1e30;
+                for (int rep = 0; rep < 5; rep++) {
+                    pos[0] = ctx - 1;
+                    double t0 = s_now();
+                    for (int i = 0; i < 20; i++)
+                        b->ops->attention(b->ctx, o, q, kc, vc, 1, pos, 9, 3, 64);
+                    double dt = (s_now() - t0) / 20;
+                    best1 = dt < best1 ? dt : best1;
+                    for (int i = 0; i < 64; i++)
+                        pos[i] = i;
+                    t0 = s_now();
+                    for (int i = 0; i < 20; i++)
+                        b->ops->attention(b->ctx, o, q, kc, vc, 64, pos, 9, 3, 64);
+                    dt = (s_now() - t0) / 20;
+                    best64 = dt < best64 ? dt : best64;
+                }
+                printf("attention: 1 token at pos 1023 %.1f us; 64 tokens at 0..63 %.1f us\n",
+                       best1 * 1e6, best64 * 1e6);
+                free(kc);
+                free(vc);
+                free(q);
+                free(o);
+            }
             if (simd) {
                 /* decode-shaped: 7 matmuls x 30 layers + output; best of 5 tokens */
                 double best = 1e30;
@@ -224,12 +275,23 @@ int main(int argc, char **argv) {
         }
     }
 
-    /* pool dispatch: empty jobs back to back */
+    /* pool dispatch: empty jobs back to back (the caller may run every
+     * part itself when the workers are late), then jobs whose parts cost
+     * about 2 us each: overhead = time per job - time of one part. */
+    s_spin_job sj = {.iters = 1000};
+    fi_pool_fn volatile part_fn = s_spin_part; /* called like the pool calls it */
+    {
+        double t0 = s_now();
+        for (int i = 0; i < 1000; i++)
+            part_fn(&sj, 0, 1);
+        double part = (s_now() - t0) / 1000;
+        sj.iters = (int)(1000 * 2e-6 / part) + 1;
+    }
     for (int ti = 0; ti < nthreads; ti++) {
         fi_pool *p = fi_pool_new(threads[ti]);
         if (!p)
             continue;
-        double best = 1e30;
+        double best = 1e30, bestw = 1e30, part = 1e30;
         for (int rep = 0; rep < 5; rep++) {
             const int iters = 20000;
             double t0 = s_now();
@@ -237,8 +299,20 @@ int main(int argc, char **argv) {
                 fi_pool_run(p, s_noop, NULL);
             double dt = (s_now() - t0) / iters;
             best = dt < best ? dt : best;
+            t0 = s_now();
+            for (int i = 0; i < 2000; i++)
+                part_fn(&sj, 0, 1);
+            dt = (s_now() - t0) / 2000;
+            part = dt < part ? dt : part;
+            t0 = s_now();
+            for (int i = 0; i < 2000; i++)
+                fi_pool_run(p, s_spin_part, &sj);
+            dt = (s_now() - t0) / 2000;
+            bestw = dt < bestw ? dt : bestw;
         }
-        printf("pool %d thread(s): %.0f ns per empty job\n", threads[ti], best * 1e9);
+        printf("pool %d thread(s): %.0f ns per empty job; %d x %.0f ns parts: %.0f ns per job "
+               "(overhead %.0f ns)\n", threads[ti], best * 1e9, threads[ti], part * 1e9,
+               bestw * 1e9, (bestw - part) * 1e9);
         fi_pool_destroy(&p);
     }
 

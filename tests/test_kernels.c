@@ -654,6 +654,8 @@ static void test_attention(void **state) {
     int32_t p5[] = {300};
     int32_t p6[] = {250, 251, 252};
     int32_t p7[] = {3, 0, 9}; /* order need not be increasing */
+    int32_t p8[] = {10, 400}; /* with 2+ threads positions are split; t0 has an empty segment */
+    int32_t p9[] = {1000};
     run_attention(p1, 1, 9, 3, 64, 1);
     run_attention(p2, 1, 9, 3, 64, 1);
     run_attention(p3, 5, 9, 3, 64, 1);
@@ -661,6 +663,8 @@ static void test_attention(void **state) {
     run_attention(p5, 1, 9, 3, 64, 8);  /* peaked scores over several chunks */
     run_attention(p6, 3, 6, 6, 16, 20); /* no grouping, very peaked */
     run_attention(p7, 3, 4, 1, 8, 1);   /* one kv head for all */
+    run_attention(p8, 2, 4, 1, 12, 2);  /* head_dim not a multiple of 8 */
+    run_attention(p9, 1, 9, 3, 64, 4);  /* decode, long context: segments */
 }
 
 static void test_swiglu_add(void **state) {
