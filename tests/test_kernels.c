@@ -773,6 +773,46 @@ static void test_pool(void **state) {
     }
 }
 
+/* Every index waits until all have started: passes only if the pool runs
+ * them on nth threads at once (a serial pool would time out). */
+typedef struct pool_meet {
+    atomic_int started;     /* indices that have begun */
+    atomic_int timed_out;   /* set when one gave up waiting */
+} pool_meet;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void pool_meet_fn(void *arg, int ith, int nth) {
+    pool_meet *m = arg;
+    (void)ith;
+    atomic_fetch_add(&m->started, 1);
+    double t0 = now_s();
+    while (atomic_load(&m->started) < nth)
+        if (now_s() - t0 > 10.0) {
+            atomic_store(&m->timed_out, 1);
+            return;
+        }
+}
+
+static void test_pool_concurrent(void **state) {
+    (void)state;
+    for (int nt = 2; nt <= 3; nt++) {
+        fi_pool *p = fi_pool_new(nt);
+        assert_non_null(p);
+        for (int i = 0; i < 50; i++) {
+            pool_meet m = {0};
+            fi_pool_run(p, pool_meet_fn, &m);
+            assert_int_equal(atomic_load(&m.timed_out), 0);
+            assert_int_equal(atomic_load(&m.started), nt);
+        }
+        fi_pool_destroy(&p);
+    }
+}
+
 /* Jobs separated by pauses longer than the spin, so workers go to sleep
  * and must be woken. */
 static void test_pool_sleep_wake(void **state) {
@@ -806,6 +846,7 @@ int main(void) {
         cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_backend_memory),
         cmocka_unit_test(test_pool),
+        cmocka_unit_test(test_pool_concurrent),
         cmocka_unit_test(test_pool_sleep_wake),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
