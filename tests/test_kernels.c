@@ -471,6 +471,160 @@ static void test_matmul_model_shapes(void **state) {
     run_matmul_case(FI_DTYPE_F16, 70, 576, ns, 2, 4004);
 }
 
+/* --- real weights ---------------------------------------------------------- */
+
+/* A minimal GGUF v3 reader, just enough to find tensors for the test below
+ * (the engine's own parser lives in core/ and is tested there). Returns
+ * the tensor's bytes or NULL, and its type and shape. */
+typedef struct mini_gguf {
+    uint8_t *buf;   /* whole file */
+    size_t len;     /* its length */
+    size_t off;     /* read cursor */
+    int bad;        /* 1 after reading past the end */
+} mini_gguf;
+
+static uint64_t mg_u(mini_gguf *g, size_t n) {
+    uint64_t v = 0;
+    if (g->off + n > g->len) {
+        g->bad = 1;
+        return 0;
+    }
+    memcpy(&v, g->buf + g->off, n); /* little-endian host assumed (x86, arm64) */
+    g->off += n;
+    return v;
+}
+
+static void mg_skip_value(mini_gguf *g, uint32_t type) {
+    static const size_t sizes[] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+    if (type == 8) { /* string */
+        uint64_t n = mg_u(g, 8);
+        g->off += n;
+    } else if (type == 9) { /* array */
+        uint32_t et = (uint32_t)mg_u(g, 4);
+        uint64_t n = mg_u(g, 8);
+        for (uint64_t i = 0; i < n && !g->bad && g->off <= g->len; i++)
+            mg_skip_value(g, et);
+    } else if (type < 13) {
+        g->off += sizes[type];
+    } else {
+        g->bad = 1;
+    }
+    if (g->off > g->len)
+        g->bad = 1;
+}
+
+static const uint8_t *mg_find(mini_gguf *g, const char *want, uint32_t *type, int64_t *ne0, int64_t *ne1) {
+    g->off = 0;
+    g->bad = 0;
+    if (mg_u(g, 4) != 0x46554747u || mg_u(g, 4) != 3)
+        return NULL;
+    uint64_t nt = mg_u(g, 8), nkv = mg_u(g, 8);
+    uint64_t align = 32;
+    for (uint64_t i = 0; i < nkv && !g->bad; i++) {
+        uint64_t kl = mg_u(g, 8);
+        int is_align = kl == 17 && g->off + kl <= g->len && memcmp(g->buf + g->off, "general.alignment", 17) == 0;
+        g->off += kl;
+        uint32_t t = (uint32_t)mg_u(g, 4);
+        if (is_align && t == 4) {
+            align = mg_u(g, 4);
+            continue;
+        }
+        mg_skip_value(g, t);
+    }
+    const uint8_t *found = NULL;
+    uint64_t found_off = 0;
+    for (uint64_t i = 0; i < nt && !g->bad; i++) {
+        uint64_t nl = mg_u(g, 8);
+        int match = nl == strlen(want) && g->off + nl <= g->len && memcmp(g->buf + g->off, want, nl) == 0;
+        g->off += nl;
+        uint32_t nd = (uint32_t)mg_u(g, 4);
+        int64_t ne[4] = {1, 1, 1, 1};
+        for (uint32_t d = 0; d < nd && d < 4; d++)
+            ne[d] = (int64_t)mg_u(g, 8);
+        uint32_t t = (uint32_t)mg_u(g, 4);
+        uint64_t off = mg_u(g, 8);
+        if (match) {
+            *type = t;
+            *ne0 = ne[0];
+            *ne1 = ne[1];
+            found = g->buf;
+            found_off = off;
+        }
+    }
+    if (!found || g->bad || align == 0)
+        return NULL;
+    size_t data = (g->off + align - 1) / align * align;
+    if (data + found_off >= g->len)
+        return NULL;
+    return g->buf + data + found_off;
+}
+
+/* Real weights and a realistic activation: the matmul of the model's own
+ * Q4_1 and Q8_0 tensors against the double reference, all flavours. */
+static void test_matmul_model_weights(void **state) {
+    (void)state;
+    FILE *f = fopen(FI_TEST_MODEL, "rb");
+    if (!f) {
+        fprintf(stderr, "note: %s not found, skipping\n", FI_TEST_MODEL);
+        skip();
+    }
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    mini_gguf g = {.buf = malloc((size_t)len), .len = (size_t)len};
+    assert_non_null(g.buf);
+    assert_int_equal(fread(g.buf, 1, (size_t)len, f), (size_t)len);
+    fclose(f);
+    static const struct {
+        const char *name;
+        uint32_t type;
+        int rows; /* rows to test (a prefix of the tensor) */
+    } cases[] = {
+        {"blk.0.ffn_gate.weight", FI_DTYPE_Q4_1, 1536},
+        {"blk.5.ffn_down.weight", FI_DTYPE_Q4_1, 576},
+        {"blk.29.attn_k.weight", FI_DTYPE_Q4_1, 192},
+        {"token_embd.weight", FI_DTYPE_Q8_0, 2000},
+    };
+    rng r = {77};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        uint32_t type = 0;
+        int64_t cols = 0, rows = 0;
+        const uint8_t *data = mg_find(&g, cases[ci].name, &type, &cols, &rows);
+        if (!data)
+            fail_msg("%s: not found in %s", cases[ci].name, FI_TEST_MODEL);
+        assert_int_equal(type, cases[ci].type);
+        assert_true(rows >= cases[ci].rows);
+        int nr = cases[ci].rows, nc = (int)cols;
+        size_t rb = fi_dtype_row_bytes(type, nc);
+        double *wd = malloc((size_t)nr * nc * sizeof *wd);
+        assert_non_null(wd);
+        for (int i = 0; i < nr; i++)
+            ref_dequant((fi_dtype)type, data + i * rb, wd + (size_t)i * nc, nc);
+        fi_weight w = {.data = data, .type = (fi_dtype)type, .rows = nr, .cols = nc, .row_bytes = rb};
+        const int n = 5;
+        float *x = fvec((size_t)n * nc), *y = fvec((size_t)n * nr);
+        /* rmsnorm-scaled activations with a few outliers, as in the model */
+        for (int i = 0; i < n * nc; i++)
+            x[i] = rng_f(&r, -1, 1) * (rng_u32(&r) % 64 == 0 ? 20.0f : 1.0f);
+        fi_backend *bs[3];
+        int nb = make_backends(bs, 2);
+        for (int bi = 0; bi < nb; bi++) {
+            for (int nn = 1; nn <= n; nn += n - 1) {
+                char what[128];
+                snprintf(what, sizeof what, "%s %s n=%d", cases[ci].name, fi_cpu_backend_simd(bs[bi]), nn);
+                poison(y, (size_t)n * nr);
+                bs[bi]->ops->matmul(bs[bi]->ctx, y, &w, x, nn);
+                check_matmul(what, (fi_dtype)type, y, wd, x, nr, nc, nn);
+            }
+            fi_backend_destroy(&bs[bi]);
+        }
+        free(x);
+        free(y);
+        free(wd);
+    }
+    free(g.buf);
+}
+
 /* --- other ops ------------------------------------------------------------ */
 
 static void test_get_rows(void **state) {
@@ -839,6 +993,7 @@ int main(void) {
         cmocka_unit_test(test_dequantize),
         cmocka_unit_test(test_matmul_small),
         cmocka_unit_test(test_matmul_model_shapes),
+        cmocka_unit_test(test_matmul_model_weights),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
