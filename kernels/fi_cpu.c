@@ -5,7 +5,8 @@
  *
  * Work split: matmul by output rows in chunks of 16-row multiples taken
  * from an atomic counter (so a thread slowed by a noisy neighbour takes
- * fewer chunks); attention by (token, head); the element-wise ops by
+ * fewer chunks); attention by (token, kv head, position segment); the
+ * element-wise ops by
  * tokens or element ranges, and only when big enough to pay for a dispatch.
  * Activations for quantised weights are quantised once per matmul into a
  * scratch buffer owned by the backend (grown on demand; when growing fails
@@ -36,6 +37,10 @@ typedef struct s_cpu {
     fi_cpu_kernels k;       /* the chosen kernels */
     uint8_t *scratch;       /* quantised activations, S_ALIGN aligned */
     size_t scratch_bytes;   /* its size */
+    float *rope_tab;        /* [rope_rows][rope_half] (cos, sin) pairs */
+    int rope_rows;          /* positions covered, 0: empty */
+    int rope_half;          /* head_dim / 2 it was made for */
+    float rope_theta;       /* theta it was made for */
 } s_cpu;
 
 static const fi_backend_ops s_cpu_ops;
@@ -227,14 +232,61 @@ static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n
         s_norm_worker(&j, 0, 1);
 }
 
+/* cos and sin of pos * theta^(-2i/head_dim), computed in double. */
+static void s_rope_angle(double pos, int i, int head_dim, float theta, float *cs, float *sn) {
+    double ang = pos * pow((double)theta, -2.0 * i / head_dim);
+    *cs = (float)cos(ang);
+    *sn = (float)sin(ang);
+}
+
+/* Makes the rope table cover positions < need for (theta, head_dim): one
+ * (cos, sin) pair per position and pair index, so the 2 * n_layers rope
+ * calls of a token compute their angles once. 0, or -1 when memory runs
+ * out (the caller then computes angles directly). */
+static int s_rope_table(s_cpu *c, int need, int head_dim, float theta) {
+    int half = head_dim / 2;
+    if (c->rope_theta != theta || c->rope_half != half)
+        c->rope_rows = 0; /* another model's settings: start over */
+    if (need <= c->rope_rows)
+        return 0;
+    int rows = need > 2 * c->rope_rows ? need : 2 * c->rope_rows;
+    if (rows < 256)
+        rows = 256;
+    float *tab = realloc(c->rope_tab, (size_t)rows * half * 2 * sizeof *tab);
+    if (!tab)
+        return -1;
+    if (c->rope_rows == 0) {
+        c->rope_theta = theta;
+        c->rope_half = half;
+    }
+    for (int p = c->rope_rows; p < rows; p++)
+        for (int i = 0; i < half; i++)
+            s_rope_angle(p, i, head_dim, theta, &tab[((size_t)p * half + i) * 2],
+                         &tab[((size_t)p * half + i) * 2 + 1]);
+    c->rope_tab = tab;
+    c->rope_rows = rows;
+    return 0;
+}
+
 static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
                    float theta) {
+    s_cpu *c = ctx;
     int half = head_dim / 2;
+    int maxp = 0;
+    for (int t = 0; t < n; t++)
+        maxp = pos[t] > maxp ? pos[t] : maxp;
+    int use_tab = s_rope_table(c, maxp + 1, head_dim, theta) == 0;
     for (int t = 0; t < n; t++) {
         float *row = x + (size_t)t * n_heads * head_dim;
+        const float *tab = use_tab ? c->rope_tab + (size_t)pos[t] * half * 2 : NULL;
         for (int i = 0; i < half; i++) {
-            double ang = (double)pos[t] * pow((double)theta, -2.0 * i / head_dim);
-            float cs = (float)cos(ang), sn = (float)sin(ang);
+            float cs, sn;
+            if (tab) {
+                cs = tab[2 * i];
+                sn = tab[2 * i + 1];
+            } else {
+                s_rope_angle(pos[t], i, head_dim, theta, &cs, &sn);
+            }
             for (int h = 0; h < n_heads; h++) {
                 float *p = row + (size_t)h * head_dim + 2 * i;
                 float a = p[0], b = p[1];
@@ -401,6 +453,7 @@ static void s_attention(void *ctx, float *out, const float *q, const float *k, c
 }
 
 typedef struct s_ew_job {
+    const fi_cpu_kernels *k;    /* swiglu kernel */
     float *y;           /* g for swiglu, y for add */
     const float *x;     /* u for swiglu, x for add */
     size_t n;           /* elements */
@@ -413,8 +466,7 @@ static void s_ew_worker(void *arg, int ith, int nth) {
     float *y = j->y;
     const float *x = j->x;
     if (j->swiglu) {
-        for (size_t i = i0; i < i1; i++)
-            y[i] = y[i] / (1.0f + expf(-y[i])) * x[i];
+        j->k->swiglu(y + i0, x + i0, i1 - i0);
     } else {
         for (size_t i = i0; i < i1; i++)
             y[i] += x[i];
@@ -429,12 +481,12 @@ static void s_ew(s_cpu *c, s_ew_job *j) {
 }
 
 static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
-    s_ew_job j = {.y = g, .x = u, .n = n, .swiglu = 1};
+    s_ew_job j = {.k = &((s_cpu *)ctx)->k, .y = g, .x = u, .n = n, .swiglu = 1};
     s_ew(ctx, &j);
 }
 
 static void s_add(void *ctx, float *y, const float *x, size_t n) {
-    s_ew_job j = {.y = y, .x = x, .n = n, .swiglu = 0};
+    s_ew_job j = {.k = &((s_cpu *)ctx)->k, .y = y, .x = x, .n = n, .swiglu = 0};
     s_ew(ctx, &j);
 }
 
@@ -446,6 +498,7 @@ static void s_destroy(void *ctx) {
         return;
     fi_pool_destroy(&c->pool);
     free(c->scratch);
+    free(c->rope_tab);
     free(c);
 }
 

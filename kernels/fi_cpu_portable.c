@@ -153,6 +153,11 @@ static float s_exp_sum(float *s, int n, float m) {
     return sum;
 }
 
+static void s_swiglu(float *g, const float *u, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->name = "portable";
     k->quantize_q8x = fi_quantize_q8x_ref;
@@ -165,4 +170,5 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->dots = s_dots;
     k->wsum = s_wsum;
     k->exp_sum = s_exp_sum;
+    k->swiglu = s_swiglu;
 }

@@ -576,10 +576,10 @@ static float s_dots(float *s, const float *q, const float *k, size_t stride, int
     return mx;
 }
 
-/* exp(x) for x <= 0 (Cephes polynomial, about 1 ulp in range; 0 below
- * -87.3). */
+/* exp(x) (Cephes polynomial, about 1 ulp) for x in [-87.33, 88]; x is
+ * clamped to that range first (so below it gives ~1e-38, not 0). */
 S_INLINE __m256 s_exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33f));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33f)), _mm256_set1_ps(88.0f));
     __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
@@ -651,6 +651,19 @@ static void s_wsum(float *o, const float *e, const float *v, size_t stride, int 
             o[d] += e[i] * v[(size_t)i * stride + d];
 }
 
+static void s_swiglu(float *g, const float *u, size_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = s_exp8(_mm256_xor_ps(x, neg)); /* exp(-x) */
+        __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++)
+        g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 /* Fills k with this flavour's kernels under `name`. */
 static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->name = name;
@@ -664,4 +677,5 @@ static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->dots = s_dots;
     k->wsum = s_wsum;
     k->exp_sum = s_exp_sum;
+    k->swiglu = s_swiglu;
 }

@@ -89,6 +89,8 @@ typedef struct fi_cpu_kernels {
     void (*wsum)(float *o, const float *e, const float *v, size_t stride, int np, int hd);
     /* s[i] = exp(s[i] - m) for i < n (s[i] <= m); returns their sum. */
     float (*exp_sum)(float *s, int n, float m);
+    /* g[i] = silu(g[i]) * u[i] for i < n. */
+    void (*swiglu)(float *g, const float *u, size_t n);
 } fi_cpu_kernels;
 
 /* Fills k with the portable kernels. Cannot fail. */

@@ -698,32 +698,50 @@ static void test_rmsnorm(void **state) {
 static void test_rope(void **state) {
     (void)state;
     rng r = {13};
-    int n = 4, nh = 3, hd = 64, w = nh * hd;
-    int32_t pos[4] = {0, 1, 17, 4000};
-    float theta = 10000.0f;
-    float *x = fvec(n * w), *y = fvec(n * w);
-    for (int i = 0; i < n * w; i++)
-        x[i] = rng_f(&r, -2, 2);
+    /* several settings on one backend: the angle table it may cache must
+     * follow theta, head_dim and growing positions */
+    static const struct {
+        int hd;
+        float theta;
+        int32_t pos[4];
+    } cases[] = {
+        {64, 10000.0f, {0, 1, 17, 4000}},
+        {64, 500000.0f, {3, 2, 1, 0}},
+        {32, 10000.0f, {9000, 5, 0, 77}},
+        {64, 10000.0f, {12, 0, 4000, 4001}},
+    };
+    int n = 4, nh = 3;
+    float *x = fvec(n * nh * 64), *y = fvec(n * nh * 64);
     fi_backend *bs[3];
     int nb = make_backends(bs, 1);
     for (int bi = 0; bi < nb; bi++) {
         fi_backend *b = bs[bi];
-        memcpy(y, x, n * w * sizeof *y);
-        b->ops->rope(b->ctx, y, n, nh, hd, pos, theta);
-        for (int t = 0; t < n; t++)
-            for (int h = 0; h < nh; h++)
-                for (int i = 0; i < hd / 2; i++) {
-                    size_t o = (size_t)t * w + h * hd + 2 * i;
-                    double ang = pos[t] * pow(theta, -2.0 * i / hd);
-                    double a = x[o], c = x[o + 1];
-                    double wa = a * cos(ang) - c * sin(ang), wc = a * sin(ang) + c * cos(ang);
-                    assert_true(fabs(y[o] - wa) <= 1e-5 * (fabs(a) + fabs(c)) + 1e-6);
-                    assert_true(fabs(y[o + 1] - wc) <= 1e-5 * (fabs(a) + fabs(c)) + 1e-6);
-                    double n0 = hypot(a, c), n1 = hypot(y[o], y[o + 1]);
-                    assert_true(fabs(n0 - n1) <= 1e-5 * n0 + 1e-7);
-                    if (pos[t] == 0) /* identity at position 0 */
-                        assert_true(y[o] == x[o] && y[o + 1] == x[o + 1]);
-                }
+        for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+            int hd = cases[ci].hd, w = nh * hd;
+            const int32_t *pos = cases[ci].pos;
+            float theta = cases[ci].theta;
+            for (int i = 0; i < n * w; i++)
+                x[i] = rng_f(&r, -2, 2);
+            memcpy(y, x, n * w * sizeof *y);
+            b->ops->rope(b->ctx, y, n, nh, hd, pos, theta);
+            for (int t = 0; t < n; t++)
+                for (int h = 0; h < nh; h++)
+                    for (int i = 0; i < hd / 2; i++) {
+                        size_t o = (size_t)t * w + h * hd + 2 * i;
+                        double ang = pos[t] * pow(theta, -2.0 * i / hd);
+                        double a = x[o], c = x[o + 1];
+                        double wa = a * cos(ang) - c * sin(ang), wc = a * sin(ang) + c * cos(ang);
+                        if (!(fabs(y[o] - wa) <= 1e-5 * (fabs(a) + fabs(c)) + 1e-6) ||
+                            !(fabs(y[o + 1] - wc) <= 1e-5 * (fabs(a) + fabs(c)) + 1e-6))
+                            fail_msg("rope %s case %zu t=%d h=%d i=%d: (%g, %g), want (%g, %g)",
+                                     fi_cpu_backend_simd(b), ci, t, h, i, (double)y[o],
+                                     (double)y[o + 1], wa, wc);
+                        double n0 = hypot(a, c), n1 = hypot(y[o], y[o + 1]);
+                        assert_true(fabs(n0 - n1) <= 1e-5 * n0 + 1e-7);
+                        if (pos[t] == 0) /* identity at position 0 */
+                            assert_true(y[o] == x[o] && y[o + 1] == x[o + 1]);
+                    }
+        }
         fi_backend_destroy(&bs[bi]);
     }
     free(x);
@@ -831,6 +849,13 @@ static void test_swiglu_add(void **state) {
         for (size_t i = 0; i < n; i++) {
             g[i] = rng_f(&r, -10, 10);
             u[i] = rng_f(&r, -3, 3);
+        }
+        if (n > 16) { /* extremes, inside a vector */
+            g[3] = 100.0f;
+            g[4] = -100.0f;
+            g[5] = 0.0f;
+            g[6] = -1e30f;
+            g[7] = 1e30f;
         }
         fi_backend *bs[3];
         int nb = make_backends(bs, 2);
