@@ -469,7 +469,7 @@ S_INLINE float s_wscalar(int ty, const uint8_t *row, int c) {
         return ((const float *)row)[c];
     uint16_t h;
     memcpy(&h, row + (size_t)c * 2, sizeof h);
-    return ty == FI_DTYPE_F16 ? fi_h2f(h) : fi_bf16_to_fp32(h);
+    return ty == FI_DTYPE_F16 ? fi_h2f(h) : fi_bf2f(h);
 }
 
 /* Rows r..r+R-1 times tokens k..k+T-1; R*T <= 4. */

@@ -110,23 +110,36 @@ void fi_cpu_kernels_avxvnni(fi_cpu_kernels *k);
  * qs = round-to-nearest-even(x * 127/amax). */
 void fi_quantize_q8x_ref(const float *x, fi_block_q8x *y, int nb);
 
-/* fp16 -> fp32 for hot loops (exact, handles all encodings). */
+/* fp16 -> fp32 for hot loops, exact for every encoding and branch-free
+ * (so loops of it vectorise). Normal numbers, inf and NaN: shift the
+ * exponent and mantissa into place, add 224 to the exponent and multiply
+ * by 2^-112, a net rebias of 112 = 127 - 15 that leaves exponent 31 at
+ * 255 (inf/NaN). Subnormals m * 2^-24: put m under the exponent of 0.5
+ * and subtract 0.5. */
 static inline float fi_h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t mant = h & 0x3ffu;
-    uint32_t bits;
+    uint32_t w = (uint32_t)h << 16;
+    uint32_t sign = w & 0x80000000u;
+    uint32_t two_w = w + w; /* exponent and mantissa, sign shifted out */
+    uint32_t nb = (two_w >> 4) + (224u << 23), db = (two_w >> 17) | (126u << 23);
+    float nf, df;
+    memcpy(&nf, &nb, sizeof nf);
+    memcpy(&df, &db, sizeof df);
+    nf *= 0x1p-112f;
+    df -= 0.5f;
+    uint32_t nbits, dbits;
+    memcpy(&nbits, &nf, sizeof nbits);
+    memcpy(&dbits, &df, sizeof dbits);
+    uint32_t sub = 0u - (uint32_t)(two_w < (1u << 27)); /* all ones: subnormal */
+    uint32_t bits = sign | (dbits & sub) | (nbits & ~sub);
     float f;
-    if (exp == 0) {
-        /* zero or subnormal: mant * 2^-24, exact in fp32 */
-        f = (float)mant * 0x1p-24f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    }
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* bf16 -> fp32 for hot loops: the top half of the fp32 bits. */
+static inline float fi_bf2f(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
