@@ -3,9 +3,9 @@
  * the kernels of the best SIMD flavour, and spreads work over a persistent
  * fi_pool.
  *
- * Work split: matmul by output rows in chunks of 16-row multiples taken
- * from an atomic counter (so a thread slowed by a noisy neighbour takes
- * fewer chunks); attention by (token, kv head, position segment); the
+ * Work split: matmul by output rows in guided chunks of 16-row multiples
+ * claimed from an atomic counter (so a thread slowed by a noisy neighbour
+ * takes fewer rows); attention by (token, kv head, position segment); the
  * element-wise ops by
  * tokens or element ranges, and only when big enough to pay for a dispatch.
  * Activations for quantised weights are quantised once per matmul into a
@@ -94,19 +94,29 @@ typedef struct s_mm_job {
     const fi_mm_task *task; /* what to compute */
     fi_mm_fn fn;            /* kernel */
     int rows;               /* total rows */
-    int chunk;              /* rows per claim, a multiple of 16 */
-    atomic_int next;        /* next chunk to claim */
+    int nth;                /* threads sharing them */
+    atomic_int next;        /* first row not yet claimed */
 } s_mm_job;
 
+/* Guided claims: each claim takes a 1/(2*nth) share of the rows left,
+ * rounded to 16 rows (at least 16). The first claims are long contiguous
+ * runs that stream well through the prefetchers; the last are short, so a
+ * thread slowed by a noisy neighbour leaves little for the others to wait
+ * on. */
 static void s_mm_worker(void *arg, int ith, int nth) {
     s_mm_job *j = arg;
+    int r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
     for (;;) {
-        int c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        long r0 = (long)c * j->chunk;
         if (r0 >= j->rows)
             break;
-        long r1 = r0 + j->chunk < j->rows ? r0 + j->chunk : j->rows;
-        j->fn(j->task, (int)r0, (int)r1);
+        int len = (j->rows - r0) / (2 * j->nth);
+        len = len < 16 ? 16 : (len + 15) / 16 * 16;
+        int r1 = r0 + len < j->rows ? r0 + len : j->rows;
+        if (!atomic_compare_exchange_weak_explicit(&j->next, &r0, r1, memory_order_relaxed,
+                                                   memory_order_relaxed))
+            continue; /* r0 reloaded */
+        j->fn(j->task, r0, r1);
+        r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
     }
 }
 
@@ -115,10 +125,7 @@ static void s_run_rows(s_cpu *c, fi_mm_fn fn, const fi_mm_task *t, int rows) {
         fn(t, 0, rows);
         return;
     }
-    s_mm_job j = {.task = t, .fn = fn, .rows = rows};
-    /* about four chunks per thread, so a slow thread can hand work over */
-    int chunk = (rows + 4 * c->n_threads - 1) / (4 * c->n_threads);
-    j.chunk = (chunk + 15) / 16 * 16;
+    s_mm_job j = {.task = t, .fn = fn, .rows = rows, .nth = c->n_threads};
     atomic_init(&j.next, 0);
     fi_pool_run(c->pool, s_mm_worker, &j);
 }

@@ -3,7 +3,8 @@
  *
  *   bench_kernels [threads...]      default: 1 2
  *   environment: BENCH_CPUTIME=1 (thread CPU time instead of wall time),
- *                BENCH_DECODE_ONLY=1 (only the decode-shaped sequence)
+ *                BENCH_DECODE_ONLY=1 (only the decode-shaped sequence),
+ *                BENCH_SIMD=avx2 (only that flavour: portable, avx2, avxvnni)
  *
  * Prints, per SIMD flavour and thread count: ns per matvec and GFLOP/s
  * (2 flops per weight) for the SmolLM2-135M shapes, prefill cost per token,
@@ -198,16 +199,22 @@ int main(int argc, char **argv) {
 
     /* BENCH_DECODE_ONLY: just the decode-shaped sequence, best flavour */
     int decode_only = getenv("BENCH_DECODE_ONLY") != NULL;
-    for (int simd = decode_only; simd < 2; simd++) {
+    /* flavours: portable, avx2, and auto when it is another one */
+    static const fi_simd flavours[3] = {FI_SIMD_PORTABLE, FI_SIMD_AVX2, FI_SIMD_AUTO};
+    const char *only = getenv("BENCH_SIMD"); /* "portable", "avx2", "avxvnni": just that one */
+    for (int fl = decode_only ? 2 : 0; fl < 3; fl++) {
         for (int ti = 0; ti < nthreads; ti++) {
             char err[256];
-            fi_backend *b = fi_cpu_backend_new(threads[ti], simd ? FI_SIMD_AUTO : FI_SIMD_PORTABLE,
-                                               err, sizeof err);
-            if (!b) {
-                fprintf(stderr, "bench_kernels: %s\n", err);
+            fi_backend *b = fi_cpu_backend_new(threads[ti], flavours[fl], err, sizeof err);
+            if (!b)
+                continue;
+            const char *sname = fi_cpu_backend_simd(b);
+            if ((fl == 2 && (strcmp(sname, "avx2") == 0 || strcmp(sname, "portable") == 0)) ||
+                (only && strcmp(only, sname) != 0)) {
+                fi_backend_destroy(&b);
                 continue;
             }
-            const char *sname = fi_cpu_backend_simd(b);
+            int simd = fl > 0;
             printf("\n== %s, %d thread(s) ==\n", sname, threads[ti]);
             for (int s = 0; s < nshapes && !decode_only; s++) {
                 fi_weight w = s_weight(&r, shapes[s].t, shapes[s].rows, shapes[s].cols);
