@@ -529,12 +529,18 @@ static const fi_backend_ops s_cpu_ops = {
     .add = s_add,
 };
 
-/* Which x86 extensions this processor has: 0 none usable, 1 AVX2 + FMA +
- * F16C, 2 also AVX-VNNI. AVX2 and FMA as the compiler's run-time check sees
- * them; F16C (every AVX2 part has it, but clang's __builtin_cpu_supports
- * cannot name it) from CPUID 1 ECX bit 29; AVX-VNNI from CPUID 7.1 EAX bit
- * 4 (AVX state is enabled by the OS once avx2 is reported). */
-static int s_cpu_x86_level(void) {
+/* x86 extensions the kernels can use, as bits. */
+#define S_X86_AVX2 1u       /* AVX2 + FMA + F16C */
+#define S_X86_AVXVNNI 2u    /* and AVX-VNNI */
+#define S_X86_AVX512 4u     /* and AVX512 F/BW/VL/VNNI with ZMM state saved */
+
+/* AVX2 and FMA as the compiler's run-time check sees them; F16C (every
+ * AVX2 part has it, but clang's __builtin_cpu_supports cannot name it)
+ * from CPUID 1 ECX bit 29; AVX-VNNI from CPUID 7.1 EAX bit 4; AVX512
+ * F/BW/VL from CPUID 7.0 EBX bits 16/30/31 and VNNI from ECX bit 11, plus
+ * XCR0 bits 1-2 and 5-7 (the OS saves the opmask and ZMM registers). */
+static unsigned s_cpu_x86_features(void) {
+    unsigned f = 0;
 #if defined(FI_HAVE_X86) && FI_HAVE_X86 && (defined(__GNUC__) || defined(__clang__))
     unsigned a, b, c, d;
     __builtin_cpu_init();
@@ -542,15 +548,51 @@ static int s_cpu_x86_level(void) {
         return 0;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 29) & 1u))
         return 0;
+    f |= S_X86_AVX2;
+    int osxsave = (c >> 27) & 1u;
     if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1u))
-        return 2;
-    return 1;
-#else
-    return 0;
+        f |= S_X86_AVXVNNI;
+    if (osxsave && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((b >> 16) & 1u) && ((b >> 30) & 1u) &&
+        ((b >> 31) & 1u) && ((c >> 11) & 1u)) {
+        unsigned lo, hi;
+        __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if ((lo & 0xe6u) == 0xe6u)
+            f |= S_X86_AVX512;
+    }
 #endif
+    return f;
 }
 
-fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t errlen) {
+/* Fills k with the named flavour; 0, or -1 when it is unknown, not built
+ * or not supported by this processor. */
+static int s_pick_kernels(fi_cpu_kernels *k, const char *flavour) {
+    unsigned f = s_cpu_x86_features();
+    fi_cpu_kernels_portable(k);
+    if (strcmp(flavour, "portable") == 0)
+        return 0;
+#if defined(FI_HAVE_X86) && FI_HAVE_X86
+    if (strcmp(flavour, "avx2") == 0 && (f & S_X86_AVX2)) {
+        fi_cpu_kernels_avx2(k);
+        return 0;
+    }
+#endif
+#if defined(FI_HAVE_AVXVNNI) && FI_HAVE_AVXVNNI
+    if (strcmp(flavour, "avxvnni") == 0 && (f & S_X86_AVXVNNI)) {
+        fi_cpu_kernels_avxvnni(k);
+        return 0;
+    }
+#endif
+#if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
+    if (strcmp(flavour, "avx512vnni") == 0 && (f & S_X86_AVX512)) {
+        fi_cpu_kernels_avx512(k);
+        return 0;
+    }
+#endif
+    (void)f;
+    return -1;
+}
+
+fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char *err, size_t errlen) {
     fi_backend *b = NULL;
     s_cpu *c = NULL;
     if (n_threads <= 0) {
@@ -563,23 +605,11 @@ fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t er
         snprintf(err, errlen, "cpu backend: out of memory");
         goto fail;
     }
-    /* PORTABLE: plain C. AVX2: exactly the AVX2 kernels. AUTO: the best
-     * the processor has (AVX-VNNI > AVX2 > portable). */
-    fi_cpu_kernels_portable(&c->k);
-    int level = simd == FI_SIMD_PORTABLE ? 0 : s_cpu_x86_level();
-    if (simd == FI_SIMD_AVX2 && level < 1) {
-        snprintf(err, errlen, "cpu backend: AVX2/FMA/F16C requested but not supported here");
+    if (s_pick_kernels(&c->k, flavour) != 0) {
+        snprintf(err, errlen, "cpu backend: kernels '%s' not built or not supported by this processor",
+                 flavour);
         goto fail;
     }
-#if defined(FI_HAVE_AVXVNNI) && FI_HAVE_AVXVNNI
-    if (simd == FI_SIMD_AUTO && level >= 2)
-        fi_cpu_kernels_avxvnni(&c->k);
-    else
-#endif
-#if defined(FI_HAVE_X86) && FI_HAVE_X86
-    if (level >= 1)
-        fi_cpu_kernels_avx2(&c->k);
-#endif
     c->scratch = aligned_alloc(S_ALIGN, S_SCRATCH_MIN);
     c->scratch_bytes = S_SCRATCH_MIN;
     c->pool = fi_pool_new(n_threads);
@@ -595,6 +625,29 @@ fail:
     s_destroy(c);
     free(b);
     return NULL;
+}
+
+/* PORTABLE: plain C. AVX2: exactly the AVX2 kernels. AUTO: the fastest
+ * the processor has (measured on Sapphire Rapids: AVX512-VNNI, then
+ * AVX-VNNI, then AVX2, then portable). */
+fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t errlen) {
+    if (simd == FI_SIMD_PORTABLE)
+        return fi_cpu_backend_new_flavour(n_threads, "portable", err, errlen);
+    if (simd == FI_SIMD_AVX2)
+        return fi_cpu_backend_new_flavour(n_threads, "avx2", err, errlen);
+    unsigned f = s_cpu_x86_features();
+    const char *best = "portable";
+    if (f & S_X86_AVX2)
+        best = "avx2";
+#if defined(FI_HAVE_AVXVNNI) && FI_HAVE_AVXVNNI
+    if (f & S_X86_AVXVNNI)
+        best = "avxvnni";
+#endif
+#if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
+    if (f & S_X86_AVX512)
+        best = "avx512vnni";
+#endif
+    return fi_cpu_backend_new_flavour(n_threads, best, err, errlen);
 }
 
 const char *fi_cpu_backend_simd(const fi_backend *b) {

@@ -1,9 +1,11 @@
 /*
  * fi_cpu_x86_impl.h - the x86 kernels, written once and compiled twice:
- * by fi_cpu_avx2.c (AVX2 + FMA + F16C) and by fi_cpu_avxvnni.c (the same
+ * by fi_cpu_avx2.c (AVX2 + FMA + F16C), by fi_cpu_avxvnni.c (the same
  * plus AVX-VNNI, whose vpdpbusd replaces maddubs + madd and does not
- * saturate). Include it after defining FI_X86_VNNI to 0 or 1; it defines
- * only static functions and s_x86_fill(), which the including file calls.
+ * saturate) and by fi_cpu_avx512.c (AVX512-VNNI, which adds 512-bit
+ * quantised kernels on top). Include it after defining FI_X86_VNNI to 0,
+ * 1 or 2; it defines only static functions and s_x86_fill(), which the
+ * including file calls.
  *
  * Quantised matmul, one 32-element block at a time, activations in
  * fi_block_q8x (d, s = d*sum(q), 32 int8):
@@ -18,9 +20,10 @@
  * fp16 scales of four rows are converted by one vcvtph2ps. The next tiles
  * are prefetched, because decode streams each weight once from L3/DRAM.
  *
- * Prefill (several tokens) takes two rows x four tokens (Q4_x) or one row
- * x four tokens (others) so each weight block is expanded once and used
- * for four tokens; rows are walked in sub-blocks of S_RB rows with all
+ * Prefill (several tokens) takes two rows x four tokens so each weight
+ * block is expanded once and used for four tokens (int sums are scaled by
+ * the token's dx, a broadcast load, then by the rows' dw, formed once per
+ * block); rows are walked in sub-blocks of S_RB rows with all
  * tokens inside, so a sub-block's weights stay in L1.
  */
 #ifndef FI_X86_VNNI
@@ -30,6 +33,14 @@
 #include "fi_kernels_impl.h"
 
 #include <immintrin.h>
+
+/* FI_X86_VNNI: 0 AVX2 maddubs + madd; 1 AVX-VNNI (VEX vpdpbusd); 2
+ * AVX512-VNNI + VL (the EVEX encoding of the same 256-bit instruction). */
+#if FI_X86_VNNI == 1
+#define S_DPBUSD256 _mm256_dpbusd_avx_epi32
+#elif FI_X86_VNNI == 2
+#define S_DPBUSD256 _mm256_dpbusd_epi32
+#endif
 #include <math.h>
 
 #define S_INLINE static inline __attribute__((always_inline))
@@ -84,7 +95,7 @@ S_INLINE uint64_t s_ld64(const void *p) {
  * pair sums must stay within int16, as they do for |w| <= 128, |x| <= 127). */
 S_INLINE __m256i s_dpbusd(__m256i acc, __m256i u, __m256i s) {
 #if FI_X86_VNNI
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
+    return S_DPBUSD256(acc, u, s);
 #else
     __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
     return _mm256_add_epi32(acc, p);
@@ -95,7 +106,7 @@ S_INLINE __m256i s_dpbusd(__m256i acc, __m256i u, __m256i s) {
  * adds in int16 first: 2 * 2*15*127 fits). */
 S_INLINE __m256i s_dot2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
 #if FI_X86_VNNI
-    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
+    return S_DPBUSD256(S_DPBUSD256(_mm256_setzero_si256(), u0, s0), u1, s1);
 #else
     __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
@@ -325,7 +336,7 @@ S_INLINE void s_q8_dec4(const fi_mm_task *t, int r, int k) {
         for (int i = 0; i < 4; i++) {
             __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + (size_t)i * stride + 2));
 #if FI_X86_VNNI
-            __m256i isum = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_xor_si256(wv, bias), xv);
+            __m256i isum = S_DPBUSD256(_mm256_setzero_si256(), _mm256_xor_si256(wv, bias), xv);
 #else
             __m256i isum = s_dpbusd(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
 #endif
@@ -356,49 +367,81 @@ S_INLINE void s_q4_pre2x4(int ty, const fi_mm_task *t, int r, int k) {
     for (int j = 0; j < 4; j++)
         xr[j] = (const fi_block_q8x *)(t->x + (size_t)(k + j) * t->x_stride);
     const int nb = t->cols / FI_QK;
+    const __m256 lane0 = _mm256_setr_ps(1, 0, 0, 0, 1, 0, 0, 0);
     __m256 acc[4];
-    __m128 aux[4];
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < 4; j++)
         acc[j] = _mm256_setzero_ps();
-        aux[j] = _mm_setzero_ps();
-    }
     for (int b = 0; b < nb; b++) {
         const uint8_t *wb = w0 + (size_t)b * bsz;
-        __m128 dm; /* Q4_1: [d0 m0 d1 m1]; Q4_0: [d0 d0 d1 d1] */
+        /* dw = [d0 x4 | d1 x4]; mw = [a0 0 0 0 | a1 0 0 0] with a = m
+         * (Q4_1) or -8d (Q4_0): the per-block offset term, which joins the
+         * accumulator as a * s in one lane per row (no extra registers) */
+        __m256 dw, mw;
         if (ty == FI_DTYPE_Q4_1) {
             __m128i h = _mm_insert_epi32(_mm_cvtsi32_si128((int)s_ld32(wb)), (int)s_ld32(wb + stride), 1);
-            dm = _mm_cvtph_ps(h);
+            __m256 dm = _mm256_castps128_ps256(_mm_cvtph_ps(h)); /* d0 m0 d1 m1 */
+            dw = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+            mw = _mm256_mul_ps(_mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3)), lane0);
         } else {
-            __m128i h = _mm_set1_epi32((int)((uint32_t)s_ld16(wb) * 0x10001u));
-            h = _mm_insert_epi32(h, (int)((uint32_t)s_ld16(wb + stride) * 0x10001u), 1);
-            dm = _mm_cvtph_ps(h);
+            __m128i h = _mm_insert_epi16(_mm_cvtsi32_si128(s_ld16(wb)), s_ld16(wb + stride), 1);
+            __m256 d = _mm256_castps128_ps256(_mm_cvtph_ps(h)); /* d0 d1 */
+            dw = _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+            mw = _mm256_mul_ps(dw, _mm256_setr_ps(-8, 0, 0, 0, -8, 0, 0, 0));
         }
         __m256i lo, hi;
         s_nibbles2(wb + qoff, wb + stride + qoff, &lo, &hi);
         for (int j = 0; j < 4; j++) {
             const fi_block_q8x *x = xr[j] + b;
-            __m128 xs = _mm_castsi128_ps(_mm_set1_epi64x((long long)s_ld64(x))); /* dx s dx s */
-            __m128 p = _mm_mul_ps(dm, xs);                                       /* d0dx a0s d1dx a1s */
-            aux[j] = _mm_add_ps(aux[j], p);
-            __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(p),
-                                                _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
             __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x->qs));
             __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x->qs + 16)));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_dot2(lo, xlo, hi, xhi)), s, acc[j]);
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(s_dot2(lo, xlo, hi, xhi)), _mm256_broadcast_ss(&x->d));
+            acc[j] = _mm256_fmadd_ps(v, dw, acc[j]);
+            acc[j] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&x->s), acc[j]);
         }
     }
     for (int j = 0; j < 4; j++) {
-        float v0, v1, a[4];
-        s_hsum2(acc[j], &v0, &v1);
-        _mm_storeu_ps(a, aux[j]);
         float *y = t->y + (size_t)(k + j) * t->y_stride + r;
-        if (ty == FI_DTYPE_Q4_1) {
-            y[0] = v0 + a[1];
-            y[1] = v1 + a[3];
-        } else {
-            y[0] = v0 - 8.0f * a[1];
-            y[1] = v1 - 8.0f * a[3];
+        s_hsum2(acc[j], &y[0], &y[1]);
+    }
+}
+
+/* --- prefill: Q8_0, two rows x four tokens ---------------------------------- */
+
+S_INLINE void s_q8_pre2x4(const fi_mm_task *t, int r, int k) {
+    const size_t stride = t->w_stride;
+    const uint8_t *w0 = t->w + (size_t)r * stride;
+    const fi_block_q8x *xr[4];
+    for (int j = 0; j < 4; j++)
+        xr[j] = (const fi_block_q8x *)(t->x + (size_t)(k + j) * t->x_stride);
+    const int nb = t->cols / FI_QK;
+    __m256 acc[2][4];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++)
+            acc[i][j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const fi_block_q8_0 *wa = (const fi_block_q8_0 *)w0 + b;
+        const fi_block_q8_0 *wb = (const fi_block_q8_0 *)(w0 + stride) + b;
+        __m128 d = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(s_ld16(&wa->d)), s_ld16(&wb->d), 1));
+        __m256 da = _mm256_broadcastss_ps(d);
+        __m256 db = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), _mm256_set1_epi32(1));
+        __m256i va = _mm256_loadu_si256((const __m256i *)wa->qs);
+        __m256i vb = _mm256_loadu_si256((const __m256i *)wb->qs);
+        /* |w| . x*sign(w): no bias term, so no extra accumulators */
+        __m256i ua = _mm256_sign_epi8(va, va), ub = _mm256_sign_epi8(vb, vb);
+        for (int j = 0; j < 4; j++) {
+            const fi_block_q8x *x = xr[j] + b;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)x->qs);
+            __m256 dx = _mm256_broadcast_ss(&x->d);
+            __m256i ia = s_dpbusd(_mm256_setzero_si256(), ua, _mm256_sign_epi8(xv, va));
+            __m256i ib = s_dpbusd(_mm256_setzero_si256(), ub, _mm256_sign_epi8(xv, vb));
+            acc[0][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ia), dx), da, acc[0][j]);
+            acc[1][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ib), dx), db, acc[1][j]);
         }
+    }
+    for (int j = 0; j < 4; j++) {
+        float *y = t->y + (size_t)(k + j) * t->y_stride + r;
+        y[0] = s_hsum(acc[0][j]);
+        y[1] = s_hsum(acc[1][j]);
     }
 }
 
@@ -420,9 +463,12 @@ S_INLINE void s_mm_quant(int ty, const fi_mm_task *t, int r0, int r1) {
         int k = 0;
         for (; k + 4 <= t->n; k += 4) {
             int r = rb;
-            if (ty != FI_DTYPE_Q8_0)
-                for (; r + 2 <= re; r += 2)
+            for (; r + 2 <= re; r += 2) {
+                if (ty == FI_DTYPE_Q8_0)
+                    s_q8_pre2x4(t, r, k);
+                else
                     s_q4_pre2x4(ty, t, r, k);
+            }
             for (; r < re; r++)
                 s_qtile(ty, t, r, k, 1, 4);
         }

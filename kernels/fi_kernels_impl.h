@@ -105,6 +105,17 @@ void fi_cpu_kernels_avx2(fi_cpu_kernels *k);
  * AVX2, FMA, F16C and AVX-VNNI. */
 void fi_cpu_kernels_avxvnni(fi_cpu_kernels *k);
 #endif
+#if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
+/* The same with 512-bit AVX512-VNNI quantised matmul; only call after
+ * checking for AVX2, FMA, F16C, AVX512 F/BW/VL/VNNI and ZMM OS support. */
+void fi_cpu_kernels_avx512(fi_cpu_kernels *k);
+#endif
+
+/* A CPU backend with the named kernels: "portable", "avx2", "avxvnni" or
+ * "avx512vnni" (for tests and benchmarks that compare flavours; the engine
+ * uses fi_cpu_backend_new). NULL with a message in err when the flavour is
+ * unknown, not built, or not supported by this processor. */
+fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char *err, size_t errlen);
 
 /* Portable quantiser, also the reference for the SIMD ones: d = amax/127,
  * qs = round-to-nearest-even(x * 127/amax). */

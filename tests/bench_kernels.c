@@ -4,7 +4,9 @@
  *   bench_kernels [threads...]      default: 1 2
  *   environment: BENCH_CPUTIME=1 (thread CPU time instead of wall time),
  *                BENCH_DECODE_ONLY=1 (only the decode-shaped sequence),
- *                BENCH_SIMD=avx2 (only that flavour: portable, avx2, avxvnni)
+ *                BENCH_SIMD=avx2 (only that flavour: portable, avx2, avxvnni,
+ *                avx512vnni; default all, or with BENCH_DECODE_ONLY the one
+ *                FI_SIMD_AUTO picks)
  *
  * Prints, per SIMD flavour and thread count: ns per matvec and GFLOP/s
  * (2 flops per weight) for the SmolLM2-135M shapes, prefill cost per token,
@@ -15,6 +17,7 @@
  * the figures are noisy, so each is the best of several repetitions.
  */
 #include "fi_kernels.h"
+#include "fi_kernels_impl.h" /* fi_cpu_backend_new_flavour */
 
 #include <math.h>
 #include <stdatomic.h>
@@ -199,21 +202,26 @@ int main(int argc, char **argv) {
 
     /* BENCH_DECODE_ONLY: just the decode-shaped sequence, best flavour */
     int decode_only = getenv("BENCH_DECODE_ONLY") != NULL;
-    /* flavours: portable, avx2, and auto when it is another one */
-    static const fi_simd flavours[3] = {FI_SIMD_PORTABLE, FI_SIMD_AVX2, FI_SIMD_AUTO};
-    const char *only = getenv("BENCH_SIMD"); /* "portable", "avx2", "avxvnni": just that one */
-    for (int fl = decode_only ? 2 : 0; fl < 3; fl++) {
+    /* every flavour built and supported here; BENCH_SIMD picks one */
+    static const char *const flavours[4] = {"portable", "avx2", "avxvnni", "avx512vnni"};
+    const char *only = getenv("BENCH_SIMD");
+    char auto_name[32];
+    {
+        char err[256];
+        fi_backend *b = fi_cpu_backend_new(1, FI_SIMD_AUTO, err, sizeof err);
+        snprintf(auto_name, sizeof auto_name, "%s", b ? fi_cpu_backend_simd(b) : "?");
+        fi_backend_destroy(&b);
+        printf("FI_SIMD_AUTO picks %s\n", auto_name);
+    }
+    for (int fl = 0; fl < 4; fl++) {
+        if (only ? strcmp(only, flavours[fl]) != 0 : decode_only && strcmp(auto_name, flavours[fl]) != 0)
+            continue;
         for (int ti = 0; ti < nthreads; ti++) {
             char err[256];
-            fi_backend *b = fi_cpu_backend_new(threads[ti], flavours[fl], err, sizeof err);
+            fi_backend *b = fi_cpu_backend_new_flavour(threads[ti], flavours[fl], err, sizeof err);
             if (!b)
                 continue;
             const char *sname = fi_cpu_backend_simd(b);
-            if ((fl == 2 && (strcmp(sname, "avx2") == 0 || strcmp(sname, "portable") == 0)) ||
-                (only && strcmp(only, sname) != 0)) {
-                fi_backend_destroy(&b);
-                continue;
-            }
             int simd = fl > 0;
             printf("\n== %s, %d thread(s) ==\n", sname, threads[ti]);
             for (int s = 0; s < nshapes && !decode_only; s++) {

@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "fi_kernels.h"
+#include "fi_kernels_impl.h" /* fi_cpu_backend_new_flavour */
 
 /* --- helpers -------------------------------------------------------------- */
 
@@ -152,26 +153,35 @@ static const fi_dtype all_types[] = {FI_DTYPE_F32, FI_DTYPE_F16, FI_DTYPE_BF16,
                                      FI_DTYPE_Q8_0, FI_DTYPE_Q4_0, FI_DTYPE_Q4_1};
 #define N_TYPES (sizeof all_types / sizeof all_types[0])
 
-/* Backends to compare: portable, AVX2 when the processor has it, and the
- * automatic choice when it is yet another flavour (AVX-VNNI). out[0] is
- * always the portable one. Returns how many were made (at most 3). */
+/* Backends to compare: every flavour built and supported here (portable
+ * first, always there). Also checks that FI_SIMD_AUTO and FI_SIMD_AVX2
+ * choose one of them. Returns how many were made (at most S_FLAVOURS). */
+#define S_FLAVOURS 4
 static int make_backends(fi_backend **out, int n_threads) {
+    static const char *const names[S_FLAVOURS] = {"portable", "avx2", "avxvnni", "avx512vnni"};
     char err[256];
     int n = 0;
-    out[n] = fi_cpu_backend_new(n_threads, FI_SIMD_PORTABLE, err, sizeof err);
-    assert_non_null(out[n]);
-    n++;
-    fi_backend *b = fi_cpu_backend_new(n_threads, FI_SIMD_AVX2, err, sizeof err);
-    if (b) {
-        assert_string_equal(fi_cpu_backend_simd(b), "avx2");
-        out[n++] = b;
+    for (int i = 0; i < S_FLAVOURS; i++) {
+        fi_backend *b = fi_cpu_backend_new_flavour(n_threads, names[i], err, sizeof err);
+        if (b) {
+            assert_string_equal(fi_cpu_backend_simd(b), names[i]);
+            assert_int_equal(fi_cpu_backend_threads(b), n_threads);
+            out[n++] = b;
+        } else {
+            assert_true(i > 0); /* portable always exists */
+        }
     }
-    b = fi_cpu_backend_new(n_threads, FI_SIMD_AUTO, err, sizeof err);
+    fi_backend *b = fi_cpu_backend_new(n_threads, FI_SIMD_AUTO, err, sizeof err);
     assert_non_null(b);
-    if (strcmp(fi_cpu_backend_simd(b), "portable") != 0 && strcmp(fi_cpu_backend_simd(b), "avx2") != 0)
-        out[n++] = b;
-    else
-        fi_backend_destroy(&b);
+    int found = 0;
+    for (int i = 0; i < n; i++)
+        found |= strcmp(fi_cpu_backend_simd(b), fi_cpu_backend_simd(out[i])) == 0;
+    assert_true(found);
+    fi_backend_destroy(&b);
+    b = fi_cpu_backend_new(n_threads, FI_SIMD_AVX2, err, sizeof err);
+    if (b)
+        assert_string_equal(fi_cpu_backend_simd(b), "avx2");
+    fi_backend_destroy(&b);
     return n;
 }
 
@@ -408,11 +418,11 @@ static void run_matmul_case(fi_dtype t, int rows, int cols, const int *ns, int n
         memset(x + 32, 0, 32 * sizeof *x);
     size_t ny = (size_t)nmax * rows;
     float *yt = fvec(ny);
-    float *y1[3] = {fvec(ny), fvec(ny), fvec(ny)}; /* 1-thread result per flavour */
+    float *y1[S_FLAVOURS] = {fvec(ny), fvec(ny), fvec(ny), fvec(ny)}; /* 1-thread result per flavour */
     for (int ni = 0; ni < nns; ni++) {
         int n = ns[ni];
         for (int threads = 1; threads <= 3; threads++) {
-            fi_backend *bs[3];
+            fi_backend *bs[S_FLAVOURS];
             int nb = make_backends(bs, threads);
             for (int bi = 0; bi < nb; bi++) {
                 fi_backend *b = bs[bi];
@@ -440,7 +450,7 @@ static void run_matmul_case(fi_dtype t, int rows, int cols, const int *ns, int n
                 fi_backend_destroy(&bs[bi]);
         }
     }
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < S_FLAVOURS; i++)
         free(y1[i]);
     free(yt);
     free(x);
@@ -606,7 +616,7 @@ static void test_matmul_model_weights(void **state) {
         /* rmsnorm-scaled activations with a few outliers, as in the model */
         for (int i = 0; i < n * nc; i++)
             x[i] = rng_f(&r, -1, 1) * (rng_u32(&r) % 64 == 0 ? 20.0f : 1.0f);
-        fi_backend *bs[3];
+        fi_backend *bs[S_FLAVOURS];
         int nb = make_backends(bs, 2);
         for (int bi = 0; bi < nb; bi++) {
             for (int nn = 1; nn <= n; nn += n - 1) {
@@ -639,7 +649,7 @@ static void test_get_rows(void **state) {
         int32_t tok[4] = {3, 0, 10, 3};
         float *y = fvec(4 * cols);
         double ref[96];
-        fi_backend *bs[3];
+        fi_backend *bs[S_FLAVOURS];
         int nb = make_backends(bs, 2);
         for (int bi = 0; bi < nb; bi++) {
             poison(y, 4 * cols);
@@ -665,7 +675,7 @@ static void test_rmsnorm(void **state) {
         x[i] = rng_f(&r, -3, 3);
     for (int i = 0; i < dim; i++)
         g[i] = rng_f(&r, 0.5f, 1.5f);
-    fi_backend *bs[3];
+    fi_backend *bs[S_FLAVOURS];
     int nb = make_backends(bs, 2);
     for (int bi = 0; bi < nb; bi++) {
         fi_backend *b = bs[bi];
@@ -712,7 +722,7 @@ static void test_rope(void **state) {
     };
     int n = 4, nh = 3;
     float *x = fvec(n * nh * 64), *y = fvec(n * nh * 64);
-    fi_backend *bs[3];
+    fi_backend *bs[S_FLAVOURS];
     int nb = make_backends(bs, 1);
     for (int bi = 0; bi < nb; bi++) {
         fi_backend *b = bs[bi];
@@ -798,7 +808,7 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
     }
     ref_attention(ref, q, k, v, n, pos, nh, nkv, hd);
     for (int threads = 1; threads <= 3; threads++) {
-        fi_backend *bs[3];
+        fi_backend *bs[S_FLAVOURS];
         int nb = make_backends(bs, threads);
         for (int bi = 0; bi < nb; bi++) {
             poison(out, n * qd);
@@ -857,7 +867,7 @@ static void test_swiglu_add(void **state) {
             g[6] = -1e30f;
             g[7] = 1e30f;
         }
-        fi_backend *bs[3];
+        fi_backend *bs[S_FLAVOURS];
         int nb = make_backends(bs, 2);
         for (int bi = 0; bi < nb; bi++) {
             fi_backend *b = bs[bi];
