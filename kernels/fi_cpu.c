@@ -3,14 +3,21 @@
  * the kernels of the best SIMD flavour, and spreads work over a persistent
  * fi_pool.
  *
+ * Flavours (fi_kernels_impl.h): portable C, AVX2 (fi_cpu_avx2.c),
+ * AVX-VNNI (fi_cpu_avxvnni.c) and AVX512-VNNI (fi_cpu_avx512.c), chosen
+ * at run time from CPUID; each is a table of kernels for one block range.
+ *
  * Work split: matmul by output rows in guided chunks of 16-row multiples
  * claimed from an atomic counter (so a thread slowed by a noisy neighbour
- * takes fewer rows); attention by (token, kv head, position segment); the
- * element-wise ops by
- * tokens or element ranges, and only when big enough to pay for a dispatch.
- * Activations for quantised weights are quantised once per matmul into a
- * scratch buffer owned by the backend (grown on demand; when growing fails
- * the tokens are processed in groups that fit).
+ * takes fewer rows; chunk edges on multiples of 16 keep every row's
+ * arithmetic, and so the result, the same for any thread count);
+ * attention by (token, kv head, position segment); the element-wise ops
+ * by tokens or element ranges, and only when big enough to pay for a
+ * dispatch. Activations for quantised weights are quantised once per
+ * matmul into a scratch buffer owned by the backend (grown on demand; when
+ * growing fails the tokens are processed in groups that fit).
+ *
+ * Not thread-safe: one thread drives a backend, as the engine does.
  */
 #include "fi_kernels_impl.h"
 
@@ -430,6 +437,7 @@ static void s_att_merge(const s_att_job *j) {
 static void s_attention(void *ctx, float *out, const float *q, const float *k, const float *v,
                         int n, const int32_t *pos, int n_heads, int n_kv_heads, int head_dim) {
     s_cpu *c = ctx;
+    assert(n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0);
     s_att_job j = {.k = &c->k, .out = out, .q = q, .kc = k, .vc = v, .pos = pos, .n = n,
                    .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .segs = 1};
     int maxp = 0;
