@@ -23,6 +23,7 @@
 
 #include <assert.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -600,6 +601,16 @@ static int s_pick_kernels(fi_cpu_kernels *k, const char *flavour) {
     return -1;
 }
 
+/* snprintf into a caller's error buffer, which may be NULL or empty. */
+__attribute__((format(printf, 3, 4))) static void s_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
 fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char *err, size_t errlen) {
     fi_backend *b = NULL;
     s_cpu *c = NULL;
@@ -610,11 +621,11 @@ fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char 
     c = calloc(1, sizeof *c);
     b = calloc(1, sizeof *b);
     if (!c || !b) {
-        snprintf(err, errlen, "cpu backend: out of memory");
+        s_err(err, errlen, "cpu backend: out of memory");
         goto fail;
     }
     if (s_pick_kernels(&c->k, flavour) != 0) {
-        snprintf(err, errlen, "cpu backend: kernels '%s' not built or not supported by this processor",
+        s_err(err, errlen, "cpu backend: kernels '%s' not built or not supported by this processor",
                  flavour);
         goto fail;
     }
@@ -622,7 +633,7 @@ fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char 
     c->scratch_bytes = S_SCRATCH_MIN;
     c->pool = fi_pool_new(n_threads);
     if (!c->scratch || !c->pool) {
-        snprintf(err, errlen, "cpu backend: cannot start %d threads or allocate scratch", n_threads);
+        s_err(err, errlen, "cpu backend: cannot start %d threads or allocate scratch", n_threads);
         goto fail;
     }
     c->n_threads = n_threads;

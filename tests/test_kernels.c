@@ -922,6 +922,9 @@ static void test_backend_memory(void **state) {
     assert_string_equal(fi_cpu_backend_simd(b), "portable");
     assert_true(fi_cpu_backend_threads(b) >= 1);
     fi_backend_destroy(&b);
+    assert_null(fi_cpu_backend_new_flavour(1, "no-such-kernels", NULL, 0));
+    assert_null(fi_cpu_backend_new_flavour(1, "no-such-kernels", err, sizeof err));
+    assert_non_null(strstr(err, "no-such-kernels"));
     fi_backend other = {0};
     assert_null(fi_cpu_backend_simd(&other));
     assert_int_equal(fi_cpu_backend_threads(&other), 0);
