@@ -479,6 +479,9 @@ static void test_matmul_model_shapes(void **state) {
     run_matmul_case(FI_DTYPE_Q8_0, 301, 576, ns, 2, 4002);
     run_matmul_case(FI_DTYPE_Q4_0, 99, 576, ns, 2, 4003);
     run_matmul_case(FI_DTYPE_F16, 70, 576, ns, 2, 4004);
+    /* more quantised activations than the backend's first scratch holds */
+    static const int big[] = {560}; /* 560 x 48 blocks x 40 bytes > 1 MiB */
+    run_matmul_case(FI_DTYPE_Q4_1, 32, 1536, big, 1, 4005);
 }
 
 /* --- real weights ---------------------------------------------------------- */
