@@ -1,6 +1,6 @@
 /*
- * fi_cpu_x86_impl.h - the x86 kernels, written once and compiled twice:
- * by fi_cpu_avx2.c (AVX2 + FMA + F16C), by fi_cpu_avxvnni.c (the same
+ * fi_cpu_x86_impl.h - the x86 kernels, written once and compiled three
+ * times: by fi_cpu_avx2.c (AVX2 + FMA + F16C), by fi_cpu_avxvnni.c (the same
  * plus AVX-VNNI, whose vpdpbusd replaces maddubs + madd and does not
  * saturate) and by fi_cpu_avx512.c (AVX512-VNNI, which adds 512-bit
  * quantised kernels on top). Include it after defining FI_X86_VNNI to 0,
@@ -11,8 +11,8 @@
  * fi_block_q8x (d, s = d*sum(q), 32 int8):
  *   Q4_0: dw*dx*sum(q*x) - 8*dw*s      (q = nibble, 0..15, unsigned)
  *   Q4_1: dw*dx*sum(q*x) + m*s
- *   Q8_0: dw*dx*sum(w*x)               (AVX2: |w| . x*sign(w);
- *                                       VNNI: (w^0x80) . x - 128*dw*s)
+ *   Q8_0: dw*dx*sum(w*x)               (|w| . x*sign(w), or in the VNNI
+ *                                       decode (w^0x80) . x - 128*dw*s)
  *
  * Decode (one token) kernels take four rows per step. For Q4_x two rows
  * share one register (row A in the low 128-bit lane, row B in the high),
@@ -23,8 +23,9 @@
  * Prefill (several tokens) takes two rows x four tokens so each weight
  * block is expanded once and used for four tokens (int sums are scaled by
  * the token's dx, a broadcast load, then by the rows' dw, formed once per
- * block); rows are walked in sub-blocks of S_RB rows with all
- * tokens inside, so a sub-block's weights stay in L1.
+ * block; the Q4 offset m*s or -8*dw*s joins one accumulator lane per
+ * row); rows are walked in sub-blocks of S_RB rows with all tokens
+ * inside, so a sub-block's weights stay in L1.
  */
 #ifndef FI_X86_VNNI
 #error "define FI_X86_VNNI before including fi_cpu_x86_impl.h"
@@ -33,6 +34,7 @@
 #include "fi_kernels_impl.h"
 
 #include <immintrin.h>
+#include <math.h>
 
 /* FI_X86_VNNI: 0 AVX2 maddubs + madd; 1 AVX-VNNI (VEX vpdpbusd); 2
  * AVX512-VNNI + VL (the EVEX encoding of the same 256-bit instruction). */
@@ -41,7 +43,6 @@
 #elif FI_X86_VNNI == 2
 #define S_DPBUSD256 _mm256_dpbusd_epi32
 #endif
-#include <math.h>
 
 #define S_INLINE static inline __attribute__((always_inline))
 #define S_RB 16 /* rows per sub-block in the prefill loop */
