@@ -14,12 +14,14 @@
  * attention by (token, kv head, position segment); the element-wise ops
  * by tokens or element ranges, and only when big enough to pay for a
  * dispatch. Activations for quantised weights are quantised once per
- * matmul into a scratch buffer owned by the backend (grown on demand; when
+ * matmul (to 16 bits by default, fi_cpu_q16_impl.h; to 8 bits with
+ * fi_cpu_backend_set_act_bits) into a scratch buffer owned by the backend (grown on demand; when
  * growing fails the tokens are processed in groups that fit).
  *
  * Not thread-safe: one thread drives a backend, as the engine does.
  */
 #include "fi_kernels_impl.h"
+#include "fi_cpu_q16_impl.h"
 
 #include <assert.h>
 #include <math.h>
@@ -43,6 +45,8 @@ typedef struct s_cpu {
     fi_pool *pool;          /* workers, caller is worker 0 */
     int n_threads;          /* pool size */
     fi_cpu_kernels k;       /* the chosen kernels */
+    fi_q16_kernels q16;     /* the chosen 16-bit-activation kernels */
+    int act_bits;           /* activations of quantised matmuls: 16 or 8 */
     uint8_t *scratch;       /* quantised activations, S_ALIGN aligned */
     size_t scratch_bytes;   /* its size */
     float *rope_tab;        /* [rope_rows][rope_half] (cos, sin) pairs */
@@ -166,8 +170,67 @@ static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t) {
     return NULL;
 }
 
+typedef struct s_quant16_job {
+    const fi_q16_kernels *k;    /* quantiser */
+    const float *x;             /* n rows of cols floats */
+    uint8_t *xq;                /* n rows of xrow bytes */
+    int n, cols;                /* shape */
+    size_t xrow;                /* bytes per quantised row */
+} s_quant16_job;
+
+static void s_quant16_worker(void *arg, int ith, int nth) {
+    s_quant16_job *j = arg;
+    int k0 = (int)((long)j->n * ith / nth), k1 = (int)((long)j->n * (ith + 1) / nth);
+    for (int k = k0; k < k1; k++)
+        j->k->quantize(j->x + (size_t)k * j->cols, (fi_block_q16x *)(j->xq + (size_t)k * j->xrow),
+                       j->cols / FI_QK);
+}
+
+static fi_mm_fn s_mm16_fn(const s_cpu *c, fi_dtype t) {
+    switch (t) {
+    case FI_DTYPE_Q4_0: return c->q16.mm_q4_0;
+    case FI_DTYPE_Q4_1: return c->q16.mm_q4_1;
+    case FI_DTYPE_Q8_0: return c->q16.mm_q8_0;
+    default: return NULL;
+    }
+}
+
+/* Quantised weights with 16-bit activations (the default: accurate). */
+static void s_matmul16(s_cpu *c, float *y, const fi_weight *w, const float *x, int n) {
+    fi_mm_fn fn = s_mm16_fn(c, w->type);
+    assert(fn);
+    size_t xrow = (size_t)(w->cols / FI_QK) * sizeof(fi_block_q16x);
+    int group = n;
+    if (s_reserve(c, xrow * (size_t)n) != 0)
+        group = (int)(c->scratch_bytes / xrow);
+    if (group < 1) {
+        for (size_t i = 0; i < (size_t)n * (size_t)w->rows; i++)
+            y[i] = NAN;
+        return;
+    }
+    for (int k0 = 0; k0 < n; k0 += group) {
+        int g = n - k0 < group ? n - k0 : group;
+        s_quant16_job q = {.k = &c->q16, .x = x + (size_t)k0 * w->cols, .xq = c->scratch,
+                           .n = g, .cols = w->cols, .xrow = xrow};
+        if (c->n_threads > 1 && (size_t)g * (size_t)w->cols >= S_PAR_ELEMS && g > 1)
+            fi_pool_run(c->pool, s_quant16_worker, &q);
+        else
+            s_quant16_worker(&q, 0, 1);
+        fi_mm_task t = {
+            .w = w->data, .w_stride = w->row_bytes, .cols = w->cols,
+            .x = c->scratch, .x_stride = xrow, .n = g,
+            .y = y + (size_t)k0 * w->rows, .y_stride = w->rows,
+        };
+        s_run_rows(c, fn, &t, w->rows);
+    }
+}
+
 static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
     s_cpu *c = ctx;
+    if (c->act_bits == 16 && fi_dtype_block_elems(w->type) != 1) {
+        s_matmul16(c, y, w, x, n);
+        return;
+    }
     fi_mm_fn fn = s_mm_fn(c, w->type);
     assert(fn);
     fi_mm_task t = {
@@ -321,7 +384,8 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
 typedef struct s_att_job {
     const fi_cpu_kernels *k;    /* dots / wsum */
     float *out;                 /* n rows of n_heads*head_dim */
-    const float *q, *kc, *vc;   /* queries, key and value caches */
+    const float *q;             /* queries */
+    const uint16_t *kc, *vc;    /* key and value caches, fp16 */
     const int32_t *pos;         /* position of each query token */
     int n, n_heads, n_kv_heads, head_dim;
     int segs;                   /* position segments per (token, kv head) */
@@ -365,8 +429,8 @@ static void s_att_item(const s_att_job *j, int t, int kh, int seg) {
         }
         for (int p0 = p_begin; p0 < p_end; p0 += S_ATT_CHUNK) {
             int cn = p_end - p0 < S_ATT_CHUNK ? p_end - p0 : S_ATT_CHUNK;
-            const float *kr = j->kc + (size_t)p0 * kv_dim + (size_t)kh * hd;
-            const float *vr = j->vc + (size_t)p0 * kv_dim + (size_t)kh * hd;
+            const uint16_t *kr = j->kc + (size_t)p0 * kv_dim + (size_t)kh * hd;
+            const uint16_t *vr = j->vc + (size_t)p0 * kv_dim + (size_t)kh * hd;
             for (int g = 0; g < gn; g++) {
                 float cm = j->k->dots(sc, q[g], kr, kv_dim, cn, hd, scale);
                 if (cm > m[g]) {
@@ -435,8 +499,9 @@ static void s_att_merge(const s_att_job *j) {
         }
 }
 
-static void s_attention(void *ctx, float *out, const float *q, const float *k, const float *v,
-                        int n, const int32_t *pos, int n_heads, int n_kv_heads, int head_dim) {
+static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
+                        const uint16_t *v, int n, const int32_t *pos, int n_heads, int n_kv_heads,
+                        int head_dim) {
     s_cpu *c = ctx;
     assert(n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0);
     s_att_job j = {.k = &c->k, .out = out, .q = q, .kc = k, .vc = v, .pos = pos, .n = n,
@@ -496,6 +561,11 @@ static void s_ew(s_cpu *c, s_ew_job *j) {
         s_ew_worker(j, 0, 1);
 }
 
+static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
+    s_cpu *c = ctx;
+    c->k.to_f16(dst, src, n);
+}
+
 static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
     s_ew_job j = {.k = &((s_cpu *)ctx)->k, .y = g, .x = u, .n = n, .swiglu = 1};
     s_ew(ctx, &j);
@@ -534,6 +604,7 @@ static const fi_backend_ops s_cpu_ops = {
     .rmsnorm = s_rmsnorm,
     .rope = s_rope,
     .attention = s_attention,
+    .store_f16 = s_store_f16,
     .swiglu = s_swiglu,
     .add = s_add,
 };
@@ -572,33 +643,41 @@ static unsigned s_cpu_x86_features(void) {
     return f;
 }
 
-/* Fills k with the named flavour; 0, or -1 when it is unknown, not built
- * or not supported by this processor. */
-static int s_pick_kernels(fi_cpu_kernels *k, const char *flavour) {
+/* Fills k (8-bit activations and float ops) and q16 (16-bit activations)
+ * with the named flavour; 0, or -1 when it is unknown, not built or not
+ * supported by this processor. Every x86 flavour uses the AVX2 q16
+ * kernels. */
+static int s_pick_kernels(fi_cpu_kernels *k, fi_q16_kernels *q16, const char *flavour) {
     unsigned f = s_cpu_x86_features();
     fi_cpu_kernels_portable(k);
+    fi_q16_kernels_portable(q16);
     if (strcmp(flavour, "portable") == 0)
         return 0;
+    int ok = 0;
 #if defined(FI_HAVE_X86) && FI_HAVE_X86
     if (strcmp(flavour, "avx2") == 0 && (f & S_X86_AVX2)) {
         fi_cpu_kernels_avx2(k);
-        return 0;
+        ok = 1;
     }
 #endif
 #if defined(FI_HAVE_AVXVNNI) && FI_HAVE_AVXVNNI
     if (strcmp(flavour, "avxvnni") == 0 && (f & S_X86_AVXVNNI)) {
         fi_cpu_kernels_avxvnni(k);
-        return 0;
+        ok = 1;
     }
 #endif
 #if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
     if (strcmp(flavour, "avx512vnni") == 0 && (f & S_X86_AVX512)) {
         fi_cpu_kernels_avx512(k);
-        return 0;
+        ok = 1;
     }
 #endif
+#if defined(FI_HAVE_X86) && FI_HAVE_X86
+    if (ok)
+        fi_q16_kernels_avx2(q16);
+#endif
     (void)f;
-    return -1;
+    return ok ? 0 : -1;
 }
 
 /* snprintf into a caller's error buffer, which may be NULL or empty. */
@@ -624,7 +703,8 @@ fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char 
         s_err(err, errlen, "cpu backend: out of memory");
         goto fail;
     }
-    if (s_pick_kernels(&c->k, flavour) != 0) {
+    c->act_bits = 16;
+    if (s_pick_kernels(&c->k, &c->q16, flavour) != 0) {
         s_err(err, errlen, "cpu backend: kernels '%s' not built or not supported by this processor",
                  flavour);
         goto fail;
@@ -673,6 +753,19 @@ const char *fi_cpu_backend_simd(const fi_backend *b) {
     if (!b || b->ops != &s_cpu_ops)
         return NULL;
     return ((const s_cpu *)b->ctx)->k.name;
+}
+
+int fi_cpu_backend_set_act_bits(fi_backend *b, int bits) {
+    if (!b || b->ops != &s_cpu_ops || (bits != 8 && bits != 16))
+        return -1;
+    ((s_cpu *)b->ctx)->act_bits = bits;
+    return 0;
+}
+
+int fi_cpu_backend_act_bits(const fi_backend *b) {
+    if (!b || b->ops != &s_cpu_ops)
+        return 0;
+    return ((const s_cpu *)b->ctx)->act_bits;
 }
 
 int fi_cpu_backend_threads(const fi_backend *b) {

@@ -145,29 +145,29 @@ static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
     s_mm_half(FI_DTYPE_BF16, t, r0, r1);
 }
 
-static float s_dots(float *s, const float *q, const float *k, size_t stride, int np, int hd,
+static float s_dots(float *s, const float *q, const uint16_t *k, size_t stride, int np, int hd,
                     float scale) {
     float mx = -INFINITY;
     for (int i = 0; i < np; i++) {
-        const float *kr = k + (size_t)i * stride;
+        const uint16_t *kr = k + (size_t)i * stride;
         float a[4] = {0, 0, 0, 0};
         int d = 0;
         for (; d + 4 <= hd; d += 4)
             for (int u = 0; u < 4; u++)
-                a[u] += q[d + u] * kr[d + u];
+                a[u] += q[d + u] * fi_h2f(kr[d + u]);
         for (; d < hd; d++)
-            a[0] += q[d] * kr[d];
+            a[0] += q[d] * fi_h2f(kr[d]);
         s[i] = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
         mx = s[i] > mx ? s[i] : mx;
     }
     return mx;
 }
 
-static void s_wsum(float *o, const float *e, const float *v, size_t stride, int np, int hd) {
+static void s_wsum(float *o, const float *e, const uint16_t *v, size_t stride, int np, int hd) {
     for (int i = 0; i < np; i++) {
-        const float *vr = v + (size_t)i * stride;
+        const uint16_t *vr = v + (size_t)i * stride;
         for (int d = 0; d < hd; d++)
-            o[d] += e[i] * vr[d];
+            o[d] += e[i] * fi_h2f(vr[d]);
     }
 }
 
@@ -185,6 +185,11 @@ static void s_swiglu(float *g, const float *u, size_t n) {
         g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+static void s_to_f16(uint16_t *dst, const float *src, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        dst[i] = fi_fp32_to_fp16(src[i]);
+}
+
 void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->name = "portable";
     k->quantize_q8x = fi_quantize_q8x_ref;
@@ -198,4 +203,5 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->wsum = s_wsum;
     k->exp_sum = s_exp_sum;
     k->swiglu = s_swiglu;
+    k->to_f16 = s_to_f16;
 }

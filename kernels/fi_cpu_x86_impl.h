@@ -579,8 +579,13 @@ static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
 
 /* --- attention helpers ------------------------------------------------------ */
 
+/* 8 fp16 values as floats. */
+S_INLINE __m256 s_h8(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
+}
+
 /* 8 rows at a time; their sums reduced together with hadd. */
-static float s_dots(float *s, const float *q, const float *k, size_t stride, int np, int hd,
+static float s_dots(float *s, const float *q, const uint16_t *k, size_t stride, int np, int hd,
                     float scale) {
     const __m128 vs = _mm_set1_ps(scale);
     __m128 mx4 = _mm_set1_ps(-INFINITY);
@@ -588,14 +593,14 @@ static float s_dots(float *s, const float *q, const float *k, size_t stride, int
     if ((hd & 7) == 0) {
         /* 8 rows: 8 independent FMA chains */
         for (; i + 8 <= np; i += 8) {
-            const float *k0 = k + (size_t)i * stride;
+            const uint16_t *k0 = k + (size_t)i * stride;
             __m256 a[8];
             for (int u = 0; u < 8; u++)
                 a[u] = _mm256_setzero_ps();
             for (int d = 0; d < hd; d += 8) {
                 __m256 qv = _mm256_loadu_ps(q + d);
                 for (int u = 0; u < 8; u++)
-                    a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + (size_t)u * stride + d), a[u]);
+                    a[u] = _mm256_fmadd_ps(qv, s_h8(k0 + (size_t)u * stride + d), a[u]);
             }
             for (int u = 0; u < 8; u += 4) {
                 __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[u], a[u + 1]), _mm256_hadd_ps(a[u + 2], a[u + 3]));
@@ -609,14 +614,14 @@ static float s_dots(float *s, const float *q, const float *k, size_t stride, int
     mx4 = _mm_max_ss(mx4, _mm_movehdup_ps(mx4));
     float mx = _mm_cvtss_f32(mx4);
     for (; i < np; i++) {
-        const float *kr = k + (size_t)i * stride;
+        const uint16_t *kr = k + (size_t)i * stride;
         __m256 a0 = _mm256_setzero_ps();
         int d = 0;
         for (; d + 8 <= hd; d += 8)
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kr + d), a0);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), s_h8(kr + d), a0);
         float r = s_hsum(a0);
         for (; d < hd; d++)
-            r += q[d] * kr[d];
+            r += q[d] * fi_h2f(kr[d]);
         s[i] = r * scale;
         mx = s[i] > mx ? s[i] : mx;
     }
@@ -666,17 +671,17 @@ static float s_exp_sum(float *s, int n, float m) {
 
 /* o += sum_i e[i] * v_i, 64 columns at a time held in registers (eight
  * independent FMA chains), then 8 at a time. */
-static void s_wsum(float *o, const float *e, const float *v, size_t stride, int np, int hd) {
+static void s_wsum(float *o, const float *e, const uint16_t *v, size_t stride, int np, int hd) {
     int d = 0;
     for (; d + 64 <= hd; d += 64) {
         __m256 acc[8];
         for (int u = 0; u < 8; u++)
             acc[u] = _mm256_loadu_ps(o + d + 8 * u);
         for (int i = 0; i < np; i++) {
-            const float *vr = v + (size_t)i * stride + d;
+            const uint16_t *vr = v + (size_t)i * stride + d;
             __m256 w = _mm256_broadcast_ss(e + i);
             for (int u = 0; u < 8; u++)
-                acc[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * u), acc[u]);
+                acc[u] = _mm256_fmadd_ps(w, s_h8(vr + 8 * u), acc[u]);
         }
         for (int u = 0; u < 8; u++)
             _mm256_storeu_ps(o + d + 8 * u, acc[u]);
@@ -685,17 +690,16 @@ static void s_wsum(float *o, const float *e, const float *v, size_t stride, int 
         __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_setzero_ps();
         int i = 0;
         for (; i + 2 <= np; i += 2) {
-            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), _mm256_loadu_ps(v + (size_t)i * stride + d), o0);
-            o1 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i + 1),
-                                 _mm256_loadu_ps(v + (size_t)(i + 1) * stride + d), o1);
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), s_h8(v + (size_t)i * stride + d), o0);
+            o1 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i + 1), s_h8(v + (size_t)(i + 1) * stride + d), o1);
         }
         if (i < np)
-            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), _mm256_loadu_ps(v + (size_t)i * stride + d), o0);
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), s_h8(v + (size_t)i * stride + d), o0);
         _mm256_storeu_ps(o + d, _mm256_add_ps(o0, o1));
     }
     for (; d < hd; d++)
         for (int i = 0; i < np; i++)
-            o[d] += e[i] * v[(size_t)i * stride + d];
+            o[d] += e[i] * fi_h2f(v[(size_t)i * stride + d]);
 }
 
 static void s_swiglu(float *g, const float *u, size_t n) {
@@ -709,6 +713,15 @@ static void s_swiglu(float *g, const float *u, size_t n) {
     }
     for (; i < n; i++)
         g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static void s_to_f16(uint16_t *dst, const float *src, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(void *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        dst[i] = fi_fp32_to_fp16(src[i]);
 }
 
 /* Fills k with this flavour's kernels under `name`. */
@@ -725,4 +738,5 @@ static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->wsum = s_wsum;
     k->exp_sum = s_exp_sum;
     k->swiglu = s_swiglu;
+    k->to_f16 = s_to_f16;
 }

@@ -82,15 +82,18 @@ typedef struct fi_cpu_kernels {
     fi_mm_fn mm_q4_0;                                          /* quantised weights */
     fi_mm_fn mm_q4_1;
     fi_mm_fn mm_q8_0;
-    /* Attention helpers over np >= 1 rows of length hd spaced `stride`
-     * floats: s[i] = scale * dot(q, k + i*stride), returning max s[i];
-     * o[d] += sum_i e[i] * v[i*stride + d]. */
-    float (*dots)(float *s, const float *q, const float *k, size_t stride, int np, int hd, float scale);
-    void (*wsum)(float *o, const float *e, const float *v, size_t stride, int np, int hd);
+    /* Attention helpers over np >= 1 fp16 cache rows of length hd spaced
+     * `stride` elements: s[i] = scale * dot(q, k + i*stride), returning
+     * max s[i]; o[d] += sum_i e[i] * v[i*stride + d]. */
+    float (*dots)(float *s, const float *q, const uint16_t *k, size_t stride, int np, int hd,
+                  float scale);
+    void (*wsum)(float *o, const float *e, const uint16_t *v, size_t stride, int np, int hd);
     /* s[i] = exp(s[i] - m) for i < n (s[i] <= m); returns their sum. */
     float (*exp_sum)(float *s, int n, float m);
     /* g[i] = silu(g[i]) * u[i] for i < n. */
     void (*swiglu)(float *g, const float *u, size_t n);
+    /* fp32 -> fp16, round to nearest even (stores into the KV cache). */
+    void (*to_f16)(uint16_t *dst, const float *src, size_t n);
 } fi_cpu_kernels;
 
 /* Fills k with the portable kernels. Cannot fail. */

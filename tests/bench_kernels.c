@@ -6,7 +6,9 @@
  *                BENCH_DECODE_ONLY=1 (only the decode-shaped sequence),
  *                BENCH_SIMD=avx2 (only that flavour: portable, avx2, avxvnni,
  *                avx512vnni; default all, or with BENCH_DECODE_ONLY the one
- *                FI_SIMD_AUTO picks)
+ *                FI_SIMD_AUTO picks),
+ *                BENCH_ACT_BITS=8 (activations of quantised matmuls; default
+ *                16, the backend's default)
  *
  * Prints, per SIMD flavour and thread count: ns per matvec and GFLOP/s
  * (2 flops per weight) for the SmolLM2-135M shapes, prefill cost per token,
@@ -235,6 +237,7 @@ int main(int argc, char **argv) {
     /* every flavour built and supported here; BENCH_SIMD picks one */
     static const char *const flavours[4] = {"portable", "avx2", "avxvnni", "avx512vnni"};
     const char *only = getenv("BENCH_SIMD");
+    int act_bits = getenv("BENCH_ACT_BITS") ? atoi(getenv("BENCH_ACT_BITS")) : 16;
     char auto_name[32];
     {
         char err[256];
@@ -253,7 +256,11 @@ int main(int argc, char **argv) {
                 continue;
             const char *sname = fi_cpu_backend_simd(b);
             int simd = fl > 0;
-            printf("\n== %s, %d thread(s) ==\n", sname, threads[ti]);
+            if (fi_cpu_backend_set_act_bits(b, act_bits) != 0) {
+                fi_backend_destroy(&b);
+                continue;
+            }
+            printf("\n== %s, %d thread(s), %d-bit activations ==\n", sname, threads[ti], act_bits);
             for (int s = 0; s < nshapes && !decode_only; s++) {
                 fi_weight w = s_weight(&r, shapes[s].t, shapes[s].rows, shapes[s].cols);
                 double flops = 2.0 * shapes[s].rows * shapes[s].cols;
@@ -269,12 +276,12 @@ int main(int argc, char **argv) {
                 /* attention, SmolLM2 heads (9 q, 3 kv, 64 wide), one token
                  * at position 1023, and 64 prefill tokens at 0..63 */
                 const int ctx = 1024, kv_dim = 3 * 64;
-                float *kc = malloc(sizeof(float) * ctx * kv_dim), *vc = malloc(sizeof(float) * ctx * kv_dim);
+                uint16_t *kc = malloc(sizeof(uint16_t) * ctx * kv_dim), *vc = malloc(sizeof(uint16_t) * ctx * kv_dim);
                 float *q = malloc(sizeof(float) * 64 * 576), *o = malloc(sizeof(float) * 64 * 576);
                 int32_t pos[64];
                 for (int i = 0; i < ctx * kv_dim; i++) {
-                    kc[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;
-                    vc[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;
+                    kc[i] = fi_fp32_to_fp16((float)(s_rand(&r) % 2001) * 1e-3f - 1.0f);
+                    vc[i] = fi_fp32_to_fp16((float)(s_rand(&r) % 2001) * 1e-3f - 1.0f);
                 }
                 for (int i = 0; i < 64 * 576; i++)
                     q[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;

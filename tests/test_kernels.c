@@ -157,7 +157,7 @@ static const fi_dtype all_types[] = {FI_DTYPE_F32, FI_DTYPE_F16, FI_DTYPE_BF16,
  * first, always there). Also checks that FI_SIMD_AUTO and FI_SIMD_AVX2
  * choose one of them. Returns how many were made (at most S_FLAVOURS). */
 #define S_FLAVOURS 4
-static int make_backends(fi_backend **out, int n_threads) {
+static int make_backends_bits(fi_backend **out, int n_threads, int act_bits) {
     static const char *const names[S_FLAVOURS] = {"portable", "avx2", "avxvnni", "avx512vnni"};
     char err[256];
     int n = 0;
@@ -166,6 +166,8 @@ static int make_backends(fi_backend **out, int n_threads) {
         if (b) {
             assert_string_equal(fi_cpu_backend_simd(b), names[i]);
             assert_int_equal(fi_cpu_backend_threads(b), n_threads);
+            assert_int_equal(fi_cpu_backend_act_bits(b), 16); /* the default */
+            assert_int_equal(fi_cpu_backend_set_act_bits(b, act_bits), 0);
             out[n++] = b;
         } else {
             assert_true(i > 0); /* portable always exists */
@@ -183,6 +185,11 @@ static int make_backends(fi_backend **out, int n_threads) {
         assert_string_equal(fi_cpu_backend_simd(b), "avx2");
     fi_backend_destroy(&b);
     return n;
+}
+
+/* The same with the default 16-bit activations. */
+static int make_backends(fi_backend **out, int n_threads) {
+    return make_backends_bits(out, n_threads, 16);
 }
 
 /* --- dtypes and conversions --------------------------------------------- */
@@ -368,10 +375,10 @@ static void test_dequantize(void **state) {
 /* --- matmul ------------------------------------------------------------- */
 
 /* Checks y (n x rows) against double references; for quantised weights
- * the tolerance is the bound of 8-bit activation rounding: each x[i] moves
- * by at most half its block's step amax/127. */
-static void check_matmul(const char *what, fi_dtype t, const float *y, const double *wd,
-                         const float *x, int rows, int cols, int n) {
+ * the tolerance is the bound of activation rounding: each x[i] moves by at
+ * most half its block's step, amax/127 (8 bits) or amax/32767 (16 bits). */
+static void check_matmul(const char *what, fi_dtype t, int act_bits, const float *y,
+                         const double *wd, const float *x, int rows, int cols, int n) {
     int quant = fi_dtype_block_elems(t) == 32;
     for (int k = 0; k < n; k++) {
         const float *xk = x + (size_t)k * cols;
@@ -386,7 +393,7 @@ static void check_matmul(const char *what, fi_dtype t, const float *y, const dou
                 for (int c = b; c < e; c++) {
                     ref += wr[c] * xk[c];
                     mag += fabs(wr[c] * xk[c]);
-                    qerr += fabs(wr[c]) * amax / 254.0;
+                    qerr += fabs(wr[c]) * amax / (act_bits == 16 ? 65534.0 : 254.0);
                 }
             }
             double tol = 1e-5 * mag + 1e-6 + (quant ? 1.01 * qerr + 1e-5 * mag : 0.0);
@@ -398,7 +405,8 @@ static void check_matmul(const char *what, fi_dtype t, const float *y, const dou
     }
 }
 
-static void run_matmul_case(fi_dtype t, int rows, int cols, const int *ns, int nns, uint64_t seed) {
+static void run_matmul_case(fi_dtype t, int act_bits, int rows, int cols, const int *ns, int nns,
+                            uint64_t seed) {
     rng r = {seed};
     size_t rb;
     uint8_t *wbytes = make_weight(&r, t, rows, cols, &rb);
@@ -423,15 +431,15 @@ static void run_matmul_case(fi_dtype t, int rows, int cols, const int *ns, int n
         int n = ns[ni];
         for (int threads = 1; threads <= 3; threads++) {
             fi_backend *bs[S_FLAVOURS];
-            int nb = make_backends(bs, threads);
+            int nb = make_backends_bits(bs, threads, act_bits);
             for (int bi = 0; bi < nb; bi++) {
                 fi_backend *b = bs[bi];
-                char what[96];
-                snprintf(what, sizeof what, "%s/%dt rows=%d cols=%d n=%d", fi_cpu_backend_simd(b),
-                         threads, rows, cols, n);
+                char what[112];
+                snprintf(what, sizeof what, "%s/%dt/%d-bit rows=%d cols=%d n=%d", fi_cpu_backend_simd(b),
+                         threads, act_bits, rows, cols, n);
                 poison(yt, ny);
                 b->ops->matmul(b->ctx, yt, &w, x, n);
-                check_matmul(what, t, yt, wd, x, rows, cols, n);
+                check_matmul(what, t, act_bits, yt, wd, x, rows, cols, n);
                 /* thread counts give bit-identical results per flavour */
                 if (threads == 1)
                     memcpy(y1[bi], yt, (size_t)n * rows * sizeof *yt);
@@ -458,30 +466,57 @@ static void run_matmul_case(fi_dtype t, int rows, int cols, const int *ns, int n
     free(wbytes);
 }
 
-static void test_matmul_small(void **state) {
-    (void)state;
+static void s_matmul_small(int bits) {
     static const int ns[] = {1, 3, 4, 5, 17};
     for (size_t ti = 0; ti < N_TYPES; ti++) {
-        run_matmul_case(all_types[ti], 37, 160, ns, 5, 1000 + ti);
-        run_matmul_case(all_types[ti], 5, 64, ns, 5, 2000 + ti);
+        run_matmul_case(all_types[ti], bits, 37, 160, ns, 5, 1000 + ti);
+        run_matmul_case(all_types[ti], bits, 5, 64, ns, 5, 2000 + ti);
     }
     /* float types: columns that are not a multiple of the vector width */
-    run_matmul_case(FI_DTYPE_F32, 19, 37, ns, 5, 3000);
-    run_matmul_case(FI_DTYPE_F16, 21, 13, ns, 5, 3001);
-    run_matmul_case(FI_DTYPE_BF16, 3, 45, ns, 5, 3002);
+    run_matmul_case(FI_DTYPE_F32, bits, 19, 37, ns, 5, 3000);
+    run_matmul_case(FI_DTYPE_F16, bits, 21, 13, ns, 5, 3001);
+    run_matmul_case(FI_DTYPE_BF16, bits, 3, 45, ns, 5, 3002);
+}
+
+static void s_matmul_model_shapes(int bits) {
+    static const int ns[] = {1, 6};
+    run_matmul_case(FI_DTYPE_Q4_1, bits, 200, 576, ns, 2, 4000);
+    run_matmul_case(FI_DTYPE_Q4_1, bits, 67, 1536, ns, 2, 4001);
+    run_matmul_case(FI_DTYPE_Q8_0, bits, 301, 576, ns, 2, 4002);
+    run_matmul_case(FI_DTYPE_Q4_0, bits, 99, 576, ns, 2, 4003);
+    run_matmul_case(FI_DTYPE_F16, bits, 70, 576, ns, 2, 4004);
+    /* more quantised activations than the backend's first scratch holds */
+    static const int big[] = {560}; /* 560 x 48 blocks x 40 (72) bytes > 1 MiB */
+    run_matmul_case(FI_DTYPE_Q4_1, bits, 32, 1536, big, 1, 4005);
+}
+
+/* Both activation precisions: 16 bits (the default) and 8. */
+static void test_matmul_small(void **state) {
+    (void)state;
+    s_matmul_small(16);
+    s_matmul_small(8);
 }
 
 static void test_matmul_model_shapes(void **state) {
     (void)state;
-    static const int ns[] = {1, 6};
-    run_matmul_case(FI_DTYPE_Q4_1, 200, 576, ns, 2, 4000);
-    run_matmul_case(FI_DTYPE_Q4_1, 67, 1536, ns, 2, 4001);
-    run_matmul_case(FI_DTYPE_Q8_0, 301, 576, ns, 2, 4002);
-    run_matmul_case(FI_DTYPE_Q4_0, 99, 576, ns, 2, 4003);
-    run_matmul_case(FI_DTYPE_F16, 70, 576, ns, 2, 4004);
-    /* more quantised activations than the backend's first scratch holds */
-    static const int big[] = {560}; /* 560 x 48 blocks x 40 bytes > 1 MiB */
-    run_matmul_case(FI_DTYPE_Q4_1, 32, 1536, big, 1, 4005);
+    s_matmul_model_shapes(16);
+    s_matmul_model_shapes(8);
+}
+
+static void test_act_bits_setting(void **state) {
+    (void)state;
+    char err[128];
+    fi_backend *b = fi_cpu_backend_new(1, FI_SIMD_AUTO, err, sizeof err);
+    assert_non_null(b);
+    assert_int_equal(fi_cpu_backend_set_act_bits(b, 12), -1);
+    assert_int_equal(fi_cpu_backend_act_bits(b), 16);
+    assert_int_equal(fi_cpu_backend_set_act_bits(b, 8), 0);
+    assert_int_equal(fi_cpu_backend_act_bits(b), 8);
+    assert_int_equal(fi_cpu_backend_set_act_bits(NULL, 8), -1);
+    fi_backend other = {0};
+    assert_int_equal(fi_cpu_backend_set_act_bits(&other, 8), -1);
+    assert_int_equal(fi_cpu_backend_act_bits(&other), 0);
+    fi_backend_destroy(&b);
 }
 
 /* --- real weights ---------------------------------------------------------- */
@@ -619,17 +654,20 @@ static void test_matmul_model_weights(void **state) {
         /* rmsnorm-scaled activations with a few outliers, as in the model */
         for (int i = 0; i < n * nc; i++)
             x[i] = rng_f(&r, -1, 1) * (rng_u32(&r) % 64 == 0 ? 20.0f : 1.0f);
-        fi_backend *bs[S_FLAVOURS];
-        int nb = make_backends(bs, 2);
-        for (int bi = 0; bi < nb; bi++) {
-            for (int nn = 1; nn <= n; nn += n - 1) {
-                char what[128];
-                snprintf(what, sizeof what, "%s %s n=%d", cases[ci].name, fi_cpu_backend_simd(bs[bi]), nn);
-                poison(y, (size_t)n * nr);
-                bs[bi]->ops->matmul(bs[bi]->ctx, y, &w, x, nn);
-                check_matmul(what, (fi_dtype)type, y, wd, x, nr, nc, nn);
+        for (int bits = 16; bits >= 8; bits -= 8) {
+            fi_backend *bs[S_FLAVOURS];
+            int nb = make_backends_bits(bs, 2, bits);
+            for (int bi = 0; bi < nb; bi++) {
+                for (int nn = 1; nn <= n; nn += n - 1) {
+                    char what[128];
+                    snprintf(what, sizeof what, "%s %s %d-bit n=%d", cases[ci].name,
+                             fi_cpu_backend_simd(bs[bi]), bits, nn);
+                    poison(y, (size_t)n * nr);
+                    bs[bi]->ops->matmul(bs[bi]->ctx, y, &w, x, nn);
+                    check_matmul(what, (fi_dtype)type, bits, y, wd, x, nr, nc, nn);
+                }
+                fi_backend_destroy(&bs[bi]);
             }
-            fi_backend_destroy(&bs[bi]);
         }
         free(x);
         free(y);
@@ -805,9 +843,13 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
     double *ref = malloc(n * qd * sizeof *ref);
     for (int i = 0; i < n * qd; i++)
         q[i] = rng_f(&r, -1, 1) * qscale;
-    for (int i = 0; i < (maxp + 1) * kv_dim; i++) {
-        k[i] = rng_f(&r, -1, 1);
-        v[i] = rng_f(&r, -1, 1);
+    /* the cache holds fp16: the reference sees the same rounded values */
+    size_t nkvv = (size_t)(maxp + 1) * kv_dim;
+    uint16_t *kh = malloc(nkvv * sizeof *kh), *vh = malloc(nkvv * sizeof *vh);
+    assert_true(kh && vh);
+    for (size_t i = 0; i < nkvv; i++) {
+        k[i] = fi_fp16_to_fp32(fi_fp32_to_fp16(rng_f(&r, -1, 1)));
+        v[i] = fi_fp16_to_fp32(fi_fp32_to_fp16(rng_f(&r, -1, 1)));
     }
     ref_attention(ref, q, k, v, n, pos, nh, nkv, hd);
     for (int threads = 1; threads <= 3; threads++) {
@@ -815,7 +857,14 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
         int nb = make_backends(bs, threads);
         for (int bi = 0; bi < nb; bi++) {
             poison(out, n * qd);
-            bs[bi]->ops->attention(bs[bi]->ctx, out, q, k, v, n, pos, nh, nkv, hd);
+            memset(kh, 0xff, nkvv * sizeof *kh);
+            memset(vh, 0xff, nkvv * sizeof *vh);
+            bs[bi]->ops->store_f16(bs[bi]->ctx, kh, k, nkvv);
+            bs[bi]->ops->store_f16(bs[bi]->ctx, vh, v, nkvv);
+            for (size_t i = 0; i < nkvv; i++)
+                if (kh[i] != fi_fp32_to_fp16(k[i]) || vh[i] != fi_fp32_to_fp16(v[i]))
+                    fail_msg("store_f16 %s: element %zu differs", fi_cpu_backend_simd(bs[bi]), i);
+            bs[bi]->ops->attention(bs[bi]->ctx, out, q, kh, vh, n, pos, nh, nkv, hd);
             for (int i = 0; i < n * qd; i++)
                 if (!(fabs(out[i] - ref[i]) <= 2e-5 * (1 + fabs(ref[i]))))
                     fail_msg("attention %s %dt n=%d: out[%d] = %g, want %g", fi_cpu_backend_simd(bs[bi]),
@@ -826,6 +875,8 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
     free(q);
     free(k);
     free(v);
+    free(kh);
+    free(vh);
     free(out);
     free(ref);
 }
@@ -1035,6 +1086,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_small),
         cmocka_unit_test(test_matmul_model_shapes),
         cmocka_unit_test(test_matmul_model_weights),
+        cmocka_unit_test(test_act_bits_setting),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),

@@ -1,0 +1,11 @@
+# golden.cmake - the engine against the float64 numpy reference
+# (tests/golden/reference.py). test_golden.c is built and added by
+# tests/CMakeLists.txt like every test_*.c; this fragment sets what it needs
+# beyond that. Regenerate the data with tests/golden/make_golden.py (needs
+# python3 with gguf, numpy, tokenizers); running the test needs no Python.
+if(TARGET test_golden)
+  set_tests_properties(test_golden PROPERTIES
+    TIMEOUT 300
+    LABELS "golden;model"
+    REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL};${CMAKE_CURRENT_LIST_DIR}/golden/golden.txt;${CMAKE_CURRENT_LIST_DIR}/golden/logits_full.txt")
+endif()
