@@ -58,6 +58,18 @@ static void s_quantize(const float *x, fi_block_q16x *y, int nb) {
 #define S_INLINE static inline __attribute__((always_inline))
 #define S_RB 16      /* rows per sub-block when several tokens share a call */
 #define S_PF_TILES 4 /* one token: prefetch this many 4-row tiles ahead */
+#ifndef S_PT
+#define S_PT 4       /* tokens per prefill tile (4 rows each) */
+#endif
+
+/* 16 nibble bytes widened once to 16 bits (byte j = lo + 16 hi): the low
+ * nibbles (elements 0..15) are the low 4 bits, the high nibbles (16..31)
+ * the value shifted right by 4. One vpmovzxbw instead of two. */
+S_INLINE void s_widen_nibbles(const uint8_t *qs, __m256i *wl, __m256i *wh) {
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)qs));
+    *wl = _mm256_and_si256(w, _mm256_set1_epi16(0x0f));
+    *wh = _mm256_srli_epi16(w, 4);
+}
 
 /* Block b's weights widened to 16 bits: wl elements 0..15, wh 16..31;
  * d and a (the offset per unit of sum(x): m for Q4_1, -8d for Q4_0, 0 for
@@ -83,10 +95,7 @@ S_INLINE void s_block(int kind, const uint8_t *blk, __m256i *wl, __m256i *wh, __
         *d = _mm_set_ss(_cvtsh_ss(w->d));
         *a = _mm_mul_ss(*d, _mm_set_ss(-8.0f)); /* (q - 8) d = q d + (-8 d) */
     }
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    __m128i q = _mm_loadu_si128((const __m128i *)(const void *)qs);
-    *wl = _mm256_cvtepu8_epi16(_mm_and_si128(q, m4));
-    *wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), m4));
+    s_widen_nibbles(qs, wl, wh);
 }
 
 /* Rows r..r+R-1 times tokens k..k+T-1 (R*T <= 4 x 4). Every (row, token)
@@ -151,17 +160,24 @@ S_INLINE int s_ld16(const void *p) {
     return v;
 }
 
-/* Rows r..r+3, token k: s_tile(kind, bsz, t, r, k, 4, 1, pf) with the
- * four rows' scales converted and multiplied in one register each. Lane i
- * of a vector multiply or add is the same IEEE operation as the scalar one
- * in s_tile, so the results are identical to it, bit for bit. */
-S_INLINE void s_dec4(int kind, size_t bsz, const fi_mm_task *t, int r, int k, int pf) {
+/* Rows r..r+3 times tokens k..k+T-1 (T <= 4): s_tile(kind, bsz, t, r, k,
+ * 4, T, pf) with the four rows' scales converted and multiplied in one
+ * register each. Lane i of a vector multiply or add is the same IEEE
+ * operation as the scalar one in s_tile, so the results are identical to
+ * it, bit for bit. */
+S_INLINE void s_rows4(int kind, size_t bsz, const fi_mm_task *t, int r, int k, int T, int pf) {
     const size_t stride = t->w_stride;
     const uint8_t *w0 = t->w + (size_t)r * stride;
     const int nb = t->cols / FI_QK;
-    const fi_block_q16x *x = (const fi_block_q16x *)(const void *)(t->x + (size_t)k * t->x_stride);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m128 mt = _mm_setzero_ps();
+    const fi_block_q16x *xr[4];
+    __m256 acc[4][4];
+    __m128 mt[4];
+    for (int j = 0; j < T; j++) {
+        xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+        mt[j] = _mm_setzero_ps();
+        for (int i = 0; i < 4; i++)
+            acc[i][j] = _mm256_setzero_ps();
+    }
     for (int b = 0; b < nb; b++) {
         const uint8_t *wb = w0 + (size_t)b * bsz;
         if (pf) {
@@ -188,11 +204,12 @@ S_INLINE void s_dec4(int kind, size_t bsz, const fi_mm_task *t, int r, int k, in
             d = _mm_cvtph_ps(h);
             a = kind == 0 ? _mm_mul_ps(d, _mm_set1_ps(-8.0f)) : _mm_setzero_ps();
         }
-        __m256 sc = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_set1_ps(x[b].d)));
-        if (kind != 2)
-            mt = _mm_add_ps(mt, _mm_mul_ps(a, _mm_set1_ps(x[b].s)));
-        __m256i xl = _mm256_loadu_si256((const __m256i *)(const void *)x[b].qs);
-        __m256i xh = _mm256_loadu_si256((const __m256i *)(const void *)(x[b].qs + 16));
+        __m256 sc[4];
+        for (int j = 0; j < T; j++) {
+            sc[j] = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_set1_ps(xr[j][b].d)));
+            if (kind != 2)
+                mt[j] = _mm_add_ps(mt[j], _mm_mul_ps(a, _mm_set1_ps(xr[j][b].s)));
+        }
         for (int i = 0; i < 4; i++) {
             __m256i wl, wh;
             const uint8_t *blk = wb + (size_t)i * stride;
@@ -200,20 +217,24 @@ S_INLINE void s_dec4(int kind, size_t bsz, const fi_mm_task *t, int r, int k, in
                 wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(blk + 2)));
                 wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(blk + 18)));
             } else {
-                const __m128i m4 = _mm_set1_epi8(0x0f);
-                __m128i q = _mm_loadu_si128((const __m128i *)(const void *)(blk + (kind == 1 ? 4 : 2)));
-                wl = _mm256_cvtepu8_epi16(_mm_and_si128(q, m4));
-                wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), m4));
+                s_widen_nibbles(blk + (kind == 1 ? 4 : 2), &wl, &wh);
             }
-            __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(wl, xl), _mm256_madd_epi16(wh, xh));
-            __m256 si = _mm256_permutevar8x32_ps(sc, _mm256_set1_epi32(i));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), si, acc[i]);
+            for (int j = 0; j < T; j++) {
+                const fi_block_q16x *x = xr[j] + b;
+                __m256i xl = _mm256_loadu_si256((const __m256i *)(const void *)x->qs);
+                __m256i xh = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 16));
+                __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(wl, xl), _mm256_madd_epi16(wh, xh));
+                __m256 si = _mm256_permutevar8x32_ps(sc[j], _mm256_set1_epi32(i));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), si, acc[i][j]);
+            }
         }
     }
-    float m4v[4];
-    _mm_storeu_ps(m4v, mt);
-    for (int i = 0; i < 4; i++)
-        t->y[(size_t)k * t->y_stride + r + i] = s_hsum(acc[i]) + m4v[i];
+    for (int j = 0; j < T; j++) {
+        float m4v[4];
+        _mm_storeu_ps(m4v, mt[j]);
+        for (int i = 0; i < 4; i++)
+            t->y[(size_t)(k + j) * t->y_stride + r + i] = s_hsum(acc[i][j]) + m4v[i];
+    }
 }
 
 /* One token: rows in 4s (four independent FMA chains, prefetching).
@@ -223,13 +244,17 @@ S_INLINE void s_mm(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
     for (int rb = r0; rb < r1; rb += (t->n == 1 ? r1 - r0 : S_RB)) {
         int re = t->n == 1 ? r1 : (rb + S_RB < r1 ? rb + S_RB : r1);
         int k = 0;
-        for (; k + 4 <= t->n; k += 4)
-            for (int r = rb; r < re; r++)
-                s_tile(kind, bsz, t, r, k, 1, 4, 0);
+        int r4 = rb + (re - rb) / 4 * 4;
+        for (; k + S_PT <= t->n; k += S_PT) {
+            for (int r = rb; r < r4; r += 4)
+                s_rows4(kind, bsz, t, r, k, S_PT, 0);
+            for (int r = r4; r < re; r++)
+                s_tile(kind, bsz, t, r, k, 1, S_PT, 0);
+        }
         for (; k < t->n; k++) {
             int r = rb;
             for (; r + 4 <= re; r += 4)
-                s_dec4(kind, bsz, t, r, k, t->n == 1);
+                s_rows4(kind, bsz, t, r, k, 1, t->n == 1);
             for (; r < re; r++)
                 s_tile(kind, bsz, t, r, k, 1, 1, 0);
         }
