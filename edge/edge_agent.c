@@ -26,7 +26,8 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
                            errlen) != 0)
             goto fail;
     }
-    if (!(e->policy = edge_policy_new(c->policy_dir, c->policy_key, c->db, c->site, err, errlen)))
+    if (!(e->policy = edge_policy_new(c->policy_dir, c->policy_key, c->db, c->site, c->clusters, err,
+                                     errlen)))
         goto fail;
     if (c->auth && !(e->tokens = edge_auth_open(c->db, err, errlen))) goto fail;
     if (c->coordinator[0] && edge_remote_new(e, &e->remote, err, errlen) != 0) goto fail;

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "edge_impl.h"
+#include "fi_client.h"
 
 static volatile sig_atomic_t s_stop, s_hup;
 
@@ -28,7 +29,7 @@ static void s_on_signal(int sig) {
 
 static void s_usage(FILE *f) {
     fprintf(f,
-            "usage: fedinfer edge --config FILE\n"
+            "usage: fedinfer edge --config FILE [--enrol TOKEN]\n"
             "       fedinfer edge token add --config FILE --tenant NAME --app NAME\n"
             "       fedinfer edge token revoke --config FILE TOKEN|HASH\n\n"
             "Serves the OpenAI-compatible API of a site: local model, residency policy,\n"
@@ -102,14 +103,17 @@ static int s_token(int argc, char **argv) {
 int fi_cmd_edge(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "token")) return s_token(argc - 1, argv + 1);
     static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
+                                         {"enrol", required_argument, NULL, 'e'},
                                          {"help", no_argument, NULL, 'h'},
                                          {NULL, 0, NULL, 0}};
-    const char *config = NULL;
+    const char *config = NULL, *token = NULL;
     int ch;
     optind = 0;
-    while ((ch = getopt_long(argc, argv, "c:h", opts, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "c:e:h", opts, NULL)) != -1) {
         if (ch == 'c') {
             config = optarg;
+        } else if (ch == 'e') {
+            token = optarg;
         } else {
             s_usage(ch == 'h' ? stdout : stderr);
             return ch == 'h' ? 0 : 2;
@@ -125,6 +129,24 @@ int fi_cmd_edge(int argc, char **argv) {
     if (fi_edge_conf_load(config, &c, err, sizeof err) != 0) {
         fprintf(stderr, "fedinfer edge: %s\n", err);
         return 1;
+    }
+    if (token) {
+        /* Present the one-time token with this edge's key, once. */
+        fi_client_opts o;
+        char fpr[FI_KEYS_FPR_LEN];
+        if (!c.coordinator[0] || !c.enrol_endpoint[0] || !c.region[0]) {
+            fprintf(stderr, "fedinfer edge: --enrol needs coordinator, enrol_endpoint and region\n");
+            return 1;
+        }
+        if (edge_remote_client_opts(&c, &o, err, sizeof err) != 0 ||
+            fi_client_enrol(&o, c.enrol_endpoint, token, FI__ROLE__ROLE_EDGE, c.site, c.region,
+                            10000, fpr, err, sizeof err) != 0) {
+            fi_keys_wipe(&o.kp);
+            fprintf(stderr, "fedinfer edge: enrolment failed: %s\n", err);
+            return 1;
+        }
+        fi_keys_wipe(&o.kp);
+        fprintf(stderr, "edge: enrolled as %s (site %s, region %s)\n", fpr, c.site, c.region);
     }
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);

@@ -731,6 +731,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     job->max_tokens = r->max_tokens;
     job->timeout_s = e->conf.request_timeout_s;
     for (int i = 0; i < d->n_eff_labels; i++) job->labels[job->n_labels++] = strdup(d->eff_labels[i]);
+    snprintf(job->target, sizeof job->target, "%s", d->names[t]);
     if (t > 0) {
         /* Routed: the cluster worker renders the chat itself from one user
          * message, so a conversation travels as its transcript. */
@@ -776,7 +777,8 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     int done = job->done;
     pthread_mutex_unlock(&job->mu);
     const char *const hdrs[] = {"X-Fedinfer-Target", d->names[t], "X-Fedinfer-Policy", d->version,
-                                "X-Request-Id", id, NULL};
+                                "X-Request-Id", id, "X-Fedinfer-Rules", d->rules[t],
+                                "X-Fedinfer-Labels", d->labels, NULL};
     if (!done && !r->stream) {
         atomic_store(&job->cancel, 1);
         rc = s_error(e, c, 504, "timeout", NULL, hdrs, "the request ran past its time limit");

@@ -48,6 +48,7 @@ typedef struct edge_job {
     fi_sampler_params sp;        /* sampling */
     int max_tokens;              /* tokens to generate at most */
     char *labels[EDGE_MAX_LABELS]; /* effective residency labels (routed) */
+    char target[64];             /* the cluster chosen (routed), for the audit */
     int n_labels;                /* count of labels */
     double timeout_s;            /* whole request, from submission */
 
@@ -117,7 +118,12 @@ typedef struct edge_policy edge_policy;
  * audit log at db. A missing or invalid bundle is not an error: the agent
  * then serves on site only (fail closed) and says so. NULL on I/O errors. */
 edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db, const char *site,
-                             char *err, size_t errlen);
+                             const char *clusters, char *err, size_t errlen);
+/* A record that is not a policy decision of ours: the coordinator's
+ * denial of a routed request ("deny"), with its reason as rules. */
+void edge_policy_audit_note(edge_policy *p, const char *request_id, const char *model,
+                            const char *labels, const char *decision, const char *target,
+                            const char *rules);
 void edge_policy_destroy(edge_policy **p);
 /* Reloads the bundle from disk (SIGHUP). */
 void edge_policy_reload(edge_policy *p);
@@ -205,6 +211,10 @@ void edge_http_stop(fi_edge *e);
 
 /* The routed executor (edge_remote.c): a fabric client on its own thread. */
 int edge_remote_new(fi_edge *e, edge_exec *out, char *err, size_t errlen);
+struct fi_client_opts;
+/* Client options from the configuration (keys loaded; wipe o->kp). */
+int edge_remote_client_opts(const fi_edge_conf *c, struct fi_client_opts *o, char *err,
+                            size_t errlen);
 
 /* Bearer tokens (edge_auth.c), stored hashed in the edge's SQLite. */
 void *edge_auth_open(const char *db, char *err, size_t errlen);

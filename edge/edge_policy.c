@@ -31,6 +31,7 @@
 struct edge_policy {
     char dir[FI_CONF_STR_MAX];       /* held bundle ("" : none configured) */
     char site[FI_CONF_STR_MAX];      /* origin of every request */
+    char clusters[FI_CONF_STR_MAX];  /* ",a,b," clusters to consider ("" : all) */
     uint8_t trusted[1][FI_BUNDLE_PK_BYTES]; /* the signer we accept */
     int have_key;                    /* trusted is loaded */
     pthread_rwlock_t lk;             /* guards pol, version, status */
@@ -74,7 +75,7 @@ void edge_policy_reload(edge_policy *p) {
 }
 
 edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db, const char *site,
-                             char *err, size_t errlen) {
+                             const char *clusters, char *err, size_t errlen) {
     edge_policy *p = calloc(1, sizeof *p);
     if (!p) {
         snprintf(err, errlen, "out of memory");
@@ -84,6 +85,14 @@ edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db
     pthread_mutex_init(&p->amu, NULL);
     snprintf(p->dir, sizeof p->dir, "%s", dir ? dir : "");
     snprintf(p->site, sizeof p->site, "%s", site);
+    if (clusters && clusters[0]) {
+        size_t k = 0;
+        p->clusters[k++] = ',';
+        for (const char *c = clusters; *c && k + 2 < sizeof p->clusters; c++)
+            if (*c != ' ' && *c != '\t') p->clusters[k++] = *c;
+        p->clusters[k++] = ',';
+        p->clusters[k] = 0;
+    }
     if (pubkey && pubkey[0]) {
         if (fi_bundle_pub_load(pubkey, p->trusted[0], err, errlen) != 0) goto fail;
         p->have_key = 1;
@@ -155,6 +164,11 @@ void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, con
     d->n = 1;
     for (size_t i = 0; current && i < fi_policy_target_count(pol) && d->n < EDGE_MAX_TARGETS; i++) {
         if (fi_policy_target_kind(pol, i) != FI_TARGET_CLUSTER) continue;
+        if (p->clusters[0]) {
+            char pat[80];
+            snprintf(pat, sizeof pat, ",%.64s,", fi_policy_target_name(pol, i));
+            if (!strstr(p->clusters, pat)) continue;
+        }
         snprintf(d->names[d->n], sizeof d->names[0], "%s", fi_policy_target_name(pol, i));
         names[d->n] = d->names[d->n];
         kinds[d->n] = FI_TARGET_CLUSTER;
@@ -227,6 +241,33 @@ void edge_policy_audit(edge_policy *p, const char *request_id, const char *tenan
     pthread_mutex_lock(&p->amu);
     if (fi_audit_append(p->audit, &r, err, sizeof err) != 0)
         s_log("audit: cannot append the decision for %s: %s", request_id, err);
+    pthread_mutex_unlock(&p->amu);
+}
+
+void edge_policy_audit_note(edge_policy *p, const char *request_id, const char *model,
+                            const char *labels, const char *decision, const char *target,
+                            const char *rules) {
+    fi_audit_record r;
+    memset(&r, 0, sizeof r);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    r.time = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    r.request_id = request_id;
+    r.tenant = "";
+    r.application = "";
+    r.origin = p->site;
+    r.labels = labels;
+    r.model = model;
+    r.latency_ms = -1;
+    r.prompt_tokens = -1;
+    r.decision = decision;
+    r.target = target;
+    r.rules = rules;
+    r.policy_digest = "";
+    char err[256];
+    pthread_mutex_lock(&p->amu);
+    if (fi_audit_append(p->audit, &r, err, sizeof err) != 0)
+        s_log("audit: cannot append the note for %s: %s", request_id, err);
     pthread_mutex_unlock(&p->amu);
 }
 

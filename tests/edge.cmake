@@ -17,3 +17,9 @@ if(TARGET fedinfer)
     WORKING_DIRECTORY ${CMAKE_SOURCE_DIR})
   set_tests_properties(edge_openai PROPERTIES TIMEOUT 180 ENVIRONMENT "${FI_EDGE_PY_ENV}")
 endif()
+if(TARGET fedinfer AND TARGET fedctl)
+  add_test(NAME edge_e2e
+    COMMAND sh -c "if [ ! -x '${FI_EDGE_VENV_PY}' ]; then echo 'edge_e2e: no venv at ${CMAKE_SOURCE_DIR}/.venv: run examples/setup.sh first' >&2; exit 1; fi; exec '${FI_EDGE_VENV_PY}' '${CMAKE_CURRENT_SOURCE_DIR}/edge/test_e2e.py'"
+    WORKING_DIRECTORY ${CMAKE_SOURCE_DIR})
+  set_tests_properties(edge_e2e PROPERTIES TIMEOUT 240 ENVIRONMENT "${FI_EDGE_PY_ENV}")
+endif()
