@@ -23,7 +23,7 @@ const fi_conf_key fi_edge_conf_keys[] = {
     I(queue, 0, 4096),
     I(max_body, 1024, 64 << 20),
     I(max_tokens, 1, 32768),
-    I(default_max_tokens, 1, 32768),
+    I(default_max_tokens, 0, 32768),
     I(request_timeout_s, 1, 86400),
     I(conn_limit, 1, 65536),
     I(per_ip_limit, 0, 65536),
@@ -52,7 +52,7 @@ void fi_edge_conf_default(fi_edge_conf *c) {
     c->queue = 16;
     c->max_body = 1 << 20;
     c->max_tokens = 1024;
-    c->default_max_tokens = 256;
+    c->default_max_tokens = 0; /* min(256, max_tokens) */
     c->request_timeout_s = 300;
     c->conn_limit = 256;
     c->per_ip_limit = 64;
@@ -64,6 +64,7 @@ void fi_edge_conf_default(fi_edge_conf *c) {
 
 int fi_edge_conf_load(const char *path, fi_edge_conf *c, char *err, size_t errlen) {
     if (fi_conf_load(path, fi_edge_conf_keys, c, err, errlen) != 0) return -1;
+    if (c->default_max_tokens == 0) c->default_max_tokens = c->max_tokens < 256 ? c->max_tokens : 256;
     const char *bad = NULL, *why = NULL;
     if (c->model[0] && !c->model_name[0])
         bad = "model_name", why = "is required with model";

@@ -34,7 +34,7 @@ typedef struct fi_edge_conf {
     int queue;                             /* requests waiting beyond concurrency */
     int max_body;                          /* bytes of a request body */
     int max_tokens;                        /* cap on a request's max_tokens */
-    int default_max_tokens;                /* when a request gives none */
+    int default_max_tokens;                /* when a request gives none (0: min(256, max_tokens)) */
     int request_timeout_s;                 /* whole request, seconds */
     int conn_limit;                        /* HTTP connections at once */
     int per_ip_limit;                      /* HTTP connections per client address */
