@@ -39,16 +39,30 @@ typedef struct fi_config {
 
 typedef struct fi_model fi_model;
 
+/* Where the model runs. */
+typedef enum fi_device {
+    FI_DEVICE_CPU = 0,   /* the CPU backend (the default of zeroed options) */
+    FI_DEVICE_CUDA = 1,  /* CUDA device 0; loading fails when there is none */
+    FI_DEVICE_AUTO = 2,  /* CUDA device 0 when present, else the CPU */
+} fi_device;
+
 typedef struct fi_model_opts {
     int n_threads;   /* CPU threads; <= 0: one per core */
     fi_simd simd;    /* CPU code path */
-    int act_bits;    /* activation precision of quantised products: 16
-                        (0 means this default) or 8 (faster, less exact) */
+    int act_bits;    /* activation precision of quantised products on the
+                        CPU: 16 (0 means this default) or 8 (faster, less
+                        exact); the CUDA backend always uses fp16 */
+    fi_device device; /* backend; FI_DEVICE_CPU when zeroed */
 } fi_model_opts;
 
+/* Parses "cpu", "cuda" or "auto"; 0, or -1 for anything else. */
+FI_MUST_CHECK int fi_device_parse(const char *s, fi_device *out);
+
 /* Loads a model: opens the GGUF, checks every tensor's presence, type and
- * shape against the configuration, builds the tokenizer and a backend.
- * NULL with a message in err on any failure. */
+ * shape against the configuration, builds the tokenizer and a backend
+ * (opts->device; a NULL opts means the CPU). NULL with a message in err on
+ * any failure; with FI_DEVICE_CUDA and no usable device the message is
+ * "no CUDA device: <CUDA's message>". */
 fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, size_t errlen);
 void fi_model_destroy(fi_model **m);
 

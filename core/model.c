@@ -20,6 +20,9 @@
 #include <string.h>
 
 #include "fi_model.h"
+#ifdef FI_HAVE_CUDA
+#include "fi_cuda.h"
+#endif
 
 /* Most tokens a forward pass takes at once; longer prompts go in chunks. */
 #define FI_MAX_BATCH 256
@@ -179,6 +182,52 @@ static int s_read_config(fi_model *m, char *err, size_t errlen) {
     return 0;
 }
 
+/* The backend's own message for its last failure, or a generic one. */
+static const char *s_backend_error(const fi_backend *be) {
+    const char *e = be->ops->last_error ? be->ops->last_error(be->ctx) : NULL;
+    return e ? e : "no details";
+}
+
+int fi_device_parse(const char *s, fi_device *out) {
+    if (!strcmp(s, "cpu")) *out = FI_DEVICE_CPU;
+    else if (!strcmp(s, "cuda")) *out = FI_DEVICE_CUDA;
+    else if (!strcmp(s, "auto")) *out = FI_DEVICE_AUTO;
+    else return -1;
+    return 0;
+}
+
+/* The backend opts asks for. NULL with a message: for CUDA without a
+ * device, "no CUDA device: <why>". AUTO falls back to the CPU quietly. */
+static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t errlen) {
+    if (opts->device == FI_DEVICE_CUDA || opts->device == FI_DEVICE_AUTO) {
+#ifdef FI_HAVE_CUDA
+        char why[384];
+        fi_backend *be = fi_cuda_backend_new(0, why, sizeof why);
+        if (be) return be;
+        if (opts->device == FI_DEVICE_CUDA) {
+            s_err(err, errlen, "no CUDA device: %s", why);
+            return NULL;
+        }
+#else
+        if (opts->device == FI_DEVICE_CUDA) {
+            s_err(err, errlen,
+                  "no CUDA device: this build has no CUDA backend (configure with "
+                  "-DFEDINFER_CUDA=ON on a machine with the CUDA toolkit)");
+            return NULL;
+        }
+#endif
+    } else if (opts->device != FI_DEVICE_CPU) {
+        s_err(err, errlen, "unknown device %d", (int)opts->device);
+        return NULL;
+    }
+    fi_backend *be = fi_cpu_backend_new(opts->n_threads, opts->simd, err, errlen);
+    if (be && opts->act_bits && fi_cpu_backend_set_act_bits(be, opts->act_bits) != 0) {
+        s_err(err, errlen, "activation precision must be 8 or 16 bits, not %d", opts->act_bits);
+        fi_backend_destroy(&be);
+    }
+    return be;
+}
+
 /* Binds a weight matrix: the tensor must exist, be 2-D (rows, cols) of a
  * type the kernels support. */
 static int s_bind_weight(fi_model *m, fi_weight *w, const char *name, int rows, int cols,
@@ -215,8 +264,8 @@ static int s_bind_weight(fi_model *m, fi_weight *w, const char *name, int rows, 
     }
     fi_backend *be = m->be;
     if (be->ops->weight_upload && be->ops->weight_upload(be->ctx, w) != 0) {
-        s_err(err, errlen, "%s: backend '%s' could not take tensor '%s'", m->path, be->ops->name,
-              name);
+        s_err(err, errlen, "%s: backend '%s' could not take tensor '%s': %s", m->path,
+              be->ops->name, name, s_backend_error(be));
         return -1;
     }
     return 0;
@@ -251,15 +300,16 @@ static float *s_bind_vector(fi_model *m, const char *name, int n, char *err, siz
     int rc = m->be->ops->to_backend(m->be->ctx, dev, host, (size_t)n * sizeof(float));
     free(host);
     if (rc != 0) {
+        s_err(err, errlen, "backend could not take tensor '%s': %s", name,
+              s_backend_error(m->be));
         m->be->ops->free(m->be->ctx, dev);
-        s_err(err, errlen, "backend could not take tensor '%s'", name);
         return NULL;
     }
     return dev;
 }
 
 fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, size_t errlen) {
-    fi_model_opts defaults = {0, FI_SIMD_AUTO, 0};
+    fi_model_opts defaults = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CPU};
     if (!opts) opts = &defaults;
     fi_model *m = calloc(1, sizeof *m);
     if (!m) {
@@ -276,12 +326,8 @@ fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, 
     if (s_read_config(m, err, errlen) != 0) goto fail;
     m->tok = fi_tok_new(m->gguf, err, errlen);
     if (!m->tok) goto fail;
-    m->be = fi_cpu_backend_new(opts->n_threads, opts->simd, err, errlen);
+    m->be = s_backend_new(opts, err, errlen);
     if (!m->be) goto fail;
-    if (opts->act_bits && fi_cpu_backend_set_act_bits(m->be, opts->act_bits) != 0) {
-        s_err(err, errlen, "activation precision must be 8 or 16 bits, not %d", opts->act_bits);
-        goto fail;
-    }
 
     fi_config *c = &m->cfg;
     const fi_gguf_tensor *emb = fi_gguf_find_tensor(m->gguf, "token_embd.weight");
@@ -542,7 +588,8 @@ int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, fl
     for (int done = 0; done < n;) {
         int b = n - done < FI_MAX_BATCH ? n - done : FI_MAX_BATCH;
         if (s_forward(s, toks + done, b) != 0) {
-            s_err(err, errlen, "backend '%s' failed during the forward pass", ops->name);
+            s_err(err, errlen, "backend '%s' failed during the forward pass: %s", ops->name,
+                  s_backend_error(m->be));
             return -1;
         }
         s->pos += b;
@@ -569,6 +616,7 @@ int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, fl
     if (ops->sync(bc) != 0) goto backend_fail;
     return 0;
 backend_fail:
-    s_err(err, errlen, "backend '%s' failed reading back logits", ops->name);
+    s_err(err, errlen, "backend '%s' failed reading back logits: %s", ops->name,
+          s_backend_error(m->be));
     return -1;
 }

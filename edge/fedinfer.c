@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "fi_cmd.h"
+#include "fi_edge.h"
 #include "fi_fabric_cmd.h"
 
 typedef struct command {
@@ -23,6 +24,7 @@ static const command s_commands[] = {
     {"keygen", fi_cmd_keygen, "write a CURVE key pair (NAME.key mode 0600, NAME.pub)"},
     {"coordinator", fi_cmd_coordinator, "run the coordinator that brokers the fabric"},
     {"shard", fi_cmd_shard, "serve a model to the coordinator as a cluster worker"},
+    {"edge", fi_cmd_edge, "serve the OpenAI-compatible API of a site (policy, local, routed)"},
 };
 
 static void s_usage(FILE *f) {

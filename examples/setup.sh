@@ -70,3 +70,16 @@ PY
     say "model: $MODEL_DIR/$MODEL_FILE ready"
   fi
 fi
+
+# The edge agent's client tests use the official openai client from PyPI,
+# in a git-ignored venv at .venv (no network when it is already there).
+if [ "${FEDINFER_SKIP_VENV:-0}" != 1 ]; then
+  if [ -x .venv/bin/python ] && .venv/bin/python -c 'import openai' 2>/dev/null; then
+    say "venv: .venv with openai present"
+  else
+    say "venv: creating .venv with the openai package"
+    python3 -m venv .venv
+    .venv/bin/python -m pip install --quiet openai
+    say "venv: .venv ready"
+  fi
+fi

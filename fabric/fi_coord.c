@@ -6,6 +6,7 @@
  * work on each message. Requests likewise.
  */
 #include "fi_coord.h"
+#include "fi_coord_policy.h"
 #include "fi_coord_ship.h"
 
 #include <errno.h>
@@ -929,6 +930,7 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
         return NULL;
     }
     c->o = *o;
+    fi_coord_policy_attach(&c->o); /* the residency re-check, fi_coord_policy.c */
     c->kp = *kp;
     fi_sockopts so;
     fi_sockopts_default(&so);

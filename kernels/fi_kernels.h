@@ -130,6 +130,18 @@ typedef struct fi_backend_ops {
     void (*swiglu)(void *ctx, float *g, const float *u, size_t n);
     /* y[i] += x[i] for i < n (residual). */
     void (*add)(void *ctx, float *y, const float *x, size_t n);
+
+    /* --- optional members: NULL where a backend has none (the CPU backend
+     * has none). Callers test for NULL. New members go at the end. --- */
+    /* The backend's first failure as text, with the runtime's own message
+     * ("cuda: cublasLtMatmul (576x1x576): CUBLAS_STATUS_..."), or NULL when
+     * nothing failed. Backends whose operations cannot fail leave it NULL. */
+    const char *(*last_error)(void *ctx);
+    /* *out = the index of the largest of x[0..n) (backend memory; the first
+     * such index on ties), computed by the backend so that only one integer
+     * comes back to the host (greedy decoding). Waits for queued work.
+     * Returns 0, or -1 with the backend's error. */
+    int (*argmax)(void *ctx, int32_t *out, const float *x, int n);
 } fi_backend_ops;
 
 struct fi_backend {

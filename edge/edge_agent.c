@@ -1,0 +1,86 @@
+/*
+ * edge_agent.c - the edge agent's life: load the model, the policy and the
+ * audit log, start the executors and the HTTP server; reload on request;
+ * stop within a bound.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "edge_impl.h"
+
+fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
+    fi_edge *e = calloc(1, sizeof *e);
+    if (!e) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    e->conf = *c;
+    atomic_init(&e->next_id, 1);
+    if (c->model[0]) {
+        fi_model_opts mo = {.n_threads = c->threads, .simd = FI_SIMD_AUTO};
+        if (!(e->model = fi_model_load(c->model, &mo, err, errlen))) goto fail;
+        int ctx_train = fi_model_config(e->model)->ctx_train;
+        if (e->conf.n_ctx > ctx_train) e->conf.n_ctx = ctx_train;
+        if (edge_local_new(e->model, c->concurrency, c->queue, e->conf.n_ctx, &e->local, err,
+                           errlen) != 0)
+            goto fail;
+    }
+    if (!(e->policy = edge_policy_new(c->policy_dir, c->policy_key, c->db, c->site, c->clusters, err,
+                                     errlen)))
+        goto fail;
+    if (c->auth && !(e->tokens = edge_auth_open(c->db, err, errlen))) goto fail;
+    if (c->coordinator[0] && edge_remote_new(e, &e->remote, err, errlen) != 0) goto fail;
+    if (edge_http_start(e, err, errlen) != 0) goto fail;
+    fprintf(stderr, "edge: site %s serving on http://%s:%d (model %s, concurrency %d, queue %d%s%s)\n",
+            c->site, c->listen, e->port, e->model ? c->model_name : "none", c->concurrency,
+            c->queue, c->coordinator[0] ? ", coordinator " : ", offline only",
+            c->coordinator[0] ? c->coordinator : "");
+    return e;
+fail:
+    fi_edge_destroy(&e);
+    return NULL;
+}
+
+int fi_edge_port(const fi_edge *e) { return e->port; }
+
+void fi_edge_reload(fi_edge *e, const char *path) {
+    fi_edge_conf nc;
+    char err[768];
+    fi_edge_conf_default(&nc);
+    if (path && fi_edge_conf_load(path, &nc, err, sizeof err) != 0) {
+        fprintf(stderr, "edge: reload: %s; keeping the running configuration\n", err);
+    } else if (path) {
+        /* Limits take effect for new requests; what is bound to sockets,
+         * threads and files needs a restart. */
+        e->conf.max_tokens = nc.max_tokens;
+        e->conf.default_max_tokens = nc.default_max_tokens;
+        e->conf.max_body = nc.max_body;
+        e->conf.request_timeout_s = nc.request_timeout_s;
+        if (strcmp(nc.site, e->conf.site) || strcmp(nc.model, e->conf.model) ||
+            nc.port != e->conf.port || strcmp(nc.coordinator, e->conf.coordinator) ||
+            nc.concurrency != e->conf.concurrency || nc.auth != e->conf.auth)
+            fprintf(stderr, "edge: reload: site, model, port, coordinator, concurrency and auth "
+                            "change only on restart\n");
+        fprintf(stderr, "edge: reload: limits applied (max_tokens %d, max_body %d, timeout %d s)\n",
+                nc.max_tokens, nc.max_body, nc.request_timeout_s);
+    }
+    edge_policy_reload(e->policy);
+}
+
+void fi_edge_destroy(fi_edge **ep) {
+    fi_edge *e = *ep;
+    if (!e) return;
+    *ep = NULL;
+    atomic_store(&e->stopping, 1);
+    int grace = e->conf.shutdown_grace_s * 1000;
+    if (e->local.ctx) e->local.drain(e->local.ctx, grace);
+    if (e->remote.ctx) e->remote.drain(e->remote.ctx, grace);
+    edge_http_stop(e);
+    if (e->local.ctx) e->local.destroy(e->local.ctx);
+    if (e->remote.ctx) e->remote.destroy(e->remote.ctx);
+    edge_auth_close(&e->tokens);
+    edge_policy_destroy(&e->policy);
+    fi_model_destroy(&e->model);
+    free(e);
+}

@@ -1,0 +1,142 @@
+/*
+ * edge_auth.c - bearer tokens of the site's applications. A token is
+ * stored only as its SHA-256 (the database never holds a usable token),
+ * with the tenant and application it stands for:
+ *
+ *   fedinfer edge token add --config edge.conf --tenant T --app A   (prints it once)
+ *   fedinfer edge token list | revoke ...
+ *
+ * Checked on every request under a mutex (one SQLite connection).
+ */
+#include <pthread.h>
+#include <sodium.h>
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "edge_impl.h"
+
+typedef struct s_auth {
+    sqlite3 *db;            /* the edge's SQLite */
+    pthread_mutex_t mu;     /* one user of db at a time */
+} s_auth;
+
+static const char *s_schema =
+    "PRAGMA busy_timeout=5000;"
+    "CREATE TABLE IF NOT EXISTS edge_tokens(hash TEXT PRIMARY KEY, tenant TEXT NOT NULL,"
+    " application TEXT NOT NULL, created INTEGER NOT NULL, revoked INTEGER);";
+
+void edge_token_hash(const char *token, char out[65]) {
+    unsigned char h[crypto_hash_sha256_BYTES];
+    crypto_hash_sha256(h, (const unsigned char *)token, strlen(token));
+    sodium_bin2hex(out, 65, h, sizeof h);
+}
+
+void *edge_auth_open(const char *db, char *err, size_t errlen) {
+    s_auth *a = calloc(1, sizeof *a);
+    if (!a) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    if (sqlite3_open(db, &a->db) != SQLITE_OK ||
+        sqlite3_exec(a->db, s_schema, NULL, NULL, NULL) != SQLITE_OK) {
+        snprintf(err, errlen, "%s: %s", db, a->db ? sqlite3_errmsg(a->db) : "cannot open");
+        sqlite3_close(a->db);
+        free(a);
+        return NULL;
+    }
+    pthread_mutex_init(&a->mu, NULL);
+    return a;
+}
+
+void edge_auth_close(void **ap) {
+    s_auth *a = *ap;
+    if (!a) return;
+    *ap = NULL;
+    sqlite3_close(a->db);
+    pthread_mutex_destroy(&a->mu);
+    free(a);
+}
+
+int edge_auth_check(void *ap, const char *token, char *tenant, size_t tlen, char *app,
+                    size_t alen) {
+    s_auth *a = ap;
+    if (!token || strlen(token) < 8 || strlen(token) > 256) return 0;
+    char hash[65];
+    edge_token_hash(token, hash);
+    int ok = 0;
+    sqlite3_stmt *st = NULL;
+    pthread_mutex_lock(&a->mu);
+    if (sqlite3_prepare_v2(a->db,
+                           "SELECT tenant, application FROM edge_tokens WHERE hash=?1 AND "
+                           "revoked IS NULL",
+                           -1, &st, NULL) == SQLITE_OK) {
+        sqlite3_bind_text(st, 1, hash, -1, SQLITE_STATIC);
+        if (sqlite3_step(st) == SQLITE_ROW) {
+            snprintf(tenant, tlen, "%s", (const char *)sqlite3_column_text(st, 0));
+            snprintf(app, alen, "%s", (const char *)sqlite3_column_text(st, 1));
+            ok = 1;
+        }
+    }
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&a->mu);
+    return ok;
+}
+
+int edge_token_add(const char *db, const char *tenant, const char *app, char *token, size_t toklen,
+                   char *err, size_t errlen) {
+    void *ap = edge_auth_open(db, err, errlen);
+    if (!ap) return -1;
+    s_auth *a = ap;
+    unsigned char rnd[20];
+    if (sodium_init() < 0) {
+        snprintf(err, errlen, "libsodium cannot initialise");
+        edge_auth_close(&ap);
+        return -1;
+    }
+    randombytes_buf(rnd, sizeof rnd);
+    char hex[41];
+    sodium_bin2hex(hex, sizeof hex, rnd, sizeof rnd);
+    snprintf(token, toklen, "fie_%s", hex);
+    char hash[65];
+    edge_token_hash(token, hash);
+    sqlite3_stmt *st = NULL;
+    int rc = -1;
+    if (sqlite3_prepare_v2(a->db,
+                           "INSERT INTO edge_tokens(hash, tenant, application, created) "
+                           "VALUES(?1, ?2, ?3, strftime('%s','now'))",
+                           -1, &st, NULL) == SQLITE_OK) {
+        sqlite3_bind_text(st, 1, hash, -1, SQLITE_STATIC);
+        sqlite3_bind_text(st, 2, tenant, -1, SQLITE_STATIC);
+        sqlite3_bind_text(st, 3, app, -1, SQLITE_STATIC);
+        rc = sqlite3_step(st) == SQLITE_DONE ? 0 : -1;
+    }
+    if (rc) snprintf(err, errlen, "%s: %s", db, sqlite3_errmsg(a->db));
+    sqlite3_finalize(st);
+    sodium_memzero(rnd, sizeof rnd);
+    edge_auth_close(&ap);
+    return rc;
+}
+
+int edge_token_revoke(const char *db, const char *token_or_hash, char *err, size_t errlen) {
+    void *ap = edge_auth_open(db, err, errlen);
+    if (!ap) return -1;
+    s_auth *a = ap;
+    char hash[65];
+    if (strlen(token_or_hash) == 64) snprintf(hash, sizeof hash, "%s", token_or_hash);
+    else edge_token_hash(token_or_hash, hash);
+    sqlite3_stmt *st = NULL;
+    int rc = -1;
+    if (sqlite3_prepare_v2(a->db,
+                           "UPDATE edge_tokens SET revoked=strftime('%s','now') WHERE hash=?1 "
+                           "AND revoked IS NULL",
+                           -1, &st, NULL) == SQLITE_OK) {
+        sqlite3_bind_text(st, 1, hash, -1, SQLITE_STATIC);
+        rc = sqlite3_step(st) == SQLITE_DONE && sqlite3_changes(a->db) == 1 ? 0 : -1;
+    }
+    if (rc) snprintf(err, errlen, "no such active token");
+    sqlite3_finalize(st);
+    edge_auth_close(&ap);
+    return rc;
+}

@@ -1,0 +1,977 @@
+/*
+ * edge_http.c - the OpenAI-compatible HTTP API of the edge agent.
+ *
+ *   POST /v1/chat/completions, POST /v1/completions (stream false or true)
+ *   GET /v1/models, GET /healthz, GET /metrics
+ *
+ * libmicrohttpd runs one thread per connection (bounded by the connection
+ * limit), so a handler may wait for its job without holding anyone else
+ * up. Bodies are read by hand with a size limit (no post processor: see
+ * FIELD-NOTES on CVE-2023-27371); JSON is parsed by jansson after a depth
+ * check of our own. Every error is an OpenAI-shaped JSON body:
+ *   {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+ */
+#include <arpa/inet.h>
+#include <ctype.h>
+#include <jansson.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "edge_impl.h"
+
+#define EDGE_MAX_DEPTH 32       /* JSON nesting we accept */
+#define EDGE_MAX_MESSAGES 256   /* chat messages per request */
+
+/* Per-connection state (MHD's con_cls). */
+typedef struct s_conn {
+    char *body;          /* request body so far */
+    size_t len, cap;     /* bytes, allocated */
+    int too_big;         /* the body passed max_body: answer 413 */
+    size_t discarded;    /* bytes of an oversized body thrown away */
+    int started;         /* the first call (headers only) is over */
+} s_conn;
+
+/* A parsed inference request. */
+typedef struct s_req {
+    int chat;                          /* /v1/chat/completions */
+    int stream;                        /* SSE */
+    const char *model;                 /* borrowed from the JSON */
+    int max_tokens;
+    fi_sampler_params sp;
+    const char *stop[EDGE_MAX_STOP];
+    int n_stop;
+    const char *user;
+    const char *labels[EDGE_MAX_LABELS];
+    int n_labels;
+    char labels_buf[EDGE_MAX_LABELS][64];
+    fi_chat_msg msgs[EDGE_MAX_MESSAGES];
+    int n_msgs;
+    const char *prompt;                /* completions */
+} s_req;
+
+/* ------------------------------------------------------------ responses */
+
+static enum MHD_Result s_send(struct MHD_Connection *c, int status, const char *ctype, char *body,
+                              const char *const *hdrs) {
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", ctype);
+    for (int i = 0; hdrs && hdrs[i]; i += 2) MHD_add_response_header(r, hdrs[i], hdrs[i + 1]);
+    enum MHD_Result rc = MHD_queue_response(c, (unsigned)status, r);
+    MHD_destroy_response(r);
+    return rc;
+}
+
+static enum MHD_Result s_json(struct MHD_Connection *c, int status, json_t *j,
+                              const char *const *hdrs) {
+    char *body = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    if (!body) return MHD_NO;
+    return s_send(c, status, "application/json", body, hdrs);
+}
+
+static const char *s_err_type(int status) {
+    switch (status) {
+    case 401: return "authentication_error";
+    case 403: return "permission_error";
+    case 404: return "not_found_error";
+    case 413: return "invalid_request_error";
+    case 429: return "rate_limit_error";
+    case 503: return "service_unavailable";
+    default: return status >= 500 ? "server_error" : "invalid_request_error";
+    }
+}
+
+static json_t *s_err_obj(int status, const char *code, const char *param, const char *msg) {
+    return json_pack("{s:{s:s,s:s,s:s?,s:s}}", "error", "message", msg, "type", s_err_type(status),
+                     "param", param, "code", code);
+}
+
+static void s_count_status(fi_edge *e, int status) {
+    if (status == 403) atomic_fetch_add(&e->m.denied, 1);
+    else if (status == 429) atomic_fetch_add(&e->m.busy, 1);
+    else if (status == 503) atomic_fetch_add(&e->m.unavailable, 1);
+    else if (status >= 500) atomic_fetch_add(&e->m.failed, 1);
+    else if (status >= 400) atomic_fetch_add(&e->m.rejected, 1);
+}
+
+static enum MHD_Result s_error(fi_edge *e, struct MHD_Connection *c, int status, const char *code,
+                               const char *param, const char *const *hdrs, const char *fmt, ...)
+    __attribute__((format(printf, 7, 8)));
+
+static enum MHD_Result s_error(fi_edge *e, struct MHD_Connection *c, int status, const char *code,
+                               const char *param, const char *const *hdrs, const char *fmt, ...) {
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (e) s_count_status(e, status);
+    return s_json(c, status, s_err_obj(status, code, param, msg), hdrs);
+}
+
+/* ------------------------------------------------------------- parsing */
+
+/* Nesting depth of a JSON text, strings skipped; stops counting past max. */
+static int s_depth_ok(const char *s, size_t n, int max) {
+    int d = 0, in_str = 0;
+    for (size_t i = 0; i < n; i++) {
+        char ch = s[i];
+        if (in_str) {
+            if (ch == '\\') i++;
+            else if (ch == '"') in_str = 0;
+        } else if (ch == '"') in_str = 1;
+        else if (ch == '[' || ch == '{') {
+            if (++d > max) return 0;
+        } else if (ch == ']' || ch == '}') d--;
+    }
+    return 1;
+}
+
+static int s_label_ok(const char *s) {
+    size_t n = strlen(s);
+    if (n == 0 || n > 63) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!(islower((unsigned char)s[i]) || isdigit((unsigned char)s[i]) || s[i] == '-' ||
+              s[i] == '_'))
+            return 0;
+    return 1;
+}
+
+/* Adds the comma-separated labels of s (trimmed, lower case). 0, or -1
+ * with a message. */
+static int s_add_labels(s_req *r, const char *s, char *msg, size_t mlen) {
+    const char *p = s;
+    while (*p) {
+        while (*p == ' ' || *p == '\t') p++;
+        const char *q = p;
+        while (*q && *q != ',') q++;
+        const char *end = q;
+        while (end > p && (end[-1] == ' ' || end[-1] == '\t')) end--;
+        size_t n = (size_t)(end - p);
+        if (n) {
+            if (r->n_labels >= EDGE_MAX_LABELS || n >= 64) {
+                snprintf(msg, mlen, "at most %d labels of at most 63 characters", EDGE_MAX_LABELS);
+                return -1;
+            }
+            char *dst = r->labels_buf[r->n_labels];
+            for (size_t i = 0; i < n; i++) dst[i] = (char)tolower((unsigned char)p[i]);
+            dst[n] = 0;
+            if (!s_label_ok(dst)) {
+                snprintf(msg, mlen, "label '%.63s' is not a name of [a-z0-9_-]", dst);
+                return -1;
+            }
+            int dup = 0;
+            for (int i = 0; i < r->n_labels; i++) dup |= !strcmp(r->labels[i], dst);
+            if (!dup) r->labels[r->n_labels++] = dst;
+        } else if (*q == ',' || q == s) {
+            snprintf(msg, mlen, "empty label in '%.100s'", s);
+            return -1;
+        }
+        p = *q ? q + 1 : q;
+    }
+    return 0;
+}
+
+/* Fills r from the JSON object. Returns 0, or an HTTP status with code,
+ * param and message. */
+static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const char **param,
+                   char *msg, size_t mlen) {
+    const fi_edge_conf *cf = &e->conf;
+    *code = "invalid_value";
+    *param = NULL;
+    if (!json_is_object(root)) {
+        *code = "invalid_json";
+        snprintf(msg, mlen, "the body must be a JSON object");
+        return 400;
+    }
+    json_t *v;
+#define BAD(p, ...)                                                                               \
+    do {                                                                                          \
+        *param = p;                                                                               \
+        snprintf(msg, mlen, __VA_ARGS__);                                                         \
+        return 400;                                                                               \
+    } while (0)
+    v = json_object_get(root, "model");
+    if (!json_is_string(v) || !json_string_length(v) || json_string_length(v) > 63)
+        BAD("model", "'model' must be a string of 1 to 63 characters");
+    r->model = json_string_value(v);
+    v = json_object_get(root, "stream");
+    if (v && !json_is_null(v) && !json_is_boolean(v)) BAD("stream", "'stream' must be a boolean");
+    r->stream = json_is_true(v);
+    r->max_tokens = cf->default_max_tokens;
+    v = json_object_get(root, "max_completion_tokens");
+    if (!v || json_is_null(v)) v = json_object_get(root, "max_tokens");
+    if (v && !json_is_null(v)) {
+        if (!json_is_integer(v)) BAD("max_tokens", "'max_tokens' must be an integer");
+        json_int_t n = json_integer_value(v);
+        if (n < 1 || n > cf->max_tokens)
+            BAD("max_tokens", "'max_tokens' must be between 1 and %d on this agent", cf->max_tokens);
+        r->max_tokens = (int)n;
+    }
+    r->sp = fi_sampler_defaults();
+    r->sp.temperature = 1.0f; /* OpenAI's default */
+    r->sp.top_k = 0;
+    r->sp.top_p = 1.0f;
+    r->sp.min_p = 0.0f;
+    v = json_object_get(root, "temperature");
+    if (v && !json_is_null(v)) {
+        if (!json_is_number(v)) BAD("temperature", "'temperature' must be a number");
+        double t = json_number_value(v);
+        if (!(t >= 0 && t <= 2)) BAD("temperature", "'temperature' must be between 0 and 2");
+        r->sp.temperature = (float)t;
+    }
+    v = json_object_get(root, "top_p");
+    if (v && !json_is_null(v)) {
+        if (!json_is_number(v)) BAD("top_p", "'top_p' must be a number");
+        double t = json_number_value(v);
+        if (!(t > 0 && t <= 1)) BAD("top_p", "'top_p' must be in (0, 1]");
+        r->sp.top_p = (float)t;
+    }
+    v = json_object_get(root, "seed");
+    if (v && !json_is_null(v)) {
+        if (!json_is_integer(v)) BAD("seed", "'seed' must be an integer");
+        r->sp.seed = (uint64_t)json_integer_value(v);
+    } else {
+        r->sp.seed = (uint64_t)atomic_fetch_add(&e->next_id, 1) * 0x9E3779B97F4A7C15ull ^
+                     (uint64_t)time(NULL);
+    }
+    v = json_object_get(root, "n");
+    if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) != 1))
+        BAD("n", "only 'n' = 1 is supported");
+    v = json_object_get(root, "stop");
+    if (v && !json_is_null(v)) {
+        if (json_is_string(v)) {
+            r->stop[r->n_stop++] = json_string_value(v);
+        } else if (json_is_array(v) && json_array_size(v) <= EDGE_MAX_STOP) {
+            for (size_t i = 0; i < json_array_size(v); i++) {
+                json_t *s = json_array_get(v, i);
+                if (!json_is_string(s)) BAD("stop", "'stop' must be a string or strings");
+                r->stop[r->n_stop++] = json_string_value(s);
+            }
+        } else {
+            BAD("stop", "'stop' must be a string or an array of at most %d strings", EDGE_MAX_STOP);
+        }
+        for (int i = 0; i < r->n_stop; i++)
+            if (strlen(r->stop[i]) > 256) BAD("stop", "a stop string is longer than 256 bytes");
+    }
+    v = json_object_get(root, "user");
+    if (v && !json_is_null(v)) {
+        if (!json_is_string(v)) BAD("user", "'user' must be a string");
+        r->user = json_string_value(v);
+    }
+    v = json_object_get(root, "data_class");
+    if (v && !json_is_null(v)) {
+        if (json_is_string(v)) {
+            if (s_add_labels(r, json_string_value(v), msg, mlen)) {
+                *param = "data_class";
+                *code = "bad_label";
+                return 400;
+            }
+        } else if (json_is_array(v)) {
+            for (size_t i = 0; i < json_array_size(v); i++) {
+                json_t *s = json_array_get(v, i);
+                if (!json_is_string(s) || strchr(json_string_value(s), ','))
+                    BAD("data_class", "'data_class' must be a string or an array of labels");
+                if (s_add_labels(r, json_string_value(s), msg, mlen)) {
+                    *param = "data_class";
+                    *code = "bad_label";
+                    return 400;
+                }
+            }
+        } else {
+            BAD("data_class", "'data_class' must be a string or an array of labels");
+        }
+    }
+    if (r->chat) {
+        v = json_object_get(root, "messages");
+        if (!json_is_array(v) || !json_array_size(v) || json_array_size(v) > EDGE_MAX_MESSAGES)
+            BAD("messages", "'messages' must be an array of 1 to %d messages", EDGE_MAX_MESSAGES);
+        for (size_t i = 0; i < json_array_size(v); i++) {
+            json_t *m = json_array_get(v, i);
+            json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content");
+            if (!json_is_object(m) || !json_is_string(role))
+                BAD("messages", "messages[%zu] must be an object with a string 'role'", i);
+            const char *rs = json_string_value(role);
+            if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") &&
+                strcmp(rs, "developer"))
+                BAD("messages", "messages[%zu].role '%.32s' is not system, user or assistant", i,
+                    rs);
+            const char *text = NULL;
+            if (json_is_string(content)) {
+                text = json_string_value(content);
+            } else if (json_is_array(content) && json_array_size(content) == 1 &&
+                       json_is_string(json_object_get(json_array_get(content, 0), "text"))) {
+                text = json_string_value(json_object_get(json_array_get(content, 0), "text"));
+            } else {
+                BAD("messages", "messages[%zu].content must be a string", i);
+            }
+            if (strlen(text) != json_string_length(json_is_string(content)
+                                                       ? content
+                                                       : json_object_get(json_array_get(content, 0),
+                                                                         "text")))
+                BAD("messages", "messages[%zu].content holds a NUL character", i);
+            r->msgs[r->n_msgs].role = !strcmp(rs, "developer") ? "system" : rs;
+            r->msgs[r->n_msgs].content = text;
+            r->n_msgs++;
+        }
+    } else {
+        v = json_object_get(root, "prompt");
+        if (json_is_array(v) && json_array_size(v) == 1) v = json_array_get(v, 0);
+        if (!json_is_string(v)) BAD("prompt", "'prompt' must be a string");
+        if (strlen(json_string_value(v)) != json_string_length(v))
+            BAD("prompt", "'prompt' holds a NUL character");
+        r->prompt = json_string_value(v);
+    }
+#undef BAD
+    return 0;
+}
+
+/* ------------------------------------------------------------ streaming */
+
+/* What a streamed response's reader owns. */
+typedef struct s_stream {
+    fi_edge *e;          /* the agent */
+    edge_job *job;       /* one reference */
+    int chat;            /* chunk shape */
+    long created;        /* Unix seconds */
+    size_t sent;         /* bytes of job->out already sent */
+    int phase;           /* 0: role chunk due, 1: content, 2: [DONE] due, 3: over */
+    char *pend;          /* formatted bytes not yet handed to MHD */
+    size_t pend_len, pend_off;
+    int routed;          /* counts for metrics */
+} s_stream;
+
+static char *s_chunk(const s_stream *st, const char *text, size_t len, const char *finish,
+                     int with_usage) {
+    json_t *choice;
+    if (st->chat) {
+        json_t *delta = json_object();
+        if (st->phase == 0) json_object_set_new(delta, "role", json_string("assistant"));
+        if (text) json_object_set_new(delta, "content", json_stringn(text, len));
+        choice = json_pack("{s:i,s:o,s:o}", "index", 0, "delta", delta, "finish_reason",
+                           finish ? json_string(finish) : json_null());
+    } else {
+        choice = json_pack("{s:i,s:s%,s:n,s:o}", "index", 0, "text", text ? text : "",
+                           text ? len : 0, "logprobs", "finish_reason",
+                           finish ? json_string(finish) : json_null());
+    }
+    json_t *o = json_pack("{s:s,s:s,s:i,s:s,s:[o]}", "id", st->job->id, "object",
+                          st->chat ? "chat.completion.chunk" : "text_completion", "created",
+                          (json_int_t)st->created, "model", st->job->model, "choices", choice);
+    if (o && with_usage) {
+        int p = st->job->n_prompt_tokens, g = st->job->n_completion_tokens;
+        json_object_set_new(o, "usage", json_pack("{s:i,s:i,s:i}", "prompt_tokens", p,
+                                                  "completion_tokens", g, "total_tokens", p + g));
+    }
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!s) return NULL;
+    size_t n = strlen(s);
+    char *out = malloc(n + 9);
+    if (out) snprintf(out, n + 9, "data: %s\n\n", s);
+    free(s);
+    return out;
+}
+
+static void s_observe_ttft(fi_edge *e, const edge_job *j) {
+    if (j->t_first <= 0) return;
+    double t = j->t_first - j->t_submit;
+    static const double le[8] = {0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10};
+    for (int i = 0; i < 8; i++)
+        if (t <= le[i]) atomic_fetch_add(&e->m.ttft_bucket[i], 1);
+    atomic_fetch_add(&e->m.ttft_count, 1);
+    atomic_fetch_add(&e->m.ttft_sum_us, (long)(t * 1e6));
+}
+
+static ssize_t s_reader(void *cls, uint64_t pos, char *buf, size_t max) {
+    s_stream *st = cls;
+    edge_job *j = st->job;
+    (void)pos;
+    for (;;) {
+        if (st->pend_off < st->pend_len) {
+            size_t n = st->pend_len - st->pend_off;
+            if (n > max) n = max;
+            memcpy(buf, st->pend + st->pend_off, n);
+            st->pend_off += n;
+            return (ssize_t)n;
+        }
+        free(st->pend);
+        st->pend = NULL;
+        st->pend_len = st->pend_off = 0;
+        if (st->phase == 3) return MHD_CONTENT_READER_END_OF_STREAM;
+        if (st->phase == 2) {
+            st->pend = strdup("data: [DONE]\n\n");
+            if (!st->pend) return MHD_CONTENT_READER_END_WITH_ERROR;
+            st->pend_len = strlen(st->pend);
+            st->phase = 3;
+            continue;
+        }
+        /* Wait for new text or the end. */
+        pthread_mutex_lock(&j->mu);
+        while (!j->done && j->out_len == st->sent) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_sec += 1;
+            pthread_cond_timedwait(&j->cv, &j->mu, &ts);
+            if (edge_now() - j->t_submit > j->timeout_s + 5) break; /* executor lost it */
+        }
+        size_t n = j->out_len - st->sent;
+        char *text = n ? malloc(n) : NULL;
+        if (text) memcpy(text, j->out + st->sent, n);
+        st->sent += n;
+        int done = j->done, status = j->http_status;
+        char finish[16], errmsg[256], code[40];
+        snprintf(finish, sizeof finish, "%s", j->finish);
+        snprintf(errmsg, sizeof errmsg, "%s", j->err);
+        snprintf(code, sizeof code, "%s", j->err_code);
+        pthread_mutex_unlock(&j->mu);
+        if (n && !text) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (text) {
+            st->pend = s_chunk(st, text, n, NULL, 0);
+            free(text);
+            st->phase = 1;
+        } else if (done && status) {
+            json_t *o = s_err_obj(status, code, NULL, errmsg);
+            char *s = json_dumps(o, JSON_COMPACT);
+            json_decref(o);
+            size_t sl = s ? strlen(s) : 0;
+            st->pend = s ? malloc(sl + 9) : NULL;
+            if (st->pend) snprintf(st->pend, sl + 9, "data: %s\n\n", s);
+            free(s);
+            s_count_status(st->e, status);
+            st->phase = 2;
+        } else if (done) {
+            st->pend = s_chunk(st, NULL, 0, finish, 1);
+            atomic_fetch_add(st->routed ? &st->e->m.ok_routed : &st->e->m.ok_local, 1);
+            atomic_fetch_add(&st->e->m.tokens, j->n_completion_tokens);
+            s_observe_ttft(st->e, j);
+            st->phase = 2;
+        } else if (edge_now() - j->t_submit > j->timeout_s + 5) {
+            atomic_store(&j->cancel, 1);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        } else {
+            continue;
+        }
+        if (!st->pend) return MHD_CONTENT_READER_END_WITH_ERROR;
+        st->pend_len = strlen(st->pend);
+    }
+}
+
+static void s_stream_free(void *cls) {
+    s_stream *st = cls;
+    /* The connection is gone or the answer complete: a client that left
+     * cancels its work (locally, or at the cluster through the fabric). */
+    atomic_store(&st->job->cancel, 1);
+    free(st->pend);
+    edge_job_unref(&st->job);
+    free(st);
+}
+
+/* --------------------------------------------------------------- routes */
+
+static enum MHD_Result s_models(fi_edge *e, struct MHD_Connection *c) {
+    json_t *data = json_array();
+    if (e->model)
+        json_array_append_new(data, json_pack("{s:s,s:s,s:i,s:s}", "id", e->conf.model_name,
+                                              "object", "model", "created", 0, "owned_by",
+                                              e->conf.site));
+    return s_json(c, 200, json_pack("{s:s,s:o}", "object", "list", "data", data), NULL);
+}
+
+static enum MHD_Result s_metrics(fi_edge *e, struct MHD_Connection *c) {
+    char *b = malloc(8192);
+    if (!b) return MHD_NO;
+    size_t k = 0, cap = 8192;
+#define P(...) k += (size_t)snprintf(b + k, k < cap ? cap - k : 0, __VA_ARGS__)
+    P("# HELP fedinfer_edge_requests_total Inference requests received.\n"
+      "# TYPE fedinfer_edge_requests_total counter\n"
+      "fedinfer_edge_requests_total %ld\n",
+      atomic_load(&e->m.requests));
+    P("# HELP fedinfer_edge_responses_total Inference requests by outcome.\n"
+      "# TYPE fedinfer_edge_responses_total counter\n");
+    P("fedinfer_edge_responses_total{outcome=\"local\"} %ld\n", atomic_load(&e->m.ok_local));
+    P("fedinfer_edge_responses_total{outcome=\"routed\"} %ld\n", atomic_load(&e->m.ok_routed));
+    P("fedinfer_edge_responses_total{outcome=\"denied\"} %ld\n", atomic_load(&e->m.denied));
+    P("fedinfer_edge_responses_total{outcome=\"rejected\"} %ld\n", atomic_load(&e->m.rejected));
+    P("fedinfer_edge_responses_total{outcome=\"busy\"} %ld\n", atomic_load(&e->m.busy));
+    P("fedinfer_edge_responses_total{outcome=\"unavailable\"} %ld\n",
+      atomic_load(&e->m.unavailable));
+    P("fedinfer_edge_responses_total{outcome=\"failed\"} %ld\n", atomic_load(&e->m.failed));
+    P("# HELP fedinfer_edge_completion_tokens_total Tokens generated for clients.\n"
+      "# TYPE fedinfer_edge_completion_tokens_total counter\n"
+      "fedinfer_edge_completion_tokens_total %ld\n",
+      atomic_load(&e->m.tokens));
+    P("# HELP fedinfer_edge_local_queue_depth Local requests waiting or running.\n"
+      "# TYPE fedinfer_edge_local_queue_depth gauge\n"
+      "fedinfer_edge_local_queue_depth %d\n",
+      e->local.ctx ? e->local.depth(e->local.ctx) : 0);
+    P("# HELP fedinfer_edge_coordinator_up 1 when the coordinator is connected.\n"
+      "# TYPE fedinfer_edge_coordinator_up gauge\n"
+      "fedinfer_edge_coordinator_up %d\n",
+      e->remote_online ? atomic_load(e->remote_online) : 0);
+    P("# HELP fedinfer_edge_ttft_seconds Time to first token.\n"
+      "# TYPE fedinfer_edge_ttft_seconds histogram\n");
+    static const char *le[8] = {"0.025", "0.05", "0.1", "0.25", "0.5", "1", "2.5", "10"};
+    for (int i = 0; i < 8; i++)
+        P("fedinfer_edge_ttft_seconds_bucket{le=\"%s\"} %ld\n", le[i],
+          atomic_load(&e->m.ttft_bucket[i]));
+    long cnt = atomic_load(&e->m.ttft_count);
+    P("fedinfer_edge_ttft_seconds_bucket{le=\"+Inf\"} %ld\n", cnt);
+    P("fedinfer_edge_ttft_seconds_sum %.6f\n", atomic_load(&e->m.ttft_sum_us) / 1e6);
+    P("fedinfer_edge_ttft_seconds_count %ld\n", cnt);
+#undef P
+    return s_send(c, 200, "text/plain; version=0.0.4", b, NULL);
+}
+
+/* The router: among the permitted targets, the best by policy score, with
+ * the local engine only when it serves the model and has room, a cluster
+ * only while the coordinator is connected. Returns the index in d, or -1
+ * with *why_unavail set when something was permitted but not reachable. */
+static int s_route(fi_edge *e, const edge_decision *d, const char *model, int *unavail,
+                   char *why, size_t wlen) {
+    int best = -1;
+    int64_t best_score = 0;
+    int local_ok = e->model && !strcmp(model, e->conf.model_name);
+    int online = e->remote_online && atomic_load(e->remote_online);
+    *unavail = 0;
+    why[0] = 0;
+    for (int i = 0; i < d->n; i++) {
+        if (!d->permitted[i]) continue;
+        int64_t score = d->score[i];
+        if (i == 0) {
+            if (!local_ok) {
+                *unavail = 1;
+                snprintf(why, wlen, "model '%s' is not served on this site", model);
+                continue;
+            }
+            int depth = e->local.depth(e->local.ctx);
+            if (depth >= e->conf.concurrency) score -= 1000; /* busy: prefer a cluster */
+            score += 1; /* ties: stay on site */
+        } else if (!online) {
+            *unavail = 1;
+            snprintf(why + strlen(why), wlen - strlen(why), "%scluster %s is permitted but the coordinator is unreachable",
+                     why[0] ? "; " : "", d->names[i]);
+            continue;
+        }
+        if (best < 0 || score > best_score) {
+            best = i;
+            best_score = score;
+        }
+    }
+    return best;
+}
+
+static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn, int chat) {
+    atomic_fetch_add(&e->m.requests, 1);
+    if (atomic_load(&e->stopping))
+        return s_error(e, c, 503, "shutting_down", NULL, NULL, "the agent is stopping");
+    /* Authentication: a tenant and application come from the token. */
+    char tenant[64] = "", app[64] = "";
+    if (e->tokens) {
+        const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
+        static const char *const hdr[] = {"WWW-Authenticate", "Bearer", NULL};
+        if (!h || strncasecmp(h, "Bearer ", 7))
+            return s_error(e, c, 401, "missing_api_key", NULL, hdr,
+                           "an Authorization: Bearer token is required");
+        if (!edge_auth_check(e->tokens, h + 7, tenant, sizeof tenant, app, sizeof app))
+            return s_error(e, c, 401, "invalid_api_key", NULL, hdr, "the bearer token is not valid");
+    }
+    if (cn->too_big)
+        return s_error(e, c, 413, "body_too_large", NULL, NULL, "the body exceeds %d bytes",
+                       e->conf.max_body);
+    if (!cn->len) return s_error(e, c, 400, "invalid_json", NULL, NULL, "the body is empty");
+    if (!s_depth_ok(cn->body, cn->len, EDGE_MAX_DEPTH))
+        return s_error(e, c, 400, "invalid_json", NULL, NULL, "JSON nested deeper than %d levels",
+                       EDGE_MAX_DEPTH);
+    json_error_t jerr;
+    json_t *root = json_loadb(cn->body, cn->len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root)
+        return s_error(e, c, 400, "invalid_json", NULL, NULL, "malformed JSON at line %d column %d: %s",
+                       jerr.line, jerr.column, jerr.text);
+    enum MHD_Result rc;
+    edge_job *job = NULL;
+    s_req *r = calloc(1, sizeof *r);
+    edge_decision *d = calloc(1, sizeof *d);
+    char msg[512], *rendered = NULL;
+    if (!r || !d) {
+        rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory");
+        goto done;
+    }
+    r->chat = chat;
+    const char *code, *param;
+    int st = s_parse(e, root, r, &code, &param, msg, sizeof msg);
+    if (st) {
+        rc = s_error(e, c, st, code, param, NULL, "%s", msg);
+        goto done;
+    }
+    const char *xdc = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Data-Class");
+    if (xdc && s_add_labels(r, xdc, msg, sizeof msg)) {
+        rc = s_error(e, c, 400, "bad_label", "X-Data-Class", NULL, "%s", msg);
+        goto done;
+    }
+    int local_model = e->model && !strcmp(r->model, e->conf.model_name);
+    if (!local_model && !e->remote.ctx) {
+        rc = s_error(e, c, 404, "model_not_found", "model", NULL,
+                     "model '%s' is not served here (this agent serves '%s')", r->model,
+                     e->model ? e->conf.model_name : "no model");
+        goto done;
+    }
+    /* The prompt: rendered and counted with the local tokenizer when there
+     * is one (its count is what the policy and the limits see). */
+    int32_t *ids = NULL;
+    int n_ids = -1;
+    if (e->model) {
+        const fi_tok *tok = fi_model_tok(e->model);
+        char terr[256];
+        rendered = chat ? fi_tok_chat(tok, r->msgs, r->n_msgs, 1, terr, sizeof terr)
+                        : strdup(r->prompt);
+        if (!rendered) {
+            rc = s_error(e, c, 500, "internal_error", NULL, NULL, "cannot render the prompt: %s",
+                         chat ? terr : "out of memory");
+            goto done;
+        }
+        size_t rl = strlen(rendered);
+        int bos = !chat && fi_tok_add_bos(tok) && fi_tok_bos(tok) >= 0;
+        if (rl > (size_t)e->conf.max_body * 2) rl = (size_t)e->conf.max_body * 2;
+        int need = fi_tok_encode(tok, rendered, rl, chat, NULL, 0);
+        ids = need >= 0 ? malloc(((size_t)need + 2) * sizeof *ids) : NULL;
+        if (!ids || fi_tok_encode(tok, rendered, rl, chat, ids + bos, need) != need) {
+            free(ids);
+            rc = s_error(e, c, 500, "internal_error", NULL, NULL, "cannot tokenise the prompt");
+            goto done;
+        }
+        if (bos) ids[0] = fi_tok_bos(tok);
+        n_ids = need + bos;
+        if (n_ids == 0) {
+            free(ids);
+            rc = s_error(e, c, 400, "invalid_value", chat ? "messages" : "prompt", NULL,
+                         "the prompt is empty");
+            goto done;
+        }
+        if (n_ids + r->max_tokens > e->conf.n_ctx) {
+            free(ids);
+            rc = s_error(e, c, 400, "context_length_exceeded", chat ? "messages" : "prompt", NULL,
+                         "the prompt has %d tokens; with max_tokens %d it exceeds the context of "
+                         "%d tokens",
+                         n_ids, r->max_tokens, e->conf.n_ctx);
+            goto done;
+        }
+    }
+    /* Policy: the permitted targets, then the router's choice. */
+    char id[EDGE_ID_LEN];
+    snprintf(id, sizeof id, "%s-%.16s-%ld", chat ? "chatcmpl" : "cmpl", e->conf.site,
+             atomic_fetch_add(&e->next_id, 1));
+    edge_policy_decide(e->policy, tenant, app, r->model, r->labels, r->n_labels, n_ids, d);
+    const char *const hdr_pol[] = {"X-Fedinfer-Policy", d->version, "X-Request-Id", id, NULL};
+    if (d->bad_labels) {
+        edge_policy_audit(e->policy, id, tenant, app, r->model, d, "deny", "", "bad request",
+                          n_ids);
+        free(ids);
+        rc = s_error(e, c, 400, "bad_label", "X-Data-Class", hdr_pol,
+                     "a label is not declared by the policy (version %s): %s", d->version,
+                     d->why[0]);
+        goto done;
+    }
+    int unavail = 0;
+    char why[512];
+    int t = s_route(e, d, r->model, &unavail, why, sizeof why);
+    if (t < 0) {
+        int any = 0;
+        for (int i = 0; i < d->n; i++) any |= d->permitted[i];
+        free(ids);
+        if (any) {
+            edge_policy_audit(e->policy, id, tenant, app, r->model, d, "unavailable", "", "",
+                              n_ids);
+            rc = s_error(e, c, 503, "target_unavailable", NULL, hdr_pol,
+                         "the request may only be processed where it cannot be now: %s", why);
+            goto done;
+        }
+        /* Denied everywhere: name the rule that denied on site first. */
+        char rules[512] = "";
+        for (int i = 0; i < d->n; i++)
+            if (d->rules[i][0] && !strstr(rules, d->rules[i]))
+                snprintf(rules + strlen(rules), sizeof rules - strlen(rules), "%s%s",
+                         rules[0] ? "," : "", d->rules[i]);
+        edge_policy_audit(e->policy, id, tenant, app, r->model, d, d->fallback ? "fallback" : "deny",
+                          "", rules, n_ids);
+        json_t *o = s_err_obj(403, "policy_denied", NULL, "");
+        snprintf(msg, sizeof msg, "denied by policy %.40s (labels %.180s): %.250s", d->version, d->labels,
+                 d->why[0]);
+        json_t *eo = json_object_get(o, "error");
+        json_object_set_new(eo, "message", json_string(msg));
+        json_object_set_new(eo, "rule", json_string(d->rules[0][0] ? d->rules[0] : rules));
+        json_object_set_new(eo, "policy_version", json_string(d->version));
+        s_count_status(e, 403);
+        rc = s_json(c, 403, o, hdr_pol);
+        goto done;
+    }
+    edge_policy_audit(e->policy, id, tenant, app, r->model, d, d->fallback ? "fallback" : "permit",
+                      d->names[t], d->rules[t], n_ids);
+    /* The job. */
+    job = edge_job_new(id, r->model, r->stop, r->n_stop);
+    if (!job) {
+        free(ids);
+        rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory");
+        goto done;
+    }
+    job->prompt = ids;
+    job->n_prompt = n_ids;
+    job->sp = r->sp;
+    job->max_tokens = r->max_tokens;
+    job->timeout_s = e->conf.request_timeout_s;
+    for (int i = 0; i < d->n_eff_labels; i++) job->labels[job->n_labels++] = strdup(d->eff_labels[i]);
+    snprintf(job->target, sizeof job->target, "%s", d->names[t]);
+    if (t > 0) {
+        /* Routed: the cluster worker renders the chat itself from one user
+         * message, so a conversation travels as its transcript. */
+        if (chat && r->n_msgs == 1) {
+            job->text = strdup(r->msgs[0].content);
+        } else if (chat) {
+            size_t n = 1;
+            for (int i = 0; i < r->n_msgs; i++) n += strlen(r->msgs[i].content) + 16;
+            job->text = malloc(n);
+            if (job->text) {
+                size_t k = 0;
+                for (int i = 0; i < r->n_msgs; i++)
+                    k += (size_t)snprintf(job->text + k, n - k, "%s%s: %s", i ? "\n" : "",
+                                          r->msgs[i].role, r->msgs[i].content);
+            }
+        } else {
+            job->text = strdup(r->prompt);
+        }
+        if (!job->text) {
+            rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory");
+            goto done;
+        }
+    }
+    edge_exec *ex = t == 0 ? &e->local : &e->remote;
+    if (ex->submit(ex->ctx, job) != 0) {
+        const char *const hdr[] = {"Retry-After", "1", "X-Fedinfer-Policy", d->version,
+                                   "X-Fedinfer-Target", d->names[t], NULL};
+        rc = s_error(e, c, 429, "rate_limit_exceeded", NULL, hdr,
+                     "%s queue is full (%d requests at once); retry later",
+                     t == 0 ? "the local" : "the fabric", e->conf.concurrency + e->conf.queue);
+        goto done;
+    }
+    /* Wait for the first text (or the end), so that an early failure gets
+     * its own status rather than a stream that ends in an error. */
+    pthread_mutex_lock(&job->mu);
+    while (!job->done && (!r->stream || job->out_len == 0)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += 1;
+        pthread_cond_timedwait(&job->cv, &job->mu, &ts);
+        if (edge_now() - job->t_submit > job->timeout_s + 5) break;
+    }
+    int done = job->done;
+    pthread_mutex_unlock(&job->mu);
+    const char *const hdrs[] = {"X-Fedinfer-Target", d->names[t], "X-Fedinfer-Policy", d->version,
+                                "X-Request-Id", id, "X-Fedinfer-Rules", d->rules[t],
+                                "X-Fedinfer-Labels", d->labels, NULL};
+    if (!done && !r->stream) {
+        atomic_store(&job->cancel, 1);
+        rc = s_error(e, c, 504, "timeout", NULL, hdrs, "the request ran past its time limit");
+        goto done;
+    }
+    if (done && job->http_status) {
+        rc = s_error(e, c, job->http_status, job->err_code, NULL, hdrs, "%s", job->err);
+        goto done;
+    }
+    long created = (long)time(NULL);
+    if (r->stream) {
+        s_stream *sst = calloc(1, sizeof *sst);
+        if (!sst) {
+            rc = MHD_NO;
+            goto done;
+        }
+        sst->e = e;
+        sst->job = job;
+        job = NULL;
+        sst->chat = chat;
+        sst->created = created;
+        sst->routed = t > 0;
+        struct MHD_Response *resp =
+            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, s_reader, sst, s_stream_free);
+        if (!resp) {
+            s_stream_free(sst);
+            rc = MHD_NO;
+            goto done;
+        }
+        MHD_add_response_header(resp, "Content-Type", "text/event-stream");
+        MHD_add_response_header(resp, "Cache-Control", "no-cache");
+        for (int i = 0; hdrs[i]; i += 2) MHD_add_response_header(resp, hdrs[i], hdrs[i + 1]);
+        rc = MHD_queue_response(c, 200, resp);
+        MHD_destroy_response(resp);
+        goto done;
+    }
+    /* Not streamed: the whole answer. */
+    int p = job->n_prompt_tokens, g = job->n_completion_tokens;
+    json_t *choice =
+        chat ? json_pack("{s:i,s:{s:s,s:s%},s:s}", "index", 0, "message", "role", "assistant",
+                         "content", job->out, job->out_len, "finish_reason", job->finish)
+             : json_pack("{s:i,s:s%,s:n,s:s}", "index", 0, "text", job->out, job->out_len,
+                         "logprobs", "finish_reason", job->finish);
+    json_t *o = json_pack("{s:s,s:s,s:i,s:s,s:[o],s:{s:i,s:i,s:i}}", "id", id, "object",
+                          chat ? "chat.completion" : "text_completion", "created",
+                          (json_int_t)created, "model", r->model, "choices", choice, "usage",
+                          "prompt_tokens", p, "completion_tokens", g, "total_tokens", p + g);
+    if (!o) {
+        rc = s_error(e, c, 500, "internal_error", NULL, NULL, "cannot format the answer");
+        goto done;
+    }
+    atomic_fetch_add(t > 0 ? &e->m.ok_routed : &e->m.ok_local, 1);
+    atomic_fetch_add(&e->m.tokens, g);
+    s_observe_ttft(e, job);
+    rc = s_json(c, 200, o, hdrs);
+done:
+    if (job) edge_job_unref(&job);
+    free(rendered);
+    free(r);
+    free(d);
+    json_decref(root);
+    return rc;
+}
+
+static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char *url,
+                                 const char *method, const char *version, const char *upload,
+                                 size_t *upload_size, void **con_cls) {
+    fi_edge *e = cls;
+    (void)version;
+    s_conn *cn = *con_cls;
+    int post = !strcmp(method, "POST");
+    if (!cn) {
+        cn = calloc(1, sizeof *cn);
+        if (!cn) return MHD_NO;
+        *con_cls = cn;
+        if (post) {
+            /* Refuse a declared size over the limit before reading it. */
+            const char *cl =
+                MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+            if (cl) {
+                char *end;
+                unsigned long long n = strtoull(cl, &end, 10);
+                if (n > (unsigned long long)e->conf.max_body)
+                    return s_error(e, c, 413, "body_too_large", NULL, NULL,
+                                   "the body of %s bytes exceeds %d bytes", cl, e->conf.max_body);
+            }
+        }
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        size_t n = *upload_size;
+        *upload_size = 0;
+        if (cn->too_big) {
+            /* Discarding an oversized body: answered at its end, but a body
+             * that goes on past four times the limit is cut off. */
+            cn->discarded += n;
+            return cn->discarded > 4 * (size_t)e->conf.max_body ? MHD_NO : MHD_YES;
+        }
+        if (cn->len + n > (size_t)e->conf.max_body) {
+            cn->too_big = 1;
+            cn->discarded = cn->len + n;
+            free(cn->body);
+            cn->body = NULL;
+            cn->len = cn->cap = 0;
+            return MHD_YES;
+        }
+        if (cn->len + n > cn->cap) {
+            size_t cap = cn->cap ? cn->cap : 4096;
+            while (cap < cn->len + n) cap *= 2;
+            char *b = realloc(cn->body, cap);
+            if (!b) return MHD_NO;
+            cn->body = b;
+            cn->cap = cap;
+        }
+        memcpy(cn->body + cn->len, upload, n);
+        cn->len += n;
+        return MHD_YES;
+    }
+    if (cn->too_big)
+        return s_error(e, c, 413, "body_too_large", NULL, NULL, "the body exceeds %d bytes",
+                       e->conf.max_body);
+    if (post && !strcmp(url, "/v1/chat/completions")) return s_infer(e, c, cn, 1);
+    if (post && !strcmp(url, "/v1/completions")) return s_infer(e, c, cn, 0);
+    int get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    if (get && !strcmp(url, "/v1/models")) return s_models(e, c);
+    if (get && !strcmp(url, "/metrics")) return s_metrics(e, c);
+    if (get && !strcmp(url, "/healthz")) {
+        json_t *o = json_pack("{s:s,s:s,s:b,s:b}", "status",
+                              atomic_load(&e->stopping) ? "stopping" : "ok", "site", e->conf.site,
+                              "local_model", e->model != NULL, "coordinator",
+                              e->remote_online && atomic_load(e->remote_online));
+        return s_json(c, atomic_load(&e->stopping) ? 503 : 200, o, NULL);
+    }
+    int known = !strcmp(url, "/v1/chat/completions") || !strcmp(url, "/v1/completions") ||
+                !strcmp(url, "/v1/models") || !strcmp(url, "/metrics") || !strcmp(url, "/healthz");
+    if (known) {
+        static const char *const allow[] = {"Allow", "GET, POST", NULL};
+        return s_error(NULL, c, 405, "method_not_allowed", NULL, allow, "%s is not allowed on %s",
+                       method, url);
+    }
+    return s_error(NULL, c, 404, "not_found", NULL, NULL, "no such endpoint: %s %s", method, url);
+}
+
+static void s_completed(void *cls, struct MHD_Connection *c, void **con_cls,
+                        enum MHD_RequestTerminationCode toe) {
+    (void)cls, (void)c, (void)toe;
+    s_conn *cn = *con_cls;
+    if (!cn) return;
+    free(cn->body);
+    free(cn);
+    *con_cls = NULL;
+}
+
+static void s_mhd_log(void *cls, const char *fmt, va_list ap) {
+    (void)cls;
+    char line[512];
+    vsnprintf(line, sizeof line, fmt, ap);
+    size_t n = strlen(line);
+    while (n && line[n - 1] == '\n') line[--n] = 0;
+    fprintf(stderr, "edge: http: %s\n", line);
+}
+
+int edge_http_start(fi_edge *e, char *err, size_t errlen) {
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)e->conf.port);
+    if (inet_pton(AF_INET, e->conf.listen, &sa.sin_addr) != 1) {
+        snprintf(err, errlen, "listen: '%s' is not an IPv4 address", e->conf.listen);
+        return -1;
+    }
+    e->httpd = MHD_start_daemon(
+        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG |
+            MHD_USE_POLL,
+        0, NULL, NULL, s_handler, e, MHD_OPTION_EXTERNAL_LOGGER, s_mhd_log, e,
+        MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
+        MHD_OPTION_CONNECTION_LIMIT, (unsigned)e->conf.conn_limit,
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)e->conf.per_ip_limit,
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)e->conf.conn_timeout_s,
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)e->conf.conn_memory,
+        MHD_OPTION_NOTIFY_COMPLETED, s_completed, e,
+        MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u, MHD_OPTION_END);
+    if (!e->httpd) {
+        snprintf(err, errlen, "cannot listen on %s:%d", e->conf.listen, e->conf.port);
+        return -1;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(e->httpd, MHD_DAEMON_INFO_BIND_PORT);
+    e->port = di ? di->port : e->conf.port;
+    return 0;
+}
+
+void edge_http_stop(fi_edge *e) {
+    if (!e->httpd) return;
+    MHD_stop_daemon(e->httpd);
+    e->httpd = NULL;
+}

@@ -1,0 +1,231 @@
+/*
+ * edge_impl.h - the edge agent's internals, shared by its modules:
+ *
+ *   edge_job.c     a request in flight: its inputs, and the channel its text
+ *                  flows through from an executor to the HTTP connection
+ *   edge_local.c   the local executor: one scheduler thread that interleaves
+ *                  the active sessions token by token
+ *   edge_remote.c  the routed executor: the fabric client, on its own thread
+ *   edge_policy.c  the signed policy held on disk, decisions, the audit log
+ *   edge_http.c    the OpenAI-compatible HTTP API (libmicrohttpd, jansson)
+ *   edge_conf.c    the configuration file
+ *   edge_cmd.c     `fedinfer edge`
+ *
+ * An executor is a table of functions (edge_exec) so that the local one can
+ * be replaced by a batched scheduler without touching the HTTP layer: the
+ * HTTP layer only builds jobs, submits them and reads their channel.
+ */
+#ifndef EDGE_IMPL_H
+#define EDGE_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fi_edge.h"
+#include "fi_model.h"
+#include "fi_textstream.h"
+
+struct MHD_Daemon;
+
+#define EDGE_MAX_STOP 4    /* stop strings per request (OpenAI's limit) */
+#define EDGE_MAX_LABELS 16 /* residency labels per request */
+#define EDGE_ID_LEN 48     /* request id, NUL included */
+
+/* --- jobs ------------------------------------------------------------- */
+
+/* One request in flight. Created by the HTTP layer, handed to one executor;
+ * both hold a reference (edge_job_unref frees at zero). Inputs are fixed
+ * before submission; outputs are guarded by mu and announced on cv. */
+typedef struct edge_job {
+    /* inputs (immutable once submitted) */
+    char id[EDGE_ID_LEN];        /* "chatcmpl-..." / "cmpl-..." */
+    char model[64];              /* model name the client asked for */
+    char *text;                  /* rendered prompt (local) or user text (routed) */
+    int32_t *prompt;             /* local: prompt tokens (n_prompt) */
+    int n_prompt;                /* local: count of prompt */
+    fi_sampler_params sp;        /* sampling */
+    int max_tokens;              /* tokens to generate at most */
+    char *labels[EDGE_MAX_LABELS]; /* effective residency labels (routed) */
+    char target[64];             /* the cluster chosen (routed), for the audit */
+    int n_labels;                /* count of labels */
+    double timeout_s;            /* whole request, from submission */
+
+    /* cancellation: set by the HTTP side, or by the executor on a stop */
+    atomic_int cancel;           /* nonzero: stop generating */
+    atomic_int refs;             /* owners */
+
+    /* outputs, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;           /* signalled on new text and at the end */
+    fi_textstream *ts;           /* stop strings, UTF-8 boundaries */
+    char *out;                   /* final text so far (out_len bytes, NUL-terminated) */
+    size_t out_len, out_cap;
+    int done;                    /* 1: no more text will come */
+    int http_status;             /* 0: success; else the error's HTTP status */
+    char err_code[40];           /* OpenAI error code when http_status != 0 */
+    char err[256];               /* message when http_status != 0 */
+    char finish[16];             /* "stop" or "length" (OpenAI finish_reason) */
+    int n_prompt_tokens;         /* usage: prompt tokens */
+    int n_completion_tokens;     /* usage: generated tokens */
+    double t_submit;             /* monotonic seconds */
+    double t_first;              /* first text, 0 until then */
+} edge_job;
+
+/* A new job with one reference; stop strings are copied. NULL when out of
+ * memory. */
+edge_job *edge_job_new(const char *id, const char *model, const char *const *stop, int n_stop);
+void edge_job_ref(edge_job *j);
+/* Drops a reference; frees at zero and sets *j to NULL. */
+void edge_job_unref(edge_job **j);
+/* Executor side: raw text of one token. Returns 1 when a stop string is
+ * complete (the executor should end the job with edge_job_finish), 0
+ * otherwise, -1 when out of memory. */
+int edge_job_emit(edge_job *j, const char *bytes, size_t len);
+/* Executor side: the end. Releases held text, records usage. Idempotent:
+ * the first end (finish or fail) wins. */
+void edge_job_finish(edge_job *j, const char *finish, int n_prompt, int n_gen);
+void edge_job_fail(edge_job *j, int http_status, const char *code, const char *msg);
+double edge_now(void);
+
+/* --- executors -------------------------------------------------------- */
+
+typedef struct edge_exec {
+    const char *name;           /* "local", "fabric" */
+    /* Takes a reference to j when it accepts. 0, or -1 when the queue is
+     * full (the caller answers 429). */
+    int (*submit)(void *ctx, edge_job *j);
+    /* Requests waiting or running. */
+    int (*depth)(void *ctx);
+    /* Stops accepting; lets running jobs finish for up to grace_ms, then
+     * cancels the rest and joins. */
+    void (*drain)(void *ctx, int grace_ms);
+    void (*destroy)(void *ctx);
+    void *ctx;
+} edge_exec;
+
+/* The local executor over model: concurrency sessions advance together,
+ * queue more wait. n_ctx: context per session. */
+int edge_local_new(fi_model *model, int concurrency, int queue, int n_ctx, edge_exec *out,
+                   char *err, size_t errlen);
+
+/* --- policy and audit --------------------------------------------------- */
+
+typedef struct edge_policy edge_policy;
+
+/* Loads the bundle held in dir (trusted signer key file pubkey), opens the
+ * audit log at db. A missing or invalid bundle is not an error: the agent
+ * then serves on site only (fail closed) and says so. NULL on I/O errors. */
+edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db, const char *site,
+                             const char *clusters, char *err, size_t errlen);
+/* A record that is not a policy decision of ours: the coordinator's
+ * denial of a routed request ("deny"), with its reason as rules. */
+void edge_policy_audit_note(edge_policy *p, const char *request_id, const char *model,
+                            const char *labels, const char *decision, const char *target,
+                            const char *rules);
+void edge_policy_destroy(edge_policy **p);
+/* Reloads the bundle from disk (SIGHUP). */
+void edge_policy_reload(edge_policy *p);
+/* Verifies and installs a bundle received from the coordinator, then
+ * enforces it. 0, or -1 with the reason in err. */
+int edge_policy_install(edge_policy *p, const char *buf, size_t len, char *err, size_t errlen);
+
+#define EDGE_MAX_TARGETS 16
+/* A routing decision: the candidate targets and what the policy said. */
+typedef struct edge_decision {
+    char version[96];              /* "7" or "none" (X-Fedinfer-Policy) */
+    char digest[65];               /* policy digest hex, "" for fallback */
+    int n;                         /* candidates; [0] is always the site */
+    char names[EDGE_MAX_TARGETS][64];
+    int permitted[EDGE_MAX_TARGETS];
+    int64_t score[EDGE_MAX_TARGETS];
+    char why[EDGE_MAX_TARGETS][256];    /* explanation, one line per target */
+    char rules[EDGE_MAX_TARGETS][256];  /* deciding rule ids, comma-separated */
+    char labels[256];              /* effective labels, comma-separated */
+    const char *eff_labels[EDGE_MAX_LABELS]; /* into labels_buf */
+    int n_eff_labels;
+    char labels_buf[EDGE_MAX_LABELS][64];
+    int bad_labels;                /* a label unknown to the policy */
+    int fallback;                  /* no valid policy: site only */
+} edge_decision;
+
+/* Decides req (origin is forced to the site) for the site and every cluster
+ * of the policy. Never fails: without a valid policy only the site is
+ * permitted. */
+void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, const char *model,
+                        const char *const *labels, int n_labels, int64_t prompt_tokens,
+                        edge_decision *d);
+/* Appends one audit record: decision "permit"/"deny"/"fallback"/"error",
+ * the chosen target ("" when none), its rules. */
+void edge_policy_audit(edge_policy *p, const char *request_id, const char *tenant,
+                       const char *app, const char *model, const edge_decision *d,
+                       const char *decision, const char *target, const char *rules,
+                       int64_t prompt_tokens);
+/* Records after seq (for upload), as a JSON array text (malloc'd) of at
+ * most max records; *last gets the last seq included, *count the number.
+ * NULL when none or on error. */
+char *edge_policy_audit_batch(edge_policy *p, int64_t after, int max, int64_t *last,
+                              int64_t *count);
+/* The highest seq acknowledged by the coordinator (kept in the db). */
+int64_t edge_policy_uploaded(edge_policy *p);
+void edge_policy_set_uploaded(edge_policy *p, int64_t seq);
+int64_t edge_policy_audit_head(edge_policy *p);
+
+/* --- the agent ----------------------------------------------------------- */
+
+/* Counters for /metrics; all atomic (HTTP threads update them). */
+typedef struct edge_metrics {
+    atomic_long requests;        /* inference requests received */
+    atomic_long ok_local;        /* served on site */
+    atomic_long ok_routed;       /* served by a cluster */
+    atomic_long denied;          /* 403: policy */
+    atomic_long rejected;        /* other 4xx */
+    atomic_long busy;            /* 429 */
+    atomic_long unavailable;     /* 503 */
+    atomic_long failed;          /* 5xx other than 503 */
+    atomic_long tokens;          /* completion tokens */
+    atomic_long ttft_bucket[8];  /* time to first token, cumulative le buckets */
+    atomic_long ttft_count;
+    atomic_long ttft_sum_us;
+} edge_metrics;
+
+struct fi_edge {
+    fi_edge_conf conf;            /* as loaded; limits may change on reload */
+    fi_model *model;              /* local model, NULL when none */
+    edge_exec local;              /* local executor (ctx NULL when no model) */
+    edge_exec remote;             /* fabric executor (ctx NULL when offline only) */
+    atomic_int *remote_online;    /* owned by the remote executor; NULL when none */
+    edge_policy *policy;          /* bundle, decisions, audit */
+    void *tokens;                 /* bearer tokens (edge_auth), NULL when auth is off */
+    struct MHD_Daemon *httpd;     /* the HTTP server */
+    int port;                     /* bound port */
+    atomic_int stopping;          /* 1: refuse new requests with 503 */
+    atomic_long next_id;          /* request ids */
+    edge_metrics m;
+};
+
+/* HTTP server (edge_http.c). */
+int edge_http_start(fi_edge *e, char *err, size_t errlen);
+void edge_http_stop(fi_edge *e);
+
+/* The routed executor (edge_remote.c): a fabric client on its own thread. */
+int edge_remote_new(fi_edge *e, edge_exec *out, char *err, size_t errlen);
+struct fi_client_opts;
+/* Client options from the configuration (keys loaded; wipe o->kp). */
+int edge_remote_client_opts(const fi_edge_conf *c, struct fi_client_opts *o, char *err,
+                            size_t errlen);
+
+/* Bearer tokens (edge_auth.c), stored hashed in the edge's SQLite. */
+void *edge_auth_open(const char *db, char *err, size_t errlen);
+void edge_auth_close(void **a);
+/* 1 with tenant and app filled when token is valid, else 0. */
+int edge_auth_check(void *a, const char *token, char *tenant, size_t tlen, char *app, size_t alen);
+void edge_token_hash(const char *token, char out[65]);
+/* Makes a token for tenant/app, stores its hash, and writes it to token. */
+int edge_token_add(const char *db, const char *tenant, const char *app, char *token, size_t toklen,
+                   char *err, size_t errlen);
+/* Revokes by token or by its hash. */
+int edge_token_revoke(const char *db, const char *token_or_hash, char *err, size_t errlen);
+
+#endif /* EDGE_IMPL_H */

@@ -1,0 +1,349 @@
+/*
+ * edge_policy.c - the policy the edge enforces and the record it keeps.
+ *
+ * The policy is the signed bundle held in policy_dir (policy/fi_bundle.h):
+ * verified against the trusted signer on every load, never used unsigned,
+ * rolled back or expired. With none (or none valid) every decision is the
+ * fail-closed fallback: the site itself only. Decisions go through
+ * fi_policy_decide_names, which also falls back when the policy expires
+ * while held.
+ *
+ * Every decision is appended to the hash-chained audit log (policy/
+ * fi_audit.h) in the edge's SQLite file; a small table of our own there
+ * remembers how far the coordinator has acknowledged the log, so an upload
+ * resumes after a restart of either side.
+ *
+ * Threads: HTTP threads decide and audit at once; the policy pointer is
+ * swapped under a read-write lock, the audit log is used under a mutex.
+ */
+#include <jansson.h>
+#include <sqlite3.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "edge_impl.h"
+#include "fi_audit.h"
+#include "fi_bundle.h"
+
+struct edge_policy {
+    char dir[FI_CONF_STR_MAX];       /* held bundle ("" : none configured) */
+    char site[FI_CONF_STR_MAX];      /* origin of every request */
+    char clusters[FI_CONF_STR_MAX];  /* ",a,b," clusters to consider ("" : all) */
+    uint8_t trusted[1][FI_BUNDLE_PK_BYTES]; /* the signer we accept */
+    int have_key;                    /* trusted is loaded */
+    pthread_rwlock_t lk;             /* guards pol, version, status */
+    fi_policy *pol;                  /* enforced policy, NULL: fallback */
+    uint64_t version;                /* its bundle version */
+    char status[256];                /* why there is none, for logs and headers */
+    pthread_mutex_t amu;             /* guards audit, db */
+    fi_audit *audit;                 /* the decision log */
+    sqlite3 *db;                     /* our own table (upload mark) */
+};
+
+static void s_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void s_log(const char *fmt, ...) {
+    char line[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "edge: %s\n", line);
+}
+
+void edge_policy_reload(edge_policy *p) {
+    fi_policy *pol = NULL;
+    uint64_t version = 0;
+    char err[256] = "";
+    fi_bundle_status st = FI_BUNDLE_NONE;
+    if (p->dir[0] && p->have_key)
+        st = fi_bundle_load(p->dir, (const uint8_t(*)[FI_BUNDLE_PK_BYTES])p->trusted, 1,
+                            (int64_t)time(NULL), &pol, &version, err, sizeof err);
+    pthread_rwlock_wrlock(&p->lk);
+    fi_policy_destroy(&p->pol);
+    p->pol = pol;
+    p->version = version;
+    if (st == FI_BUNDLE_OK)
+        snprintf(p->status, sizeof p->status, "policy version %llu", (unsigned long long)version);
+    else
+        snprintf(p->status, sizeof p->status, "no valid policy (%s%s%s): on-site processing only",
+                 p->dir[0] ? fi_bundle_status_str(st) : "none configured", err[0] ? ": " : "", err);
+    pthread_rwlock_unlock(&p->lk);
+    s_log("%s", p->status);
+}
+
+edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db, const char *site,
+                             const char *clusters, char *err, size_t errlen) {
+    edge_policy *p = calloc(1, sizeof *p);
+    if (!p) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    pthread_rwlock_init(&p->lk, NULL);
+    pthread_mutex_init(&p->amu, NULL);
+    snprintf(p->dir, sizeof p->dir, "%s", dir ? dir : "");
+    snprintf(p->site, sizeof p->site, "%s", site);
+    if (clusters && clusters[0]) {
+        size_t k = 0;
+        p->clusters[k++] = ',';
+        for (const char *c = clusters; *c && k + 2 < sizeof p->clusters; c++)
+            if (*c != ' ' && *c != '\t') p->clusters[k++] = *c;
+        p->clusters[k++] = ',';
+        p->clusters[k] = 0;
+    }
+    if (pubkey && pubkey[0]) {
+        if (fi_bundle_pub_load(pubkey, p->trusted[0], err, errlen) != 0) goto fail;
+        p->have_key = 1;
+    }
+    if (!(p->audit = fi_audit_open(db, err, errlen))) goto fail;
+    if (sqlite3_open(db, &p->db) != SQLITE_OK ||
+        sqlite3_exec(p->db,
+                     "PRAGMA busy_timeout=5000;"
+                     "CREATE TABLE IF NOT EXISTS edge_upload(id INTEGER PRIMARY KEY CHECK(id=1),"
+                     " seq INTEGER NOT NULL);"
+                     "INSERT OR IGNORE INTO edge_upload(id, seq) VALUES(1, 0);",
+                     NULL, NULL, NULL) != SQLITE_OK) {
+        snprintf(err, errlen, "%s: %s", db, p->db ? sqlite3_errmsg(p->db) : "cannot open");
+        goto fail;
+    }
+    edge_policy_reload(p);
+    return p;
+fail:
+    edge_policy_destroy(&p);
+    return NULL;
+}
+
+void edge_policy_destroy(edge_policy **pp) {
+    edge_policy *p = *pp;
+    if (!p) return;
+    *pp = NULL;
+    fi_policy_destroy(&p->pol);
+    fi_audit_destroy(&p->audit);
+    if (p->db) sqlite3_close(p->db);
+    pthread_rwlock_destroy(&p->lk);
+    pthread_mutex_destroy(&p->amu);
+    free(p);
+}
+
+int edge_policy_install(edge_policy *p, const char *buf, size_t len, char *err, size_t errlen) {
+    if (!p->dir[0] || !p->have_key) {
+        snprintf(err, errlen, "no policy_dir/policy_key configured: bundle ignored");
+        return -1;
+    }
+    fi_bundle_status st = fi_bundle_install(p->dir, buf, len,
+                                            (const uint8_t(*)[FI_BUNDLE_PK_BYTES])p->trusted, 1,
+                                            (int64_t)time(NULL), err, errlen);
+    if (st != FI_BUNDLE_OK) return -1;
+    edge_policy_reload(p);
+    return 0;
+}
+
+void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, const char *model,
+                        const char *const *labels, int n_labels, int64_t prompt_tokens,
+                        edge_decision *d) {
+    memset(d, 0, sizeof *d);
+    pthread_rwlock_rdlock(&p->lk);
+    const fi_policy *pol = p->pol;
+    int64_t now = (int64_t)time(NULL);
+    int current = pol && fi_policy_current(pol, now);
+    if (current) {
+        snprintf(d->version, sizeof d->version, "%llu", (unsigned long long)p->version);
+        fi_policy_digest_hex(pol, d->digest);
+    } else {
+        snprintf(d->version, sizeof d->version, "none");
+        d->fallback = 1;
+    }
+    /* Candidates: the site, then every cluster of the policy. */
+    const char *names[EDGE_MAX_TARGETS];
+    fi_target_kind kinds[EDGE_MAX_TARGETS];
+    snprintf(d->names[0], sizeof d->names[0], "%.63s", p->site);
+    names[0] = d->names[0];
+    kinds[0] = FI_TARGET_SITE;
+    d->n = 1;
+    for (size_t i = 0; current && i < fi_policy_target_count(pol) && d->n < EDGE_MAX_TARGETS; i++) {
+        if (fi_policy_target_kind(pol, i) != FI_TARGET_CLUSTER) continue;
+        if (p->clusters[0]) {
+            char pat[80];
+            snprintf(pat, sizeof pat, ",%.64s,", fi_policy_target_name(pol, i));
+            if (!strstr(p->clusters, pat)) continue;
+        }
+        snprintf(d->names[d->n], sizeof d->names[0], "%s", fi_policy_target_name(pol, i));
+        names[d->n] = d->names[d->n];
+        kinds[d->n] = FI_TARGET_CLUSTER;
+        d->n++;
+    }
+    /* Labels: the request's, or the policy's default. */
+    for (int i = 0; i < n_labels && i < EDGE_MAX_LABELS; i++)
+        snprintf(d->labels_buf[d->n_eff_labels++], 64, "%s", labels[i]);
+    if (!d->n_eff_labels && current && fi_policy_default_label(pol))
+        snprintf(d->labels_buf[d->n_eff_labels++], 64, "%s", fi_policy_default_label(pol));
+    size_t k = 0;
+    for (int i = 0; i < d->n_eff_labels; i++) {
+        d->eff_labels[i] = d->labels_buf[i];
+        k += (size_t)snprintf(d->labels + k, k < sizeof d->labels ? sizeof d->labels - k : 0,
+                              "%s%s", i ? "," : "", d->labels_buf[i]);
+    }
+    if (!d->labels[0]) snprintf(d->labels, sizeof d->labels, "(none)");
+    fi_request rq = {0};
+    rq.request_id = NULL;
+    rq.tenant = tenant && tenant[0] ? tenant : NULL;
+    rq.application = app && app[0] ? app : NULL;
+    rq.origin_site = p->site;
+    rq.model = model;
+    rq.labels = d->eff_labels;
+    rq.n_labels = (size_t)d->n_eff_labels;
+    rq.latency_ms = -1;
+    rq.prompt_tokens = prompt_tokens;
+    fi_verdict v[EDGE_MAX_TARGETS];
+    fi_policy_decide_names(current ? pol : NULL, now, &rq, names, kinds, (size_t)d->n, v);
+    for (int i = 0; i < d->n; i++) {
+        d->permitted[i] = v[i].permitted;
+        d->score[i] = v[i].score;
+        if (v[i].cause == FI_CAUSE_BAD_REQUEST) d->bad_labels = 1;
+        fi_verdict_explain(current ? pol : NULL, &v[i], names[i], d->why[i], sizeof d->why[i]);
+        size_t rk = 0;
+        unsigned nr = v[i].n_rules < FI_VERDICT_MAX_RULES ? v[i].n_rules : FI_VERDICT_MAX_RULES;
+        for (unsigned r = 0; current && r < nr; r++)
+            rk += (size_t)snprintf(d->rules[i] + rk, rk < sizeof d->rules[i] ? sizeof d->rules[i] - rk : 0,
+                                   "%s%s", r ? "," : "", fi_policy_rule_id(pol, v[i].rules[r]));
+        if (current && !v[i].permitted && !nr && v[i].cause == FI_CAUSE_DEFAULT_DENY)
+            snprintf(d->rules[i], sizeof d->rules[i], "default deny");
+        if (!current && !v[i].permitted)
+            snprintf(d->rules[i], sizeof d->rules[i], "no valid policy: on-site only");
+    }
+    pthread_rwlock_unlock(&p->lk);
+}
+
+void edge_policy_audit(edge_policy *p, const char *request_id, const char *tenant,
+                       const char *app, const char *model, const edge_decision *d,
+                       const char *decision, const char *target, const char *rules,
+                       int64_t prompt_tokens) {
+    fi_audit_record r;
+    memset(&r, 0, sizeof r);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    r.time = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    r.request_id = request_id;
+    r.tenant = tenant ? tenant : "";
+    r.application = app ? app : "";
+    r.origin = p->site;
+    r.labels = d->labels;
+    r.model = model;
+    r.latency_ms = -1;
+    r.prompt_tokens = prompt_tokens;
+    r.decision = decision;
+    r.target = target;
+    r.rules = rules;
+    r.policy_digest = d->digest;
+    char err[256];
+    pthread_mutex_lock(&p->amu);
+    if (fi_audit_append(p->audit, &r, err, sizeof err) != 0)
+        s_log("audit: cannot append the decision for %s: %s", request_id, err);
+    pthread_mutex_unlock(&p->amu);
+}
+
+void edge_policy_audit_note(edge_policy *p, const char *request_id, const char *model,
+                            const char *labels, const char *decision, const char *target,
+                            const char *rules) {
+    fi_audit_record r;
+    memset(&r, 0, sizeof r);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    r.time = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    r.request_id = request_id;
+    r.tenant = "";
+    r.application = "";
+    r.origin = p->site;
+    r.labels = labels;
+    r.model = model;
+    r.latency_ms = -1;
+    r.prompt_tokens = -1;
+    r.decision = decision;
+    r.target = target;
+    r.rules = rules;
+    r.policy_digest = "";
+    char err[256];
+    pthread_mutex_lock(&p->amu);
+    if (fi_audit_append(p->audit, &r, err, sizeof err) != 0)
+        s_log("audit: cannot append the note for %s: %s", request_id, err);
+    pthread_mutex_unlock(&p->amu);
+}
+
+typedef struct s_batch {
+    int64_t after;   /* records with seq > after */
+    int max;         /* at most */
+    json_t *arr;     /* collected */
+    int64_t last;    /* last seq taken */
+} s_batch;
+
+static int s_collect(const fi_audit_record *r, void *arg) {
+    s_batch *b = arg;
+    if (r->seq <= b->after) return 0;
+    json_array_append_new(
+        b->arr,
+        json_pack("{s:I,s:I,s:s,s:s,s:s,s:s,s:s,s:s,s:I,s:s,s:s,s:s,s:s,s:s}", "seq",
+                  (json_int_t)r->seq, "time", (json_int_t)r->time, "request_id", r->request_id,
+                  "tenant", r->tenant, "application", r->application, "origin", r->origin,
+                  "labels", r->labels, "model", r->model, "prompt_tokens",
+                  (json_int_t)r->prompt_tokens, "decision", r->decision, "target", r->target,
+                  "rules", r->rules, "policy_digest", r->policy_digest, "hash", r->hash));
+    b->last = r->seq;
+    return (int)json_array_size(b->arr) >= b->max;
+}
+
+char *edge_policy_audit_batch(edge_policy *p, int64_t after, int max, int64_t *last,
+                              int64_t *count) {
+    s_batch b = {after, max, json_array(), after};
+    char err[256];
+    pthread_mutex_lock(&p->amu);
+    int rc = fi_audit_query(p->audit, NULL, s_collect, &b, err, sizeof err);
+    pthread_mutex_unlock(&p->amu);
+    char *out = NULL;
+    if (rc == 0 && json_array_size(b.arr)) {
+        out = json_dumps(b.arr, JSON_COMPACT);
+        *last = b.last;
+        *count = (int64_t)json_array_size(b.arr);
+    }
+    json_decref(b.arr);
+    return out;
+}
+
+int64_t edge_policy_uploaded(edge_policy *p) {
+    int64_t seq = 0;
+    sqlite3_stmt *st = NULL;
+    pthread_mutex_lock(&p->amu);
+    if (sqlite3_prepare_v2(p->db, "SELECT seq FROM edge_upload WHERE id=1", -1, &st, NULL) ==
+            SQLITE_OK &&
+        sqlite3_step(st) == SQLITE_ROW)
+        seq = sqlite3_column_int64(st, 0);
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&p->amu);
+    return seq;
+}
+
+void edge_policy_set_uploaded(edge_policy *p, int64_t seq) {
+    sqlite3_stmt *st = NULL;
+    pthread_mutex_lock(&p->amu);
+    if (sqlite3_prepare_v2(p->db, "UPDATE edge_upload SET seq=?1 WHERE id=1 AND seq<?1", -1, &st,
+                           NULL) == SQLITE_OK) {
+        sqlite3_bind_int64(st, 1, seq);
+        if (sqlite3_step(st) != SQLITE_DONE) s_log("audit: cannot record the upload mark");
+    }
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&p->amu);
+}
+
+int64_t edge_policy_audit_head(edge_policy *p) {
+    int64_t seq = 0;
+    sqlite3_stmt *st = NULL;
+    pthread_mutex_lock(&p->amu);
+    if (sqlite3_prepare_v2(p->db, "SELECT COALESCE(MAX(seq),0) FROM audit", -1, &st, NULL) ==
+            SQLITE_OK &&
+        sqlite3_step(st) == SQLITE_ROW)
+        seq = sqlite3_column_int64(st, 0);
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&p->amu);
+    return seq;
+}

@@ -1,0 +1,469 @@
+/*
+ * edge_remote.c - the routed executor: the edge's fabric client, on a
+ * thread of its own (a fi_client is used by one thread). HTTP threads hand
+ * it jobs through a locked list and wake it through an inproc ZeroMQ pair;
+ * it sends each as an InferRequest, streams the chunks that come back into
+ * the job (stop strings are applied there, and end the work at the worker
+ * with a Cancel), and ends the job on the final result or an error.
+ *
+ * The same thread keeps the link's state (online or not, for the router),
+ * installs the policy bundles the coordinator pushes, and uploads the
+ * audit log in batches: a batch is marked uploaded only when the
+ * coordinator acknowledges it, and the mark lives in the edge's SQLite,
+ * so nothing is lost across restarts of either side (a batch may arrive
+ * twice; its records carry their sequence numbers and chain hashes).
+ *
+ * A client that disconnects sets its job's cancel flag and wakes this
+ * thread, which sends Cancel: the cluster stops generating.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "edge_impl.h"
+#include "fi_client.h"
+
+#define EDGE_AUDIT_BATCH 200     /* records per upload */
+#define EDGE_AUDIT_RETRY_MS 5000 /* resend an unacknowledged batch after */
+
+typedef struct s_open {
+    edge_job *job;          /* one reference */
+    char rid[EDGE_ID_LEN];  /* our request id on the fabric */
+    unsigned gen;           /* the client's reconnect count when sent */
+    int cancel_sent;        /* Cancel already sent */
+} s_open;
+
+typedef struct s_remote {
+    fi_edge *e;                 /* the agent (conf, policy) */
+    fi_client *client;          /* owned by the thread once started */
+    pthread_t thread;
+    void *zctx;                 /* our own context for the wake-up pair */
+    void *wake_tx, *wake_rx;    /* PUSH (under mu) -> PULL (thread) */
+    pthread_mutex_t mu;         /* guards inbox, n_inbox, stopping, wake_tx */
+    edge_job **inbox;           /* submitted, not yet sent */
+    int n_inbox, cap_inbox;
+    int stopping;               /* 1: refuse; 2: cancel everything and leave */
+    double deadline;            /* drain: cancel what runs after this */
+    atomic_int online;          /* 1 while the coordinator has answered Hello */
+    atomic_int n_open;          /* open requests, for depth */
+    int max_open;               /* queue bound */
+    /* thread-only state */
+    s_open *open;
+    int n_open_t, cap_open;
+    char upload_id[FI_WIRE_MAX_ID + 1]; /* batch awaiting its Ack ("" : none) */
+    int64_t upload_last;        /* its last seq */
+    uint64_t upload_at;         /* when it was sent */
+} s_remote;
+
+static void s_wake(s_remote *r) {
+    /* caller holds mu */
+    (void)zmq_send(r->wake_tx, "", 0, ZMQ_DONTWAIT);
+}
+
+static int s_submit(void *ctx, edge_job *j) {
+    s_remote *r = ctx;
+    pthread_mutex_lock(&r->mu);
+    if (r->stopping || r->n_inbox + atomic_load(&r->n_open) >= r->max_open) {
+        pthread_mutex_unlock(&r->mu);
+        return -1;
+    }
+    if (r->n_inbox == r->cap_inbox) {
+        int cap = r->cap_inbox ? 2 * r->cap_inbox : 16;
+        edge_job **n = realloc(r->inbox, (size_t)cap * sizeof *n);
+        if (!n) {
+            pthread_mutex_unlock(&r->mu);
+            return -1;
+        }
+        r->inbox = n;
+        r->cap_inbox = cap;
+    }
+    edge_job_ref(j);
+    r->inbox[r->n_inbox++] = j;
+    s_wake(r);
+    pthread_mutex_unlock(&r->mu);
+    return 0;
+}
+
+static int s_depth(void *ctx) {
+    s_remote *r = ctx;
+    pthread_mutex_lock(&r->mu);
+    int d = r->n_inbox + atomic_load(&r->n_open);
+    pthread_mutex_unlock(&r->mu);
+    return d;
+}
+
+static void s_send_cancel(s_remote *r, s_open *o) {
+    if (o->cancel_sent) return;
+    o->cancel_sent = 1;
+    Fi__Cancel cn = FI__CANCEL__INIT;
+    cn.request_id = o->rid;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_CANCEL;
+    m.cancel = &cn;
+    if (fi_client_send(r->client, &m) != 0)
+        fprintf(stderr, "edge: fabric: cannot send Cancel for %s\n", o->rid);
+}
+
+static void s_close_open(s_remote *r, int i) {
+    edge_job_unref(&r->open[i].job);
+    r->open[i] = r->open[r->n_open_t - 1];
+    r->n_open_t--;
+    atomic_store(&r->n_open, r->n_open_t);
+}
+
+/* Sends the inbox's jobs. */
+static void s_send_new(s_remote *r) {
+    pthread_mutex_lock(&r->mu);
+    edge_job **jobs = r->inbox;
+    int n = r->n_inbox;
+    r->inbox = NULL;
+    r->n_inbox = r->cap_inbox = 0;
+    pthread_mutex_unlock(&r->mu);
+    for (int i = 0; i < n; i++) {
+        edge_job *j = jobs[i];
+        if (!atomic_load(&r->online)) {
+            edge_job_fail(j, 503, "coordinator_unreachable",
+                          "the coordinator is unreachable; the request may not be served here");
+            edge_job_unref(&j);
+            continue;
+        }
+        if (r->n_open_t == r->cap_open) {
+            int cap = r->cap_open ? 2 * r->cap_open : 16;
+            s_open *no = realloc(r->open, (size_t)cap * sizeof *no);
+            if (!no) {
+                edge_job_fail(j, 500, "internal_error", "out of memory");
+                edge_job_unref(&j);
+                continue;
+            }
+            r->open = no;
+            r->cap_open = cap;
+        }
+        Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+        rq.request_id = j->id;
+        rq.model = j->model;
+        rq.prompt = j->text;
+        rq.labels = j->labels;
+        rq.n_labels = (size_t)j->n_labels;
+        rq.max_tokens = (uint32_t)j->max_tokens;
+        rq.temperature = j->sp.temperature;
+        rq.seed = j->sp.seed;
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_INFER;
+        m.infer = &rq;
+        if (fi_client_send(r->client, &m) != 0) {
+            edge_job_fail(j, 503, "coordinator_unreachable",
+                          "cannot send the request to the coordinator");
+            edge_job_unref(&j);
+            continue;
+        }
+        s_open *o = &r->open[r->n_open_t++];
+        memset(o, 0, sizeof *o);
+        o->job = j;
+        snprintf(o->rid, sizeof o->rid, "%s", j->id);
+        o->gen = fi_client_reconnects(r->client);
+        atomic_store(&r->n_open, r->n_open_t);
+    }
+    free(jobs);
+}
+
+static int s_find(s_remote *r, const char *rid) {
+    for (int i = 0; rid && i < r->n_open_t; i++)
+        if (!strcmp(r->open[i].rid, rid)) return i;
+    return -1;
+}
+
+static void s_on_error(s_remote *r, const Fi__Error *er) {
+    int i = s_find(r, er->request_id);
+    const char *msg = er->message ? er->message : "";
+    if (i < 0) {
+        if (r->upload_id[0] && (!er->request_id || !er->request_id[0]))
+            r->upload_id[0] = 0; /* our upload was refused: retried later */
+        fprintf(stderr, "edge: fabric: coordinator error (%s): %s\n",
+                fi_wire_error_name(er->code), msg);
+        return;
+    }
+    int status = 502;
+    const char *code = "upstream_error";
+    char text[400];
+    switch (er->code) {
+    case FI__ERROR_CODE__ERR_UNAUTHORISED:
+        status = 403;
+        code = "policy_denied";
+        snprintf(text, sizeof text, "denied by the coordinator's policy check: %s", msg);
+        {
+            edge_job *j = r->open[i].job;
+            char labels[256] = "";
+            for (int k = 0; k < j->n_labels; k++)
+                snprintf(labels + strlen(labels), sizeof labels - strlen(labels), "%s%s",
+                         k ? "," : "", j->labels[k]);
+            char rules[300];
+            snprintf(rules, sizeof rules, "coordinator: %.280s", msg);
+            edge_policy_audit_note(r->e->policy, j->id, j->model, labels, "deny", j->target,
+                                   rules);
+        }
+        break;
+    case FI__ERROR_CODE__ERR_BUSY:
+        status = 429;
+        code = "rate_limit_exceeded";
+        snprintf(text, sizeof text, "the cluster is busy: %s", msg);
+        break;
+    case FI__ERROR_CODE__ERR_NO_WORKER:
+        status = 503;
+        code = "target_unavailable";
+        snprintf(text, sizeof text, "no cluster serves the model now: %s", msg);
+        break;
+    default:
+        snprintf(text, sizeof text, "the cluster failed the request (%s): %s",
+                 fi_wire_error_name(er->code), msg);
+    }
+    edge_job_fail(r->open[i].job, status, code, text);
+    s_close_open(r, i);
+}
+
+static void s_dispatch(s_remote *r, fi_msg *m) {
+    switch (m->body_case) {
+    case FI__ENVELOPE__BODY_CHUNK: {
+        int i = s_find(r, m->chunk->request_id);
+        if (i < 0) return;
+        const char *t = m->chunk->text ? m->chunk->text : "";
+        int hit = edge_job_emit(r->open[i].job, t, strlen(t));
+        if (hit) {
+            /* A stop string (or the job already ended): stop the worker. */
+            s_send_cancel(r, &r->open[i]);
+            edge_job_finish(r->open[i].job, "stop", 0, 0);
+        }
+        return;
+    }
+    case FI__ENVELOPE__BODY_FINAL: {
+        int i = s_find(r, m->final->request_id);
+        if (i < 0) return;
+        const char *sr = m->final->stop_reason ? m->final->stop_reason : "";
+        edge_job *j = r->open[i].job;
+        pthread_mutex_lock(&j->mu);
+        int done = j->done;
+        pthread_mutex_unlock(&j->mu);
+        if (done) { /* ended by a stop string: fill in the usage */
+            pthread_mutex_lock(&j->mu);
+            j->n_prompt_tokens = (int)m->final->n_prompt;
+            j->n_completion_tokens = (int)m->final->n_generated;
+            pthread_mutex_unlock(&j->mu);
+        }
+        edge_job_finish(j, !strcmp(sr, "length") ? "length" : "stop", (int)m->final->n_prompt,
+                        (int)m->final->n_generated);
+        s_close_open(r, i);
+        return;
+    }
+    case FI__ENVELOPE__BODY_ERROR: s_on_error(r, m->error); return;
+    case FI__ENVELOPE__BODY_POLICY_BUNDLE: {
+        char err[512];
+        const Fi__PolicyBundle *b = m->policy_bundle;
+        if (edge_policy_install(r->e->policy, (const char *)b->bundle.data, b->bundle.len, err,
+                                sizeof err) == 0)
+            fprintf(stderr, "edge: installed policy bundle version %llu from the coordinator\n",
+                    (unsigned long long)b->version);
+        else
+            fprintf(stderr, "edge: refused policy bundle version %llu from the coordinator: %s\n",
+                    (unsigned long long)b->version, err);
+        return;
+    }
+    case FI__ENVELOPE__BODY_ACK:
+        if (r->upload_id[0] && m->ack->ref && !strcmp(m->ack->ref, r->upload_id)) {
+            edge_policy_set_uploaded(r->e->policy, r->upload_last);
+            r->upload_id[0] = 0;
+        }
+        return;
+    default: return;
+    }
+}
+
+/* Uploads the next batch of audit records when none is awaiting its Ack. */
+static void s_upload(s_remote *r) {
+    uint64_t now = fi_wire_now_ms();
+    if (r->upload_id[0] && now - r->upload_at < EDGE_AUDIT_RETRY_MS) return;
+    int64_t after = edge_policy_uploaded(r->e->policy);
+    if (edge_policy_audit_head(r->e->policy) <= after) return;
+    int64_t last = 0, count = 0;
+    char *batch = edge_policy_audit_batch(r->e->policy, after, EDGE_AUDIT_BATCH, &last, &count);
+    if (!batch) return;
+    snprintf(r->upload_id, sizeof r->upload_id, "a%lld-%lld-%llu", (long long)after + 1,
+             (long long)last, (unsigned long long)now);
+    Fi__AuditUpload au = FI__AUDIT_UPLOAD__INIT;
+    au.batch_id = r->upload_id;
+    au.first_seq = (uint64_t)after + 1;
+    au.count = (uint64_t)count;
+    au.batch.data = (uint8_t *)batch;
+    au.batch.len = strlen(batch);
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_AUDIT_UPLOAD;
+    m.audit_upload = &au;
+    if (fi_client_send(r->client, &m) != 0) r->upload_id[0] = 0;
+    r->upload_last = last;
+    r->upload_at = now;
+    free(batch);
+}
+
+static void *s_run(void *arg) {
+    s_remote *r = arg;
+    char err[512];
+    unsigned gen = fi_client_reconnects(r->client);
+    int was_online = 0;
+    for (;;) {
+        fi_msg *m = NULL;
+        int rc = fi_client_recv_or(r->client, 200, r->wake_rx, &m, err, sizeof err);
+        if (rc < 0) {
+            fprintf(stderr, "edge: fabric: %s\n", err);
+            usleep(200 * 1000);
+        }
+        if (rc == 2) {
+            char b[8];
+            while (zmq_recv(r->wake_rx, b, sizeof b, ZMQ_DONTWAIT) >= 0) {
+            }
+        }
+        if (rc == 1) {
+            s_dispatch(r, m);
+            fi_wire_free(&m);
+        }
+        int online = fi_client_ready(r->client);
+        atomic_store(&r->online, online);
+        if (online != was_online)
+            fprintf(stderr, "edge: coordinator %s\n", online ? "connected" : "unreachable");
+        was_online = online;
+        /* Requests open across a reconnection are lost. */
+        unsigned g = fi_client_reconnects(r->client);
+        if (g != gen) {
+            gen = g;
+            for (int i = r->n_open_t - 1; i >= 0; i--) {
+                edge_job_fail(r->open[i].job, 503, "coordinator_unreachable",
+                              "the connection to the coordinator was lost");
+                s_close_open(r, i);
+            }
+            r->upload_id[0] = 0;
+        }
+        s_send_new(r);
+        /* Cancellations (clients gone, timeouts, shutdown). */
+        double now = edge_now();
+        pthread_mutex_lock(&r->mu);
+        int stopping = r->stopping;
+        double deadline = r->deadline;
+        pthread_mutex_unlock(&r->mu);
+        for (int i = r->n_open_t - 1; i >= 0; i--) {
+            edge_job *j = r->open[i].job;
+            int late = j->timeout_s > 0 && now - j->t_submit > j->timeout_s;
+            int cut = stopping && (stopping == 2 || now > deadline);
+            if (atomic_load(&j->cancel) || late || cut) {
+                s_send_cancel(r, &r->open[i]);
+                edge_job_fail(j, cut ? 503 : late ? 504 : 499,
+                              cut ? "shutting_down" : late ? "timeout" : "cancelled",
+                              cut ? "the agent is stopping"
+                              : late ? "the request ran past its time limit"
+                                     : "the request was cancelled");
+                s_close_open(r, i);
+            }
+        }
+        if (online && !stopping) s_upload(r);
+        if (stopping && r->n_open_t == 0) break;
+    }
+    if (atomic_load(&r->online) && r->upload_id[0] == 0) s_upload(r); /* last records, best effort */
+    return NULL;
+}
+
+static void s_drain(void *ctx, int grace_ms) {
+    s_remote *r = ctx;
+    pthread_mutex_lock(&r->mu);
+    if (r->stopping) {
+        pthread_mutex_unlock(&r->mu);
+        return;
+    }
+    r->stopping = 1;
+    r->deadline = edge_now() + grace_ms / 1000.0;
+    s_wake(r);
+    pthread_mutex_unlock(&r->mu);
+    pthread_join(r->thread, NULL);
+    /* Anything submitted after the thread left. */
+    for (int i = 0; i < r->n_inbox; i++) {
+        edge_job_fail(r->inbox[i], 503, "shutting_down", "the agent is stopping");
+        edge_job_unref(&r->inbox[i]);
+    }
+    r->n_inbox = 0;
+}
+
+static void s_destroy(void *ctx) {
+    s_remote *r = ctx;
+    if (!r) return;
+    s_drain(r, 0);
+    fi_client_destroy(&r->client);
+    free(r->open);
+    free(r->inbox);
+    zmq_close(r->wake_tx);
+    zmq_close(r->wake_rx);
+    zmq_ctx_term(r->zctx);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}
+
+int edge_remote_client_opts(const fi_edge_conf *c, fi_client_opts *o, char *err, size_t errlen) {
+    fi_client_opts_default(o);
+    o->role = FI__ROLE__ROLE_EDGE;
+    snprintf(o->endpoint, sizeof o->endpoint, "%s", c->coordinator);
+    if (fi_keys_load_public(c->coordinator_key, o->server_pub, err, errlen) != 0) return -1;
+    if (fi_keys_load_secret(c->secret_key, &o->kp, err, errlen) != 0) return -1;
+    return 0;
+}
+
+int edge_remote_new(fi_edge *e, edge_exec *out, char *err, size_t errlen) {
+    s_remote *r = calloc(1, sizeof *r);
+    if (!r) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    r->e = e;
+    r->max_open = e->conf.concurrency * 4 + e->conf.queue;
+    if (r->max_open > 60) r->max_open = 60; /* the coordinator takes 64 per edge by default */
+    pthread_mutex_init(&r->mu, NULL);
+    fi_client_opts o;
+    if (edge_remote_client_opts(&e->conf, &o, err, errlen) != 0) goto fail;
+    r->client = fi_client_new(&o, err, errlen);
+    fi_keys_wipe(&o.kp);
+    if (!r->client) goto fail;
+    char ep[64];
+    snprintf(ep, sizeof ep, "inproc://edge-wake-%p", (void *)r);
+    r->zctx = zmq_ctx_new();
+    r->wake_rx = r->zctx ? zmq_socket(r->zctx, ZMQ_PULL) : NULL;
+    r->wake_tx = r->zctx ? zmq_socket(r->zctx, ZMQ_PUSH) : NULL;
+    int hwm = 1, linger = 0;
+    if (!r->wake_rx || !r->wake_tx || zmq_bind(r->wake_rx, ep) != 0 ||
+        zmq_setsockopt(r->wake_tx, ZMQ_SNDHWM, &hwm, sizeof hwm) != 0 ||
+        zmq_setsockopt(r->wake_tx, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_setsockopt(r->wake_rx, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_connect(r->wake_tx, ep) != 0) {
+        snprintf(err, errlen, "cannot make the wake-up pipe: %s", zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    /* Give the link a moment, so that the first requests can be routed. */
+    (void)fi_client_wait_ready(r->client, 1500, err, errlen);
+    atomic_store(&r->online, fi_client_ready(r->client));
+    fprintf(stderr, "edge: coordinator %s %s\n", e->conf.coordinator,
+            atomic_load(&r->online) ? "connected" : "unreachable for now (serving on site)");
+    if (pthread_create(&r->thread, NULL, s_run, r) != 0) {
+        snprintf(err, errlen, "cannot start the fabric thread");
+        goto fail;
+    }
+    e->remote_online = &r->online;
+    out->name = "fabric";
+    out->submit = s_submit;
+    out->depth = s_depth;
+    out->drain = s_drain;
+    out->destroy = s_destroy;
+    out->ctx = r;
+    return 0;
+fail:
+    fi_client_destroy(&r->client);
+    if (r->wake_tx) zmq_close(r->wake_tx);
+    if (r->wake_rx) zmq_close(r->wake_rx);
+    if (r->zctx) zmq_ctx_term(r->zctx);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+    return -1;
+}

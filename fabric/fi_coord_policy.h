@@ -1,0 +1,41 @@
+/*
+ * fi_coord_policy.h - the coordinator's own check of the residency policy
+ * for every routed request (fi_coord_opts.policy).
+ *
+ * The origin is the site of the edge's authenticated key (from the store),
+ * never anything in the request's body; the target is the cluster of the
+ * worker the coordinator picked (the worker's enrolled site name is the
+ * cluster's name in the policy). The policy is the newest bundle in the
+ * coordinator's store, verified against the trusted policy-signing key
+ * named by the environment variable FEDINFER_COORD_POLICY_KEY (a public
+ * key file, fedctl policy keygen). With the key set, the check fails
+ * closed: no bundle, a bad signature or an expired policy denies every
+ * routed request. Without it the check is off and says so once in the log.
+ */
+#ifndef FI_COORD_POLICY_H
+#define FI_COORD_POLICY_H
+
+#include <stddef.h>
+
+#include "fi_coord.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FI_COORD_POLICY_KEY_ENV "FEDINFER_COORD_POLICY_KEY"
+
+/* Installs the check into o (o->policy, o->policy_user = o->db, which must
+ * stay valid as long as o) unless o->policy is already set or the key is
+ * not configured. */
+void fi_coord_policy_attach(fi_coord_opts *o);
+
+/* The check itself (fi_coord_policy_fn): user is the store's path. 1 to
+ * permit; 0 to deny with reason naming the rule. */
+int fi_coord_policy_check(void *user, const Fi__InferRequest *req, const fi_peer_rec *origin,
+                          const fi_peer_rec *target, char *reason, size_t reasonlen);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FI_COORD_POLICY_H */

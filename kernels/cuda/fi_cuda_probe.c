@@ -1,0 +1,254 @@
+/*
+ * fi_cuda_probe.c - GPU timings for kernels/cuda/gpu-check.sh.
+ *
+ *   fi_cuda_probe [MODEL]
+ *
+ * Prints a table (one "name | value | note" row per line):
+ *   - cuBLASLt throughput (TFLOP/s) through the backend's matmul for the
+ *     model's shapes at 1, 32, 256 and 2048 tokens, against the same path on
+ *     an 8192^3 product (the card's measured fp16 peak here);
+ *   - prefill tokens/s for a 2048-token prompt;
+ *   - decode tokens/s at batch 1 in both weight modes (fp16, quantised
+ *     read), time per token against the sum of kernel times from CUDA
+ *     events (the launch-overhead gap);
+ *   - a 32-token step as the proxy for batch-32 decode (the engine has one
+ *     sequence per session; batched decode across sessions is not built).
+ * Without a device prints "SKIPPED: no CUDA device (...)" and exits 77.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "fi_cuda.h"
+#include "fi_model.h"
+
+static double s_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void s_row(const char *name, const char *value, const char *note) {
+    printf("| %-34s | %-22s | %s\n", name, value, note);
+}
+
+/* TFLOP/s of y = x . W^T for a rows x cols fp16 weight and n tokens;
+ * -1 on error (printed). */
+static double s_gemm_tflops(fi_backend *b, int rows, int cols, int n) {
+    const fi_backend_ops *o = b->ops;
+    size_t we = (size_t)rows * cols;
+    uint16_t *wh = malloc(we * sizeof *wh);
+    float *xh = malloc((size_t)n * cols * sizeof *xh);
+    double tf = -1;
+    float *x = NULL, *y = NULL;
+    fi_weight w = {0};
+    if (!wh || !xh)
+        goto done;
+    uint32_t s = 12345;
+    for (size_t i = 0; i < we; i++) {
+        s = s * 1664525u + 1013904223u;
+        wh[i] = fi_fp32_to_fp16(((float)(s >> 8) / 16777216.0f - 0.5f) * 0.1f);
+    }
+    for (size_t i = 0; i < (size_t)n * cols; i++)
+        xh[i] = (float)((i * 7919) % 1000) / 1000.0f - 0.5f;
+    w.data = wh;
+    w.type = FI_DTYPE_F16;
+    w.rows = rows;
+    w.cols = cols;
+    w.row_bytes = (size_t)cols * 2;
+    if (o->weight_upload(b->ctx, &w) != 0)
+        goto done;
+    x = o->alloc(b->ctx, (size_t)n * cols * sizeof(float));
+    y = o->alloc(b->ctx, (size_t)n * rows * sizeof(float));
+    if (!x || !y || o->to_backend(b->ctx, x, xh, (size_t)n * cols * sizeof(float)))
+        goto done;
+    double flops = 2.0 * rows * cols * n;
+    int reps = (int)ceil(4e10 / flops);
+    reps = reps < 3 ? 3 : reps > 500 ? 500 : reps;
+    o->matmul(b->ctx, y, &w, x, n); /* plan + warm-up */
+    if (o->sync(b->ctx))
+        goto done;
+    double t0 = s_now();
+    for (int r = 0; r < reps; r++)
+        o->matmul(b->ctx, y, &w, x, n);
+    if (o->sync(b->ctx))
+        goto done;
+    tf = flops * reps / (s_now() - t0) / 1e12;
+done:
+    if (tf < 0)
+        fprintf(stderr, "gemm %dx%d n=%d: %s\n", rows, cols, n,
+                o->last_error(b->ctx) ? o->last_error(b->ctx) : "out of memory");
+    if (w.dev)
+        o->weight_release(b->ctx, &w);
+    if (x)
+        o->free(b->ctx, x);
+    if (y)
+        o->free(b->ctx, y);
+    free(wh);
+    free(xh);
+    return tf;
+}
+
+static int32_t s_argmax(const float *x, int n) {
+    int32_t b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b])
+            b = i;
+    return b;
+}
+
+typedef struct model_times {
+    double prefill_tps;     /* 2048-token prompt */
+    double decode_tps;      /* batch 1, 128 tokens */
+    double ms_per_token;    /* wall time per decoded token */
+    double kernel_ms;       /* summed event time per decoded token */
+    double step32_tps;      /* tokens/s of 32-token steps */
+} model_times;
+
+static int s_model(const char *path, const char *mode, model_times *mt) {
+    char err[512];
+    if (setenv("FEDINFER_CUDA_WEIGHTS", mode, 1))
+        return -1;
+    fi_model_opts mo = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CUDA};
+    fi_model *m = fi_model_load(path, &mo, err, sizeof err);
+    if (!m) {
+        fprintf(stderr, "fi_cuda_probe: %s\n", err);
+        return -1;
+    }
+    const fi_config *c = fi_model_config(m);
+    int n_ctx = 2048 + 256 < c->ctx_train ? 2048 + 256 : c->ctx_train;
+    int n_prompt = n_ctx - 256;
+    fi_session *s = fi_session_new(m, n_ctx, err, sizeof err);
+    float *logits = malloc((size_t)c->n_vocab * sizeof *logits);
+    int32_t *toks = malloc((size_t)n_ctx * sizeof *toks);
+    int rc = -1;
+    if (!s || !logits || !toks)
+        goto done;
+    for (int i = 0; i < n_ctx; i++)
+        toks[i] = (int32_t)((i * 7919 + 13) % c->n_vocab);
+    if (fi_session_eval(s, toks, 16, logits, NULL, err, sizeof err)) /* warm-up */
+        goto fail;
+    fi_session_rewind(s, 0);
+    double t0 = s_now();
+    if (fi_session_eval(s, toks, n_prompt, logits, NULL, err, sizeof err))
+        goto fail;
+    mt->prefill_tps = n_prompt / (s_now() - t0);
+    /* decode at batch 1 after a 64-token prompt */
+    fi_session_rewind(s, 64);
+    int32_t id = s_argmax(logits, c->n_vocab);
+    const int n_gen = 128;
+    t0 = s_now();
+    for (int g = 0; g < n_gen; g++) {
+        if (fi_session_eval(s, &id, 1, logits, NULL, err, sizeof err))
+            goto fail;
+        id = s_argmax(logits, c->n_vocab);
+    }
+    double dt = s_now() - t0;
+    mt->decode_tps = n_gen / dt;
+    mt->ms_per_token = dt * 1e3 / n_gen;
+    /* the same with kernel timing on */
+    fi_backend *be = fi_model_backend(m);
+    fi_session_rewind(s, 64);
+    if (fi_cuda_backend_set_profile(be, 1) || fi_cuda_backend_kernel_ms(be) < 0)
+        goto done;
+    for (int g = 0; g < n_gen; g++) {
+        if (fi_session_eval(s, &id, 1, logits, NULL, err, sizeof err))
+            goto fail;
+        id = s_argmax(logits, c->n_vocab);
+    }
+    mt->kernel_ms = fi_cuda_backend_kernel_ms(be) / n_gen;
+    if (fi_cuda_backend_set_profile(be, 0))
+        goto done;
+    /* 32-token steps */
+    fi_session_rewind(s, 64);
+    const int steps = 16;
+    t0 = s_now();
+    for (int g = 0; g < steps; g++)
+        if (fi_session_eval(s, toks + 64 + 32 * g, 32, logits, NULL, err, sizeof err))
+            goto fail;
+    mt->step32_tps = 32.0 * steps / (s_now() - t0);
+    rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "fi_cuda_probe: %s\n", err);
+done:
+    free(logits);
+    free(toks);
+    fi_session_destroy(&s);
+    fi_model_destroy(&m);
+    return rc;
+}
+
+int main(int argc, char **argv) {
+    char err[512], v[64], note[128];
+    if (fi_cuda_device_count(err, sizeof err) < 0) {
+        printf("SKIPPED: no CUDA device (%s)\n", err);
+        return 77;
+    }
+    const char *path = argc > 1 ? argv[1] : getenv("FEDINFER_MODEL");
+    if (!path) {
+        fprintf(stderr, "usage: fi_cuda_probe MODEL\n");
+        return 2;
+    }
+    fi_backend *b = fi_cuda_backend_new(0, err, sizeof err);
+    if (!b) {
+        fprintf(stderr, "fi_cuda_probe: %s\n", err);
+        return 1;
+    }
+    /* the model's shapes, from a CPU load (no GPU memory used) */
+    fi_model_opts mo = {1, FI_SIMD_AUTO, 0, FI_DEVICE_CPU};
+    fi_model *m = fi_model_load(path, &mo, err, sizeof err);
+    if (!m) {
+        fprintf(stderr, "fi_cuda_probe: %s\n", err);
+        fi_backend_destroy(&b);
+        return 1;
+    }
+    fi_config c = *fi_model_config(m);
+    fi_model_destroy(&m);
+    int kv = c.n_kv_heads * c.head_dim;
+    s_row("device", fi_cuda_backend_device_name(b), "");
+    double peak = s_gemm_tflops(b, 8192, 8192, 8192);
+    snprintf(v, sizeof v, "%.1f TFLOP/s", peak);
+    s_row("GEMM 8192^3 fp16 (measured peak)", v, "same path as the model: fp32 x -> fp16, cuBLASLt");
+    struct {
+        const char *name;
+        int rows, cols;
+    } shapes[] = {{"q/o", c.dim, c.dim},      {"k/v", kv, c.dim},   {"gate/up", c.ffn_dim, c.dim},
+                  {"down", c.dim, c.ffn_dim}, {"logits", c.n_vocab, c.dim}};
+    const int ns[] = {1, 32, 256, 2048};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+            double tf = s_gemm_tflops(b, shapes[i].rows, shapes[i].cols, ns[k]);
+            char name[64];
+            snprintf(name, sizeof name, "GEMM %s %dx%d n=%d", shapes[i].name, shapes[i].rows,
+                     shapes[i].cols, ns[k]);
+            snprintf(v, sizeof v, "%.2f TFLOP/s", tf);
+            snprintf(note, sizeof note, "%.1f%% of the measured peak", peak > 0 ? 100 * tf / peak : 0);
+            s_row(name, v, note);
+        }
+    }
+    fi_backend_destroy(&b);
+
+    const char *modes[] = {"f16", "quant"};
+    for (int i = 0; i < 2; i++) {
+        model_times mt = {0};
+        if (s_model(path, modes[i], &mt) != 0)
+            return 1;
+        char name[64];
+        snprintf(name, sizeof name, "prefill 2048 [%s]", modes[i]);
+        snprintf(v, sizeof v, "%.0f tok/s", mt.prefill_tps);
+        s_row(name, v, "one fi_session_eval, chunks of 256");
+        snprintf(name, sizeof name, "decode batch 1 [%s]", modes[i]);
+        snprintf(v, sizeof v, "%.1f tok/s", mt.decode_tps);
+        snprintf(note, sizeof note, "%.3f ms/token wall, %.3f ms/token in kernels (gap %.3f ms)",
+                 mt.ms_per_token, mt.kernel_ms, mt.ms_per_token - mt.kernel_ms);
+        s_row(name, v, note);
+        snprintf(name, sizeof name, "32-token steps [%s]", modes[i]);
+        snprintf(v, sizeof v, "%.0f tok/s", mt.step32_tps);
+        s_row(name, v, "proxy for batch-32 decode (no cross-session batching yet)");
+    }
+    return 0;
+}

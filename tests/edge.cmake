@@ -1,0 +1,25 @@
+# Edge agent tests (issue 5): the C tests run under the sanitizers too
+# (label asan); the Python client tests and end-to-end scripts need the
+# venv that examples/setup.sh creates.
+foreach(t test_edge)
+  if(TARGET ${t})
+    set_tests_properties(${t} PROPERTIES LABELS asan TIMEOUT 300)
+  endif()
+endforeach()
+
+# Python tests: the official openai client from PyPI, in the venv that
+# examples/setup.sh makes at .venv (tests/run.sh runs setup first).
+set(FI_EDGE_VENV_PY ${CMAKE_SOURCE_DIR}/.venv/bin/python)
+set(FI_EDGE_PY_ENV "FEDINFER_BUILD=${CMAKE_BINARY_DIR};FEDINFER_MODEL=${FEDINFER_DEFAULT_MODEL}")
+if(TARGET fedinfer)
+  add_test(NAME edge_openai
+    COMMAND sh -c "if [ ! -x '${FI_EDGE_VENV_PY}' ]; then echo 'edge_openai: no venv at ${CMAKE_SOURCE_DIR}/.venv: run examples/setup.sh first' >&2; exit 1; fi; exec '${FI_EDGE_VENV_PY}' '${CMAKE_CURRENT_SOURCE_DIR}/edge/test_openai.py'"
+    WORKING_DIRECTORY ${CMAKE_SOURCE_DIR})
+  set_tests_properties(edge_openai PROPERTIES TIMEOUT 180 ENVIRONMENT "${FI_EDGE_PY_ENV}")
+endif()
+if(TARGET fedinfer AND TARGET fedctl)
+  add_test(NAME edge_e2e
+    COMMAND sh -c "if [ ! -x '${FI_EDGE_VENV_PY}' ]; then echo 'edge_e2e: no venv at ${CMAKE_SOURCE_DIR}/.venv: run examples/setup.sh first' >&2; exit 1; fi; exec '${FI_EDGE_VENV_PY}' '${CMAKE_CURRENT_SOURCE_DIR}/edge/test_e2e.py'"
+    WORKING_DIRECTORY ${CMAKE_SOURCE_DIR})
+  set_tests_properties(edge_e2e PROPERTIES TIMEOUT 240 ENVIRONMENT "${FI_EDGE_PY_ENV}")
+endif()

@@ -1,0 +1,172 @@
+"""The official openai client (PyPI) and plain curl against a running edge:
+chat and completions, streamed and not, stop strings, a denied request
+raising the SDK's error, bearer tokens, and a clean stop on SIGTERM."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+import openai
+from openai import OpenAI
+
+sys.path.insert(0, os.path.dirname(__file__))
+from edgeproc import Edge  # noqa: E402
+
+MODEL = os.environ.get("FEDINFER_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+M = "smollm2-135m"
+
+
+class OpenAIClient(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.edge = Edge(MODEL)
+        cls.c = OpenAI(base_url=cls.edge.url + "/v1", api_key="unused", max_retries=0)
+
+    @classmethod
+    def tearDownClass(cls):
+        code, took = cls.edge.stop()
+        cls.edge.cleanup()
+        assert code == 0, f"edge exited {code}"
+
+    def test_chat(self):
+        r = self.c.chat.completions.with_raw_response.create(
+            model=M, temperature=0, max_tokens=12,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        self.assertEqual(r.headers["x-fedinfer-target"], "berlin-clinic")
+        self.assertEqual(r.headers["x-fedinfer-policy"], "1")
+        cc = r.parse()
+        self.assertIn("Paris", cc.choices[0].message.content)
+        self.assertEqual(cc.usage.total_tokens, cc.usage.prompt_tokens + cc.usage.completion_tokens)
+        self.assertIn(cc.choices[0].finish_reason, ("stop", "length"))
+
+    def test_chat_stream(self):
+        whole = self.c.chat.completions.create(
+            model=M, temperature=0, max_tokens=10, seed=1,
+            messages=[{"role": "user", "content": "Name three colours."}]).choices[0].message.content
+        parts, finish = [], None
+        for ch in self.c.chat.completions.create(
+                model=M, temperature=0, max_tokens=10, seed=1, stream=True,
+                messages=[{"role": "user", "content": "Name three colours."}]):
+            if ch.choices and ch.choices[0].delta.content:
+                parts.append(ch.choices[0].delta.content)
+            if ch.choices and ch.choices[0].finish_reason:
+                finish = ch.choices[0].finish_reason
+        self.assertGreater(len(parts), 1)
+        self.assertEqual("".join(parts), whole)
+        self.assertIn(finish, ("stop", "length"))
+
+    def test_completions(self):
+        r = self.c.completions.create(model=M, prompt="1, 2, 3, 4,", temperature=0, max_tokens=8)
+        self.assertIn("5", r.choices[0].text)
+        self.assertGreater(r.usage.completion_tokens, 0)
+        text = "".join(ch.choices[0].text for ch in self.c.completions.create(
+            model=M, prompt="1, 2, 3, 4,", temperature=0, max_tokens=8, stream=True))
+        self.assertEqual(text, r.choices[0].text)
+
+    def test_stop_strings(self):
+        r = self.c.completions.create(model=M, prompt="1, 2, 3, 4,", temperature=0,
+                                      max_tokens=16, stop=["7"])
+        self.assertNotIn("7", r.choices[0].text)
+        self.assertIn("6", r.choices[0].text)
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        text = "".join(ch.choices[0].text for ch in self.c.completions.create(
+            model=M, prompt="1, 2, 3, 4,", temperature=0, max_tokens=16, stop=["7", "zz"],
+            stream=True))
+        self.assertEqual(text, r.choices[0].text)
+
+    def test_denied(self):
+        with self.assertRaises(openai.PermissionDeniedError) as cm:
+            self.c.chat.completions.create(
+                model=M, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"X-Data-Class": "secret"})
+        self.assertEqual(cm.exception.status_code, 403)
+        self.assertIn("secret nowhere", str(cm.exception))
+        with self.assertRaises(openai.PermissionDeniedError):
+            self.c.completions.create(model=M, prompt="x", max_tokens=4,
+                                      extra_body={"data_class": ["phi", "secret"]})
+
+    def test_bad_requests(self):
+        with self.assertRaises(openai.NotFoundError):
+            self.c.chat.completions.create(model="no-such-model", max_tokens=4,
+                                           messages=[{"role": "user", "content": "hi"}])
+        with self.assertRaises(openai.BadRequestError) as cm:
+            self.c.chat.completions.create(model=M, max_tokens=100000,
+                                           messages=[{"role": "user", "content": "hi"}])
+        self.assertIn("max_tokens", str(cm.exception))
+        with self.assertRaises(openai.BadRequestError):
+            self.c.chat.completions.create(model=M, max_tokens=4, n=2,
+                                           messages=[{"role": "user", "content": "hi"}])
+        with self.assertRaises(openai.BadRequestError):
+            self.c.chat.completions.create(model=M, max_tokens=4,
+                                           messages=[{"role": "user", "content": "hi"}],
+                                           extra_headers={"X-Data-Class": "no-such-label"})
+
+    def test_models(self):
+        self.assertEqual([m.id for m in self.c.models.list()], [M])
+
+    def test_curl(self):
+        out = subprocess.run(
+            ["curl", "-sS", "-N", self.edge.url + "/v1/chat/completions",
+             "-H", "Content-Type: application/json", "-H", "X-Data-Class: phi",
+             "-d", json.dumps({"model": M, "max_tokens": 6, "stream": True,
+                               "messages": [{"role": "user", "content": "hi"}]})],
+            check=True, capture_output=True, text=True).stdout
+        self.assertTrue(out.startswith("data: {"))
+        self.assertTrue(out.endswith("data: [DONE]\n\n"))
+        out = subprocess.run(
+            ["curl", "-sS", "-w", "%{http_code}", self.edge.url + "/v1/chat/completions",
+             "-d", "{not json"], capture_output=True, text=True).stdout
+        self.assertTrue(out.endswith("400"))
+        self.assertEqual(json.loads(out[:-3])["error"]["code"], "invalid_json")
+
+
+class Lifecycle(unittest.TestCase):
+    def test_bearer_tokens_and_sigterm(self):
+        e = Edge(MODEL, auth=True)
+        try:
+            tok = e.token("oncology", "triage-bot")
+            self.assertTrue(tok.startswith("fie_"))
+            with self.assertRaises(openai.AuthenticationError):
+                OpenAI(base_url=e.url + "/v1", api_key="wrong-token", max_retries=0) \
+                    .chat.completions.create(model=M, max_tokens=2,
+                                             messages=[{"role": "user", "content": "hi"}])
+            good = OpenAI(base_url=e.url + "/v1", api_key=tok, max_retries=0)
+            r = good.chat.completions.create(model=M, max_tokens=2,
+                                             messages=[{"role": "user", "content": "hi"}])
+            self.assertTrue(r.choices[0].message.content is not None)
+            # The tenant and application are in the audit log.
+            rows = subprocess.run(["sqlite3", f"{e.dir}/edge.db",
+                                   "SELECT tenant, application FROM audit ORDER BY seq DESC LIMIT 1"],
+                                  capture_output=True, text=True).stdout.strip()
+            self.assertEqual(rows, "oncology|triage-bot")
+            # SIGHUP reloads; the agent keeps serving.
+            e.proc.send_signal(1)
+            time.sleep(0.3)
+            r = good.completions.create(model=M, prompt="a", max_tokens=2)
+            # SIGTERM while a long request streams: it stops within the grace.
+            got = []
+
+            def long_request():
+                try:
+                    for ch in good.completions.create(model=M, prompt="Once upon a time",
+                                                      max_tokens=64, stream=True):
+                        got.append(ch)
+                except Exception as ex:  # the stream is cut at the grace's end
+                    got.append(ex)
+            t = threading.Thread(target=long_request)
+            t.start()
+            time.sleep(0.5)
+            code, took = e.stop()
+            t.join(10)
+            self.assertEqual(code, 0)
+            self.assertLess(took, 8)
+            self.assertIn("stopped", e.logs())
+        finally:
+            e.cleanup()
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

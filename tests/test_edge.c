@@ -1,0 +1,695 @@
+/*
+ * test_edge.c - the edge agent in process: configuration errors, the HTTP
+ * API against the real model (chat and completions, stream and not, stop
+ * strings, usage), bad input answered with OpenAI-shaped 4xx errors while
+ * the agent keeps serving, the queue's 429, 32 concurrent streams that do
+ * not mix, and the policy: a signed bundle on disk, fail-closed fallback,
+ * 403 naming the rule, 503 for what may only be served elsewhere, the
+ * audit log.
+ *
+ * The HTTP client is a plain socket speaking HTTP/1.0 (the server then
+ * closes after each answer, and streams arrive unchunked).
+ */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <jansson.h>
+
+#include "fi_audit.h"
+#include "fi_bundle.h"
+#include "fi_edge.h"
+
+typedef struct resp {
+    int status;
+    char *headers; /* raw header block */
+    char *body;    /* NUL-terminated */
+    size_t body_len;
+} resp;
+
+static void resp_free(resp *r) {
+    free(r->headers);
+    free(r->body);
+    memset(r, 0, sizeof *r);
+}
+
+/* Sends raw bytes, reads the whole answer. */
+static int http_raw(int port, const char *req, size_t req_len, resp *out) {
+    memset(out, 0, sizeof *out);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        close(fd);
+        return -1;
+    }
+    size_t off = 0;
+    while (off < req_len) {
+        ssize_t n = send(fd, req + off, req_len - off, MSG_NOSIGNAL);
+        if (n <= 0) break;
+        off += (size_t)n;
+    }
+    size_t cap = 65536, len = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (len + 4096 > cap) buf = realloc(buf, cap *= 2);
+        ssize_t n = recv(fd, buf + len, cap - len - 1, 0);
+        if (n <= 0) break;
+        len += (size_t)n;
+    }
+    close(fd);
+    buf[len] = 0;
+    char *sep = strstr(buf, "\r\n\r\n");
+    if (!sep || sscanf(buf, "HTTP/1.%*d %d", &out->status) != 1) {
+        free(buf);
+        return -1;
+    }
+    out->headers = strndup(buf, (size_t)(sep - buf));
+    out->body_len = len - (size_t)(sep + 4 - buf);
+    out->body = malloc(out->body_len + 1);
+    memcpy(out->body, sep + 4, out->body_len);
+    out->body[out->body_len] = 0;
+    free(buf);
+    return 0;
+}
+
+static int http(int port, const char *method, const char *path, const char *extra_headers,
+                const char *body, resp *out) {
+    size_t bl = body ? strlen(body) : 0;
+    size_t cap = bl + 1024 + (extra_headers ? strlen(extra_headers) : 0);
+    char *req = malloc(cap);
+    int n = snprintf(req, cap, "%s %s HTTP/1.0\r\nHost: x\r\nContent-Length: %zu\r\n%s\r\n",
+                     method, path, bl, extra_headers ? extra_headers : "");
+    memcpy(req + n, body ? body : "", bl);
+    int rc = http_raw(port, req, (size_t)n + bl, out);
+    free(req);
+    return rc;
+}
+
+/* The value of header name in r, copied into out (case-insensitive name). */
+static int header(const resp *r, const char *name, char *out, size_t cap) {
+    const char *p = r->headers;
+    size_t nl = strlen(name);
+    while ((p = strchr(p, '\n'))) {
+        p++;
+        if (!strncasecmp(p, name, nl) && p[nl] == ':') {
+            const char *v = p + nl + 1;
+            while (*v == ' ') v++;
+            size_t k = strcspn(v, "\r\n");
+            snprintf(out, cap, "%.*s", (int)k, v);
+            return 1;
+        }
+    }
+    out[0] = 0;
+    return 0;
+}
+
+/* Checks an OpenAI-shaped error body and returns its code (static). */
+static const char *error_code(const resp *r) {
+    static char code[64];
+    json_t *j = json_loads(r->body, 0, NULL);
+    assert_non_null(j);
+    json_t *e = json_object_get(j, "error");
+    assert_true(json_is_object(e));
+    assert_true(json_is_string(json_object_get(e, "message")));
+    assert_true(json_is_string(json_object_get(e, "type")));
+    assert_non_null(json_object_get(e, "param"));
+    snprintf(code, sizeof code, "%s", json_string_value(json_object_get(e, "code")));
+    json_decref(j);
+    return code;
+}
+
+/* The concatenated text of an SSE answer; checks the framing, that every
+ * chunk carries id, and the [DONE] end. finish gets the finish_reason. */
+static char *sse_text(const resp *r, const char *id, int chat, char *finish, size_t fcap) {
+    char *text = calloc(1, r->body_len + 1);
+    const char *p = r->body;
+    int done = 0;
+    finish[0] = 0;
+    while (*p) {
+        assert_int_equal(strncmp(p, "data: ", 6), 0);
+        const char *end = strstr(p, "\n\n");
+        assert_non_null(end);
+        if (!strncmp(p + 6, "[DONE]", 6)) {
+            done = 1;
+            p = end + 2;
+            assert_int_equal(*p, 0);
+            break;
+        }
+        json_t *j = json_loadb(p + 6, (size_t)(end - p - 6), 0, NULL);
+        assert_non_null(j);
+        if (id) assert_string_equal(json_string_value(json_object_get(j, "id")), id);
+        json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+        json_t *t = chat ? json_object_get(json_object_get(ch, "delta"), "content")
+                         : json_object_get(ch, "text");
+        if (json_is_string(t)) strcat(text, json_string_value(t));
+        json_t *f = json_object_get(ch, "finish_reason");
+        if (json_is_string(f)) {
+            snprintf(finish, fcap, "%s", json_string_value(f));
+            assert_non_null(json_object_get(j, "usage"));
+        }
+        json_decref(j);
+        p = end + 2;
+    }
+    assert_true(done);
+    return text;
+}
+
+/* --- fixture --------------------------------------------------------- */
+
+typedef struct fx {
+    char dir[64];     /* temporary directory */
+    fi_edge *e;
+    int port;
+    uint8_t sk[FI_BUNDLE_SK_BYTES], pk[FI_BUNDLE_PK_BYTES];
+} fx;
+
+static void write_file(const char *path, const char *fmt, ...) {
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
+    fclose(f);
+}
+
+static const char *s_policy =
+    "labels public, internal, pii, phi, secret;\n"
+    "default_label \"internal\";\n"
+    "jurisdiction EU;\n"
+    "region eu-central in EU;\n"
+    "site berlin-clinic in eu-central;\n"
+    "cluster fra-gpu-1 in eu-central { models = [\"smollm2-135m\", \"big-model\"]; }\n"
+    "permit \"own site\" when target.kind == \"site\" and target.name == request.origin.site;\n"
+    "permit \"public anywhere\" when request.labels <= [\"public\"];\n"
+    "forbid \"secret nowhere\" when \"secret\" in request.labels;\n"
+    "prefer \"on site\" score 5 when target.kind == \"site\";\n";
+
+/* Starts an edge in a fresh directory; with_policy installs a signed
+ * bundle of s_policy (version 1). */
+static fx *fx_start(int with_policy, int concurrency, int queue) {
+    fx *f = calloc(1, sizeof *f);
+    snprintf(f->dir, sizeof f->dir, "/tmp/test_edge.XXXXXX");
+    assert_non_null(mkdtemp(f->dir));
+    char path[256], err[768];
+    assert_int_equal(fi_bundle_keygen(f->pk, f->sk), 0);
+    snprintf(path, sizeof path, "%s/sign.key", f->dir);
+    assert_int_equal(fi_bundle_key_save(path, f->sk, err, sizeof err), 0);
+    snprintf(path, sizeof path, "%s/policy", f->dir);
+    mkdir(path, 0700);
+    if (with_policy) {
+        char *b;
+        size_t bl;
+        int64_t now = (int64_t)time(NULL);
+        assert_int_equal(fi_bundle_sign(f->sk, 1, now - 60, now + 3600, s_policy, strlen(s_policy),
+                                        &b, &bl),
+                         0);
+        assert_int_equal(fi_bundle_install(path, b, bl, (const uint8_t(*)[32])f->pk, 1, now, err,
+                                           sizeof err),
+                         FI_BUNDLE_OK);
+        free(b);
+    }
+    char conf[256];
+    snprintf(conf, sizeof conf, "%s/edge.conf", f->dir);
+    write_file(conf,
+               "site = berlin-clinic\nport = 0\nmodel = %s\nmodel_name = smollm2-135m\n"
+               "threads = 2\nn_ctx = 256\nconcurrency = %d\nqueue = %d\nmax_body = 16384\n"
+               "max_tokens = 64\ndefault_max_tokens = 8\nrequest_timeout_s = 60\n"
+               "db = %s/edge.db\npolicy_dir = %s/policy\npolicy_key = %s/sign.key.pub\n"
+               "shutdown_grace_s = 2\n",
+               FI_TEST_MODEL, concurrency, queue, f->dir, f->dir, f->dir);
+    fi_edge_conf c;
+    fi_edge_conf_default(&c);
+    if (fi_edge_conf_load(conf, &c, err, sizeof err) != 0) fail_msg("%s", err);
+    f->e = fi_edge_new(&c, err, sizeof err);
+    if (!f->e) fail_msg("%s", err);
+    f->port = fi_edge_port(f->e);
+    return f;
+}
+
+static void fx_stop(fx *f) {
+    fi_edge_destroy(&f->e);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", f->dir);
+    assert_int_equal(system(cmd), 0);
+    free(f);
+}
+
+static fx *s_fx; /* the shared agent of the API tests (policy installed) */
+
+static int setup_shared(void **state) {
+    (void)state;
+    s_fx = fx_start(1, 4, 4);
+    return 0;
+}
+
+static int teardown_shared(void **state) {
+    (void)state;
+    fx_stop(s_fx);
+    return 0;
+}
+
+/* --- tests ------------------------------------------------------------- */
+
+static void test_conf_errors(void **state) {
+    (void)state;
+    char path[] = "/tmp/test_edge_conf.XXXXXX", err[768];
+    int fd = mkstemp(path);
+    close(fd);
+    fi_edge_conf c;
+    write_file(path, "site = a\nmodel = m.gguf\nmodel_name = m\nbogus = 1\n");
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":4:"));
+    assert_non_null(strstr(err, "bogus"));
+    write_file(path, "site = a\nport = 70000\n");
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":2:"));
+    assert_non_null(strstr(err, "port"));
+    write_file(path, "model = m.gguf\nmodel_name = m\n");
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "site"));
+    write_file(path, "site = a\nmodel = m.gguf\n");
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "model_name"));
+    write_file(path, "site = a\nmodel = m.gguf\nmodel_name = m\npolicy_dir = /x\n");
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "policy_key"));
+    unlink(path);
+}
+
+static const char *CHAT = "{\"model\":\"smollm2-135m\",\"temperature\":0,\"max_tokens\":%d,"
+                          "\"stream\":%s,\"messages\":[{\"role\":\"user\",\"content\":\"%s\"}]%s}";
+
+static void test_chat(void **state) {
+    (void)state;
+    char body[1024], h[128];
+    resp r;
+    snprintf(body, sizeof body, CHAT, 12, "false", "What is the capital of France?", "");
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, body, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_true(header(&r, "X-Fedinfer-Target", h, sizeof h));
+    assert_string_equal(h, "berlin-clinic");
+    assert_true(header(&r, "X-Fedinfer-Policy", h, sizeof h));
+    assert_string_equal(h, "1");
+    json_t *j = json_loads(r.body, 0, NULL);
+    assert_non_null(j);
+    assert_string_equal(json_string_value(json_object_get(j, "object")), "chat.completion");
+    json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+    const char *text = json_string_value(json_object_get(json_object_get(ch, "message"), "content"));
+    assert_non_null(strstr(text, "Paris"));
+    json_t *u = json_object_get(j, "usage");
+    int pt = (int)json_integer_value(json_object_get(u, "prompt_tokens"));
+    int ct = (int)json_integer_value(json_object_get(u, "completion_tokens"));
+    assert_true(pt > 10);
+    assert_true(ct >= 1 && ct <= 12);
+    assert_int_equal(json_integer_value(json_object_get(u, "total_tokens")), pt + ct);
+    char *full = strdup(text);
+    json_decref(j);
+    resp_free(&r);
+    /* The same, streamed: the same text in chunks, then [DONE]. */
+    snprintf(body, sizeof body, CHAT, 12, "true", "What is the capital of France?", "");
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, body, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_true(header(&r, "Content-Type", h, sizeof h));
+    assert_string_equal(h, "text/event-stream");
+    char id[64], fin[32];
+    header(&r, "X-Request-Id", id, sizeof id);
+    char *st = sse_text(&r, id, 1, fin, sizeof fin);
+    assert_string_equal(st, full);
+    assert_true(!strcmp(fin, "stop") || !strcmp(fin, "length"));
+    free(st);
+    free(full);
+    resp_free(&r);
+}
+
+static void test_completions_stop(void **state) {
+    (void)state;
+    const char *b1 = "{\"model\":\"smollm2-135m\",\"prompt\":\"1, 2, 3, 4,\",\"temperature\":0,"
+                     "\"max_tokens\":12}";
+    resp r;
+    assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, b1, &r), 0);
+    assert_int_equal(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    const char *t = json_string_value(
+        json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text"));
+    assert_non_null(strstr(t, "6"));
+    json_decref(j);
+    resp_free(&r);
+    /* With a stop string: the text ends before it, finish_reason stop. */
+    const char *b2 = "{\"model\":\"smollm2-135m\",\"prompt\":\"1, 2, 3, 4,\",\"temperature\":0,"
+                     "\"max_tokens\":12,\"stop\":[\"6\"],\"stream\":true}";
+    assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, b2, &r), 0);
+    assert_int_equal(r.status, 200);
+    char fin[32];
+    char *st = sse_text(&r, NULL, 0, fin, sizeof fin);
+    assert_null(strchr(st, '6'));
+    assert_non_null(strchr(st, '5'));
+    assert_string_equal(fin, "stop");
+    free(st);
+    resp_free(&r);
+}
+
+static void test_bad_input(void **state) {
+    (void)state;
+    struct {
+        const char *path, *headers, *body;
+        int status;
+        const char *code;
+    } cases[] = {
+        {"/v1/chat/completions", NULL, "{bad", 400, "invalid_json"},
+        {"/v1/chat/completions", NULL, "", 400, "invalid_json"},
+        {"/v1/chat/completions", NULL, "[1,2]", 400, "invalid_json"},
+        {"/v1/chat/completions", NULL, "{\"model\":5,\"messages\":[]}", 400, "invalid_value"},
+        {"/v1/chat/completions", NULL, "{\"model\":\"smollm2-135m\",\"messages\":\"hi\"}", 400,
+         "invalid_value"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+         "\"max_tokens\":-1}",
+         400, "invalid_value"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+         "\"max_tokens\":1000000}",
+         400, "invalid_value"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+         "\"max_tokens\":1e400}",
+         400, "invalid_json"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+         "\"temperature\":\"hot\"}",
+         400, "invalid_value"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+         "\"temperature\":-3}",
+         400, "invalid_value"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"n\":2}",
+         400, "invalid_value"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+         "\"stop\":[1]}",
+         400, "invalid_value"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"wizard\",\"content\":\"hi\"}]}",
+         400, "invalid_value"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"model\":\"x\",\"messages\":[]}", 400, "invalid_json"},
+        {"/v1/completions", NULL, "{\"model\":\"smollm2-135m\",\"prompt\":\"a\\u0000b\"}", 400,
+         "invalid_json"},
+        {"/v1/chat/completions", "X-Data-Class: PHI;DROP\r\n",
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", 400,
+         "bad_label"},
+        {"/v1/chat/completions", "X-Data-Class: nosuchlabel\r\n",
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", 400,
+         "bad_label"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"gpt-9\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", 404,
+         "model_not_found"},
+        {"/v1/nothing", NULL, "{}", 404, "not_found"},
+    };
+    resp r;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        assert_int_equal(
+            http(s_fx->port, "POST", cases[i].path, cases[i].headers, cases[i].body, &r), 0);
+        if (r.status != cases[i].status) fail_msg("case %zu: status %d: %s", i, r.status, r.body);
+        assert_string_equal(error_code(&r), cases[i].code);
+        resp_free(&r);
+    }
+    /* Invalid UTF-8, deep nesting, a huge body and Content-Length, too
+     * many tokens. */
+    const char *bad_utf8 = "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\","
+                           "\"content\":\"\xff\xfe\"}]}";
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, bad_utf8, &r), 0);
+    assert_int_equal(r.status, 400);
+    assert_string_equal(error_code(&r), "invalid_json");
+    resp_free(&r);
+    char *deep = malloc(12001);
+    memset(deep, '[', 6000);
+    memset(deep + 6000, ']', 6000);
+    deep[12000] = 0;
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, deep, &r), 0);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(r.body, "nested"));
+    resp_free(&r);
+    free(deep);
+    char *big = malloc(40001);
+    memset(big, 'a', 40000);
+    big[40000] = 0;
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, big, &r), 0);
+    assert_int_equal(r.status, 413);
+    assert_string_equal(error_code(&r), "body_too_large");
+    resp_free(&r);
+    const char *huge_cl = "POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 99999999999\r\n\r\n{}";
+    assert_int_equal(http_raw(s_fx->port, huge_cl, strlen(huge_cl), &r), 0);
+    assert_int_equal(r.status, 413);
+    resp_free(&r);
+    /* Many tokens: over the context. */
+    size_t n = 15000;
+    char *lng = malloc(n + 200);
+    int k = snprintf(lng, n + 200, "{\"model\":\"smollm2-135m\",\"prompt\":\"");
+    for (size_t i = 0; i < (n - 100) / 4; i++) k += snprintf(lng + k, n + 200 - (size_t)k, " 1 2");
+    snprintf(lng + k, n + 200 - (size_t)k, "\"}");
+    assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, lng, &r), 0);
+    assert_int_equal(r.status, 400);
+    assert_string_equal(error_code(&r), "context_length_exceeded");
+    resp_free(&r);
+    free(lng);
+    /* Still serving. */
+    assert_int_equal(http(s_fx->port, "GET", "/healthz", NULL, NULL, &r), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    assert_int_equal(http(s_fx->port, "GET", "/v1/models", NULL, NULL, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "smollm2-135m"));
+    resp_free(&r);
+    assert_int_equal(http(s_fx->port, "GET", "/metrics", NULL, NULL, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "fedinfer_edge_requests_total "));
+    assert_non_null(strstr(r.body, "fedinfer_edge_ttft_seconds_count "));
+    resp_free(&r);
+}
+
+static int cb(const fi_audit_record *rec, void *arg) {
+    (void)rec;
+    (*(int *)arg)++;
+    return 0;
+}
+
+static void test_policy_decisions(void **state) {
+    (void)state;
+    const char *b = "{\"model\":\"smollm2-135m\",\"max_tokens\":2,\"temperature\":0,"
+                    "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    resp r;
+    char h[128];
+    /* Denied everywhere: 403 names the rule and the policy version. */
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", "X-Data-Class: secret, pii\r\n",
+                          b, &r),
+                     0);
+    assert_int_equal(r.status, 403);
+    assert_string_equal(error_code(&r), "policy_denied");
+    assert_non_null(strstr(r.body, "secret nowhere"));
+    json_t *j = json_loads(r.body, 0, NULL);
+    assert_string_equal(json_string_value(json_object_get(json_object_get(j, "error"), "rule")),
+                        "secret nowhere");
+    json_decref(j);
+    header(&r, "X-Fedinfer-Policy", h, sizeof h);
+    assert_string_equal(h, "1");
+    resp_free(&r);
+    /* The same label through the body. */
+    const char *b2 = "{\"model\":\"smollm2-135m\",\"max_tokens\":2,\"data_class\":[\"secret\"],"
+                     "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, b2, &r), 0);
+    assert_int_equal(r.status, 403);
+    resp_free(&r);
+    /* phi: on site. */
+    assert_int_equal(
+        http(s_fx->port, "POST", "/v1/chat/completions", "X-Data-Class: phi\r\n", b, &r), 0);
+    assert_int_equal(r.status, 200);
+    header(&r, "X-Fedinfer-Target", h, sizeof h);
+    assert_string_equal(h, "berlin-clinic");
+    resp_free(&r);
+    /* The audit log has each decision, chained. */
+    char path[256], err[256];
+    snprintf(path, sizeof path, "%s/edge.db", s_fx->dir);
+    fi_audit *a = fi_audit_open(path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_check chk;
+    assert_int_equal(fi_audit_verify(a, &chk, err, sizeof err), 0);
+    assert_true(chk.records >= 4);
+    fi_audit_filter f = {0};
+    f.decision = "deny";
+    f.rule = "secret nowhere";
+    int count = 0;
+    assert_int_equal(fi_audit_query(a, &f, cb, &count, err, sizeof err), 0);
+    assert_true(count >= 2);
+    fi_audit_destroy(&a);
+}
+
+/* No bundle, a tampered one, or an expired policy: on site only. */
+static void test_fail_closed(void **state) {
+    (void)state;
+    fx *f = fx_start(0, 1, 1);
+    const char *b = "{\"model\":\"smollm2-135m\",\"max_tokens\":2,"
+                    "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    resp r;
+    char h[128];
+    assert_int_equal(http(f->port, "POST", "/v1/chat/completions", "X-Data-Class: public\r\n", b, &r), 0);
+    assert_int_equal(r.status, 200);
+    header(&r, "X-Fedinfer-Policy", h, sizeof h);
+    assert_string_equal(h, "none");
+    header(&r, "X-Fedinfer-Target", h, sizeof h);
+    assert_string_equal(h, "berlin-clinic");
+    resp_free(&r);
+    /* A tampered bundle put in place by hand is refused on reload. */
+    char *bun;
+    size_t bl;
+    int64_t now = (int64_t)time(NULL);
+    assert_int_equal(fi_bundle_sign(f->sk, 5, now - 60, now + 3600, s_policy, strlen(s_policy),
+                                    &bun, &bl),
+                     0);
+    char *p = strstr(bun, "secret nowhere");
+    p[0] = 'S';
+    char path[256];
+    snprintf(path, sizeof path, "%s/policy/current.bundle", f->dir);
+    FILE *fp = fopen(path, "wb");
+    fwrite(bun, 1, bl, fp);
+    fclose(fp);
+    free(bun);
+    fi_edge_reload(f->e, NULL);
+    assert_int_equal(http(f->port, "POST", "/v1/chat/completions", "X-Data-Class: secret\r\n", b, &r), 0);
+    assert_int_equal(r.status, 200); /* the unknown label is not checked without a policy */
+    header(&r, "X-Fedinfer-Policy", h, sizeof h);
+    assert_string_equal(h, "none");
+    resp_free(&r);
+    fx_stop(f);
+}
+
+/* The queue: concurrency 1, queue 1: a third request at once gets 429. */
+typedef struct worker {
+    int port;
+    const char *body;
+    resp r;
+} worker;
+
+static void *s_worker(void *arg) {
+    worker *w = arg;
+    if (http(w->port, "POST", "/v1/chat/completions", NULL, w->body, &w->r) != 0) w->r.status = -1;
+    return NULL;
+}
+
+static void test_queue_full(void **state) {
+    (void)state;
+    fx *f = fx_start(1, 1, 1);
+    const char *slow = "{\"model\":\"smollm2-135m\",\"max_tokens\":40,\"temperature\":0,"
+                       "\"messages\":[{\"role\":\"user\",\"content\":\"Count to a hundred.\"}]}";
+    worker w[5];
+    pthread_t t[5];
+    for (int i = 0; i < 5; i++) {
+        w[i].port = f->port;
+        w[i].body = slow;
+        pthread_create(&t[i], NULL, s_worker, &w[i]);
+    }
+    int ok = 0, busy = 0;
+    for (int i = 0; i < 5; i++) {
+        pthread_join(t[i], NULL);
+        if (w[i].r.status == 200) ok++;
+        if (w[i].r.status == 429) {
+            busy++;
+            char h[32];
+            assert_true(header(&w[i].r, "Retry-After", h, sizeof h));
+            assert_string_equal(error_code(&w[i].r), "rate_limit_exceeded");
+        }
+        resp_free(&w[i].r);
+    }
+    assert_true(ok >= 2);
+    assert_true(busy >= 1);
+    assert_int_equal(ok + busy, 5);
+    fx_stop(f);
+}
+
+/* 32 clients at once, streams of four different prompts: every stream is
+ * whole, carries its own id only, and equal prompts give equal text. */
+typedef struct sworker {
+    int port, k;
+    char body[512];
+    char *text;
+    int status;
+} sworker;
+
+static void *s_sworker(void *arg) {
+    sworker *w = arg;
+    resp r;
+    if (http(w->port, "POST", "/v1/chat/completions", NULL, w->body, &r) != 0) {
+        w->status = -1;
+        return NULL;
+    }
+    w->status = r.status;
+    if (r.status == 200) {
+        char id[64], fin[32];
+        header(&r, "X-Request-Id", id, sizeof id);
+        w->text = sse_text(&r, id, 1, fin, sizeof fin);
+    }
+    resp_free(&r);
+    return NULL;
+}
+
+static void test_concurrent_streams(void **state) {
+    (void)state;
+    fx *f = fx_start(1, 8, 32);
+    static const char *q[4] = {"Name a colour.", "Name a fruit.", "What is 2+2?", "Say hello."};
+    enum { N = 32 };
+    sworker w[N];
+    pthread_t t[N];
+    for (int i = 0; i < N; i++) {
+        memset(&w[i], 0, sizeof w[i]);
+        w[i].port = f->port;
+        w[i].k = i % 4;
+        snprintf(w[i].body, sizeof w[i].body, CHAT, 6, "true", q[i % 4], "");
+        pthread_create(&t[i], NULL, s_sworker, &w[i]);
+    }
+    for (int i = 0; i < N; i++) pthread_join(t[i], NULL);
+    for (int i = 0; i < N; i++) {
+        if (w[i].status != 200) fail_msg("client %d: status %d", i, w[i].status);
+        assert_string_equal(w[i].text, w[i % 4].text);
+    }
+    assert_string_not_equal(w[0].text, w[1].text);
+    for (int i = 0; i < N; i++) free(w[i].text);
+    fx_stop(f);
+}
+
+int main(void) {
+    const struct CMUnitTest api[] = {
+        cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_completions_stop),
+        cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_policy_decisions),
+    };
+    const struct CMUnitTest alone[] = {
+        cmocka_unit_test(test_conf_errors),
+        cmocka_unit_test(test_fail_closed),
+        cmocka_unit_test(test_queue_full),
+        cmocka_unit_test(test_concurrent_streams),
+    };
+    int rc = cmocka_run_group_tests_name("edge_api", api, setup_shared, teardown_shared);
+    rc |= cmocka_run_group_tests_name("edge", alone, NULL, NULL);
+    return rc;
+}
