@@ -587,7 +587,12 @@ int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, fl
     size_t V = (size_t)c->n_vocab;
     for (int done = 0; done < n;) {
         int b = n - done < FI_MAX_BATCH ? n - done : FI_MAX_BATCH;
+        /* A decode step (one token, its logits wanted) goes to the backend
+         * as one recorded graph where the backend can (see graph_begin). */
+        int graph = n == 1 && logits && !all_logits && ops->graph_begin &&
+                    ops->graph_begin(bc) == 0;
         if (s_forward(s, toks + done, b) != 0) {
+            if (graph) (void)ops->graph_end(bc);
             s_err(err, errlen, "backend '%s' failed during the forward pass: %s", ops->name,
                   s_backend_error(m->be));
             return -1;
@@ -609,6 +614,7 @@ int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, fl
             const float *xl = s->x + (size_t)(b - 1) * c->dim;
             ops->rmsnorm(bc, s->xb, xl, m->output_norm, 1, c->dim, c->norm_eps);
             ops->matmul(bc, s->logits, &m->output, s->xb, 1);
+            if (graph && ops->graph_end(bc)) goto backend_fail;
             if (ops->to_host(bc, logits, s->logits, V * sizeof(float))) goto backend_fail;
         }
         done += b;

@@ -523,6 +523,65 @@ static void test_error_reported(void **state) {
     p->gpu->ops->free(p->gpu->ctx, dy);
 }
 
+/* Recorded steps give the same results as direct calls, with new inputs
+ * each time (the second and later graphs update the first in place). */
+static void test_graph(void **state) {
+    pair *p = *state;
+    fi_backend *g = p->gpu;
+    assert_int_equal(fi_cuda_backend_set_graphs(g, 1), 0);
+    rng r = rng_for("graph");
+    const size_t n = 4096;
+    float *x = fvec(n), *y = fvec(n), *want = fvec(n), *got = fvec(n);
+    float *dx = g->ops->alloc(g->ctx, n * 4), *dy = g->ops->alloc(g->ctx, n * 4);
+    assert_non_null(dx);
+    assert_non_null(dy);
+    for (int step = 0; step < 4; step++) {
+        fill(&r, x, n, -1, 1);
+        fill(&r, y, n, -1, 1);
+        for (size_t i = 0; i < n; i++)
+            want[i] = y[i];
+        p->cpu->ops->add(p->cpu->ctx, want, x, n);
+        p->cpu->ops->swiglu(p->cpu->ctx, want, x, n);
+        assert_int_equal(g->ops->to_backend(g->ctx, dy, y, n * 4), 0); /* outside */
+        assert_int_equal(g->ops->graph_begin(g->ctx), 0);
+        assert_int_equal(g->ops->to_backend(g->ctx, dx, x, n * 4), 0); /* staged */
+        memset(x, 0, n * 4); /* the staged copy must not read x later */
+        g->ops->add(g->ctx, dy, dx, n);
+        g->ops->swiglu(g->ctx, dy, dx, n);
+        assert_int_equal(g->ops->graph_end(g->ctx), 0);
+        to_host(g, got, dy, n * 4);
+        check("graph step: add, swiglu", got, want, n, TOL_F32);
+    }
+    long launched, inst;
+    fi_cuda_backend_graph_stats(g, &launched, &inst);
+    printf("  graphs: %ld launched, %ld instantiated\n", launched, inst);
+    assert_int_equal(launched, 4);
+    assert_int_equal(inst, 1);
+    assert_int_equal(fi_cuda_backend_set_graphs(g, 0), 0);
+    assert_int_equal(g->ops->graph_begin(g->ctx), -1); /* off: the caller goes on without */
+    g->ops->free(g->ctx, dx);
+    g->ops->free(g->ctx, dy);
+    free(x);
+    free(y);
+    free(want);
+    free(got);
+}
+
+/* A call that cannot be recorded fails the backend with a message rather
+ * than running out of order. */
+static void test_graph_misuse(void **state) {
+    pair *p = *state;
+    fi_backend *g = p->gpu;
+    float *d = g->ops->alloc(g->ctx, 64), h[16];
+    assert_non_null(d);
+    assert_int_equal(g->ops->graph_begin(g->ctx), 0);
+    assert_int_equal(g->ops->to_host(g->ctx, h, d, sizeof h), -1);
+    assert_int_equal(g->ops->graph_end(g->ctx), -1);
+    printf("  error: %s\n", g->ops->last_error(g->ctx));
+    assert_non_null(strstr(g->ops->last_error(g->ctx), "graph"));
+    assert_int_equal(g->ops->sync(g->ctx), -1);
+}
+
 /* --- the model end to end ------------------------------------------------ */
 
 static double cosine(const float *a, const float *b, int n) {
@@ -557,14 +616,17 @@ static void check_logits(const char *what, const float *g, const float *c, int V
     assert_true(bg == bc || gap < NEAR_TIE);
 }
 
-static void run_model(fi_cuda_weights mode) {
+static void run_model(fi_cuda_weights mode, int graphs) {
     if (access(FI_TEST_MODEL, R_OK) != 0) {
         printf("  model %s is absent: run examples/setup.sh\n", FI_TEST_MODEL);
         skip();
     }
     char err[512];
-    if (setenv("FEDINFER_CUDA_WEIGHTS", mode == FI_CUDA_WEIGHTS_QUANT ? "quant" : "f16", 1))
+    if (setenv("FEDINFER_CUDA_WEIGHTS", mode == FI_CUDA_WEIGHTS_QUANT ? "quant" : "f16", 1) ||
+        setenv("FEDINFER_CUDA_GRAPHS", graphs ? "1" : "0", 1))
         fail_msg("setenv");
+    printf("  weights %s, graphs %s\n", mode == FI_CUDA_WEIGHTS_QUANT ? "quant" : "f16",
+           graphs ? "on" : "off");
     fi_model_opts oc = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CPU}, og = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CUDA};
     fi_model *mc = fi_model_load(FI_TEST_MODEL, &oc, err, sizeof err);
     assert_non_null(mc);
@@ -626,16 +688,27 @@ static void run_model(fi_cuda_weights mode) {
     }
     free(lc);
     free(lg);
+    long launched, inst;
+    fi_cuda_backend_graph_stats(fi_model_backend(mg), &launched, &inst);
+    printf("  graphs: %ld launched, %ld instantiated\n", launched, inst);
+    if (graphs)
+        assert_true(launched >= 8 && inst <= launched);
+    else
+        assert_int_equal(launched, 0);
     fi_model_destroy(&mg);
     fi_model_destroy(&mc);
 }
 
 static void test_model_f16(void **state) {
-    run_model(FI_CUDA_WEIGHTS_F16);
+    run_model(FI_CUDA_WEIGHTS_F16, 1);
+}
+
+static void test_model_f16_no_graphs(void **state) {
+    run_model(FI_CUDA_WEIGHTS_F16, 0);
 }
 
 static void test_model_quant(void **state) {
-    run_model(FI_CUDA_WEIGHTS_QUANT);
+    run_model(FI_CUDA_WEIGHTS_QUANT, 1);
 }
 
 int main(void) {
@@ -661,7 +734,10 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_swiglu_add, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_argmax, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_error_reported, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_graph, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_graph_misuse, setup_f16, teardown),
         cmocka_unit_test(test_model_f16),
+        cmocka_unit_test(test_model_f16_no_graphs),
         cmocka_unit_test(test_model_quant),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
