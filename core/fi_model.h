@@ -95,6 +95,12 @@ void fi_session_rewind(fi_session *s, int pos);
 FI_MUST_CHECK int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits,
                                   float *all_logits, char *err, size_t errlen);
 
+/* fi_session_eval for greedy decoding: *next receives the index of the
+ * largest logit of the last token (the first on ties). On a backend with
+ * ops->argmax only that integer comes back to the host, not the logits. */
+FI_MUST_CHECK int fi_session_eval_greedy(fi_session *s, const int32_t *toks, int n,
+                                         int32_t *next, char *err, size_t errlen);
+
 /* --- sampling ---------------------------------------------------------- */
 typedef struct fi_sampler_params {
     float temperature;    /* <= 0: greedy */

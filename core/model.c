@@ -561,8 +561,10 @@ static int s_forward(fi_session *s, const int32_t *toks, int n) {
     return 0;
 }
 
-int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, float *all_logits,
-                    char *err, size_t errlen) {
+/* fi_session_eval, and with `next` (then logits and all_logits are NULL)
+ * the argmax of the last token's logits computed by the backend. */
+static int s_eval(fi_session *s, const int32_t *toks, int n, float *logits, float *all_logits,
+                  int32_t *next, char *err, size_t errlen) {
     fi_model *m = s->m;
     const fi_config *c = &m->cfg;
     const fi_backend_ops *ops = m->be->ops;
@@ -589,7 +591,7 @@ int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, fl
         int b = n - done < FI_MAX_BATCH ? n - done : FI_MAX_BATCH;
         /* A decode step (one token, its logits wanted) goes to the backend
          * as one recorded graph where the backend can (see graph_begin). */
-        int graph = n == 1 && logits && !all_logits && ops->graph_begin &&
+        int graph = n == 1 && (logits || next) && !all_logits && ops->graph_begin &&
                     ops->graph_begin(bc) == 0;
         if (s_forward(s, toks + done, b) != 0) {
             if (graph) (void)ops->graph_end(bc);
@@ -610,12 +612,14 @@ int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, fl
             }
             if (last_chunk && logits)
                 memcpy(logits, all_logits + (size_t)(n - 1) * V, V * sizeof(float));
-        } else if (last_chunk && logits) {
+        } else if (last_chunk && (logits || next)) {
             const float *xl = s->x + (size_t)(b - 1) * c->dim;
             ops->rmsnorm(bc, s->xb, xl, m->output_norm, 1, c->dim, c->norm_eps);
             ops->matmul(bc, s->logits, &m->output, s->xb, 1);
             if (graph && ops->graph_end(bc)) goto backend_fail;
-            if (ops->to_host(bc, logits, s->logits, V * sizeof(float))) goto backend_fail;
+            if (logits && ops->to_host(bc, logits, s->logits, V * sizeof(float)))
+                goto backend_fail;
+            if (next && ops->argmax(bc, next, s->logits, (int)V)) goto backend_fail;
         }
         done += b;
     }
@@ -625,4 +629,30 @@ backend_fail:
     s_err(err, errlen, "backend '%s' failed reading back logits: %s", ops->name,
           s_backend_error(m->be));
     return -1;
+}
+
+int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, float *all_logits,
+                    char *err, size_t errlen) {
+    return s_eval(s, toks, n, logits, all_logits, NULL, err, errlen);
+}
+
+int fi_session_eval_greedy(fi_session *s, const int32_t *toks, int n, int32_t *next, char *err,
+                           size_t errlen) {
+    const fi_backend_ops *ops = s->m->be->ops;
+    if (ops->argmax) return s_eval(s, toks, n, NULL, NULL, next, err, errlen);
+    int V = s->m->cfg.n_vocab;
+    float *logits = malloc((size_t)V * sizeof *logits);
+    if (!logits) {
+        s_err(err, errlen, "out of memory for %d logits", V);
+        return -1;
+    }
+    int rc = s_eval(s, toks, n, logits, NULL, NULL, err, errlen);
+    if (rc == 0) {
+        int32_t b = 0;
+        for (int i = 1; i < V; i++)
+            if (logits[i] > logits[b]) b = i;
+        *next = b;
+    }
+    free(logits);
+    return rc;
 }

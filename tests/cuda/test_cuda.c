@@ -665,11 +665,18 @@ static void run_model(fi_cuda_weights mode, int graphs) {
         }
         free(ac);
         free(ag);
-        /* greedy decode, one token per call */
+        /* greedy decode, one token per call; a third session decodes with
+         * the argmax on the device and must pick the GPU's own tokens */
+        fi_session *s2 = fi_session_new(mg, 512, err, sizeof err);
+        assert_non_null(s2);
+        int32_t t2 = -1;
+        if (fi_session_eval_greedy(s2, toks, n, &t2, err, sizeof err) != 0)
+            fail_msg("cuda eval_greedy: %s", err);
         int same = 0;
         for (int step = 0; step < GREEDY_STEPS; step++) {
             double gap, gapg;
             int32_t tc = argmax2(lc, V, &gap), tg = argmax2(lg, V, &gapg);
+            assert_int_equal(t2, tg);
             snprintf(what, sizeof what, "prompt %zu, step %d", k, step);
             check_logits(what, lg, lc, V);
             if (tc != tg) {
@@ -680,7 +687,10 @@ static void run_model(fi_cuda_weights mode, int graphs) {
             assert_int_equal(fi_session_eval(sc, &tc, 1, lc, NULL, err, sizeof err), 0);
             if (fi_session_eval(sg, &tg, 1, lg, NULL, err, sizeof err) != 0)
                 fail_msg("cuda eval: %s", err);
+            if (fi_session_eval_greedy(s2, &tg, 1, &t2, err, sizeof err) != 0)
+                fail_msg("cuda eval_greedy: %s", err);
         }
+        fi_session_destroy(&s2);
         printf("  prompt %zu: %d greedy tokens identical\n", k, same);
         assert_true(same >= 8);
         fi_session_destroy(&sc);
