@@ -281,25 +281,34 @@ __global__ static void k_matvec_q(float *y, const uint8_t *w, int t, int rows, i
     const uint8_t *row = w + (size_t)warp * row_bytes;
     int nb = cols / S_QK;
     float acc[FI_CUDA_QUANT_MAX_N];
+#pragma unroll
     for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++)
         acc[k] = 0.0f;
     for (int b = lane; b < nb; b += 32) {
         const uint8_t *blk = row + (size_t)b * blk_bytes;
         float v[S_QK];
+#pragma unroll
         for (int j = 0; j < S_QK; j++)
             v[j] = s_block_elem(t, blk, j);
-        for (int k = 0; k < n; k++) {
-            const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
-            float s = 0.0f;
-            for (int j = 0; j < S_QK; j++)
-                s = fmaf(v[j], xk[j], s);
-            acc[k] += s;
+#pragma unroll
+        for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++) {
+            if (k < n) {
+                const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < S_QK; j++)
+                    s = fmaf(v[j], xk[j], s);
+                acc[k] += s;
+            }
         }
     }
-    for (int k = 0; k < n; k++) {
-        float s = s_warp_sum(acc[k]);
-        if (lane == 0)
-            y[(size_t)k * rows + warp] = s;
+#pragma unroll
+    for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++) {
+        if (k < n) {
+            float s = s_warp_sum(acc[k]);
+            if (lane == 0)
+                y[(size_t)k * rows + warp] = s;
+        }
     }
 }
 
@@ -389,7 +398,10 @@ k_attention(float *out, float *part, const float *q, const uint16_t *kc, const u
     float scale = 1.0f / sqrtf((float)hd); /* as the CPU computes it */
     int np = pos[t] + 1;
     float m = -INFINITY, l = 0.0f;
+    /* lane holds dims lane, lane+32, ...; fixed trip counts keep acc in
+     * registers */
     float acc[S_ATT_MAX_HD / 32];
+#pragma unroll
     for (int j = 0; j < S_ATT_MAX_HD / 32; j++)
         acc[j] = 0.0f;
     for (int c0 = split * S_ATT_CHUNK; c0 < np; c0 += n_split * S_ATT_CHUNK) {
@@ -411,16 +423,20 @@ k_attention(float *out, float *part, const float *q, const uint16_t *kc, const u
                 e = expf(s - m);
             }
             l = l * r + e;
-            for (int j = 0, d = lane; d < hd; j++, d += 32)
-                acc[j] = acc[j] * r + e * s_h2f(vr[d]);
+#pragma unroll
+            for (int j = 0; j < S_ATT_MAX_HD / 32; j++)
+                if (lane + 32 * j < hd)
+                    acc[j] = acc[j] * r + e * s_h2f(vr[lane + 32 * j]);
         }
     }
     if (lane == 0) {
         wm[warp] = m;
         wl[warp] = l;
     }
-    for (int j = 0, d = lane; d < hd; j++, d += 32)
-        wo[warp][d] = acc[j];
+#pragma unroll
+    for (int j = 0; j < S_ATT_MAX_HD / 32; j++)
+        if (lane + 32 * j < hd)
+            wo[warp][lane + 32 * j] = acc[j];
     __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < S_ATT_WARPS; w++)
