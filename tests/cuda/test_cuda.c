@@ -48,6 +48,7 @@
 #define COS_MIN 0.999   /* logits cosine similarity floor */
 #define LOGIT_TOL 0.25  /* top-1 logit difference allowed */
 #define GREEDY_STEPS 24 /* decoded tokens compared per prompt */
+#define ENGINE_TIE 1e-3 /* GPU against itself: logits this close may swap */
 
 /* --- helpers ------------------------------------------------------------ */
 
@@ -212,6 +213,9 @@ static fi_weight make_weight(rng *r, fi_dtype t, int rows, int cols) {
             size_t bb = fi_dtype_block_bytes(t);
             for (size_t i = 0; i < bb; i++)
                 p[i] = (uint8_t)rng_u32(r);
+            if (t == FI_DTYPE_Q8_0) /* GGML's quants stay within [-127, 127] */
+                for (size_t i = 2; i < bb; i++)
+                    p[i] = p[i] == 0x80 ? 0x81 : p[i];
             h = fi_fp32_to_fp16(rng_f(r, 0.002f, t == FI_DTYPE_Q8_0 ? 0.01f : 0.1f));
             memcpy(p, &h, 2);
             if (t == FI_DTYPE_Q4_1) {
@@ -672,15 +676,22 @@ static void run_model(fi_cuda_weights mode, int graphs) {
         int32_t t2 = -1;
         if (fi_session_eval_greedy(s2, toks, n, &t2, err, sizeof err) != 0)
             fail_msg("cuda eval_greedy: %s", err);
-        int same = 0;
+        int same = 0, tie_stop = 0;
         for (int step = 0; step < GREEDY_STEPS; step++) {
             double gap, gapg;
             int32_t tc = argmax2(lc, V, &gap), tg = argmax2(lg, V, &gapg);
-            assert_int_equal(t2, tg);
+            /* same device, same kernels: equal, except that the first step's
+             * logits came from a differently shaped product (a near tie) */
+            if (t2 != tg) {
+                printf("  eval_greedy picked %d, logits %d (gap %.2g)\n", t2, tg, gapg);
+                assert_true(step == 0 && gapg < ENGINE_TIE);
+                t2 = tg;
+            }
             snprintf(what, sizeof what, "prompt %zu, step %d", k, step);
             check_logits(what, lg, lc, V);
             if (tc != tg) {
                 printf("  near tie at step %d (gap %.4f): comparison stops\n", step, gap);
+                tie_stop = 1;
                 break;
             }
             same++;
@@ -692,7 +703,7 @@ static void run_model(fi_cuda_weights mode, int graphs) {
         }
         fi_session_destroy(&s2);
         printf("  prompt %zu: %d greedy tokens identical\n", k, same);
-        assert_true(same >= 8);
+        assert_true(same >= 8 || tie_stop);
         fi_session_destroy(&sc);
         fi_session_destroy(&sg);
     }
