@@ -43,7 +43,8 @@ typedef struct fi_model fi_model;
 typedef enum fi_device {
     FI_DEVICE_CPU = 0,   /* the CPU backend (the default of zeroed options) */
     FI_DEVICE_CUDA = 1,  /* CUDA device 0; loading fails when there is none */
-    FI_DEVICE_AUTO = 2,  /* CUDA device 0 when present, else the CPU */
+    FI_DEVICE_AUTO = 2,  /* CUDA device 0 when present and the model loads
+                            there (fits in its memory), else the CPU */
 } fi_device;
 
 typedef struct fi_model_opts {

@@ -308,9 +308,28 @@ static float *s_bind_vector(fi_model *m, const char *name, int n, char *err, siz
     return dev;
 }
 
+static fi_model *s_load(const char *path, const fi_model_opts *opts, int *on_gpu, char *err,
+                        size_t errlen);
+
 fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, size_t errlen) {
     fi_model_opts defaults = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CPU};
     if (!opts) opts = &defaults;
+    int on_gpu = 0;
+    fi_model *m = s_load(path, opts, &on_gpu, err, errlen);
+    if (!m && on_gpu && opts->device == FI_DEVICE_AUTO) {
+        /* a device was there but could not take the model (memory, for
+         * one): the CPU may still run it, and reports its own error if not */
+        fi_model_opts cpu = *opts;
+        cpu.device = FI_DEVICE_CPU;
+        m = s_load(path, &cpu, &on_gpu, err, errlen);
+    }
+    return m;
+}
+
+/* fi_model_load on the backend opts names; *on_gpu is set when that
+ * backend turned out not to be the CPU. */
+static fi_model *s_load(const char *path, const fi_model_opts *opts, int *on_gpu, char *err,
+                        size_t errlen) {
     fi_model *m = calloc(1, sizeof *m);
     if (!m) {
         s_err(err, errlen, "out of memory");
@@ -328,6 +347,7 @@ fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, 
     if (!m->tok) goto fail;
     m->be = s_backend_new(opts, err, errlen);
     if (!m->be) goto fail;
+    *on_gpu = strcmp(m->be->ops->name, "cpu") != 0;
 
     fi_config *c = &m->cfg;
     const fi_gguf_tensor *emb = fi_gguf_find_tensor(m->gguf, "token_embd.weight");
