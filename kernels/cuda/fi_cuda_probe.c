@@ -1,7 +1,13 @@
 /*
  * fi_cuda_probe.c - GPU timings for kernels/cuda/gpu-check.sh.
  *
- *   fi_cuda_probe [MODEL]
+ *   fi_cuda_probe MODEL | --synthetic
+ *   fi_cuda_probe --write-synthetic PATH   (writes the model below; no GPU needed)
+ *
+ * --synthetic writes a random-weight model of the default model's shape
+ * (SmolLM2-135M: 30 layers, dim 576, 9/3 heads, ffn 1536, vocab 49152,
+ * Q4_1 matrices, tied Q8_0 embeddings) to a temporary file and times that:
+ * the same shapes and bytes, for machines the real file cannot reach.
  *
  * Prints a table (one "name | value | note" row per line):
  *   - cuBLASLt throughput (TFLOP/s) through the backend's matmul for the
@@ -22,8 +28,11 @@
 #include <string.h>
 #include <time.h>
 
+#include <unistd.h>
+
 #include "fi_cuda.h"
 #include "fi_model.h"
+#include "gguf_writer.h"
 
 static double s_now(void) {
     struct timespec ts;
@@ -203,17 +212,61 @@ done:
     return rc;
 }
 
+static int s_run(const char *path);
+
+/* A random-weight model of the default model's shapes at path; 0 or -1. */
+static int s_write_synthetic(const char *path) {
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.n_layers = 30;
+    o.dim = 576;
+    o.n_heads = 9;
+    o.n_kv_heads = 3;
+    o.ffn_dim = 1536;
+    o.n_vocab = 49152;
+    o.ctx = 8192;
+    o.wtype = FI_DTYPE_Q4_1;
+    o.embd_type = FI_DTYPE_Q8_0;
+    o.tied = 1;
+    o.rope_theta = 100000.0f;
+    if (fi_gw_tiny_llama_file(&o, path) != 0) {
+        fprintf(stderr, "fi_cuda_probe: could not write %s\n", path);
+        return -1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    char err[512], v[64], note[128];
+    char err[512];
+    if (argc == 3 && !strcmp(argv[1], "--write-synthetic"))
+        return s_write_synthetic(argv[2]) ? 1 : 0;
     if (fi_cuda_device_count(err, sizeof err) < 0) {
         printf("SKIPPED: no CUDA device (%s)\n", err);
         return 77;
     }
     const char *path = argc > 1 ? argv[1] : getenv("FEDINFER_MODEL");
+    char tmp[128] = "";
     if (!path) {
-        fprintf(stderr, "usage: fi_cuda_probe MODEL\n");
+        fprintf(stderr, "usage: fi_cuda_probe MODEL | --synthetic\n");
         return 2;
     }
+    if (!strcmp(path, "--synthetic")) {
+        snprintf(tmp, sizeof tmp, "/tmp/fi_cuda_probe_%d.gguf", (int)getpid());
+        if (s_write_synthetic(tmp) != 0)
+            return 1;
+        path = tmp;
+        s_row("model", "synthetic", "random weights, the default model's shapes and types");
+    }
+
+    int rc = s_run(path);
+    if (tmp[0])
+        unlink(tmp);
+    return rc;
+}
+
+/* Everything after the model is chosen; 0, or 1 on a failure (printed). */
+static int s_run(const char *path) {
+    char err[512], v[64], note[128];
     fi_backend *b = fi_cuda_backend_new(0, err, sizeof err);
     if (!b) {
         fprintf(stderr, "fi_cuda_probe: %s\n", err);

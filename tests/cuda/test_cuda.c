@@ -13,7 +13,8 @@
  * result; products of fp16 operands get 1e-2, everything else is tighter,
  * and store_f16 must match bit for bit.
  *
- * The model end to end (when the default model is present): greedy tokens
+ * The model end to end, on a small random-weight model written by the test
+ * and on the default model when it is present: greedy tokens
  * equal to the CPU backend's up to the first near tie (the CPU's top-2 logit
  * gap below NEAR_TIE), and logits with cosine similarity >= COS_MIN and a
  * top-1 logit within LOGIT_TOL, for the decoded steps and for a prefill
@@ -36,6 +37,7 @@
 #include "fi_cuda.h"
 #include "fi_kernels.h"
 #include "fi_model.h"
+#include "gguf_writer.h"
 
 #ifndef FI_TEST_MODEL
 #error "FI_TEST_MODEL (the model path) must be defined"
@@ -620,11 +622,7 @@ static void check_logits(const char *what, const float *g, const float *c, int V
     assert_true(bg == bc || gap < NEAR_TIE);
 }
 
-static void run_model(fi_cuda_weights mode, int graphs) {
-    if (access(FI_TEST_MODEL, R_OK) != 0) {
-        printf("  model %s is absent: run examples/setup.sh\n", FI_TEST_MODEL);
-        skip();
-    }
+static void run_model(const char *path, fi_cuda_weights mode, int graphs) {
     char err[512];
     if (setenv("FEDINFER_CUDA_WEIGHTS", mode == FI_CUDA_WEIGHTS_QUANT ? "quant" : "f16", 1) ||
         setenv("FEDINFER_CUDA_GRAPHS", graphs ? "1" : "0", 1))
@@ -632,9 +630,9 @@ static void run_model(fi_cuda_weights mode, int graphs) {
     printf("  weights %s, graphs %s\n", mode == FI_CUDA_WEIGHTS_QUANT ? "quant" : "f16",
            graphs ? "on" : "off");
     fi_model_opts oc = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CPU}, og = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CUDA};
-    fi_model *mc = fi_model_load(FI_TEST_MODEL, &oc, err, sizeof err);
+    fi_model *mc = fi_model_load(path, &oc, err, sizeof err);
     assert_non_null(mc);
-    fi_model *mg = fi_model_load(FI_TEST_MODEL, &og, err, sizeof err);
+    fi_model *mg = fi_model_load(path, &og, err, sizeof err);
     if (!mg)
         fail_msg("cuda model: %s", err);
     assert_true(fi_cuda_backend_is(fi_model_backend(mg)));
@@ -720,16 +718,58 @@ static void run_model(fi_cuda_weights mode, int graphs) {
     fi_model_destroy(&mc);
 }
 
+/* The default model; skipped when absent (it is not in the repository). */
+static const char *real_model(void) {
+    if (access(FI_TEST_MODEL, R_OK) != 0) {
+        printf("  model %s is absent: run examples/setup.sh\n", FI_TEST_MODEL);
+        skip();
+    }
+    return FI_TEST_MODEL;
+}
+
 static void test_model_f16(void **state) {
-    run_model(FI_CUDA_WEIGHTS_F16, 1);
+    run_model(real_model(), FI_CUDA_WEIGHTS_F16, 1);
 }
 
 static void test_model_f16_no_graphs(void **state) {
-    run_model(FI_CUDA_WEIGHTS_F16, 0);
+    run_model(real_model(), FI_CUDA_WEIGHTS_F16, 0);
 }
 
 static void test_model_quant(void **state) {
-    run_model(FI_CUDA_WEIGHTS_QUANT, 1);
+    run_model(real_model(), FI_CUDA_WEIGHTS_QUANT, 1);
+}
+
+/* A small random-weight model written here (tests/support), so the engine
+ * runs end to end on the GPU even where the default model cannot be
+ * copied: 4 layers, dim 256, 8/2 heads (head_dim 32), Q4_1 matrices,
+ * Q8_0 embeddings, untied output. */
+static void run_synthetic(fi_cuda_weights mode, int graphs) {
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.n_layers = 4;
+    o.dim = 256;
+    o.n_heads = 8;
+    o.n_kv_heads = 2;
+    o.ffn_dim = 512;
+    o.n_vocab = 1024;
+    o.ctx = 1024;
+    o.wtype = FI_DTYPE_Q4_1;
+    o.embd_type = FI_DTYPE_Q8_0;
+    o.tied = 0;
+    o.seed = g_seed;
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/fi_test_cuda_%d.gguf", (int)getpid());
+    assert_int_equal(fi_gw_tiny_llama_file(&o, path), 0);
+    run_model(path, mode, graphs);
+    unlink(path);
+}
+
+static void test_synthetic_f16(void **state) {
+    run_synthetic(FI_CUDA_WEIGHTS_F16, 1);
+}
+
+static void test_synthetic_quant_no_graphs(void **state) {
+    run_synthetic(FI_CUDA_WEIGHTS_QUANT, 0);
 }
 
 int main(void) {
@@ -757,6 +797,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_error_reported, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_graph, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_graph_misuse, setup_f16, teardown),
+        cmocka_unit_test(test_synthetic_f16),
+        cmocka_unit_test(test_synthetic_quant_no_graphs),
         cmocka_unit_test(test_model_f16),
         cmocka_unit_test(test_model_f16_no_graphs),
         cmocka_unit_test(test_model_quant),
