@@ -142,6 +142,18 @@ typedef struct fi_backend_ops {
      * comes back to the host (greedy decoding). Waits for queued work.
      * Returns 0, or -1 with the backend's error. */
     int (*argmax)(void *ctx, int32_t *out, const float *x, int n);
+    /* Record the work of the calls that follow, up to graph_end, and run it
+     * as one launch (a CUDA graph): for decode steps, whose hundreds of
+     * small kernels would otherwise cost a launch each. In between, only
+     * operations and to_backend (a few KiB in all: token ids, positions)
+     * may be called; not to_host, sync, argmax, alloc, free or weight
+     * calls. graph_begin returns 0, or -1 when the backend will not record
+     * now (graphs turned off, profiling): the caller then simply goes on
+     * without. After a 0 from graph_begin, graph_end must follow, on error
+     * paths too; it launches the recorded work and returns 0, or -1 with
+     * the backend's error. */
+    int (*graph_begin)(void *ctx);
+    int (*graph_end)(void *ctx);
 } fi_backend_ops;
 
 struct fi_backend {

@@ -67,11 +67,20 @@ const char *fi_cuda_backend_device_name(const fi_backend *b);
 FI_MUST_CHECK int fi_cuda_backend_set_weights(fi_backend *b, fi_cuda_weights mode);
 fi_cuda_weights fi_cuda_backend_weights(const fi_backend *b);
 
+/* Decode steps as CUDA graphs (ops->graph_begin / graph_end): on unless
+ * the environment variable FEDINFER_CUDA_GRAPHS is "0" at creation.
+ * 0, or -1 when b is not a CUDA backend. */
+FI_MUST_CHECK int fi_cuda_backend_set_graphs(fi_backend *b, int on);
+/* Graphs launched since creation, and how many of them had to be
+ * instantiated (the others updated the previous one in place). */
+void fi_cuda_backend_graph_stats(const fi_backend *b, long *launched, long *instantiated);
+
 /* Kernel timing with CUDA events, for the benchmark: while on, every
  * operation is bracketed by two events, and fi_cuda_backend_kernel_ms
  * returns the summed elapsed times of all operations since it was last
- * called (it synchronises). Costs a little time per operation; off by
- * default. -1 when b is not a CUDA backend or on a CUDA error. */
+ * called (it synchronises). Costs a little time per operation, and no
+ * graphs are recorded while it is on; off by default. -1 when b is not a
+ * CUDA backend or on a CUDA error. */
 FI_MUST_CHECK int fi_cuda_backend_set_profile(fi_backend *b, int on);
 double fi_cuda_backend_kernel_ms(fi_backend *b);
 
