@@ -20,9 +20,6 @@
 #include <string.h>
 
 #include "fi_model.h"
-#ifdef FI_HAVE_CUDA
-#include "fi_cuda.h"
-#endif
 
 /* Most tokens a forward pass takes at once; longer prompts go in chunks. */
 #define FI_MAX_BATCH 256
@@ -200,22 +197,13 @@ int fi_device_parse(const char *s, fi_device *out) {
  * device, "no CUDA device: <why>". AUTO falls back to the CPU quietly. */
 static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t errlen) {
     if (opts->device == FI_DEVICE_CUDA || opts->device == FI_DEVICE_AUTO) {
-#ifdef FI_HAVE_CUDA
         char why[384];
-        fi_backend *be = fi_cuda_backend_new(0, why, sizeof why);
+        fi_backend *be = fi_cuda_backend_open(0, why, sizeof why);
         if (be) return be;
         if (opts->device == FI_DEVICE_CUDA) {
             s_err(err, errlen, "no CUDA device: %s", why);
             return NULL;
         }
-#else
-        if (opts->device == FI_DEVICE_CUDA) {
-            s_err(err, errlen,
-                  "no CUDA device: this build has no CUDA backend (configure with "
-                  "-DFEDINFER_CUDA=ON on a machine with the CUDA toolkit)");
-            return NULL;
-        }
-#endif
     } else if (opts->device != FI_DEVICE_CPU) {
         s_err(err, errlen, "unknown device %d", (int)opts->device);
         return NULL;

@@ -178,6 +178,14 @@ int fi_cpu_backend_act_bits(const fi_backend *b);
 /* Threads in the CPU backend's pool; 0 when b is not a CPU backend. */
 int fi_cpu_backend_threads(const fi_backend *b);
 
+/* The CUDA backend on device `device`, loaded on demand from its module
+ * (kernels/cuda/, libfi_cuda.so) so that CPU-only processes never map the
+ * CUDA libraries. NULL with the reason in err: no CUDA in this build, no
+ * driver, the module cannot be loaded, or CUDA's own message (no device).
+ * fi_cuda_available() tells whether this build has the module at all. */
+fi_backend *fi_cuda_backend_open(int device, char *err, size_t errlen);
+int fi_cuda_available(void);
+
 /* Frees the backend and sets *b to NULL; safe on NULL or *b == NULL. */
 void fi_backend_destroy(fi_backend **b);
 

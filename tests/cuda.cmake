@@ -10,7 +10,7 @@
 if(FEDINFER_HAVE_CUDA)
   foreach(name test_cuda test_nccl)
     add_executable(${name} ${CMAKE_CURRENT_LIST_DIR}/cuda/${name}.c)
-    target_link_libraries(${name} PRIVATE ${FI_TEST_LIBS} PkgConfig::CMOCKA)
+    target_link_libraries(${name} PRIVATE fi_cuda ${FI_TEST_LIBS} PkgConfig::CMOCKA)
     target_compile_definitions(${name} PRIVATE FI_TEST_MODEL="${FEDINFER_DEFAULT_MODEL}")
     add_test(NAME ${name} COMMAND ${name})
     set_tests_properties(${name} PROPERTIES
@@ -24,6 +24,6 @@ if(FEDINFER_HAVE_CUDA)
   # decode timings with CUDA-event kernel sums. Here because --synthetic
   # writes its model with tests/support.
   add_executable(fi_cuda_probe ${CMAKE_SOURCE_DIR}/kernels/cuda/fi_cuda_probe.c)
-  target_link_libraries(fi_cuda_probe PRIVATE ${FI_TEST_LIBS})
+  target_link_libraries(fi_cuda_probe PRIVATE fi_cuda ${FI_TEST_LIBS})
   set_target_properties(fi_cuda_probe PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR})
 endif()

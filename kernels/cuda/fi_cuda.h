@@ -2,8 +2,9 @@
  * fi_cuda.h - the CUDA backend: fills fi_backend_ops (fi_kernels.h) with
  * device memory, hand-written kernels and cuBLASLt matrix products.
  *
- * Built only when CMake found nvcc (FEDINFER_HAVE_CUDA; code that may call
- * it tests FI_HAVE_CUDA). Everything a forward pass touches stays on the
+ * Built only when CMake found nvcc (FEDINFER_HAVE_CUDA), as a shared module
+ * (libfi_cuda.so) that the engine opens on demand through
+ * fi_cuda_backend_open (kernels/fi_cuda_loader.c); tests link it directly. Everything a forward pass touches stays on the
  * device: weights are uploaded once (fi_weight.dev), activations and the
  * fp16 KV cache are device memory from ops->alloc, and only what the
  * caller asks for with ops->to_host (logits) or ops->argmax (one token id)
