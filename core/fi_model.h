@@ -43,7 +43,8 @@ typedef struct fi_model fi_model;
 typedef enum fi_device {
     FI_DEVICE_CPU = 0,   /* the CPU backend (the default of zeroed options) */
     FI_DEVICE_CUDA = 1,  /* CUDA device 0; loading fails when there is none */
-    FI_DEVICE_AUTO = 2,  /* CUDA device 0 when present, else the CPU */
+    FI_DEVICE_AUTO = 2,  /* CUDA device 0 when present and the model loads
+                            there (fits in its memory), else the CPU */
 } fi_device;
 
 typedef struct fi_model_opts {
@@ -94,6 +95,12 @@ void fi_session_rewind(fi_session *s, int pos);
  * message in err when the context would overflow (nothing is changed). */
 FI_MUST_CHECK int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits,
                                   float *all_logits, char *err, size_t errlen);
+
+/* fi_session_eval for greedy decoding: *next receives the index of the
+ * largest logit of the last token (the first on ties). On a backend with
+ * ops->argmax only that integer comes back to the host, not the logits. */
+FI_MUST_CHECK int fi_session_eval_greedy(fi_session *s, const int32_t *toks, int n,
+                                         int32_t *next, char *err, size_t errlen);
 
 /* --- sampling ---------------------------------------------------------- */
 typedef struct fi_sampler_params {

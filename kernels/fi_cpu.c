@@ -142,8 +142,11 @@ static void s_run_rows(s_cpu *c, fi_mm_fn fn, const fi_mm_task *t, int rows) {
     fi_pool_run(c->pool, s_mm_worker, &j);
 }
 
+/* Quantises n activation rows for a quantised matmul: 16-bit blocks
+ * (fi_block_q16x) or 8-bit ones (fi_block_q8x). */
 typedef struct s_quant_job {
-    const fi_cpu_kernels *k;    /* quantiser */
+    const s_cpu *c;             /* kernels */
+    int bits;                   /* 16 or 8 */
     const float *x;             /* n rows of cols floats */
     uint8_t *xq;                /* n rows of xrow bytes */
     int n, cols;                /* shape */
@@ -153,85 +156,34 @@ typedef struct s_quant_job {
 static void s_quant_worker(void *arg, int ith, int nth) {
     s_quant_job *j = arg;
     int k0 = (int)((long)j->n * ith / nth), k1 = (int)((long)j->n * (ith + 1) / nth);
-    for (int k = k0; k < k1; k++)
-        j->k->quantize_q8x(j->x + (size_t)k * j->cols, (fi_block_q8x *)(j->xq + (size_t)k * j->xrow),
-                           j->cols / FI_QK);
+    for (int k = k0; k < k1; k++) {
+        const float *x = j->x + (size_t)k * j->cols;
+        uint8_t *xq = j->xq + (size_t)k * j->xrow;
+        if (j->bits == 16)
+            j->c->q16.quantize(x, (fi_block_q16x *)(void *)xq, j->cols / FI_QK);
+        else
+            j->c->k.quantize_q8x(x, (fi_block_q8x *)(void *)xq, j->cols / FI_QK);
+    }
 }
 
-static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t) {
+/* The kernel for weights of type t with activations of `bits` bits (bits is
+ * ignored for float weights, which take float activations). */
+static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t, int bits) {
     switch (t) {
     case FI_DTYPE_F32: return c->k.mm_f32;
     case FI_DTYPE_F16: return c->k.mm_f16;
     case FI_DTYPE_BF16: return c->k.mm_bf16;
-    case FI_DTYPE_Q4_0: return c->k.mm_q4_0;
-    case FI_DTYPE_Q4_1: return c->k.mm_q4_1;
-    case FI_DTYPE_Q8_0: return c->k.mm_q8_0;
+    case FI_DTYPE_Q4_0: return bits == 16 ? c->q16.mm_q4_0 : c->k.mm_q4_0;
+    case FI_DTYPE_Q4_1: return bits == 16 ? c->q16.mm_q4_1 : c->k.mm_q4_1;
+    case FI_DTYPE_Q8_0: return bits == 16 ? c->q16.mm_q8_0 : c->k.mm_q8_0;
     }
     return NULL;
 }
 
-typedef struct s_quant16_job {
-    const fi_q16_kernels *k;    /* quantiser */
-    const float *x;             /* n rows of cols floats */
-    uint8_t *xq;                /* n rows of xrow bytes */
-    int n, cols;                /* shape */
-    size_t xrow;                /* bytes per quantised row */
-} s_quant16_job;
-
-static void s_quant16_worker(void *arg, int ith, int nth) {
-    s_quant16_job *j = arg;
-    int k0 = (int)((long)j->n * ith / nth), k1 = (int)((long)j->n * (ith + 1) / nth);
-    for (int k = k0; k < k1; k++)
-        j->k->quantize(j->x + (size_t)k * j->cols, (fi_block_q16x *)(j->xq + (size_t)k * j->xrow),
-                       j->cols / FI_QK);
-}
-
-static fi_mm_fn s_mm16_fn(const s_cpu *c, fi_dtype t) {
-    switch (t) {
-    case FI_DTYPE_Q4_0: return c->q16.mm_q4_0;
-    case FI_DTYPE_Q4_1: return c->q16.mm_q4_1;
-    case FI_DTYPE_Q8_0: return c->q16.mm_q8_0;
-    default: return NULL;
-    }
-}
-
-/* Quantised weights with 16-bit activations (the default: accurate). */
-static void s_matmul16(s_cpu *c, float *y, const fi_weight *w, const float *x, int n) {
-    fi_mm_fn fn = s_mm16_fn(c, w->type);
-    assert(fn);
-    size_t xrow = (size_t)(w->cols / FI_QK) * sizeof(fi_block_q16x);
-    int group = n;
-    if (s_reserve(c, xrow * (size_t)n) != 0)
-        group = (int)(c->scratch_bytes / xrow);
-    if (group < 1) {
-        for (size_t i = 0; i < (size_t)n * (size_t)w->rows; i++)
-            y[i] = NAN;
-        return;
-    }
-    for (int k0 = 0; k0 < n; k0 += group) {
-        int g = n - k0 < group ? n - k0 : group;
-        s_quant16_job q = {.k = &c->q16, .x = x + (size_t)k0 * w->cols, .xq = c->scratch,
-                           .n = g, .cols = w->cols, .xrow = xrow};
-        if (c->n_threads > 1 && (size_t)g * (size_t)w->cols >= S_PAR_ELEMS && g > 1)
-            fi_pool_run(c->pool, s_quant16_worker, &q);
-        else
-            s_quant16_worker(&q, 0, 1);
-        fi_mm_task t = {
-            .w = w->data, .w_stride = w->row_bytes, .cols = w->cols,
-            .x = c->scratch, .x_stride = xrow, .n = g,
-            .y = y + (size_t)k0 * w->rows, .y_stride = w->rows,
-        };
-        s_run_rows(c, fn, &t, w->rows);
-    }
-}
-
 static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
     s_cpu *c = ctx;
-    if (c->act_bits == 16 && fi_dtype_block_elems(w->type) != 1) {
-        s_matmul16(c, y, w, x, n);
-        return;
-    }
-    fi_mm_fn fn = s_mm_fn(c, w->type);
+    int bits = c->act_bits;
+    fi_mm_fn fn = s_mm_fn(c, w->type, bits);
     assert(fn);
     fi_mm_task t = {
         .w = w->data, .w_stride = w->row_bytes, .cols = w->cols,
@@ -242,7 +194,9 @@ static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, in
         s_run_rows(c, fn, &t, w->rows);
         return;
     }
-    size_t xrow = (size_t)(w->cols / FI_QK) * sizeof(fi_block_q8x);
+    /* Quantised weights: quantise the activations once (in groups that fit
+     * the scratch buffer), then integer dot products. */
+    size_t xrow = (size_t)(w->cols / FI_QK) * (bits == 16 ? sizeof(fi_block_q16x) : sizeof(fi_block_q8x));
     int group = n;
     if (s_reserve(c, xrow * (size_t)n) != 0)
         group = (int)(c->scratch_bytes / xrow);
@@ -254,7 +208,7 @@ static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, in
     }
     for (int k0 = 0; k0 < n; k0 += group) {
         int g = n - k0 < group ? n - k0 : group;
-        s_quant_job q = {.k = &c->k, .x = x + (size_t)k0 * w->cols, .xq = c->scratch,
+        s_quant_job q = {.c = c, .bits = bits, .x = x + (size_t)k0 * w->cols, .xq = c->scratch,
                          .n = g, .cols = w->cols, .xrow = xrow};
         if (c->n_threads > 1 && (size_t)g * (size_t)w->cols >= S_PAR_ELEMS && g > 1)
             fi_pool_run(c->pool, s_quant_worker, &q);

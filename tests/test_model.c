@@ -447,8 +447,41 @@ static void test_device_choice(void **state) {
     assert_int_equal(fi_device_parse("gpu", &d), -1);
 }
 
+/* fi_session_eval_greedy picks the argmax of fi_session_eval's logits. */
+static void test_eval_greedy(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_model *m = s_load(&o, FI_SIMD_AUTO, 1);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    fi_session *a = fi_session_new(m, 64, err, sizeof err), *b = fi_session_new(m, 64, err, sizeof err);
+    assert_non_null(a);
+    assert_non_null(b);
+    float *logits = malloc((size_t)V * sizeof *logits);
+    assert_non_null(logits);
+    int32_t toks[5];
+    s_tokens(toks, 5, V, 7);
+    int32_t ta = toks[4], tb = toks[4];
+    assert_int_equal(fi_session_eval(a, toks, 4, logits, NULL, err, sizeof err), 0);
+    assert_int_equal(fi_session_eval_greedy(b, toks, 4, &tb, err, sizeof err), 0);
+    for (int step = 0; step < 6; step++) {
+        ta = 0;
+        for (int i = 1; i < V; i++)
+            if (logits[i] > logits[ta]) ta = i;
+        assert_int_equal(ta, tb);
+        assert_int_equal(fi_session_eval(a, &ta, 1, logits, NULL, err, sizeof err), 0);
+        assert_int_equal(fi_session_eval_greedy(b, &tb, 1, &tb, err, sizeof err), 0);
+    }
+    free(logits);
+    fi_session_destroy(&a);
+    fi_session_destroy(&b);
+    fi_model_destroy(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_eval_greedy),
         cmocka_unit_test(test_device_choice),
         cmocka_unit_test(test_config_and_shapes),
         cmocka_unit_test(test_batching_q8_0),

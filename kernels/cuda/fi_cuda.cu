@@ -22,6 +22,18 @@
  * Each query's length (pos[t] + 1) is read on the device, so the host never
  * needs the positions.
  *
+ * Graphs: between graph_begin and graph_end the stream is captured
+ * (cudaStreamBeginCapture) instead of run; graph_end turns the capture into
+ * a graph and launches it. The engine does this for every decode step, and
+ * each step's graph differs from the last only in kernel parameters (the
+ * KV-cache row written), so the executable graph is updated in place
+ * (cudaGraphExecUpdate) rather than instantiated again. While capturing,
+ * to_backend copies the host bytes into a pinned staging buffer at once and
+ * captures a copy from there (a copy from pageable memory cannot be
+ * captured); the next capture waits for the previous launch before it
+ * reuses the buffer. Nothing may allocate during a capture, so the scratch
+ * buffers a one-token step needs are allocated at creation.
+ *
  * Errors: see fi_cuda.h. s_ok / s_lt_ok record the first failure; every
  * operation starts with s_enter, which skips the work once failed.
  */
@@ -46,6 +58,8 @@
 #define S_ATT_MAX_HD 256                     /* largest head_dim supported */
 #define S_PROF_PAIRS 4096                    /* event pairs kept before a flush */
 #define S_QK 32                              /* elements per quantised block */
+#define S_STAGE_BYTES ((size_t)64 << 10)     /* pinned staging while capturing */
+#define S_XH_MIN ((size_t)1 << 18)           /* fp16 activations made at start */
 
 /* One cached cuBLASLt plan. */
 typedef struct s_plan {
@@ -88,6 +102,15 @@ typedef struct s_cuda {
     cudaEvent_t *ev;             /* 2 * S_PROF_PAIRS events when profiling */
     int n_pairs;                 /* pairs recorded since the last flush */
     double kernel_ms;            /* summed event time since last read */
+    int graphs;                  /* graph_begin may capture */
+    int capturing;               /* between graph_begin and graph_end */
+    cudaGraphExec_t exec;        /* the last step's executable graph */
+    cudaEvent_t graph_done;      /* recorded after each graph launch */
+    int graph_launched;          /* graph_done has been recorded */
+    uint8_t *stage;              /* S_STAGE_BYTES pinned, for to_backend */
+    size_t stage_used;           /* bytes of it used by this capture */
+    long n_graphs;               /* graphs launched */
+    long n_instantiated;         /* of which instantiated (not updated) */
 } s_cuda;
 
 /* --- errors ------------------------------------------------------------ */
@@ -258,25 +281,34 @@ __global__ static void k_matvec_q(float *y, const uint8_t *w, int t, int rows, i
     const uint8_t *row = w + (size_t)warp * row_bytes;
     int nb = cols / S_QK;
     float acc[FI_CUDA_QUANT_MAX_N];
+#pragma unroll
     for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++)
         acc[k] = 0.0f;
     for (int b = lane; b < nb; b += 32) {
         const uint8_t *blk = row + (size_t)b * blk_bytes;
         float v[S_QK];
+#pragma unroll
         for (int j = 0; j < S_QK; j++)
             v[j] = s_block_elem(t, blk, j);
-        for (int k = 0; k < n; k++) {
-            const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
-            float s = 0.0f;
-            for (int j = 0; j < S_QK; j++)
-                s = fmaf(v[j], xk[j], s);
-            acc[k] += s;
+#pragma unroll
+        for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++) {
+            if (k < n) {
+                const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < S_QK; j++)
+                    s = fmaf(v[j], xk[j], s);
+                acc[k] += s;
+            }
         }
     }
-    for (int k = 0; k < n; k++) {
-        float s = s_warp_sum(acc[k]);
-        if (lane == 0)
-            y[(size_t)k * rows + warp] = s;
+#pragma unroll
+    for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++) {
+        if (k < n) {
+            float s = s_warp_sum(acc[k]);
+            if (lane == 0)
+                y[(size_t)k * rows + warp] = s;
+        }
     }
 }
 
@@ -366,7 +398,10 @@ k_attention(float *out, float *part, const float *q, const uint16_t *kc, const u
     float scale = 1.0f / sqrtf((float)hd); /* as the CPU computes it */
     int np = pos[t] + 1;
     float m = -INFINITY, l = 0.0f;
+    /* lane holds dims lane, lane+32, ...; fixed trip counts keep acc in
+     * registers */
     float acc[S_ATT_MAX_HD / 32];
+#pragma unroll
     for (int j = 0; j < S_ATT_MAX_HD / 32; j++)
         acc[j] = 0.0f;
     for (int c0 = split * S_ATT_CHUNK; c0 < np; c0 += n_split * S_ATT_CHUNK) {
@@ -388,16 +423,20 @@ k_attention(float *out, float *part, const float *q, const uint16_t *kc, const u
                 e = expf(s - m);
             }
             l = l * r + e;
-            for (int j = 0, d = lane; d < hd; j++, d += 32)
-                acc[j] = acc[j] * r + e * s_h2f(vr[d]);
+#pragma unroll
+            for (int j = 0; j < S_ATT_MAX_HD / 32; j++)
+                if (lane + 32 * j < hd)
+                    acc[j] = acc[j] * r + e * s_h2f(vr[lane + 32 * j]);
         }
     }
     if (lane == 0) {
         wm[warp] = m;
         wl[warp] = l;
     }
-    for (int j = 0, d = lane; d < hd; j++, d += 32)
-        wo[warp][d] = acc[j];
+#pragma unroll
+    for (int j = 0; j < S_ATT_MAX_HD / 32; j++)
+        if (lane + 32 * j < hd)
+            wo[warp][lane + 32 * j] = acc[j];
     __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < S_ATT_WARPS; w++)
@@ -510,6 +549,10 @@ __global__ static void __launch_bounds__(1024) k_argmax(int32_t *out, const floa
 static int s_grow(s_cuda *c, void **buf, size_t *cap, size_t need, size_t elem, const char *what) {
     if (need <= *cap)
         return 0;
+    if (c->capturing) {
+        s_set_err(c, "cuda: %s: %s", what, "would allocate during a graph capture");
+        return -1;
+    }
     size_t n = need + need / 4;
     if (*buf && !s_ok(c, cudaFree(*buf), "cudaFree (scratch)"))
         return -1;
@@ -523,9 +566,17 @@ static int s_grow(s_cuda *c, void **buf, size_t *cap, size_t need, size_t elem, 
 
 /* --- memory ------------------------------------------------------------ */
 
+/* Refuses a call that cannot be part of a graph capture. */
+static int s_not_capturing(s_cuda *c, const char *what) {
+    if (!c->capturing)
+        return 1;
+    s_set_err(c, "cuda: %s: %s", what, "not allowed between graph_begin and graph_end");
+    return 0;
+}
+
 static void *s_alloc(void *ctx, size_t bytes) {
     s_cuda *c = (s_cuda *)ctx;
-    if (!s_enter(c))
+    if (!s_enter(c) || !s_not_capturing(c, "alloc"))
         return NULL;
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
@@ -545,7 +596,7 @@ static void *s_alloc(void *ctx, size_t bytes) {
 
 static void s_free(void *ctx, void *p) {
     s_cuda *c = (s_cuda *)ctx;
-    if (!p)
+    if (!p || !s_not_capturing(c, "free"))
         return;
     (void)cudaSetDevice(c->device);
     /* a failure here is reported by the next operation that checks */
@@ -558,6 +609,17 @@ static int s_to_backend(void *ctx, void *dst, const void *src, size_t bytes) {
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c))
         return -1;
+    if (c->capturing && bytes) {
+        size_t at = (c->stage_used + 15) / 16 * 16;
+        if (at + bytes > S_STAGE_BYTES) {
+            s_set_err(c, "cuda: %s: %s", "to_backend during a graph capture",
+                      "more than the 64 KiB staging buffer");
+            return -1;
+        }
+        memcpy(c->stage + at, src, bytes);
+        c->stage_used = at + bytes;
+        src = c->stage + at;
+    }
     /* From pageable memory this returns once src has been staged, so the
      * caller may reuse src at once. */
     if (bytes && !s_ok(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream),
@@ -568,7 +630,7 @@ static int s_to_backend(void *ctx, void *dst, const void *src, size_t bytes) {
 
 static int s_to_host(void *ctx, void *dst, const void *src, size_t bytes) {
     s_cuda *c = (s_cuda *)ctx;
-    if (!s_enter(c))
+    if (!s_enter(c) || !s_not_capturing(c, "to_host"))
         return -1;
     if (bytes && !s_ok(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream),
                        "cudaMemcpyAsync (to host)"))
@@ -590,7 +652,7 @@ static int s_copy(void *ctx, void *dst, const void *src, size_t bytes) {
 
 static int s_sync(void *ctx) {
     s_cuda *c = (s_cuda *)ctx;
-    if (!s_enter(c))
+    if (!s_enter(c) || !s_not_capturing(c, "sync"))
         return -1;
     if (!s_ok(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize"))
         return -1;
@@ -631,7 +693,7 @@ static void s_weight_free(s_cweight *cw) {
  * dequantises them to fp16 there (the raw copy is then freed). */
 static int s_weight_upload(void *ctx, fi_weight *w) {
     s_cuda *c = (s_cuda *)ctx;
-    if (!s_enter(c))
+    if (!s_enter(c) || !s_not_capturing(c, "weight_upload"))
         return -1;
     s_cweight *cw = (s_cweight *)calloc(1, sizeof *cw);
     uint8_t *raw = NULL;
@@ -921,7 +983,7 @@ static void s_add(void *ctx, float *y, const float *x, size_t n) {
 
 static int s_argmax(void *ctx, int32_t *out, const float *x, int n) {
     s_cuda *c = (s_cuda *)ctx;
-    if (!s_enter(c))
+    if (!s_enter(c) || !s_not_capturing(c, "argmax"))
         return -1;
     s_prof_begin(c);
     k_argmax<<<1, 1024, 0, c->stream>>>(c->arg_dev, x, n);
@@ -936,6 +998,64 @@ static int s_argmax(void *ctx, int32_t *out, const float *x, int n) {
     return 0;
 }
 
+/* --- graphs ------------------------------------------------------------ */
+
+static int s_graph_begin(void *ctx) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!c->graphs || c->profile || c->capturing || !s_enter(c))
+        return -1;
+    /* the previous graph may still read the staging buffer */
+    if (c->graph_launched &&
+        !s_ok(c, cudaEventSynchronize(c->graph_done), "cudaEventSynchronize (graph)"))
+        return -1;
+    if (!s_ok(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal),
+              "cudaStreamBeginCapture"))
+        return -1;
+    c->stage_used = 0;
+    c->capturing = 1;
+    return 0;
+}
+
+static int s_graph_end(void *ctx) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!c->capturing)
+        return -1;
+    c->capturing = 0;
+    (void)cudaSetDevice(c->device);
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (!s_ok(c, e, "cudaStreamEndCapture") || c->failed) {
+        /* what was recorded never ran: the pass is lost, and says so */
+        s_set_err(c, "cuda: %s%s", "a failure during graph capture", "");
+        if (g)
+            (void)cudaGraphDestroy(g);
+        return -1;
+    }
+    if (c->exec) {
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(c->exec, g, &info) != cudaSuccess) {
+            (void)cudaGetLastError(); /* not an error: the shape changed */
+            (void)cudaGraphExecDestroy(c->exec);
+            c->exec = NULL;
+        }
+    }
+    if (!c->exec) {
+        if (!s_ok(c, cudaGraphInstantiate(&c->exec, g, 0), "cudaGraphInstantiate")) {
+            c->exec = NULL;
+            (void)cudaGraphDestroy(g);
+            return -1;
+        }
+        c->n_instantiated++;
+    }
+    (void)cudaGraphDestroy(g);
+    if (!s_ok(c, cudaGraphLaunch(c->exec, c->stream), "cudaGraphLaunch") ||
+        !s_ok(c, cudaEventRecord(c->graph_done, c->stream), "cudaEventRecord (graph)"))
+        return -1;
+    c->graph_launched = 1;
+    c->n_graphs++;
+    return 0;
+}
+
 /* --- backend ----------------------------------------------------------- */
 
 static void s_destroy(void *ctx) {
@@ -943,8 +1063,20 @@ static void s_destroy(void *ctx) {
     if (!c)
         return;
     (void)cudaSetDevice(c->device);
+    if (c->capturing) {
+        cudaGraph_t g = NULL;
+        if (cudaStreamEndCapture(c->stream, &g) == cudaSuccess && g)
+            (void)cudaGraphDestroy(g);
+        c->capturing = 0;
+    }
     if (c->stream)
         (void)cudaStreamSynchronize(c->stream);
+    if (c->exec)
+        (void)cudaGraphExecDestroy(c->exec);
+    if (c->graph_done)
+        (void)cudaEventDestroy(c->graph_done);
+    if (c->stage)
+        (void)cudaFreeHost(c->stage);
     for (int i = 0; i < c->n_plans; i++)
         s_plan_free(&c->plans[i]);
     if (c->lt)
@@ -987,6 +1119,8 @@ static const fi_backend_ops s_cuda_ops = {
     /* .add = */ s_add,
     /* .last_error = */ s_last_error,
     /* .argmax = */ s_argmax,
+    /* .graph_begin = */ s_graph_begin,
+    /* .graph_end = */ s_graph_end,
 };
 
 extern "C" int fi_cuda_device_count(char *err, size_t errlen) {
@@ -1021,7 +1155,7 @@ extern "C" fi_backend *fi_cuda_backend_new(int device, char *err, size_t errlen)
     s_cuda *c = (s_cuda *)calloc(1, sizeof *c);
     fi_backend *b = (fi_backend *)calloc(1, sizeof *b);
     cudaDeviceProp prop;
-    const char *env = getenv("FEDINFER_CUDA_WEIGHTS");
+    const char *env = getenv("FEDINFER_CUDA_WEIGHTS"), *genv = NULL;
     if (!c || !b) {
         snprintf(err, errlen, "cuda backend: out of host memory");
         goto fail;
@@ -1032,18 +1166,35 @@ extern "C" fi_backend *fi_cuda_backend_new(int device, char *err, size_t errlen)
         goto fail;
     }
     c->mode = env && !strcmp(env, "quant") ? FI_CUDA_WEIGHTS_QUANT : FI_CUDA_WEIGHTS_F16;
+    genv = getenv("FEDINFER_CUDA_GRAPHS");
+    if (genv && *genv && strcmp(genv, "0") && strcmp(genv, "1")) {
+        snprintf(err, errlen, "FEDINFER_CUDA_GRAPHS must be '0' or '1', not '%.32s'", genv);
+        goto fail;
+    }
+    c->graphs = !(genv && !strcmp(genv, "0"));
     if (!s_ok(c, cudaSetDevice(device), "cudaSetDevice") ||
         !s_ok(c, cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties") ||
         !s_ok(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "cudaStreamCreate") ||
         !s_ok(c, cudaMalloc(&c->workspace, S_WORKSPACE_BYTES), "cudaMalloc (cuBLASLt workspace)") ||
         !s_ok(c, cudaMalloc((void **)&c->arg_dev, sizeof(int32_t)), "cudaMalloc (argmax)") ||
         !s_ok(c, cudaMallocHost((void **)&c->arg_host, sizeof(int32_t)), "cudaMallocHost (argmax)") ||
+        !s_ok(c, cudaMallocHost((void **)&c->stage, S_STAGE_BYTES), "cudaMallocHost (staging)") ||
+        !s_ok(c, cudaEventCreateWithFlags(&c->graph_done, cudaEventDisableTiming), "cudaEventCreate") ||
         !s_lt_ok(c, cublasLtCreate(&c->lt), "cublasLtCreate")) {
         snprintf(err, errlen, "%s", c->err);
         goto fail;
     }
     snprintf(c->name, sizeof c->name, "%s", prop.name);
     c->n_sm = prop.multiProcessorCount > 0 ? prop.multiProcessorCount : 1;
+    /* what a one-token step needs, so that a graph capture never allocates:
+     * fp16 activations for a row of up to S_XH_MIN elements, and attention
+     * partials (fewer than 4 * n_sm (token, head, split) blocks) */
+    if (s_grow(c, (void **)&c->xh, &c->xh_elems, S_XH_MIN, sizeof(__half), "cudaMalloc (fp16 activations)") ||
+        s_grow(c, (void **)&c->att_part, &c->att_part_floats, (size_t)4 * c->n_sm * (S_ATT_MAX_HD + 2),
+               sizeof(float), "cudaMalloc (attention partials)")) {
+        snprintf(err, errlen, "%s", c->err);
+        goto fail;
+    }
     b->ops = &s_cuda_ops;
     b->ctx = c;
     return b;
@@ -1107,4 +1258,20 @@ extern "C" double fi_cuda_backend_kernel_ms(fi_backend *b) {
     double ms = c->kernel_ms;
     c->kernel_ms = 0;
     return ms;
+}
+
+extern "C" int fi_cuda_backend_set_graphs(fi_backend *b, int on) {
+    if (!fi_cuda_backend_is(b))
+        return -1;
+    ((s_cuda *)b->ctx)->graphs = on != 0;
+    return 0;
+}
+
+extern "C" void fi_cuda_backend_graph_stats(const fi_backend *b, long *launched,
+                                            long *instantiated) {
+    const s_cuda *c = fi_cuda_backend_is(b) ? (const s_cuda *)b->ctx : NULL;
+    if (launched)
+        *launched = c ? c->n_graphs : 0;
+    if (instantiated)
+        *instantiated = c ? c->n_instantiated : 0;
 }

@@ -2,8 +2,9 @@
  * fi_cuda.h - the CUDA backend: fills fi_backend_ops (fi_kernels.h) with
  * device memory, hand-written kernels and cuBLASLt matrix products.
  *
- * Built only when CMake found nvcc (FEDINFER_HAVE_CUDA; code that may call
- * it tests FI_HAVE_CUDA). Everything a forward pass touches stays on the
+ * Built only when CMake found nvcc (FEDINFER_HAVE_CUDA), as a shared module
+ * (libfi_cuda.so) that the engine opens on demand through
+ * fi_cuda_backend_open (kernels/fi_cuda_loader.c); tests link it directly. Everything a forward pass touches stays on the
  * device: weights are uploaded once (fi_weight.dev), activations and the
  * fp16 KV cache are device memory from ops->alloc, and only what the
  * caller asks for with ops->to_host (logits) or ops->argmax (one token id)
@@ -67,11 +68,20 @@ const char *fi_cuda_backend_device_name(const fi_backend *b);
 FI_MUST_CHECK int fi_cuda_backend_set_weights(fi_backend *b, fi_cuda_weights mode);
 fi_cuda_weights fi_cuda_backend_weights(const fi_backend *b);
 
+/* Decode steps as CUDA graphs (ops->graph_begin / graph_end): on unless
+ * the environment variable FEDINFER_CUDA_GRAPHS is "0" at creation.
+ * 0, or -1 when b is not a CUDA backend. */
+FI_MUST_CHECK int fi_cuda_backend_set_graphs(fi_backend *b, int on);
+/* Graphs launched since creation, and how many of them had to be
+ * instantiated (the others updated the previous one in place). */
+void fi_cuda_backend_graph_stats(const fi_backend *b, long *launched, long *instantiated);
+
 /* Kernel timing with CUDA events, for the benchmark: while on, every
  * operation is bracketed by two events, and fi_cuda_backend_kernel_ms
  * returns the summed elapsed times of all operations since it was last
- * called (it synchronises). Costs a little time per operation; off by
- * default. -1 when b is not a CUDA backend or on a CUDA error. */
+ * called (it synchronises). Costs a little time per operation, and no
+ * graphs are recorded while it is on; off by default. -1 when b is not a
+ * CUDA backend or on a CUDA error. */
 FI_MUST_CHECK int fi_cuda_backend_set_profile(fi_backend *b, int on);
 double fi_cuda_backend_kernel_ms(fi_backend *b);
 

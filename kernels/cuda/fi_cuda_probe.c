@@ -1,7 +1,13 @@
 /*
  * fi_cuda_probe.c - GPU timings for kernels/cuda/gpu-check.sh.
  *
- *   fi_cuda_probe [MODEL]
+ *   fi_cuda_probe MODEL | --synthetic
+ *   fi_cuda_probe --write-synthetic PATH   (writes the model below; no GPU needed)
+ *
+ * --synthetic writes a random-weight model of the default model's shape
+ * (SmolLM2-135M: 30 layers, dim 576, 9/3 heads, ffn 1536, vocab 49152,
+ * Q4_1 matrices, tied Q8_0 embeddings) to a temporary file and times that:
+ * the same shapes and bytes, for machines the real file cannot reach.
  *
  * Prints a table (one "name | value | note" row per line):
  *   - cuBLASLt throughput (TFLOP/s) through the backend's matmul for the
@@ -9,8 +15,8 @@
  *     an 8192^3 product (the card's measured fp16 peak here);
  *   - prefill tokens/s for a 2048-token prompt;
  *   - decode tokens/s at batch 1 in both weight modes (fp16, quantised
- *     read), time per token against the sum of kernel times from CUDA
- *     events (the launch-overhead gap);
+ *     read), wall time per token with and without CUDA graphs against the
+ *     sum of kernel times from CUDA events (the launch-overhead gap);
  *   - a 32-token step as the proxy for batch-32 decode (the engine has one
  *     sequence per session; batched decode across sessions is not built).
  * Without a device prints "SKIPPED: no CUDA device (...)" and exits 77.
@@ -22,8 +28,11 @@
 #include <string.h>
 #include <time.h>
 
+#include <unistd.h>
+
 #include "fi_cuda.h"
 #include "fi_model.h"
+#include "gguf_writer.h"
 
 static double s_now(void) {
     struct timespec ts;
@@ -105,6 +114,8 @@ typedef struct model_times {
     double decode_tps;      /* batch 1, 128 tokens */
     double ms_per_token;    /* wall time per decoded token */
     double kernel_ms;       /* summed event time per decoded token */
+    double nograph_ms;      /* wall time per decoded token without graphs */
+    double greedy_ms;       /* the same with the argmax on the device */
     double step32_tps;      /* tokens/s of 32-token steps */
 } model_times;
 
@@ -149,8 +160,27 @@ static int s_model(const char *path, const char *mode, model_times *mt) {
     double dt = s_now() - t0;
     mt->decode_tps = n_gen / dt;
     mt->ms_per_token = dt * 1e3 / n_gen;
-    /* the same with kernel timing on */
+    /* greedy with the argmax on the device: one integer comes back */
+    fi_session_rewind(s, 64);
+    t0 = s_now();
+    for (int g = 0; g < n_gen; g++)
+        if (fi_session_eval_greedy(s, &id, 1, &id, err, sizeof err))
+            goto fail;
+    mt->greedy_ms = (s_now() - t0) * 1e3 / n_gen;
+    /* the same without graphs, then with kernel timing (also no graphs) */
     fi_backend *be = fi_model_backend(m);
+    if (fi_cuda_backend_set_graphs(be, 0))
+        goto done;
+    fi_session_rewind(s, 64);
+    t0 = s_now();
+    for (int g = 0; g < n_gen; g++) {
+        if (fi_session_eval(s, &id, 1, logits, NULL, err, sizeof err))
+            goto fail;
+        id = s_argmax(logits, c->n_vocab);
+    }
+    mt->nograph_ms = (s_now() - t0) * 1e3 / n_gen;
+    if (fi_cuda_backend_set_graphs(be, 1))
+        goto done;
     fi_session_rewind(s, 64);
     if (fi_cuda_backend_set_profile(be, 1) || fi_cuda_backend_kernel_ms(be) < 0)
         goto done;
@@ -182,17 +212,61 @@ done:
     return rc;
 }
 
+static int s_run(const char *path);
+
+/* A random-weight model of the default model's shapes at path; 0 or -1. */
+static int s_write_synthetic(const char *path) {
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.n_layers = 30;
+    o.dim = 576;
+    o.n_heads = 9;
+    o.n_kv_heads = 3;
+    o.ffn_dim = 1536;
+    o.n_vocab = 49152;
+    o.ctx = 8192;
+    o.wtype = FI_DTYPE_Q4_1;
+    o.embd_type = FI_DTYPE_Q8_0;
+    o.tied = 1;
+    o.rope_theta = 100000.0f;
+    if (fi_gw_tiny_llama_file(&o, path) != 0) {
+        fprintf(stderr, "fi_cuda_probe: could not write %s\n", path);
+        return -1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    char err[512], v[64], note[128];
+    char err[512];
+    if (argc == 3 && !strcmp(argv[1], "--write-synthetic"))
+        return s_write_synthetic(argv[2]) ? 1 : 0;
     if (fi_cuda_device_count(err, sizeof err) < 0) {
         printf("SKIPPED: no CUDA device (%s)\n", err);
         return 77;
     }
     const char *path = argc > 1 ? argv[1] : getenv("FEDINFER_MODEL");
+    char tmp[128] = "";
     if (!path) {
-        fprintf(stderr, "usage: fi_cuda_probe MODEL\n");
+        fprintf(stderr, "usage: fi_cuda_probe MODEL | --synthetic\n");
         return 2;
     }
+    if (!strcmp(path, "--synthetic")) {
+        snprintf(tmp, sizeof tmp, "/tmp/fi_cuda_probe_%d.gguf", (int)getpid());
+        if (s_write_synthetic(tmp) != 0)
+            return 1;
+        path = tmp;
+        s_row("model", "synthetic", "random weights, the default model's shapes and types");
+    }
+
+    int rc = s_run(path);
+    if (tmp[0])
+        unlink(tmp);
+    return rc;
+}
+
+/* Everything after the model is chosen; 0, or 1 on a failure (printed). */
+static int s_run(const char *path) {
+    char err[512], v[64], note[128];
     fi_backend *b = fi_cuda_backend_new(0, err, sizeof err);
     if (!b) {
         fprintf(stderr, "fi_cuda_probe: %s\n", err);
@@ -243,9 +317,13 @@ int main(int argc, char **argv) {
         s_row(name, v, "one fi_session_eval, chunks of 256");
         snprintf(name, sizeof name, "decode batch 1 [%s]", modes[i]);
         snprintf(v, sizeof v, "%.1f tok/s", mt.decode_tps);
-        snprintf(note, sizeof note, "%.3f ms/token wall, %.3f ms/token in kernels (gap %.3f ms)",
-                 mt.ms_per_token, mt.kernel_ms, mt.ms_per_token - mt.kernel_ms);
+        snprintf(note, sizeof note,
+                 "%.3f ms/token wall with graphs, %.3f without; %.3f in kernels (gap %.3f ms)",
+                 mt.ms_per_token, mt.nograph_ms, mt.kernel_ms, mt.ms_per_token - mt.kernel_ms);
         s_row(name, v, note);
+        snprintf(name, sizeof name, "decode b1 device argmax [%s]", modes[i]);
+        snprintf(v, sizeof v, "%.1f tok/s", 1e3 / mt.greedy_ms);
+        s_row(name, v, "fi_session_eval_greedy: no logits to the host, graphs on");
         snprintf(name, sizeof name, "32-token steps [%s]", modes[i]);
         snprintf(v, sizeof v, "%.0f tok/s", mt.step32_tps);
         s_row(name, v, "proxy for batch-32 decode (no cross-session batching yet)");
