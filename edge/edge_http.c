@@ -472,6 +472,10 @@ static void s_stream_free(void *cls) {
     s_stream *st = cls;
     /* The connection is gone or the answer complete: a client that left
      * cancels its work (locally, or at the cluster through the fabric). */
+    pthread_mutex_lock(&st->job->mu);
+    int done = st->job->done;
+    pthread_mutex_unlock(&st->job->mu);
+    if (!done) atomic_fetch_add(&st->e->m.cancelled, 1);
     atomic_store(&st->job->cancel, 1);
     free(st->pend);
     edge_job_unref(&st->job);
@@ -508,6 +512,7 @@ static enum MHD_Result s_metrics(fi_edge *e, struct MHD_Connection *c) {
     P("fedinfer_edge_responses_total{outcome=\"unavailable\"} %ld\n",
       atomic_load(&e->m.unavailable));
     P("fedinfer_edge_responses_total{outcome=\"failed\"} %ld\n", atomic_load(&e->m.failed));
+    P("fedinfer_edge_responses_total{outcome=\"cancelled\"} %ld\n", atomic_load(&e->m.cancelled));
     P("# HELP fedinfer_edge_completion_tokens_total Tokens generated for clients.\n"
       "# TYPE fedinfer_edge_completion_tokens_total counter\n"
       "fedinfer_edge_completion_tokens_total %ld\n",
