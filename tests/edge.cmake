@@ -1,7 +1,7 @@
 # Edge agent tests (issue 5): the C tests run under the sanitizers too
 # (label asan); the Python client tests and end-to-end scripts need the
 # venv that examples/setup.sh creates.
-foreach(t test_edge)
+foreach(t test_edge test_edge_coord)
   if(TARGET ${t})
     set_tests_properties(${t} PROPERTIES LABELS asan TIMEOUT 300)
   endif()
@@ -26,3 +26,8 @@ endif()
 if(TARGET test_edge AND FEDINFER_SANITIZE)
   target_compile_definitions(test_edge PRIVATE FI_EDGE_TEST_QUICK=1)
 endif()
+
+# The edge's overhead benchmark (not a test): build/tests/bench_edge.
+add_executable(bench_edge ${CMAKE_CURRENT_SOURCE_DIR}/edge/bench_edge.c)
+target_link_libraries(bench_edge PRIVATE ${FI_TEST_LIBS})
+target_compile_definitions(bench_edge PRIVATE FI_TEST_MODEL="${FEDINFER_DEFAULT_MODEL}")
