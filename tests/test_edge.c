@@ -303,6 +303,11 @@ static void test_conf_errors(void **state) {
     fi_edge_conf_default(&c);
     assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
     assert_non_null(strstr(err, "model_name"));
+    write_file(path, "site = a\n# the engine\nmodel = m.gguf\nmodel_name = m\n"
+                     "max_tokens = 10\ndefault_max_tokens = 20\n");
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":6: default_max_tokens"));
     write_file(path, "site = a\nmodel = m.gguf\nmodel_name = m\npolicy_dir = /x\n");
     fi_edge_conf_default(&c);
     assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
