@@ -40,6 +40,7 @@ const fi_conf_key fi_edge_conf_keys[] = {
     S(enrol_endpoint, 0),
     S(region, 0),
     S(clusters, 0),
+    I(heartbeat_ms, 50, 60000),
     {NULL, FI_CONF_STR, 0, 0, 0, 0},
 };
 
@@ -60,6 +61,7 @@ void fi_edge_conf_default(fi_edge_conf *c) {
     c->conn_memory = 64 * 1024;
     c->shutdown_grace_s = 10;
     snprintf(c->db, sizeof c->db, "edge.db");
+    c->heartbeat_ms = 1000;
 }
 
 /* The line that sets key in path (0 when none): combination errors name

@@ -1,7 +1,7 @@
 # Edge agent tests (issue 5): the C tests run under the sanitizers too
 # (label asan); the Python client tests and end-to-end scripts need the
 # venv that examples/setup.sh creates.
-foreach(t test_edge test_edge_coord)
+foreach(t test_edge test_edge_coord test_edge_fabric)
   if(TARGET ${t})
     set_tests_properties(${t} PROPERTIES LABELS asan TIMEOUT 300)
   endif()
