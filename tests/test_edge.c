@@ -15,6 +15,7 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -708,6 +709,52 @@ static void test_concurrent_streams(void **state) {
     fx_stop(f);
 }
 
+static long metric(int port, const char *name);
+
+/* A short request is not held up by a long one running at the same time:
+ * the scheduler interleaves them token by token. */
+typedef struct long_req {
+    worker w;
+    atomic_int done; /* 1 once the answer is complete */
+} long_req;
+
+static void *s_long(void *arg) {
+    long_req *l = arg;
+    if (http(l->w.port, "POST", "/v1/completions", NULL, l->w.body, &l->w.r) != 0)
+        l->w.r.status = -1;
+    atomic_store(&l->done, 1);
+    return NULL;
+}
+
+static void test_short_not_blocked(void **state) {
+    (void)state;
+    char lb[256];
+    snprintf(lb, sizeof lb,
+             "{\"model\":\"smollm2-135m\",\"prompt\":\"1, 2, 3,\",\"temperature\":0,"
+             "\"max_tokens\":%d}", QUICK ? 24 : 64);
+    long_req l;
+    memset(&l, 0, sizeof l);
+    l.w.port = s_fx->port;
+    l.w.body = lb;
+    pthread_t t;
+    pthread_create(&t, NULL, s_long, &l);
+    /* Wait until the long one is generating. */
+    for (int i = 0; i < 500 && metric(s_fx->port, "fedinfer_edge_local_queue_depth") < 1; i++)
+        usleep(10 * 1000);
+    usleep(QUICK ? 500 * 1000 : 100 * 1000);
+    resp r;
+    const char *sb = "{\"model\":\"smollm2-135m\",\"prompt\":\"a\",\"max_tokens\":1}";
+    assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, sb, &r), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    /* The long one is still running when the short one is done. */
+    int still = !atomic_load(&l.done);
+    pthread_join(t, NULL);
+    assert_int_equal(l.w.r.status, 200);
+    resp_free(&l.w.r);
+    assert_true(still);
+}
+
 /* The value of a metric line in /metrics ("name{labels}"), -1 if absent. */
 static long metric(int port, const char *name) {
     resp r;
@@ -758,6 +805,7 @@ int main(void) {
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_policy_decisions),
         cmocka_unit_test(test_disconnect_cancels),
+        cmocka_unit_test(test_short_not_blocked),
     };
     const struct CMUnitTest alone[] = {
         cmocka_unit_test(test_conf_errors),
