@@ -116,6 +116,32 @@ static void *s_denier(void *arg) {
     return NULL;
 }
 
+/* Time to first text of one generation by the engine alone; keep: a
+ * session to rewind and reuse, or NULL for a new session. */
+static double s_engine_once(fi_model *m, fi_session *keep, const char *q) {
+    char err[256];
+    first f = {0};
+    f.t0 = s_now();
+    fi_chat_msg msg = {"user", q};
+    char *text = fi_tok_chat(fi_model_tok(m), &msg, 1, 1, err, sizeof err);
+    int32_t ids[256];
+    int k = fi_tok_encode(fi_model_tok(m), text, strlen(text), 1, ids, 256);
+    free(text);
+    fi_session *s = keep ? keep : fi_session_new(m, 512, err, sizeof err);
+    if (keep) fi_session_rewind(s, 0);
+    fi_gen_opts o;
+    memset(&o, 0, sizeof o);
+    o.max_tokens = 1;
+    o.sampling = fi_sampler_defaults();
+    o.sampling.temperature = 0;
+    o.on_text = s_on_text;
+    o.user = &f;
+    fi_gen_result res;
+    if (fi_generate(s, ids, k, &o, &res, err, sizeof err) != 0) return -1;
+    if (!keep) fi_session_destroy(&s);
+    return (f.t1 ? f.t1 : s_now()) - f.t0;
+}
+
 int main(int argc, char **argv) {
     int n = 20, clients = 4, threads = 2;
     double secs = 3;
@@ -137,34 +163,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "%s\n", err);
         return 1;
     }
-    double *eng = calloc((size_t)n, sizeof *eng), *web = calloc((size_t)n, sizeof *web);
-    double *reuse = calloc((size_t)n, sizeof *reuse);
-    fi_session *keep = fi_session_new(m, 512, err, sizeof err);
-    for (int pass = 0; pass < 2; pass++)
-    for (int i = 0; i < n + 1; i++) {
-        first f = {0};
-        f.t0 = s_now();
-        fi_chat_msg msg = {"user", q};
-        char *text = fi_tok_chat(fi_model_tok(m), &msg, 1, 1, err, sizeof err);
-        int32_t ids[256];
-        int k = fi_tok_encode(fi_model_tok(m), text, strlen(text), 1, ids, 256);
-        free(text);
-        fi_session *s = pass ? keep : fi_session_new(m, 512, err, sizeof err);
-        if (pass) fi_session_rewind(s, 0);
-        fi_gen_opts o;
-        memset(&o, 0, sizeof o);
-        o.max_tokens = 1;
-        o.sampling = fi_sampler_defaults();
-        o.sampling.temperature = 0;
-        o.on_text = s_on_text;
-        o.user = &f;
-        fi_gen_result res;
-        if (fi_generate(s, ids, k, &o, &res, err, sizeof err) != 0) return 1;
-        if (!pass) fi_session_destroy(&s);
-        if (i) (pass ? reuse : eng)[i - 1] = (f.t1 ? f.t1 : s_now()) - f.t0; /* first: warm-up */
-    }
-    fi_session_destroy(&keep);
-    fi_model_destroy(&m);
 
     /* 1b. The same through the HTTP API of an in-process agent. */
     char dir[] = "/tmp/bench_edge.XXXXXX";
@@ -214,15 +212,26 @@ int main(int argc, char **argv) {
     snprintf(body, sizeof body,
              "{\"model\":\"smollm2-135m\",\"max_tokens\":1,\"temperature\":0,\"stream\":true,"
              "\"messages\":[{\"role\":\"user\",\"content\":\"%s\"}]}", q);
+    /* Alternate the three, so that they see the same load. */
+    double *eng = calloc((size_t)n, sizeof *eng), *web = calloc((size_t)n, sizeof *web);
+    double *reuse = calloc((size_t)n, sizeof *reuse);
+    fi_session *keep = fi_session_new(m, 512, err, sizeof err);
     for (int i = 0; i < n + 1; i++) {
         int st = 0;
+        double te = s_engine_once(m, NULL, q);
+        double tr = s_engine_once(m, keep, q);
         double t = s_request(port, "/v1/chat/completions", NULL, body, &st);
-        if (st != 200) {
+        if (st != 200 || te < 0 || tr < 0) {
             fprintf(stderr, "HTTP %d\n", st);
             return 1;
         }
-        if (i) web[i - 1] = t;
+        if (i) { /* the first round warms up */
+            web[i - 1] = t;
+            eng[i - 1] = te;
+            reuse[i - 1] = tr;
+        }
     }
+    fi_session_destroy(&keep);
     double e50 = s_pct(eng, n, 0.5), e99 = s_pct(eng, n, 0.99);
     double w50 = s_pct(web, n, 0.5), w99 = s_pct(web, n, 0.99);
     printf("time to first token, local, %d requests (%d engine threads):\n", n, threads);
@@ -244,6 +253,7 @@ int main(int argc, char **argv) {
            "one connection per request:\n  %.0f requests/s (%ld denied, %ld other)\n",
            clients, (double)atomic_load(&d.done) / el, atomic_load(&d.done), atomic_load(&d.bad));
     fi_edge_destroy(&e);
+    fi_model_destroy(&m);
     snprintf(path, sizeof path, "rm -rf %s", dir);
     if (system(path) != 0) return 1;
     free(eng);
