@@ -140,6 +140,7 @@ static void s_usage(FILE *f) {
             "  -c, --ctx N              context to fill for the memory figure (default 2048)\n"
             "  -r, --reps N             repetitions; medians are reported (default 3)\n"
             "      --simd MODE          auto, portable or avx2 (default auto)\n"
+            "      --device DEV         cpu, cuda or auto (default auto: CUDA when present)\n"
             "  -h, --help               this text\n");
 }
 
@@ -167,10 +168,11 @@ int fi_cmd_bench(int argc, char **argv) {
         {"prompt-tokens", required_argument, 0, 'P'}, {"gen-tokens", required_argument, 0, 'G'},
         {"ctx", required_argument, 0, 'c'},          {"reps", required_argument, 0, 'r'},
         {"simd", required_argument, 0, 'I'},         {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"device", required_argument, 0, 'D'},       {0, 0, 0, 0}};
     const char *model = fi_default_model_path();
     long threads = 0, n_prompt = 256, n_gen = 128, n_ctx = 2048, reps = 3;
     fi_simd simd = FI_SIMD_AUTO;
+    fi_device device = FI_DEVICE_AUTO;
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "m:t:c:r:h", opts, NULL)) != -1) {
@@ -182,6 +184,12 @@ int fi_cmd_bench(int argc, char **argv) {
         case 'c': if (s_arg_int("--ctx", optarg, 1, 1 << 24, &n_ctx)) return 2; break;
         case 'r': if (s_arg_int("--reps", optarg, 1, 1000, &reps)) return 2; break;
         case 'I': if (fi_parse_simd(optarg, &simd)) return 2; break;
+        case 'D':
+            if (fi_device_parse(optarg, &device)) {
+                fprintf(stderr, "fedinfer: --device expects cpu, cuda or auto, not '%s'\n", optarg);
+                return 2;
+            }
+            break;
         case 'h': s_usage(stdout); return 0;
         default: s_usage(stderr); return 2;
         }
@@ -191,7 +199,7 @@ int fi_cmd_bench(int argc, char **argv) {
         return 2;
     }
     char err[512];
-    fi_model_opts mo = {(int)threads, simd, 0};
+    fi_model_opts mo = {(int)threads, simd, 0, device};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);
@@ -239,7 +247,10 @@ int fi_cmd_bench(int argc, char **argv) {
     printf("model          %s\n", model);
     printf("config         %d layers, dim %d, ffn %d, heads %d/%d, vocab %d\n", cfg->n_layers,
            cfg->dim, cfg->ffn_dim, cfg->n_heads, cfg->n_kv_heads, cfg->n_vocab);
-    printf("backend        %s, %d threads, simd %s\n", be->ops->name, nth, fi_cpu_backend_simd(be));
+    if (fi_cpu_backend_simd(be))
+        printf("backend        %s, %d threads, simd %s\n", be->ops->name, nth, fi_cpu_backend_simd(be));
+    else
+        printf("backend        %s\n", be->ops->name);
 
     /* warm-up: page in the weights, settle the clocks */
     fi_session_rewind(s, 0);
@@ -310,6 +321,11 @@ int fi_cmd_bench(int argc, char **argv) {
            file_mib, rss_mib - file_mib, n_ctx);
     fi_session_destroy(&s);
 
+    if (!fi_cpu_backend_simd(be)) { /* the floor below is a CPU measurement */
+        printf("bandwidth      (CPU only; kernels/cuda/gpu-check.sh measures the GPU)\n");
+        status = 0;
+        goto done;
+    }
     /* bandwidth floor, same thread count */
     uint64_t wbytes = fi_model_weight_bytes_per_token(m);
     pool = fi_pool_new(nth);

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "fi_cmd.h"
 #include "fi_model.h"
@@ -81,6 +82,8 @@ static void s_run_usage(FILE *f) {
             "  -t, --threads N         CPU threads (default: one per core)\n"
             "  -c, --ctx N             context size in tokens (default 4096)\n"
             "      --simd MODE         auto, portable or avx2 (default auto)\n"
+            "      --device DEV        cpu, cuda or auto: CUDA device 0 when present, else\n"
+            "                          the CPU (default auto)\n"
             "      --act-bits N        activation precision in quantised products: 16\n"
             "                          (default, matches an exact computation) or 8 (faster)\n"
             "      --stats             print timings and token counts to stderr\n"
@@ -133,12 +136,13 @@ int fi_cmd_run(int argc, char **argv) {
         {"stop", required_argument, 0, 'x'},    {"threads", required_argument, 0, 't'},
         {"ctx", required_argument, 0, 'c'},     {"simd", required_argument, 0, 'I'},
         {"stats", no_argument, 0, 'z'},         {"help", no_argument, 0, 'h'},
-        {"act-bits", required_argument, 0, 'B'},
+        {"act-bits", required_argument, 0, 'B'}, {"device", required_argument, 0, 'D'},
         {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *system = NULL;
     int raw = 0, stats = 0, seed_given = 0;
     long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 16, v;
     fi_simd simd = FI_SIMD_AUTO;
+    fi_device device = FI_DEVICE_AUTO;
     fi_sampler_params sp = fi_sampler_defaults();
     const char *stops[16];
     int n_stop = 0;
@@ -177,6 +181,12 @@ int fi_cmd_run(int argc, char **argv) {
         case 't': if (s_parse_int("--threads", optarg, 1, 1024, &threads)) return 2; break;
         case 'c': if (s_parse_int("--ctx", optarg, 1, 1 << 24, &n_ctx)) return 2; break;
         case 'I': if (fi_parse_simd(optarg, &simd)) return 2; break;
+        case 'D':
+            if (fi_device_parse(optarg, &device)) {
+                fprintf(stderr, "fedinfer: --device expects cpu, cuda or auto, not '%s'\n", optarg);
+                return 2;
+            }
+            break;
         case 'z': stats = 1; break;
         case 'B': if (s_parse_int("--act-bits", optarg, 8, 16, &act_bits) || (act_bits != 8 && act_bits != 16)) {
                       fprintf(stderr, "fedinfer: --act-bits must be 8 or 16\n");
@@ -219,11 +229,11 @@ int fi_cmd_run(int argc, char **argv) {
     char *text = NULL;
     int32_t *ids = NULL;
     fi_session *s = NULL;
-    fi_model_opts mo = {(int)threads, simd, (int)act_bits};
+    fi_model_opts mo = {(int)threads, simd, (int)act_bits, device};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);
-        if (!strcmp(model, FI_DEFAULT_MODEL))
+        if (!strcmp(model, FI_DEFAULT_MODEL) && access(model, F_OK) != 0)
             fprintf(stderr, "fedinfer: (run examples/setup.sh to fetch the default model)\n");
         goto done;
     }
@@ -285,7 +295,8 @@ int fi_cmd_run(int argc, char **argv) {
                 res.n_prompt, res.prefill_s, res.n_prompt / (res.prefill_s > 0 ? res.prefill_s : 1e-9),
                 res.n_generated, res.decode_s,
                 res.n_generated / (res.decode_s > 0 ? res.decode_s : 1e-9), fi_stop_reason_name(res.stop),
-                fi_cpu_backend_threads(be), fi_cpu_backend_simd(be), sp.seed);
+                fi_cpu_backend_threads(be),
+                fi_cpu_backend_simd(be) ? fi_cpu_backend_simd(be) : be->ops->name, sp.seed);
     }
     status = 0;
     goto done;

@@ -39,16 +39,31 @@ typedef struct fi_config {
 
 typedef struct fi_model fi_model;
 
+/* Where the model runs. */
+typedef enum fi_device {
+    FI_DEVICE_CPU = 0,   /* the CPU backend (the default of zeroed options) */
+    FI_DEVICE_CUDA = 1,  /* CUDA device 0; loading fails when there is none */
+    FI_DEVICE_AUTO = 2,  /* CUDA device 0 when present and the model loads
+                            there (fits in its memory), else the CPU */
+} fi_device;
+
 typedef struct fi_model_opts {
     int n_threads;   /* CPU threads; <= 0: one per core */
     fi_simd simd;    /* CPU code path */
-    int act_bits;    /* activation precision of quantised products: 16
-                        (0 means this default) or 8 (faster, less exact) */
+    int act_bits;    /* activation precision of quantised products on the
+                        CPU: 16 (0 means this default) or 8 (faster, less
+                        exact); the CUDA backend always uses fp16 */
+    fi_device device; /* backend; FI_DEVICE_CPU when zeroed */
 } fi_model_opts;
 
+/* Parses "cpu", "cuda" or "auto"; 0, or -1 for anything else. */
+FI_MUST_CHECK int fi_device_parse(const char *s, fi_device *out);
+
 /* Loads a model: opens the GGUF, checks every tensor's presence, type and
- * shape against the configuration, builds the tokenizer and a backend.
- * NULL with a message in err on any failure. */
+ * shape against the configuration, builds the tokenizer and a backend
+ * (opts->device; a NULL opts means the CPU). NULL with a message in err on
+ * any failure; with FI_DEVICE_CUDA and no usable device the message is
+ * "no CUDA device: <CUDA's message>". */
 fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, size_t errlen);
 void fi_model_destroy(fi_model **m);
 
@@ -80,6 +95,12 @@ void fi_session_rewind(fi_session *s, int pos);
  * message in err when the context would overflow (nothing is changed). */
 FI_MUST_CHECK int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits,
                                   float *all_logits, char *err, size_t errlen);
+
+/* fi_session_eval for greedy decoding: *next receives the index of the
+ * largest logit of the last token (the first on ties). On a backend with
+ * ops->argmax only that integer comes back to the host, not the logits. */
+FI_MUST_CHECK int fi_session_eval_greedy(fi_session *s, const int32_t *toks, int n,
+                                         int32_t *next, char *err, size_t errlen);
 
 /* --- sampling ---------------------------------------------------------- */
 typedef struct fi_sampler_params {

@@ -86,8 +86,15 @@ int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt, const fi_gen
     memcpy(hist, prompt, (size_t)n_prompt * sizeof(int32_t));
     int n_hist = n_prompt;
 
+    /* Greedy without a repetition penalty needs only the argmax: on a
+     * backend that computes it, the logits never leave the device. */
+    int greedy = !(o->sampling.temperature > 0.0f) &&
+                 (o->sampling.repeat_penalty == 1.0f || o->sampling.repeat_penalty <= 0.0f);
+    int32_t next = 0;
     double t0 = s_now();
-    if (fi_session_eval(s, prompt, n_prompt, logits, NULL, err, errlen) != 0) goto done;
+    if (greedy ? fi_session_eval_greedy(s, prompt, n_prompt, &next, err, errlen)
+               : fi_session_eval(s, prompt, n_prompt, logits, NULL, err, errlen))
+        goto done;
     double t1 = s_now();
     r.n_prompt = n_prompt;
     r.prefill_s = t1 - t0;
@@ -99,7 +106,7 @@ int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt, const fi_gen
             r.stop = FI_STOP_LENGTH;
             break;
         }
-        int32_t id = fi_sampler_sample(smp, logits, hist, n_hist);
+        int32_t id = greedy ? next : fi_sampler_sample(smp, logits, hist, n_hist);
         r.n_generated++;
         hist[n_hist++] = id;
         if (fi_tok_is_eog(tok, id)) {
@@ -144,7 +151,9 @@ int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt, const fi_gen
             r.stop = FI_STOP_CONTEXT;
             break;
         }
-        if (fi_session_eval(s, &id, 1, logits, NULL, err, errlen) != 0) goto done;
+        if (greedy ? fi_session_eval_greedy(s, &id, 1, &next, err, errlen)
+                   : fi_session_eval(s, &id, 1, logits, NULL, err, errlen))
+            goto done;
     }
     if (r.stop != FI_STOP_CANCEL && s_emit(ts, o, 1)) r.stop = FI_STOP_CANCEL;
     r.decode_s = s_now() - t1;

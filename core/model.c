@@ -179,6 +179,43 @@ static int s_read_config(fi_model *m, char *err, size_t errlen) {
     return 0;
 }
 
+/* The backend's own message for its last failure, or a generic one. */
+static const char *s_backend_error(const fi_backend *be) {
+    const char *e = be->ops->last_error ? be->ops->last_error(be->ctx) : NULL;
+    return e ? e : "no details";
+}
+
+int fi_device_parse(const char *s, fi_device *out) {
+    if (!strcmp(s, "cpu")) *out = FI_DEVICE_CPU;
+    else if (!strcmp(s, "cuda")) *out = FI_DEVICE_CUDA;
+    else if (!strcmp(s, "auto")) *out = FI_DEVICE_AUTO;
+    else return -1;
+    return 0;
+}
+
+/* The backend opts asks for. NULL with a message: for CUDA without a
+ * device, "no CUDA device: <why>". AUTO falls back to the CPU quietly. */
+static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t errlen) {
+    if (opts->device == FI_DEVICE_CUDA || opts->device == FI_DEVICE_AUTO) {
+        char why[384];
+        fi_backend *be = fi_cuda_backend_open(0, why, sizeof why);
+        if (be) return be;
+        if (opts->device == FI_DEVICE_CUDA) {
+            s_err(err, errlen, "no CUDA device: %s", why);
+            return NULL;
+        }
+    } else if (opts->device != FI_DEVICE_CPU) {
+        s_err(err, errlen, "unknown device %d", (int)opts->device);
+        return NULL;
+    }
+    fi_backend *be = fi_cpu_backend_new(opts->n_threads, opts->simd, err, errlen);
+    if (be && opts->act_bits && fi_cpu_backend_set_act_bits(be, opts->act_bits) != 0) {
+        s_err(err, errlen, "activation precision must be 8 or 16 bits, not %d", opts->act_bits);
+        fi_backend_destroy(&be);
+    }
+    return be;
+}
+
 /* Binds a weight matrix: the tensor must exist, be 2-D (rows, cols) of a
  * type the kernels support. */
 static int s_bind_weight(fi_model *m, fi_weight *w, const char *name, int rows, int cols,
@@ -215,8 +252,8 @@ static int s_bind_weight(fi_model *m, fi_weight *w, const char *name, int rows, 
     }
     fi_backend *be = m->be;
     if (be->ops->weight_upload && be->ops->weight_upload(be->ctx, w) != 0) {
-        s_err(err, errlen, "%s: backend '%s' could not take tensor '%s'", m->path, be->ops->name,
-              name);
+        s_err(err, errlen, "%s: backend '%s' could not take tensor '%s': %s", m->path,
+              be->ops->name, name, s_backend_error(be));
         return -1;
     }
     return 0;
@@ -251,16 +288,36 @@ static float *s_bind_vector(fi_model *m, const char *name, int n, char *err, siz
     int rc = m->be->ops->to_backend(m->be->ctx, dev, host, (size_t)n * sizeof(float));
     free(host);
     if (rc != 0) {
+        s_err(err, errlen, "backend could not take tensor '%s': %s", name,
+              s_backend_error(m->be));
         m->be->ops->free(m->be->ctx, dev);
-        s_err(err, errlen, "backend could not take tensor '%s'", name);
         return NULL;
     }
     return dev;
 }
 
+static fi_model *s_load(const char *path, const fi_model_opts *opts, int *on_gpu, char *err,
+                        size_t errlen);
+
 fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, size_t errlen) {
-    fi_model_opts defaults = {0, FI_SIMD_AUTO, 0};
+    fi_model_opts defaults = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CPU};
     if (!opts) opts = &defaults;
+    int on_gpu = 0;
+    fi_model *m = s_load(path, opts, &on_gpu, err, errlen);
+    if (!m && on_gpu && opts->device == FI_DEVICE_AUTO) {
+        /* a device was there but could not take the model (memory, for
+         * one): the CPU may still run it, and reports its own error if not */
+        fi_model_opts cpu = *opts;
+        cpu.device = FI_DEVICE_CPU;
+        m = s_load(path, &cpu, &on_gpu, err, errlen);
+    }
+    return m;
+}
+
+/* fi_model_load on the backend opts names; *on_gpu is set when that
+ * backend turned out not to be the CPU. */
+static fi_model *s_load(const char *path, const fi_model_opts *opts, int *on_gpu, char *err,
+                        size_t errlen) {
     fi_model *m = calloc(1, sizeof *m);
     if (!m) {
         s_err(err, errlen, "out of memory");
@@ -276,12 +333,9 @@ fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, 
     if (s_read_config(m, err, errlen) != 0) goto fail;
     m->tok = fi_tok_new(m->gguf, err, errlen);
     if (!m->tok) goto fail;
-    m->be = fi_cpu_backend_new(opts->n_threads, opts->simd, err, errlen);
+    m->be = s_backend_new(opts, err, errlen);
     if (!m->be) goto fail;
-    if (opts->act_bits && fi_cpu_backend_set_act_bits(m->be, opts->act_bits) != 0) {
-        s_err(err, errlen, "activation precision must be 8 or 16 bits, not %d", opts->act_bits);
-        goto fail;
-    }
+    *on_gpu = strcmp(m->be->ops->name, "cpu") != 0;
 
     fi_config *c = &m->cfg;
     const fi_gguf_tensor *emb = fi_gguf_find_tensor(m->gguf, "token_embd.weight");
@@ -515,8 +569,10 @@ static int s_forward(fi_session *s, const int32_t *toks, int n) {
     return 0;
 }
 
-int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, float *all_logits,
-                    char *err, size_t errlen) {
+/* fi_session_eval, and with `next` (then logits and all_logits are NULL)
+ * the argmax of the last token's logits computed by the backend. */
+static int s_eval(fi_session *s, const int32_t *toks, int n, float *logits, float *all_logits,
+                  int32_t *next, char *err, size_t errlen) {
     fi_model *m = s->m;
     const fi_config *c = &m->cfg;
     const fi_backend_ops *ops = m->be->ops;
@@ -541,8 +597,14 @@ int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, fl
     size_t V = (size_t)c->n_vocab;
     for (int done = 0; done < n;) {
         int b = n - done < FI_MAX_BATCH ? n - done : FI_MAX_BATCH;
+        /* A decode step (one token, its logits wanted) goes to the backend
+         * as one recorded graph where the backend can (see graph_begin). */
+        int graph = n == 1 && (logits || next) && !all_logits && ops->graph_begin &&
+                    ops->graph_begin(bc) == 0;
         if (s_forward(s, toks + done, b) != 0) {
-            s_err(err, errlen, "backend '%s' failed during the forward pass", ops->name);
+            if (graph) (void)ops->graph_end(bc);
+            s_err(err, errlen, "backend '%s' failed during the forward pass: %s", ops->name,
+                  s_backend_error(m->be));
             return -1;
         }
         s->pos += b;
@@ -558,17 +620,47 @@ int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, fl
             }
             if (last_chunk && logits)
                 memcpy(logits, all_logits + (size_t)(n - 1) * V, V * sizeof(float));
-        } else if (last_chunk && logits) {
+        } else if (last_chunk && (logits || next)) {
             const float *xl = s->x + (size_t)(b - 1) * c->dim;
             ops->rmsnorm(bc, s->xb, xl, m->output_norm, 1, c->dim, c->norm_eps);
             ops->matmul(bc, s->logits, &m->output, s->xb, 1);
-            if (ops->to_host(bc, logits, s->logits, V * sizeof(float))) goto backend_fail;
+            if (graph && ops->graph_end(bc)) goto backend_fail;
+            if (logits && ops->to_host(bc, logits, s->logits, V * sizeof(float)))
+                goto backend_fail;
+            if (next && ops->argmax(bc, next, s->logits, (int)V)) goto backend_fail;
         }
         done += b;
     }
     if (ops->sync(bc) != 0) goto backend_fail;
     return 0;
 backend_fail:
-    s_err(err, errlen, "backend '%s' failed reading back logits", ops->name);
+    s_err(err, errlen, "backend '%s' failed reading back logits: %s", ops->name,
+          s_backend_error(m->be));
     return -1;
+}
+
+int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, float *all_logits,
+                    char *err, size_t errlen) {
+    return s_eval(s, toks, n, logits, all_logits, NULL, err, errlen);
+}
+
+int fi_session_eval_greedy(fi_session *s, const int32_t *toks, int n, int32_t *next, char *err,
+                           size_t errlen) {
+    const fi_backend_ops *ops = s->m->be->ops;
+    if (ops->argmax) return s_eval(s, toks, n, NULL, NULL, next, err, errlen);
+    int V = s->m->cfg.n_vocab;
+    float *logits = malloc((size_t)V * sizeof *logits);
+    if (!logits) {
+        s_err(err, errlen, "out of memory for %d logits", V);
+        return -1;
+    }
+    int rc = s_eval(s, toks, n, logits, NULL, NULL, err, errlen);
+    if (rc == 0) {
+        int32_t b = 0;
+        for (int i = 1; i < V; i++)
+            if (logits[i] > logits[b]) b = i;
+        *next = b;
+    }
+    free(logits);
+    return rc;
 }

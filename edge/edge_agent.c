@@ -18,7 +18,7 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
     e->conf = *c;
     atomic_init(&e->next_id, 1);
     if (c->model[0]) {
-        fi_model_opts mo = {c->threads, FI_SIMD_AUTO, 0};
+        fi_model_opts mo = {.n_threads = c->threads, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_AUTO};
         if (!(e->model = fi_model_load(c->model, &mo, err, errlen))) goto fail;
         int ctx_train = fi_model_config(e->model)->ctx_train;
         if (e->conf.n_ctx > ctx_train) e->conf.n_ctx = ctx_train;

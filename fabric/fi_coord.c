@@ -6,6 +6,7 @@
  * work on each message. Requests likewise.
  */
 #include "fi_coord.h"
+#include "fi_coord_policy.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -887,7 +888,7 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
         return NULL;
     }
     c->o = *o;
-    { void fi_coord_policy_attach(fi_coord_opts *); fi_coord_policy_attach(&c->o); } /* fi_coord_policy.c */
+    fi_coord_policy_attach(&c->o); /* the residency re-check, fi_coord_policy.c */
     c->kp = *kp;
     fi_sockopts so;
     fi_sockopts_default(&so);

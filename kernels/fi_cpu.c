@@ -3,19 +3,29 @@
  * the kernels of the best SIMD flavour, and spreads work over a persistent
  * fi_pool.
  *
- * Work split: matmul by output rows in chunks of 16-row multiples taken
- * from an atomic counter (so a thread slowed by a noisy neighbour takes
- * fewer chunks); attention by (token, head); the element-wise ops by
- * tokens or element ranges, and only when big enough to pay for a dispatch.
- * Activations for quantised weights are quantised once per matmul into a
- * scratch buffer owned by the backend (grown on demand; when growing fails
- * the tokens are processed in groups that fit).
+ * Flavours (fi_kernels_impl.h): portable C, AVX2 (fi_cpu_avx2.c),
+ * AVX-VNNI (fi_cpu_avxvnni.c) and AVX512-VNNI (fi_cpu_avx512.c), chosen
+ * at run time from CPUID; each is a table of kernels for one block range.
+ *
+ * Work split: matmul by output rows in guided chunks of 16-row multiples
+ * claimed from an atomic counter (so a thread slowed by a noisy neighbour
+ * takes fewer rows; chunk edges on multiples of 16 keep every row's
+ * arithmetic, and so the result, the same for any thread count);
+ * attention by (token, kv head, position segment); the element-wise ops
+ * by tokens or element ranges, and only when big enough to pay for a
+ * dispatch. Activations for quantised weights are quantised once per
+ * matmul (to 16 bits by default, fi_cpu_q16_impl.h; to 8 bits with
+ * fi_cpu_backend_set_act_bits) into a scratch buffer owned by the backend (grown on demand; when
+ * growing fails the tokens are processed in groups that fit).
+ *
+ * Not thread-safe: one thread drives a backend, as the engine does.
  */
 #include "fi_kernels_impl.h"
 #include "fi_cpu_q16_impl.h"
 
 #include <assert.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,7 +37,9 @@
 #define S_ALIGN 64
 #define S_SCRATCH_MIN ((size_t)1 << 20) /* bytes of scratch made at start */
 #define S_PAR_ELEMS 32768               /* element-wise ops: go parallel above this */
-#define S_ATT_CHUNK 128                 /* positions scored per softmax step */
+#define S_ATT_CHUNK 64                  /* positions scored per softmax step */
+#define S_ATT_MIN_SEG 128               /* fewest positions worth a segment */
+#define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
 
 typedef struct s_cpu {
     fi_pool *pool;          /* workers, caller is worker 0 */
@@ -37,6 +49,10 @@ typedef struct s_cpu {
     int act_bits;           /* activations of quantised matmuls: 16 or 8 */
     uint8_t *scratch;       /* quantised activations, S_ALIGN aligned */
     size_t scratch_bytes;   /* its size */
+    float *rope_tab;        /* [rope_rows][rope_half] (cos, sin) pairs */
+    int rope_rows;          /* positions covered, 0: empty */
+    int rope_half;          /* head_dim / 2 it was made for */
+    float rope_theta;       /* theta it was made for */
 } s_cpu;
 
 static const fi_backend_ops s_cpu_ops;
@@ -90,19 +106,29 @@ typedef struct s_mm_job {
     const fi_mm_task *task; /* what to compute */
     fi_mm_fn fn;            /* kernel */
     int rows;               /* total rows */
-    int chunk;              /* rows per claim, a multiple of 16 */
-    atomic_int next;        /* next chunk to claim */
+    int nth;                /* threads sharing them */
+    atomic_int next;        /* first row not yet claimed */
 } s_mm_job;
 
+/* Guided claims: each claim takes a 1/(2*nth) share of the rows left,
+ * rounded to 16 rows (at least 16). The first claims are long contiguous
+ * runs that stream well through the prefetchers; the last are short, so a
+ * thread slowed by a noisy neighbour leaves little for the others to wait
+ * on. */
 static void s_mm_worker(void *arg, int ith, int nth) {
     s_mm_job *j = arg;
+    int r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
     for (;;) {
-        int c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        long r0 = (long)c * j->chunk;
         if (r0 >= j->rows)
             break;
-        long r1 = r0 + j->chunk < j->rows ? r0 + j->chunk : j->rows;
-        j->fn(j->task, (int)r0, (int)r1);
+        int len = (j->rows - r0) / (2 * j->nth);
+        len = len < 16 ? 16 : (len + 15) / 16 * 16;
+        int r1 = r0 + len < j->rows ? r0 + len : j->rows;
+        if (!atomic_compare_exchange_weak_explicit(&j->next, &r0, r1, memory_order_relaxed,
+                                                   memory_order_relaxed))
+            continue; /* r0 reloaded */
+        j->fn(j->task, r0, r1);
+        r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
     }
 }
 
@@ -111,16 +137,16 @@ static void s_run_rows(s_cpu *c, fi_mm_fn fn, const fi_mm_task *t, int rows) {
         fn(t, 0, rows);
         return;
     }
-    s_mm_job j = {.task = t, .fn = fn, .rows = rows};
-    /* about four chunks per thread, so a slow thread can hand work over */
-    int chunk = (rows + 4 * c->n_threads - 1) / (4 * c->n_threads);
-    j.chunk = (chunk + 15) / 16 * 16;
+    s_mm_job j = {.task = t, .fn = fn, .rows = rows, .nth = c->n_threads};
     atomic_init(&j.next, 0);
     fi_pool_run(c->pool, s_mm_worker, &j);
 }
 
+/* Quantises n activation rows for a quantised matmul: 16-bit blocks
+ * (fi_block_q16x) or 8-bit ones (fi_block_q8x). */
 typedef struct s_quant_job {
-    const fi_cpu_kernels *k;    /* quantiser */
+    const s_cpu *c;             /* kernels */
+    int bits;                   /* 16 or 8 */
     const float *x;             /* n rows of cols floats */
     uint8_t *xq;                /* n rows of xrow bytes */
     int n, cols;                /* shape */
@@ -130,85 +156,34 @@ typedef struct s_quant_job {
 static void s_quant_worker(void *arg, int ith, int nth) {
     s_quant_job *j = arg;
     int k0 = (int)((long)j->n * ith / nth), k1 = (int)((long)j->n * (ith + 1) / nth);
-    for (int k = k0; k < k1; k++)
-        j->k->quantize_q8x(j->x + (size_t)k * j->cols, (fi_block_q8x *)(j->xq + (size_t)k * j->xrow),
-                           j->cols / FI_QK);
+    for (int k = k0; k < k1; k++) {
+        const float *x = j->x + (size_t)k * j->cols;
+        uint8_t *xq = j->xq + (size_t)k * j->xrow;
+        if (j->bits == 16)
+            j->c->q16.quantize(x, (fi_block_q16x *)(void *)xq, j->cols / FI_QK);
+        else
+            j->c->k.quantize_q8x(x, (fi_block_q8x *)(void *)xq, j->cols / FI_QK);
+    }
 }
 
-static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t) {
+/* The kernel for weights of type t with activations of `bits` bits (bits is
+ * ignored for float weights, which take float activations). */
+static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t, int bits) {
     switch (t) {
     case FI_DTYPE_F32: return c->k.mm_f32;
     case FI_DTYPE_F16: return c->k.mm_f16;
     case FI_DTYPE_BF16: return c->k.mm_bf16;
-    case FI_DTYPE_Q4_0: return c->k.mm_q4_0;
-    case FI_DTYPE_Q4_1: return c->k.mm_q4_1;
-    case FI_DTYPE_Q8_0: return c->k.mm_q8_0;
+    case FI_DTYPE_Q4_0: return bits == 16 ? c->q16.mm_q4_0 : c->k.mm_q4_0;
+    case FI_DTYPE_Q4_1: return bits == 16 ? c->q16.mm_q4_1 : c->k.mm_q4_1;
+    case FI_DTYPE_Q8_0: return bits == 16 ? c->q16.mm_q8_0 : c->k.mm_q8_0;
     }
     return NULL;
 }
 
-typedef struct s_quant16_job {
-    const fi_q16_kernels *k;    /* quantiser */
-    const float *x;             /* n rows of cols floats */
-    uint8_t *xq;                /* n rows of xrow bytes */
-    int n, cols;                /* shape */
-    size_t xrow;                /* bytes per quantised row */
-} s_quant16_job;
-
-static void s_quant16_worker(void *arg, int ith, int nth) {
-    s_quant16_job *j = arg;
-    int k0 = (int)((long)j->n * ith / nth), k1 = (int)((long)j->n * (ith + 1) / nth);
-    for (int k = k0; k < k1; k++)
-        j->k->quantize(j->x + (size_t)k * j->cols, (fi_block_q16x *)(j->xq + (size_t)k * j->xrow),
-                       j->cols / FI_QK);
-}
-
-static fi_mm_fn s_mm16_fn(const s_cpu *c, fi_dtype t) {
-    switch (t) {
-    case FI_DTYPE_Q4_0: return c->q16.mm_q4_0;
-    case FI_DTYPE_Q4_1: return c->q16.mm_q4_1;
-    case FI_DTYPE_Q8_0: return c->q16.mm_q8_0;
-    default: return NULL;
-    }
-}
-
-/* Quantised weights with 16-bit activations (the default: accurate). */
-static void s_matmul16(s_cpu *c, float *y, const fi_weight *w, const float *x, int n) {
-    fi_mm_fn fn = s_mm16_fn(c, w->type);
-    assert(fn);
-    size_t xrow = (size_t)(w->cols / FI_QK) * sizeof(fi_block_q16x);
-    int group = n;
-    if (s_reserve(c, xrow * (size_t)n) != 0)
-        group = (int)(c->scratch_bytes / xrow);
-    if (group < 1) {
-        for (size_t i = 0; i < (size_t)n * (size_t)w->rows; i++)
-            y[i] = NAN;
-        return;
-    }
-    for (int k0 = 0; k0 < n; k0 += group) {
-        int g = n - k0 < group ? n - k0 : group;
-        s_quant16_job q = {.k = &c->q16, .x = x + (size_t)k0 * w->cols, .xq = c->scratch,
-                           .n = g, .cols = w->cols, .xrow = xrow};
-        if (c->n_threads > 1 && (size_t)g * (size_t)w->cols >= S_PAR_ELEMS && g > 1)
-            fi_pool_run(c->pool, s_quant16_worker, &q);
-        else
-            s_quant16_worker(&q, 0, 1);
-        fi_mm_task t = {
-            .w = w->data, .w_stride = w->row_bytes, .cols = w->cols,
-            .x = c->scratch, .x_stride = xrow, .n = g,
-            .y = y + (size_t)k0 * w->rows, .y_stride = w->rows,
-        };
-        s_run_rows(c, fn, &t, w->rows);
-    }
-}
-
 static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
     s_cpu *c = ctx;
-    if (c->act_bits == 16 && fi_dtype_block_elems(w->type) != 1) {
-        s_matmul16(c, y, w, x, n);
-        return;
-    }
-    fi_mm_fn fn = s_mm_fn(c, w->type);
+    int bits = c->act_bits;
+    fi_mm_fn fn = s_mm_fn(c, w->type, bits);
     assert(fn);
     fi_mm_task t = {
         .w = w->data, .w_stride = w->row_bytes, .cols = w->cols,
@@ -219,7 +194,9 @@ static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, in
         s_run_rows(c, fn, &t, w->rows);
         return;
     }
-    size_t xrow = (size_t)(w->cols / FI_QK) * sizeof(fi_block_q8x);
+    /* Quantised weights: quantise the activations once (in groups that fit
+     * the scratch buffer), then integer dot products. */
+    size_t xrow = (size_t)(w->cols / FI_QK) * (bits == 16 ? sizeof(fi_block_q16x) : sizeof(fi_block_q8x));
     int group = n;
     if (s_reserve(c, xrow * (size_t)n) != 0)
         group = (int)(c->scratch_bytes / xrow);
@@ -231,7 +208,7 @@ static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, in
     }
     for (int k0 = 0; k0 < n; k0 += group) {
         int g = n - k0 < group ? n - k0 : group;
-        s_quant_job q = {.k = &c->k, .x = x + (size_t)k0 * w->cols, .xq = c->scratch,
+        s_quant_job q = {.c = c, .bits = bits, .x = x + (size_t)k0 * w->cols, .xq = c->scratch,
                          .n = g, .cols = w->cols, .xrow = xrow};
         if (c->n_threads > 1 && (size_t)g * (size_t)w->cols >= S_PAR_ELEMS && g > 1)
             fi_pool_run(c->pool, s_quant_worker, &q);
@@ -287,14 +264,61 @@ static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n
         s_norm_worker(&j, 0, 1);
 }
 
+/* cos and sin of pos * theta^(-2i/head_dim), computed in double. */
+static void s_rope_angle(double pos, int i, int head_dim, float theta, float *cs, float *sn) {
+    double ang = pos * pow((double)theta, -2.0 * i / head_dim);
+    *cs = (float)cos(ang);
+    *sn = (float)sin(ang);
+}
+
+/* Makes the rope table cover positions < need for (theta, head_dim): one
+ * (cos, sin) pair per position and pair index, so the 2 * n_layers rope
+ * calls of a token compute their angles once. 0, or -1 when memory runs
+ * out (the caller then computes angles directly). */
+static int s_rope_table(s_cpu *c, int need, int head_dim, float theta) {
+    int half = head_dim / 2;
+    if (c->rope_theta != theta || c->rope_half != half)
+        c->rope_rows = 0; /* another model's settings: start over */
+    if (need <= c->rope_rows)
+        return 0;
+    int rows = need > 2 * c->rope_rows ? need : 2 * c->rope_rows;
+    if (rows < 256)
+        rows = 256;
+    float *tab = realloc(c->rope_tab, (size_t)rows * half * 2 * sizeof *tab);
+    if (!tab)
+        return -1;
+    if (c->rope_rows == 0) {
+        c->rope_theta = theta;
+        c->rope_half = half;
+    }
+    for (int p = c->rope_rows; p < rows; p++)
+        for (int i = 0; i < half; i++)
+            s_rope_angle(p, i, head_dim, theta, &tab[((size_t)p * half + i) * 2],
+                         &tab[((size_t)p * half + i) * 2 + 1]);
+    c->rope_tab = tab;
+    c->rope_rows = rows;
+    return 0;
+}
+
 static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
                    float theta) {
+    s_cpu *c = ctx;
     int half = head_dim / 2;
+    int maxp = 0;
+    for (int t = 0; t < n; t++)
+        maxp = pos[t] > maxp ? pos[t] : maxp;
+    int use_tab = s_rope_table(c, maxp + 1, head_dim, theta) == 0;
     for (int t = 0; t < n; t++) {
         float *row = x + (size_t)t * n_heads * head_dim;
+        const float *tab = use_tab ? c->rope_tab + (size_t)pos[t] * half * 2 : NULL;
         for (int i = 0; i < half; i++) {
-            double ang = (double)pos[t] * pow((double)theta, -2.0 * i / head_dim);
-            float cs = (float)cos(ang), sn = (float)sin(ang);
+            float cs, sn;
+            if (tab) {
+                cs = tab[2 * i];
+                sn = tab[2 * i + 1];
+            } else {
+                s_rope_angle(pos[t], i, head_dim, theta, &cs, &sn);
+            }
             for (int h = 0; h < n_heads; h++) {
                 float *p = row + (size_t)h * head_dim + 2 * i;
                 float a = p[0], b = p[1];
@@ -305,75 +329,166 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
     }
 }
 
+/* Attention work item: token t, KV head kh, position segment seg. All the
+ * query heads that share kh are done together, so each K/V row is read
+ * from memory once per group. When there are fewer (token, kv head) pairs
+ * than threads can use (decode), positions are split into segments whose
+ * partial softmax states (max, sum, unnormalised output) are merged after
+ * the parallel part, as in flash-decoding. */
 typedef struct s_att_job {
-    const fi_cpu_kernels *k;    /* dot / axpy */
+    const fi_cpu_kernels *k;    /* dots / wsum */
     float *out;                 /* n rows of n_heads*head_dim */
     const float *q;             /* queries */
     const uint16_t *kc, *vc;    /* key and value caches, fp16 */
     const int32_t *pos;         /* position of each query token */
     int n, n_heads, n_kv_heads, head_dim;
+    int segs;                   /* position segments per (token, kv head) */
+    int seg_len;                /* positions per segment (last may be short) */
+    float *part;                /* segs > 1: per (t, h, seg): m, l, o[head_dim] */
+    atomic_int next;            /* next item to claim */
 } s_att_job;
 
-/* One (token, head): online softmax over the visible positions in chunks,
- * accumulating directly in this head's slice of out. */
-static void s_att_one(const s_att_job *j, int t, int h) {
-    int hd = j->head_dim;
-    int kv_dim = j->n_kv_heads * hd;
-    int kh = h / (j->n_heads / j->n_kv_heads);
-    const float *q = j->q + (size_t)t * j->n_heads * hd + (size_t)h * hd;
-    float *o = j->out + (size_t)t * j->n_heads * hd + (size_t)h * hd;
-    float scale = 1.0f / sqrtf((float)hd);
+/* Partial state of one (token, head, segment): m, l, then head_dim floats. */
+static float *s_att_part(const s_att_job *j, int t, int h, int seg) {
+    size_t i = ((size_t)t * j->n_heads + h) * j->segs + seg;
+    return j->part + i * (size_t)(j->head_dim + 2);
+}
+
+static void s_att_item(const s_att_job *j, int t, int kh, int seg) {
+    const int hd = j->head_dim;
+    const int group = j->n_heads / j->n_kv_heads;
+    const size_t kv_dim = (size_t)j->n_kv_heads * hd;
+    const float scale = 1.0f / sqrtf((float)hd);
+    int p_begin = seg * j->seg_len;
+    int p_end = p_begin + j->seg_len;
+    if (p_end > j->pos[t] + 1)
+        p_end = j->pos[t] + 1;
     float sc[S_ATT_CHUNK];
-    float m = -INFINITY, l = 0.0f;
-    int np = j->pos[t] + 1;
-    memset(o, 0, (size_t)hd * sizeof *o);
-    for (int p0 = 0; p0 < np; p0 += S_ATT_CHUNK) {
-        int cn = np - p0 < S_ATT_CHUNK ? np - p0 : S_ATT_CHUNK;
-        float cm = -INFINITY;
-        for (int i = 0; i < cn; i++) {
-            const uint16_t *k = j->kc + (size_t)(p0 + i) * kv_dim + (size_t)kh * hd;
-            sc[i] = j->k->dot(q, k, hd) * scale;
-            cm = sc[i] > cm ? sc[i] : cm;
+    /* Heads of the group in sets of up to S_ATT_HEADS, each set walking
+     * the positions chunk by chunk: a chunk's K/V rows come from L2 or
+     * memory once and from L1 for the other heads of the set. */
+    for (int g0 = 0; g0 < group; g0 += S_ATT_HEADS) {
+        int gn = group - g0 < S_ATT_HEADS ? group - g0 : S_ATT_HEADS;
+        float m[S_ATT_HEADS], l[S_ATT_HEADS];
+        float *o[S_ATT_HEADS];
+        const float *q[S_ATT_HEADS];
+        for (int g = 0; g < gn; g++) {
+            int h = kh * group + g0 + g;
+            q[g] = j->q + (size_t)t * j->n_heads * hd + (size_t)h * hd;
+            o[g] = j->segs > 1 ? s_att_part(j, t, h, seg) + 2
+                               : j->out + (size_t)t * j->n_heads * hd + (size_t)h * hd;
+            memset(o[g], 0, (size_t)hd * sizeof(float));
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
         }
-        if (cm > m) {
-            float r = expf(m - cm); /* 0 on the first chunk */
-            l *= r;
-            for (int d = 0; d < hd; d++)
-                o[d] *= r;
-            m = cm;
+        for (int p0 = p_begin; p0 < p_end; p0 += S_ATT_CHUNK) {
+            int cn = p_end - p0 < S_ATT_CHUNK ? p_end - p0 : S_ATT_CHUNK;
+            const uint16_t *kr = j->kc + (size_t)p0 * kv_dim + (size_t)kh * hd;
+            const uint16_t *vr = j->vc + (size_t)p0 * kv_dim + (size_t)kh * hd;
+            for (int g = 0; g < gn; g++) {
+                float cm = j->k->dots(sc, q[g], kr, kv_dim, cn, hd, scale);
+                if (cm > m[g]) {
+                    float r = expf(m[g] - cm); /* 0 on the first chunk */
+                    l[g] *= r;
+                    for (int d = 0; d < hd; d++)
+                        o[g][d] *= r;
+                    m[g] = cm;
+                }
+                l[g] += j->k->exp_sum(sc, cn, m[g]);
+                j->k->wsum(o[g], sc, vr, kv_dim, cn, hd);
+            }
         }
-        for (int i = 0; i < cn; i++) {
-            float e = expf(sc[i] - m);
-            l += e;
-            j->k->axpy(o, e, j->vc + (size_t)(p0 + i) * kv_dim + (size_t)kh * hd, hd);
+        for (int g = 0; g < gn; g++) {
+            if (j->segs > 1) {
+                o[g][-2] = m[g];
+                o[g][-1] = l[g];
+            } else {
+                float il = 1.0f / l[g];
+                for (int d = 0; d < hd; d++)
+                    o[g][d] *= il;
+            }
         }
     }
-    float il = 1.0f / l;
-    for (int d = 0; d < hd; d++)
-        o[d] *= il;
 }
 
 static void s_att_worker(void *arg, int ith, int nth) {
     s_att_job *j = arg;
-    long items = (long)j->n * j->n_heads;
-    long i0 = items * ith / nth, i1 = items * (ith + 1) / nth;
-    for (long i = i0; i < i1; i++)
-        s_att_one(j, (int)(i / j->n_heads), (int)(i % j->n_heads));
+    int per_t = j->n_kv_heads * j->segs;
+    int items = j->n * per_t;
+    for (;;) {
+        int i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (i >= items)
+            break;
+        int t = i / per_t, r = i % per_t;
+        s_att_item(j, t, r / j->segs, r % j->segs);
+    }
+}
+
+/* Combines the segments' partial states into out (segs > 1). A segment
+ * past pos[t] is empty (m = -inf, l = 0) and weighs nothing. */
+static void s_att_merge(const s_att_job *j) {
+    const int hd = j->head_dim;
+    for (int t = 0; t < j->n; t++)
+        for (int h = 0; h < j->n_heads; h++) {
+            float m = -INFINITY;
+            for (int s = 0; s < j->segs; s++) {
+                float ms = s_att_part(j, t, h, s)[0];
+                m = ms > m ? ms : m;
+            }
+            float *o = j->out + (size_t)t * j->n_heads * hd + (size_t)h * hd;
+            float l = 0.0f;
+            memset(o, 0, (size_t)hd * sizeof *o);
+            for (int s = 0; s < j->segs; s++) {
+                const float *ps = s_att_part(j, t, h, s);
+                if (ps[1] == 0.0f)
+                    continue;
+                float w = expf(ps[0] - m);
+                l += w * ps[1];
+                for (int d = 0; d < hd; d++)
+                    o[d] += w * ps[2 + d];
+            }
+            float il = 1.0f / l;
+            for (int d = 0; d < hd; d++)
+                o[d] *= il;
+        }
 }
 
 static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
                         const uint16_t *v, int n, const int32_t *pos, int n_heads, int n_kv_heads,
                         int head_dim) {
     s_cpu *c = ctx;
+    assert(n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0);
     s_att_job j = {.k = &c->k, .out = out, .q = q, .kc = k, .vc = v, .pos = pos, .n = n,
-                   .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim};
-    if (c->n_threads > 1 && (long)n * n_heads > 1)
+                   .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .segs = 1};
+    int maxp = 0;
+    for (int t = 0; t < n; t++)
+        maxp = pos[t] > maxp ? pos[t] : maxp;
+    j.seg_len = maxp + 1;
+    /* Split positions only when the (token, kv head) pairs cannot keep
+     * every thread busy and there are enough positions to share. */
+    int pairs = n * n_kv_heads;
+    if (c->n_threads > 1 && pairs < 2 * c->n_threads && maxp + 1 >= 2 * S_ATT_MIN_SEG) {
+        int segs = (2 * c->n_threads + pairs - 1) / pairs;
+        if (segs > (maxp + 1) / S_ATT_MIN_SEG)
+            segs = (maxp + 1) / S_ATT_MIN_SEG;
+        size_t bytes = (size_t)n * n_heads * segs * (head_dim + 2) * sizeof(float);
+        if (segs > 1 && s_reserve(c, bytes) == 0) {
+            j.segs = segs;
+            j.seg_len = (maxp + 1 + segs - 1) / segs;
+            j.part = (float *)c->scratch;
+        }
+    }
+    atomic_init(&j.next, 0);
+    if (c->n_threads > 1 && pairs * j.segs > 1)
         fi_pool_run(c->pool, s_att_worker, &j);
     else
         s_att_worker(&j, 0, 1);
+    if (j.segs > 1)
+        s_att_merge(&j);
 }
 
 typedef struct s_ew_job {
+    const fi_cpu_kernels *k;    /* swiglu kernel */
     float *y;           /* g for swiglu, y for add */
     const float *x;     /* u for swiglu, x for add */
     size_t n;           /* elements */
@@ -386,8 +501,7 @@ static void s_ew_worker(void *arg, int ith, int nth) {
     float *y = j->y;
     const float *x = j->x;
     if (j->swiglu) {
-        for (size_t i = i0; i < i1; i++)
-            y[i] = y[i] / (1.0f + expf(-y[i])) * x[i];
+        j->k->swiglu(y + i0, x + i0, i1 - i0);
     } else {
         for (size_t i = i0; i < i1; i++)
             y[i] += x[i];
@@ -407,12 +521,12 @@ static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
 }
 
 static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
-    s_ew_job j = {.y = g, .x = u, .n = n, .swiglu = 1};
+    s_ew_job j = {.k = &((s_cpu *)ctx)->k, .y = g, .x = u, .n = n, .swiglu = 1};
     s_ew(ctx, &j);
 }
 
 static void s_add(void *ctx, float *y, const float *x, size_t n) {
-    s_ew_job j = {.y = y, .x = x, .n = n, .swiglu = 0};
+    s_ew_job j = {.k = &((s_cpu *)ctx)->k, .y = y, .x = x, .n = n, .swiglu = 0};
     s_ew(ctx, &j);
 }
 
@@ -424,6 +538,7 @@ static void s_destroy(void *ctx) {
         return;
     fi_pool_destroy(&c->pool);
     free(c->scratch);
+    free(c->rope_tab);
     free(c);
 }
 
@@ -448,23 +563,88 @@ static const fi_backend_ops s_cpu_ops = {
     .add = s_add,
 };
 
-/* AVX2 and FMA as the compiler sees them; F16C (which every AVX2 part
- * has, but clang's __builtin_cpu_supports cannot name) from CPUID 1 ECX. */
-static int s_cpu_has_avx2(void) {
+/* x86 extensions the kernels can use, as bits. */
+#define S_X86_AVX2 1u       /* AVX2 + FMA + F16C */
+#define S_X86_AVXVNNI 2u    /* and AVX-VNNI */
+#define S_X86_AVX512 4u     /* and AVX512 F/BW/VL/VNNI with ZMM state saved */
+
+/* AVX2 and FMA as the compiler's run-time check sees them; F16C (every
+ * AVX2 part has it, but clang's __builtin_cpu_supports cannot name it)
+ * from CPUID 1 ECX bit 29; AVX-VNNI from CPUID 7.1 EAX bit 4; AVX512
+ * F/BW/VL from CPUID 7.0 EBX bits 16/30/31 and VNNI from ECX bit 11, plus
+ * XCR0 bits 1-2 and 5-7 (the OS saves the opmask and ZMM registers). */
+static unsigned s_cpu_x86_features(void) {
+    unsigned f = 0;
 #if defined(FI_HAVE_X86) && FI_HAVE_X86 && (defined(__GNUC__) || defined(__clang__))
     unsigned a, b, c, d;
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
         return 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d))
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 29) & 1u))
         return 0;
-    return (c >> 29) & 1u;
-#else
-    return 0;
+    f |= S_X86_AVX2;
+    int osxsave = (c >> 27) & 1u;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1u))
+        f |= S_X86_AVXVNNI;
+    if (osxsave && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((b >> 16) & 1u) && ((b >> 30) & 1u) &&
+        ((b >> 31) & 1u) && ((c >> 11) & 1u)) {
+        unsigned lo, hi;
+        __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if ((lo & 0xe6u) == 0xe6u)
+            f |= S_X86_AVX512;
+    }
 #endif
+    return f;
 }
 
-fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t errlen) {
+/* Fills k (8-bit activations and float ops) and q16 (16-bit activations)
+ * with the named flavour; 0, or -1 when it is unknown, not built or not
+ * supported by this processor. Every x86 flavour uses the AVX2 q16
+ * kernels. */
+static int s_pick_kernels(fi_cpu_kernels *k, fi_q16_kernels *q16, const char *flavour) {
+    unsigned f = s_cpu_x86_features();
+    fi_cpu_kernels_portable(k);
+    fi_q16_kernels_portable(q16);
+    if (strcmp(flavour, "portable") == 0)
+        return 0;
+    int ok = 0;
+#if defined(FI_HAVE_X86) && FI_HAVE_X86
+    if (strcmp(flavour, "avx2") == 0 && (f & S_X86_AVX2)) {
+        fi_cpu_kernels_avx2(k);
+        ok = 1;
+    }
+#endif
+#if defined(FI_HAVE_AVXVNNI) && FI_HAVE_AVXVNNI
+    if (strcmp(flavour, "avxvnni") == 0 && (f & S_X86_AVXVNNI)) {
+        fi_cpu_kernels_avxvnni(k);
+        ok = 1;
+    }
+#endif
+#if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
+    if (strcmp(flavour, "avx512vnni") == 0 && (f & S_X86_AVX512)) {
+        fi_cpu_kernels_avx512(k);
+        ok = 1;
+    }
+#endif
+#if defined(FI_HAVE_X86) && FI_HAVE_X86
+    if (ok)
+        fi_q16_kernels_avx2(q16);
+#endif
+    (void)f;
+    return ok ? 0 : -1;
+}
+
+/* snprintf into a caller's error buffer, which may be NULL or empty. */
+__attribute__((format(printf, 3, 4))) static void s_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char *err, size_t errlen) {
     fi_backend *b = NULL;
     s_cpu *c = NULL;
     if (n_threads <= 0) {
@@ -474,28 +654,20 @@ fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t er
     c = calloc(1, sizeof *c);
     b = calloc(1, sizeof *b);
     if (!c || !b) {
-        snprintf(err, errlen, "cpu backend: out of memory");
+        s_err(err, errlen, "cpu backend: out of memory");
         goto fail;
     }
-    fi_cpu_kernels_portable(&c->k);
-    fi_q16_kernels_portable(&c->q16);
     c->act_bits = 16;
-    if (simd == FI_SIMD_AVX2 || simd == FI_SIMD_AUTO) {
-        if (s_cpu_has_avx2()) {
-#if defined(FI_HAVE_X86) && FI_HAVE_X86
-            fi_cpu_kernels_avx2(&c->k);
-            fi_q16_kernels_avx2(&c->q16);
-#endif
-        } else if (simd == FI_SIMD_AVX2) {
-            snprintf(err, errlen, "cpu backend: AVX2/FMA/F16C requested but not supported here");
-            goto fail;
-        }
+    if (s_pick_kernels(&c->k, &c->q16, flavour) != 0) {
+        s_err(err, errlen, "cpu backend: kernels '%s' not built or not supported by this processor",
+                 flavour);
+        goto fail;
     }
     c->scratch = aligned_alloc(S_ALIGN, S_SCRATCH_MIN);
     c->scratch_bytes = S_SCRATCH_MIN;
     c->pool = fi_pool_new(n_threads);
     if (!c->scratch || !c->pool) {
-        snprintf(err, errlen, "cpu backend: cannot start %d threads or allocate scratch", n_threads);
+        s_err(err, errlen, "cpu backend: cannot start %d threads or allocate scratch", n_threads);
         goto fail;
     }
     c->n_threads = n_threads;
@@ -506,6 +678,29 @@ fail:
     s_destroy(c);
     free(b);
     return NULL;
+}
+
+/* PORTABLE: plain C. AVX2: exactly the AVX2 kernels. AUTO: the fastest
+ * the processor has (measured on Sapphire Rapids: AVX512-VNNI, then
+ * AVX-VNNI, then AVX2, then portable). */
+fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t errlen) {
+    if (simd == FI_SIMD_PORTABLE)
+        return fi_cpu_backend_new_flavour(n_threads, "portable", err, errlen);
+    if (simd == FI_SIMD_AVX2)
+        return fi_cpu_backend_new_flavour(n_threads, "avx2", err, errlen);
+    unsigned f = s_cpu_x86_features();
+    const char *best = "portable";
+    if (f & S_X86_AVX2)
+        best = "avx2";
+#if defined(FI_HAVE_AVXVNNI) && FI_HAVE_AVXVNNI
+    if (f & S_X86_AVXVNNI)
+        best = "avxvnni";
+#endif
+#if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
+    if (f & S_X86_AVX512)
+        best = "avx512vnni";
+#endif
+    return fi_cpu_backend_new_flavour(n_threads, best, err, errlen);
 }
 
 const char *fi_cpu_backend_simd(const fi_backend *b) {

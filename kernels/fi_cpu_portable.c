@@ -12,124 +12,177 @@
  */
 #include "fi_kernels_impl.h"
 
+#include <math.h>
+
 #define S_ROW(t, r) ((const void *)((t)->w + (size_t)(r) * (t)->w_stride))
 #define S_XROW(t, k) ((const void *)((t)->x + (size_t)(k) * (t)->x_stride))
 
-static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
-    int nb = t->cols / FI_QK;
-    for (int r = r0; r < r1; r++) {
-        const fi_block_q8_0 *w = S_ROW(t, r);
-        for (int k = 0; k < t->n; k++) {
-            const fi_block_q8x *x = S_XROW(t, k);
-            float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                int isum = 0;
-                for (int j = 0; j < FI_QK; j++)
-                    isum += w[b].qs[j] * x[b].qs[j];
-                acc += fi_h2f(w[b].d) * x[b].d * (float)isum;
-            }
-            t->y[(size_t)k * t->y_stride + r] = acc;
-        }
-    }
-}
+#define S_CHUNK 64 /* blocks unpacked at a time */
 
-static int s_dot_nibbles(const uint8_t *qs, const int8_t *xq) {
+/* Exact int8 dot product of 32 elements (the compiler vectorises it). */
+static int s_dot32(const int8_t *a, const int8_t *b) {
     int isum = 0;
-    for (int j = 0; j < FI_QK / 2; j++)
-        isum += (qs[j] & 0x0f) * xq[j] + (qs[j] >> 4) * xq[j + FI_QK / 2];
+    for (int j = 0; j < FI_QK; j++)
+        isum += a[j] * b[j];
     return isum;
 }
 
-static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
-    int nb = t->cols / FI_QK;
-    for (int r = r0; r < r1; r++) {
-        const fi_block_q4_0 *w = S_ROW(t, r);
-        for (int k = 0; k < t->n; k++) {
-            const fi_block_q8x *x = S_XROW(t, k);
-            float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                float d = fi_h2f(w[b].d);
-                acc += d * x[b].d * (float)s_dot_nibbles(w[b].qs, x[b].qs) - 8.0f * d * x[b].s;
+/* Unpacks blocks [b0, b0+nb) of a quantised row into int8 values (Q4_0
+ * with its offset 8 removed), scales d and minimums m (Q4_1; else 0). */
+static void s_unpack(fi_dtype ty, const void *row, int b0, int nb, int8_t *q, float *d, float *m) {
+    for (int b = 0; b < nb; b++) {
+        int8_t *o = q + b * FI_QK;
+        if (ty == FI_DTYPE_Q8_0) {
+            const fi_block_q8_0 *w = (const fi_block_q8_0 *)row + b0 + b;
+            memcpy(o, w->qs, FI_QK);
+            d[b] = fi_h2f(w->d);
+            m[b] = 0.0f;
+        } else if (ty == FI_DTYPE_Q4_0) {
+            const fi_block_q4_0 *w = (const fi_block_q4_0 *)row + b0 + b;
+            for (int j = 0; j < FI_QK / 2; j++) {
+                o[j] = (int8_t)((w->qs[j] & 0x0f) - 8);
+                o[j + FI_QK / 2] = (int8_t)((w->qs[j] >> 4) - 8);
             }
-            t->y[(size_t)k * t->y_stride + r] = acc;
+            d[b] = fi_h2f(w->d);
+            m[b] = 0.0f;
+        } else {
+            const fi_block_q4_1 *w = (const fi_block_q4_1 *)row + b0 + b;
+            for (int j = 0; j < FI_QK / 2; j++) {
+                o[j] = (int8_t)(w->qs[j] & 0x0f);
+                o[j + FI_QK / 2] = (int8_t)(w->qs[j] >> 4);
+            }
+            d[b] = fi_h2f(w->d);
+            m[b] = fi_h2f(w->m);
         }
     }
+}
+
+/* Each row is unpacked S_CHUNK blocks at a time and used for every token
+ * while it is hot; y accumulates across chunks. */
+static void s_mm_quant(fi_dtype ty, const fi_mm_task *t, int r0, int r1) {
+    const int nb = t->cols / FI_QK;
+    int8_t q[S_CHUNK * FI_QK];
+    float d[S_CHUNK], m[S_CHUNK];
+    for (int r = r0; r < r1; r++) {
+        const void *row = S_ROW(t, r);
+        for (int k = 0; k < t->n; k++)
+            t->y[(size_t)k * t->y_stride + r] = 0.0f;
+        for (int b0 = 0; b0 < nb; b0 += S_CHUNK) {
+            int cn = nb - b0 < S_CHUNK ? nb - b0 : S_CHUNK;
+            s_unpack(ty, row, b0, cn, q, d, m);
+            for (int k = 0; k < t->n; k++) {
+                const fi_block_q8x *x = (const fi_block_q8x *)S_XROW(t, k) + b0;
+                float acc = 0.0f;
+                for (int b = 0; b < cn; b++)
+                    acc += d[b] * x[b].d * (float)s_dot32(q + b * FI_QK, x[b].qs) + m[b] * x[b].s;
+                t->y[(size_t)k * t->y_stride + r] += acc;
+            }
+        }
+    }
+}
+
+static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
+    s_mm_quant(FI_DTYPE_Q8_0, t, r0, r1);
+}
+
+static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
+    s_mm_quant(FI_DTYPE_Q4_0, t, r0, r1);
 }
 
 static void s_mm_q4_1(const fi_mm_task *t, int r0, int r1) {
-    int nb = t->cols / FI_QK;
-    for (int r = r0; r < r1; r++) {
-        const fi_block_q4_1 *w = S_ROW(t, r);
-        for (int k = 0; k < t->n; k++) {
-            const fi_block_q8x *x = S_XROW(t, k);
-            float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                acc += fi_h2f(w[b].d) * x[b].d * (float)s_dot_nibbles(w[b].qs, x[b].qs) +
-                       fi_h2f(w[b].m) * x[b].s;
-            }
-            t->y[(size_t)k * t->y_stride + r] = acc;
-        }
-    }
+    s_mm_quant(FI_DTYPE_Q4_1, t, r0, r1);
 }
 
 /* Float rows: four partial sums so the compiler can vectorise. */
+static float s_fdot(const float *w, const float *x, int n) {
+    float a[4] = {0, 0, 0, 0};
+    int c = 0;
+    for (; c + 4 <= n; c += 4)
+        for (int j = 0; j < 4; j++)
+            a[j] += w[c + j] * x[c + j];
+    for (; c < n; c++)
+        a[0] += w[c] * x[c];
+    return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
 static void s_mm_f32(const fi_mm_task *t, int r0, int r1) {
+    for (int r = r0; r < r1; r++)
+        for (int k = 0; k < t->n; k++)
+            t->y[(size_t)k * t->y_stride + r] = s_fdot(S_ROW(t, r), S_XROW(t, k), t->cols);
+}
+
+/* F16 / BF16 rows: converted S_FCHUNK elements at a time into floats,
+ * then the same dot as F32 for every token. */
+#define S_FCHUNK 512
+
+static void s_mm_half(fi_dtype ty, const fi_mm_task *t, int r0, int r1) {
+    float wf[S_FCHUNK];
     for (int r = r0; r < r1; r++) {
-        const float *w = S_ROW(t, r);
-        for (int k = 0; k < t->n; k++) {
-            const float *x = S_XROW(t, k);
-            float a[4] = {0, 0, 0, 0};
-            int c = 0;
-            for (; c + 4 <= t->cols; c += 4)
-                for (int j = 0; j < 4; j++)
-                    a[j] += w[c + j] * x[c + j];
-            for (; c < t->cols; c++)
-                a[0] += w[c] * x[c];
-            t->y[(size_t)k * t->y_stride + r] = (a[0] + a[1]) + (a[2] + a[3]);
+        const uint16_t *w = S_ROW(t, r);
+        for (int k = 0; k < t->n; k++)
+            t->y[(size_t)k * t->y_stride + r] = 0.0f;
+        for (int c0 = 0; c0 < t->cols; c0 += S_FCHUNK) {
+            int cn = t->cols - c0 < S_FCHUNK ? t->cols - c0 : S_FCHUNK;
+            if (ty == FI_DTYPE_F16)
+                for (int c = 0; c < cn; c++)
+                    wf[c] = fi_h2f(w[c0 + c]);
+            else
+                for (int c = 0; c < cn; c++)
+                    wf[c] = fi_bf2f(w[c0 + c]);
+            for (int k = 0; k < t->n; k++) {
+                const float *x = (const float *)S_XROW(t, k) + c0;
+                t->y[(size_t)k * t->y_stride + r] += s_fdot(wf, x, cn);
+            }
         }
     }
 }
 
 static void s_mm_f16(const fi_mm_task *t, int r0, int r1) {
-    for (int r = r0; r < r1; r++) {
-        const uint16_t *w = S_ROW(t, r);
-        for (int k = 0; k < t->n; k++) {
-            const float *x = S_XROW(t, k);
-            float acc = 0.0f;
-            for (int c = 0; c < t->cols; c++)
-                acc += fi_h2f(w[c]) * x[c];
-            t->y[(size_t)k * t->y_stride + r] = acc;
-        }
-    }
+    s_mm_half(FI_DTYPE_F16, t, r0, r1);
 }
 
 static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
-    for (int r = r0; r < r1; r++) {
-        const uint16_t *w = S_ROW(t, r);
-        for (int k = 0; k < t->n; k++) {
-            const float *x = S_XROW(t, k);
-            float acc = 0.0f;
-            for (int c = 0; c < t->cols; c++)
-                acc += fi_bf16_to_fp32(w[c]) * x[c];
-            t->y[(size_t)k * t->y_stride + r] = acc;
-        }
+    s_mm_half(FI_DTYPE_BF16, t, r0, r1);
+}
+
+static float s_dots(float *s, const float *q, const uint16_t *k, size_t stride, int np, int hd,
+                    float scale) {
+    float mx = -INFINITY;
+    for (int i = 0; i < np; i++) {
+        const uint16_t *kr = k + (size_t)i * stride;
+        float a[4] = {0, 0, 0, 0};
+        int d = 0;
+        for (; d + 4 <= hd; d += 4)
+            for (int u = 0; u < 4; u++)
+                a[u] += q[d + u] * fi_h2f(kr[d + u]);
+        for (; d < hd; d++)
+            a[0] += q[d] * fi_h2f(kr[d]);
+        s[i] = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
+        mx = s[i] > mx ? s[i] : mx;
+    }
+    return mx;
+}
+
+static void s_wsum(float *o, const float *e, const uint16_t *v, size_t stride, int np, int hd) {
+    for (int i = 0; i < np; i++) {
+        const uint16_t *vr = v + (size_t)i * stride;
+        for (int d = 0; d < hd; d++)
+            o[d] += e[i] * fi_h2f(vr[d]);
     }
 }
 
-static float s_dot(const float *a, const uint16_t *b, int n) {
-    float s[4] = {0, 0, 0, 0};
-    int i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++)
-            s[j] += a[i + j] * fi_h2f(b[i + j]);
-    for (; i < n; i++)
-        s[0] += a[i] * fi_h2f(b[i]);
-    return (s[0] + s[1]) + (s[2] + s[3]);
+static float s_exp_sum(float *s, int n, float m) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return sum;
 }
 
-static void s_axpy(float *y, float a, const uint16_t *x, int n) {
-    for (int i = 0; i < n; i++)
-        y[i] += a * fi_h2f(x[i]);
+static void s_swiglu(float *g, const float *u, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 static void s_to_f16(uint16_t *dst, const float *src, size_t n) {
@@ -146,7 +199,9 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
-    k->dot = s_dot;
-    k->axpy = s_axpy;
+    k->dots = s_dots;
+    k->wsum = s_wsum;
+    k->exp_sum = s_exp_sum;
+    k->swiglu = s_swiglu;
     k->to_f16 = s_to_f16;
 }

@@ -111,10 +111,7 @@ uint16_t fi_fp32_to_fp16(float f) {
 }
 
 float fi_bf16_to_fp32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return fi_bf2f(h);
 }
 
 /* Round to nearest, ties to even; NaN stays a (quiet) NaN. */
@@ -143,7 +140,7 @@ void fi_dequantize_row(fi_dtype t, const void *src, float *dst, int64_t n) {
     case FI_DTYPE_BF16: {
         const uint16_t *s = src;
         for (int64_t i = 0; i < n; i++)
-            dst[i] = fi_bf16_to_fp32(s[i]);
+            dst[i] = fi_bf2f(s[i]);
         return;
     }
     case FI_DTYPE_Q8_0: {

@@ -130,6 +130,30 @@ typedef struct fi_backend_ops {
     void (*swiglu)(void *ctx, float *g, const float *u, size_t n);
     /* y[i] += x[i] for i < n (residual). */
     void (*add)(void *ctx, float *y, const float *x, size_t n);
+
+    /* --- optional members: NULL where a backend has none (the CPU backend
+     * has none). Callers test for NULL. New members go at the end. --- */
+    /* The backend's first failure as text, with the runtime's own message
+     * ("cuda: cublasLtMatmul (576x1x576): CUBLAS_STATUS_..."), or NULL when
+     * nothing failed. Backends whose operations cannot fail leave it NULL. */
+    const char *(*last_error)(void *ctx);
+    /* *out = the index of the largest of x[0..n) (backend memory; the first
+     * such index on ties), computed by the backend so that only one integer
+     * comes back to the host (greedy decoding). Waits for queued work.
+     * Returns 0, or -1 with the backend's error. */
+    int (*argmax)(void *ctx, int32_t *out, const float *x, int n);
+    /* Record the work of the calls that follow, up to graph_end, and run it
+     * as one launch (a CUDA graph): for decode steps, whose hundreds of
+     * small kernels would otherwise cost a launch each. In between, only
+     * operations and to_backend (a few KiB in all: token ids, positions)
+     * may be called; not to_host, sync, argmax, alloc, free or weight
+     * calls. graph_begin returns 0, or -1 when the backend will not record
+     * now (graphs turned off, profiling): the caller then simply goes on
+     * without. After a 0 from graph_begin, graph_end must follow, on error
+     * paths too; it launches the recorded work and returns 0, or -1 with
+     * the backend's error. */
+    int (*graph_begin)(void *ctx);
+    int (*graph_end)(void *ctx);
 } fi_backend_ops;
 
 struct fi_backend {
@@ -153,6 +177,14 @@ FI_MUST_CHECK int fi_cpu_backend_set_act_bits(fi_backend *b, int bits);
 int fi_cpu_backend_act_bits(const fi_backend *b);
 /* Threads in the CPU backend's pool; 0 when b is not a CPU backend. */
 int fi_cpu_backend_threads(const fi_backend *b);
+
+/* The CUDA backend on device `device`, loaded on demand from its module
+ * (kernels/cuda/, libfi_cuda.so) so that CPU-only processes never map the
+ * CUDA libraries. NULL with the reason in err: no CUDA in this build, no
+ * driver, the module cannot be loaded, or CUDA's own message (no device).
+ * fi_cuda_available() tells whether this build has the module at all. */
+fi_backend *fi_cuda_backend_open(int device, char *err, size_t errlen);
+int fi_cuda_available(void);
 
 /* Frees the backend and sets *b to NULL; safe on NULL or *b == NULL. */
 void fi_backend_destroy(fi_backend **b);

@@ -82,9 +82,16 @@ typedef struct fi_cpu_kernels {
     fi_mm_fn mm_q4_0;                                          /* quantised weights */
     fi_mm_fn mm_q4_1;
     fi_mm_fn mm_q8_0;
-    /* Attention helpers over fp16 cache rows: dot product and y += a * x. */
-    float (*dot)(const float *a, const uint16_t *b, int n);
-    void (*axpy)(float *y, float a, const uint16_t *x, int n);
+    /* Attention helpers over np >= 1 fp16 cache rows of length hd spaced
+     * `stride` elements: s[i] = scale * dot(q, k + i*stride), returning
+     * max s[i]; o[d] += sum_i e[i] * v[i*stride + d]. */
+    float (*dots)(float *s, const float *q, const uint16_t *k, size_t stride, int np, int hd,
+                  float scale);
+    void (*wsum)(float *o, const float *e, const uint16_t *v, size_t stride, int np, int hd);
+    /* s[i] = exp(s[i] - m) for i < n (s[i] <= m); returns their sum. */
+    float (*exp_sum)(float *s, int n, float m);
+    /* g[i] = silu(g[i]) * u[i] for i < n. */
+    void (*swiglu)(float *g, const float *u, size_t n);
     /* fp32 -> fp16, round to nearest even (stores into the KV cache). */
     void (*to_f16)(uint16_t *dst, const float *src, size_t n);
 } fi_cpu_kernels;
@@ -96,28 +103,57 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k);
  * after checking that the processor has them. */
 void fi_cpu_kernels_avx2(fi_cpu_kernels *k);
 #endif
+#if defined(FI_HAVE_AVXVNNI) && FI_HAVE_AVXVNNI
+/* The same with AVX-VNNI dot products; only call after checking for
+ * AVX2, FMA, F16C and AVX-VNNI. */
+void fi_cpu_kernels_avxvnni(fi_cpu_kernels *k);
+#endif
+#if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
+/* The same with 512-bit AVX512-VNNI quantised matmul; only call after
+ * checking for AVX2, FMA, F16C, AVX512 F/BW/VL/VNNI and ZMM OS support. */
+void fi_cpu_kernels_avx512(fi_cpu_kernels *k);
+#endif
+
+/* A CPU backend with the named kernels: "portable", "avx2", "avxvnni" or
+ * "avx512vnni" (for tests and benchmarks that compare flavours; the engine
+ * uses fi_cpu_backend_new). NULL with a message in err when the flavour is
+ * unknown, not built, or not supported by this processor. */
+fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char *err, size_t errlen);
 
 /* Portable quantiser, also the reference for the SIMD ones: d = amax/127,
  * qs = round-to-nearest-even(x * 127/amax). */
 void fi_quantize_q8x_ref(const float *x, fi_block_q8x *y, int nb);
 
-/* fp16 -> fp32 for hot loops (exact, handles all encodings). */
+/* fp16 -> fp32 for hot loops, exact for every encoding and branch-free
+ * (so loops of it vectorise). Normal numbers, inf and NaN: shift the
+ * exponent and mantissa into place, add 224 to the exponent and multiply
+ * by 2^-112, a net rebias of 112 = 127 - 15 that leaves exponent 31 at
+ * 255 (inf/NaN). Subnormals m * 2^-24: put m under the exponent of 0.5
+ * and subtract 0.5. */
 static inline float fi_h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t mant = h & 0x3ffu;
-    uint32_t bits;
+    uint32_t w = (uint32_t)h << 16;
+    uint32_t sign = w & 0x80000000u;
+    uint32_t two_w = w + w; /* exponent and mantissa, sign shifted out */
+    uint32_t nb = (two_w >> 4) + (224u << 23), db = (two_w >> 17) | (126u << 23);
+    float nf, df;
+    memcpy(&nf, &nb, sizeof nf);
+    memcpy(&df, &db, sizeof df);
+    nf *= 0x1p-112f;
+    df -= 0.5f;
+    uint32_t nbits, dbits;
+    memcpy(&nbits, &nf, sizeof nbits);
+    memcpy(&dbits, &df, sizeof dbits);
+    uint32_t sub = 0u - (uint32_t)(two_w < (1u << 27)); /* all ones: subnormal */
+    uint32_t bits = sign | (dbits & sub) | (nbits & ~sub);
     float f;
-    if (exp == 0) {
-        /* zero or subnormal: mant * 2^-24, exact in fp32 */
-        f = (float)mant * 0x1p-24f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    }
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* bf16 -> fp32 for hot loops: the top half of the fp32 bits. */
+static inline float fi_bf2f(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }

@@ -179,8 +179,9 @@ typedef struct fi_verdict {
  * must be fi_policy_target_count()). Writes out[0..n). Never allocates and
  * never fails for bad request data: an unknown origin site or label denies
  * every target with FI_CAUSE_BAD_REQUEST. Returns 0, or -1 when a target
- * index is out of range or n exceeds FI_POLICY_MAX_TARGETS (nothing is
- * permitted then). Does not look at expiry; see fi_policy_current(). */
+ * index is out of range, targets is NULL and n is not the target count
+ * (out[0..n) are then all denied), or n exceeds FI_POLICY_MAX_TARGETS (out
+ * is not written). Does not look at expiry; see fi_policy_current(). */
 int fi_policy_decide(const fi_policy *self, const fi_request *req, const uint32_t *targets, size_t n,
                      fi_verdict *out) FI_WUR;
 

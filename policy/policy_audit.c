@@ -236,9 +236,9 @@ int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_
     if (!f) f = &none;
     const char *sql =
         "SELECT * FROM (SELECT " COLS " FROM audit WHERE time >= ?1 AND (?2 = 0 OR time < ?2)"
-        " AND (?3 IS NULL OR origin = ?3) AND (?4 IS NULL OR ',' || labels || ',' LIKE '%,' || ?4 || ',%')"
+        " AND (?3 IS NULL OR origin = ?3) AND (?4 IS NULL OR instr(',' || labels || ',', ',' || ?4 || ',') > 0)"
         " AND (?5 IS NULL OR target = ?5) AND (?6 IS NULL OR decision = ?6) AND (?7 IS NULL OR request_id = ?7)"
-        " AND (?8 IS NULL OR ',' || rules || ',' LIKE '%,' || ?8 || ',%')"
+        " AND (?8 IS NULL OR instr(',' || rules || ',', ',' || ?8 || ',') > 0)"
         " ORDER BY seq DESC LIMIT ?9) ORDER BY seq";
     sqlite3_stmt *st = NULL;
     if (sqlite3_prepare_v2(self->db, sql, -1, &st, NULL) != SQLITE_OK) {

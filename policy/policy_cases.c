@@ -593,7 +593,7 @@ fi_cases *fi_cases_from_args(int argc, char **argv, char *err, size_t err_cap) {
     cs->n = cs->cap = 1;
     s_case *c = &cs->v[0];
     c->req.latency_ms = c->req.prompt_tokens = -1;
-    c->name = s_dup("request");
+    c->name = s_dup("from the command line");
     for (int i = 0; i < argc; i++) {
         const char *eq = strchr(argv[i], '=');
         if (!eq) {

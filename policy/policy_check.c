@@ -152,8 +152,11 @@ static void s_topology(checker *ck) {
                     snprintf(intro, sizeof intro, "declared %ss: ", p_kind_name(want));
                     s_suggest(hint, sizeof hint, p_str(pol, psym), names, n, intro);
                 }
-                s_err(ck, pline, pcol, hint, "unknown entity \"%s\": no %s of that name is declared%s",
-                      p_str(pol, psym), later >= 0 ? "earlier" : p_kind_name(want), "");
+                if (later >= 0)
+                    s_err(ck, pline, pcol, hint, "\"%s\" is used before it is declared", p_str(pol, psym));
+                else
+                    s_err(ck, pline, pcol, hint, "unknown entity \"%s\": no %s of that name is declared",
+                          p_str(pol, psym), p_kind_name(want));
                 e->parent = -1;
             } else if (pol->ents[p].kind != want) {
                 char hint[200];

@@ -70,7 +70,7 @@ static int64_t s_time(const char *s) {
     char *e;
     errno = 0;
     long long x = strtoll(s, &e, 10);
-    if (!*e && !errno && x >= 0 && strlen(s) != 10) return x;
+    if (*s && !*e && !errno && x >= 0) return x; /* Unix seconds */
     size_t n = strlen(s);
     if (!((n == 20 && sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2dZ", &Y, &M, &D, &h, &m, &sec) == 6) ||
           (n == 10 && sscanf(s, "%4d-%2d-%2d", &Y, &M, &D) == 3)))

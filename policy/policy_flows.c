@@ -87,12 +87,13 @@ fi_flow fi_policy_flow(const fi_policy *pol, uint32_t label_mask, size_t origin_
 
 static const char *s_flow_word(fi_flow f) { return f == FI_FLOW_ALLOW ? "yes" : f == FI_FLOW_DENY ? "no" : "maybe"; }
 
-/* The outcome one would expect of a label set from its single labels. */
-static fi_flow s_combine(const fi_policy *pol, uint32_t mask, size_t o, size_t t) {
+/* The outcome one would expect of a label set from its single labels;
+ * single[l] is the flow of label l alone for this origin and target. */
+static fi_flow s_combine(const fi_policy *pol, uint32_t mask, const uint8_t *single) {
     bool all_allow = true;
     for (uint32_t l = 0; l < pol->n_labels; l++) {
         if (!(mask >> l & 1)) continue;
-        fi_flow f = fi_policy_flow(pol, 1u << l, o, t, NULL, 0);
+        fi_flow f = (fi_flow)single[l];
         if (f == FI_FLOW_DENY) return FI_FLOW_DENY;
         if (f != FI_FLOW_ALLOW) all_allow = false;
     }
@@ -143,15 +144,27 @@ void fi_policy_flows_print(const fi_policy *pol, bool all, FILE *out) {
     /* Every other label set, checked; listed when it differs from what its
      * single labels suggest (all denied if one is, else all permitted). */
     unsigned exceptions = 0;
+    size_t cells = (size_t)pol->n_sites * pol->n_targets;
+    uint8_t *single = malloc(cells * FI_POLICY_MAX_LABELS + 1);
+    if (!single) {
+        fprintf(out, "\nout of memory: multi-label sets not checked\n");
+        return;
+    }
+    for (uint32_t o = 0; o < pol->n_sites; o++)
+        for (uint32_t t = 0; t < pol->n_targets; t++)
+            for (uint32_t l = 0; l < pol->n_labels; l++)
+                single[((size_t)o * pol->n_targets + t) * FI_POLICY_MAX_LABELS + l] =
+                    (uint8_t)fi_policy_flow(pol, 1u << l, o, t, NULL, 0);
     for (uint32_t mask = 0; mask < nsets; mask++) {
         if (mask && !(mask & (mask - 1))) continue; /* single labels are in the table */
         for (uint32_t o = 0; o < pol->n_sites; o++)
             for (uint32_t t = 0; t < pol->n_targets; t++) {
                 char why[128];
+                const uint8_t *sg = single + ((size_t)o * pol->n_targets + t) * FI_POLICY_MAX_LABELS;
                 fi_flow f = fi_policy_flow(pol, mask, o, t, why, sizeof why);
-                fi_flow expect = mask ? s_combine(pol, mask, o, t)
+                fi_flow expect = mask ? s_combine(pol, mask, sg)
                                       : (pol->default_label != SYM_NONE
-                                             ? fi_policy_flow(pol, 1u << pol->sym_label[pol->default_label], o, t, NULL, 0)
+                                             ? (fi_flow)sg[pol->sym_label[pol->default_label]]
                                              : f);
                 if (f == expect) continue;
                 if (!exceptions++)
@@ -163,6 +176,7 @@ void fi_policy_flows_print(const fi_policy *pol, bool all, FILE *out) {
                         why[0] ? ")" : "");
             }
     }
+    free(single);
     if (!exceptions)
         fprintf(out, "\nall %u label sets checked: each combination is permitted exactly where all of its labels are\n",
                 nsets);
@@ -202,7 +216,10 @@ void p_analyse(const fi_policy *pol, fi_diags *d) {
     uint8_t *maybe_shadow = malloc(R);    /* permit: every possible match is definitely forbidden */
     int *shadower = malloc(R * sizeof(int));
     uint8_t *m = malloc(R);
-    if (!u || !ut || !maybe_shadow || !shadower || !m) goto done;
+    if (!u || !ut || !maybe_shadow || !shadower || !m) {
+        p_diag(d, FI_DIAG_WARNING, 0, 0, NULL, "rule analysis skipped: out of memory");
+        goto done;
+    }
     memset(maybe_shadow, 1, R);
     for (uint32_t r = 0; r < R; r++) shadower[r] = -1;
     for (uint32_t mask = 0; mask < nsets; mask++)

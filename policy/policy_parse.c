@@ -20,6 +20,7 @@
 
 #define MAX_DIAGS 100     /* stop reporting after this many */
 #define MAX_STR 1024      /* longest string literal or name */
+#define MAX_COND_NODES 2048 /* terms of one rule's condition */
 
 /* ------------------------------------------------------------ diagnostics */
 
@@ -413,11 +414,14 @@ static void s_next(parser *ps) {
     case '>': if (c2 == '=') { k = T_GE; n = 2; } else k = T_GT; break;
     default: break;
     }
+    if (k == T_BAD && (c == '&' || c == '|') && c2 == c) n = 2; /* report && and || once */
     t->k = k;
     t->len = n;
     if (k == T_BAD) {
         char msg[80];
-        if (c == '!')
+        if (n == 2)
+            snprintf(msg, sizeof msg, "unexpected '%c%c'", c, c);
+        else if (c == '!')
             snprintf(msg, sizeof msg, "unexpected '!'");
         else if (isprint(c))
             snprintf(msg, sizeof msg, "unexpected character '%c'", c);
@@ -471,22 +475,23 @@ static int s_expect(parser *ps, tok_kind k, const char *context, const char *hin
 /* Skips to just after the next ';' at nesting depth 0, or to a statement
  * keyword at the start of a line, so that parsing can resume. */
 static void s_recover(parser *ps) {
-    int depth = 0;
+    int depth = 0; /* braces opened since the error */
     while (ps->t.k != T_EOF) {
-        if (ps->t.k == T_LBRACE) depth++;
-        if (ps->t.k == T_RBRACE && --depth <= 0 && depth < 0) {
+        if (ps->t.k == T_LBRACE) {
+            depth++;
+        } else if (ps->t.k == T_RBRACE) {
+            s_next(ps);
+            if (depth-- <= 1) return; /* the block that held the error, or one opened since */
+            continue;
+        } else if (ps->t.k == T_SEMI && depth == 0) {
             s_next(ps);
             return;
-        }
-        if (ps->t.k == T_SEMI && depth <= 0) {
-            s_next(ps);
+        } else if (depth == 0 && ps->t.col == 1 && ps->t.k == T_IDENT &&
+                   (s_is_kw(ps, "permit") || s_is_kw(ps, "forbid") || s_is_kw(ps, "prefer") || s_is_kw(ps, "site") ||
+                    s_is_kw(ps, "cluster") || s_is_kw(ps, "region") || s_is_kw(ps, "jurisdiction") ||
+                    s_is_kw(ps, "labels") || s_is_kw(ps, "default_label") || s_is_kw(ps, "expires"))) {
             return;
         }
-        if (depth <= 0 && ps->t.col == 1 && ps->t.k == T_IDENT &&
-            (s_is_kw(ps, "permit") || s_is_kw(ps, "forbid") || s_is_kw(ps, "prefer") ||
-             s_is_kw(ps, "site") || s_is_kw(ps, "cluster") || s_is_kw(ps, "region") ||
-             s_is_kw(ps, "jurisdiction") || s_is_kw(ps, "labels")))
-            return;
         s_next(ps);
     }
 }
@@ -868,10 +873,19 @@ static int s_rule(parser *ps) {
     }
     uint32_t cond = NODE_NONE;
     if (s_is_kw(ps, "when")) {
+        unsigned cline = ps->t.line, ccol = ps->t.col;
+        uint32_t first = pol->n_nodes;
         s_next(ps);
         ps->depth = 0;
         cond = s_cond(ps);
         if (cond == NODE_NONE) return -1;
+        /* The evaluators recurse along and/or chains: bound their length. */
+        if (pol->n_nodes - first > MAX_COND_NODES) {
+            p_diag(ps->d, FI_DIAG_ERROR, cline, ccol, "split the condition into several rules",
+                   "condition too long: %u terms (at most %d)", pol->n_nodes - first, MAX_COND_NODES);
+            ps->errors++;
+            return -1;
+        }
     } else if (ps->t.k != T_SEMI) {
         return s_expected(ps, "'when' or ';' after the rule id",
                           "permit \"id\" when CONDITION;  or, unconditionally, permit \"id\";");

@@ -1,3 +1,8 @@
 # kernels: the unit test runs under the sanitizers too (tests/run.sh runs
 # every test labelled asan in the clang ASan/UBSan build).
 set_tests_properties(test_kernels PROPERTIES LABELS asan)
+
+# Micro-benchmark of the CPU kernels and the pool (a program, not a test):
+#   ./build/tests/bench_kernels [threads...]
+add_executable(bench_kernels ${CMAKE_CURRENT_LIST_DIR}/bench_kernels.c)
+target_link_libraries(bench_kernels PRIVATE fi_kernels)

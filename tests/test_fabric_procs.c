@@ -357,9 +357,9 @@ static void test_worker_stalled_then_back(void **state) {
     assert_true(s_until_served(edge, "warm", 5000) >= 0);
     kill(p->worker, SIGSTOP);
     /* Keep the edge alive while the coordinator notices. */
-    for (int i = 0; i < 10; i++) {
+    for (int i = 0; i < 2 * H_LIVENESS; i++) { /* two liveness periods */
         fi_msg *m = NULL;
-        (void)fi_client_recv(edge, 60, &m, err, sizeof err);
+        (void)fi_client_recv(edge, H_HB_MS, &m, err, sizeof err);
         fi_wire_free(&m);
     }
     h_text t;

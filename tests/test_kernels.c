@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "fi_kernels.h"
+#include "fi_kernels_impl.h" /* fi_cpu_backend_new_flavour */
 
 /* --- helpers -------------------------------------------------------------- */
 
@@ -152,27 +153,43 @@ static const fi_dtype all_types[] = {FI_DTYPE_F32, FI_DTYPE_F16, FI_DTYPE_BF16,
                                      FI_DTYPE_Q8_0, FI_DTYPE_Q4_0, FI_DTYPE_Q4_1};
 #define N_TYPES (sizeof all_types / sizeof all_types[0])
 
-/* Activation precision of quantised matmuls in the backends made below
- * (16 or 8); the matmul tests run with both. */
-static int s_act_bits = 16;
-
-/* Backends to compare: portable, and AVX2 when the processor has it. */
-static int make_backends(fi_backend **out, int n_threads) {
+/* Backends to compare: every flavour built and supported here (portable
+ * first, always there). Also checks that FI_SIMD_AUTO and FI_SIMD_AVX2
+ * choose one of them. Returns how many were made (at most S_FLAVOURS). */
+#define S_FLAVOURS 4
+static int make_backends_bits(fi_backend **out, int n_threads, int act_bits) {
+    static const char *const names[S_FLAVOURS] = {"portable", "avx2", "avxvnni", "avx512vnni"};
     char err[256];
     int n = 0;
-    out[n] = fi_cpu_backend_new(n_threads, FI_SIMD_PORTABLE, err, sizeof err);
-    assert_non_null(out[n]);
-    assert_int_equal(fi_cpu_backend_act_bits(out[n]), 16); /* the default */
-    assert_int_equal(fi_cpu_backend_set_act_bits(out[n], s_act_bits), 0);
-    n++;
-    fi_backend *b = fi_cpu_backend_new(n_threads, FI_SIMD_AVX2, err, sizeof err);
-    if (b) {
-        assert_int_equal(fi_cpu_backend_set_act_bits(b, s_act_bits), 0);
-        out[n++] = b;
-    } else {
-        fprintf(stderr, "note: no AVX2 here, portable only (%s)\n", err);
+    for (int i = 0; i < S_FLAVOURS; i++) {
+        fi_backend *b = fi_cpu_backend_new_flavour(n_threads, names[i], err, sizeof err);
+        if (b) {
+            assert_string_equal(fi_cpu_backend_simd(b), names[i]);
+            assert_int_equal(fi_cpu_backend_threads(b), n_threads);
+            assert_int_equal(fi_cpu_backend_act_bits(b), 16); /* the default */
+            assert_int_equal(fi_cpu_backend_set_act_bits(b, act_bits), 0);
+            out[n++] = b;
+        } else {
+            assert_true(i > 0); /* portable always exists */
+        }
     }
+    fi_backend *b = fi_cpu_backend_new(n_threads, FI_SIMD_AUTO, err, sizeof err);
+    assert_non_null(b);
+    int found = 0;
+    for (int i = 0; i < n; i++)
+        found |= strcmp(fi_cpu_backend_simd(b), fi_cpu_backend_simd(out[i])) == 0;
+    assert_true(found);
+    fi_backend_destroy(&b);
+    b = fi_cpu_backend_new(n_threads, FI_SIMD_AVX2, err, sizeof err);
+    if (b)
+        assert_string_equal(fi_cpu_backend_simd(b), "avx2");
+    fi_backend_destroy(&b);
     return n;
+}
+
+/* The same with the default 16-bit activations. */
+static int make_backends(fi_backend **out, int n_threads) {
+    return make_backends_bits(out, n_threads, 16);
 }
 
 /* --- dtypes and conversions --------------------------------------------- */
@@ -360,8 +377,8 @@ static void test_dequantize(void **state) {
 /* Checks y (n x rows) against double references; for quantised weights
  * the tolerance is the bound of activation rounding: each x[i] moves by at
  * most half its block's step, amax/127 (8 bits) or amax/32767 (16 bits). */
-static void check_matmul(const char *what, fi_dtype t, const float *y, const double *wd,
-                         const float *x, int rows, int cols, int n) {
+static void check_matmul(const char *what, fi_dtype t, int act_bits, const float *y,
+                         const double *wd, const float *x, int rows, int cols, int n) {
     int quant = fi_dtype_block_elems(t) == 32;
     for (int k = 0; k < n; k++) {
         const float *xk = x + (size_t)k * cols;
@@ -376,7 +393,7 @@ static void check_matmul(const char *what, fi_dtype t, const float *y, const dou
                 for (int c = b; c < e; c++) {
                     ref += wr[c] * xk[c];
                     mag += fabs(wr[c] * xk[c]);
-                    qerr += fabs(wr[c]) * amax / (s_act_bits == 16 ? 65534.0 : 254.0);
+                    qerr += fabs(wr[c]) * amax / (act_bits == 16 ? 65534.0 : 254.0);
                 }
             }
             double tol = 1e-5 * mag + 1e-6 + (quant ? 1.01 * qerr + 1e-5 * mag : 0.0);
@@ -388,7 +405,8 @@ static void check_matmul(const char *what, fi_dtype t, const float *y, const dou
     }
 }
 
-static void run_matmul_case(fi_dtype t, int rows, int cols, const int *ns, int nns, uint64_t seed) {
+static void run_matmul_case(fi_dtype t, int act_bits, int rows, int cols, const int *ns, int nns,
+                            uint64_t seed) {
     rng r = {seed};
     size_t rb;
     uint8_t *wbytes = make_weight(&r, t, rows, cols, &rb);
@@ -407,91 +425,117 @@ static void run_matmul_case(fi_dtype t, int rows, int cols, const int *ns, int n
     if (cols >= 64)
         memset(x + 32, 0, 32 * sizeof *x);
     size_t ny = (size_t)nmax * rows;
-    float *y1 = fvec(ny), *yt = fvec(ny), *yp = fvec(ny);
-    for (int threads = 1; threads <= 3; threads++) {
-        fi_backend *bs[2];
-        int nb = make_backends(bs, threads);
-        for (int ni = 0; ni < nns; ni++) {
-            int n = ns[ni];
+    float *yt = fvec(ny);
+    float *y1[S_FLAVOURS] = {fvec(ny), fvec(ny), fvec(ny), fvec(ny)}; /* 1-thread result per flavour */
+    for (int ni = 0; ni < nns; ni++) {
+        int n = ns[ni];
+        for (int threads = 1; threads <= 3; threads++) {
+            fi_backend *bs[S_FLAVOURS];
+            int nb = make_backends_bits(bs, threads, act_bits);
             for (int bi = 0; bi < nb; bi++) {
                 fi_backend *b = bs[bi];
-                char what[96];
-                snprintf(what, sizeof what, "%s/%dt rows=%d cols=%d n=%d", fi_cpu_backend_simd(b),
-                         threads, rows, cols, n);
+                char what[112];
+                snprintf(what, sizeof what, "%s/%dt/%d-bit rows=%d cols=%d n=%d", fi_cpu_backend_simd(b),
+                         threads, act_bits, rows, cols, n);
                 poison(yt, ny);
                 b->ops->matmul(b->ctx, yt, &w, x, n);
-                check_matmul(what, t, yt, wd, x, rows, cols, n);
+                check_matmul(what, t, act_bits, yt, wd, x, rows, cols, n);
                 /* thread counts give bit-identical results per flavour */
-                if (threads == 1) {
-                    if (bi == 1)
-                        memcpy(y1, yt, (size_t)n * rows * sizeof *yt);
-                    else
-                        memcpy(yp, yt, (size_t)n * rows * sizeof *yt);
-                } else {
-                    const float *want = bi == 1 ? y1 : yp;
-                    if (memcmp(want, yt, (size_t)n * rows * sizeof *yt) != 0)
-                        fail_msg("%s: differs from the 1-thread result", what);
-                }
-                /* flavours agree closely: same quantised x, different order */
-                if (bi == 1) {
-                    b->ops->matmul(b->ctx, yt, &w, x, n);
-                    for (size_t i = 0; i < (size_t)n * rows; i++) {
-                        double tol = 2e-5 * (fabs(yp[i]) + 1.0) + 1e-4;
-                        if (threads == 1 && !(fabs((double)yt[i] - yp[i]) <= tol))
-                            fail_msg("%s: avx2 %g vs portable %g at %zu", what, (double)yt[i],
-                                     (double)yp[i], i);
-                    }
+                if (threads == 1)
+                    memcpy(y1[bi], yt, (size_t)n * rows * sizeof *yt);
+                else if (memcmp(y1[bi], yt, (size_t)n * rows * sizeof *yt) != 0)
+                    fail_msg("%s %s: differs from the 1-thread result", what, fi_dtype_name(t));
+                /* flavours agree with portable closely: same quantised x,
+                 * different summation order */
+                for (size_t i = 0; bi > 0 && i < (size_t)n * rows; i++) {
+                    double tol = 2e-5 * (fabs(y1[0][i]) + 1.0) + 1e-4;
+                    if (!(fabs((double)yt[i] - y1[0][i]) <= tol))
+                        fail_msg("%s: %g vs portable %g at %zu", what, (double)yt[i],
+                                 (double)y1[0][i], i);
                 }
             }
+            for (int bi = 0; bi < nb; bi++)
+                fi_backend_destroy(&bs[bi]);
         }
-        for (int bi = 0; bi < nb; bi++)
-            fi_backend_destroy(&bs[bi]);
     }
-    free(y1);
+    for (int i = 0; i < S_FLAVOURS; i++)
+        free(y1[i]);
     free(yt);
-    free(yp);
     free(x);
     free(wd);
     free(wbytes);
 }
 
-static void s_matmul_small(void) {
+static void s_matmul_small(int bits) {
     static const int ns[] = {1, 3, 4, 5, 17};
     for (size_t ti = 0; ti < N_TYPES; ti++) {
-        run_matmul_case(all_types[ti], 37, 160, ns, 5, 1000 + ti);
-        run_matmul_case(all_types[ti], 5, 64, ns, 5, 2000 + ti);
+        run_matmul_case(all_types[ti], bits, 37, 160, ns, 5, 1000 + ti);
+        run_matmul_case(all_types[ti], bits, 5, 64, ns, 5, 2000 + ti);
     }
     /* float types: columns that are not a multiple of the vector width */
-    run_matmul_case(FI_DTYPE_F32, 19, 37, ns, 5, 3000);
-    run_matmul_case(FI_DTYPE_F16, 21, 13, ns, 5, 3001);
-    run_matmul_case(FI_DTYPE_BF16, 3, 45, ns, 5, 3002);
+    run_matmul_case(FI_DTYPE_F32, bits, 19, 37, ns, 5, 3000);
+    run_matmul_case(FI_DTYPE_F16, bits, 21, 13, ns, 5, 3001);
+    run_matmul_case(FI_DTYPE_BF16, bits, 3, 45, ns, 5, 3002);
 }
 
-static void s_matmul_model_shapes(void) {
+static void s_matmul_model_shapes(int bits) {
     static const int ns[] = {1, 6};
-    run_matmul_case(FI_DTYPE_Q4_1, 200, 576, ns, 2, 4000);
-    run_matmul_case(FI_DTYPE_Q4_1, 67, 1536, ns, 2, 4001);
-    run_matmul_case(FI_DTYPE_Q8_0, 301, 576, ns, 2, 4002);
-    run_matmul_case(FI_DTYPE_Q4_0, 99, 576, ns, 2, 4003);
-    run_matmul_case(FI_DTYPE_F16, 70, 576, ns, 2, 4004);
+    run_matmul_case(FI_DTYPE_Q4_1, bits, 200, 576, ns, 2, 4000);
+    run_matmul_case(FI_DTYPE_Q4_1, bits, 67, 1536, ns, 2, 4001);
+    run_matmul_case(FI_DTYPE_Q8_0, bits, 301, 576, ns, 2, 4002);
+    run_matmul_case(FI_DTYPE_Q4_0, bits, 99, 576, ns, 2, 4003);
+    run_matmul_case(FI_DTYPE_F16, bits, 70, 576, ns, 2, 4004);
+    /* more quantised activations than the backend's first scratch holds */
+    static const int big[] = {560}; /* 560 x 48 blocks x 40 (72) bytes > 1 MiB */
+    run_matmul_case(FI_DTYPE_Q4_1, bits, 32, 1536, big, 1, 4005);
 }
 
+/* Both activation precisions: 16 bits (the default) and 8. */
 static void test_matmul_small(void **state) {
     (void)state;
-    for (int bits = 16; bits >= 8; bits -= 8) {
-        s_act_bits = bits;
-        s_matmul_small();
-    }
-    s_act_bits = 16;
+    s_matmul_small(16);
+    s_matmul_small(8);
 }
 
 static void test_matmul_model_shapes(void **state) {
     (void)state;
-    for (int bits = 16; bits >= 8; bits -= 8) {
-        s_act_bits = bits;
-        s_matmul_model_shapes();
+    s_matmul_model_shapes(16);
+    s_matmul_model_shapes(8);
+}
+
+/* With 16-bit activations (the default) a token's result does not depend
+ * on the batch it comes in: n tokens at once equal each token alone, bit
+ * for bit, in every flavour (prefill and decode give the same logits). */
+static void test_matmul16_batch_invariant(void **state) {
+    (void)state;
+    static const fi_dtype types[] = {FI_DTYPE_Q4_0, FI_DTYPE_Q4_1, FI_DTYPE_Q8_0};
+    rng r = {555};
+    const int rows = 45, cols = 192, n = 9;
+    float *x = fvec((size_t)n * cols), *yb = fvec((size_t)n * rows), *y1 = fvec(rows);
+    for (int i = 0; i < n * cols; i++)
+        x[i] = rng_f(&r, -2, 2);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        size_t rb;
+        uint8_t *wb = make_weight(&r, types[ti], rows, cols, &rb);
+        fi_weight w = {.data = wb, .type = types[ti], .rows = rows, .cols = cols, .row_bytes = rb};
+        fi_backend *bs[S_FLAVOURS];
+        int nb = make_backends(bs, 2);
+        for (int bi = 0; bi < nb; bi++) {
+            bs[bi]->ops->matmul(bs[bi]->ctx, yb, &w, x, n);
+            for (int k = 0; k < n; k++) {
+                poison(y1, rows);
+                bs[bi]->ops->matmul(bs[bi]->ctx, y1, &w, x + (size_t)k * cols, 1);
+                if (memcmp(y1, yb + (size_t)k * rows, rows * sizeof *y1) != 0)
+                    fail_msg("%s %s: token %d alone differs from the batch of %d",
+                             fi_cpu_backend_simd(bs[bi]), fi_dtype_name(types[ti]), k, n);
+            }
+            fi_backend_destroy(&bs[bi]);
+        }
+        free(wb);
     }
-    s_act_bits = 16;
+    free(x);
+    free(yb);
+    free(y1);
 }
 
 static void test_act_bits_setting(void **state) {
@@ -504,7 +548,167 @@ static void test_act_bits_setting(void **state) {
     assert_int_equal(fi_cpu_backend_set_act_bits(b, 8), 0);
     assert_int_equal(fi_cpu_backend_act_bits(b), 8);
     assert_int_equal(fi_cpu_backend_set_act_bits(NULL, 8), -1);
+    fi_backend other = {0};
+    assert_int_equal(fi_cpu_backend_set_act_bits(&other, 8), -1);
+    assert_int_equal(fi_cpu_backend_act_bits(&other), 0);
     fi_backend_destroy(&b);
+}
+
+/* --- real weights ---------------------------------------------------------- */
+
+/* A minimal GGUF v3 reader, just enough to find tensors for the test below
+ * (the engine's own parser lives in core/ and is tested there). Returns
+ * the tensor's bytes or NULL, and its type and shape. */
+typedef struct mini_gguf {
+    uint8_t *buf;   /* whole file */
+    size_t len;     /* its length */
+    size_t off;     /* read cursor */
+    int bad;        /* 1 after reading past the end */
+} mini_gguf;
+
+static uint64_t mg_u(mini_gguf *g, size_t n) {
+    uint64_t v = 0;
+    if (g->off + n > g->len) {
+        g->bad = 1;
+        return 0;
+    }
+    memcpy(&v, g->buf + g->off, n); /* little-endian host assumed (x86, arm64) */
+    g->off += n;
+    return v;
+}
+
+static void mg_skip_value(mini_gguf *g, uint32_t type) {
+    static const size_t sizes[] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+    if (type == 8) { /* string */
+        uint64_t n = mg_u(g, 8);
+        g->off += n;
+    } else if (type == 9) { /* array */
+        uint32_t et = (uint32_t)mg_u(g, 4);
+        uint64_t n = mg_u(g, 8);
+        for (uint64_t i = 0; i < n && !g->bad && g->off <= g->len; i++)
+            mg_skip_value(g, et);
+    } else if (type < 13) {
+        g->off += sizes[type];
+    } else {
+        g->bad = 1;
+    }
+    if (g->off > g->len)
+        g->bad = 1;
+}
+
+static const uint8_t *mg_find(mini_gguf *g, const char *want, uint32_t *type, int64_t *ne0, int64_t *ne1) {
+    g->off = 0;
+    g->bad = 0;
+    if (mg_u(g, 4) != 0x46554747u || mg_u(g, 4) != 3)
+        return NULL;
+    uint64_t nt = mg_u(g, 8), nkv = mg_u(g, 8);
+    uint64_t align = 32;
+    for (uint64_t i = 0; i < nkv && !g->bad; i++) {
+        uint64_t kl = mg_u(g, 8);
+        int is_align = kl == 17 && g->off + kl <= g->len && memcmp(g->buf + g->off, "general.alignment", 17) == 0;
+        g->off += kl;
+        uint32_t t = (uint32_t)mg_u(g, 4);
+        if (is_align && t == 4) {
+            align = mg_u(g, 4);
+            continue;
+        }
+        mg_skip_value(g, t);
+    }
+    const uint8_t *found = NULL;
+    uint64_t found_off = 0;
+    for (uint64_t i = 0; i < nt && !g->bad; i++) {
+        uint64_t nl = mg_u(g, 8);
+        int match = nl == strlen(want) && g->off + nl <= g->len && memcmp(g->buf + g->off, want, nl) == 0;
+        g->off += nl;
+        uint32_t nd = (uint32_t)mg_u(g, 4);
+        int64_t ne[4] = {1, 1, 1, 1};
+        for (uint32_t d = 0; d < nd && d < 4; d++)
+            ne[d] = (int64_t)mg_u(g, 8);
+        uint32_t t = (uint32_t)mg_u(g, 4);
+        uint64_t off = mg_u(g, 8);
+        if (match) {
+            *type = t;
+            *ne0 = ne[0];
+            *ne1 = ne[1];
+            found = g->buf;
+            found_off = off;
+        }
+    }
+    if (!found || g->bad || align == 0)
+        return NULL;
+    size_t data = (g->off + align - 1) / align * align;
+    if (data + found_off >= g->len)
+        return NULL;
+    return g->buf + data + found_off;
+}
+
+/* Real weights and a realistic activation: the matmul of the model's own
+ * Q4_1 and Q8_0 tensors against the double reference, all flavours. */
+static void test_matmul_model_weights(void **state) {
+    (void)state;
+    FILE *f = fopen(FI_TEST_MODEL, "rb");
+    if (!f) {
+        fprintf(stderr, "note: %s not found, skipping\n", FI_TEST_MODEL);
+        skip();
+    }
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    mini_gguf g = {.buf = malloc((size_t)len), .len = (size_t)len};
+    assert_non_null(g.buf);
+    assert_int_equal(fread(g.buf, 1, (size_t)len, f), (size_t)len);
+    fclose(f);
+    static const struct {
+        const char *name;
+        uint32_t type;
+        int rows; /* rows to test (a prefix of the tensor) */
+    } cases[] = {
+        {"blk.0.ffn_gate.weight", FI_DTYPE_Q4_1, 1536},
+        {"blk.5.ffn_down.weight", FI_DTYPE_Q4_1, 576},
+        {"blk.29.attn_k.weight", FI_DTYPE_Q4_1, 192},
+        {"token_embd.weight", FI_DTYPE_Q8_0, 2000},
+    };
+    rng r = {77};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        uint32_t type = 0;
+        int64_t cols = 0, rows = 0;
+        const uint8_t *data = mg_find(&g, cases[ci].name, &type, &cols, &rows);
+        if (!data)
+            fail_msg("%s: not found in %s", cases[ci].name, FI_TEST_MODEL);
+        assert_int_equal(type, cases[ci].type);
+        assert_true(rows >= cases[ci].rows);
+        int nr = cases[ci].rows, nc = (int)cols;
+        size_t rb = fi_dtype_row_bytes(type, nc);
+        double *wd = malloc((size_t)nr * nc * sizeof *wd);
+        assert_non_null(wd);
+        for (int i = 0; i < nr; i++)
+            ref_dequant((fi_dtype)type, data + i * rb, wd + (size_t)i * nc, nc);
+        fi_weight w = {.data = data, .type = (fi_dtype)type, .rows = nr, .cols = nc, .row_bytes = rb};
+        const int n = 5;
+        float *x = fvec((size_t)n * nc), *y = fvec((size_t)n * nr);
+        /* rmsnorm-scaled activations with a few outliers, as in the model */
+        for (int i = 0; i < n * nc; i++)
+            x[i] = rng_f(&r, -1, 1) * (rng_u32(&r) % 64 == 0 ? 20.0f : 1.0f);
+        for (int bits = 16; bits >= 8; bits -= 8) {
+            fi_backend *bs[S_FLAVOURS];
+            int nb = make_backends_bits(bs, 2, bits);
+            for (int bi = 0; bi < nb; bi++) {
+                for (int nn = 1; nn <= n; nn += n - 1) {
+                    char what[128];
+                    snprintf(what, sizeof what, "%s %s %d-bit n=%d", cases[ci].name,
+                             fi_cpu_backend_simd(bs[bi]), bits, nn);
+                    poison(y, (size_t)n * nr);
+                    bs[bi]->ops->matmul(bs[bi]->ctx, y, &w, x, nn);
+                    check_matmul(what, (fi_dtype)type, bits, y, wd, x, nr, nc, nn);
+                }
+                fi_backend_destroy(&bs[bi]);
+            }
+        }
+        free(x);
+        free(y);
+        free(wd);
+    }
+    free(g.buf);
 }
 
 /* --- other ops ------------------------------------------------------------ */
@@ -521,7 +725,7 @@ static void test_get_rows(void **state) {
         int32_t tok[4] = {3, 0, 10, 3};
         float *y = fvec(4 * cols);
         double ref[96];
-        fi_backend *bs[2];
+        fi_backend *bs[S_FLAVOURS];
         int nb = make_backends(bs, 2);
         for (int bi = 0; bi < nb; bi++) {
             poison(y, 4 * cols);
@@ -547,7 +751,7 @@ static void test_rmsnorm(void **state) {
         x[i] = rng_f(&r, -3, 3);
     for (int i = 0; i < dim; i++)
         g[i] = rng_f(&r, 0.5f, 1.5f);
-    fi_backend *bs[2];
+    fi_backend *bs[S_FLAVOURS];
     int nb = make_backends(bs, 2);
     for (int bi = 0; bi < nb; bi++) {
         fi_backend *b = bs[bi];
@@ -580,32 +784,50 @@ static void test_rmsnorm(void **state) {
 static void test_rope(void **state) {
     (void)state;
     rng r = {13};
-    int n = 4, nh = 3, hd = 64, w = nh * hd;
-    int32_t pos[4] = {0, 1, 17, 4000};
-    float theta = 10000.0f;
-    float *x = fvec(n * w), *y = fvec(n * w);
-    for (int i = 0; i < n * w; i++)
-        x[i] = rng_f(&r, -2, 2);
-    fi_backend *bs[2];
+    /* several settings on one backend: the angle table it may cache must
+     * follow theta, head_dim and growing positions */
+    static const struct {
+        int hd;
+        float theta;
+        int32_t pos[4];
+    } cases[] = {
+        {64, 10000.0f, {0, 1, 17, 4000}},
+        {64, 500000.0f, {3, 2, 1, 0}},
+        {32, 10000.0f, {9000, 5, 0, 77}},
+        {64, 10000.0f, {12, 0, 4000, 4001}},
+    };
+    int n = 4, nh = 3;
+    float *x = fvec(n * nh * 64), *y = fvec(n * nh * 64);
+    fi_backend *bs[S_FLAVOURS];
     int nb = make_backends(bs, 1);
     for (int bi = 0; bi < nb; bi++) {
         fi_backend *b = bs[bi];
-        memcpy(y, x, n * w * sizeof *y);
-        b->ops->rope(b->ctx, y, n, nh, hd, pos, theta);
-        for (int t = 0; t < n; t++)
-            for (int h = 0; h < nh; h++)
-                for (int i = 0; i < hd / 2; i++) {
-                    size_t o = (size_t)t * w + h * hd + 2 * i;
-                    double ang = pos[t] * pow(theta, -2.0 * i / hd);
-                    double a = x[o], c = x[o + 1];
-                    double wa = a * cos(ang) - c * sin(ang), wc = a * sin(ang) + c * cos(ang);
-                    assert_true(fabs(y[o] - wa) <= 1e-5 * (fabs(a) + fabs(c)) + 1e-6);
-                    assert_true(fabs(y[o + 1] - wc) <= 1e-5 * (fabs(a) + fabs(c)) + 1e-6);
-                    double n0 = hypot(a, c), n1 = hypot(y[o], y[o + 1]);
-                    assert_true(fabs(n0 - n1) <= 1e-5 * n0 + 1e-7);
-                    if (pos[t] == 0) /* identity at position 0 */
-                        assert_true(y[o] == x[o] && y[o + 1] == x[o + 1]);
-                }
+        for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+            int hd = cases[ci].hd, w = nh * hd;
+            const int32_t *pos = cases[ci].pos;
+            float theta = cases[ci].theta;
+            for (int i = 0; i < n * w; i++)
+                x[i] = rng_f(&r, -2, 2);
+            memcpy(y, x, n * w * sizeof *y);
+            b->ops->rope(b->ctx, y, n, nh, hd, pos, theta);
+            for (int t = 0; t < n; t++)
+                for (int h = 0; h < nh; h++)
+                    for (int i = 0; i < hd / 2; i++) {
+                        size_t o = (size_t)t * w + h * hd + 2 * i;
+                        double ang = pos[t] * pow(theta, -2.0 * i / hd);
+                        double a = x[o], c = x[o + 1];
+                        double wa = a * cos(ang) - c * sin(ang), wc = a * sin(ang) + c * cos(ang);
+                        if (!(fabs(y[o] - wa) <= 1e-5 * (fabs(a) + fabs(c)) + 1e-6) ||
+                            !(fabs(y[o + 1] - wc) <= 1e-5 * (fabs(a) + fabs(c)) + 1e-6))
+                            fail_msg("rope %s case %zu t=%d h=%d i=%d: (%g, %g), want (%g, %g)",
+                                     fi_cpu_backend_simd(b), ci, t, h, i, (double)y[o],
+                                     (double)y[o + 1], wa, wc);
+                        double n0 = hypot(a, c), n1 = hypot(y[o], y[o + 1]);
+                        assert_true(fabs(n0 - n1) <= 1e-5 * n0 + 1e-7);
+                        if (pos[t] == 0) /* identity at position 0 */
+                            assert_true(y[o] == x[o] && y[o + 1] == x[o + 1]);
+                    }
+        }
         fi_backend_destroy(&bs[bi]);
     }
     free(x);
@@ -659,13 +881,14 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
     /* the cache holds fp16: the reference sees the same rounded values */
     size_t nkvv = (size_t)(maxp + 1) * kv_dim;
     uint16_t *kh = malloc(nkvv * sizeof *kh), *vh = malloc(nkvv * sizeof *vh);
+    assert_true(kh && vh);
     for (size_t i = 0; i < nkvv; i++) {
         k[i] = fi_fp16_to_fp32(fi_fp32_to_fp16(rng_f(&r, -1, 1)));
         v[i] = fi_fp16_to_fp32(fi_fp32_to_fp16(rng_f(&r, -1, 1)));
     }
     ref_attention(ref, q, k, v, n, pos, nh, nkv, hd);
     for (int threads = 1; threads <= 3; threads++) {
-        fi_backend *bs[2];
+        fi_backend *bs[S_FLAVOURS];
         int nb = make_backends(bs, threads);
         for (int bi = 0; bi < nb; bi++) {
             poison(out, n * qd);
@@ -702,6 +925,8 @@ static void test_attention(void **state) {
     int32_t p5[] = {300};
     int32_t p6[] = {250, 251, 252};
     int32_t p7[] = {3, 0, 9}; /* order need not be increasing */
+    int32_t p8[] = {10, 400}; /* with 2+ threads positions are split; t0 has an empty segment */
+    int32_t p9[] = {1000};
     run_attention(p1, 1, 9, 3, 64, 1);
     run_attention(p2, 1, 9, 3, 64, 1);
     run_attention(p3, 5, 9, 3, 64, 1);
@@ -709,6 +934,8 @@ static void test_attention(void **state) {
     run_attention(p5, 1, 9, 3, 64, 8);  /* peaked scores over several chunks */
     run_attention(p6, 3, 6, 6, 16, 20); /* no grouping, very peaked */
     run_attention(p7, 3, 4, 1, 8, 1);   /* one kv head for all */
+    run_attention(p8, 2, 4, 1, 12, 2);  /* head_dim not a multiple of 8 */
+    run_attention(p9, 1, 9, 3, 64, 4);  /* decode, long context: segments */
 }
 
 static void test_swiglu_add(void **state) {
@@ -722,7 +949,14 @@ static void test_swiglu_add(void **state) {
             g[i] = rng_f(&r, -10, 10);
             u[i] = rng_f(&r, -3, 3);
         }
-        fi_backend *bs[2];
+        if (n > 16) { /* extremes, inside a vector */
+            g[3] = 100.0f;
+            g[4] = -100.0f;
+            g[5] = 0.0f;
+            g[6] = -1e30f;
+            g[7] = 1e30f;
+        }
+        fi_backend *bs[S_FLAVOURS];
         int nb = make_backends(bs, 2);
         for (int bi = 0; bi < nb; bi++) {
             fi_backend *b = bs[bi];
@@ -777,6 +1011,9 @@ static void test_backend_memory(void **state) {
     assert_string_equal(fi_cpu_backend_simd(b), "portable");
     assert_true(fi_cpu_backend_threads(b) >= 1);
     fi_backend_destroy(&b);
+    assert_null(fi_cpu_backend_new_flavour(1, "no-such-kernels", NULL, 0));
+    assert_null(fi_cpu_backend_new_flavour(1, "no-such-kernels", err, sizeof err));
+    assert_non_null(strstr(err, "no-such-kernels"));
     fi_backend other = {0};
     assert_null(fi_cpu_backend_simd(&other));
     assert_int_equal(fi_cpu_backend_threads(&other), 0);
@@ -817,6 +1054,46 @@ static void test_pool(void **state) {
     }
 }
 
+/* Every index waits until all have started: passes only if the pool runs
+ * them on nth threads at once (a serial pool would time out). */
+typedef struct pool_meet {
+    atomic_int started;     /* indices that have begun */
+    atomic_int timed_out;   /* set when one gave up waiting */
+} pool_meet;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void pool_meet_fn(void *arg, int ith, int nth) {
+    pool_meet *m = arg;
+    (void)ith;
+    atomic_fetch_add(&m->started, 1);
+    double t0 = now_s();
+    while (atomic_load(&m->started) < nth)
+        if (now_s() - t0 > 10.0) {
+            atomic_store(&m->timed_out, 1);
+            return;
+        }
+}
+
+static void test_pool_concurrent(void **state) {
+    (void)state;
+    for (int nt = 2; nt <= 3; nt++) {
+        fi_pool *p = fi_pool_new(nt);
+        assert_non_null(p);
+        for (int i = 0; i < 50; i++) {
+            pool_meet m = {0};
+            fi_pool_run(p, pool_meet_fn, &m);
+            assert_int_equal(atomic_load(&m.timed_out), 0);
+            assert_int_equal(atomic_load(&m.started), nt);
+        }
+        fi_pool_destroy(&p);
+    }
+}
+
 /* Jobs separated by pauses longer than the spin, so workers go to sleep
  * and must be woken. */
 static void test_pool_sleep_wake(void **state) {
@@ -843,7 +1120,9 @@ int main(void) {
         cmocka_unit_test(test_dequantize),
         cmocka_unit_test(test_matmul_small),
         cmocka_unit_test(test_matmul_model_shapes),
+        cmocka_unit_test(test_matmul_model_weights),
         cmocka_unit_test(test_act_bits_setting),
+        cmocka_unit_test(test_matmul16_batch_invariant),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
@@ -851,6 +1130,7 @@ int main(void) {
         cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_backend_memory),
         cmocka_unit_test(test_pool),
+        cmocka_unit_test(test_pool_concurrent),
         cmocka_unit_test(test_pool_sleep_wake),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -32,7 +32,7 @@ static const char *s_write(const fi_gw_llama_opts *o) {
 
 static fi_model *s_load(const fi_gw_llama_opts *o, fi_simd simd, int threads) {
     char err[512];
-    fi_model_opts mo = {threads, simd, 0};
+    fi_model_opts mo = {threads, simd, 0, FI_DEVICE_CPU};
     fi_model *m = fi_model_load(s_write(o), &mo, err, sizeof err);
     if (!m) fail_msg("load failed: %s", err);
     unlink(s_path);
@@ -411,8 +411,78 @@ static void test_load_errors(void **state) {
     assert_non_null(strstr(err, "/nonexistent/model.gguf"));
 }
 
+/* --device: cuda either loads on a device or fails with "no CUDA device: "
+ * and CUDA's reason (always so in a build without CUDA); auto always loads;
+ * an unknown value is refused; the device strings parse. */
+static void test_device_choice(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    const char *path = s_write(&o);
+    char err[512] = "";
+    fi_model_opts mo = {1, FI_SIMD_AUTO, 0, FI_DEVICE_CUDA};
+    fi_model *m = fi_model_load(path, &mo, err, sizeof err);
+    if (m) {
+        assert_string_equal(fi_model_backend(m)->ops->name, "cuda");
+        fi_model_destroy(&m);
+    } else {
+        printf("  --device cuda: %s\n", err);
+        assert_ptr_equal(strstr(err, "no CUDA device: "), err);
+        assert_true(strlen(err) > strlen("no CUDA device: "));
+    }
+    mo.device = FI_DEVICE_AUTO;
+    m = fi_model_load(path, &mo, err, sizeof err);
+    assert_non_null(m);
+    fi_model_destroy(&m);
+    mo.device = (fi_device)7;
+    assert_null(fi_model_load(path, &mo, err, sizeof err));
+    unlink(path);
+    fi_device d;
+    assert_int_equal(fi_device_parse("cpu", &d), 0);
+    assert_int_equal(d, FI_DEVICE_CPU);
+    assert_int_equal(fi_device_parse("cuda", &d), 0);
+    assert_int_equal(d, FI_DEVICE_CUDA);
+    assert_int_equal(fi_device_parse("auto", &d), 0);
+    assert_int_equal(d, FI_DEVICE_AUTO);
+    assert_int_equal(fi_device_parse("gpu", &d), -1);
+}
+
+/* fi_session_eval_greedy picks the argmax of fi_session_eval's logits. */
+static void test_eval_greedy(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_model *m = s_load(&o, FI_SIMD_AUTO, 1);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    fi_session *a = fi_session_new(m, 64, err, sizeof err), *b = fi_session_new(m, 64, err, sizeof err);
+    assert_non_null(a);
+    assert_non_null(b);
+    float *logits = malloc((size_t)V * sizeof *logits);
+    assert_non_null(logits);
+    int32_t toks[5];
+    s_tokens(toks, 5, V, 7);
+    int32_t ta = toks[4], tb = toks[4];
+    assert_int_equal(fi_session_eval(a, toks, 4, logits, NULL, err, sizeof err), 0);
+    assert_int_equal(fi_session_eval_greedy(b, toks, 4, &tb, err, sizeof err), 0);
+    for (int step = 0; step < 6; step++) {
+        ta = 0;
+        for (int i = 1; i < V; i++)
+            if (logits[i] > logits[ta]) ta = i;
+        assert_int_equal(ta, tb);
+        assert_int_equal(fi_session_eval(a, &ta, 1, logits, NULL, err, sizeof err), 0);
+        assert_int_equal(fi_session_eval_greedy(b, &tb, 1, &tb, err, sizeof err), 0);
+    }
+    free(logits);
+    fi_session_destroy(&a);
+    fi_session_destroy(&b);
+    fi_model_destroy(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_eval_greedy),
+        cmocka_unit_test(test_device_choice),
         cmocka_unit_test(test_config_and_shapes),
         cmocka_unit_test(test_batching_q8_0),
         cmocka_unit_test(test_batching_q4_1),

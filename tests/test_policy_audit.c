@@ -226,9 +226,15 @@ static void test_query(void **state) {
     memset(&c, 0, sizeof c);
     memset(&flt, 0, sizeof flt);
     flt.rule = "phi stays on site";
-    flt.label = "ph"; /* whole labels only */
+    flt.label = "p_i"; /* whole labels only, no LIKE wildcards */
     assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
     assert_int_equal(c.n, 0);
+    flt.label = "ph";
+    assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 0);
+    flt.label = "phi";
+    assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 3);
     fi_audit_destroy(&a);
 }
 

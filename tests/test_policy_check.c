@@ -83,7 +83,8 @@ static void test_errors(void **state) {
     s_expect_error("permit \"x\" when request.labels <= [\"public\", \"secret\"];\n", "unknown label \"secret\"");
     s_expect_error("permit \"x\" when target.kind == \"gpu\";\n", "unknown target kind \"gpu\"");
     s_expect_error("site s-fr in nowhere;\n", "unknown entity \"nowhere\"");
-    s_expect_error("region late in LATER;\njurisdiction LATER;\n", "declare \"LATER\" (line 12) before");
+    s_expect_error("region late in LATER;\njurisdiction LATER;\n", "\"LATER\" is used before it is declared");
+    s_expect_error("region late in LATER;\njurisdiction LATER;\n", "hint: declare \"LATER\" (line 12) before");
     /* type mismatches */
     s_expect_error("permit \"x\" when target.gpu < 3;\n", "type mismatch: `<` cannot compare a string with a number");
     s_expect_error("permit \"x\" when target.cost == \"3\";\n", "type mismatch: `==` cannot compare a number with a string");

@@ -186,6 +186,12 @@ static void test_store_bundle_diff_audit(void **state) {
     s_has(f, "2 audited request(s) replayed, 1 decision(s) would change");
     assert_int_equal(s_run(f, "policy diff new.policy --active active.policy --audit audit.db --since 2030-01-01"), 0);
     s_has(f, "0 audited request(s) replayed");
+    assert_int_equal(s_run(f, "policy diff new.policy --active active.policy --audit audit.db --since 1800000000 --until 1800000001"), 0);
+    s_has(f, "1 audited request(s) replayed, 1 decision(s) would change");
+    assert_int_equal(s_run(f, "audit --db audit.db --since 2027-01-15T08:00:01Z"), 0);
+    s_has(f, "req-pii");
+    if (strstr(f->out, "req-phi")) fail_msg("--since let an earlier record through:\n%s", f->out);
+    assert_int_equal(s_run(f, "audit --db audit.db --since yesterday"), 2);
     /* the active version taken from the store: version 3 has version 1's content */
     assert_int_equal(s_run(f, "policy diff new.policy --store store.db"), 0);
     s_has(f, "compared with the active version 3 of store.db");

@@ -16,12 +16,14 @@
 
 #include <cmocka.h>
 
+#include "fi_cases.h"
 #include "fi_policy.h"
 #include "fi_policy_cmd.h"
 
 /* The wrappers need state that outlives any call: the only globals here. */
 static size_t g_allocs;  /* allocations seen while counting */
 static int g_counting;   /* count only between s_start and s_stop */
+static size_t g_fail_at; /* while counting, fail the allocation with this number (0: none) */
 
 void *__real_malloc(size_t n);
 void *__real_calloc(size_t k, size_t n);
@@ -32,19 +34,23 @@ void *__wrap_realloc(void *p, size_t n);
 
 void *__wrap_malloc(size_t n) {
     g_allocs += g_counting;
+    if (g_counting && g_fail_at && g_allocs == g_fail_at) return NULL;
     return __real_malloc(n);
 }
 void *__wrap_calloc(size_t k, size_t n) {
     g_allocs += g_counting;
+    if (g_counting && g_fail_at && g_allocs == g_fail_at) return NULL;
     return __real_calloc(k, n);
 }
 void *__wrap_realloc(void *p, size_t n) {
     g_allocs += g_counting;
+    if (g_counting && g_fail_at && g_allocs == g_fail_at) return NULL;
     return __real_realloc(p, n);
 }
 
 static void s_start(void) {
     g_allocs = 0;
+    g_fail_at = 0;
     g_counting = 1;
 }
 static size_t s_stop(void) {
@@ -126,11 +132,61 @@ static void test_fallback(void **state) {
     assert_int_equal(s_stop(), 0);
 }
 
+/* Out of memory at every allocation of parsing, checking, compiling and
+ * analysing a policy, of loading a cases file, and of decisions after it:
+ * each either fails cleanly (NULL, an "out of memory" diagnostic) or
+ * succeeds; nothing crashes and nothing leaks (LeakSanitizer in the
+ * sanitizer build). */
+static void test_out_of_memory(void **state) {
+    (void)state;
+    char path[1024];
+    snprintf(path, sizeof path, "%s/../examples/policies/eu-hospital.policy", FI_TEST_DIR);
+    s_start();
+    fi_policy *p = fi_policy_load(path, NULL);
+    size_t total = s_stop();
+    assert_non_null(p);
+    fi_policy_destroy(&p);
+    size_t failed = 0;
+    for (size_t n = 1; n <= total + 1; n++) {
+        fi_diags *d = fi_diags_new();
+        s_start();
+        g_fail_at = n;
+        p = fi_policy_load(path, d);
+        s_stop();
+        if (!p) {
+            failed++;
+            /* a refused load says why, unless the diagnostics themselves had no memory */
+            bool oom = false;
+            for (size_t i = 0; i < fi_diags_count(d); i++) oom |= strstr(fi_diags_get(d, i)->msg, "out of memory") != NULL;
+            assert_true(oom || fi_diags_count(d) == 0);
+        } else {
+            const char *labels[] = {"phi"};
+            fi_request r = {"t", NULL, NULL, "berlin-clinic", NULL, labels, 1, -1, -1};
+            fi_verdict v[16];
+            assert_int_equal(fi_policy_decide(p, &r, NULL, fi_policy_target_count(p), v), 0);
+        }
+        fi_policy_destroy(&p);
+        fi_diags_destroy(&d);
+    }
+    assert_true(failed > 0);
+    snprintf(path, sizeof path, "%s/../examples/policies/eu-hospital.cases", FI_TEST_DIR);
+    for (size_t n = 1; n <= 200; n++) {
+        fi_diags *d = fi_diags_new();
+        s_start();
+        g_fail_at = n;
+        fi_cases *cs = fi_cases_load(path, d);
+        s_stop();
+        fi_cases_destroy(&cs);
+        fi_diags_destroy(&d);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_examples),
         cmocka_unit_test(test_generated_100),
         cmocka_unit_test(test_fallback),
+        cmocka_unit_test(test_out_of_memory),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -112,6 +112,18 @@ static void test_depth_limit(void **state) {
     assert_non_null(strstr(buf, "deep.policy:1:"));
     assert_non_null(strstr(buf, "nested deeper than 64 levels"));
     fi_diags_destroy(&d);
+    /* long and-chains are bounded too */
+    size_t cap = 64 + 3000 * 9;
+    char *chain = malloc(cap);
+    assert_non_null(chain);
+    strcpy(chain, "permit \"long\" when true");
+    for (int i = 0; i < 3000; i++) strcat(chain, " and true");
+    strcat(chain, ";");
+    d = fi_diags_new();
+    assert_null(s_parse(chain, d));
+    assert_non_null(strstr(fi_diags_get(d, 0)->msg, "condition too long"));
+    fi_diags_destroy(&d);
+    free(chain);
     char nots[1000] = "permit \"n\" when ";
     for (int i = 0; i < 80; i++) strcat(nots, "not ");
     strcat(nots, "true;");

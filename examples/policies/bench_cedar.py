@@ -168,7 +168,12 @@ def main():
     a = ap.parse_args()
     raw, ours = bench_ours(a.fedctl, a.iterations)
     print(raw)
-    print(f"cedarpy {getattr(cedarpy, '__version__', '')}, Python {sys.version.split()[0]}, "
+    try:
+        from importlib.metadata import version
+        cv = version("cedarpy")
+    except Exception:  # the version is only printed
+        cv = "?"
+    print(f"cedarpy {cv}, Python {sys.version.split()[0]}, "
           f"{a.cedar_iterations} decisions per row (one decision: 10 targets)")
     print(f"{'rules':>5} {'ours dec/s':>12} {'cedar dec/s':>12} {'ours p50 us':>12} {'cedar p50 us':>13} "
           f"{'ours p99 us':>12} {'cedar p99 us':>13} {'p50 ratio':>10}  same decision")

@@ -157,7 +157,7 @@ int main(int argc, char **argv) {
     const char *q = "What is the capital of France?";
 
     /* 1a. The engine alone: render, encode, generate until the first text. */
-    fi_model_opts mo = {threads, FI_SIMD_AUTO, 0};
+    fi_model_opts mo = {.n_threads = threads, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_AUTO};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "%s\n", err);

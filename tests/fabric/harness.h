@@ -28,7 +28,7 @@
 #define H_FN static __attribute__((unused))
 
 #define H_HB_MS 100
-#define H_LIVENESS 3
+#define H_LIVENESS 5 /* 500 ms: room for a loaded 2-core CI machine */
 
 typedef struct harness {
     char dir[256];          /* temporary directory (removed by h_stop) */

@@ -1,0 +1,1277 @@
+/*
+ * fi_cuda.cu - the CUDA backend (see fi_cuda.h): device memory, the kernels
+ * of the forward pass, cuBLASLt products, and the fi_backend_ops table.
+ *
+ * Everything runs on one non-blocking stream per backend, so operations run
+ * in call order and the host only waits in to_host, argmax and sync.
+ *
+ * Products: y (n x rows, row-major) = x (n x cols) . W^T. Row-major W is
+ * column-major W^T with leading dimension cols, so cuBLASLt computes, in
+ * column-major terms, D (rows x n) = op_T(A: cols x rows) . B (cols x n):
+ * m = rows, n = tokens, k = cols. A and B are fp16 (x is converted on the
+ * device into a scratch buffer first), D is fp32, accumulation is fp32.
+ * The algorithm for each (m, n, k, alignment of D) is chosen once by
+ * cublasLtMatmulAlgoGetHeuristic and kept in a small cache.
+ *
+ * Attention: one block of S_ATT_WARPS warps per (token, head, split). A
+ * warp scores one cached position at a time (lanes split head_dim) and
+ * keeps an online softmax; the block then merges its warps. When there are
+ * too few (token, head) pairs to fill the device (decode), the positions
+ * are split over up to S_ATT_MAX_SPLIT blocks in interleaved chunks of
+ * S_ATT_CHUNK positions, and a second kernel merges the partial results.
+ * Each query's length (pos[t] + 1) is read on the device, so the host never
+ * needs the positions.
+ *
+ * Graphs: between graph_begin and graph_end the stream is captured
+ * (cudaStreamBeginCapture) instead of run; graph_end turns the capture into
+ * a graph and launches it. The engine does this for every decode step, and
+ * each step's graph differs from the last only in kernel parameters (the
+ * KV-cache row written), so the executable graph is updated in place
+ * (cudaGraphExecUpdate) rather than instantiated again. While capturing,
+ * to_backend copies the host bytes into a pinned staging buffer at once and
+ * captures a copy from there (a copy from pageable memory cannot be
+ * captured); the next capture waits for the previous launch before it
+ * reuses the buffer. Nothing may allocate during a capture, so the scratch
+ * buffers a one-token step needs are allocated at creation.
+ *
+ * Errors: see fi_cuda.h. s_ok / s_lt_ok record the first failure; every
+ * operation starts with s_enter, which skips the work once failed.
+ */
+#include <cublasLt.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fi_cuda.h"
+
+#define S_WORKSPACE_BYTES ((size_t)32 << 20) /* cuBLASLt workspace */
+#define S_PLANS 128                          /* cached GEMM plans */
+#define S_THREADS 256                        /* element-wise block size */
+#define S_ATT_WARPS 4                        /* warps per attention block */
+#define S_ATT_CHUNK 64                       /* positions per split chunk */
+#define S_ATT_MAX_SPLIT 32                   /* most splits of one query */
+#define S_ATT_MAX_HD 256                     /* largest head_dim supported */
+#define S_PROF_PAIRS 4096                    /* event pairs kept before a flush */
+#define S_QK 32                              /* elements per quantised block */
+#define S_STAGE_BYTES ((size_t)64 << 10)     /* pinned staging while capturing */
+#define S_XH_MIN ((size_t)1 << 18)           /* fp16 activations made at start */
+
+/* One cached cuBLASLt plan. */
+typedef struct s_plan {
+    int m, n, k;                    /* shape: rows, tokens, cols */
+    int align;                      /* alignment of D in bytes (<= 256) */
+    cublasLtMatmulDesc_t op;        /* fp32 compute, A transposed */
+    cublasLtMatrixLayout_t a, b, d; /* fp16 A and B, fp32 D */
+    cublasLtMatmulAlgo_t algo;      /* the heuristic's first choice */
+} s_plan;
+
+/* A weight as the device holds it (fi_weight.dev). */
+typedef struct s_cweight {
+    __half *h;      /* rows * cols fp16, or NULL when kept quantised */
+    uint8_t *q;     /* rows * row_bytes GGUF blocks, or NULL */
+} s_cweight;
+
+typedef struct s_cuda {
+    int device;                  /* CUDA ordinal */
+    char name[256];              /* device name */
+    int n_sm;                    /* streaming multiprocessors */
+    cudaStream_t stream;         /* every operation runs here */
+    cublasLtHandle_t lt;         /* cuBLASLt */
+    void *workspace;             /* S_WORKSPACE_BYTES for cuBLASLt */
+    s_plan plans[S_PLANS];       /* GEMM plan cache */
+    int n_plans;                 /* plans in use */
+    int next_evict;              /* round-robin victim when full */
+    __half *xh;                  /* fp16 copy of a product's activations */
+    size_t xh_elems;             /* its capacity */
+    __half *wscratch;            /* a dequantised weight (quantised mode) */
+    size_t wscratch_elems;       /* its capacity */
+    float *att_part;             /* attention partials: (m, l, o[hd]) each */
+    size_t att_part_floats;      /* its capacity */
+    int32_t *arg_dev;            /* argmax result on the device */
+    int32_t *arg_host;           /* and in pinned host memory */
+    fi_cuda_weights mode;        /* weight storage */
+    int uploaded;                /* weights uploaded so far */
+    int failed;                  /* 1 after the first failure */
+    char err[512];               /* first failure (or last allocation failure) */
+    int profile;                 /* bracket operations with events */
+    cudaEvent_t *ev;             /* 2 * S_PROF_PAIRS events when profiling */
+    int n_pairs;                 /* pairs recorded since the last flush */
+    double kernel_ms;            /* summed event time since last read */
+    int graphs;                  /* graph_begin may capture */
+    int capturing;               /* between graph_begin and graph_end */
+    cudaGraphExec_t exec;        /* the last step's executable graph */
+    cudaEvent_t graph_done;      /* recorded after each graph launch */
+    int graph_launched;          /* graph_done has been recorded */
+    uint8_t *stage;              /* S_STAGE_BYTES pinned, for to_backend */
+    size_t stage_used;           /* bytes of it used by this capture */
+    long n_graphs;               /* graphs launched */
+    long n_instantiated;         /* of which instantiated (not updated) */
+} s_cuda;
+
+/* --- errors ------------------------------------------------------------ */
+
+static void s_set_err(s_cuda *c, const char *fmt, const char *a, const char *b) {
+    if (c->failed)
+        return;
+    c->failed = 1;
+    snprintf(c->err, sizeof c->err, fmt, a, b);
+}
+
+/* 1 when e is success; otherwise records "cuda: what: message" and 0. */
+static int s_ok(s_cuda *c, cudaError_t e, const char *what) {
+    if (e == cudaSuccess)
+        return 1;
+    s_set_err(c, "cuda: %s: %s", what, cudaGetErrorString(e));
+    return 0;
+}
+
+static int s_lt_ok(s_cuda *c, cublasStatus_t st, const char *what) {
+    if (st == CUBLAS_STATUS_SUCCESS)
+        return 1;
+    char msg[160];
+    snprintf(msg, sizeof msg, "%s (%s)", cublasLtGetStatusString(st), cublasLtGetStatusName(st));
+    s_set_err(c, "cublasLt: %s: %s", what, msg);
+    return 0;
+}
+
+/* Checks that a kernel launch was accepted. */
+static void s_launched(s_cuda *c, const char *kernel) {
+    s_ok(c, cudaGetLastError(), kernel);
+}
+
+/* Makes the device current; 0 when the backend has failed (skip the work). */
+static int s_enter(s_cuda *c) {
+    if (c->failed)
+        return 0;
+    return s_ok(c, cudaSetDevice(c->device), "cudaSetDevice");
+}
+
+/* --- profiling --------------------------------------------------------- */
+
+static void s_prof_flush(s_cuda *c) {
+    if (!c->n_pairs)
+        return;
+    if (!s_ok(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize (profile)"))
+        return;
+    for (int i = 0; i < c->n_pairs; i++) {
+        float ms = 0;
+        if (!s_ok(c, cudaEventElapsedTime(&ms, c->ev[2 * i], c->ev[2 * i + 1]), "cudaEventElapsedTime"))
+            return;
+        c->kernel_ms += ms;
+    }
+    c->n_pairs = 0;
+}
+
+static void s_prof_begin(s_cuda *c) {
+    if (!c->profile)
+        return;
+    if (c->n_pairs == S_PROF_PAIRS)
+        s_prof_flush(c);
+    s_ok(c, cudaEventRecord(c->ev[2 * c->n_pairs], c->stream), "cudaEventRecord");
+}
+
+static void s_prof_end(s_cuda *c) {
+    if (!c->profile)
+        return;
+    if (s_ok(c, cudaEventRecord(c->ev[2 * c->n_pairs + 1], c->stream), "cudaEventRecord"))
+        c->n_pairs++;
+}
+
+/* --- device helpers ---------------------------------------------------- */
+
+static unsigned s_blocks(size_t n, unsigned threads) {
+    size_t b = (n + threads - 1) / threads;
+    return (unsigned)(b > 65535u * 32u ? 65535u * 32u : b); /* kernels stride beyond */
+}
+
+__device__ static inline float s_h2f(uint16_t h) {
+    return __half2float(__ushort_as_half(h));
+}
+
+__device__ static inline uint16_t s_ld16(const uint8_t *p) {
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+/* Element j (< 32) of one GGUF block of type t, as fi_dequantize_row
+ * computes it (same operations, so the same fp32 value). */
+__device__ static inline float s_block_elem(int t, const uint8_t *blk, int j) {
+    switch (t) {
+    case FI_DTYPE_Q8_0:
+        return (float)(int8_t)blk[2 + j] * s_h2f(s_ld16(blk));
+    case FI_DTYPE_Q4_0: {
+        uint8_t b = blk[2 + (j & 15)];
+        int q = j < 16 ? (b & 0x0f) : (b >> 4);
+        return (float)(q - 8) * s_h2f(s_ld16(blk));
+    }
+    case FI_DTYPE_Q4_1: {
+        uint8_t b = blk[4 + (j & 15)];
+        int q = j < 16 ? (b & 0x0f) : (b >> 4);
+        /* no fused multiply-add: the CPU rounds the product first */
+        return __fadd_rn(__fmul_rn((float)q, s_h2f(s_ld16(blk))), s_h2f(s_ld16(blk + 2)));
+    }
+    }
+    return __int_as_float(0x7fc00000); /* NaN: an unsupported type shows */
+}
+
+/* Element i of a row of `cols` elements of type t at `row`. */
+__device__ static inline float s_row_elem(int t, const uint8_t *row, int i) {
+    switch (t) {
+    case FI_DTYPE_F32: return ((const float *)row)[i];
+    case FI_DTYPE_F16: return s_h2f(((const uint16_t *)row)[i]);
+    case FI_DTYPE_BF16: return __uint_as_float((uint32_t)((const uint16_t *)row)[i] << 16);
+    case FI_DTYPE_Q8_0: return s_block_elem(t, row + (size_t)(i / S_QK) * 34, i % S_QK);
+    case FI_DTYPE_Q4_0: return s_block_elem(t, row + (size_t)(i / S_QK) * 18, i % S_QK);
+    case FI_DTYPE_Q4_1: return s_block_elem(t, row + (size_t)(i / S_QK) * 20, i % S_QK);
+    }
+    return __int_as_float(0x7fc00000);
+}
+
+__device__ static inline float s_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* --- kernels ----------------------------------------------------------- */
+
+/* out[r*cols + i] = fp16(element i of row r), for a whole matrix. */
+__global__ static void k_dequant_f16(__half *out, const uint8_t *w, int t, int rows, int cols,
+                                     size_t row_bytes) {
+    size_t total = (size_t)rows * cols;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        size_t r = e / cols;
+        int i = (int)(e % cols);
+        out[e] = __float2half_rn(s_row_elem(t, w + r * row_bytes, i));
+    }
+}
+
+/* y[t][i] = row tok[t] of a weight: fp16 table when h, else raw rows q. */
+__global__ static void k_get_rows(float *y, const __half *h, const uint8_t *q, int t, int cols,
+                                  size_t row_bytes, const int32_t *tok, int n) {
+    size_t total = (size_t)n * cols;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        size_t tt = e / cols;
+        int i = (int)(e % cols);
+        size_t r = (size_t)tok[tt];
+        y[e] = h ? __half2float(h[r * cols + i]) : s_row_elem(t, q + r * row_bytes, i);
+    }
+}
+
+__global__ static void k_to_half(__half *y, const float *x, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[i] = __float2half_rn(x[i]);
+}
+
+/* Quantised matrix-vector products for n <= FI_CUDA_QUANT_MAX_N tokens:
+ * one warp per output row; lane l takes blocks l, l+32, ...; x is fp32. */
+__global__ static void k_matvec_q(float *y, const uint8_t *w, int t, int rows, int cols,
+                                  size_t row_bytes, size_t blk_bytes, const float *x, int n) {
+    int warp = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
+    int lane = threadIdx.x & 31;
+    if (warp >= rows)
+        return;
+    const uint8_t *row = w + (size_t)warp * row_bytes;
+    int nb = cols / S_QK;
+    float acc[FI_CUDA_QUANT_MAX_N];
+#pragma unroll
+    for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++)
+        acc[k] = 0.0f;
+    for (int b = lane; b < nb; b += 32) {
+        const uint8_t *blk = row + (size_t)b * blk_bytes;
+        float v[S_QK];
+#pragma unroll
+        for (int j = 0; j < S_QK; j++)
+            v[j] = s_block_elem(t, blk, j);
+#pragma unroll
+        for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++) {
+            if (k < n) {
+                const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < S_QK; j++)
+                    s = fmaf(v[j], xk[j], s);
+                acc[k] += s;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++) {
+        if (k < n) {
+            float s = s_warp_sum(acc[k]);
+            if (lane == 0)
+                y[(size_t)k * rows + warp] = s;
+        }
+    }
+}
+
+/* One block per row: y = x / sqrt(mean(x^2) + eps) * g; y may alias x. */
+__global__ static void k_rmsnorm(float *y, const float *x, const float *g, int dim, float eps) {
+    __shared__ float part[32];
+    const float *xr = x + (size_t)blockIdx.x * dim;
+    float *yr = y + (size_t)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        ss = fmaf(xr[i], xr[i], ss);
+    ss = s_warp_sum(ss);
+    int w = threadIdx.x / 32, lane = threadIdx.x & 31, nw = (blockDim.x + 31) / 32;
+    if (lane == 0)
+        part[w] = ss;
+    __syncthreads();
+    if (w == 0) {
+        float v = lane < nw ? part[lane] : 0.0f;
+        v = s_warp_sum(v);
+        if (lane == 0)
+            part[0] = v;
+    }
+    __syncthreads();
+    float scale = (float)(1.0 / sqrt((double)part[0] / dim + (double)eps));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        yr[i] = xr[i] * scale * g[i];
+}
+
+/* One thread per (token, pair index i); the angle in double, as the CPU
+ * reference computes it, then every head. */
+__global__ static void k_rope(float *x, int n, int n_heads, int head_dim, const int32_t *pos,
+                              float theta) {
+    int half = head_dim / 2;
+    size_t total = (size_t)n * half;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        int t = (int)(e / half), i = (int)(e % half);
+        double ang = (double)pos[t] * pow((double)theta, -2.0 * i / head_dim);
+        float cs = (float)cos(ang), sn = (float)sin(ang);
+        float *row = x + (size_t)t * n_heads * head_dim;
+        for (int h = 0; h < n_heads; h++) {
+            float *p = row + (size_t)h * head_dim + 2 * i;
+            float a = p[0], b = p[1];
+            p[0] = a * cs - b * sn;
+            p[1] = a * sn + b * cs;
+        }
+    }
+}
+
+__global__ static void k_store_f16(uint16_t *dst, const float *src, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = __half_as_ushort(__float2half_rn(src[i]));
+}
+
+__global__ static void k_swiglu(float *g, const float *u, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+__global__ static void k_add(float *y, const float *x, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[i] += x[i];
+}
+
+/* Attention, first pass. grid.x = n * n_heads (token t, head h), grid.y =
+ * splits. Split s takes chunks s, s+S, s+2S, ... of S_ATT_CHUNK positions
+ * of 0..pos[t]. With one split the result goes straight to out; otherwise
+ * (max, sum, o[head_dim]) goes to part[((t*H + h)*S + s) * (hd + 2)]. */
+__global__ static void __launch_bounds__(S_ATT_WARPS * 32)
+k_attention(float *out, float *part, const float *q, const uint16_t *kc, const uint16_t *vc,
+            const int32_t *pos, int n_heads, int n_kv_heads, int hd) {
+    __shared__ float sq[S_ATT_MAX_HD];
+    __shared__ float wm[S_ATT_WARPS], wl[S_ATT_WARPS];
+    __shared__ float wo[S_ATT_WARPS][S_ATT_MAX_HD];
+    int th = blockIdx.x, t = th / n_heads, h = th % n_heads;
+    int split = blockIdx.y, n_split = gridDim.y;
+    int kh = h / (n_heads / n_kv_heads);
+    int kv_dim = n_kv_heads * hd;
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const float *qr = q + (size_t)t * n_heads * hd + (size_t)h * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        sq[d] = qr[d];
+    __syncthreads();
+    float scale = 1.0f / sqrtf((float)hd); /* as the CPU computes it */
+    int np = pos[t] + 1;
+    float m = -INFINITY, l = 0.0f;
+    /* lane holds dims lane, lane+32, ...; fixed trip counts keep acc in
+     * registers */
+    float acc[S_ATT_MAX_HD / 32];
+#pragma unroll
+    for (int j = 0; j < S_ATT_MAX_HD / 32; j++)
+        acc[j] = 0.0f;
+    for (int c0 = split * S_ATT_CHUNK; c0 < np; c0 += n_split * S_ATT_CHUNK) {
+        int c1 = c0 + S_ATT_CHUNK < np ? c0 + S_ATT_CHUNK : np;
+        for (int p = c0 + warp; p < c1; p += S_ATT_WARPS) {
+            const uint16_t *kr = kc + (size_t)p * kv_dim + (size_t)kh * hd;
+            const uint16_t *vr = vc + (size_t)p * kv_dim + (size_t)kh * hd;
+            float s = 0.0f;
+            for (int d = lane; d < hd; d += 32)
+                s = fmaf(sq[d], s_h2f(kr[d]), s);
+            s = s_warp_sum(s) * scale;
+            float r, e;
+            if (s > m) {
+                r = expf(m - s); /* 0 on the first position */
+                e = 1.0f;
+                m = s;
+            } else {
+                r = 1.0f;
+                e = expf(s - m);
+            }
+            l = l * r + e;
+#pragma unroll
+            for (int j = 0; j < S_ATT_MAX_HD / 32; j++)
+                if (lane + 32 * j < hd)
+                    acc[j] = acc[j] * r + e * s_h2f(vr[lane + 32 * j]);
+        }
+    }
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < S_ATT_MAX_HD / 32; j++)
+        if (lane + 32 * j < hd)
+            wo[warp][lane + 32 * j] = acc[j];
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < S_ATT_WARPS; w++)
+        M = fmaxf(M, wm[w]);
+    float L = 0.0f;
+    float f[S_ATT_WARPS];
+    for (int w = 0; w < S_ATT_WARPS; w++) {
+        f[w] = wm[w] == -INFINITY ? 0.0f : expf(wm[w] - M);
+        L += wl[w] * f[w];
+    }
+    if (n_split == 1) {
+        float *o = out + (size_t)t * n_heads * hd + (size_t)h * hd;
+        float il = 1.0f / L;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float v = 0.0f;
+            for (int w = 0; w < S_ATT_WARPS; w++)
+                v += wo[w][d] * f[w];
+            o[d] = v * il;
+        }
+    } else {
+        float *pp = part + ((size_t)th * n_split + split) * (size_t)(hd + 2);
+        if (threadIdx.x == 0) {
+            pp[0] = M;
+            pp[1] = L;
+        }
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float v = 0.0f;
+            for (int w = 0; w < S_ATT_WARPS; w++)
+                v += wo[w][d] * f[w];
+            pp[2 + d] = v;
+        }
+    }
+}
+
+/* Attention, second pass (only with splits): one block per (token, head). */
+__global__ static void k_attention_merge(float *out, const float *part, int n_heads, int hd,
+                                         int n_split) {
+    int th = blockIdx.x;
+    const float *pp = part + (size_t)th * n_split * (hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < n_split; s++)
+        M = fmaxf(M, pp[(size_t)s * (hd + 2)]);
+    float L = 0.0f;
+    for (int s = 0; s < n_split; s++) {
+        float ms = pp[(size_t)s * (hd + 2)];
+        if (ms != -INFINITY)
+            L += pp[(size_t)s * (hd + 2) + 1] * expf(ms - M);
+    }
+    float il = 1.0f / L;
+    float *o = out + (size_t)th * hd; /* rows of n_heads*hd: (t, h) is th*hd */
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float v = 0.0f;
+        for (int s = 0; s < n_split; s++) {
+            float ms = pp[(size_t)s * (hd + 2)];
+            if (ms != -INFINITY)
+                v += pp[(size_t)s * (hd + 2) + 2 + d] * expf(ms - M);
+        }
+        o[d] = v * il;
+    }
+}
+
+/* Index of the largest of x[0..n), the first on ties; NaN never wins. One
+ * block of 1024 threads. */
+__global__ static void __launch_bounds__(1024) k_argmax(int32_t *out, const float *x, int n) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    float best = -INFINITY;
+    int idx = -1;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = x[i];
+        if (!isnan(v) && (idx < 0 || v > best)) {
+            best = v;
+            idx = i;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (oi >= 0 && (idx < 0 || ov > best || (ov == best && oi < idx))) {
+            best = ov;
+            idx = oi;
+        }
+    }
+    int w = threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (lane == 0) {
+        bv[w] = best;
+        bi[w] = idx;
+    }
+    __syncthreads();
+    if (w == 0) {
+        int nw = blockDim.x / 32;
+        best = lane < nw ? bv[lane] : -INFINITY;
+        idx = lane < nw ? bi[lane] : -1;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (oi >= 0 && (idx < 0 || ov > best || (ov == best && oi < idx))) {
+                best = ov;
+                idx = oi;
+            }
+        }
+        if (lane == 0)
+            *out = idx < 0 ? 0 : idx;
+    }
+}
+
+/* --- scratch ----------------------------------------------------------- */
+
+/* Makes *buf hold at least `need` elements of `elem` bytes; 0 or -1. */
+static int s_grow(s_cuda *c, void **buf, size_t *cap, size_t need, size_t elem, const char *what) {
+    if (need <= *cap)
+        return 0;
+    if (c->capturing) {
+        s_set_err(c, "cuda: %s: %s", what, "would allocate during a graph capture");
+        return -1;
+    }
+    size_t n = need + need / 4;
+    if (*buf && !s_ok(c, cudaFree(*buf), "cudaFree (scratch)"))
+        return -1;
+    *buf = NULL;
+    *cap = 0;
+    if (!s_ok(c, cudaMalloc(buf, n * elem), what))
+        return -1;
+    *cap = n;
+    return 0;
+}
+
+/* --- memory ------------------------------------------------------------ */
+
+/* Refuses a call that cannot be part of a graph capture. */
+static int s_not_capturing(s_cuda *c, const char *what) {
+    if (!c->capturing)
+        return 1;
+    s_set_err(c, "cuda: %s: %s", what, "not allowed between graph_begin and graph_end");
+    return 0;
+}
+
+static void *s_alloc(void *ctx, size_t bytes) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || !s_not_capturing(c, "alloc"))
+        return NULL;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        /* not sticky: the caller sees NULL and may go on */
+        snprintf(c->err, sizeof c->err, "cuda: cudaMalloc of %zu bytes: %s", bytes,
+                 cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    if (!s_ok(c, cudaMemsetAsync(p, 0, bytes ? bytes : 1, c->stream), "cudaMemsetAsync")) {
+        (void)cudaFree(p);
+        return NULL;
+    }
+    return p;
+}
+
+static void s_free(void *ctx, void *p) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!p || !s_not_capturing(c, "free"))
+        return;
+    (void)cudaSetDevice(c->device);
+    /* a failure here is reported by the next operation that checks */
+    cudaError_t e = cudaFree(p);
+    if (e != cudaSuccess && !c->failed)
+        s_ok(c, e, "cudaFree");
+}
+
+static int s_to_backend(void *ctx, void *dst, const void *src, size_t bytes) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c))
+        return -1;
+    if (c->capturing && bytes) {
+        size_t at = (c->stage_used + 15) / 16 * 16;
+        if (at + bytes > S_STAGE_BYTES) {
+            s_set_err(c, "cuda: %s: %s", "to_backend during a graph capture",
+                      "more than the 64 KiB staging buffer");
+            return -1;
+        }
+        memcpy(c->stage + at, src, bytes);
+        c->stage_used = at + bytes;
+        src = c->stage + at;
+    }
+    /* From pageable memory this returns once src has been staged, so the
+     * caller may reuse src at once. */
+    if (bytes && !s_ok(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream),
+                       "cudaMemcpyAsync (to device)"))
+        return -1;
+    return 0;
+}
+
+static int s_to_host(void *ctx, void *dst, const void *src, size_t bytes) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || !s_not_capturing(c, "to_host"))
+        return -1;
+    if (bytes && !s_ok(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream),
+                       "cudaMemcpyAsync (to host)"))
+        return -1;
+    if (!s_ok(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize (to host)"))
+        return -1;
+    return 0;
+}
+
+static int s_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c))
+        return -1;
+    if (bytes && !s_ok(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream),
+                       "cudaMemcpyAsync (device to device)"))
+        return -1;
+    return 0;
+}
+
+static int s_sync(void *ctx) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || !s_not_capturing(c, "sync"))
+        return -1;
+    if (!s_ok(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize"))
+        return -1;
+    return 0;
+}
+
+static const char *s_last_error(void *ctx) {
+    s_cuda *c = (s_cuda *)ctx;
+    return c->err[0] ? c->err : NULL;
+}
+
+/* --- weights ----------------------------------------------------------- */
+
+static int s_is_quant(fi_dtype t) {
+    return t == FI_DTYPE_Q4_0 || t == FI_DTYPE_Q4_1 || t == FI_DTYPE_Q8_0;
+}
+
+static size_t s_blk_bytes(fi_dtype t) {
+    switch (t) {
+    case FI_DTYPE_Q4_0: return 18;
+    case FI_DTYPE_Q4_1: return 20;
+    case FI_DTYPE_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+static void s_weight_free(s_cweight *cw) {
+    if (!cw)
+        return;
+    if (cw->h)
+        (void)cudaFree(cw->h);
+    if (cw->q)
+        (void)cudaFree(cw->q);
+    free(cw);
+}
+
+/* Copies the rows to the device and, unless they stay quantised,
+ * dequantises them to fp16 there (the raw copy is then freed). */
+static int s_weight_upload(void *ctx, fi_weight *w) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || !s_not_capturing(c, "weight_upload"))
+        return -1;
+    s_cweight *cw = (s_cweight *)calloc(1, sizeof *cw);
+    uint8_t *raw = NULL;
+    size_t raw_bytes = (size_t)w->rows * w->row_bytes;
+    size_t elems = (size_t)w->rows * w->cols;
+    if (!cw) {
+        snprintf(c->err, sizeof c->err, "cuda: out of host memory for a weight");
+        return -1;
+    }
+    char what[96];
+    snprintf(what, sizeof what, "cudaMalloc of a %dx%d weight", w->rows, w->cols);
+    if (!s_ok(c, cudaMalloc((void **)&raw, raw_bytes), what))
+        goto fail;
+    if (!s_ok(c, cudaMemcpyAsync(raw, w->data, raw_bytes, cudaMemcpyHostToDevice, c->stream),
+              "cudaMemcpyAsync (weight)"))
+        goto fail;
+    if (c->mode == FI_CUDA_WEIGHTS_QUANT && s_is_quant(w->type)) {
+        cw->q = raw;
+        raw = NULL;
+    } else {
+        if (!s_ok(c, cudaMalloc((void **)&cw->h, elems * sizeof(__half)), what))
+            goto fail;
+        k_dequant_f16<<<s_blocks(elems, S_THREADS), S_THREADS, 0, c->stream>>>(
+            cw->h, raw, (int)w->type, w->rows, w->cols, w->row_bytes);
+        s_launched(c, "k_dequant_f16");
+        if (!s_ok(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize (weight)"))
+            goto fail;
+        (void)cudaFree(raw);
+        raw = NULL;
+    }
+    if (c->failed)
+        goto fail;
+    w->dev = cw;
+    c->uploaded++;
+    return 0;
+fail:
+    if (raw)
+        (void)cudaFree(raw);
+    s_weight_free(cw);
+    return -1;
+}
+
+static void s_weight_release(void *ctx, fi_weight *w) {
+    s_cuda *c = (s_cuda *)ctx;
+    (void)cudaSetDevice(c->device);
+    s_weight_free((s_cweight *)w->dev);
+    w->dev = NULL;
+}
+
+/* --- products ---------------------------------------------------------- */
+
+static void s_plan_free(s_plan *p) {
+    if (p->op)
+        cublasLtMatmulDescDestroy(p->op);
+    if (p->a)
+        cublasLtMatrixLayoutDestroy(p->a);
+    if (p->b)
+        cublasLtMatrixLayoutDestroy(p->b);
+    if (p->d)
+        cublasLtMatrixLayoutDestroy(p->d);
+    memset(p, 0, sizeof *p);
+}
+
+static int s_align_of(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    int al = 256;
+    while (al > 1 && a % (uintptr_t)al)
+        al /= 2;
+    return al;
+}
+
+/* The cached plan for (m, n, k) writing to D at alignment `align`, made
+ * (descriptors, layouts, heuristic) on first use. NULL on failure. */
+static s_plan *s_get_plan(s_cuda *c, int m, int n, int k, int align) {
+    for (int i = 0; i < c->n_plans; i++) {
+        s_plan *p = &c->plans[i];
+        if (p->m == m && p->n == n && p->k == k && p->align == align)
+            return p;
+    }
+    s_plan *p;
+    if (c->n_plans < S_PLANS) {
+        p = &c->plans[c->n_plans++];
+    } else {
+        p = &c->plans[c->next_evict];
+        c->next_evict = (c->next_evict + 1) % S_PLANS;
+        s_plan_free(p);
+    }
+    char what[128];
+    snprintf(what, sizeof what, "plan for %dx%d . %dx%d", m, k, k, n);
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int nres = 0;
+    uint64_t ws = S_WORKSPACE_BYTES;
+    uint32_t al = (uint32_t)align;
+    if (!s_lt_ok(c, cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), what) ||
+        !s_lt_ok(c, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), what) ||
+        !s_lt_ok(c, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), what) ||
+        !s_lt_ok(c, cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16F, (uint64_t)k, (uint64_t)m, (int64_t)k), what) ||
+        !s_lt_ok(c, cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16F, (uint64_t)k, (uint64_t)n, (int64_t)k), what) ||
+        !s_lt_ok(c, cublasLtMatrixLayoutCreate(&p->d, CUDA_R_32F, (uint64_t)m, (uint64_t)n, (int64_t)m), what) ||
+        !s_lt_ok(c, cublasLtMatmulPreferenceCreate(&pref), what) ||
+        !s_lt_ok(c, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws), what) ||
+        !s_lt_ok(c, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al, sizeof al), what) ||
+        !s_lt_ok(c, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al, sizeof al), what) ||
+        !s_lt_ok(c, cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->d, p->d, pref, 1, &res, &nres), what))
+        goto fail;
+    if (nres < 1) {
+        s_lt_ok(c, CUBLAS_STATUS_NOT_SUPPORTED, what);
+        goto fail;
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    p->m = m;
+    p->n = n;
+    p->k = k;
+    p->align = align;
+    p->algo = res.algo;
+    return p;
+fail:
+    if (pref)
+        cublasLtMatmulPreferenceDestroy(pref);
+    s_plan_free(p);
+    /* a freed slot in the middle has m == 0 and never matches a lookup */
+    return NULL;
+}
+
+/* y (n x m, row-major fp32) = x (n x k, fp16) . W^T, W m x k fp16. */
+static void s_gemm(s_cuda *c, float *y, const __half *w, const __half *xh, int m, int n, int k) {
+    s_plan *p = s_get_plan(c, m, n, k, s_align_of(y));
+    if (!p)
+        return;
+    float alpha = 1.0f, beta = 0.0f;
+    char what[96];
+    snprintf(what, sizeof what, "cublasLtMatmul (%dx%d . %dx%d)", m, k, k, n);
+    s_lt_ok(c, cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, xh, p->b, &beta, y, p->d, y, p->d,
+                              &p->algo, c->workspace, S_WORKSPACE_BYTES, c->stream),
+            what);
+}
+
+static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0)
+        return;
+    const s_cweight *cw = (const s_cweight *)w->dev;
+    if (!cw) {
+        s_set_err(c, "cuda: %s%s", "matmul on a weight that was not uploaded", "");
+        return;
+    }
+    s_prof_begin(c);
+    if (cw->q && n <= FI_CUDA_QUANT_MAX_N) {
+        unsigned threads = 128, blocks = (unsigned)(((size_t)w->rows * 32 + threads - 1) / threads);
+        k_matvec_q<<<blocks, threads, 0, c->stream>>>(y, cw->q, (int)w->type, w->rows, w->cols,
+                                                      w->row_bytes, s_blk_bytes(w->type), x, n);
+        s_launched(c, "k_matvec_q");
+        s_prof_end(c);
+        return;
+    }
+    const __half *wh = cw->h;
+    if (!wh) {
+        /* quantised mode, many tokens: dequantise into the scratch */
+        size_t elems = (size_t)w->rows * w->cols;
+        if (s_grow(c, (void **)&c->wscratch, &c->wscratch_elems, elems, sizeof(__half),
+                   "cudaMalloc (weight scratch)"))
+            return;
+        k_dequant_f16<<<s_blocks(elems, S_THREADS), S_THREADS, 0, c->stream>>>(
+            c->wscratch, cw->q, (int)w->type, w->rows, w->cols, w->row_bytes);
+        s_launched(c, "k_dequant_f16");
+        wh = c->wscratch;
+    }
+    size_t xe = (size_t)n * w->cols;
+    if (s_grow(c, (void **)&c->xh, &c->xh_elems, xe, sizeof(__half), "cudaMalloc (fp16 activations)"))
+        return;
+    k_to_half<<<s_blocks(xe, S_THREADS), S_THREADS, 0, c->stream>>>(c->xh, x, xe);
+    s_launched(c, "k_to_half");
+    s_gemm(c, y, wh, c->xh, w->rows, n, w->cols);
+    s_prof_end(c);
+}
+
+/* --- small ops --------------------------------------------------------- */
+
+static void s_get_rows(void *ctx, float *y, const fi_weight *w, const int32_t *tok, int n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0)
+        return;
+    const s_cweight *cw = (const s_cweight *)w->dev;
+    if (!cw) {
+        s_set_err(c, "cuda: %s%s", "get_rows on a weight that was not uploaded", "");
+        return;
+    }
+    size_t total = (size_t)n * w->cols;
+    s_prof_begin(c);
+    k_get_rows<<<s_blocks(total, S_THREADS), S_THREADS, 0, c->stream>>>(
+        y, cw->h, cw->q, (int)w->type, w->cols, w->row_bytes, tok, n);
+    s_launched(c, "k_get_rows");
+    s_prof_end(c);
+}
+
+static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n, int dim,
+                      float eps) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0)
+        return;
+    s_prof_begin(c);
+    k_rmsnorm<<<(unsigned)n, dim >= 1024 ? 1024 : 256, 0, c->stream>>>(y, x, g, dim, eps);
+    s_launched(c, "k_rmsnorm");
+    s_prof_end(c);
+}
+
+static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
+                   float theta) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0)
+        return;
+    size_t total = (size_t)n * (head_dim / 2);
+    s_prof_begin(c);
+    k_rope<<<s_blocks(total, 128), 128, 0, c->stream>>>(x, n, n_heads, head_dim, pos, theta);
+    s_launched(c, "k_rope");
+    s_prof_end(c);
+}
+
+static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
+                        const uint16_t *v, int n, const int32_t *pos, int n_heads, int n_kv_heads,
+                        int head_dim) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0)
+        return;
+    if (head_dim > S_ATT_MAX_HD) {
+        char hd[32];
+        snprintf(hd, sizeof hd, "%d", head_dim);
+        s_set_err(c, "cuda: attention: head_dim %s is larger than the kernel's %s", hd, "256");
+        return;
+    }
+    long items = (long)n * n_heads;
+    int split = 1;
+    if (items < 2L * c->n_sm) {
+        split = (int)((2L * c->n_sm + items - 1) / items);
+        if (split > S_ATT_MAX_SPLIT)
+            split = S_ATT_MAX_SPLIT;
+    }
+    if (split > 1 &&
+        s_grow(c, (void **)&c->att_part, &c->att_part_floats,
+               (size_t)items * split * (size_t)(head_dim + 2), sizeof(float),
+               "cudaMalloc (attention partials)"))
+        return;
+    s_prof_begin(c);
+    dim3 grid((unsigned)items, (unsigned)split);
+    k_attention<<<grid, S_ATT_WARPS * 32, 0, c->stream>>>(out, c->att_part, q, k, v, pos, n_heads,
+                                                         n_kv_heads, head_dim);
+    s_launched(c, "k_attention");
+    if (split > 1) {
+        k_attention_merge<<<(unsigned)items, head_dim >= 128 ? 128 : 64, 0, c->stream>>>(
+            out, c->att_part, n_heads, head_dim, split);
+        s_launched(c, "k_attention_merge");
+    }
+    s_prof_end(c);
+}
+
+static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || !n)
+        return;
+    s_prof_begin(c);
+    k_store_f16<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(dst, src, n);
+    s_launched(c, "k_store_f16");
+    s_prof_end(c);
+}
+
+static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || !n)
+        return;
+    s_prof_begin(c);
+    k_swiglu<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(g, u, n);
+    s_launched(c, "k_swiglu");
+    s_prof_end(c);
+}
+
+static void s_add(void *ctx, float *y, const float *x, size_t n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || !n)
+        return;
+    s_prof_begin(c);
+    k_add<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(y, x, n);
+    s_launched(c, "k_add");
+    s_prof_end(c);
+}
+
+static int s_argmax(void *ctx, int32_t *out, const float *x, int n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || !s_not_capturing(c, "argmax"))
+        return -1;
+    s_prof_begin(c);
+    k_argmax<<<1, 1024, 0, c->stream>>>(c->arg_dev, x, n);
+    s_launched(c, "k_argmax");
+    s_prof_end(c);
+    if (!s_ok(c, cudaMemcpyAsync(c->arg_host, c->arg_dev, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                 c->stream),
+              "cudaMemcpyAsync (argmax)") ||
+        !s_ok(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize (argmax)"))
+        return -1;
+    *out = *c->arg_host;
+    return 0;
+}
+
+/* --- graphs ------------------------------------------------------------ */
+
+static int s_graph_begin(void *ctx) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!c->graphs || c->profile || c->capturing || !s_enter(c))
+        return -1;
+    /* the previous graph may still read the staging buffer */
+    if (c->graph_launched &&
+        !s_ok(c, cudaEventSynchronize(c->graph_done), "cudaEventSynchronize (graph)"))
+        return -1;
+    if (!s_ok(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal),
+              "cudaStreamBeginCapture"))
+        return -1;
+    c->stage_used = 0;
+    c->capturing = 1;
+    return 0;
+}
+
+static int s_graph_end(void *ctx) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!c->capturing)
+        return -1;
+    c->capturing = 0;
+    (void)cudaSetDevice(c->device);
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (!s_ok(c, e, "cudaStreamEndCapture") || c->failed) {
+        /* what was recorded never ran: the pass is lost, and says so */
+        s_set_err(c, "cuda: %s%s", "a failure during graph capture", "");
+        if (g)
+            (void)cudaGraphDestroy(g);
+        return -1;
+    }
+    if (c->exec) {
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(c->exec, g, &info) != cudaSuccess) {
+            (void)cudaGetLastError(); /* not an error: the shape changed */
+            (void)cudaGraphExecDestroy(c->exec);
+            c->exec = NULL;
+        }
+    }
+    if (!c->exec) {
+        if (!s_ok(c, cudaGraphInstantiate(&c->exec, g, 0), "cudaGraphInstantiate")) {
+            c->exec = NULL;
+            (void)cudaGraphDestroy(g);
+            return -1;
+        }
+        c->n_instantiated++;
+    }
+    (void)cudaGraphDestroy(g);
+    if (!s_ok(c, cudaGraphLaunch(c->exec, c->stream), "cudaGraphLaunch") ||
+        !s_ok(c, cudaEventRecord(c->graph_done, c->stream), "cudaEventRecord (graph)"))
+        return -1;
+    c->graph_launched = 1;
+    c->n_graphs++;
+    return 0;
+}
+
+/* --- backend ----------------------------------------------------------- */
+
+static void s_destroy(void *ctx) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!c)
+        return;
+    (void)cudaSetDevice(c->device);
+    if (c->capturing) {
+        cudaGraph_t g = NULL;
+        if (cudaStreamEndCapture(c->stream, &g) == cudaSuccess && g)
+            (void)cudaGraphDestroy(g);
+        c->capturing = 0;
+    }
+    if (c->stream)
+        (void)cudaStreamSynchronize(c->stream);
+    if (c->exec)
+        (void)cudaGraphExecDestroy(c->exec);
+    if (c->graph_done)
+        (void)cudaEventDestroy(c->graph_done);
+    if (c->stage)
+        (void)cudaFreeHost(c->stage);
+    for (int i = 0; i < c->n_plans; i++)
+        s_plan_free(&c->plans[i]);
+    if (c->lt)
+        cublasLtDestroy(c->lt);
+    void *bufs[] = {c->workspace, c->xh, c->wscratch, c->att_part, c->arg_dev};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i])
+            (void)cudaFree(bufs[i]);
+    if (c->arg_host)
+        (void)cudaFreeHost(c->arg_host);
+    if (c->ev) {
+        for (int i = 0; i < 2 * S_PROF_PAIRS; i++)
+            if (c->ev[i])
+                (void)cudaEventDestroy(c->ev[i]);
+        free(c->ev);
+    }
+    if (c->stream)
+        (void)cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+static const fi_backend_ops s_cuda_ops = {
+    /* .name = */ "cuda",
+    /* .destroy = */ s_destroy,
+    /* .alloc = */ s_alloc,
+    /* .free = */ s_free,
+    /* .to_backend = */ s_to_backend,
+    /* .to_host = */ s_to_host,
+    /* .copy = */ s_copy,
+    /* .weight_upload = */ s_weight_upload,
+    /* .weight_release = */ s_weight_release,
+    /* .sync = */ s_sync,
+    /* .matmul = */ s_matmul,
+    /* .get_rows = */ s_get_rows,
+    /* .rmsnorm = */ s_rmsnorm,
+    /* .rope = */ s_rope,
+    /* .attention = */ s_attention,
+    /* .store_f16 = */ s_store_f16,
+    /* .swiglu = */ s_swiglu,
+    /* .add = */ s_add,
+    /* .last_error = */ s_last_error,
+    /* .argmax = */ s_argmax,
+    /* .graph_begin = */ s_graph_begin,
+    /* .graph_end = */ s_graph_end,
+};
+
+extern "C" int fi_cuda_device_count(char *err, size_t errlen) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        if (err && errlen)
+            snprintf(err, errlen, "%s", cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        return -1;
+    }
+    if (n < 1) {
+        if (err && errlen)
+            snprintf(err, errlen, "no CUDA-capable device is detected");
+        return -1;
+    }
+    return n;
+}
+
+extern "C" fi_backend *fi_cuda_backend_new(int device, char *err, size_t errlen) {
+    char msg[256];
+    int n = fi_cuda_device_count(msg, sizeof msg);
+    if (n < 0) {
+        snprintf(err, errlen, "%s", msg);
+        return NULL;
+    }
+    if (device < 0 || device >= n) {
+        snprintf(err, errlen, "CUDA device %d does not exist (%d device%s)", device, n,
+                 n == 1 ? "" : "s");
+        return NULL;
+    }
+    s_cuda *c = (s_cuda *)calloc(1, sizeof *c);
+    fi_backend *b = (fi_backend *)calloc(1, sizeof *b);
+    cudaDeviceProp prop;
+    const char *env = getenv("FEDINFER_CUDA_WEIGHTS"), *genv = NULL;
+    if (!c || !b) {
+        snprintf(err, errlen, "cuda backend: out of host memory");
+        goto fail;
+    }
+    c->device = device;
+    if (env && *env && strcmp(env, "f16") && strcmp(env, "quant")) {
+        snprintf(err, errlen, "FEDINFER_CUDA_WEIGHTS must be 'f16' or 'quant', not '%.32s'", env);
+        goto fail;
+    }
+    c->mode = env && !strcmp(env, "quant") ? FI_CUDA_WEIGHTS_QUANT : FI_CUDA_WEIGHTS_F16;
+    genv = getenv("FEDINFER_CUDA_GRAPHS");
+    if (genv && *genv && strcmp(genv, "0") && strcmp(genv, "1")) {
+        snprintf(err, errlen, "FEDINFER_CUDA_GRAPHS must be '0' or '1', not '%.32s'", genv);
+        goto fail;
+    }
+    c->graphs = !(genv && !strcmp(genv, "0"));
+    if (!s_ok(c, cudaSetDevice(device), "cudaSetDevice") ||
+        !s_ok(c, cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties") ||
+        !s_ok(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "cudaStreamCreate") ||
+        !s_ok(c, cudaMalloc(&c->workspace, S_WORKSPACE_BYTES), "cudaMalloc (cuBLASLt workspace)") ||
+        !s_ok(c, cudaMalloc((void **)&c->arg_dev, sizeof(int32_t)), "cudaMalloc (argmax)") ||
+        !s_ok(c, cudaMallocHost((void **)&c->arg_host, sizeof(int32_t)), "cudaMallocHost (argmax)") ||
+        !s_ok(c, cudaMallocHost((void **)&c->stage, S_STAGE_BYTES), "cudaMallocHost (staging)") ||
+        !s_ok(c, cudaEventCreateWithFlags(&c->graph_done, cudaEventDisableTiming), "cudaEventCreate") ||
+        !s_lt_ok(c, cublasLtCreate(&c->lt), "cublasLtCreate")) {
+        snprintf(err, errlen, "%s", c->err);
+        goto fail;
+    }
+    snprintf(c->name, sizeof c->name, "%s", prop.name);
+    c->n_sm = prop.multiProcessorCount > 0 ? prop.multiProcessorCount : 1;
+    /* what a one-token step needs, so that a graph capture never allocates:
+     * fp16 activations for a row of up to S_XH_MIN elements, and attention
+     * partials (fewer than 4 * n_sm (token, head, split) blocks) */
+    if (s_grow(c, (void **)&c->xh, &c->xh_elems, S_XH_MIN, sizeof(__half), "cudaMalloc (fp16 activations)") ||
+        s_grow(c, (void **)&c->att_part, &c->att_part_floats, (size_t)4 * c->n_sm * (S_ATT_MAX_HD + 2),
+               sizeof(float), "cudaMalloc (attention partials)")) {
+        snprintf(err, errlen, "%s", c->err);
+        goto fail;
+    }
+    b->ops = &s_cuda_ops;
+    b->ctx = c;
+    return b;
+fail:
+    s_destroy(c);
+    free(b);
+    return NULL;
+}
+
+extern "C" int fi_cuda_backend_is(const fi_backend *b) {
+    return b && b->ops == &s_cuda_ops;
+}
+
+extern "C" const char *fi_cuda_backend_device_name(const fi_backend *b) {
+    return fi_cuda_backend_is(b) ? ((const s_cuda *)b->ctx)->name : NULL;
+}
+
+extern "C" int fi_cuda_backend_set_weights(fi_backend *b, fi_cuda_weights mode) {
+    if (!fi_cuda_backend_is(b) || (mode != FI_CUDA_WEIGHTS_F16 && mode != FI_CUDA_WEIGHTS_QUANT))
+        return -1;
+    s_cuda *c = (s_cuda *)b->ctx;
+    if (c->uploaded)
+        return -1;
+    c->mode = mode;
+    return 0;
+}
+
+extern "C" fi_cuda_weights fi_cuda_backend_weights(const fi_backend *b) {
+    return fi_cuda_backend_is(b) ? ((const s_cuda *)b->ctx)->mode : FI_CUDA_WEIGHTS_F16;
+}
+
+extern "C" int fi_cuda_backend_set_profile(fi_backend *b, int on) {
+    if (!fi_cuda_backend_is(b))
+        return -1;
+    s_cuda *c = (s_cuda *)b->ctx;
+    if (!s_enter(c))
+        return -1;
+    if (on && !c->ev) {
+        c->ev = (cudaEvent_t *)calloc(2 * S_PROF_PAIRS, sizeof *c->ev);
+        if (!c->ev)
+            return -1;
+        for (int i = 0; i < 2 * S_PROF_PAIRS; i++)
+            if (!s_ok(c, cudaEventCreate(&c->ev[i]), "cudaEventCreate"))
+                return -1;
+    }
+    if (!on)
+        s_prof_flush(c);
+    c->profile = on != 0;
+    return c->failed ? -1 : 0;
+}
+
+extern "C" double fi_cuda_backend_kernel_ms(fi_backend *b) {
+    if (!fi_cuda_backend_is(b))
+        return -1;
+    s_cuda *c = (s_cuda *)b->ctx;
+    if (!s_enter(c))
+        return -1;
+    s_prof_flush(c);
+    if (c->failed)
+        return -1;
+    double ms = c->kernel_ms;
+    c->kernel_ms = 0;
+    return ms;
+}
+
+extern "C" int fi_cuda_backend_set_graphs(fi_backend *b, int on) {
+    if (!fi_cuda_backend_is(b))
+        return -1;
+    ((s_cuda *)b->ctx)->graphs = on != 0;
+    return 0;
+}
+
+extern "C" void fi_cuda_backend_graph_stats(const fi_backend *b, long *launched,
+                                            long *instantiated) {
+    const s_cuda *c = fi_cuda_backend_is(b) ? (const s_cuda *)b->ctx : NULL;
+    if (launched)
+        *launched = c ? c->n_graphs : 0;
+    if (instantiated)
+        *instantiated = c ? c->n_instantiated : 0;
+}

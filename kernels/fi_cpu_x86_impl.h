@@ -1,0 +1,742 @@
+/*
+ * fi_cpu_x86_impl.h - the x86 kernels, written once and compiled three
+ * times: by fi_cpu_avx2.c (AVX2 + FMA + F16C), by fi_cpu_avxvnni.c (the same
+ * plus AVX-VNNI, whose vpdpbusd replaces maddubs + madd and does not
+ * saturate) and by fi_cpu_avx512.c (AVX512-VNNI, which adds 512-bit
+ * quantised kernels on top). Include it after defining FI_X86_VNNI to 0,
+ * 1 or 2; it defines only static functions and s_x86_fill(), which the
+ * including file calls.
+ *
+ * Quantised matmul, one 32-element block at a time, activations in
+ * fi_block_q8x (d, s = d*sum(q), 32 int8):
+ *   Q4_0: dw*dx*sum(q*x) - 8*dw*s      (q = nibble, 0..15, unsigned)
+ *   Q4_1: dw*dx*sum(q*x) + m*s
+ *   Q8_0: dw*dx*sum(w*x)               (|w| . x*sign(w), or in the VNNI
+ *                                       decode (w^0x80) . x - 128*dw*s)
+ *
+ * Decode (one token) kernels take four rows per step. For Q4_x two rows
+ * share one register (row A in the low 128-bit lane, row B in the high),
+ * so one nibble expansion, one int dot and one FMA serve two rows, and the
+ * fp16 scales of four rows are converted by one vcvtph2ps. The next tiles
+ * are prefetched, because decode streams each weight once from L3/DRAM.
+ *
+ * Prefill (several tokens) takes two rows x four tokens so each weight
+ * block is expanded once and used for four tokens (int sums are scaled by
+ * the token's dx, a broadcast load, then by the rows' dw, formed once per
+ * block; the Q4 offset m*s or -8*dw*s joins one accumulator lane per
+ * row); rows are walked in sub-blocks of S_RB rows with all tokens
+ * inside, so a sub-block's weights stay in L1.
+ */
+#ifndef FI_X86_VNNI
+#error "define FI_X86_VNNI before including fi_cpu_x86_impl.h"
+#endif
+
+#include "fi_kernels_impl.h"
+
+#include <immintrin.h>
+#include <math.h>
+
+/* FI_X86_VNNI: 0 AVX2 maddubs + madd; 1 AVX-VNNI (VEX vpdpbusd); 2
+ * AVX512-VNNI + VL (the EVEX encoding of the same 256-bit instruction). */
+#if FI_X86_VNNI == 1
+#define S_DPBUSD256 _mm256_dpbusd_avx_epi32
+#elif FI_X86_VNNI == 2
+#define S_DPBUSD256 _mm256_dpbusd_epi32
+#endif
+
+#define S_INLINE static inline __attribute__((always_inline))
+#define S_RB 16 /* rows per sub-block in the prefill loop */
+#define S_RND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* Decode prefetch: this many 4-row tiles ahead, into L2 (measured on the
+ * 2-core Sapphire Rapids VM: T1 beats T0 by ~5%, NTA loses ~30%; 2-8
+ * tiles are within noise of each other). */
+#ifndef S_PF_HINT
+#define S_PF_HINT _MM_HINT_T1
+#endif
+#ifndef S_PF_TILES
+#define S_PF_TILES 4
+#endif
+
+S_INLINE float s_hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* Sum of each 128-bit lane of v: [sum(v0..v3), sum(v4..v7)]. */
+S_INLINE void s_hsum2(__m256 v, float *lo, float *hi) {
+    __m128 a = _mm256_castps256_ps128(v), b = _mm256_extractf128_ps(v, 1);
+    __m128 s = _mm_hadd_ps(a, b);   /* a01 a23 b01 b23 */
+    s = _mm_hadd_ps(s, s);          /* a b a b */
+    *lo = _mm_cvtss_f32(s);
+    *hi = _mm_cvtss_f32(_mm_movehdup_ps(s));
+}
+
+S_INLINE uint32_t s_ld32(const void *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+S_INLINE uint16_t s_ld16(const void *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+S_INLINE uint64_t s_ld64(const void *p) {
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* u8 x s8 dot products, 4 adjacent pairs summed into each int32 lane,
+ * added to acc. u must be < 128 for the AVX2 form not to saturate (or the
+ * pair sums must stay within int16, as they do for |w| <= 128, |x| <= 127). */
+S_INLINE __m256i s_dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if FI_X86_VNNI
+    return S_DPBUSD256(acc, u, s);
+#else
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, p);
+#endif
+}
+
+/* The same for two pairs of operands into one fresh sum (the AVX2 form
+ * adds in int16 first: 2 * 2*15*127 fits). */
+S_INLINE __m256i s_dot2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#if FI_X86_VNNI
+    return S_DPBUSD256(S_DPBUSD256(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+}
+
+/* --- activation quantiser (same arithmetic as fi_quantize_q8x_ref) ----- */
+
+static void s_quantize_q8x(const float *x, fi_block_q8x *y, int nb) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < nb; i++) {
+        const float *v = x + (size_t)i * FI_QK;
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+        __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 vid = _mm256_set1_ps(id);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, vid), S_RND));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, vid), S_RND));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, vid), S_RND));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, vid), S_RND));
+        __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        int sum = _mm_cvtsi128_si32(s4);
+        /* pack 32 int32 -> 32 int8 and undo the per-lane interleave */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)y[i].qs, p);
+        y[i].d = amax / 127.0f;
+        y[i].s = y[i].d * (float)sum;
+    }
+}
+
+/* --- generic quantised tile (tails and Q8_0 prefill) ------------------- */
+
+/* Expands 16 nibble bytes to 32 bytes: low nibbles, then high nibbles. */
+S_INLINE __m256i s_nibbles(const uint8_t *qs) {
+    __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+}
+
+/* Weight block b of a row of type ty: its byte vector and [dw, aux] where
+ * aux is m (Q4_1) or dw (Q4_0, Q8_0). */
+S_INLINE __m256i s_wblock(int ty, const uint8_t *row, int b, __m128 *ws) {
+    if (ty == FI_DTYPE_Q4_1) {
+        const fi_block_q4_1 *w = (const fi_block_q4_1 *)row + b;
+        *ws = _mm_cvtph_ps(_mm_cvtsi32_si128((int)s_ld32(w)));
+        return s_nibbles(w->qs);
+    }
+    if (ty == FI_DTYPE_Q4_0) {
+        const fi_block_q4_0 *w = (const fi_block_q4_0 *)row + b;
+        *ws = _mm_cvtph_ps(_mm_set1_epi16((short)w->d));
+        return s_nibbles(w->qs);
+    }
+    const fi_block_q8_0 *w = (const fi_block_q8_0 *)row + b;
+    *ws = _mm_cvtph_ps(_mm_set1_epi16((short)w->d));
+    return _mm256_loadu_si256((const __m256i *)w->qs);
+}
+
+/* 8 int32 partial sums of w . x, as floats. */
+S_INLINE __m256 s_bdot(int ty, __m256i w, __m256i x) {
+    __m256i z = _mm256_setzero_si256();
+    if (ty == FI_DTYPE_Q8_0)
+        return _mm256_cvtepi32_ps(s_dpbusd(z, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)));
+    return _mm256_cvtepi32_ps(s_dpbusd(z, w, x));
+}
+
+/* Rows r..r+R-1 times tokens k..k+T-1, all blocks; R*T <= 4. */
+S_INLINE void s_qtile(int ty, const fi_mm_task *t, int r, int k, int R, int T) {
+    int nb = t->cols / FI_QK;
+    const uint8_t *wr[4];
+    const fi_block_q8x *xr[4];
+    __m256 acc[4][4];
+    __m128 aux[4][4];
+    for (int i = 0; i < R; i++)
+        wr[i] = t->w + (size_t)(r + i) * t->w_stride;
+    for (int j = 0; j < T; j++)
+        xr[j] = (const fi_block_q8x *)(t->x + (size_t)(k + j) * t->x_stride);
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) {
+            acc[i][j] = _mm256_setzero_ps();
+            aux[i][j] = _mm_setzero_ps();
+        }
+    for (int b = 0; b < nb; b++) {
+        for (int i = 0; i < R; i++) {
+            __m128 ws;
+            __m256i wv = s_wblock(ty, wr[i], b, &ws);
+            for (int j = 0; j < T; j++) {
+                const fi_block_q8x *x = xr[j] + b;
+                __m128 xs = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)x));
+                __m128 p = _mm_mul_ps(ws, xs); /* [dw*dx, aux*s] */
+                __m256i xv = _mm256_loadu_si256((const __m256i *)x->qs);
+                acc[i][j] = _mm256_fmadd_ps(s_bdot(ty, wv, xv), _mm256_broadcastss_ps(p), acc[i][j]);
+                if (ty != FI_DTYPE_Q8_0)
+                    aux[i][j] = _mm_add_ps(aux[i][j], p);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) {
+            float v = s_hsum(acc[i][j]);
+            float a = _mm_cvtss_f32(_mm_movehdup_ps(aux[i][j]));
+            if (ty == FI_DTYPE_Q4_1)
+                v += a;
+            else if (ty == FI_DTYPE_Q4_0)
+                v -= 8.0f * a;
+            t->y[(size_t)(k + j) * t->y_stride + r + i] = v;
+        }
+}
+
+/* --- decode: four rows, one token ------------------------------------------ */
+
+/* Prefetches this block step's share of the tile S_PF_TILES ahead: a tile
+ * is 4 contiguous rows, consumed 4*bsz bytes per block step. */
+S_INLINE void s_prefetch_step(const uint8_t *w0, size_t stride, int b, size_t bsz) {
+    const char *p = (const char *)w0 + S_PF_TILES * 4 * stride + (size_t)b * 4 * bsz;
+    _mm_prefetch(p, S_PF_HINT);
+    _mm_prefetch(p + 64, S_PF_HINT);
+    if (4 * bsz > 128)
+        _mm_prefetch(p + 128, S_PF_HINT);
+}
+
+/* The fp16 scale words of block b of four rows (at byte offset `off` of
+ * the block), as 4 x 32-bit lanes of one register. */
+S_INLINE __m128i s_gather32(const uint8_t *w0, size_t stride, size_t boff) {
+    __m128i h = _mm_cvtsi32_si128((int)s_ld32(w0 + boff));
+    h = _mm_insert_epi32(h, (int)s_ld32(w0 + stride + boff), 1);
+    h = _mm_insert_epi32(h, (int)s_ld32(w0 + 2 * stride + boff), 2);
+    return _mm_insert_epi32(h, (int)s_ld32(w0 + 3 * stride + boff), 3);
+}
+
+S_INLINE __m128i s_gather16(const uint8_t *w0, size_t stride, size_t boff) {
+    __m128i h = _mm_cvtsi32_si128(s_ld16(w0 + boff));
+    h = _mm_insert_epi16(h, s_ld16(w0 + stride + boff), 1);
+    h = _mm_insert_epi16(h, s_ld16(w0 + 2 * stride + boff), 2);
+    return _mm_insert_epi16(h, s_ld16(w0 + 3 * stride + boff), 3);
+}
+
+/* Two rows' nibbles of one block in one register pair: lo = low nibbles
+ * [A | B], hi = high nibbles [A | B]. */
+S_INLINE void s_nibbles2(const uint8_t *qa, const uint8_t *qb, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qa)),
+                                        _mm_loadu_si128((const __m128i *)qb), 1);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+
+/* Q4_0 / Q4_1, rows r..r+3, token k. */
+S_INLINE void s_q4_dec4(int ty, const fi_mm_task *t, int r, int k) {
+    const size_t stride = t->w_stride;
+    const size_t bsz = ty == FI_DTYPE_Q4_1 ? sizeof(fi_block_q4_1) : sizeof(fi_block_q4_0);
+    const size_t qoff = ty == FI_DTYPE_Q4_1 ? 4 : 2;
+    const uint8_t *w0 = t->w + (size_t)r * stride;
+    const fi_block_q8x *x = (const fi_block_q8x *)(t->x + (size_t)k * t->x_stride);
+    const int nb = t->cols / FI_QK;
+    __m256 acc01 = _mm256_setzero_ps(), acc23 = _mm256_setzero_ps();
+    __m256 aux = _mm256_setzero_ps(); /* Q4_1: m*s in the odd lanes */
+    __m128 aux4 = _mm_setzero_ps();   /* Q4_0: d*s per row */
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = w0 + (size_t)b * bsz;
+        s_prefetch_step(w0, stride, b, bsz);
+        __m256 s01, s23;
+        if (ty == FI_DTYPE_Q4_1) {
+            /* [d0 m0 d1 m1 d2 m2 d3 m3] * [dx s dx s ...] */
+            __m256 dm = _mm256_cvtph_ps(s_gather32(wb, stride, 0));
+            __m256 xs = _mm256_castsi256_ps(_mm256_set1_epi64x((long long)s_ld64(&x[b])));
+            __m256 p = _mm256_mul_ps(dm, xs);
+            aux = _mm256_add_ps(aux, p);
+            s01 = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+            s23 = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6));
+        } else {
+            /* [d0 d1 d2 d3] * dx, and the offset term d * s */
+            __m128 d = _mm_cvtph_ps(s_gather16(wb, stride, 0));
+            __m256 p = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_set1_ps(x[b].d)));
+            aux4 = _mm_fmadd_ps(d, _mm_set1_ps(x[b].s), aux4);
+            s01 = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+            s23 = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+        }
+        __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x[b].qs));
+        __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[b].qs + 16)));
+        __m256i lo, hi;
+        s_nibbles2(wb + qoff, wb + stride + qoff, &lo, &hi);
+        acc01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_dot2(lo, xlo, hi, xhi)), s01, acc01);
+        s_nibbles2(wb + 2 * stride + qoff, wb + 3 * stride + qoff, &lo, &hi);
+        acc23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_dot2(lo, xlo, hi, xhi)), s23, acc23);
+    }
+    float v[4], a[8], a4[4];
+    s_hsum2(acc01, &v[0], &v[1]);
+    s_hsum2(acc23, &v[2], &v[3]);
+    _mm256_storeu_ps(a, aux);
+    _mm_storeu_ps(a4, aux4);
+    float *y = t->y + (size_t)k * t->y_stride + r;
+    for (int i = 0; i < 4; i++)
+        y[i] = ty == FI_DTYPE_Q4_1 ? v[i] + a[2 * i + 1] : v[i] - 8.0f * a4[i];
+}
+
+/* Q8_0, rows r..r+3, token k. */
+S_INLINE void s_q8_dec4(const fi_mm_task *t, int r, int k) {
+    const size_t stride = t->w_stride;
+    const size_t bsz = sizeof(fi_block_q8_0);
+    const uint8_t *w0 = t->w + (size_t)r * stride;
+    const fi_block_q8x *x = (const fi_block_q8x *)(t->x + (size_t)k * t->x_stride);
+    const int nb = t->cols / FI_QK;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+#if FI_X86_VNNI
+    __m128 aux = _mm_setzero_ps();
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+#endif
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = w0 + (size_t)b * bsz;
+        s_prefetch_step(w0, stride, b, bsz);
+        __m128 d = _mm_cvtph_ps(s_gather16(wb, stride, 0));
+        __m256 p = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_set1_ps(x[b].d)));
+#if FI_X86_VNNI
+        aux = _mm_fmadd_ps(d, _mm_set1_ps(x[b].s), aux);
+#endif
+        __m256i xv = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        for (int i = 0; i < 4; i++) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + (size_t)i * stride + 2));
+#if FI_X86_VNNI
+            __m256i isum = S_DPBUSD256(_mm256_setzero_si256(), _mm256_xor_si256(wv, bias), xv);
+#else
+            __m256i isum = s_dpbusd(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+#endif
+            __m256 s = _mm256_permutevar8x32_ps(p, _mm256_set1_epi32(i));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[i]);
+        }
+    }
+    float *y = t->y + (size_t)k * t->y_stride + r;
+#if FI_X86_VNNI
+    float a[4];
+    _mm_storeu_ps(a, aux);
+    for (int i = 0; i < 4; i++)
+        y[i] = s_hsum(acc[i]) - 128.0f * a[i];
+#else
+    for (int i = 0; i < 4; i++)
+        y[i] = s_hsum(acc[i]);
+#endif
+}
+
+/* --- prefill: Q4_x, two rows x four tokens ----------------------------------- */
+
+S_INLINE void s_q4_pre2x4(int ty, const fi_mm_task *t, int r, int k) {
+    const size_t stride = t->w_stride;
+    const size_t bsz = ty == FI_DTYPE_Q4_1 ? sizeof(fi_block_q4_1) : sizeof(fi_block_q4_0);
+    const size_t qoff = ty == FI_DTYPE_Q4_1 ? 4 : 2;
+    const uint8_t *w0 = t->w + (size_t)r * stride;
+    const fi_block_q8x *xr[4];
+    for (int j = 0; j < 4; j++)
+        xr[j] = (const fi_block_q8x *)(t->x + (size_t)(k + j) * t->x_stride);
+    const int nb = t->cols / FI_QK;
+    const __m256 lane0 = _mm256_setr_ps(1, 0, 0, 0, 1, 0, 0, 0);
+    __m256 acc[4];
+    for (int j = 0; j < 4; j++)
+        acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = w0 + (size_t)b * bsz;
+        /* dw = [d0 x4 | d1 x4]; mw = [a0 0 0 0 | a1 0 0 0] with a = m
+         * (Q4_1) or -8d (Q4_0): the per-block offset term, which joins the
+         * accumulator as a * s in one lane per row (no extra registers) */
+        __m256 dw, mw;
+        if (ty == FI_DTYPE_Q4_1) {
+            __m128i h = _mm_insert_epi32(_mm_cvtsi32_si128((int)s_ld32(wb)), (int)s_ld32(wb + stride), 1);
+            __m256 dm = _mm256_castps128_ps256(_mm_cvtph_ps(h)); /* d0 m0 d1 m1 */
+            dw = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+            mw = _mm256_mul_ps(_mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3)), lane0);
+        } else {
+            __m128i h = _mm_insert_epi16(_mm_cvtsi32_si128(s_ld16(wb)), s_ld16(wb + stride), 1);
+            __m256 d = _mm256_castps128_ps256(_mm_cvtph_ps(h)); /* d0 d1 */
+            dw = _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+            mw = _mm256_mul_ps(dw, _mm256_setr_ps(-8, 0, 0, 0, -8, 0, 0, 0));
+        }
+        __m256i lo, hi;
+        s_nibbles2(wb + qoff, wb + stride + qoff, &lo, &hi);
+        for (int j = 0; j < 4; j++) {
+            const fi_block_q8x *x = xr[j] + b;
+            __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x->qs));
+            __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x->qs + 16)));
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(s_dot2(lo, xlo, hi, xhi)), _mm256_broadcast_ss(&x->d));
+            acc[j] = _mm256_fmadd_ps(v, dw, acc[j]);
+            acc[j] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&x->s), acc[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        float *y = t->y + (size_t)(k + j) * t->y_stride + r;
+        s_hsum2(acc[j], &y[0], &y[1]);
+    }
+}
+
+/* --- prefill: Q8_0, two rows x four tokens ---------------------------------- */
+
+S_INLINE void s_q8_pre2x4(const fi_mm_task *t, int r, int k) {
+    const size_t stride = t->w_stride;
+    const uint8_t *w0 = t->w + (size_t)r * stride;
+    const fi_block_q8x *xr[4];
+    for (int j = 0; j < 4; j++)
+        xr[j] = (const fi_block_q8x *)(t->x + (size_t)(k + j) * t->x_stride);
+    const int nb = t->cols / FI_QK;
+    __m256 acc[2][4];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++)
+            acc[i][j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const fi_block_q8_0 *wa = (const fi_block_q8_0 *)w0 + b;
+        const fi_block_q8_0 *wb = (const fi_block_q8_0 *)(w0 + stride) + b;
+        __m128 d = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(s_ld16(&wa->d)), s_ld16(&wb->d), 1));
+        __m256 da = _mm256_broadcastss_ps(d);
+        __m256 db = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), _mm256_set1_epi32(1));
+        __m256i va = _mm256_loadu_si256((const __m256i *)wa->qs);
+        __m256i vb = _mm256_loadu_si256((const __m256i *)wb->qs);
+        /* |w| . x*sign(w): no bias term, so no extra accumulators */
+        __m256i ua = _mm256_sign_epi8(va, va), ub = _mm256_sign_epi8(vb, vb);
+        for (int j = 0; j < 4; j++) {
+            const fi_block_q8x *x = xr[j] + b;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)x->qs);
+            __m256 dx = _mm256_broadcast_ss(&x->d);
+            __m256i ia = s_dpbusd(_mm256_setzero_si256(), ua, _mm256_sign_epi8(xv, va));
+            __m256i ib = s_dpbusd(_mm256_setzero_si256(), ub, _mm256_sign_epi8(xv, vb));
+            acc[0][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ia), dx), da, acc[0][j]);
+            acc[1][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ib), dx), db, acc[1][j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        float *y = t->y + (size_t)(k + j) * t->y_stride + r;
+        y[0] = s_hsum(acc[0][j]);
+        y[1] = s_hsum(acc[1][j]);
+    }
+}
+
+S_INLINE void s_mm_quant(int ty, const fi_mm_task *t, int r0, int r1) {
+    if (t->n == 1) {
+        int r = r0;
+        for (; r + 4 <= r1; r += 4) {
+            if (ty == FI_DTYPE_Q8_0)
+                s_q8_dec4(t, r, 0);
+            else
+                s_q4_dec4(ty, t, r, 0);
+        }
+        for (; r < r1; r++)
+            s_qtile(ty, t, r, 0, 1, 1);
+        return;
+    }
+    for (int rb = r0; rb < r1; rb += S_RB) {
+        int re = rb + S_RB < r1 ? rb + S_RB : r1;
+        int k = 0;
+        for (; k + 4 <= t->n; k += 4) {
+            int r = rb;
+            for (; r + 2 <= re; r += 2) {
+                if (ty == FI_DTYPE_Q8_0)
+                    s_q8_pre2x4(t, r, k);
+                else
+                    s_q4_pre2x4(ty, t, r, k);
+            }
+            for (; r < re; r++)
+                s_qtile(ty, t, r, k, 1, 4);
+        }
+        for (; k < t->n; k++) {
+            int r = rb;
+            for (; r + 4 <= re; r += 4) {
+                if (ty == FI_DTYPE_Q8_0)
+                    s_q8_dec4(t, r, k);
+                else
+                    s_q4_dec4(ty, t, r, k);
+            }
+            for (; r < re; r++)
+                s_qtile(ty, t, r, k, 1, 1);
+        }
+    }
+}
+
+static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
+    s_mm_quant(FI_DTYPE_Q4_0, t, r0, r1);
+}
+
+static void s_mm_q4_1(const fi_mm_task *t, int r0, int r1) {
+    s_mm_quant(FI_DTYPE_Q4_1, t, r0, r1);
+}
+
+static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
+    s_mm_quant(FI_DTYPE_Q8_0, t, r0, r1);
+}
+
+/* --- float weights -------------------------------------------------------- */
+
+/* 8 weights starting at element c of a row of type ty, as floats. */
+S_INLINE __m256 s_wload8(int ty, const uint8_t *row, int c) {
+    if (ty == FI_DTYPE_F32)
+        return _mm256_loadu_ps((const float *)row + c);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + c));
+    if (ty == FI_DTYPE_F16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+S_INLINE float s_wscalar(int ty, const uint8_t *row, int c) {
+    if (ty == FI_DTYPE_F32)
+        return ((const float *)row)[c];
+    uint16_t h;
+    memcpy(&h, row + (size_t)c * 2, sizeof h);
+    return ty == FI_DTYPE_F16 ? fi_h2f(h) : fi_bf2f(h);
+}
+
+/* Rows r..r+R-1 times tokens k..k+T-1; R*T <= 4. */
+S_INLINE void s_ftile(int ty, const fi_mm_task *t, int r, int k, int R, int T) {
+    const uint8_t *wr[4];
+    const float *xr[4];
+    __m256 acc[4][4];
+    for (int i = 0; i < R; i++)
+        wr[i] = t->w + (size_t)(r + i) * t->w_stride;
+    for (int j = 0; j < T; j++)
+        xr[j] = (const float *)(t->x + (size_t)(k + j) * t->x_stride);
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++)
+            acc[i][j] = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 8 <= t->cols; c += 8) {
+        for (int i = 0; i < R; i++) {
+            __m256 w = s_wload8(ty, wr[i], c);
+            for (int j = 0; j < T; j++)
+                acc[i][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr[j] + c), acc[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) {
+            float v = s_hsum(acc[i][j]);
+            for (int cc = c; cc < t->cols; cc++)
+                v += s_wscalar(ty, wr[i], cc) * xr[j][cc];
+            t->y[(size_t)(k + j) * t->y_stride + r + i] = v;
+        }
+}
+
+S_INLINE void s_mm_float(int ty, const fi_mm_task *t, int r0, int r1) {
+    for (int rb = r0; rb < r1; rb += S_RB) {
+        int re = rb + S_RB < r1 ? rb + S_RB : r1;
+        int k = 0;
+        for (; k + 4 <= t->n; k += 4)
+            for (int r = rb; r < re; r++)
+                s_ftile(ty, t, r, k, 1, 4);
+        for (; k < t->n; k++) {
+            int r = rb;
+            for (; r + 4 <= re; r += 4)
+                s_ftile(ty, t, r, k, 4, 1);
+            for (; r < re; r++)
+                s_ftile(ty, t, r, k, 1, 1);
+        }
+    }
+}
+
+static void s_mm_f32(const fi_mm_task *t, int r0, int r1) {
+    s_mm_float(FI_DTYPE_F32, t, r0, r1);
+}
+
+static void s_mm_f16(const fi_mm_task *t, int r0, int r1) {
+    s_mm_float(FI_DTYPE_F16, t, r0, r1);
+}
+
+static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
+    s_mm_float(FI_DTYPE_BF16, t, r0, r1);
+}
+
+/* --- attention helpers ------------------------------------------------------ */
+
+/* 8 fp16 values as floats. */
+S_INLINE __m256 s_h8(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
+}
+
+/* 8 rows at a time; their sums reduced together with hadd. */
+static float s_dots(float *s, const float *q, const uint16_t *k, size_t stride, int np, int hd,
+                    float scale) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
+    int i = 0;
+    if ((hd & 7) == 0) {
+        /* 8 rows: 8 independent FMA chains */
+        for (; i + 8 <= np; i += 8) {
+            const uint16_t *k0 = k + (size_t)i * stride;
+            __m256 a[8];
+            for (int u = 0; u < 8; u++)
+                a[u] = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d += 8) {
+                __m256 qv = _mm256_loadu_ps(q + d);
+                for (int u = 0; u < 8; u++)
+                    a[u] = _mm256_fmadd_ps(qv, s_h8(k0 + (size_t)u * stride + d), a[u]);
+            }
+            for (int u = 0; u < 8; u += 4) {
+                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[u], a[u + 1]), _mm256_hadd_ps(a[u + 2], a[u + 3]));
+                __m128 r = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vs);
+                mx4 = _mm_max_ps(mx4, r);
+                _mm_storeu_ps(s + i + u, r);
+            }
+        }
+    }
+    mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));
+    mx4 = _mm_max_ss(mx4, _mm_movehdup_ps(mx4));
+    float mx = _mm_cvtss_f32(mx4);
+    for (; i < np; i++) {
+        const uint16_t *kr = k + (size_t)i * stride;
+        __m256 a0 = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 8 <= hd; d += 8)
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), s_h8(kr + d), a0);
+        float r = s_hsum(a0);
+        for (; d < hd; d++)
+            r += q[d] * fi_h2f(kr[d]);
+        s[i] = r * scale;
+        mx = s[i] > mx ? s[i] : mx;
+    }
+    return mx;
+}
+
+/* exp(x) (Cephes polynomial, about 1 ulp) for x in [-87.33, 88]; x is
+ * clamped to that range first (so below it gives ~1e-38, not 0). */
+S_INLINE __m256 s_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33f)), _mm256_set1_ps(88.0f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static float s_exp_sum(float *s, int n, float m) {
+    __m256 vm = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = s_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = s_hsum(acc);
+    if (i < n) {
+        float tmp[8] = {0};
+        int r = n - i;
+        memcpy(tmp, s + i, (size_t)r * sizeof(float));
+        __m256 e = s_exp8(_mm256_sub_ps(_mm256_loadu_ps(tmp), vm));
+        _mm256_storeu_ps(tmp, e);
+        for (int j = 0; j < r; j++) {
+            s[i + j] = tmp[j];
+            sum += tmp[j];
+        }
+    }
+    return sum;
+}
+
+/* o += sum_i e[i] * v_i, 64 columns at a time held in registers (eight
+ * independent FMA chains), then 8 at a time. */
+static void s_wsum(float *o, const float *e, const uint16_t *v, size_t stride, int np, int hd) {
+    int d = 0;
+    for (; d + 64 <= hd; d += 64) {
+        __m256 acc[8];
+        for (int u = 0; u < 8; u++)
+            acc[u] = _mm256_loadu_ps(o + d + 8 * u);
+        for (int i = 0; i < np; i++) {
+            const uint16_t *vr = v + (size_t)i * stride + d;
+            __m256 w = _mm256_broadcast_ss(e + i);
+            for (int u = 0; u < 8; u++)
+                acc[u] = _mm256_fmadd_ps(w, s_h8(vr + 8 * u), acc[u]);
+        }
+        for (int u = 0; u < 8; u++)
+            _mm256_storeu_ps(o + d + 8 * u, acc[u]);
+    }
+    for (; d + 8 <= hd; d += 8) {
+        __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 2 <= np; i += 2) {
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), s_h8(v + (size_t)i * stride + d), o0);
+            o1 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i + 1), s_h8(v + (size_t)(i + 1) * stride + d), o1);
+        }
+        if (i < np)
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), s_h8(v + (size_t)i * stride + d), o0);
+        _mm256_storeu_ps(o + d, _mm256_add_ps(o0, o1));
+    }
+    for (; d < hd; d++)
+        for (int i = 0; i < np; i++)
+            o[d] += e[i] * fi_h2f(v[(size_t)i * stride + d]);
+}
+
+static void s_swiglu(float *g, const float *u, size_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = s_exp8(_mm256_xor_ps(x, neg)); /* exp(-x) */
+        __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++)
+        g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static void s_to_f16(uint16_t *dst, const float *src, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(void *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        dst[i] = fi_fp32_to_fp16(src[i]);
+}
+
+/* Fills k with this flavour's kernels under `name`. */
+static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
+    k->name = name;
+    k->quantize_q8x = s_quantize_q8x;
+    k->mm_f32 = s_mm_f32;
+    k->mm_f16 = s_mm_f16;
+    k->mm_bf16 = s_mm_bf16;
+    k->mm_q4_0 = s_mm_q4_0;
+    k->mm_q4_1 = s_mm_q4_1;
+    k->mm_q8_0 = s_mm_q8_0;
+    k->dots = s_dots;
+    k->wsum = s_wsum;
+    k->exp_sum = s_exp_sum;
+    k->swiglu = s_swiglu;
+    k->to_f16 = s_to_f16;
+}

@@ -1,0 +1,29 @@
+# cuda.cmake - the CUDA backend's tests, only in a build with CUDA
+# (FEDINFER_HAVE_CUDA). Their sources live in tests/cuda/ so that the
+# test_*.c glob of tests/CMakeLists.txt does not pick them up in builds
+# without CUDA. Without a device each prints "SKIPPED: ..." and exits 77,
+# which ctest reports as skipped, not passed or failed.
+#   test_cuda  every operation against the CPU backend, and the model end to
+#              end (needs one device)
+#   test_nccl  the NCCL all-reduce wrapper (needs two devices)
+# and builds fi_cuda_probe (see below).
+if(FEDINFER_HAVE_CUDA)
+  foreach(name test_cuda test_nccl)
+    add_executable(${name} ${CMAKE_CURRENT_LIST_DIR}/cuda/${name}.c)
+    target_link_libraries(${name} PRIVATE fi_cuda ${FI_TEST_LIBS} PkgConfig::CMOCKA)
+    target_compile_definitions(${name} PRIVATE FI_TEST_MODEL="${FEDINFER_DEFAULT_MODEL}")
+    add_test(NAME ${name} COMMAND ${name})
+    set_tests_properties(${name} PROPERTIES
+      SKIP_RETURN_CODE 77
+      TIMEOUT 300
+      LABELS cuda
+      ENVIRONMENT "CMOCKA_MESSAGE_OUTPUT=stdout")
+  endforeach()
+  # Throughput probe for kernels/cuda/gpu-check.sh (not a test): cuBLASLt
+  # GEMMs at the model's shapes against a large square GEMM, prefill and
+  # decode timings with CUDA-event kernel sums. Here because --synthetic
+  # writes its model with tests/support.
+  add_executable(fi_cuda_probe ${CMAKE_SOURCE_DIR}/kernels/cuda/fi_cuda_probe.c)
+  target_link_libraries(fi_cuda_probe PRIVATE fi_cuda ${FI_TEST_LIBS})
+  set_target_properties(fi_cuda_probe PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR})
+endif()

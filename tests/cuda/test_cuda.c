@@ -1,0 +1,807 @@
+/*
+ * test_cuda.c - the CUDA backend against the CPU backend (the reference).
+ *
+ * Without a usable device the program prints
+ *     SKIPPED: no CUDA device (<cudaGetDeviceCount's message>)
+ * and exits 77, which tests/cuda.cmake registers as "skipped".
+ *
+ * With a device, every operation of the table runs on both backends on
+ * fresh random inputs (the seed is printed; FI_TEST_SEED=N repeats a run).
+ * Device outputs are poisoned (all bytes 0xff: NaN in fp32 and fp16) before
+ * each run, so an element the kernel does not write fails the comparison.
+ * Bounds: errors are measured against the largest magnitude of the CPU
+ * result; products of fp16 operands get 1e-2, everything else is tighter,
+ * and store_f16 must match bit for bit.
+ *
+ * The model end to end, on a small random-weight model written by the test
+ * and on the default model when it is present: greedy tokens
+ * equal to the CPU backend's up to the first near tie (the CPU's top-2 logit
+ * gap below NEAR_TIE), and logits with cosine similarity >= COS_MIN and a
+ * top-1 logit within LOGIT_TOL, for the decoded steps and for a prefill
+ * with all logits; in both weight modes (fp16 and quantised-read).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fi_cuda.h"
+#include "fi_kernels.h"
+#include "fi_model.h"
+#include "gguf_writer.h"
+
+#ifndef FI_TEST_MODEL
+#error "FI_TEST_MODEL (the model path) must be defined"
+#endif
+
+#define TOL_GEMM 1e-2   /* fp16 operands, fp32 accumulation */
+#define TOL_F32 1e-5    /* fp32 element-wise and reductions */
+#define TOL_ATT 2e-4    /* attention: fp32 softmax over fp16 rows */
+#define NEAR_TIE 0.1    /* fp16 products may swap logits this close */
+#define COS_MIN 0.999   /* logits cosine similarity floor */
+#define LOGIT_TOL 0.25  /* top-1 logit difference allowed */
+#define GREEDY_STEPS 24 /* decoded tokens compared per prompt */
+#define ENGINE_TIE 1e-3 /* GPU against itself: logits this close may swap */
+
+/* --- helpers ------------------------------------------------------------ */
+
+typedef struct rng {
+    uint64_t s; /* xorshift64* state, never 0 */
+} rng;
+
+static uint64_t g_seed;
+
+static uint32_t rng_u32(rng *r) {
+    r->s ^= r->s >> 12;
+    r->s ^= r->s << 25;
+    r->s ^= r->s >> 27;
+    return (uint32_t)((r->s * 0x2545F4914F6CDD1DULL) >> 32);
+}
+
+static float rng_f(rng *r, float lo, float hi) {
+    return lo + (hi - lo) * (float)(rng_u32(r) >> 8) * (1.0f / 16777216.0f);
+}
+
+static rng rng_for(const char *test) {
+    uint64_t h = g_seed;
+    for (const char *p = test; *p; p++)
+        h = (h ^ (uint64_t)(unsigned char)*p) * 0x100000001b3ULL;
+    rng r = {h ? h : 1};
+    return r;
+}
+
+typedef struct pair {
+    fi_backend *cpu; /* reference */
+    fi_backend *gpu; /* under test */
+} pair;
+
+static int setup_mode(void **state, fi_cuda_weights mode) {
+    char err[256];
+    pair *p = calloc(1, sizeof *p);
+    if (!p)
+        return -1;
+    p->cpu = fi_cpu_backend_new(0, FI_SIMD_AUTO, err, sizeof err);
+    p->gpu = fi_cuda_backend_new(0, err, sizeof err);
+    if (!p->cpu || !p->gpu) {
+        fprintf(stderr, "backend: %s\n", err);
+        fi_backend_destroy(&p->cpu);
+        fi_backend_destroy(&p->gpu);
+        free(p);
+        return -1;
+    }
+    if (fi_cuda_backend_set_weights(p->gpu, mode) != 0) {
+        fi_backend_destroy(&p->cpu);
+        fi_backend_destroy(&p->gpu);
+        free(p);
+        return -1;
+    }
+    *state = p;
+    return 0;
+}
+
+static int setup_f16(void **state) {
+    return setup_mode(state, FI_CUDA_WEIGHTS_F16);
+}
+
+static int setup_quant(void **state) {
+    return setup_mode(state, FI_CUDA_WEIGHTS_QUANT);
+}
+
+static int teardown(void **state) {
+    pair *p = *state;
+    if (p) {
+        fi_backend_destroy(&p->cpu);
+        fi_backend_destroy(&p->gpu);
+        free(p);
+    }
+    return 0;
+}
+
+/* Device copy of `bytes` host bytes. */
+static void *dev_from(fi_backend *b, const void *host, size_t bytes) {
+    void *d = b->ops->alloc(b->ctx, bytes);
+    assert_non_null(d);
+    assert_int_equal(b->ops->to_backend(b->ctx, d, host, bytes), 0);
+    return d;
+}
+
+/* A device buffer of `bytes` bytes, every byte 0xff. */
+static void *dev_poisoned(fi_backend *b, size_t bytes) {
+    uint8_t *h = malloc(bytes);
+    assert_non_null(h);
+    memset(h, 0xff, bytes);
+    void *d = dev_from(b, h, bytes);
+    free(h);
+    return d;
+}
+
+static void to_host(fi_backend *b, void *host, const void *d, size_t bytes) {
+    int rc = b->ops->to_host(b->ctx, host, d, bytes);
+    if (rc != 0)
+        fprintf(stderr, "to_host: %s\n", b->ops->last_error(b->ctx));
+    assert_int_equal(rc, 0);
+}
+
+/* max |a - b| / max |ref|; NaN anywhere gives +inf. */
+static double rel_err(const float *a, const float *ref, size_t n) {
+    double mx = 0, mref = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]) || isnan(ref[i]))
+            return INFINITY;
+        double d = fabs((double)a[i] - ref[i]);
+        mx = d > mx ? d : mx;
+        mref = fabs(ref[i]) > mref ? fabs(ref[i]) : mref;
+    }
+    return mx / (mref > 0 ? mref : 1.0);
+}
+
+static void check(const char *what, const float *gpu, const float *cpu, size_t n, double tol) {
+    double e = rel_err(gpu, cpu, n);
+    printf("  %-44s rel err %.3g (bound %.3g)\n", what, e, tol);
+    assert_true(e <= tol);
+}
+
+static float *fvec(size_t n) {
+    float *p = malloc(n * sizeof *p);
+    assert_non_null(p);
+    return p;
+}
+
+static void fill(rng *r, float *x, size_t n, float lo, float hi) {
+    for (size_t i = 0; i < n; i++)
+        x[i] = rng_f(r, lo, hi);
+}
+
+/* A weight of `rows` x `cols` of type t with random contents (host). */
+static fi_weight make_weight(rng *r, fi_dtype t, int rows, int cols) {
+    fi_weight w = {0};
+    w.type = t;
+    w.rows = rows;
+    w.cols = cols;
+    w.row_bytes = fi_dtype_row_bytes(t, cols);
+    size_t bytes = (size_t)rows * w.row_bytes;
+    uint8_t *d = malloc(bytes);
+    assert_non_null(d);
+    size_t nblk = bytes / fi_dtype_block_bytes(t);
+    for (size_t b = 0; b < nblk; b++) {
+        uint8_t *p = d + b * fi_dtype_block_bytes(t);
+        uint16_t h;
+        float f;
+        switch (t) {
+        case FI_DTYPE_F32:
+            f = rng_f(r, -1, 1);
+            memcpy(p, &f, 4);
+            break;
+        case FI_DTYPE_F16:
+            h = fi_fp32_to_fp16(rng_f(r, -1, 1));
+            memcpy(p, &h, 2);
+            break;
+        case FI_DTYPE_BF16:
+            h = fi_fp32_to_bf16(rng_f(r, -1, 1));
+            memcpy(p, &h, 2);
+            break;
+        case FI_DTYPE_Q4_0:
+        case FI_DTYPE_Q4_1:
+        case FI_DTYPE_Q8_0: {
+            size_t bb = fi_dtype_block_bytes(t);
+            for (size_t i = 0; i < bb; i++)
+                p[i] = (uint8_t)rng_u32(r);
+            if (t == FI_DTYPE_Q8_0) /* GGML's quants stay within [-127, 127] */
+                for (size_t i = 2; i < bb; i++)
+                    p[i] = p[i] == 0x80 ? 0x81 : p[i];
+            h = fi_fp32_to_fp16(rng_f(r, 0.002f, t == FI_DTYPE_Q8_0 ? 0.01f : 0.1f));
+            memcpy(p, &h, 2);
+            if (t == FI_DTYPE_Q4_1) {
+                h = fi_fp32_to_fp16(rng_f(r, -0.5f, 0.2f));
+                memcpy(p + 2, &h, 2);
+            }
+            break;
+        }
+        }
+    }
+    w.data = d;
+    return w;
+}
+
+/* --- operations --------------------------------------------------------- */
+
+static const fi_dtype ALL_TYPES[] = {FI_DTYPE_F32,  FI_DTYPE_F16,  FI_DTYPE_BF16,
+                                     FI_DTYPE_Q4_0, FI_DTYPE_Q4_1, FI_DTYPE_Q8_0};
+
+static void run_matmul(pair *p, const char *test) {
+    rng r = rng_for(test);
+    const int rows = 200, cols = 576;
+    const int ns[] = {1, 3, 8, 9, 33, 256};
+    for (size_t ti = 0; ti < sizeof ALL_TYPES / sizeof ALL_TYPES[0]; ti++) {
+        fi_weight wc = make_weight(&r, ALL_TYPES[ti], rows, cols);
+        fi_weight wg = wc;
+        int rc = p->gpu->ops->weight_upload(p->gpu->ctx, &wg);
+        if (rc)
+            fprintf(stderr, "upload: %s\n", p->gpu->ops->last_error(p->gpu->ctx));
+        assert_int_equal(rc, 0);
+        for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+            int n = ns[k];
+            float *x = fvec((size_t)n * cols), *yc = fvec((size_t)n * rows),
+                  *yg = fvec((size_t)n * rows);
+            fill(&r, x, (size_t)n * cols, -1, 1);
+            p->cpu->ops->matmul(p->cpu->ctx, yc, &wc, x, n);
+            float *dx = dev_from(p->gpu, x, (size_t)n * cols * sizeof(float));
+            float *dy = dev_poisoned(p->gpu, (size_t)n * rows * sizeof(float));
+            p->gpu->ops->matmul(p->gpu->ctx, dy, &wg, dx, n);
+            to_host(p->gpu, yg, dy, (size_t)n * rows * sizeof(float));
+            char what[96];
+            snprintf(what, sizeof what, "matmul %s %dx%d n=%d", fi_dtype_name(ALL_TYPES[ti]),
+                     rows, cols, n);
+            check(what, yg, yc, (size_t)n * rows, TOL_GEMM);
+            p->gpu->ops->free(p->gpu->ctx, dx);
+            p->gpu->ops->free(p->gpu->ctx, dy);
+            free(x);
+            free(yc);
+            free(yg);
+        }
+        p->gpu->ops->weight_release(p->gpu->ctx, &wg);
+        free((void *)wc.data);
+    }
+}
+
+static void test_matmul_f16(void **state) {
+    run_matmul(*state, "matmul_f16");
+}
+
+static void test_matmul_quant(void **state) {
+    run_matmul(*state, "matmul_quant");
+}
+
+static void run_get_rows(pair *p, const char *test, double tol) {
+    rng r = rng_for(test);
+    const int rows = 1000, cols = 576, n = 37;
+    for (size_t ti = 0; ti < sizeof ALL_TYPES / sizeof ALL_TYPES[0]; ti++) {
+        fi_weight wc = make_weight(&r, ALL_TYPES[ti], rows, cols);
+        fi_weight wg = wc;
+        assert_int_equal(p->gpu->ops->weight_upload(p->gpu->ctx, &wg), 0);
+        int32_t tok[37];
+        for (int i = 0; i < n; i++)
+            tok[i] = (int32_t)(rng_u32(&r) % rows);
+        tok[0] = rows - 1;
+        float *yc = fvec((size_t)n * cols), *yg = fvec((size_t)n * cols);
+        p->cpu->ops->get_rows(p->cpu->ctx, yc, &wc, tok, n);
+        int32_t *dt = dev_from(p->gpu, tok, sizeof tok);
+        float *dy = dev_poisoned(p->gpu, (size_t)n * cols * sizeof(float));
+        p->gpu->ops->get_rows(p->gpu->ctx, dy, &wg, dt, n);
+        to_host(p->gpu, yg, dy, (size_t)n * cols * sizeof(float));
+        char what[96];
+        snprintf(what, sizeof what, "get_rows %s", fi_dtype_name(ALL_TYPES[ti]));
+        /* quantised rows read in place are exact; fp16 tables round */
+        int exact = fi_cuda_backend_weights(p->gpu) == FI_CUDA_WEIGHTS_QUANT &&
+                    fi_dtype_block_elems(ALL_TYPES[ti]) != 1;
+        check(what, yg, yc, (size_t)n * cols, exact ? 0.0 : tol);
+        p->gpu->ops->free(p->gpu->ctx, dt);
+        p->gpu->ops->free(p->gpu->ctx, dy);
+        p->gpu->ops->weight_release(p->gpu->ctx, &wg);
+        free((void *)wc.data);
+        free(yc);
+        free(yg);
+    }
+}
+
+static void test_get_rows_f16(void **state) {
+    run_get_rows(*state, "get_rows_f16", 1e-3);
+}
+
+static void test_get_rows_quant(void **state) {
+    run_get_rows(*state, "get_rows_quant", 1e-3);
+}
+
+static void test_rmsnorm(void **state) {
+    pair *p = *state;
+    rng r = rng_for("rmsnorm");
+    const int dims[] = {576, 2048, 4096};
+    for (size_t k = 0; k < 3; k++) {
+        int n = 7, dim = dims[k];
+        size_t N = (size_t)n * dim;
+        float *x = fvec(N), *g = fvec((size_t)dim), *yc = fvec(N), *yg = fvec(N);
+        fill(&r, x, N, -3, 3);
+        fill(&r, g, (size_t)dim, 0.5f, 1.5f);
+        p->cpu->ops->rmsnorm(p->cpu->ctx, yc, x, g, n, dim, 1e-5f);
+        float *dx = dev_from(p->gpu, x, N * 4), *dg = dev_from(p->gpu, g, (size_t)dim * 4);
+        float *dy = dev_poisoned(p->gpu, N * 4);
+        p->gpu->ops->rmsnorm(p->gpu->ctx, dy, dx, dg, n, dim, 1e-5f);
+        to_host(p->gpu, yg, dy, N * 4);
+        check("rmsnorm", yg, yc, N, TOL_F32);
+        /* in place (y aliases x) */
+        p->gpu->ops->rmsnorm(p->gpu->ctx, dx, dx, dg, n, dim, 1e-5f);
+        to_host(p->gpu, yg, dx, N * 4);
+        check("rmsnorm in place", yg, yc, N, TOL_F32);
+        p->gpu->ops->free(p->gpu->ctx, dx);
+        p->gpu->ops->free(p->gpu->ctx, dg);
+        p->gpu->ops->free(p->gpu->ctx, dy);
+        free(x);
+        free(g);
+        free(yc);
+        free(yg);
+    }
+}
+
+static void test_rope(void **state) {
+    pair *p = *state;
+    rng r = rng_for("rope");
+    const int n = 9, heads = 9, hd = 64;
+    size_t N = (size_t)n * heads * hd;
+    int32_t pos[9];
+    for (int i = 0; i < n; i++)
+        pos[i] = (int32_t)(rng_u32(&r) % 8192);
+    pos[0] = 0;
+    float *x = fvec(N), *xg = fvec(N);
+    fill(&r, x, N, -2, 2);
+    float *dx = dev_from(p->gpu, x, N * 4);
+    int32_t *dp = dev_from(p->gpu, pos, sizeof pos);
+    p->cpu->ops->rope(p->cpu->ctx, x, n, heads, hd, pos, 100000.0f);
+    p->gpu->ops->rope(p->gpu->ctx, dx, n, heads, hd, dp, 100000.0f);
+    to_host(p->gpu, xg, dx, N * 4);
+    check("rope (positions up to 8191)", xg, x, N, TOL_F32);
+    p->gpu->ops->free(p->gpu->ctx, dx);
+    p->gpu->ops->free(p->gpu->ctx, dp);
+    free(x);
+    free(xg);
+}
+
+static void run_attention(pair *p, rng *r, int n, int first_pos, int heads, int kv_heads, int hd) {
+    int kv_dim = kv_heads * hd, np = first_pos + n;
+    size_t qn = (size_t)n * heads * hd, cn = (size_t)np * kv_dim;
+    float *q = fvec(qn), *oc = fvec(qn), *og = fvec(qn), *tmp = fvec(cn);
+    uint16_t *kc = malloc(cn * 2), *vc = malloc(cn * 2);
+    assert_non_null(kc);
+    assert_non_null(vc);
+    fill(r, q, qn, -1, 1);
+    fill(r, tmp, cn, -1, 1);
+    for (size_t i = 0; i < cn; i++)
+        kc[i] = fi_fp32_to_fp16(tmp[i]);
+    fill(r, tmp, cn, -1, 1);
+    for (size_t i = 0; i < cn; i++)
+        vc[i] = fi_fp32_to_fp16(tmp[i]);
+    int32_t *pos = malloc((size_t)n * sizeof *pos);
+    assert_non_null(pos);
+    for (int t = 0; t < n; t++)
+        pos[t] = first_pos + t;
+    p->cpu->ops->attention(p->cpu->ctx, oc, q, kc, vc, n, pos, heads, kv_heads, hd);
+    float *dq = dev_from(p->gpu, q, qn * 4);
+    uint16_t *dk = dev_from(p->gpu, kc, cn * 2), *dv = dev_from(p->gpu, vc, cn * 2);
+    int32_t *dp = dev_from(p->gpu, pos, (size_t)n * sizeof *pos);
+    float *dout = dev_poisoned(p->gpu, qn * 4);
+    p->gpu->ops->attention(p->gpu->ctx, dout, dq, dk, dv, n, dp, heads, kv_heads, hd);
+    to_host(p->gpu, og, dout, qn * 4);
+    char what[96];
+    snprintf(what, sizeof what, "attention n=%d pos %d.. heads %d/%d hd %d", n, first_pos, heads,
+             kv_heads, hd);
+    check(what, og, oc, qn, TOL_ATT);
+    void *bufs[] = {dq, dk, dv, dp, dout};
+    for (size_t i = 0; i < 5; i++)
+        p->gpu->ops->free(p->gpu->ctx, bufs[i]);
+    free(q);
+    free(oc);
+    free(og);
+    free(tmp);
+    free(kc);
+    free(vc);
+    free(pos);
+}
+
+static void test_attention(void **state) {
+    pair *p = *state;
+    rng r = rng_for("attention");
+    run_attention(p, &r, 1, 0, 9, 3, 64);      /* first token */
+    run_attention(p, &r, 1, 130, 9, 3, 64);    /* decode, split */
+    run_attention(p, &r, 1, 4095, 9, 3, 64);   /* decode, long context */
+    run_attention(p, &r, 37, 0, 9, 3, 64);     /* prefill */
+    run_attention(p, &r, 256, 300, 9, 3, 64);  /* prefill chunk after a prompt */
+    run_attention(p, &r, 5, 77, 32, 8, 128);   /* a Llama-3-8B-like shape */
+    run_attention(p, &r, 2, 50, 4, 4, 80);     /* head_dim not a multiple of 32 */
+}
+
+static void test_store_f16(void **state) {
+    pair *p = *state;
+    rng r = rng_for("store_f16");
+    size_t n = 100003;
+    float *x = fvec(n);
+    fill(&r, x, n, -70000, 70000); /* beyond fp16's range too */
+    for (size_t i = 0; i < 1000; i++)
+        x[i] = rng_f(&r, -1e-6f, 1e-6f); /* subnormals */
+    uint16_t *hc = malloc(n * 2), *hg = malloc(n * 2);
+    assert_non_null(hc);
+    assert_non_null(hg);
+    p->cpu->ops->store_f16(p->cpu->ctx, hc, x, n);
+    float *dx = dev_from(p->gpu, x, n * 4);
+    uint16_t *dh = dev_poisoned(p->gpu, n * 2);
+    p->gpu->ops->store_f16(p->gpu->ctx, dh, dx, n);
+    to_host(p->gpu, hg, dh, n * 2);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += hc[i] != hg[i];
+    printf("  store_f16: %zu of %zu differ (must be 0)\n", bad, n);
+    assert_int_equal(bad, 0);
+    p->gpu->ops->free(p->gpu->ctx, dx);
+    p->gpu->ops->free(p->gpu->ctx, dh);
+    free(x);
+    free(hc);
+    free(hg);
+}
+
+static void test_swiglu_add(void **state) {
+    pair *p = *state;
+    rng r = rng_for("swiglu_add");
+    size_t n = 3 * 1536 + 5;
+    float *g = fvec(n), *u = fvec(n), *out = fvec(n);
+    fill(&r, g, n, -8, 8);
+    fill(&r, u, n, -2, 2);
+    float *dg = dev_from(p->gpu, g, n * 4), *du = dev_from(p->gpu, u, n * 4);
+    p->cpu->ops->swiglu(p->cpu->ctx, g, u, n);
+    p->gpu->ops->swiglu(p->gpu->ctx, dg, du, n);
+    to_host(p->gpu, out, dg, n * 4);
+    check("swiglu", out, g, n, TOL_F32);
+    p->cpu->ops->add(p->cpu->ctx, g, u, n);
+    p->gpu->ops->add(p->gpu->ctx, dg, du, n);
+    to_host(p->gpu, out, dg, n * 4);
+    check("add", out, g, n, TOL_F32);
+    p->gpu->ops->free(p->gpu->ctx, dg);
+    p->gpu->ops->free(p->gpu->ctx, du);
+    free(g);
+    free(u);
+    free(out);
+}
+
+static void test_argmax(void **state) {
+    pair *p = *state;
+    rng r = rng_for("argmax");
+    const int sizes[] = {1, 31, 1024, 49152, 128256};
+    for (size_t k = 0; k < 5; k++) {
+        int n = sizes[k];
+        float *x = fvec((size_t)n);
+        fill(&r, x, (size_t)n, -10, 10);
+        int want = (int)(rng_u32(&r) % (uint32_t)n);
+        x[want] = 11.0f;
+        if (n > 10) {
+            x[n - 1] = 11.0f; /* a tie: the first index wins */
+            x[0] = NAN;       /* NaN never wins */
+            if (want == 0 || want == n - 1)
+                want = n - 1, x[0] = -INFINITY;
+        }
+        float *dx = dev_from(p->gpu, x, (size_t)n * 4);
+        int32_t got = -1;
+        int rc = p->gpu->ops->argmax(p->gpu->ctx, &got, dx, n);
+        assert_int_equal(rc, 0);
+        printf("  argmax n=%d: %d (want %d)\n", n, got, want);
+        assert_int_equal(got, want);
+        p->gpu->ops->free(p->gpu->ctx, dx);
+        free(x);
+    }
+}
+
+/* An error inside an operation comes back from sync and to_host with the
+ * backend's message, and the backend stays failed. */
+static void test_error_reported(void **state) {
+    pair *p = *state;
+    fi_weight w = {0};
+    w.type = FI_DTYPE_F16;
+    w.rows = 4;
+    w.cols = 32;
+    w.row_bytes = 64;
+    float *dx = p->gpu->ops->alloc(p->gpu->ctx, 32 * 4), *dy = p->gpu->ops->alloc(p->gpu->ctx, 16);
+    assert_non_null(dx);
+    assert_non_null(dy);
+    assert_null(p->gpu->ops->last_error(p->gpu->ctx));
+    p->gpu->ops->matmul(p->gpu->ctx, dy, &w, dx, 1); /* never uploaded */
+    assert_int_equal(p->gpu->ops->sync(p->gpu->ctx), -1);
+    const char *e = p->gpu->ops->last_error(p->gpu->ctx);
+    assert_non_null(e);
+    printf("  error: %s\n", e);
+    float y[4];
+    assert_int_equal(p->gpu->ops->to_host(p->gpu->ctx, y, dy, sizeof y), -1);
+    p->gpu->ops->free(p->gpu->ctx, dx);
+    p->gpu->ops->free(p->gpu->ctx, dy);
+}
+
+/* Recorded steps give the same results as direct calls, with new inputs
+ * each time (the second and later graphs update the first in place). */
+static void test_graph(void **state) {
+    pair *p = *state;
+    fi_backend *g = p->gpu;
+    assert_int_equal(fi_cuda_backend_set_graphs(g, 1), 0);
+    rng r = rng_for("graph");
+    const size_t n = 4096;
+    float *x = fvec(n), *y = fvec(n), *want = fvec(n), *got = fvec(n);
+    float *dx = g->ops->alloc(g->ctx, n * 4), *dy = g->ops->alloc(g->ctx, n * 4);
+    assert_non_null(dx);
+    assert_non_null(dy);
+    for (int step = 0; step < 4; step++) {
+        fill(&r, x, n, -1, 1);
+        fill(&r, y, n, -1, 1);
+        for (size_t i = 0; i < n; i++)
+            want[i] = y[i];
+        p->cpu->ops->add(p->cpu->ctx, want, x, n);
+        p->cpu->ops->swiglu(p->cpu->ctx, want, x, n);
+        assert_int_equal(g->ops->to_backend(g->ctx, dy, y, n * 4), 0); /* outside */
+        assert_int_equal(g->ops->graph_begin(g->ctx), 0);
+        assert_int_equal(g->ops->to_backend(g->ctx, dx, x, n * 4), 0); /* staged */
+        memset(x, 0, n * 4); /* the staged copy must not read x later */
+        g->ops->add(g->ctx, dy, dx, n);
+        g->ops->swiglu(g->ctx, dy, dx, n);
+        assert_int_equal(g->ops->graph_end(g->ctx), 0);
+        to_host(g, got, dy, n * 4);
+        check("graph step: add, swiglu", got, want, n, TOL_F32);
+    }
+    long launched, inst;
+    fi_cuda_backend_graph_stats(g, &launched, &inst);
+    printf("  graphs: %ld launched, %ld instantiated\n", launched, inst);
+    assert_int_equal(launched, 4);
+    assert_int_equal(inst, 1);
+    assert_int_equal(fi_cuda_backend_set_graphs(g, 0), 0);
+    assert_int_equal(g->ops->graph_begin(g->ctx), -1); /* off: the caller goes on without */
+    g->ops->free(g->ctx, dx);
+    g->ops->free(g->ctx, dy);
+    free(x);
+    free(y);
+    free(want);
+    free(got);
+}
+
+/* A call that cannot be recorded fails the backend with a message rather
+ * than running out of order. */
+static void test_graph_misuse(void **state) {
+    pair *p = *state;
+    fi_backend *g = p->gpu;
+    float *d = g->ops->alloc(g->ctx, 64), h[16];
+    assert_non_null(d);
+    assert_int_equal(g->ops->graph_begin(g->ctx), 0);
+    assert_int_equal(g->ops->to_host(g->ctx, h, d, sizeof h), -1);
+    assert_int_equal(g->ops->graph_end(g->ctx), -1);
+    printf("  error: %s\n", g->ops->last_error(g->ctx));
+    assert_non_null(strstr(g->ops->last_error(g->ctx), "graph"));
+    assert_int_equal(g->ops->sync(g->ctx), -1);
+}
+
+/* --- the model end to end ------------------------------------------------ */
+
+static double cosine(const float *a, const float *b, int n) {
+    double ab = 0, aa = 0, bb = 0;
+    for (int i = 0; i < n; i++) {
+        ab += (double)a[i] * b[i];
+        aa += (double)a[i] * a[i];
+        bb += (double)b[i] * b[i];
+    }
+    return ab / (sqrt(aa) * sqrt(bb) + 1e-30);
+}
+
+static int argmax2(const float *x, int n, double *gap) {
+    int b = 0, s = -1;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b])
+            b = i;
+    for (int i = 0; i < n; i++)
+        if (i != b && (s < 0 || x[i] > x[s]))
+            s = i;
+    *gap = s < 0 ? INFINITY : (double)x[b] - x[s];
+    return b;
+}
+
+static void check_logits(const char *what, const float *g, const float *c, int V) {
+    double gap, gapg;
+    int bc = argmax2(c, V, &gap), bg = argmax2(g, V, &gapg);
+    double cs = cosine(g, c, V), d1 = fabs((double)g[bc] - c[bc]);
+    printf("  %-28s cos %.6f, top-1 logit diff %.4f, argmax %d/%d\n", what, cs, d1, bg, bc);
+    assert_true(cs >= COS_MIN);
+    assert_true(d1 <= LOGIT_TOL);
+    assert_true(bg == bc || gap < NEAR_TIE);
+}
+
+static void run_model(const char *path, fi_cuda_weights mode, int graphs) {
+    char err[512];
+    if (setenv("FEDINFER_CUDA_WEIGHTS", mode == FI_CUDA_WEIGHTS_QUANT ? "quant" : "f16", 1) ||
+        setenv("FEDINFER_CUDA_GRAPHS", graphs ? "1" : "0", 1))
+        fail_msg("setenv");
+    printf("  weights %s, graphs %s\n", mode == FI_CUDA_WEIGHTS_QUANT ? "quant" : "f16",
+           graphs ? "on" : "off");
+    fi_model_opts oc = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CPU}, og = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CUDA};
+    fi_model *mc = fi_model_load(path, &oc, err, sizeof err);
+    assert_non_null(mc);
+    fi_model *mg = fi_model_load(path, &og, err, sizeof err);
+    if (!mg)
+        fail_msg("cuda model: %s", err);
+    assert_true(fi_cuda_backend_is(fi_model_backend(mg)));
+    assert_int_equal(fi_cuda_backend_weights(fi_model_backend(mg)), mode);
+    int V = fi_model_config(mc)->n_vocab;
+    const char *prompts[] = {
+        "The capital of France is",
+        "def fibonacci(n):\n    ",
+        "Federated inference keeps regulated data where the law says it must stay, while "
+        "still letting every site use a capable language model. Hospitals, banks and "
+        "factories each run a local engine and send work elsewhere only when policy allows. "
+        "In short,",
+    };
+    float *lc = fvec((size_t)V), *lg = fvec((size_t)V);
+    for (size_t k = 0; k < sizeof prompts / sizeof prompts[0]; k++) {
+        int32_t toks[512];
+        int n = fi_tok_encode(fi_model_tok(mc), prompts[k], strlen(prompts[k]), 0, toks, 512);
+        assert_true(n > 0);
+        fi_session *sc = fi_session_new(mc, 512, err, sizeof err);
+        fi_session *sg = fi_session_new(mg, 512, err, sizeof err);
+        assert_non_null(sc);
+        assert_non_null(sg);
+        /* prefill with every row of logits */
+        float *ac = fvec((size_t)n * V), *ag = fvec((size_t)n * V);
+        assert_int_equal(fi_session_eval(sc, toks, n, lc, ac, err, sizeof err), 0);
+        if (fi_session_eval(sg, toks, n, lg, ag, err, sizeof err) != 0)
+            fail_msg("cuda eval: %s", err);
+        char what[64];
+        for (int t = 0; t < n; t += n > 4 ? n / 4 : 1) {
+            snprintf(what, sizeof what, "prompt %zu, position %d", k, t);
+            check_logits(what, ag + (size_t)t * V, ac + (size_t)t * V, V);
+        }
+        free(ac);
+        free(ag);
+        /* greedy decode, one token per call; a third session decodes with
+         * the argmax on the device and must pick the GPU's own tokens */
+        fi_session *s2 = fi_session_new(mg, 512, err, sizeof err);
+        assert_non_null(s2);
+        int32_t t2 = -1;
+        if (fi_session_eval_greedy(s2, toks, n, &t2, err, sizeof err) != 0)
+            fail_msg("cuda eval_greedy: %s", err);
+        int same = 0, tie_stop = 0;
+        for (int step = 0; step < GREEDY_STEPS; step++) {
+            double gap, gapg;
+            int32_t tc = argmax2(lc, V, &gap), tg = argmax2(lg, V, &gapg);
+            /* same device, same kernels: equal, except that the first step's
+             * logits came from a differently shaped product (a near tie) */
+            if (t2 != tg) {
+                printf("  eval_greedy picked %d, logits %d (gap %.2g)\n", t2, tg, gapg);
+                assert_true(step == 0 && gapg < ENGINE_TIE);
+                t2 = tg;
+            }
+            snprintf(what, sizeof what, "prompt %zu, step %d", k, step);
+            check_logits(what, lg, lc, V);
+            if (tc != tg) {
+                printf("  near tie at step %d (gap %.4f): comparison stops\n", step, gap);
+                tie_stop = 1;
+                break;
+            }
+            same++;
+            assert_int_equal(fi_session_eval(sc, &tc, 1, lc, NULL, err, sizeof err), 0);
+            if (fi_session_eval(sg, &tg, 1, lg, NULL, err, sizeof err) != 0)
+                fail_msg("cuda eval: %s", err);
+            if (fi_session_eval_greedy(s2, &tg, 1, &t2, err, sizeof err) != 0)
+                fail_msg("cuda eval_greedy: %s", err);
+        }
+        fi_session_destroy(&s2);
+        printf("  prompt %zu: %d greedy tokens identical\n", k, same);
+        assert_true(same >= 8 || tie_stop);
+        fi_session_destroy(&sc);
+        fi_session_destroy(&sg);
+    }
+    free(lc);
+    free(lg);
+    long launched, inst;
+    fi_cuda_backend_graph_stats(fi_model_backend(mg), &launched, &inst);
+    printf("  graphs: %ld launched, %ld instantiated\n", launched, inst);
+    if (graphs)
+        assert_true(launched >= 8 && inst <= launched);
+    else
+        assert_int_equal(launched, 0);
+    fi_model_destroy(&mg);
+    fi_model_destroy(&mc);
+}
+
+/* The default model; skipped when absent (it is not in the repository). */
+static const char *real_model(void) {
+    if (access(FI_TEST_MODEL, R_OK) != 0) {
+        printf("  model %s is absent: run examples/setup.sh\n", FI_TEST_MODEL);
+        skip();
+    }
+    return FI_TEST_MODEL;
+}
+
+static void test_model_f16(void **state) {
+    run_model(real_model(), FI_CUDA_WEIGHTS_F16, 1);
+}
+
+static void test_model_f16_no_graphs(void **state) {
+    run_model(real_model(), FI_CUDA_WEIGHTS_F16, 0);
+}
+
+static void test_model_quant(void **state) {
+    run_model(real_model(), FI_CUDA_WEIGHTS_QUANT, 1);
+}
+
+/* A small random-weight model written here (tests/support), so the engine
+ * runs end to end on the GPU even where the default model cannot be
+ * copied: 4 layers, dim 256, 8/2 heads (head_dim 32), Q4_1 matrices,
+ * Q8_0 embeddings, untied output. */
+static void run_synthetic(fi_cuda_weights mode, int graphs) {
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.n_layers = 4;
+    o.dim = 256;
+    o.n_heads = 8;
+    o.n_kv_heads = 2;
+    o.ffn_dim = 512;
+    o.n_vocab = 1024;
+    o.ctx = 1024;
+    o.wtype = FI_DTYPE_Q4_1;
+    o.embd_type = FI_DTYPE_Q8_0;
+    o.tied = 0;
+    o.seed = g_seed;
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/fi_test_cuda_%d.gguf", (int)getpid());
+    assert_int_equal(fi_gw_tiny_llama_file(&o, path), 0);
+    run_model(path, mode, graphs);
+    unlink(path);
+}
+
+static void test_synthetic_f16(void **state) {
+    run_synthetic(FI_CUDA_WEIGHTS_F16, 1);
+}
+
+static void test_synthetic_quant_no_graphs(void **state) {
+    run_synthetic(FI_CUDA_WEIGHTS_QUANT, 0);
+}
+
+int main(void) {
+    char why[256];
+    int n = fi_cuda_device_count(why, sizeof why);
+    if (n < 0) {
+        printf("SKIPPED: no CUDA device (%s)\n", why);
+        return 77;
+    }
+    const char *s = getenv("FI_TEST_SEED");
+    g_seed = s && *s ? strtoull(s, NULL, 10) : (uint64_t)time(NULL);
+    printf("test_cuda: %d device(s); seed %llu (FI_TEST_SEED=%llu repeats this run)\n", n,
+           (unsigned long long)g_seed, (unsigned long long)g_seed);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_matmul_f16, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_matmul_quant, setup_quant, teardown),
+        cmocka_unit_test_setup_teardown(test_get_rows_f16, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_get_rows_quant, setup_quant, teardown),
+        cmocka_unit_test_setup_teardown(test_rmsnorm, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_rope, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_attention, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_store_f16, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_swiglu_add, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_argmax, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_error_reported, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_graph, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_graph_misuse, setup_f16, teardown),
+        cmocka_unit_test(test_synthetic_f16),
+        cmocka_unit_test(test_synthetic_quant_no_graphs),
+        cmocka_unit_test(test_model_f16),
+        cmocka_unit_test(test_model_f16_no_graphs),
+        cmocka_unit_test(test_model_quant),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
