@@ -698,8 +698,18 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         if (any) {
             edge_policy_audit(e->policy, id, tenant, app, r->model, d, "unavailable", "", "",
                               n_ids);
+            char where[256] = "", denied[300] = "";
+            for (int i = 0; i < d->n; i++) {
+                if (d->permitted[i])
+                    snprintf(where + strlen(where), sizeof where - strlen(where), "%s%s",
+                             where[0] ? ", " : "", d->names[i]);
+                else if (!denied[0])
+                    snprintf(denied, sizeof denied, "; elsewhere %.280s", d->why[i]);
+            }
             rc = s_error(e, c, 503, "target_unavailable", NULL, hdr_pol,
-                         "the request may only be processed where it cannot be now: %s", why);
+                         "policy %s permits this request (labels %.100s) only at %.200s, where it "
+                         "cannot run now: %.300s%s",
+                         d->version, d->labels, where, why, denied);
             goto done;
         }
         /* Denied everywhere: name the rule that denied on site first. */
