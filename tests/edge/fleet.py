@@ -9,7 +9,7 @@ import tempfile
 import time
 import urllib.request
 
-from edgeproc import FEDCTL, FEDINFER, free_port
+from edgeproc import FEDCTL, FEDINFER, die_with_parent, free_port
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 EU_HOSPITAL = os.path.join(ROOT, "examples/policies/eu-hospital.policy")
@@ -64,7 +64,8 @@ class Fleet:
     def start(self, name, argv, env=None):
         log = open(os.path.join(self.dir, name + ".log"), "w")
         self.procs[name] = (subprocess.Popen(argv, cwd=self.dir, stdout=log, stderr=log,
-                                             env=dict(os.environ, **(env or {}))), log)
+                                             env=dict(os.environ, **(env or {})),
+                                             preexec_fn=die_with_parent), log)
 
     def log(self, name):
         with open(os.path.join(self.dir, name + ".log")) as f:
