@@ -46,7 +46,8 @@ static void s_usage(FILE *f) {
             "  db                          SQLite: audit log, tokens (edge.db)\n"
             "  policy_dir, policy_key      held signed bundle, trusted signer's public key\n"
             "  auth = 0|1                  require bearer tokens\n"
-            "  coordinator, coordinator_key, secret_key    the fabric\n"
+            "  coordinator, coordinator_key, secret_key, heartbeat_ms    the fabric\n"
+            "  enrol_endpoint, region      for --enrol\n"
             "  clusters                    comma-separated clusters to consider (default all)\n");
 }
 

@@ -40,6 +40,7 @@ const fi_conf_key fi_edge_conf_keys[] = {
     S(enrol_endpoint, 0),
     S(region, 0),
     S(clusters, 0),
+    I(heartbeat_ms, 50, 60000),
     {NULL, FI_CONF_STR, 0, 0, 0, 0},
 };
 
@@ -60,6 +61,25 @@ void fi_edge_conf_default(fi_edge_conf *c) {
     c->conn_memory = 64 * 1024;
     c->shutdown_grace_s = 10;
     snprintf(c->db, sizeof c->db, "edge.db");
+    c->heartbeat_ms = 1000;
+}
+
+/* The line that sets key in path (0 when none): combination errors name
+ * it too. */
+static int s_line_of(const char *path, const char *key) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char line[FI_CONF_STR_MAX + 128];
+    int n = 0, found = 0;
+    size_t kl = strlen(key);
+    while (!found && fgets(line, sizeof line, f)) {
+        n++;
+        const char *p = line;
+        while (*p == ' ' || *p == '\t') p++;
+        if (!strncmp(p, key, kl) && (p[kl] == ' ' || p[kl] == '\t' || p[kl] == '=')) found = n;
+    }
+    fclose(f);
+    return found;
 }
 
 int fi_edge_conf_load(const char *path, fi_edge_conf *c, char *err, size_t errlen) {
@@ -77,7 +97,11 @@ int fi_edge_conf_load(const char *path, fi_edge_conf *c, char *err, size_t errle
     else if (c->default_max_tokens > c->max_tokens)
         bad = "default_max_tokens", why = "exceeds max_tokens";
     if (bad) {
-        snprintf(err, errlen, "%s: %s %s", path, bad, why);
+        int line = s_line_of(path, bad);
+        if (line)
+            snprintf(err, errlen, "%s:%d: %s %s", path, line, bad, why);
+        else
+            snprintf(err, errlen, "%s: %s %s", path, bad, why);
         return -1;
     }
     return 0;

@@ -472,6 +472,10 @@ static void s_stream_free(void *cls) {
     s_stream *st = cls;
     /* The connection is gone or the answer complete: a client that left
      * cancels its work (locally, or at the cluster through the fabric). */
+    pthread_mutex_lock(&st->job->mu);
+    int done = st->job->done;
+    pthread_mutex_unlock(&st->job->mu);
+    if (!done) atomic_fetch_add(&st->e->m.cancelled, 1);
     atomic_store(&st->job->cancel, 1);
     free(st->pend);
     edge_job_unref(&st->job);
@@ -508,6 +512,7 @@ static enum MHD_Result s_metrics(fi_edge *e, struct MHD_Connection *c) {
     P("fedinfer_edge_responses_total{outcome=\"unavailable\"} %ld\n",
       atomic_load(&e->m.unavailable));
     P("fedinfer_edge_responses_total{outcome=\"failed\"} %ld\n", atomic_load(&e->m.failed));
+    P("fedinfer_edge_responses_total{outcome=\"cancelled\"} %ld\n", atomic_load(&e->m.cancelled));
     P("# HELP fedinfer_edge_completion_tokens_total Tokens generated for clients.\n"
       "# TYPE fedinfer_edge_completion_tokens_total counter\n"
       "fedinfer_edge_completion_tokens_total %ld\n",
@@ -693,8 +698,18 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         if (any) {
             edge_policy_audit(e->policy, id, tenant, app, r->model, d, "unavailable", "", "",
                               n_ids);
+            char where[256] = "", denied[300] = "";
+            for (int i = 0; i < d->n; i++) {
+                if (d->permitted[i])
+                    snprintf(where + strlen(where), sizeof where - strlen(where), "%s%s",
+                             where[0] ? ", " : "", d->names[i]);
+                else if (!denied[0])
+                    snprintf(denied, sizeof denied, "; elsewhere %.280s", d->why[i]);
+            }
             rc = s_error(e, c, 503, "target_unavailable", NULL, hdr_pol,
-                         "the request may only be processed where it cannot be now: %s", why);
+                         "policy %s permits this request (labels %.100s) only at %.200s, where it "
+                         "cannot run now: %.300s%s",
+                         d->version, d->labels, where, why, denied);
             goto done;
         }
         /* Denied everywhere: name the rule that denied on site first. */

@@ -184,6 +184,7 @@ typedef struct edge_metrics {
     atomic_long busy;            /* 429 */
     atomic_long unavailable;     /* 503 */
     atomic_long failed;          /* 5xx other than 503 */
+    atomic_long cancelled;       /* streams whose client left before the end */
     atomic_long tokens;          /* completion tokens */
     atomic_long ttft_bucket[8];  /* time to first token, cumulative le buckets */
     atomic_long ttft_count;

@@ -406,6 +406,7 @@ static void s_destroy(void *ctx) {
 int edge_remote_client_opts(const fi_edge_conf *c, fi_client_opts *o, char *err, size_t errlen) {
     fi_client_opts_default(o);
     o->role = FI__ROLE__ROLE_EDGE;
+    o->heartbeat_ms = c->heartbeat_ms;
     snprintf(o->endpoint, sizeof o->endpoint, "%s", c->coordinator);
     if (fi_keys_load_public(c->coordinator_key, o->server_pub, err, errlen) != 0) return -1;
     if (fi_keys_load_secret(c->secret_key, &o->kp, err, errlen) != 0) return -1;

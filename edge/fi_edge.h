@@ -51,6 +51,7 @@ typedef struct fi_edge_conf {
     char enrol_endpoint[FI_CONF_STR_MAX];  /* for --enrol */
     char region[FI_CONF_STR_MAX];          /* for --enrol */
     char clusters[FI_CONF_STR_MAX];        /* comma-separated; "" : every cluster of the policy */
+    int heartbeat_ms;                      /* fabric heartbeat; match the coordinator's */
 } fi_edge_conf;
 
 /* Defaults for every optional key. */

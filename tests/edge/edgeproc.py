@@ -1,4 +1,5 @@
 """Starts and stops a `fedinfer edge` for the Python tests."""
+import ctypes
 import json
 import os
 import signal
@@ -12,6 +13,12 @@ BUILD = os.environ.get("FEDINFER_BUILD", os.path.join(os.path.dirname(__file__),
 FEDINFER = os.path.join(BUILD, "fedinfer")
 FEDCTL = os.path.join(BUILD, "fedctl")
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def die_with_parent():
+    """preexec_fn: the child gets SIGTERM when the test process dies (even
+    by SIGKILL, e.g. a ctest timeout), so no agent is left behind."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port():
@@ -45,7 +52,8 @@ class Edge:
                     f"shutdown_grace_s = 3\nauth = {1 if auth else 0}\n{extra}")
         self.log = open(f"{d}/edge.log", "w+")
         self.proc = subprocess.Popen([FEDINFER, "edge", "--config", self.conf],
-                                     stderr=self.log, stdout=self.log)
+                                     stderr=self.log, stdout=self.log,
+                                     preexec_fn=die_with_parent)
         self.url = f"http://127.0.0.1:{self.port}"
         for _ in range(200):
             if self.proc.poll() is not None:

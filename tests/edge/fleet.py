@@ -9,7 +9,7 @@ import tempfile
 import time
 import urllib.request
 
-from edgeproc import FEDCTL, FEDINFER, free_port
+from edgeproc import FEDCTL, FEDINFER, die_with_parent, free_port
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 EU_HOSPITAL = os.path.join(ROOT, "examples/policies/eu-hospital.policy")
@@ -42,8 +42,8 @@ class Fleet:
         self.write("shard.conf", f"coordinator = tcp://127.0.0.1:{self.fabric}\n"
                    f"enrol_endpoint = tcp://127.0.0.1:{self.enrol}\ncoordinator_key = {d}/coord.pub\n"
                    f"secret_key = {d}/shard1.key\nmodel = {model}\nmodel_name = smollm2-135m\n"
-                   f"site = fra-gpu-1\nregion = eu-central\ncapacity = 4\nthreads = 1\nn_ctx = 512\n"
-                   f"max_tokens = 64\n")
+                   f"site = fra-gpu-1\nregion = eu-central\ncapacity = 4\nthreads = 1\nn_ctx = 1024\n"
+                   f"max_tokens = 800\n")
         self.start("shard", [FEDINFER, "shard", "--config", f"{d}/shard.conf", "--enrol", tok])
         self.edges = {}
 
@@ -64,7 +64,8 @@ class Fleet:
     def start(self, name, argv, env=None):
         log = open(os.path.join(self.dir, name + ".log"), "w")
         self.procs[name] = (subprocess.Popen(argv, cwd=self.dir, stdout=log, stderr=log,
-                                             env=dict(os.environ, **(env or {}))), log)
+                                             env=dict(os.environ, **(env or {})),
+                                             preexec_fn=die_with_parent), log)
 
     def log(self, name):
         with open(os.path.join(self.dir, name + ".log")) as f:
@@ -81,8 +82,8 @@ class Fleet:
         port = free_port()
         self.write(f"{site}.conf",
                    f"site = {site}\nregion = {region}\nport = {port}\nmodel = {self.model}\n"
-                   f"model_name = smollm2-135m\nthreads = 1\nn_ctx = 512\nconcurrency = 2\n"
-                   f"max_tokens = 64\ndefault_max_tokens = 8\ndb = {d}/{site}.db\n"
+                   f"model_name = smollm2-135m\nthreads = 1\nn_ctx = 1024\nconcurrency = 2\n"
+                   f"max_tokens = 800\ndefault_max_tokens = 8\ndb = {d}/{site}.db\n"
                    f"policy_dir = {d}/{site}-policy\npolicy_key = {d}/sign.key.pub\n"
                    f"coordinator = tcp://127.0.0.1:{self.fabric}\ncoordinator_key = {d}/coord.pub\n"
                    f"secret_key = {d}/{site}.key\nenrol_endpoint = tcp://127.0.0.1:{self.enrol}\n"

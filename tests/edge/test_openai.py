@@ -123,6 +123,69 @@ class OpenAIClient(unittest.TestCase):
         self.assertEqual(json.loads(out[:-3])["error"]["code"], "invalid_json")
 
 
+def rss_kb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Floods(unittest.TestCase):
+    """Slow clients and floods of connections are bounded by the HTTP
+    server's connection, per-address, timeout and memory limits: the agent
+    keeps serving and its memory stays flat."""
+
+    def test_flood_and_slow_clients(self):
+        import socket
+        e = Edge(MODEL, extra="conn_limit = 64\nper_ip_limit = 48\nconn_timeout_s = 2\n"
+                              "max_body = 65536\n")
+        try:
+            c = OpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0)
+            c.completions.create(model=M, prompt="a", max_tokens=2)  # warm
+            before = rss_kb(e.proc.pid)
+            rounds = []
+            for _round in range(4):
+                socks = []
+                for i in range(300):  # far over the limits: most are refused at once
+                    try:
+                        s = socket.create_connection(("127.0.0.1", e.port), timeout=2)
+                        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                  b"Content-Length: 60000\r\n\r\n{\"model\":")
+                        socks.append(s)
+                    except OSError:
+                        pass
+                # An endless chunked body is cut off.
+                s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
+                try:
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n")
+                    chunk = b"4000\r\n" + b"a" * 0x4000 + b"\r\n"
+                    for _ in range(200):
+                        s.sendall(chunk)
+                    self.fail("an endless body was accepted")
+                except OSError:
+                    pass
+                finally:
+                    s.close()
+                time.sleep(2.5)  # the slow ones time out
+                for s in socks:
+                    s.close()
+                rounds.append(rss_kb(e.proc.pid))
+            time.sleep(0.5)
+            r = c.completions.create(model=M, prompt="a", max_tokens=2)
+            self.assertTrue(r.choices)
+            after = rss_kb(e.proc.pid)
+            # The floods do not grow memory (a model request afterwards
+            # allocates its session as usual).
+            print("rss kB before, per round, after a request:", before, rounds, after,
+                  file=sys.stderr)
+            self.assertLess(rounds[0] - before, 16 * 1024, (before, rounds, after))
+            self.assertLess(rounds[-1] - rounds[0], 2 * 1024, (before, rounds, after))
+        finally:
+            e.cleanup()
+
+
 class Lifecycle(unittest.TestCase):
     def test_bearer_tokens_and_sigterm(self):
         e = Edge(MODEL, auth=True)

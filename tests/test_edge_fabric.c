@@ -1,0 +1,267 @@
+/*
+ * test_edge_fabric.c - the edge's routed path against a real coordinator
+ * (in a thread) and an echo worker, no model: a request routed and
+ * streamed back, a stop string applied at the edge, bundles pushed by an
+ * operator (a newer signed one is enforced at once; an untrusted, a
+ * replayed one refused), the audit log uploaded, and offline: 503 at once
+ * for what may only be served elsewhere.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "fabric/harness.h"
+#include "fi_bundle.h"
+#include "fi_edge.h"
+
+typedef struct resp {
+    int status;
+    char head[2048];
+    char body[8192];
+} resp;
+
+static int http_post(int port, const char *hdr, const char *body, resp *r) {
+    memset(r, 0, sizeof *r);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) return -1;
+    char req[4096];
+    int n = snprintf(req, sizeof req,
+                     "POST /v1/completions HTTP/1.0\r\nContent-Length: %zu\r\n%s\r\n%s",
+                     strlen(body), hdr ? hdr : "", body);
+    if (send(fd, req, (size_t)n, 0) != n) return -1;
+    char buf[16384];
+    size_t len = 0;
+    for (;;) {
+        ssize_t k = recv(fd, buf + len, sizeof buf - len - 1, 0);
+        if (k <= 0) break;
+        len += (size_t)k;
+    }
+    close(fd);
+    buf[len] = 0;
+    char *sep = strstr(buf, "\r\n\r\n");
+    if (!sep) return -1;
+    snprintf(r->head, sizeof r->head, "%.*s", (int)(sep - buf), buf);
+    snprintf(r->body, sizeof r->body, "%s", sep + 4);
+    sscanf(buf, "HTTP/1.%*d %d", &r->status);
+    return 0;
+}
+
+typedef struct fx {
+    harness h;
+    h_worker w;
+    uint8_t pk[32], sk[64]; /* the trusted policy signer */
+    fi_edge *e;
+    int port;
+} fx;
+
+static const char *s_pol_v1 =
+    "labels public, internal, secret;\ndefault_label \"internal\";\n"
+    "jurisdiction EU;\nregion eu-central in EU;\n"
+    "site berlin-clinic in eu-central;\ncluster core1 in eu-central;\n"
+    "permit \"anything\";\n"
+    "forbid \"secret nowhere\" when \"secret\" in request.labels;\n";
+static const char *s_pol_v2 =
+    "labels public, internal, secret;\ndefault_label \"internal\";\n"
+    "jurisdiction EU;\nregion eu-central in EU;\n"
+    "site berlin-clinic in eu-central;\ncluster core1 in eu-central;\n"
+    "permit \"public only\" when request.labels <= [\"public\"];\n";
+
+static char *sign(const uint8_t *sk, uint64_t v, const char *pol, size_t *len) {
+    char *b;
+    int64_t now = (int64_t)time(NULL);
+    assert_int_equal(fi_bundle_sign(sk, v, now - 60, now + 3600, pol, strlen(pol), &b, len), 0);
+    return b;
+}
+
+static void push(fx *f, uint64_t v, const char *b, size_t bl) {
+    Fi__PolicyBundle pb = FI__POLICY_BUNDLE__INIT;
+    pb.version = v;
+    pb.bundle.data = (uint8_t *)b;
+    pb.bundle.len = bl;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_POLICY_BUNDLE;
+    m.policy_bundle = &pb;
+    fi_msg *reply = NULL;
+    char err[256];
+    /* A fresh operator connection each time: an idle one is dropped by
+     * the test coordinator's 100 ms heartbeats. */
+    fi_client *op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_ACK, 3000, &reply, err, sizeof err), 1);
+    fi_wire_free(&reply);
+    fi_client_destroy(&op);
+}
+
+static int setup(void **state) {
+    fx *f = calloc(1, sizeof *f);
+    char err[768], path[512];
+    assert_int_equal(h_init(&f->h), 0);
+    assert_int_equal(h_start(&f->h), 0);
+    assert_int_equal(h_worker_start(&f->h, &f->w, "echo-model", 0), 0);
+    /* The edge's key, enrolled; the coordinator's public key in a file. */
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(&f->h, &ek, FI__ROLE__ROLE_EDGE, "berlin-clinic", "eu-central"), 0);
+    char ekey[400], epub[400], ckey[400], cpub[400];
+    snprintf(ekey, sizeof ekey, "%s/edge.key", f->h.dir);
+    snprintf(epub, sizeof epub, "%s/edge.pub", f->h.dir);
+    snprintf(ckey, sizeof ckey, "%s/coord.key", f->h.dir);
+    snprintf(cpub, sizeof cpub, "%s/coord.pub", f->h.dir);
+    assert_int_equal(fi_keys_save(&ek, ekey, epub, 1, err, sizeof err), 0);
+    assert_int_equal(fi_keys_save(&f->h.coord, ckey, cpub, 1, err, sizeof err), 0);
+    /* The policy: v1 held on disk. */
+    assert_int_equal(fi_bundle_keygen(f->pk, f->sk), 0);
+    snprintf(path, sizeof path, "%s/sign.key", f->h.dir);
+    assert_int_equal(fi_bundle_key_save(path, f->sk, err, sizeof err), 0);
+    snprintf(path, sizeof path, "%s/policy", f->h.dir);
+    mkdir(path, 0700);
+    size_t bl;
+    char *b = sign(f->sk, 1, s_pol_v1, &bl);
+    assert_int_equal(fi_bundle_install(path, b, bl, (const uint8_t(*)[32])f->pk, 1, time(NULL),
+                                       err, sizeof err),
+                     FI_BUNDLE_OK);
+    free(b);
+    char conf[400];
+    snprintf(conf, sizeof conf, "%s/edge.conf", f->h.dir);
+    FILE *fc = fopen(conf, "w");
+    fprintf(fc,
+            "site = berlin-clinic\nport = 0\ndb = %s/edge.db\npolicy_dir = %s/policy\n"
+            "policy_key = %s/sign.key.pub\ncoordinator = %s\ncoordinator_key = %s\n"
+            "secret_key = %s\nshutdown_grace_s = 1\nheartbeat_ms = %d\n",
+            f->h.dir, f->h.dir, f->h.dir, f->h.ep, cpub, ekey, H_HB_MS);
+    fclose(fc);
+    fi_edge_conf c;
+    fi_edge_conf_default(&c);
+    if (fi_edge_conf_load(conf, &c, err, sizeof err) != 0) fail_msg("%s", err);
+    f->e = fi_edge_new(&c, err, sizeof err);
+    if (!f->e) fail_msg("%s", err);
+    f->port = fi_edge_port(f->e);
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state) {
+    fx *f = *state;
+    fi_edge_destroy(&f->e);
+    h_worker_stop(&f->w);
+    h_stop(&f->h);
+    free(f);
+    return 0;
+}
+
+static int has(const resp *r, const char *s) { return strstr(r->head, s) || strstr(r->body, s); }
+
+static void test_routed(void **state) {
+    fx *f = *state;
+    resp r;
+    const char *b = "{\"model\":\"echo-model\",\"prompt\":\"hello fabric\",\"max_tokens\":50}";
+    assert_int_equal(http_post(f->port, NULL, b, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_true(has(&r, "X-Fedinfer-Target: core1"));
+    assert_true(has(&r, "X-Fedinfer-Policy: 1"));
+    assert_true(has(&r, "\"text\":\"echo: hello fabric\""));
+    /* Streamed, with a stop string applied at the edge. */
+    const char *bs = "{\"model\":\"echo-model\",\"prompt\":\"hello STOP world\",\"max_tokens\":50,"
+                     "\"stream\":true,\"stop\":\"STOP\"}";
+    assert_int_equal(http_post(f->port, NULL, bs, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_null(strstr(r.body, "world"));
+    assert_null(strstr(r.body, "STOP"));
+    assert_non_null(strstr(r.body, "\"finish_reason\":\"stop\""));
+    assert_non_null(strstr(r.body, "data: [DONE]"));
+    /* Denied by the policy held. */
+    assert_int_equal(http_post(f->port, "X-Data-Class: secret\r\n", b, &r), 0);
+    assert_int_equal(r.status, 403);
+    assert_true(has(&r, "secret nowhere"));
+}
+
+static void test_pushed_bundles(void **state) {
+    fx *f = *state;
+    resp r;
+    const char *b = "{\"model\":\"echo-model\",\"prompt\":\"hi\",\"max_tokens\":5}";
+    size_t bl;
+    /* Untrusted signer: refused, v1 stays. */
+    uint8_t pk2[32], sk2[64];
+    assert_int_equal(fi_bundle_keygen(pk2, sk2), 0);
+    char *bad = sign(sk2, 5, s_pol_v2, &bl);
+    push(f, 5, bad, bl);
+    free(bad);
+    h_sleep_ms(300);
+    assert_int_equal(http_post(f->port, NULL, b, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_true(has(&r, "X-Fedinfer-Policy: 1"));
+    /* A newer trusted one is enforced at once: internal is no longer
+     * permitted anywhere. */
+    char *good = sign(f->sk, 2, s_pol_v2, &bl);
+    push(f, 2, good, bl);
+    int ok = 0;
+    for (int i = 0; i < 50 && !ok; i++) {
+        h_sleep_ms(50);
+        assert_int_equal(http_post(f->port, NULL, b, &r), 0);
+        ok = r.status == 403 && has(&r, "X-Fedinfer-Policy: 2");
+    }
+    assert_true(ok);
+    assert_int_equal(http_post(f->port, "X-Data-Class: public\r\n", b, &r), 0);
+    assert_int_equal(r.status, 200);
+    /* Replaying v1 (or v2) is refused. */
+    char *old = sign(f->sk, 1, s_pol_v1, &bl);
+    push(f, 1, old, bl);
+    free(old);
+    h_sleep_ms(300);
+    assert_int_equal(http_post(f->port, NULL, b, &r), 0);
+    assert_int_equal(r.status, 403);
+    assert_true(has(&r, "X-Fedinfer-Policy: 2"));
+    free(good);
+}
+
+static void test_audit_upload_and_offline(void **state) {
+    fx *f = *state;
+    resp r;
+    /* Every record reaches the coordinator's store. */
+    int up = 0;
+    for (int i = 0; i < 100 && !up; i++) {
+        h_sleep_ms(100);
+        char err[256];
+        fi_store *st = fi_store_open(f->h.db, err, sizeof err);
+        up = fi_store_count(st, "audit") > 0;
+        fi_store_destroy(&st);
+    }
+    assert_true(up);
+    /* The coordinator goes away: a request that may only be served
+     * elsewhere (this edge has no model) fails at once with 503. */
+    h_halt(&f->h);
+    int offline = 0;
+    for (int i = 0; i < 80 && !offline; i++) {
+        h_sleep_ms(100);
+        assert_int_equal(http_post(f->port, "X-Data-Class: public\r\n",
+                                   "{\"model\":\"echo-model\",\"prompt\":\"hi\"}", &r),
+                         0);
+        offline = r.status == 503;
+    }
+    assert_true(offline);
+    assert_true(has(&r, "coordinator"));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_routed),
+        cmocka_unit_test(test_pushed_bundles),
+        cmocka_unit_test(test_audit_upload_and_offline),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
