@@ -56,3 +56,9 @@ else()
            "fuzz_wire skipped: libFuzzer needs clang (configure with -DCMAKE_C_COMPILER=clang)")
   set_tests_properties(fuzz_wire PROPERTIES SKIP_REGULAR_EXPRESSION "skipped")
 endif()
+
+# The process tests time heartbeats in 100 ms steps: run them alone, so the
+# other tests of a parallel ctest do not starve the processes they watch.
+if(TEST test_fabric_procs)
+  set_tests_properties(test_fabric_procs PROPERTIES RUN_SERIAL TRUE)
+endif()

@@ -109,7 +109,7 @@ static int setup(void **state) {
     snprintf(p->h.enrol_ep, sizeof p->h.enrol_ep, "tcp://127.0.0.1:%d", p->port + 1);
     snprintf(text, sizeof text,
              "db = %s\nsecret_key = %s\nbind = %s\nenrol_bind = %s\nheartbeat_ms = %d\n"
-             "liveness = %d\nhandshake_ms = 500\n",
+             "liveness = %d\nhandshake_ms = 2000\n",
              p->h.db, sec, p->h.ep, p->h.enrol_ep, H_HB_MS, H_LIVENESS);
     snprintf(path, sizeof path, "%s/coord.conf", p->h.dir);
     if (s_write(path, text)) return -1;
@@ -127,8 +127,8 @@ static int teardown(void **state) {
     procs *p = *state;
     s_kill(&p->worker);
     s_kill(&p->coord);
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "cat '%s/coord.log' >&2", p->h.dir);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "cat '%s/coord.log' >&2; echo '--- worker.log' >&2; cat '%s/worker.log' >&2", p->h.dir, p->h.dir);
     if (system(cmd)) { /* log only */
     }
     h_stop(&p->h);
@@ -371,7 +371,7 @@ static void test_worker_stalled_then_back(void **state) {
     assert_int_equal(h_infer(edge, "stalled", "smol", "x", &t, &res), 0);
     assert_int_equal(res.error, FI__ERROR_CODE__ERR_NO_WORKER);
     kill(p->worker, SIGCONT);
-    long back = s_until_served(edge, "resumed", 5000);
+    long back = s_until_served(edge, "resumed", 15000);
     print_message("stalled worker: out of routing, back %ld ms after SIGCONT\n", back);
     assert_true(back >= 0);
     fi_client_destroy(&edge);

@@ -76,7 +76,7 @@ H_FN void h_opts(harness *h, fi_coord_opts *o, const char *bind, const char *enr
     snprintf(o->db, sizeof o->db, "%s", h->db);
     o->heartbeat_ms = H_HB_MS;
     o->liveness = H_LIVENESS;
-    o->handshake_ms = h->handshake_ms ? h->handshake_ms : 500;
+    o->handshake_ms = h->handshake_ms ? h->handshake_ms : 2000;
     if (h->max_msg) o->max_msg = h->max_msg;
 }
 
@@ -129,7 +129,7 @@ H_FN void h_client_opts(const harness *h, fi_client_opts *o, const fi_keypair *k
     o->role = role;
     o->heartbeat_ms = H_HB_MS;
     o->liveness = H_LIVENESS;
-    o->handshake_ms = 500;
+    o->handshake_ms = 2000;
     o->reconnect_ms = 50;
     o->reconnect_max_ms = 400;
 }
