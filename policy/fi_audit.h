@@ -55,8 +55,10 @@ void fi_audit_destroy(fi_audit **self_p);
  * rec->seq and rec->hash. 0 or -1 (message in err). */
 int fi_audit_append(fi_audit *self, fi_audit_record *rec, char *err, size_t cap) FI_WUR;
 
-/* Appends the record of a decision made by fi_policy_decide (pol) or by
- * fi_policy_fallback (pol NULL; names then gives the targets' names):
+/* Appends the record of a decision made by fi_policy_decide (pol, names
+ * NULL: v[].target is the policy's target index), by fi_policy_decide_names
+ * (pol and the same names: v[].target indexes names) or by
+ * fi_policy_fallback (pol NULL; names gives the targets' names):
  * decision "permit" with the best target and its permit and prefer rules,
  * or "deny" with the forbid rules that decided (or "default deny"). */
 int fi_audit_log_decision(fi_audit *self, const fi_policy *pol, const fi_request *req, const fi_verdict *v,

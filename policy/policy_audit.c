@@ -315,7 +315,9 @@ int fi_audit_log_decision(fi_audit *self, const fi_policy *pol, const fi_request
     const char *decision = "deny";
     if (pol) fi_policy_digest_hex(pol, digest);
     if (b >= 0) {
-        target = pol ? fi_policy_target_name(pol, v[b].target) : names[v[b].target];
+        /* names, when given, are what v[].target indexes (fi_policy_fallback,
+         * fi_policy_decide_names); otherwise v[].target is pol's index */
+        target = names ? names[v[b].target] : fi_policy_target_name(pol, v[b].target);
         decision = v[b].cause == FI_CAUSE_FALLBACK ? "fallback" : "permit";
         unsigned k = v[b].n_rules < FI_VERDICT_MAX_RULES ? v[b].n_rules : FI_VERDICT_MAX_RULES;
         for (unsigned i = 0; pol && i < k; i++) s_list_add(rules, sizeof rules, fi_policy_rule_id(pol, v[b].rules[i]));

@@ -261,6 +261,12 @@ static void test_log_decision(void **state) {
     fi_target_kind kinds[] = {FI_TARGET_CLUSTER, FI_TARGET_SITE};
     fi_policy_fallback("s1", names, kinds, 2, v);
     assert_int_equal(fi_audit_log_decision(a, NULL, &r2, v, 2, names, 3000, err, sizeof err), 0);
+    /* fi_policy_decide_names: v[].target indexes the caller's names, which
+     * are in another order than the policy's targets */
+    const char *names2[] = {"s2", "s1"};
+    fi_target_kind kinds2[] = {FI_TARGET_SITE, FI_TARGET_SITE};
+    fi_policy_decide_names(p, 0, &r2, names2, kinds2, 2, v);
+    assert_int_equal(fi_audit_log_decision(a, p, &r2, v, 2, names2, 4000, err, sizeof err), 0);
     fi_audit_destroy(&a);
     sqlite3 *db;
     assert_int_equal(sqlite3_open(f->path, &db), SQLITE_OK);
@@ -270,10 +276,11 @@ static void test_log_decision(void **state) {
                      SQLITE_OK);
     char digest[65];
     fi_policy_digest_hex(p, digest);
-    const char *want[3][6] = {{"permit", "c", "all,cheap", "public", "7", digest},
+    const char *want[4][6] = {{"permit", "c", "all,cheap", "public", "7", digest},
                               {"deny", "", "phi on site", "phi", "-1", digest},
-                              {"fallback", "s1", "", "phi", "-1", ""}};
-    for (int i = 0; i < 3; i++) {
+                              {"fallback", "s1", "", "phi", "-1", ""},
+                              {"permit", "s1", "all", "phi", "-1", digest}};
+    for (int i = 0; i < 4; i++) {
         assert_int_equal(sqlite3_step(st), SQLITE_ROW);
         for (int k = 0; k < 6; k++) assert_string_equal((const char *)sqlite3_column_text(st, k), want[i][k]);
     }
@@ -281,7 +288,7 @@ static void test_log_decision(void **state) {
     sqlite3_close(db);
     fi_audit_check ck;
     assert_int_equal(s_verify(f, &ck), 0);
-    assert_true(ck.records == 3);
+    assert_true(ck.records == 4);
     fi_policy_destroy(&p);
 }
 
