@@ -8,7 +8,8 @@
  *      file's own bytes are encoded with it and a chat is rendered.
  * Checked: fi_tok_new refuses with a message; the count fi_tok_encode
  * returns does not depend on the buffer; ids are in range; decoding gives
- * the text back less the bytes that have no token. Built by
+ * the text back less the bytes that have no token (with special tokens
+ * off: a parsed special token comes back whole). Built by
  * tests/tokenizer.cmake with clang only.
  */
 #include <stddef.h>
@@ -52,15 +53,19 @@ static void s_check(const fi_tok *t, const char *s, size_t n, int special) {
     char *d = fi_tok_decode(t, ids, k, &dl);
     if (!d)
         __builtin_trap();
+    /* Byte-exact round trip of plain text (special tokens not parsed): every
+     * byte the vocabulary can encode comes back, in order. With special
+     * tokens parsed, a special token's text comes back whole even where its
+     * bytes alone could not be encoded, so only the checks above apply. */
     size_t j = 0;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; !special && i < n; i++) {
         if (!fi_tok_can_encode(t, s + i, 1))
             continue;
         if (j >= dl || d[j] != s[i])
             __builtin_trap();
         j++;
     }
-    if (j != dl)
+    if (!special && j != dl)
         __builtin_trap();
     free(d);
     free(ids);
