@@ -89,12 +89,6 @@ static bool s_has(int argc, char **argv, const char *opt) {
 
 static bool s_help(int argc, char **argv) { return s_has(argc, argv, "--help") || s_has(argc, argv, "-h"); }
 
-static void s_fmt_time(int64_t t, char *buf, size_t cap) {
-    time_t tt = (time_t)t;
-    struct tm tm;
-    gmtime_r(&tt, &tm);
-    strftime(buf, cap, "%Y-%m-%dT%H:%M:%SZ", &tm);
-}
 
 static char *s_slurp(const char *verb, const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
@@ -140,7 +134,7 @@ static fi_msg *s_ask(const char *verb, const char *config, const fi_msg *m, fi_m
 static void s_print_shipped(const char *what, const Fi__PolicyReply *r) {
     for (size_t i = 0; i < r->n_warnings; i++) fprintf(stderr, "%s\n", r->warnings[i]);
     char na[32];
-    s_fmt_time(r->not_after, na, sizeof na);
+    fi_fmt_utc(r->not_after, na, sizeof na);
     printf("%s as version %llu (digest %.16s), bundle valid until %s, pushed to %u edge(s)\n", what,
            (unsigned long long)r->version, r->digest, na, r->pushed);
 }
@@ -224,7 +218,7 @@ static int s_history(int argc, char **argv) {
     for (size_t i = 0; i < h->n_versions; i++) {
         const Fi__PolicyVersion *v = h->versions[i];
         char t[32];
-        s_fmt_time(v->created, t, sizeof t);
+        fi_fmt_utc(v->created, t, sizeof t);
         printf("%-7llu %-20s %-32s %.16s  %s\n", (unsigned long long)v->version, t, v->author, v->digest,
                v->comment);
     }
@@ -413,8 +407,8 @@ static int s_diff(int argc, char **argv) {
     fi_wire_free(&r);
     if (!op || fi_policy_diff_flows(op, active, np, file) != 0) goto done;
     char since[32], until[32] = "now";
-    s_fmt_time(t0, since, sizeof since);
-    if (t1) s_fmt_time(t1, until, sizeof until);
+    fi_fmt_utc(t0, since, sizeof since);
+    if (t1) fi_fmt_utc(t1, until, sizeof until);
     printf("\nreplay of the coordinator's audited requests from %s until %s under %s:\n", since, until, file);
     fi_policy_replay rp = {np, 0, 0};
     Fi__AuditQuery q = FI__AUDIT_QUERY__INIT;
@@ -461,14 +455,6 @@ int fi_ctl_policy(int argc, char **argv) {
 
 /* --- audit ----------------------------------------------------------------- */
 
-static int s_audit_row(const fi_audit_record *r, void *arg) {
-    (void)arg;
-    char t[32];
-    s_fmt_time(r->time / 1000, t, sizeof t);
-    printf("%-6lld %s.%03lld %-14s %-16s %-20s %-8s %-16s %s\n", (long long)r->seq, t, (long long)(r->time % 1000),
-           r->request_id, r->origin, r->labels, r->decision, r->target[0] ? r->target : "-", r->rules);
-    return 0;
-}
 
 static int s_audit_verify(int argc, char **argv) {
     if (s_help(argc, argv)) {
@@ -557,7 +543,7 @@ int fi_ctl_audit(int argc, char **argv) {
     if (!c) return 1;
     printf("%-6s %-24s %-14s %-16s %-20s %-8s %-16s %s\n", "seq", "time", "request", "origin", "labels", "decision",
            "target", "rules");
-    int rc = s_audit_pages("audit", c, &q, s_audit_row, NULL);
+    int rc = s_audit_pages("audit", c, &q, fi_audit_print_row, NULL);
     fi_client_destroy(&c);
     return rc;
 }

@@ -57,6 +57,12 @@ int fi_policy_replay_record(const fi_audit_record *r, void *arg);
 /* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad. */
 int64_t fi_policy_cmd_time(const char *s);
 
+/* Shared with the fabric's console verbs: a Unix time as
+ * "YYYY-MM-DDTHH:MM:SSZ" (UTC) in buf, and one audit record printed as a
+ * row of `fedctl audit` (an fi_audit_query callback; arg unused). */
+void fi_fmt_utc(int64_t t, char *buf, size_t cap);
+int fi_audit_print_row(const fi_audit_record *r, void *arg);
+
 #ifdef __cplusplus
 }
 #endif

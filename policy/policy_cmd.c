@@ -85,7 +85,7 @@ int64_t fi_policy_cmd_time(const char *s) {
     return (int64_t)timegm(&tm);
 }
 
-static void s_fmt_time(int64_t t, char *buf, size_t cap) {
+void fi_fmt_utc(int64_t t, char *buf, size_t cap) {
     time_t tt = (time_t)t;
     struct tm tm;
     gmtime_r(&tt, &tm);
@@ -167,7 +167,7 @@ static int s_check(int argc, char **argv) {
                fi_policy_rule_count(pol), fi_diags_warnings(d), hex);
         if (fi_policy_expires(pol)) {
             char t[32];
-            s_fmt_time(fi_policy_expires(pol), t, sizeof t);
+            fi_fmt_utc(fi_policy_expires(pol), t, sizeof t);
             printf("%s: expires %s%s\n", file, t, fi_policy_current(pol, time(NULL)) ? "" : " (ALREADY EXPIRED)");
         }
     } else {
@@ -391,7 +391,7 @@ int fi_policy_replay_record(const fi_audit_record *r, void *arg) {
     if (strcmp(was, now)) {
         rp->changed++;
         char t[32], line[700] = "";
-        s_fmt_time(r->time / 1000, t, sizeof t);
+        fi_fmt_utc(r->time / 1000, t, sizeof t);
         int old_t = was[0] ? fi_policy_target_find(rp->pol, was) : -1;
         if (old_t >= 0) fi_verdict_explain(rp->pol, &v[old_t], NULL, line, sizeof line);
         else if (best >= 0) fi_verdict_explain(rp->pol, &v[best], NULL, line, sizeof line);
@@ -607,7 +607,7 @@ static int s_apply(int argc, char **argv) {
         goto done;
     }
     char na[32];
-    s_fmt_time(sv.not_after, na, sizeof na);
+    fi_fmt_utc(sv.not_after, na, sizeof na);
     printf("applied %s as version %llu (digest %.16s), bundle valid until %s\n", file, (unsigned long long)v, sv.digest, na);
     if (out) {
         FILE *f = fopen(out, "wb");
@@ -630,7 +630,7 @@ done:
 static int s_history_row(const fi_pstore_version *v, void *arg) {
     (void)arg;
     char t[32];
-    s_fmt_time(v->created, t, sizeof t);
+    fi_fmt_utc(v->created, t, sizeof t);
     printf("%-7llu %-20s %-16s %.16s  %s\n", (unsigned long long)v->version, t, v->author, v->digest, v->comment);
     return 0;
 }
@@ -865,10 +865,10 @@ int fi_cmd_policy(int argc, char **argv) {
 
 /* -------------------------------------------------------------------- audit */
 
-static int s_audit_row(const fi_audit_record *r, void *arg) {
+int fi_audit_print_row(const fi_audit_record *r, void *arg) {
     (void)arg;
     char t[32];
-    s_fmt_time(r->time / 1000, t, sizeof t);
+    fi_fmt_utc(r->time / 1000, t, sizeof t);
     printf("%-6lld %s.%03lld %-14s %-16s %-20s %-8s %-16s %s\n", (long long)r->seq, t, (long long)(r->time % 1000),
            r->request_id, r->origin, r->labels, r->decision, r->target[0] ? r->target : "-", r->rules);
     return 0;
@@ -959,7 +959,7 @@ int fi_cmd_audit(int argc, char **argv) {
     }
     printf("%-6s %-24s %-14s %-16s %-20s %-8s %-16s %s\n", "seq", "time", "request", "origin", "labels", "decision",
            "target", "rules");
-    int rc = fi_audit_query(a, &f, s_audit_row, NULL, err, sizeof err);
+    int rc = fi_audit_query(a, &f, fi_audit_print_row, NULL, err, sizeof err);
     if (rc) fprintf(stderr, "fedctl audit: %s\n", err);
     fi_audit_destroy(&a);
     return rc ? 1 : 0;
