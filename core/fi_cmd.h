@@ -20,6 +20,11 @@ int fi_cmd_inspect(int argc, char **argv); /* fedinfer inspect */
  * set-up script's download. */
 const char *fi_default_model_path(void);
 
+#include "fi_kernels.h"
+/* Parses "auto", "portable" or "avx2"; prints an error and returns -1 for
+ * anything else. */
+int fi_parse_simd(const char *s, fi_simd *out);
+
 #ifdef __cplusplus
 }
 #endif

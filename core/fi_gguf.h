@@ -53,7 +53,9 @@ typedef struct fi_gguf_kv {
     fi_gguf_type arr_type; /* element type when type == FI_GGUF_ARRAY */
     uint64_t arr_len;      /* elements when type == FI_GGUF_ARRAY */
     const void *data;      /* the value's bytes in the file (for arrays: the
-                              first element, after type and count) */
+                              first element, after type and count; for a
+                              string: its u64 length, then the bytes - use
+                              fi_gguf_kv_str). Not aligned: read with memcpy */
     const fi_str *strs;    /* string arrays only: arr_len entries; else NULL */
 } fi_gguf_kv;
 
@@ -100,6 +102,16 @@ FI_MUST_CHECK int fi_gguf_get_i64(const fi_gguf *g, const char *key, int64_t *ou
 FI_MUST_CHECK int fi_gguf_get_f32(const fi_gguf *g, const char *key, float *out);
 FI_MUST_CHECK int fi_gguf_get_bool(const fi_gguf *g, const char *key, int *out);
 FI_MUST_CHECK int fi_gguf_get_str(const fi_gguf *g, const char *key, fi_str *out);
+
+/* The value of a STRING kv: 0, or -1 when kv is NULL or not a string. */
+FI_MUST_CHECK int fi_gguf_kv_str(const fi_gguf_kv *kv, fi_str *out);
+
+/* Element i of an array kv of any integer type, as int64 (a uint64 above
+ * INT64_MAX fails); for FLOAT32 or FLOAT64 arrays, fi_gguf_arr_f32. 0, or
+ * -1 when kv is NULL, not an array of such elements, or i >= arr_len.
+ * (Array data in the mapping is not aligned: use these, or memcpy.) */
+FI_MUST_CHECK int fi_gguf_arr_i64(const fi_gguf_kv *kv, uint64_t i, int64_t *out);
+FI_MUST_CHECK int fi_gguf_arr_f32(const fi_gguf_kv *kv, uint64_t i, float *out);
 
 /* Human-readable name of a metadata type ("uint32", "array"). */
 const char *fi_gguf_type_name(fi_gguf_type t);

@@ -42,6 +42,8 @@ typedef struct fi_model fi_model;
 typedef struct fi_model_opts {
     int n_threads;   /* CPU threads; <= 0: one per core */
     fi_simd simd;    /* CPU code path */
+    int act_bits;    /* activation precision of quantised products: 16
+                        (0 means this default) or 8 (faster, less exact) */
 } fi_model_opts;
 
 /* Loads a model: opens the GGUF, checks every tensor's presence, type and
@@ -65,6 +67,7 @@ typedef struct fi_session fi_session;
  * n_ctx <= 0 means min(ctx_train, 4096)). */
 fi_session *fi_session_new(fi_model *m, int n_ctx, char *err, size_t errlen);
 void fi_session_destroy(fi_session **s);
+fi_model *fi_session_model(const fi_session *s);
 int fi_session_n_ctx(const fi_session *s);
 int fi_session_pos(const fi_session *s); /* tokens already in the cache */
 /* Forget the cache from position pos on (0: start over). */
@@ -134,7 +137,7 @@ typedef struct fi_gen_result {
 } fi_gen_result;
 
 /* Generates after the given prompt tokens (appended to the session's
- * cache). Returns 0, or -1 with a message in err: a prompt longer than the
+ * cache; the generated tokens are too, except the last one sampled). Returns 0, or -1 with a message in err: a prompt longer than the
  * context is refused before any work ("prompt of N tokens does not fit the
  * context of M"). */
 FI_MUST_CHECK int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt,

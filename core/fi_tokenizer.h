@@ -7,7 +7,11 @@
  * chat template the model carries (ChatML family).
  *
  * Encoding then decoding gives back the input bytes exactly, invalid UTF-8
- * included: every byte has a token of its own in byte-level BPE.
+ * included, when every byte has a token of its own. Not every vocabulary
+ * has all 256: SmolLM2's lacks 21 bytes (0x04 0x06 0x13 0x14 0x16 0x1d
+ * 0xc0 0xc1 0xf1 0xf2 0xf5..0xff), and encoding drops those bytes as
+ * Hugging Face tokenizers does; fi_tok_can_encode tells whether a text is
+ * affected.
  */
 #ifndef FI_TOKENIZER_H
 #define FI_TOKENIZER_H
@@ -32,12 +36,19 @@ void fi_tok_destroy(fi_tok **t);
 int fi_tok_n_vocab(const fi_tok *t);
 int32_t fi_tok_bos(const fi_tok *t);  /* -1 when the model has none */
 int32_t fi_tok_eos(const fi_tok *t);
+/* 1 when the model asks for bos before a prompt (tokenizer.ggml.add_bos_token);
+ * fi_tok_encode never adds it itself. */
+int fi_tok_add_bos(const fi_tok *t);
 /* 1 when id ends a generation (eos, <|im_end|>, <|endoftext|>, ...). */
 int fi_tok_is_eog(const fi_tok *t, int32_t id);
 /* 1 when id is a special (control) token. */
 int fi_tok_is_special(const fi_tok *t, int32_t id);
 /* Id of the token whose text is exactly s, or -1. */
 int32_t fi_tok_find(const fi_tok *t, const char *s);
+
+/* 1 when every byte of text has a token, so that decoding the encoding
+ * gives text back exactly; 0 when some byte would be dropped. */
+int fi_tok_can_encode(const fi_tok *t, const char *text, size_t len);
 
 /* Encodes len bytes of text. With parse_special, the text of a special
  * token ("<|im_start|>") becomes that token; without, it is plain text.
@@ -49,7 +60,7 @@ int fi_tok_encode(const fi_tok *t, const char *text, size_t len, int parse_speci
 
 /* The bytes of one token (byte-level symbols mapped back to raw bytes).
  * Writes up to cap bytes and returns the full length, or -1 for an id out
- * of range. Special tokens render as their text. */
+ * of range. Special tokens render as their text. No NUL is written. */
 int fi_tok_piece(const fi_tok *t, int32_t id, char *buf, size_t cap);
 
 /* Decodes n ids into a malloc'd NUL-terminated string (raw bytes, which

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "fi_cmd.h"
+#include "fi_fabric_cmd.h"
 
 typedef struct command {
     const char *name;                 /* first argument */
@@ -19,6 +20,9 @@ static const command s_commands[] = {
     {"run", fi_cmd_run, "generate text with a model (chat by default)"},
     {"bench", fi_cmd_bench, "measure prefill, decode, memory and the bandwidth floor"},
     {"inspect", fi_cmd_inspect, "print a GGUF file's metadata and tensor table"},
+    {"keygen", fi_cmd_keygen, "write a CURVE key pair (NAME.key mode 0600, NAME.pub)"},
+    {"coordinator", fi_cmd_coordinator, "run the coordinator that brokers the fabric"},
+    {"shard", fi_cmd_shard, "serve a model to the coordinator as a cluster worker"},
 };
 
 static void s_usage(FILE *f) {

@@ -114,14 +114,18 @@ typedef struct fi_backend_ops {
      * position pos[t]; angle = pos * theta^(-2i/head_dim). */
     void (*rope)(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
                  float theta);
-    /* Causal grouped-query attention of n query tokens against a cache.
+    /* Causal grouped-query attention of n query tokens against a cache of
+     * fp16 rows (IEEE half precision, stored by store_f16).
      * q:   n rows of n_heads*head_dim.
      * k,v: cache rows, row p (position p) at k + p*kv_dim, kv_dim =
      *      n_kv_heads*head_dim; query token t sees rows 0..pos[t].
      * out: n rows of n_heads*head_dim. Query head h uses KV head
      *      h / (n_heads / n_kv_heads). Scale 1/sqrt(head_dim). */
-    void (*attention)(void *ctx, float *out, const float *q, const float *k, const float *v, int n,
-                      const int32_t *pos, int n_heads, int n_kv_heads, int head_dim);
+    void (*attention)(void *ctx, float *out, const float *q, const uint16_t *k,
+                      const uint16_t *v, int n, const int32_t *pos, int n_heads, int n_kv_heads,
+                      int head_dim);
+    /* dst[i] = fp16(src[i]) for i < n, round to nearest even (KV cache). */
+    void (*store_f16)(void *ctx, uint16_t *dst, const float *src, size_t n);
     /* g[i] = silu(g[i]) * u[i] for i < n (SwiGLU). */
     void (*swiglu)(void *ctx, float *g, const float *u, size_t n);
     /* y[i] += x[i] for i < n (residual). */
@@ -141,6 +145,12 @@ fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t er
 /* Which SIMD path the CPU backend chose ("avx2", "portable"); NULL when b is
  * not a CPU backend. */
 const char *fi_cpu_backend_simd(const fi_backend *b);
+/* Precision of the activations in products with quantised weights: 16
+ * (the default: logits within ~0.02 of an exact computation on the default
+ * model) or 8 (faster, as llama.cpp does; logits move by up to ~1).
+ * 0, or -1 when bits is not 8 or 16 or b is not a CPU backend. */
+FI_MUST_CHECK int fi_cpu_backend_set_act_bits(fi_backend *b, int bits);
+int fi_cpu_backend_act_bits(const fi_backend *b);
 /* Threads in the CPU backend's pool; 0 when b is not a CPU backend. */
 int fi_cpu_backend_threads(const fi_backend *b);
 

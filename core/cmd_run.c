@@ -1,0 +1,383 @@
+/*
+ * cmd_run.c - `fedinfer run` and `fedinfer inspect`.
+ *
+ * run streams a reply to stdout as it is generated; diagnostics and
+ * statistics go to stderr so that stdout holds only the model's text.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "fi_cmd.h"
+#include "fi_model.h"
+
+const char *fi_default_model_path(void) {
+    const char *env = getenv("FEDINFER_MODEL");
+    return env && *env ? env : FI_DEFAULT_MODEL;
+}
+
+/* Parses a whole decimal integer in [lo, hi]; 0 on success. */
+static int s_parse_int(const char *opt, const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) {
+        fprintf(stderr, "fedinfer: %s expects an integer in [%ld, %ld], not '%s'\n", opt, lo, hi, s);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int s_parse_float(const char *opt, const char *s, double lo, double hi, float *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !(v >= lo && v <= hi)) {
+        fprintf(stderr, "fedinfer: %s expects a number in [%g, %g], not '%s'\n", opt, lo, hi, s);
+        return -1;
+    }
+    *out = (float)v;
+    return 0;
+}
+
+int fi_parse_simd(const char *s, fi_simd *out) {
+    if (!strcmp(s, "auto")) *out = FI_SIMD_AUTO;
+    else if (!strcmp(s, "portable")) *out = FI_SIMD_PORTABLE;
+    else if (!strcmp(s, "avx2")) *out = FI_SIMD_AVX2;
+    else {
+        fprintf(stderr, "fedinfer: --simd expects auto, portable or avx2, not '%s'\n", s);
+        return -1;
+    }
+    return 0;
+}
+
+static void s_run_usage(FILE *f) {
+    fprintf(f,
+            "usage: fedinfer run [options] [PROMPT...]\n"
+            "\n"
+            "Generates a reply to PROMPT (or to standard input when PROMPT is absent or '-')\n"
+            "and streams it to standard output. By default the prompt is a user message\n"
+            "wrapped in the model's chat template.\n"
+            "\n"
+            "options:\n"
+            "  -m, --model FILE        GGUF model (default: $FEDINFER_MODEL or\n"
+            "                          %s)\n"
+            "      --raw               plain completion: no chat template\n"
+            "      --system TEXT       system message (chat mode)\n"
+            "  -n, --max-tokens N      tokens to generate at most (default 256)\n"
+            "      --temp T            temperature; 0 is greedy (default 0.7)\n"
+            "      --top-k K           keep the K most likely tokens; 0 is off (default 40)\n"
+            "      --top-p P           nucleus sampling; 1 is off (default 0.95)\n"
+            "      --min-p P           drop tokens below P x the best; 0 is off (default 0.05)\n"
+            "      --repeat-penalty R  penalise recent tokens; 1 is off (default 1.0)\n"
+            "      --seed N            RNG seed (default: from the clock, printed with --stats)\n"
+            "      --stop TEXT         stop before TEXT (repeatable)\n"
+            "  -t, --threads N         CPU threads (default: one per core)\n"
+            "  -c, --ctx N             context size in tokens (default 4096)\n"
+            "      --simd MODE         auto, portable or avx2 (default auto)\n"
+            "      --act-bits N        activation precision in quantised products: 16\n"
+            "                          (default, matches an exact computation) or 8 (faster)\n"
+            "      --stats             print timings and token counts to stderr\n"
+            "  -h, --help              this text\n",
+            FI_DEFAULT_MODEL);
+}
+
+typedef struct run_out {
+    int any; /* wrote something */
+} run_out;
+
+static int s_print(void *user, const char *text, size_t len) {
+    run_out *o = user;
+    fwrite(text, 1, len, stdout);
+    fflush(stdout);
+    o->any = 1;
+    return 0;
+}
+
+/* Reads all of stdin into a malloc'd string. */
+static char *s_read_stdin(void) {
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    if (!buf) return NULL;
+    size_t n;
+    while ((n = fread(buf + len, 1, cap - len - 1, stdin)) > 0) {
+        len += n;
+        if (cap - len < 2) {
+            if (cap > (size_t)64 << 20) break; /* 64 MiB of prompt is plenty */
+            char *nb = realloc(buf, cap * 2);
+            if (!nb) {
+                free(buf);
+                return NULL;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    buf[len] = 0;
+    return buf;
+}
+
+int fi_cmd_run(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},   {"raw", no_argument, 0, 'r'},
+        {"system", required_argument, 0, 'S'},  {"max-tokens", required_argument, 0, 'n'},
+        {"temp", required_argument, 0, 'T'},    {"top-k", required_argument, 0, 'k'},
+        {"top-p", required_argument, 0, 'p'},   {"min-p", required_argument, 0, 'M'},
+        {"repeat-penalty", required_argument, 0, 'R'}, {"seed", required_argument, 0, 's'},
+        {"stop", required_argument, 0, 'x'},    {"threads", required_argument, 0, 't'},
+        {"ctx", required_argument, 0, 'c'},     {"simd", required_argument, 0, 'I'},
+        {"stats", no_argument, 0, 'z'},         {"help", no_argument, 0, 'h'},
+        {"act-bits", required_argument, 0, 'B'},
+        {0, 0, 0, 0}};
+    const char *model = fi_default_model_path(), *system = NULL;
+    int raw = 0, stats = 0, seed_given = 0;
+    long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 16, v;
+    fi_simd simd = FI_SIMD_AUTO;
+    fi_sampler_params sp = fi_sampler_defaults();
+    const char *stops[16];
+    int n_stop = 0;
+    optind = 1;
+    int c;
+    while ((c = getopt_long(argc, argv, "m:n:t:c:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 'r': raw = 1; break;
+        case 'S': system = optarg; break;
+        case 'n': if (s_parse_int("--max-tokens", optarg, 0, 1 << 20, &max_tokens)) return 2; break;
+        case 'T': if (s_parse_float("--temp", optarg, 0, 100, &sp.temperature)) return 2; break;
+        case 'k': if (s_parse_int("--top-k", optarg, 0, INT_MAX, &v)) return 2; sp.top_k = (int)v; break;
+        case 'p': if (s_parse_float("--top-p", optarg, 0, 1, &sp.top_p)) return 2; break;
+        case 'M': if (s_parse_float("--min-p", optarg, 0, 1, &sp.min_p)) return 2; break;
+        case 'R': if (s_parse_float("--repeat-penalty", optarg, 0.01, 100, &sp.repeat_penalty)) return 2; break;
+        case 's': {
+            char *end;
+            errno = 0;
+            unsigned long long u = strtoull(optarg, &end, 10);
+            if (errno || end == optarg || *end || optarg[0] == '-') {
+                fprintf(stderr, "fedinfer: --seed expects an unsigned integer, not '%s'\n", optarg);
+                return 2;
+            }
+            sp.seed = u;
+            seed_given = 1;
+            break;
+        }
+        case 'x':
+            if (n_stop == (int)(sizeof stops / sizeof stops[0])) {
+                fprintf(stderr, "fedinfer: at most %d --stop strings\n", n_stop);
+                return 2;
+            }
+            stops[n_stop++] = optarg;
+            break;
+        case 't': if (s_parse_int("--threads", optarg, 1, 1024, &threads)) return 2; break;
+        case 'c': if (s_parse_int("--ctx", optarg, 1, 1 << 24, &n_ctx)) return 2; break;
+        case 'I': if (fi_parse_simd(optarg, &simd)) return 2; break;
+        case 'z': stats = 1; break;
+        case 'B': if (s_parse_int("--act-bits", optarg, 8, 16, &act_bits) || (act_bits != 8 && act_bits != 16)) {
+                      fprintf(stderr, "fedinfer: --act-bits must be 8 or 16\n");
+                      return 2;
+                  }
+                  break;
+        case 'h': s_run_usage(stdout); return 0;
+        default: s_run_usage(stderr); return 2;
+        }
+    }
+    if (!seed_given) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        sp.seed = (uint64_t)ts.tv_sec * 1000000007ULL ^ (uint64_t)ts.tv_nsec;
+    }
+
+    /* the prompt: arguments joined by spaces, or stdin */
+    char *prompt = NULL;
+    if (optind >= argc || (optind == argc - 1 && !strcmp(argv[optind], "-"))) {
+        prompt = s_read_stdin();
+    } else {
+        size_t len = 1;
+        for (int i = optind; i < argc; i++) len += strlen(argv[i]) + 1;
+        prompt = malloc(len);
+        if (prompt) {
+            prompt[0] = 0;
+            for (int i = optind; i < argc; i++) {
+                if (i > optind) strcat(prompt, " ");
+                strcat(prompt, argv[i]);
+            }
+        }
+    }
+    if (!prompt) {
+        fprintf(stderr, "fedinfer: out of memory reading the prompt\n");
+        return 1;
+    }
+
+    int status = 1;
+    char err[512];
+    char *text = NULL;
+    int32_t *ids = NULL;
+    fi_session *s = NULL;
+    fi_model_opts mo = {(int)threads, simd, (int)act_bits};
+    fi_model *m = fi_model_load(model, &mo, err, sizeof err);
+    if (!m) {
+        fprintf(stderr, "fedinfer: %s\n", err);
+        if (!strcmp(model, FI_DEFAULT_MODEL))
+            fprintf(stderr, "fedinfer: (run examples/setup.sh to fetch the default model)\n");
+        goto done;
+    }
+    const fi_tok *tok = fi_model_tok(m);
+    if (raw) {
+        text = strdup(prompt);
+    } else {
+        fi_chat_msg msgs[2];
+        int n = 0;
+        if (system) msgs[n++] = (fi_chat_msg){"system", system};
+        msgs[n++] = (fi_chat_msg){"user", prompt};
+        text = fi_tok_chat(tok, msgs, n, 1, err, sizeof err);
+        if (!text) {
+            fprintf(stderr, "fedinfer: %s (use --raw for plain completion)\n", err);
+            goto done;
+        }
+    }
+    if (!text) goto oom;
+    size_t tlen = strlen(text);
+    int need = fi_tok_encode(tok, text, tlen, !raw, NULL, 0);
+    if (need < 0) goto oom;
+    ids = malloc(((size_t)need + 1) * sizeof *ids);
+    if (!ids) goto oom;
+    int n_ids = fi_tok_encode(tok, text, tlen, !raw, ids, need + 1);
+    if (n_ids <= 0) {
+        fprintf(stderr, "fedinfer: the prompt is empty\n");
+        status = 2;
+        goto done;
+    }
+    if (n_ctx > fi_model_config(m)->ctx_train) n_ctx = fi_model_config(m)->ctx_train;
+    if (n_ids > n_ctx) {
+        fprintf(stderr,
+                "fedinfer: the prompt is %d tokens, more than the context of %ld tokens "
+                "(raise --ctx, at most %d for this model, or shorten the prompt)\n",
+                n_ids, n_ctx, fi_model_config(m)->ctx_train);
+        goto done;
+    }
+    s = fi_session_new(m, (int)n_ctx, err, sizeof err);
+    if (!s) {
+        fprintf(stderr, "fedinfer: %s\n", err);
+        goto done;
+    }
+    run_out out = {0};
+    fi_gen_opts go = {(int)max_tokens, sp, stops, n_stop, s_print, &out};
+    fi_gen_result res;
+    if (fi_generate(s, ids, n_ids, &go, &res, err, sizeof err) != 0) {
+        fprintf(stderr, "\nfedinfer: %s\n", err);
+        goto done;
+    }
+    if (out.any) fputc('\n', stdout);
+    fflush(stdout);
+    if (res.stop == FI_STOP_CONTEXT)
+        fprintf(stderr, "fedinfer: stopped: the context of %ld tokens is full\n", n_ctx);
+    if (stats) {
+        const fi_backend *be = fi_model_backend(m);
+        fprintf(stderr,
+                "[prompt %d tokens in %.3f s (%.1f tok/s); generated %d tokens in %.3f s "
+                "(%.1f tok/s); stop: %s; threads %d, simd %s, seed %" PRIu64 "]\n",
+                res.n_prompt, res.prefill_s, res.n_prompt / (res.prefill_s > 0 ? res.prefill_s : 1e-9),
+                res.n_generated, res.decode_s,
+                res.n_generated / (res.decode_s > 0 ? res.decode_s : 1e-9), fi_stop_reason_name(res.stop),
+                fi_cpu_backend_threads(be), fi_cpu_backend_simd(be), sp.seed);
+    }
+    status = 0;
+    goto done;
+oom:
+    fprintf(stderr, "fedinfer: out of memory\n");
+done:
+    fi_session_destroy(&s);
+    fi_model_destroy(&m);
+    free(ids);
+    free(text);
+    free(prompt);
+    return status;
+}
+
+/* --- inspect ----------------------------------------------------------- */
+
+static void s_inspect_usage(FILE *f) {
+    fprintf(f,
+            "usage: fedinfer inspect [options] [MODEL]\n"
+            "\n"
+            "Prints a GGUF file's header, metadata and tensor table (MODEL defaults to the\n"
+            "set-up's model). The file is checked completely first; a damaged file is\n"
+            "reported with what is wrong and where.\n"
+            "\n"
+            "options:\n"
+            "      --no-tensors   metadata only\n"
+            "  -h, --help         this text\n");
+}
+
+int fi_cmd_inspect(int argc, char **argv) {
+    static const struct option opts[] = {{"no-tensors", no_argument, 0, 'N'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    int tensors = 1, c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'N': tensors = 0; break;
+        case 'h': s_inspect_usage(stdout); return 0;
+        default: s_inspect_usage(stderr); return 2;
+        }
+    }
+    if (argc - optind > 1) {
+        s_inspect_usage(stderr);
+        return 2;
+    }
+    const char *path = optind < argc ? argv[optind] : fi_default_model_path();
+    char err[512];
+    fi_gguf *g = fi_gguf_open(path, err, sizeof err);
+    if (!g) {
+        fprintf(stderr, "fedinfer: %s\n", err);
+        return 1;
+    }
+    printf("file        %s\n", path);
+    printf("size        %zu bytes\n", fi_gguf_file_size(g));
+    printf("version     %u\n", fi_gguf_version(g));
+    printf("alignment   %u\n", fi_gguf_alignment(g));
+    printf("data at     %" PRIu64 "\n", fi_gguf_data_offset(g));
+    printf("\nmetadata (%" PRId64 " keys)\n", fi_gguf_n_kv(g));
+    char val[512];
+    for (int64_t i = 0; i < fi_gguf_n_kv(g); i++) {
+        const fi_gguf_kv *kv = fi_gguf_kv_at(g, i);
+        fi_gguf_kv_format(kv, val, sizeof val);
+        printf("  %-42.*s %-8s %s\n", (int)(kv->key.len > 200 ? 200 : kv->key.len), kv->key.ptr,
+               fi_gguf_type_name(kv->type), val);
+    }
+    uint64_t total = 0, elems = 0;
+    int64_t counts[64] = {0};
+    for (int64_t i = 0; i < fi_gguf_n_tensors(g); i++) {
+        const fi_gguf_tensor *t = fi_gguf_tensor_at(g, i);
+        total += t->n_bytes;
+        elems += (uint64_t)(t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3]);
+        if ((unsigned)t->type < 64) counts[t->type]++;
+    }
+    printf("\ntensors (%" PRId64 ", %" PRIu64 " elements, %.1f MiB)\n", fi_gguf_n_tensors(g), elems,
+           (double)total / (1 << 20));
+    for (int i = 0; i < 64; i++)
+        if (counts[i]) printf("  %-6s %" PRId64 "\n", fi_dtype_name((uint32_t)i), counts[i]);
+    if (tensors) {
+        printf("\n  %-32s %-6s %-24s %12s %12s\n", "name", "type", "shape", "offset", "bytes");
+        for (int64_t i = 0; i < fi_gguf_n_tensors(g); i++) {
+            const fi_gguf_tensor *t = fi_gguf_tensor_at(g, i);
+            char shape[64];
+            int o = snprintf(shape, sizeof shape, "[%" PRId64, t->ne[0]);
+            for (uint32_t d = 1; d < t->n_dims && o < (int)sizeof shape; d++)
+                o += snprintf(shape + o, sizeof shape - (size_t)o, ", %" PRId64, t->ne[d]);
+            if (o < (int)sizeof shape) snprintf(shape + o, sizeof shape - (size_t)o, "]");
+            printf("  %-32.*s %-6s %-24s %12" PRIu64 " %12" PRIu64 "\n",
+                   (int)(t->name.len > 64 ? 64 : t->name.len), t->name.ptr, fi_dtype_name(t->type),
+                   shape, t->offset, t->n_bytes);
+        }
+    }
+    fi_gguf_close(&g);
+    return 0;
+}

@@ -1,0 +1,128 @@
+/*
+ * textstream.c - see fi_textstream.h.
+ *
+ * The buffer holds text not yet released. After each push we look for a
+ * complete stop string; if none, we hold back the longest suffix that is a
+ * prefix of some stop string and any incomplete UTF-8 sequence at the end.
+ * A stop string therefore always starts inside the buffer.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "fi_textstream.h"
+
+struct fi_textstream {
+    char **stop;      /* stop strings */
+    size_t *stop_len; /* their lengths */
+    int n_stop;
+    char *buf;        /* held text */
+    size_t len;       /* bytes in buf */
+    size_t cap;       /* allocated */
+    size_t out;       /* bytes at the front already taken */
+    size_t stop_at;   /* offset of a matched stop, or SIZE_MAX */
+};
+
+fi_textstream *fi_textstream_new(const char *const *stop, int n_stop) {
+    fi_textstream *ts = calloc(1, sizeof *ts);
+    if (!ts) return NULL;
+    ts->stop_at = (size_t)-1;
+    if (n_stop > 0) {
+        ts->stop = calloc((size_t)n_stop, sizeof *ts->stop);
+        ts->stop_len = calloc((size_t)n_stop, sizeof *ts->stop_len);
+        if (!ts->stop || !ts->stop_len) goto fail;
+        for (int i = 0; i < n_stop; i++) {
+            if (!stop[i] || !stop[i][0]) continue;
+            ts->stop[ts->n_stop] = strdup(stop[i]);
+            if (!ts->stop[ts->n_stop]) goto fail;
+            ts->stop_len[ts->n_stop++] = strlen(stop[i]);
+        }
+    }
+    return ts;
+fail:
+    fi_textstream_destroy(&ts);
+    return NULL;
+}
+
+void fi_textstream_destroy(fi_textstream **tsp) {
+    if (!tsp || !*tsp) return;
+    fi_textstream *ts = *tsp;
+    for (int i = 0; i < ts->n_stop; i++) free(ts->stop[i]);
+    free(ts->stop);
+    free(ts->stop_len);
+    free(ts->buf);
+    free(ts);
+    *tsp = NULL;
+}
+
+/* Earliest complete stop string at or after `from`; SIZE_MAX if none. */
+static size_t s_find_stop(const fi_textstream *ts, size_t from) {
+    size_t best = (size_t)-1;
+    for (int i = 0; i < ts->n_stop; i++) {
+        size_t L = ts->stop_len[i];
+        if (ts->len - from < L) continue;
+        for (size_t p = from; p + L <= ts->len && p < best; p++)
+            if (!memcmp(ts->buf + p, ts->stop[i], L)) {
+                best = p;
+                break;
+            }
+    }
+    return best;
+}
+
+int fi_textstream_push(fi_textstream *ts, const char *bytes, size_t len) {
+    if (ts->stop_at != (size_t)-1) return 1;
+    if (ts->out > 0) { /* drop what was taken, so the buffer stays small */
+        memmove(ts->buf, ts->buf + ts->out, ts->len - ts->out);
+        ts->len -= ts->out;
+        ts->out = 0;
+    }
+    if (ts->len + len + 1 > ts->cap) {
+        size_t cap = ts->cap ? ts->cap : 256;
+        while (cap < ts->len + len + 1) cap *= 2;
+        char *nb = realloc(ts->buf, cap);
+        if (!nb) return -1;
+        ts->buf = nb;
+        ts->cap = cap;
+    }
+    memcpy(ts->buf + ts->len, bytes, len);
+    ts->len += len;
+    ts->stop_at = s_find_stop(ts, ts->out);
+    return ts->stop_at != (size_t)-1;
+}
+
+/* Bytes at the end that must wait: an incomplete UTF-8 sequence, or a
+ * suffix that could grow into a stop string. */
+static size_t s_holdback(const fi_textstream *ts) {
+    size_t avail = ts->len - ts->out, hold = 0;
+    const unsigned char *b = (const unsigned char *)ts->buf + ts->out;
+    /* incomplete UTF-8: look back at most 3 bytes for a lead byte */
+    for (size_t i = 1; i <= 3 && i <= avail; i++) {
+        unsigned char c = b[avail - i];
+        if ((c & 0xC0) == 0x80) continue;           /* continuation byte */
+        size_t need = c >= 0xF0 && c <= 0xF4 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 && c < 0xE0 ? 2 : 1;
+        if (need > i) hold = i;                     /* sequence not finished */
+        break;
+    }
+    for (int s = 0; s < ts->n_stop; s++) {
+        size_t L = ts->stop_len[s];
+        for (size_t k = L - 1; k > hold && k >= 1; k--) {
+            if (k > avail) continue;
+            if (!memcmp(b + avail - k, ts->stop[s], k)) {
+                hold = k;
+                break;
+            }
+        }
+    }
+    return hold;
+}
+
+const char *fi_textstream_take(fi_textstream *ts, int flush, size_t *len) {
+    size_t end;
+    if (ts->stop_at != (size_t)-1) end = ts->stop_at;
+    else if (flush) end = ts->len;
+    else end = ts->len - s_holdback(ts);
+    const char *p = ts->buf ? ts->buf + ts->out : "";
+    *len = end > ts->out ? end - ts->out : 0;
+    ts->out += *len;
+    return p;
+}

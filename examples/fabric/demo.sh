@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# demo.sh - the fabric on one machine: a coordinator, a cluster worker
+# serving the default model, and fedctl. Run from the repository root after
+# building (cmake --build build). Everything lives in a temporary directory.
+#
+#   examples/fabric/demo.sh            # worker with the model
+#   ECHO=1 examples/fabric/demo.sh     # worker with the echo backend
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+FI=$ROOT/build/fedinfer
+CTL=$ROOT/build/fedctl
+MODEL=${FEDINFER_MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+T=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$T"' EXIT
+cd "$T"
+"$FI" keygen coord; "$FI" keygen op; "$FI" keygen shard1
+cat > coordinator.conf <<CONF
+db = $T/coordinator.db
+secret_key = $T/coord.key
+bind = tcp://127.0.0.1:7700
+enrol_bind = tcp://127.0.0.1:7701
+CONF
+"$FI" coordinator --config coordinator.conf --init --operator-key op.pub
+"$FI" coordinator --config coordinator.conf 2>coordinator.log &
+cat > fedctl.conf <<CONF
+coordinator = tcp://127.0.0.1:7700
+coordinator_key = $T/coord.pub
+secret_key = $T/op.key
+CONF
+export FEDCTL_CONFIG=$T/fedctl.conf
+TOKEN=$("$CTL" enrol --role cluster --site core-1 --region eu-west --ttl 300)
+cat > shard.conf <<CONF
+coordinator = tcp://127.0.0.1:7700
+enrol_endpoint = tcp://127.0.0.1:7701
+coordinator_key = $T/coord.pub
+secret_key = $T/shard1.key
+model = $MODEL
+model_name = smollm2-135m
+site = core-1
+region = eu-west
+CONF
+"$FI" shard --config shard.conf --enrol "$TOKEN" ${ECHO:+--echo} 2>shard.log &
+for _ in $(seq 60); do   # the worker loads the model, then connects
+  "$CTL" status | grep -q "^cluster.* up " && break
+  sleep 0.5
+done
+"$CTL" status
+echo "--- coordinator log"; cat coordinator.log
+echo "--- shard log"; cat shard.log

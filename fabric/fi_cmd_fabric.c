@@ -1,0 +1,152 @@
+/*
+ * fi_cmd_fabric.c - `fedinfer keygen` and `fedinfer coordinator`.
+ *
+ * Bootstrap: the first operator key cannot be enrolled over the fabric
+ * (nobody could create its token), so it is written into the database
+ * directly, by whoever runs the coordinator:
+ *
+ *   fedinfer keygen coord              # coord.key (0600), coord.pub
+ *   fedinfer keygen op                 # on the operator's machine
+ *   fedinfer coordinator --config coordinator.conf --init --operator-key op.pub
+ *   fedinfer coordinator --config coordinator.conf
+ *
+ * Every other peer, operators included, is enrolled with a one-time token
+ * from `fedctl enrol`.
+ */
+#include <getopt.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "fi_coord.h"
+#include "fi_fabric_cmd.h"
+
+int fi_cmd_keygen(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"force", no_argument, NULL, 'f'}, {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
+    int force = 0, ch;
+    optind = 0;
+    while ((ch = getopt_long(argc, argv, "fh", opts, NULL)) != -1) {
+        if (ch == 'f') force = 1;
+        else {
+            FILE *f = ch == 'h' ? stdout : stderr;
+            fprintf(f, "usage: fedinfer keygen [--force] NAME\n\n"
+                       "Writes a Curve25519 key pair: NAME.key (secret, mode 0600) and NAME.pub.\n"
+                       "  --force   overwrite existing files\n");
+            return ch == 'h' ? 0 : 2;
+        }
+    }
+    if (optind != argc - 1) {
+        fprintf(stderr, "fedinfer keygen: expected one NAME (see --help)\n");
+        return 2;
+    }
+    char sec[1024], pub[1024], err[512], fpr[FI_KEYS_FPR_LEN];
+    snprintf(sec, sizeof sec, "%s.key", argv[optind]);
+    snprintf(pub, sizeof pub, "%s.pub", argv[optind]);
+    fi_keypair kp;
+    if (fi_keys_generate(&kp) != 0) {
+        fprintf(stderr, "fedinfer keygen: libsodium failed to initialise\n");
+        return 1;
+    }
+    int rc = fi_keys_save(&kp, sec, pub, force, err, sizeof err);
+    fi_keys_fingerprint(kp.pub, fpr);
+    fi_keys_wipe(&kp);
+    if (rc != 0) {
+        fprintf(stderr, "fedinfer keygen: %s\n", err);
+        return 1;
+    }
+    printf("wrote %s (secret, 0600) and %s, fingerprint %s\n", sec, pub, fpr);
+    return 0;
+}
+
+/* The one piece of process state a signal handler needs. */
+static atomic_int s_stop;
+
+static void s_on_signal(int sig) {
+    (void)sig;
+    atomic_store(&s_stop, 1);
+}
+
+int fi_cmd_coordinator(int argc, char **argv) {
+    static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
+                                         {"init", no_argument, NULL, 'i'},
+                                         {"operator-key", required_argument, NULL, 'o'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    const char *config = NULL, *op_key = NULL;
+    int init = 0, ch;
+    optind = 0;
+    while ((ch = getopt_long(argc, argv, "c:io:h", opts, NULL)) != -1) {
+        switch (ch) {
+        case 'c': config = optarg; break;
+        case 'i': init = 1; break;
+        case 'o': op_key = optarg; break;
+        default: {
+            FILE *f = ch == 'h' ? stdout : stderr;
+            fprintf(f,
+                    "usage: fedinfer coordinator --config FILE\n"
+                    "       fedinfer coordinator --config FILE --init --operator-key OP.pub\n\n"
+                    "Runs the coordinator. --init records the first operator's public key in\n"
+                    "the database and exits (bootstrap; later peers enrol with tokens).\n\n"
+                    "Configuration (key = value lines; unknown keys are errors):\n"
+                    "  db = FILE            SQLite state (required)\n"
+                    "  secret_key = FILE    the coordinator's secret key (required, mode 0600)\n"
+                    "  bind = ENDPOINT      fabric endpoint (tcp://0.0.0.0:7700)\n"
+                    "  enrol_bind = ENDPOINT  enrolment endpoint (tcp://0.0.0.0:7701)\n"
+                    "  heartbeat_ms, liveness, handshake_ms, max_msg, hwm, max_in_flight\n");
+            return ch == 'h' ? 0 : 2;
+        }
+        }
+    }
+    if (!config || optind != argc || (init && !op_key) || (!init && op_key)) {
+        fprintf(stderr, "fedinfer coordinator: --config is required; --init goes with "
+                        "--operator-key (see --help)\n");
+        return 2;
+    }
+    char err[1024];
+    fi_coord_opts o;
+    fi_coord_opts_default(&o);
+    if (fi_conf_load(config, fi_coord_conf_keys, &o, err, sizeof err) != 0) {
+        fprintf(stderr, "fedinfer coordinator: %s\n", err);
+        return 1;
+    }
+    if (init) {
+        uint8_t pub[FI_KEYS_BYTES];
+        char fpr[FI_KEYS_FPR_LEN];
+        if (fi_keys_load_public(op_key, pub, err, sizeof err) != 0) {
+            fprintf(stderr, "fedinfer coordinator: %s\n", err);
+            return 1;
+        }
+        fi_store *st = fi_store_open(o.db, err, sizeof err);
+        int rc = st ? fi_store_peer_add(st, pub, FI__ROLE__ROLE_OPERATOR, "", "", err, sizeof err)
+                    : -1;
+        fi_store_destroy(&st);
+        if (rc != 0) {
+            fprintf(stderr, "fedinfer coordinator: --init: %s\n", err);
+            return 1;
+        }
+        fi_keys_fingerprint(pub, fpr);
+        printf("operator %s recorded in %s\n", fpr, o.db);
+        return 0;
+    }
+    fi_keypair kp;
+    if (fi_keys_load_secret(o.secret_key, &kp, err, sizeof err) != 0) {
+        fprintf(stderr, "fedinfer coordinator: %s\n", err);
+        return 1;
+    }
+    fi_coord *c = fi_coord_new(&o, &kp, err, sizeof err);
+    fi_keys_wipe(&kp);
+    if (!c) {
+        fprintf(stderr, "fedinfer coordinator: %s\n", err);
+        return 1;
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = s_on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    int rc = fi_coord_run(c, &s_stop);
+    fi_coord_destroy(&c);
+    return rc == 0 ? 0 : 1;
+}

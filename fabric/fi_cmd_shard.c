@@ -1,0 +1,134 @@
+/*
+ * fi_cmd_shard.c - `fedinfer shard`: a cluster worker serving one model
+ * (the whole model in this process) to the coordinator.
+ *
+ *   fedinfer shard --config shard.conf [--enrol TOKEN] [--echo]
+ *
+ * --enrol presents a one-time token (from `fedctl enrol --role cluster`)
+ * with this worker's key before serving. --echo serves with the echo
+ * backend instead of the model (tests, demos of the fabric alone).
+ */
+#include <getopt.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "fi_fabric_cmd.h"
+#include "fi_shard.h"
+
+static atomic_int s_stop;
+
+static void s_on_signal(int sig) {
+    (void)sig;
+    atomic_store(&s_stop, 1);
+}
+
+int fi_cmd_shard(int argc, char **argv) {
+    static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
+                                         {"enrol", required_argument, NULL, 'e'},
+                                         {"echo", no_argument, NULL, 'E'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    const char *config = NULL, *token = NULL;
+    int echo = 0, ch;
+    optind = 0;
+    while ((ch = getopt_long(argc, argv, "c:e:Eh", opts, NULL)) != -1) {
+        switch (ch) {
+        case 'c': config = optarg; break;
+        case 'e': token = optarg; break;
+        case 'E': echo = 1; break;
+        default: {
+            FILE *f = ch == 'h' ? stdout : stderr;
+            fprintf(f, "usage: fedinfer shard --config FILE [--enrol TOKEN] [--echo]\n\n"
+                       "Serves a model to the coordinator as a cluster worker.\n\n"
+                       "Configuration (key = value lines; unknown keys are errors):\n"
+                       "  coordinator = ENDPOINT       tcp://coordinator:7700 (required)\n"
+                       "  coordinator_key = FILE       the coordinator's public key (required)\n"
+                       "  secret_key = FILE            this worker's secret key (required, 0600)\n"
+                       "  model = FILE                 GGUF model (required)\n"
+                       "  model_name = NAME            name requests use (required)\n"
+                       "  enrol_endpoint, site, region  for --enrol\n"
+                       "  capacity, heartbeat_ms, liveness, n_ctx, threads, max_tokens\n");
+            return ch == 'h' ? 0 : 2;
+        }
+        }
+    }
+    if (!config || optind != argc) {
+        fprintf(stderr, "fedinfer shard: --config is required (see --help)\n");
+        return 2;
+    }
+    char err[1024];
+    fi_shard_conf conf;
+    fi_shard_conf_default(&conf);
+    if (fi_conf_load(config, fi_shard_conf_keys, &conf, err, sizeof err) != 0) {
+        fprintf(stderr, "fedinfer shard: %s\n", err);
+        return 1;
+    }
+    if (strlen(conf.model_name) >= sizeof((fi_client_opts *)0)->models[0]) {
+        fprintf(stderr, "fedinfer shard: %s: model_name is longer than 63 bytes\n", config);
+        return 1;
+    }
+    fi_client_opts o;
+    fi_client_opts_default(&o);
+    snprintf(o.endpoint, sizeof o.endpoint, "%s", conf.coordinator);
+    o.role = FI__ROLE__ROLE_CLUSTER;
+    o.heartbeat_ms = conf.heartbeat_ms;
+    o.liveness = conf.liveness;
+    o.n_models = 1;
+    snprintf(o.models[0], sizeof o.models[0], "%s", conf.model_name);
+    o.capacity[0] = (uint32_t)conf.capacity;
+    if (fi_keys_load_public(conf.coordinator_key, o.server_pub, err, sizeof err) != 0 ||
+        fi_keys_load_secret(conf.secret_key, &o.kp, err, sizeof err) != 0) {
+        fprintf(stderr, "fedinfer shard: %s\n", err);
+        return 1;
+    }
+    int rc = 1;
+    fi_client *c = NULL;
+    fi_shard_backend be = {0};
+    if (token) {
+        char fpr[FI_KEYS_FPR_LEN];
+        if (!conf.enrol_endpoint[0] || !conf.site[0] || !conf.region[0]) {
+            fprintf(stderr, "fedinfer shard: --enrol needs enrol_endpoint, site and region in %s\n",
+                    config);
+            goto done;
+        }
+        if (fi_client_enrol(&o, conf.enrol_endpoint, token, FI__ROLE__ROLE_CLUSTER, conf.site,
+                            conf.region, 10000, fpr, err, sizeof err) != 0) {
+            fprintf(stderr, "fedinfer shard: %s\n", err);
+            goto done;
+        }
+        printf("enrolled as cluster %s/%s, fingerprint %s\n", conf.site, conf.region, fpr);
+    }
+    if (echo) {
+        be = fi_shard_echo_backend(4, 0);
+        if (!be.ctx) {
+            fprintf(stderr, "fedinfer shard: out of memory\n");
+            goto done;
+        }
+    } else if (fi_shard_engine_backend(&conf, &be, err, sizeof err) != 0) {
+        fprintf(stderr, "fedinfer shard: %s: %s\n", conf.model, err);
+        goto done;
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = s_on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    if (!(c = fi_client_new(&o, err, sizeof err))) {
+        fprintf(stderr, "fedinfer shard: %s\n", err);
+        goto done;
+    }
+    fprintf(stderr, "shard: serving %s (%s backend, capacity %d) to %s\n", conf.model_name,
+            be.name, conf.capacity, conf.coordinator);
+    if (fi_shard_serve(c, &be, 4 * conf.capacity, &s_stop, err, sizeof err) != 0) {
+        fprintf(stderr, "fedinfer shard: %s\n", err);
+        goto done;
+    }
+    rc = 0;
+done:
+    fi_client_destroy(&c);
+    if (be.destroy) be.destroy(be.ctx);
+    fi_keys_wipe(&o.kp);
+    return rc;
+}

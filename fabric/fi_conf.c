@@ -1,0 +1,86 @@
+/*
+ * fi_conf.c - strict key = value configuration files. See fi_conf.h.
+ */
+#include "fi_conf.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define S_MAX_KEYS 64
+
+static char *s_trim(char *s) {
+    while (isspace((unsigned char)*s)) s++;
+    size_t n = strlen(s);
+    while (n && isspace((unsigned char)s[n - 1])) s[--n] = 0;
+    return s;
+}
+
+int fi_conf_load(const char *path, const fi_conf_key *keys, void *dst, char *err, size_t errlen) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    int seen[S_MAX_KEYS] = {0};
+    char line[FI_CONF_STR_MAX + 128];
+    int lineno = 0, rc = -1;
+    while (fgets(line, sizeof line, f)) {
+        lineno++;
+        if (!strchr(line, '\n') && !feof(f)) {
+            snprintf(err, errlen, "%s:%d: line too long", path, lineno);
+            goto done;
+        }
+        char *s = s_trim(line);
+        if (!*s || *s == '#') continue;
+        char *eq = strchr(s, '=');
+        if (!eq) {
+            snprintf(err, errlen, "%s:%d: expected 'key = value'", path, lineno);
+            goto done;
+        }
+        *eq = 0;
+        char *name = s_trim(s), *val = s_trim(eq + 1);
+        int k = 0;
+        while (keys[k].name && strcmp(keys[k].name, name)) k++;
+        if (!keys[k].name) {
+            snprintf(err, errlen, "%s:%d: unknown key '%s'", path, lineno, name);
+            goto done;
+        }
+        if (k < S_MAX_KEYS && seen[k]) {
+            snprintf(err, errlen, "%s:%d: key '%s' given twice", path, lineno, name);
+            goto done;
+        }
+        if (k < S_MAX_KEYS) seen[k] = 1;
+        char *at = (char *)dst + keys[k].offset;
+        if (keys[k].type == FI_CONF_STR) {
+            if (strlen(val) >= FI_CONF_STR_MAX || !*val) {
+                snprintf(err, errlen, "%s:%d: value of '%s' is %s", path, lineno, name,
+                         *val ? "too long" : "empty");
+                goto done;
+            }
+            strcpy(at, val);
+        } else {
+            char *end;
+            errno = 0;
+            long v = strtol(val, &end, 10);
+            if (errno || end == val || *end || v < keys[k].min || v > keys[k].max) {
+                snprintf(err, errlen, "%s:%d: value of '%s' must be an integer in [%ld, %ld]",
+                         path, lineno, name, keys[k].min, keys[k].max);
+                goto done;
+            }
+            int iv = (int)v;
+            memcpy(at, &iv, sizeof iv);
+        }
+    }
+    for (int k = 0; keys[k].name && k < S_MAX_KEYS; k++)
+        if (keys[k].required && !seen[k]) {
+            snprintf(err, errlen, "%s: required key '%s' is missing", path, keys[k].name);
+            goto done;
+        }
+    rc = 0;
+done:
+    fclose(f);
+    return rc;
+}

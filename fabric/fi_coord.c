@@ -1,0 +1,994 @@
+/*
+ * fi_coord.c - the coordinator's broker loop. See fi_coord.h.
+ *
+ * Peers are kept in a small array searched linearly: a coordinator serves
+ * tens to hundreds of peers, and a scan of that is cheaper than the CURVE
+ * work on each message. Requests likewise.
+ */
+#include "fi_coord.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <zmq.h>
+
+#define S_MAX_MODELS 8
+#define S_MODEL_NAME 64
+#define S_MAX_STATUS 4096
+#define S_ADDR_LEN 64
+
+typedef struct s_model {
+    char name[S_MODEL_NAME]; /* model a worker serves */
+    uint32_t capacity;       /* requests at once */
+} s_model;
+
+typedef struct s_peer {
+    uint64_t serial;               /* never reused; requests refer to peers by it */
+    uint8_t rid[256];              /* ROUTER routing id */
+    size_t rid_len;                /* bytes of rid */
+    fi_peer_rec rec;               /* enrolled identity, from the key */
+    uint64_t last_ms;              /* when the last message arrived */
+    int hello;                     /* 1 once it said Hello */
+    int n_models;                  /* entries of models */
+    s_model models[S_MAX_MODELS];  /* what a worker serves */
+    uint32_t in_flight;            /* requests open on (worker) or from (edge) it */
+    int fd;                        /* TCP socket it last spoke on, -1 unknown */
+    char addr[S_ADDR_LEN];         /* that socket's peer address, for the cut-off check */
+} s_peer;
+
+typedef struct s_req {
+    uint64_t id;                       /* coordinator's id ("c<id>" on the worker side) */
+    char edge_rid[FI_WIRE_MAX_ID + 1]; /* the edge's own request id */
+    uint64_t edge;                     /* serial of the sending peer */
+    uint64_t worker;                   /* serial of the serving worker */
+    uint64_t started_ms;               /* when it was routed */
+} s_req;
+
+struct fi_coord {
+    fi_coord_opts o;               /* options, copied */
+    fi_keypair kp;                 /* coordinator's key pair (wiped on destroy) */
+    fi_store *st;                  /* fleet state */
+    void *ctx;                     /* ZeroMQ context */
+    void *zap;                     /* ZAP handler (REP, inproc) */
+    void *router;                  /* fabric endpoint */
+    void *enrol;                   /* enrolment endpoint */
+    void *mon[2];                  /* PAIRs receiving each endpoint's failed handshakes */
+    uint64_t failed_handshakes;    /* since the last log line */
+    uint64_t failed_total;         /* since start */
+    char ep[2][FI_CONF_STR_MAX];   /* bound endpoints */
+    s_peer *peers;                 /* connected peers */
+    size_t n_peers, cap_peers;     /* used / allocated */
+    s_req *reqs;                   /* open requests */
+    size_t n_reqs, cap_reqs;       /* used / allocated */
+    uint64_t next_serial;          /* for peers */
+    uint64_t next_req;             /* for requests */
+    uint64_t next_beat_ms;         /* when heartbeats go out next */
+};
+
+#define S_OFF(f) offsetof(fi_coord_opts, f)
+const fi_conf_key fi_coord_conf_keys[] = {
+    {"bind", FI_CONF_STR, S_OFF(bind), 0, 0, 0},
+    {"enrol_bind", FI_CONF_STR, S_OFF(enrol_bind), 0, 0, 0},
+    {"db", FI_CONF_STR, S_OFF(db), 1, 0, 0},
+    {"secret_key", FI_CONF_STR, S_OFF(secret_key), 1, 0, 0},
+    {"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 600000},
+    {"liveness", FI_CONF_INT, S_OFF(liveness), 0, 2, 100},
+    {"handshake_ms", FI_CONF_INT, S_OFF(handshake_ms), 0, 100, 60000},
+    {"max_msg", FI_CONF_INT, S_OFF(max_msg), 0, 1024, (long)FI_WIRE_MAX_MSG},
+    {"hwm", FI_CONF_INT, S_OFF(hwm), 0, 10, 1000000},
+    {"max_in_flight", FI_CONF_INT, S_OFF(max_in_flight), 0, 1, 100000},
+    {NULL, FI_CONF_STR, 0, 0, 0, 0},
+};
+
+void fi_coord_opts_default(fi_coord_opts *o) {
+    memset(o, 0, sizeof *o);
+    snprintf(o->bind, sizeof o->bind, "tcp://0.0.0.0:7700");
+    snprintf(o->enrol_bind, sizeof o->enrol_bind, "tcp://0.0.0.0:7701");
+    snprintf(o->db, sizeof o->db, "coordinator.db");
+    o->heartbeat_ms = 1000;
+    o->liveness = 3;
+    o->handshake_ms = 2000;
+    o->max_msg = (int)FI_WIRE_MAX_MSG;
+    o->hwm = 1000;
+    o->max_in_flight = 64;
+}
+
+static void s_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void s_log(const char *fmt, ...) {
+    char ts[32];
+    time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%s coordinator: ", ts);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+/* --- ZAP --------------------------------------------------------------- */
+
+static int s_zap_check(void *user, const char *domain, const uint8_t pub[FI_KEYS_BYTES],
+                       const char *address, char *uid, size_t uidlen, char *reason,
+                       size_t reasonlen) {
+    fi_coord *c = user;
+    char fpr[FI_KEYS_FPR_LEN], z[FI_KEYS_Z85_LEN];
+    fi_keys_fingerprint(pub, fpr);
+    fi_peer_rec rec;
+    int have = fi_store_peer_get(c->st, pub, &rec);
+    int enrol = !strcmp(domain, FI_ZAP_DOMAIN_ENROL);
+    if (!enrol && strcmp(domain, FI_ZAP_DOMAIN_FABRIC)) {
+        snprintf(reason, reasonlen, "unknown domain");
+    } else if (have < 0) {
+        snprintf(reason, reasonlen, "store error");
+    } else if (have == 1 && rec.revoked) {
+        snprintf(reason, reasonlen, "revoked key");
+    } else if (have == 0 && !enrol) {
+        snprintf(reason, reasonlen, "unknown key");
+    } else {
+        fi_keys_to_z85(pub, z);
+        snprintf(uid, uidlen, "%s", z);
+        return 1;
+    }
+    s_log("refused %s %s from %s at the handshake (%s endpoint)", reason, fpr, address,
+          enrol ? "enrolment" : "fabric");
+    return 0;
+}
+
+/* --- peers and requests -------------------------------------------------- */
+
+static s_peer *s_peer_by_rid(fi_coord *c, const void *rid, size_t len) {
+    for (size_t i = 0; i < c->n_peers; i++)
+        if (c->peers[i].rid_len == len && !memcmp(c->peers[i].rid, rid, len)) return &c->peers[i];
+    return NULL;
+}
+
+static s_peer *s_peer_by_serial(fi_coord *c, uint64_t serial) {
+    for (size_t i = 0; i < c->n_peers; i++)
+        if (c->peers[i].serial == serial) return &c->peers[i];
+    return NULL;
+}
+
+static s_req *s_req_by_id(fi_coord *c, uint64_t id) {
+    for (size_t i = 0; i < c->n_reqs; i++)
+        if (c->reqs[i].id == id) return &c->reqs[i];
+    return NULL;
+}
+
+static void s_req_remove(fi_coord *c, s_req *r) {
+    s_peer *w = s_peer_by_serial(c, r->worker), *e = s_peer_by_serial(c, r->edge);
+    if (w && w->in_flight) w->in_flight--;
+    if (e && e->in_flight) e->in_flight--;
+    *r = c->reqs[--c->n_reqs];
+}
+
+/* Sends one encoded message to a peer without blocking. On failure (queue
+ * full, peer gone) the message is dropped and -1 returned. Frees buf. */
+static int s_send(fi_coord *c, void *sock, const void *rid, size_t rid_len, uint8_t *buf,
+                  const size_t *len) {
+    int rc = -1;
+    /* len by pointer: read after buf's encoder has written it. */
+    if (buf && zmq_send(sock, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
+        zmq_send(sock, buf, *len, ZMQ_DONTWAIT) >= 0)
+        rc = 0;
+    free(buf);
+    (void)c;
+    return rc;
+}
+
+static int s_send_msg(fi_coord *c, void *sock, const void *rid, size_t rid_len, const fi_msg *m) {
+    size_t len = 0;
+    uint8_t *buf = fi_wire_encode(m, &len);
+    return s_send(c, sock, rid, rid_len, buf, &len);
+}
+
+static void s_send_error(fi_coord *c, void *sock, const void *rid, size_t rid_len,
+                         const char *req_id, Fi__ErrorCode code, const char *msg) {
+    size_t len = 0;
+    (void)s_send(c, sock, rid, rid_len, fi_wire_error(req_id, code, msg, &len), &len);
+}
+
+/* Ends every request that involves peer p: requests it served end with an
+ * error to their senders, requests it sent are cancelled at the worker. */
+static void s_fail_requests_of(fi_coord *c, const s_peer *p, const char *why) {
+    for (size_t i = 0; i < c->n_reqs;) {
+        s_req *r = &c->reqs[i];
+        if (r->worker == p->serial) {
+            s_peer *e = s_peer_by_serial(c, r->edge);
+            if (e)
+                s_send_error(c, c->router, e->rid, e->rid_len, r->edge_rid,
+                             FI__ERROR_CODE__ERR_PEER_DEAD, why);
+            s_req_remove(c, r);
+        } else if (r->edge == p->serial) {
+            s_peer *w = s_peer_by_serial(c, r->worker);
+            if (w) {
+                char id[32];
+                snprintf(id, sizeof id, "c%llu", (unsigned long long)r->id);
+                Fi__Cancel cn = FI__CANCEL__INIT;
+                cn.request_id = id;
+                fi_msg m = FI__ENVELOPE__INIT;
+                m.body_case = FI__ENVELOPE__BODY_CANCEL;
+                m.cancel = &cn;
+                (void)s_send_msg(c, c->router, w->rid, w->rid_len, &m);
+            }
+            s_req_remove(c, r);
+        } else {
+            i++;
+        }
+    }
+}
+
+/* Removes p from routing; its requests end (see s_fail_requests_of). Logs
+ * why unless quiet. */
+static void s_peer_remove(fi_coord *c, s_peer *p, const char *why, int quiet) {
+    if (!quiet)
+        s_log("peer %s (%s %s) removed: %s", p->rec.fpr, fi_wire_role_name(p->rec.role),
+              p->rec.site[0] ? p->rec.site : "-", why);
+    s_fail_requests_of(c, p, why);
+    *p = c->peers[--c->n_peers];
+}
+
+/* Finds or registers the peer behind a routing id; the identity is the
+ * ZAP User-Id (the Z85 key) of the message. NULL when the message must be
+ * dropped. */
+static s_peer *s_peer_for(fi_coord *c, const void *rid, size_t rid_len, const char *uid, int fd,
+                          const char *addr) {
+    uint8_t pub[FI_KEYS_BYTES];
+    if (!uid || fi_keys_from_z85(uid, pub) != 0) {
+        s_log("dropped a message without an authenticated key (from %s)", addr);
+        return NULL;
+    }
+    s_peer *p = s_peer_by_rid(c, rid, rid_len);
+    if (p) {
+        if (memcmp(p->rec.pub, pub, FI_KEYS_BYTES)) {
+            s_log("dropped a message whose key does not match its connection (from %s)", addr);
+            return NULL;
+        }
+    } else {
+        if (rid_len > sizeof p->rid) return NULL;
+        if (c->n_peers == c->cap_peers) {
+            size_t cap = c->cap_peers ? 2 * c->cap_peers : 16;
+            s_peer *np = realloc(c->peers, cap * sizeof *np);
+            if (!np) return NULL;
+            c->peers = np;
+            c->cap_peers = cap;
+        }
+        p = &c->peers[c->n_peers];
+        memset(p, 0, sizeof *p);
+        int have = fi_store_peer_get(c->st, pub, &p->rec);
+        if (have != 1) {
+            s_log("dropped a message from a key not in the store (from %s)", addr);
+            return NULL;
+        }
+        c->n_peers++;
+        p->serial = ++c->next_serial;
+        memcpy(p->rid, rid, rid_len);
+        p->rid_len = rid_len;
+    }
+    if (p->rec.revoked) return NULL;
+    p->fd = fd;
+    snprintf(p->addr, sizeof p->addr, "%s", addr);
+    p->last_ms = fi_wire_now_ms();
+    return p;
+}
+
+/* Cuts a connection off beneath libzmq: shutting the TCP socket down makes
+ * libzmq see the end of the stream and drop the connection; the peer's
+ * reconnect then fails at the ZAP handler. The fd is checked against the
+ * address it was seen with, so a number reused by another connection is
+ * never touched. */
+static void s_cut_off(const s_peer *p) {
+    if (p->fd < 0) return;
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    if (getpeername(p->fd, (struct sockaddr *)&ss, &sl) != 0) return;
+    char host[S_ADDR_LEN] = "";
+    const void *a = ss.ss_family == AF_INET    ? (const void *)&((struct sockaddr_in *)&ss)->sin_addr
+                    : ss.ss_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)&ss)->sin6_addr
+                                               : NULL;
+    if (!a || !inet_ntop(ss.ss_family, a, host, sizeof host) || strcmp(host, p->addr)) return;
+    shutdown(p->fd, SHUT_RDWR);
+}
+
+/* --- handlers ------------------------------------------------------------ */
+
+static void s_on_hello(fi_coord *c, s_peer *p, const Fi__Hello *h) {
+    /* One live connection per key: an older one is a connection that died
+     * without us noticing yet. */
+    int replaced = 0;
+    for (size_t i = 0; i < c->n_peers;) {
+        s_peer *q = &c->peers[i];
+        if (q != p && !memcmp(q->rec.pub, p->rec.pub, FI_KEYS_BYTES)) {
+            uint64_t keep = p->serial;
+            s_peer_remove(c, q, "replaced by a new connection of the same key", 1);
+            replaced = 1;
+            p = s_peer_by_serial(c, keep);
+            if (!p) return;
+        } else {
+            i++;
+        }
+    }
+    p->n_models = 0;
+    if (p->rec.role == FI__ROLE__ROLE_CLUSTER) {
+        for (size_t i = 0; i < h->n_models && p->n_models < S_MAX_MODELS; i++) {
+            const Fi__ModelOffer *mo = h->models[i];
+            if (!mo || !mo->name || !mo->name[0] || strlen(mo->name) >= S_MODEL_NAME ||
+                mo->capacity == 0 || mo->capacity > 1024)
+                continue;
+            snprintf(p->models[p->n_models].name, S_MODEL_NAME, "%s", mo->name);
+            p->models[p->n_models].capacity = mo->capacity;
+            p->n_models++;
+        }
+    }
+    if (!p->hello)
+        s_log("peer %s (%s %s/%s) %s from %s, %d model(s)", p->rec.fpr,
+              fi_wire_role_name(p->rec.role), p->rec.site[0] ? p->rec.site : "-",
+              p->rec.region[0] ? p->rec.region : "-", replaced ? "reconnected" : "connected",
+              p->addr, p->n_models);
+    p->hello = 1;
+    Fi__Hello r = FI__HELLO__INIT;
+    r.role = FI__ROLE__ROLE_COORDINATOR;
+    r.software = (char *)"fedinfer " FI_VERSION;
+    r.heartbeat_ms = (uint32_t)c->o.heartbeat_ms;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_HELLO;
+    m.hello = &r;
+    (void)s_send_msg(c, c->router, p->rid, p->rid_len, &m);
+}
+
+/* The least-loaded live worker with room for a request of model; NULL
+ * when none, with *serving telling whether some live worker serves the
+ * model at all. */
+static s_peer *s_pick_worker(fi_coord *c, const char *model, int *serving) {
+    s_peer *best = NULL;
+    *serving = 0;
+    double best_load = 2.0;
+    for (size_t i = 0; i < c->n_peers; i++) {
+        s_peer *w = &c->peers[i];
+        if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
+        for (int k = 0; k < w->n_models; k++) {
+            if (strcmp(w->models[k].name, model)) continue;
+            *serving = 1;
+            if (w->in_flight >= w->models[k].capacity) continue;
+            double load = (double)w->in_flight / w->models[k].capacity;
+            if (load < best_load) {
+                best_load = load;
+                best = w;
+            }
+        }
+    }
+    return best;
+}
+
+static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
+    const char *rid = rq->request_id ? rq->request_id : "";
+    if (!rid[0] || strlen(rid) > FI_WIRE_MAX_ID || !rq->model || !rq->model[0] ||
+        rq->n_labels > 32) {
+        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BAD_REQUEST,
+                     "request_id (1..64 bytes), model and at most 32 labels are required");
+        return;
+    }
+    if (e->in_flight >= (uint32_t)c->o.max_in_flight) {
+        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY,
+                     "too many requests in flight from this peer");
+        return;
+    }
+    int serving = 0;
+    s_peer *w = s_pick_worker(c, rq->model, &serving);
+    if (!w) {
+        char msg[160];
+        snprintf(msg, sizeof msg, serving ? "every worker serving model '%.64s' is at capacity"
+                                          : "no live worker serves model '%.64s'", rq->model);
+        s_send_error(c, c->router, e->rid, e->rid_len, rid,
+                     serving ? FI__ERROR_CODE__ERR_BUSY : FI__ERROR_CODE__ERR_NO_WORKER, msg);
+        return;
+    }
+    if (c->o.policy) {
+        char reason[256] = "denied by policy";
+        if (!c->o.policy(c->o.policy_user, rq, &e->rec, &w->rec, reason, sizeof reason)) {
+            s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_UNAUTHORISED,
+                         reason);
+            return;
+        }
+    }
+    if (c->n_reqs == c->cap_reqs) {
+        size_t cap = c->cap_reqs ? 2 * c->cap_reqs : 64;
+        s_req *nr = realloc(c->reqs, cap * sizeof *nr);
+        if (!nr) {
+            s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_INTERNAL,
+                         "out of memory");
+            return;
+        }
+        c->reqs = nr;
+        c->cap_reqs = cap;
+    }
+    s_req *r = &c->reqs[c->n_reqs];
+    r->id = ++c->next_req;
+    snprintf(r->edge_rid, sizeof r->edge_rid, "%s", rid);
+    r->edge = e->serial;
+    r->worker = w->serial;
+    r->started_ms = fi_wire_now_ms();
+    /* The worker sees the coordinator's id and the origin known from the
+     * edge's key, whatever the edge wrote. */
+    char cid[32];
+    snprintf(cid, sizeof cid, "c%llu", (unsigned long long)r->id);
+    Fi__Origin origin = FI__ORIGIN__INIT;
+    origin.site = e->rec.site;
+    origin.region = e->rec.region;
+    Fi__InferRequest fwd = *rq;
+    fwd.request_id = cid;
+    fwd.origin = &origin;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_INFER;
+    m.infer = &fwd;
+    if (s_send_msg(c, c->router, w->rid, w->rid_len, &m) != 0) {
+        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY,
+                     "the worker's queue is full");
+        return;
+    }
+    c->n_reqs++;
+    e->in_flight++;
+    w->in_flight++;
+}
+
+/* A chunk, final result or error from a worker: back to the request's
+ * sender under the sender's own id. */
+static void s_on_worker_reply(fi_coord *c, s_peer *w, fi_msg *m) {
+    char **idp = m->body_case == FI__ENVELOPE__BODY_CHUNK   ? &m->chunk->request_id
+                 : m->body_case == FI__ENVELOPE__BODY_FINAL ? &m->final->request_id
+                                                            : &m->error->request_id;
+    const char *id = *idp ? *idp : "";
+    char *end = NULL;
+    unsigned long long n = id[0] == 'c' ? strtoull(id + 1, &end, 10) : 0;
+    s_req *r = n && end && !*end ? s_req_by_id(c, n) : NULL;
+    if (!r || r->worker != w->serial) return; /* cancelled or ended: late replies are dropped */
+    s_peer *e = s_peer_by_serial(c, r->edge);
+    int last = m->body_case != FI__ENVELOPE__BODY_CHUNK;
+    char *saved = *idp;
+    *idp = r->edge_rid;
+    int rc = e ? s_send_msg(c, c->router, e->rid, e->rid_len, m) : -1;
+    *idp = saved;
+    if (rc != 0 && !last) {
+        /* The sender is gone or not reading: stop the work. */
+        Fi__Cancel cn = FI__CANCEL__INIT;
+        cn.request_id = (char *)id;
+        fi_msg cm = FI__ENVELOPE__INIT;
+        cm.body_case = FI__ENVELOPE__BODY_CANCEL;
+        cm.cancel = &cn;
+        (void)s_send_msg(c, c->router, w->rid, w->rid_len, &cm);
+        if (e)
+            s_send_error(c, c->router, e->rid, e->rid_len, r->edge_rid, FI__ERROR_CODE__ERR_BUSY,
+                         "stream dropped: the receiver's queue is full");
+        last = 1;
+    }
+    if (last) s_req_remove(c, r);
+}
+
+static void s_on_cancel(fi_coord *c, s_peer *e, const Fi__Cancel *cn) {
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        s_req *r = &c->reqs[i];
+        if (r->edge != e->serial || !cn->request_id || strcmp(r->edge_rid, cn->request_id))
+            continue;
+        s_peer *w = s_peer_by_serial(c, r->worker);
+        if (w) {
+            char id[32];
+            snprintf(id, sizeof id, "c%llu", (unsigned long long)r->id);
+            Fi__Cancel fc = FI__CANCEL__INIT;
+            fc.request_id = id;
+            fi_msg m = FI__ENVELOPE__INIT;
+            m.body_case = FI__ENVELOPE__BODY_CANCEL;
+            m.cancel = &fc;
+            (void)s_send_msg(c, c->router, w->rid, w->rid_len, &m);
+        }
+        s_req_remove(c, r);
+        return;
+    }
+}
+
+typedef struct s_status_ctx {
+    fi_coord *c;              /* the coordinator */
+    Fi__PeerStatus *rows;     /* one per enrolled peer */
+    Fi__PeerStatus **ptrs;    /* pointers to rows, for the reply */
+    Fi__ModelOffer *offers;   /* S_MAX_MODELS per row */
+    Fi__ModelOffer **optrs;   /* pointers to offers */
+    size_t n;                 /* rows filled */
+    fi_peer_rec *recs;        /* copies the rows' strings point into */
+} s_status_ctx;
+
+static int s_status_row(void *user, const fi_peer_rec *rec) {
+    s_status_ctx *s = user;
+    if (s->n >= S_MAX_STATUS) return 1;
+    size_t i = s->n++;
+    s->recs[i] = *rec;
+    Fi__PeerStatus *ps = &s->rows[i];
+    fi__peer_status__init(ps);
+    ps->fingerprint = s->recs[i].fpr;
+    ps->role = rec->role;
+    ps->site = s->recs[i].site;
+    ps->region = s->recs[i].region;
+    ps->revoked = rec->revoked;
+    uint64_t now = fi_wire_now_ms();
+    for (size_t k = 0; k < s->c->n_peers; k++) {
+        s_peer *p = &s->c->peers[k];
+        if (memcmp(p->rec.pub, rec->pub, FI_KEYS_BYTES)) continue;
+        ps->connected = 1;
+        ps->idle_ms = now - p->last_ms;
+        ps->in_flight = p->in_flight;
+        ps->n_models = (size_t)p->n_models;
+        ps->models = &s->optrs[i * S_MAX_MODELS];
+        for (int j = 0; j < p->n_models; j++) {
+            Fi__ModelOffer *mo = &s->offers[i * S_MAX_MODELS + (size_t)j];
+            fi__model_offer__init(mo);
+            mo->name = p->models[j].name;
+            mo->capacity = p->models[j].capacity;
+            s->optrs[i * S_MAX_MODELS + (size_t)j] = mo;
+        }
+    }
+    s->ptrs[i] = ps;
+    return 0;
+}
+
+static void s_on_status(fi_coord *c, s_peer *op) {
+    int64_t total = fi_store_count(c->st, "peers");
+    size_t n = total < 0 ? 0 : total > S_MAX_STATUS ? S_MAX_STATUS : (size_t)total;
+    s_status_ctx s = {c, calloc(n + 1, sizeof(Fi__PeerStatus)),
+                      calloc(n + 1, sizeof(Fi__PeerStatus *)),
+                      calloc((n + 1) * S_MAX_MODELS, sizeof(Fi__ModelOffer)),
+                      calloc((n + 1) * S_MAX_MODELS, sizeof(Fi__ModelOffer *)), 0,
+                      calloc(n + 1, sizeof(fi_peer_rec))};
+    if (total < 0 || !s.rows || !s.ptrs || !s.offers || !s.optrs || !s.recs) {
+        s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
+                     "cannot read the fleet");
+    } else {
+        s.n = 0;
+        if (n) (void)fi_store_peer_each(c->st, s_status_row, &s);
+        Fi__StatusReply sr = FI__STATUS_REPLY__INIT;
+        sr.n_peers = s.n;
+        sr.peers = s.ptrs;
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_STATUS_REPLY;
+        m.status_reply = &sr;
+        (void)s_send_msg(c, c->router, op->rid, op->rid_len, &m);
+    }
+    free(s.rows);
+    free(s.ptrs);
+    free(s.offers);
+    free(s.optrs);
+    free(s.recs);
+}
+
+static void s_on_token(fi_coord *c, s_peer *op, const Fi__TokenRequest *tr) {
+    const char *site = tr->site ? tr->site : "", *region = tr->region ? tr->region : "";
+    int need_site = tr->role == FI__ROLE__ROLE_EDGE || tr->role == FI__ROLE__ROLE_CLUSTER;
+    if ((!need_site && tr->role != FI__ROLE__ROLE_OPERATOR) ||
+        (need_site && (!fi_store_name_ok(site) || !fi_store_name_ok(region))) ||
+        (!need_site && (site[0] || region[0])) || tr->ttl_s == 0 || tr->ttl_s > 7 * 86400) {
+        s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_BAD_REQUEST,
+                     "token request needs a role (edge, cluster, operator), a site and region "
+                     "for edges and clusters (names of [A-Za-z0-9._-]), and a ttl of 1 s to 7 days");
+        return;
+    }
+    char tok[FI_KEYS_TOKEN_LEN], hash[65], err[256];
+    int64_t expires = (int64_t)time(NULL) + tr->ttl_s;
+    if (fi_keys_token(tok) != 0) {
+        s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
+                     "no randomness");
+        return;
+    }
+    fi_keys_token_hash(tok, hash);
+    if (fi_store_token_add(c->st, hash, tr->role, site, region, expires, err, sizeof err) != 0) {
+        s_log("token: %s", err);
+        s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL, err);
+        return;
+    }
+    s_log("operator %s created an enrolment token for %s %s/%s, expires in %u s", op->rec.fpr,
+          fi_wire_role_name(tr->role), site[0] ? site : "-", region[0] ? region : "-", tr->ttl_s);
+    Fi__TokenReply r = FI__TOKEN_REPLY__INIT;
+    r.token = tok;
+    r.expires_unix = (uint64_t)expires;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_TOKEN_REPLY;
+    m.token_reply = &r;
+    (void)s_send_msg(c, c->router, op->rid, op->rid_len, &m);
+}
+
+static void s_on_revoke(fi_coord *c, s_peer *op, const Fi__RevokeRequest *rr) {
+    fi_peer_rec rec;
+    const char *fpr = rr->fingerprint ? rr->fingerprint : "";
+    int rc = strlen(fpr) == FI_KEYS_FPR_LEN - 1 ? fi_store_peer_revoke(c->st, fpr, &rec) : 0;
+    if (rc <= 0) {
+        s_send_error(c, c->router, op->rid, op->rid_len, "",
+                     rc < 0 ? FI__ERROR_CODE__ERR_INTERNAL : FI__ERROR_CODE__ERR_NOT_FOUND,
+                     rc < 0 ? "database error" : "no enrolled peer has that fingerprint");
+        return;
+    }
+    s_log("operator %s revoked %s (%s %s)", op->rec.fpr, rec.fpr, fi_wire_role_name(rec.role),
+          rec.site[0] ? rec.site : "-");
+    uint64_t op_serial = op->serial;
+    for (size_t i = 0; i < c->n_peers;) {
+        s_peer *p = &c->peers[i];
+        if (memcmp(p->rec.pub, rec.pub, FI_KEYS_BYTES)) {
+            i++;
+            continue;
+        }
+        s_send_error(c, c->router, p->rid, p->rid_len, "", FI__ERROR_CODE__ERR_REVOKED,
+                     "this key was revoked");
+        s_cut_off(p);
+        s_peer_remove(c, p, "revoked", 0);
+    }
+    op = s_peer_by_serial(c, op_serial);
+    if (!op) return; /* the operator revoked itself */
+    size_t len = 0;
+    (void)s_send(c, c->router, op->rid, op->rid_len, fi_wire_ack(rec.fpr, &len), &len);
+}
+
+static void s_on_bundle(fi_coord *c, s_peer *op, const Fi__PolicyBundle *b) {
+    if (fi_store_bundle_put(c->st, b->version, b->bundle.data, b->bundle.len, op->rec.fpr) != 0) {
+        s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
+                     "cannot store the bundle");
+        return;
+    }
+    /* Opaque to the fabric: policy/ signs it and every edge checks it. */
+    Fi__PolicyBundle fwd = *b;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_POLICY_BUNDLE;
+    m.policy_bundle = &fwd;
+    int sent = 0;
+    for (size_t i = 0; i < c->n_peers; i++)
+        if (c->peers[i].rec.role == FI__ROLE__ROLE_EDGE)
+            sent += s_send_msg(c, c->router, c->peers[i].rid, c->peers[i].rid_len, &m) == 0;
+    s_log("policy bundle version %llu (%zu bytes) from %s stored, pushed to %d edge(s)",
+          (unsigned long long)b->version, b->bundle.len, op->rec.fpr, sent);
+    char ref[32];
+    snprintf(ref, sizeof ref, "bundle %llu", (unsigned long long)b->version);
+    size_t len = 0;
+    (void)s_send(c, c->router, op->rid, op->rid_len, fi_wire_ack(ref, &len), &len);
+}
+
+static void s_on_audit(fi_coord *c, s_peer *p, const Fi__AuditUpload *a) {
+    const char *bid = a->batch_id ? a->batch_id : "";
+    if (!bid[0] || strlen(bid) > FI_WIRE_MAX_ID) {
+        s_send_error(c, c->router, p->rid, p->rid_len, "", FI__ERROR_CODE__ERR_BAD_REQUEST,
+                     "audit upload needs a batch_id of 1..64 bytes");
+        return;
+    }
+    if (fi_store_audit_put(c->st, p->rec.fpr, bid, a->first_seq, a->count, a->batch.data,
+                           a->batch.len) != 0) {
+        s_send_error(c, c->router, p->rid, p->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
+                     "cannot store the audit batch");
+        return;
+    }
+    size_t len = 0;
+    (void)s_send(c, c->router, p->rid, p->rid_len, fi_wire_ack(bid, &len), &len);
+}
+
+/* Which message types each role may send on the fabric endpoint. */
+static int s_allowed(Fi__Role role, fi_msg_type t) {
+    switch (t) {
+    case FI__ENVELOPE__BODY_HELLO:
+    case FI__ENVELOPE__BODY_HEARTBEAT: return 1;
+    case FI__ENVELOPE__BODY_INFER:
+    case FI__ENVELOPE__BODY_CANCEL: return role == FI__ROLE__ROLE_EDGE;
+    case FI__ENVELOPE__BODY_CHUNK:
+    case FI__ENVELOPE__BODY_FINAL:
+    case FI__ENVELOPE__BODY_ERROR: return role == FI__ROLE__ROLE_CLUSTER;
+    case FI__ENVELOPE__BODY_AUDIT_UPLOAD:
+        return role == FI__ROLE__ROLE_EDGE || role == FI__ROLE__ROLE_CLUSTER;
+    case FI__ENVELOPE__BODY_POLICY_BUNDLE:
+    case FI__ENVELOPE__BODY_STATUS_REQUEST:
+    case FI__ENVELOPE__BODY_TOKEN_REQUEST:
+    case FI__ENVELOPE__BODY_REVOKE_REQUEST: return role == FI__ROLE__ROLE_OPERATOR;
+    default: return 0;
+    }
+}
+
+static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
+    if (!s_allowed(p->rec.role, m->body_case)) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "a %s may not send %s", fi_wire_role_name(p->rec.role),
+                 fi_wire_type_name(m->body_case));
+        s_log("peer %s: %s", p->rec.fpr, msg);
+        s_send_error(c, c->router, p->rid, p->rid_len, "",
+                     m->body_case == FI__ENVELOPE__BODY_ENROL ? FI__ERROR_CODE__ERR_UNKNOWN_TYPE
+                                                              : FI__ERROR_CODE__ERR_UNAUTHORISED,
+                     msg);
+        return;
+    }
+    if (p->rec.role == FI__ROLE__ROLE_CLUSTER && !p->hello &&
+        m->body_case != FI__ENVELOPE__BODY_HELLO) {
+        /* A worker we do not know yet, typically after our restart. */
+        s_send_error(c, c->router, p->rid, p->rid_len, "", FI__ERROR_CODE__ERR_NOT_REGISTERED,
+                     "send hello first");
+        return;
+    }
+    switch (m->body_case) {
+    case FI__ENVELOPE__BODY_HELLO: s_on_hello(c, p, m->hello); break;
+    case FI__ENVELOPE__BODY_HEARTBEAT: break;
+    case FI__ENVELOPE__BODY_INFER: s_on_infer(c, p, m->infer); break;
+    case FI__ENVELOPE__BODY_CANCEL: s_on_cancel(c, p, m->cancel); break;
+    case FI__ENVELOPE__BODY_CHUNK:
+    case FI__ENVELOPE__BODY_FINAL:
+    case FI__ENVELOPE__BODY_ERROR: s_on_worker_reply(c, p, m); break;
+    case FI__ENVELOPE__BODY_AUDIT_UPLOAD: s_on_audit(c, p, m->audit_upload); break;
+    case FI__ENVELOPE__BODY_POLICY_BUNDLE: s_on_bundle(c, p, m->policy_bundle); break;
+    case FI__ENVELOPE__BODY_STATUS_REQUEST: s_on_status(c, p); break;
+    case FI__ENVELOPE__BODY_TOKEN_REQUEST: s_on_token(c, p, m->token_request); break;
+    case FI__ENVELOPE__BODY_REVOKE_REQUEST: s_on_revoke(c, p, m->revoke_request); break;
+    default: break;
+    }
+}
+
+static void s_on_enrol(fi_coord *c, const void *rid, size_t rid_len, const char *uid,
+                       const char *addr, fi_msg *m) {
+    uint8_t pub[FI_KEYS_BYTES];
+    if (!uid || fi_keys_from_z85(uid, pub) != 0) return;
+    char fpr[FI_KEYS_FPR_LEN];
+    fi_keys_fingerprint(pub, fpr);
+    if (m->body_case != FI__ENVELOPE__BODY_ENROL) {
+        s_send_error(c, c->enrol, rid, rid_len, "", FI__ERROR_CODE__ERR_UNKNOWN_TYPE,
+                     "only enrol is served on this endpoint");
+        return;
+    }
+    const Fi__Enrol *en = m->enrol;
+    const char *site = en->site ? en->site : "", *region = en->region ? en->region : "";
+    char hash[65], err[256];
+    fi_keys_token_hash(en->token ? en->token : "", hash);
+    if (fi_store_enrol(c->st, hash, en->role, site, region, pub, (int64_t)time(NULL), err,
+                       sizeof err) != 0) {
+        s_log("enrolment of %s (%s %s/%s) from %s refused: %s", fpr, fi_wire_role_name(en->role),
+              site, region, addr, err);
+        s_send_error(c, c->enrol, rid, rid_len, "", FI__ERROR_CODE__ERR_BAD_TOKEN, err);
+        return;
+    }
+    s_log("enrolled %s as %s %s/%s from %s", fpr, fi_wire_role_name(en->role), site, region, addr);
+    Fi__EnrolReply r = FI__ENROL_REPLY__INIT;
+    r.fingerprint = fpr;
+    r.role = en->role;
+    r.site = (char *)site;
+    r.region = (char *)region;
+    fi_msg out = FI__ENVELOPE__INIT;
+    out.body_case = FI__ENVELOPE__BODY_ENROL_REPLY;
+    out.enrol_reply = &r;
+    (void)s_send_msg(c, c->enrol, rid, rid_len, &out);
+}
+
+/* Reads and handles up to a batch of messages from one ROUTER socket.
+ * Returns -1 on a fatal socket error. */
+static int s_drain(fi_coord *c, void *sock) {
+    for (int n = 0; n < 256; n++) {
+        zmq_msg_t id, body;
+        zmq_msg_init(&id);
+        if (zmq_msg_recv(&id, sock, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&id);
+            return zmq_errno() == EAGAIN || zmq_errno() == EINTR ? 0 : -1;
+        }
+        zmq_msg_init(&body);
+        int have_body = zmq_msg_more(&id) && zmq_msg_recv(&body, sock, 0) >= 0;
+        int extra = 0;
+        while (have_body && zmq_msg_more(&body)) { /* a peer that sends several frames */
+            zmq_msg_t x;
+            zmq_msg_init(&x);
+            if (zmq_msg_recv(&x, sock, 0) < 0) {
+                zmq_msg_close(&x);
+                break;
+            }
+            extra = 1;
+            int more = zmq_msg_more(&x);
+            zmq_msg_close(&x);
+            if (!more) break;
+        }
+        if (!have_body) {
+            zmq_msg_close(&id);
+            zmq_msg_close(&body);
+            continue;
+        }
+        const char *uid = zmq_msg_gets(&body, "User-Id");
+        const char *addr = zmq_msg_gets(&body, "Peer-Address");
+        int fd = zmq_msg_get(&body, ZMQ_SRCFD);
+        const void *rid = zmq_msg_data(&id);
+        size_t rid_len = zmq_msg_size(&id);
+        if (!addr) addr = "?";
+        s_peer *p = NULL;
+        if (sock == c->router) {
+            p = s_peer_for(c, rid, rid_len, uid, fd, addr);
+            if (!p) {
+                zmq_msg_close(&id);
+                zmq_msg_close(&body);
+                continue;
+            }
+        }
+        Fi__ErrorCode code = FI__ERROR_CODE__ERR_UNSPECIFIED;
+        char err[160];
+        fi_msg *m = extra ? NULL
+                          : fi_wire_decode(zmq_msg_data(&body), zmq_msg_size(&body),
+                                           (size_t)c->o.max_msg, &code, err, sizeof err);
+        if (extra) {
+            code = FI__ERROR_CODE__ERR_MALFORMED;
+            snprintf(err, sizeof err, "a message is one frame; got several");
+        }
+        if (!m) {
+            char fpr[FI_KEYS_FPR_LEN] = "?";
+            uint8_t pub[FI_KEYS_BYTES];
+            if (uid && fi_keys_from_z85(uid, pub) == 0) fi_keys_fingerprint(pub, fpr);
+            s_log("bad message from %s (%s): %s", fpr, addr, err);
+            s_send_error(c, sock, rid, rid_len, "", code, err);
+        } else if (sock == c->router) {
+            s_dispatch(c, p, m);
+        } else {
+            s_on_enrol(c, rid, rid_len, uid, addr, m);
+        }
+        fi_wire_free(&m);
+        zmq_msg_close(&id);
+        zmq_msg_close(&body);
+    }
+    return 0;
+}
+
+/* Counts handshakes that failed before ZAP (garbage, timeouts, another
+ * mechanism); they are logged as one line per heartbeat interval, so that
+ * a flood of junk connections cannot flood the log. */
+static void s_monitor(fi_coord *c, void *mon) {
+    for (;;) {
+        zmq_msg_t ev;
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&ev);
+            return;
+        }
+        int more = zmq_msg_more(&ev);
+        zmq_msg_close(&ev);
+        while (more) {
+            zmq_msg_init(&ev);
+            more = zmq_msg_recv(&ev, mon, 0) >= 0 && zmq_msg_more(&ev);
+            zmq_msg_close(&ev);
+        }
+        c->failed_handshakes++;
+        c->failed_total++;
+    }
+}
+
+static void s_tick(fi_coord *c) {
+    uint64_t now = fi_wire_now_ms();
+    if (c->failed_handshakes) {
+        s_log("dropped %llu connection(s) that failed the handshake (not ZMTP, timed out or "
+              "not CURVE); %llu since start",
+              (unsigned long long)c->failed_handshakes, (unsigned long long)c->failed_total);
+        c->failed_handshakes = 0;
+    }
+    uint64_t dead_after = (uint64_t)c->o.heartbeat_ms * (uint64_t)c->o.liveness;
+    for (size_t i = 0; i < c->n_peers;) {
+        s_peer *p = &c->peers[i];
+        if (now - p->last_ms > dead_after) {
+            char why[96];
+            snprintf(why, sizeof why, "no message for %llu ms: peer is dead",
+                     (unsigned long long)(now - p->last_ms));
+            s_peer_remove(c, p, why, 0);
+            continue;
+        }
+        size_t len = 0;
+        (void)s_send(c, c->router, p->rid, p->rid_len, fi_wire_heartbeat(now, &len), &len);
+        i++;
+    }
+    c->next_beat_ms = now + (uint64_t)c->o.heartbeat_ms;
+}
+
+fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, size_t errlen) {
+    fi_coord *c = calloc(1, sizeof *c);
+    if (!c) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    c->o = *o;
+    c->kp = *kp;
+    fi_sockopts so;
+    fi_sockopts_default(&so);
+    so.heartbeat_ms = o->heartbeat_ms;
+    so.heartbeat_timeout_ms = o->heartbeat_ms * o->liveness;
+    so.handshake_ms = o->handshake_ms;
+    so.max_msg = o->max_msg;
+    so.hwm = o->hwm;
+    so.plaintext = o->plaintext;
+    int one = 1;
+    size_t n;
+    if (!(c->st = fi_store_open(o->db, err, errlen))) goto fail;
+    if (!(c->ctx = zmq_ctx_new())) {
+        snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    /* The ZAP handler first: with ZMQ_ZAP_ENFORCE_DOMAIN a server socket
+     * without one refuses every client, so order matters for liveness, not
+     * safety. */
+    if (!(c->zap = fi_zap_bind(c->ctx, err, errlen))) goto fail;
+    c->router = zmq_socket(c->ctx, ZMQ_ROUTER);
+    c->enrol = zmq_socket(c->ctx, ZMQ_ROUTER);
+    if (!c->router || !c->enrol) {
+        snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    if (fi_sock_server(c->router, &c->kp, FI_ZAP_DOMAIN_FABRIC, &so, err, errlen) != 0 ||
+        fi_sock_server(c->enrol, &c->kp, FI_ZAP_DOMAIN_ENROL, &so, err, errlen) != 0)
+        goto fail;
+    for (int i = 0; i < 2; i++) {
+        const char *ep = i ? "inproc://fi-coord-monitor-enrol" : "inproc://fi-coord-monitor";
+        if (zmq_socket_monitor(i ? c->enrol : c->router, ep,
+                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                                   ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0 ||
+            !(c->mon[i] = zmq_socket(c->ctx, ZMQ_PAIR)) || zmq_connect(c->mon[i], ep) != 0) {
+            snprintf(err, errlen, "socket monitor: %s", zmq_strerror(zmq_errno()));
+            goto fail;
+        }
+    }
+    zmq_setsockopt(c->router, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+    zmq_setsockopt(c->enrol, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+    if (zmq_bind(c->router, o->bind) != 0 || zmq_bind(c->enrol, o->enrol_bind) != 0) {
+        snprintf(err, errlen, "cannot bind %s / %s: %s", o->bind, o->enrol_bind,
+                 zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    n = sizeof c->ep[0];
+    zmq_getsockopt(c->router, ZMQ_LAST_ENDPOINT, c->ep[0], &n);
+    n = sizeof c->ep[1];
+    zmq_getsockopt(c->enrol, ZMQ_LAST_ENDPOINT, c->ep[1], &n);
+    c->next_beat_ms = fi_wire_now_ms() + (uint64_t)o->heartbeat_ms;
+    return c;
+fail:
+    fi_coord_destroy(&c);
+    return NULL;
+}
+
+void fi_coord_destroy(fi_coord **cp) {
+    if (!cp || !*cp) return;
+    fi_coord *c = *cp;
+    if (c->router) zmq_close(c->router);
+    if (c->enrol) zmq_close(c->enrol);
+    if (c->zap) zmq_close(c->zap);
+    for (int i = 0; i < 2; i++)
+        if (c->mon[i]) zmq_close(c->mon[i]);
+    if (c->ctx) zmq_ctx_term(c->ctx);
+    fi_store_destroy(&c->st);
+    free(c->peers);
+    free(c->reqs);
+    fi_keys_wipe(&c->kp);
+    free(c);
+    *cp = NULL;
+}
+
+const char *fi_coord_endpoint(const fi_coord *c, int enrol) { return c->ep[enrol ? 1 : 0]; }
+
+fi_store *fi_coord_store(fi_coord *c) { return c->st; }
+
+int fi_coord_run(fi_coord *c, atomic_int *stop) {
+    s_log("serving on %s (enrolment on %s), heartbeat %d ms x %d", c->ep[0], c->ep[1],
+          c->o.heartbeat_ms, c->o.liveness);
+    while (!atomic_load(stop)) {
+        zmq_pollitem_t items[5] = {{c->zap, 0, ZMQ_POLLIN, 0},
+                                   {c->router, 0, ZMQ_POLLIN, 0},
+                                   {c->enrol, 0, ZMQ_POLLIN, 0},
+                                   {c->mon[0], 0, ZMQ_POLLIN, 0},
+                                   {c->mon[1], 0, ZMQ_POLLIN, 0}};
+        uint64_t now = fi_wire_now_ms();
+        long timeout = c->next_beat_ms > now ? (long)(c->next_beat_ms - now) : 0;
+        if (timeout > 100) timeout = 100; /* so that *stop is seen soon */
+        if (zmq_poll(items, 5, timeout) < 0) {
+            if (zmq_errno() == EINTR) continue;
+            s_log("zmq_poll: %s", zmq_strerror(zmq_errno()));
+            return -1;
+        }
+        if ((items[0].revents & ZMQ_POLLIN) && fi_zap_handle(c->zap, s_zap_check, c) < 0)
+            s_log("ZAP handler: %s", zmq_strerror(zmq_errno()));
+        if ((items[1].revents & ZMQ_POLLIN) && s_drain(c, c->router) < 0) return -1;
+        if ((items[2].revents & ZMQ_POLLIN) && s_drain(c, c->enrol) < 0) return -1;
+        if (items[3].revents & ZMQ_POLLIN) s_monitor(c, c->mon[0]);
+        if (items[4].revents & ZMQ_POLLIN) s_monitor(c, c->mon[1]);
+        if (fi_wire_now_ms() >= c->next_beat_ms) s_tick(c);
+    }
+    return 0;
+}

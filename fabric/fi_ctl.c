@@ -1,0 +1,233 @@
+/*
+ * fi_ctl.c - the fabric's verbs of `fedctl`, the operator's console:
+ * status, enrol (one-time tokens), revoke.
+ *
+ * fedctl talks to the coordinator over the fabric, as an operator peer
+ * authenticated by its key; it never opens the coordinator's database.
+ * Its configuration (--config FILE, or $FEDCTL_CONFIG):
+ *
+ *   coordinator = tcp://coordinator:7700
+ *   coordinator_key = /etc/fedinfer/coord.pub
+ *   secret_key = /home/op/.fedinfer/op.key
+ */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "fi_client.h"
+#include "fi_fabric_cmd.h"
+
+typedef struct s_ctl_conf {
+    char coordinator[FI_CONF_STR_MAX];     /* fabric endpoint */
+    char coordinator_key[FI_CONF_STR_MAX]; /* its public key file */
+    char secret_key[FI_CONF_STR_MAX];      /* the operator's secret key file */
+    int timeout_ms;                        /* how long to wait for answers */
+} s_ctl_conf;
+
+static const fi_conf_key s_ctl_keys[] = {
+    {"coordinator", FI_CONF_STR, offsetof(s_ctl_conf, coordinator), 1, 0, 0},
+    {"coordinator_key", FI_CONF_STR, offsetof(s_ctl_conf, coordinator_key), 1, 0, 0},
+    {"secret_key", FI_CONF_STR, offsetof(s_ctl_conf, secret_key), 1, 0, 0},
+    {"timeout_ms", FI_CONF_INT, offsetof(s_ctl_conf, timeout_ms), 0, 100, 600000},
+    {NULL, FI_CONF_STR, 0, 0, 0, 0},
+};
+
+#define S_CONF_HELP                                                                  \
+    "  --config FILE   fedctl configuration (default $FEDCTL_CONFIG): coordinator,\n" \
+    "                  coordinator_key, secret_key [, timeout_ms]\n"
+
+/* Connects as an operator. NULL (message printed) on failure. */
+static fi_client *s_connect(const char *verb, const char *config) {
+    if (!config) config = getenv("FEDCTL_CONFIG");
+    if (!config) {
+        fprintf(stderr, "fedctl %s: no --config and no $FEDCTL_CONFIG\n", verb);
+        return NULL;
+    }
+    s_ctl_conf cc;
+    memset(&cc, 0, sizeof cc);
+    cc.timeout_ms = 5000;
+    char err[1024];
+    fi_client_opts o;
+    fi_client_opts_default(&o);
+    o.role = FI__ROLE__ROLE_OPERATOR;
+    if (fi_conf_load(config, s_ctl_keys, &cc, err, sizeof err) != 0 ||
+        fi_keys_load_public(cc.coordinator_key, o.server_pub, err, sizeof err) != 0 ||
+        fi_keys_load_secret(cc.secret_key, &o.kp, err, sizeof err) != 0) {
+        fprintf(stderr, "fedctl %s: %s\n", verb, err);
+        return NULL;
+    }
+    snprintf(o.endpoint, sizeof o.endpoint, "%s", cc.coordinator);
+    fi_client *c = fi_client_new(&o, err, sizeof err);
+    fi_keys_wipe(&o.kp);
+    if (c && fi_client_wait_ready(c, cc.timeout_ms, err, sizeof err) != 0) fi_client_destroy(&c);
+    if (!c) fprintf(stderr, "fedctl %s: %s\n", verb, err);
+    return c;
+}
+
+/* Sends m and waits for want; prints an Error reply. Returns the reply or
+ * NULL. */
+static fi_msg *s_call(const char *verb, fi_client *c, const fi_msg *m, fi_msg_type want) {
+    fi_msg *r = NULL;
+    char err[512];
+    if (fi_client_call(c, m, want, 10000, &r, err, sizeof err) != 1) {
+        fprintf(stderr, "fedctl %s: %s\n", verb, err);
+        return NULL;
+    }
+    if (r->body_case == FI__ENVELOPE__BODY_ERROR) {
+        fprintf(stderr, "fedctl %s: %s (%s)\n", verb, r->error->message,
+                fi_wire_error_name(r->error->code));
+        fi_wire_free(&r);
+    }
+    return r;
+}
+
+/* Parses --config/--help only; returns -1 to exit with *rc. */
+static int s_simple_opts(int argc, char **argv, const char *usage, const char **config, int *rc) {
+    static const struct option opts[] = {{"config", required_argument, NULL, 'C'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    int ch;
+    optind = 0;
+    while ((ch = getopt_long(argc, argv, "C:h", opts, NULL)) != -1) {
+        if (ch == 'C') {
+            *config = optarg;
+            continue;
+        }
+        fprintf(ch == 'h' ? stdout : stderr, "%s", usage);
+        *rc = ch == 'h' ? 0 : 2;
+        return -1;
+    }
+    return 0;
+}
+
+int fi_ctl_status(int argc, char **argv) {
+    const char *config = NULL;
+    int rc = 0;
+    if (s_simple_opts(argc, argv,
+                      "usage: fedctl status [--config FILE]\n\n"
+                      "Lists enrolled sites, edges, clusters and operators with their health.\n" S_CONF_HELP,
+                      &config, &rc) != 0)
+        return rc;
+    if (optind != argc) {
+        fprintf(stderr, "fedctl status: no arguments expected\n");
+        return 2;
+    }
+    fi_client *c = s_connect("status", config);
+    if (!c) return 1;
+    Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
+    m.status_request = &sq;
+    fi_msg *r = s_call("status", c, &m, FI__ENVELOPE__BODY_STATUS_REPLY);
+    fi_client_destroy(&c);
+    if (!r) return 1;
+    printf("%-9s %-16s %-12s %-32s %-10s %-9s %s\n", "ROLE", "SITE", "REGION", "FINGERPRINT",
+           "HEALTH", "IN-FLIGHT", "MODELS");
+    for (size_t i = 0; i < r->status_reply->n_peers; i++) {
+        const Fi__PeerStatus *p = r->status_reply->peers[i];
+        char health[32], models[256] = "";
+        if (p->revoked) snprintf(health, sizeof health, "revoked");
+        else if (p->connected) snprintf(health, sizeof health, "up");
+        else snprintf(health, sizeof health, "down");
+        for (size_t k = 0; k < p->n_models; k++) {
+            size_t used = strlen(models);
+            snprintf(models + used, sizeof models - used, "%s%s(x%u)", k ? "," : "",
+                     p->models[k]->name, p->models[k]->capacity);
+        }
+        printf("%-9s %-16s %-12s %-32s %-10s %-9u %s\n", fi_wire_role_name(p->role),
+               p->site[0] ? p->site : "-", p->region[0] ? p->region : "-", p->fingerprint, health,
+               p->in_flight, models[0] ? models : "-");
+    }
+    fi_wire_free(&r);
+    return 0;
+}
+
+int fi_ctl_enrol(int argc, char **argv) {
+    static const struct option opts[] = {{"config", required_argument, NULL, 'C'},
+                                         {"role", required_argument, NULL, 'r'},
+                                         {"site", required_argument, NULL, 's'},
+                                         {"region", required_argument, NULL, 'g'},
+                                         {"ttl", required_argument, NULL, 't'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    const char *config = NULL, *role = NULL, *site = "", *region = "";
+    long ttl = 3600;
+    int ch;
+    optind = 0;
+    while ((ch = getopt_long(argc, argv, "C:r:s:g:t:h", opts, NULL)) != -1) {
+        switch (ch) {
+        case 'C': config = optarg; break;
+        case 'r': role = optarg; break;
+        case 's': site = optarg; break;
+        case 'g': region = optarg; break;
+        case 't': ttl = strtol(optarg, NULL, 10); break;
+        default:
+            fprintf(ch == 'h' ? stdout : stderr,
+                    "usage: fedctl enrol --role edge|cluster|operator [--site S --region R]\n"
+                    "                    [--ttl SECONDS] [--config FILE]\n\n"
+                    "Creates a one-time enrolment token (default ttl 3600 s). The peer presents\n"
+                    "it once with its key, site and region; edges and clusters need --site and\n"
+                    "--region, which the token pins.\n" S_CONF_HELP);
+            return ch == 'h' ? 0 : 2;
+        }
+    }
+    Fi__Role r = fi_wire_role_parse(role);
+    if (optind != argc || r == FI__ROLE__ROLE_UNSPECIFIED || ttl < 1 || ttl > 7 * 86400) {
+        fprintf(stderr, "fedctl enrol: --role edge|cluster|operator is required; --ttl is "
+                        "1..604800 s (see --help)\n");
+        return 2;
+    }
+    fi_client *c = s_connect("enrol", config);
+    if (!c) return 1;
+    Fi__TokenRequest tr = FI__TOKEN_REQUEST__INIT;
+    tr.role = r;
+    tr.site = (char *)site;
+    tr.region = (char *)region;
+    tr.ttl_s = (uint32_t)ttl;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_TOKEN_REQUEST;
+    m.token_request = &tr;
+    fi_msg *rep = s_call("enrol", c, &m, FI__ENVELOPE__BODY_TOKEN_REPLY);
+    fi_client_destroy(&c);
+    if (!rep) return 1;
+    time_t exp = (time_t)rep->token_reply->expires_unix;
+    struct tm tm;
+    char when[32];
+    gmtime_r(&exp, &tm);
+    strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    printf("%s\n", rep->token_reply->token);
+    fprintf(stderr, "one-time token for %s %s/%s, expires %s\n", role, site[0] ? site : "-",
+            region[0] ? region : "-", when);
+    fi_wire_free(&rep);
+    return 0;
+}
+
+int fi_ctl_revoke(int argc, char **argv) {
+    const char *config = NULL;
+    int rc = 0;
+    if (s_simple_opts(argc, argv,
+                      "usage: fedctl revoke [--config FILE] FINGERPRINT\n\n"
+                      "Revokes an enrolled key: its open connection is closed at once and it\n"
+                      "cannot connect again. Not undoable (enrol a new key).\n" S_CONF_HELP,
+                      &config, &rc) != 0)
+        return rc;
+    if (optind != argc - 1) {
+        fprintf(stderr, "fedctl revoke: expected one FINGERPRINT (see `fedctl status`)\n");
+        return 2;
+    }
+    fi_client *c = s_connect("revoke", config);
+    if (!c) return 1;
+    Fi__RevokeRequest rr = FI__REVOKE_REQUEST__INIT;
+    rr.fingerprint = argv[optind];
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_REVOKE_REQUEST;
+    m.revoke_request = &rr;
+    fi_msg *r = s_call("revoke", c, &m, FI__ENVELOPE__BODY_ACK);
+    fi_client_destroy(&c);
+    if (!r) return 1;
+    printf("revoked %s\n", argv[optind]);
+    fi_wire_free(&r);
+    return 0;
+}

@@ -1,0 +1,77 @@
+/*
+ * fi_wire.h - the fabric's wire protocol: one protobuf-c Envelope
+ * (fi_fabric.proto) per ZeroMQ frame, with a protocol version in each.
+ *
+ * Decoding is the one place where bytes from the network become structs:
+ * it checks the size limit, the schema, the version and that the body is a
+ * type this build knows, in that order, and on failure gives the error
+ * code to answer with. It never aborts on any input (fuzzed:
+ * tests/fuzz/fuzz_wire.c).
+ */
+#ifndef FI_WIRE_H
+#define FI_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fi_fabric.pb-c.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define FI_WIRE_MUST_CHECK __attribute__((warn_unused_result))
+#else
+#define FI_WIRE_MUST_CHECK
+#endif
+
+/* The protocol version this build speaks (Envelope.version). */
+#define FI_WIRE_VERSION 1u
+/* Default and hard upper bound of one message, bytes. Sockets are given
+ * the same bound as ZMQ_MAXMSGSIZE, so larger frames never reach us. */
+#define FI_WIRE_MAX_MSG (1u << 20)
+/* Longest request id we take, bytes. */
+#define FI_WIRE_MAX_ID 64
+
+typedef Fi__Envelope fi_msg;
+typedef Fi__Envelope__BodyCase fi_msg_type;
+
+/* Decodes one message of len bytes. Returns the message, owned by the
+ * caller (fi_wire_free), or NULL with *code set to the error to answer
+ * with (FI__ERROR_CODE__ERR_MALFORMED, _TOO_LARGE, _BAD_VERSION,
+ * _UNKNOWN_TYPE) and a message in err naming what is wrong. max: the size
+ * limit, 0 for FI_WIRE_MAX_MSG. */
+fi_msg *fi_wire_decode(const void *buf, size_t len, size_t max, Fi__ErrorCode *code, char *err,
+                       size_t errlen);
+/* Frees a decoded message and sets *m to NULL; safe on NULL. */
+void fi_wire_free(fi_msg **m);
+
+/* Encodes m (version is forced to FI_WIRE_VERSION). Returns a malloc'd
+ * buffer the caller frees and its size in *len, or NULL when out of memory
+ * or when the result would exceed FI_WIRE_MAX_MSG. */
+FI_WIRE_MUST_CHECK uint8_t *fi_wire_encode(const fi_msg *m, size_t *len);
+
+/* Short name of a body type ("infer", "chunk", ...), "none" for NOT_SET,
+ * "unknown" otherwise. */
+const char *fi_wire_type_name(fi_msg_type t);
+/* Short name of an error code ("malformed", ...). */
+const char *fi_wire_error_name(Fi__ErrorCode c);
+/* "edge", "cluster", "operator", "coordinator" or "unspecified". */
+const char *fi_wire_role_name(Fi__Role r);
+/* The role named s, or FI__ROLE__ROLE_UNSPECIFIED. */
+Fi__Role fi_wire_role_parse(const char *s);
+
+/* Encoders for the small messages every module answers with. Each returns
+ * a malloc'd buffer and its size, or NULL when out of memory. */
+uint8_t *fi_wire_error(const char *request_id, Fi__ErrorCode code, const char *message, size_t *len);
+uint8_t *fi_wire_heartbeat(uint64_t sent_ms, size_t *len);
+uint8_t *fi_wire_ack(const char *ref, size_t *len);
+
+/* Monotonic clock, milliseconds. */
+uint64_t fi_wire_now_ms(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FI_WIRE_H */

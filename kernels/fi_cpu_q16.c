@@ -1,0 +1,88 @@
+/*
+ * fi_cpu_q16.c - portable 16-bit-activation kernels (see
+ * fi_cpu_q16_impl.h). Plain C: the reference the SIMD kernels are tested
+ * against, and the path on processors without AVX2.
+ */
+#include "fi_cpu_q16_impl.h"
+
+#include <math.h>
+
+void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb) {
+    for (int b = 0; b < nb; b++, x += FI_QK) {
+        float amax = 0.0f, s = 0.0f;
+        for (int i = 0; i < FI_QK; i++) {
+            float a = fabsf(x[i]);
+            amax = a > amax ? a : amax;
+            s += x[i];
+        }
+        float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        y[b].d = d;
+        y[b].s = s;
+        for (int i = 0; i < FI_QK; i++)
+            y[b].qs[i] = (int16_t)lrintf(x[i] * id);
+    }
+}
+
+/* Sum over one block of (nibble value) * qs, nibbles as GGML lays them. */
+static int32_t s_dot_nib(const uint8_t *qs, const int16_t *x) {
+    int32_t sum = 0;
+    for (int i = 0; i < FI_QK / 2; i++)
+        sum += (int32_t)(qs[i] & 0x0f) * x[i] + (int32_t)(qs[i] >> 4) * x[i + FI_QK / 2];
+    return sum;
+}
+
+static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
+    int nb = t->cols / FI_QK;
+    for (int r = r0; r < r1; r++) {
+        const fi_block_q4_0 *w = (const fi_block_q4_0 *)(const void *)(t->w + (size_t)r * t->w_stride);
+        for (int k = 0; k < t->n; k++) {
+            const fi_block_q16x *x = (const fi_block_q16x *)(const void *)(t->x + (size_t)k * t->x_stride);
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                float d = fi_h2f(w[b].d);
+                acc += d * x[b].d * (float)s_dot_nib(w[b].qs, x[b].qs) - 8.0f * d * x[b].s;
+            }
+            t->y[(size_t)k * t->y_stride + r] = acc;
+        }
+    }
+}
+
+static void s_mm_q4_1(const fi_mm_task *t, int r0, int r1) {
+    int nb = t->cols / FI_QK;
+    for (int r = r0; r < r1; r++) {
+        const fi_block_q4_1 *w = (const fi_block_q4_1 *)(const void *)(t->w + (size_t)r * t->w_stride);
+        for (int k = 0; k < t->n; k++) {
+            const fi_block_q16x *x = (const fi_block_q16x *)(const void *)(t->x + (size_t)k * t->x_stride);
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++)
+                acc += fi_h2f(w[b].d) * x[b].d * (float)s_dot_nib(w[b].qs, x[b].qs) +
+                       fi_h2f(w[b].m) * x[b].s;
+            t->y[(size_t)k * t->y_stride + r] = acc;
+        }
+    }
+}
+
+static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
+    int nb = t->cols / FI_QK;
+    for (int r = r0; r < r1; r++) {
+        const fi_block_q8_0 *w = (const fi_block_q8_0 *)(const void *)(t->w + (size_t)r * t->w_stride);
+        for (int k = 0; k < t->n; k++) {
+            const fi_block_q16x *x = (const fi_block_q16x *)(const void *)(t->x + (size_t)k * t->x_stride);
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                int32_t sum = 0;
+                for (int i = 0; i < FI_QK; i++)
+                    sum += (int32_t)w[b].qs[i] * x[b].qs[i];
+                acc += fi_h2f(w[b].d) * x[b].d * (float)sum;
+            }
+            t->y[(size_t)k * t->y_stride + r] = acc;
+        }
+    }
+}
+
+void fi_q16_kernels_portable(fi_q16_kernels *k) {
+    k->quantize = fi_quantize_q16x_ref;
+    k->mm_q4_0 = s_mm_q4_0;
+    k->mm_q4_1 = s_mm_q4_1;
+    k->mm_q8_0 = s_mm_q8_0;
+}

@@ -1,0 +1,46 @@
+/*
+ * fi_cpu_q16_impl.h - private to kernels/: integer matrix products of
+ * quantised weights (Q4_0, Q4_1, Q8_0) with activations quantised to 16
+ * bits per element.
+ *
+ * Why 16 bits: quantising activations to 8 bits per element (as the
+ * fi_block_q8x path does) moves the default model's logits by up to ~1.0
+ * against an exact reference, enough to flip greedy choices whose margin is
+ * well above any near tie; 16-bit activations keep the error within ~0.02
+ * (measured by tests/test_golden.c) while the products stay in integer
+ * SIMD (vpmaddwd: 16 products per instruction).
+ */
+#ifndef FI_CPU_Q16_IMPL_H
+#define FI_CPU_Q16_IMPL_H
+
+#include "fi_kernels_impl.h"
+
+/* One 32-element block of an activation row: x[i] ~= qs[i] * d with
+ * |qs[i]| <= 32767, and s the exact float sum of the block's x (Q4_1's
+ * minimum and Q4_0's offset multiply it). 72 bytes. */
+typedef struct fi_block_q16x {
+    float d;              /* scale */
+    float s;              /* sum of x over the block */
+    int16_t qs[FI_QK];    /* quants */
+} fi_block_q16x;
+
+_Static_assert(sizeof(fi_block_q16x) == 72, "q16x block is 72 bytes");
+
+/* The 16-bit-activation kernels of one SIMD flavour. The matmul functions
+ * take an fi_mm_task whose x holds fi_block_q16x rows. */
+typedef struct fi_q16_kernels {
+    void (*quantize)(const float *x, fi_block_q16x *y, int nb);
+    fi_mm_fn mm_q4_0;
+    fi_mm_fn mm_q4_1;
+    fi_mm_fn mm_q8_0;
+} fi_q16_kernels;
+
+/* Portable kernels; also the reference for the SIMD ones. */
+void fi_q16_kernels_portable(fi_q16_kernels *k);
+void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb);
+#if defined(FI_HAVE_X86) && FI_HAVE_X86
+/* AVX2 kernels; call only after checking the processor has AVX2 and FMA. */
+void fi_q16_kernels_avx2(fi_q16_kernels *k);
+#endif
+
+#endif /* FI_CPU_Q16_IMPL_H */

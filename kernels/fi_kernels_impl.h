@@ -1,0 +1,125 @@
+/*
+ * fi_kernels_impl.h - private to kernels/: GGML block layouts, the
+ * activation block the integer dot products use, and the table of CPU
+ * kernels that each SIMD flavour (portable, AVX2, ...) fills in.
+ *
+ * A matmul kernel computes a range of output rows for every token of a
+ * task; how it tiles rows and tokens inside that range is its own business.
+ * The caller (fi_cpu.c) splits rows across threads and quantises the
+ * activations once per call.
+ */
+#ifndef FI_KERNELS_IMPL_H
+#define FI_KERNELS_IMPL_H
+
+#include "fi_kernels.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define FI_QK 32 /* elements per quantised block */
+
+/* GGML Q8_0: value = qs[i] * d. 34 bytes. */
+typedef struct fi_block_q8_0 {
+    uint16_t d;         /* fp16 scale */
+    int8_t qs[FI_QK];   /* quants */
+} fi_block_q8_0;
+
+/* GGML Q4_0: value = (q - 8) * d; low nibbles of qs[] are elements 0..15,
+ * high nibbles elements 16..31. 18 bytes. */
+typedef struct fi_block_q4_0 {
+    uint16_t d;             /* fp16 scale */
+    uint8_t qs[FI_QK / 2];  /* nibbles */
+} fi_block_q4_0;
+
+/* GGML Q4_1: value = q * d + m; nibbles as Q4_0. 20 bytes. */
+typedef struct fi_block_q4_1 {
+    uint16_t d;             /* fp16 scale */
+    uint16_t m;             /* fp16 minimum */
+    uint8_t qs[FI_QK / 2];  /* nibbles */
+} fi_block_q4_1;
+
+/* One 32-element block of a quantised activation row (Q8_1-like, with
+ * float scale): x[i] ~= qs[i] * d, |qs[i]| <= 127, and s = d * sum(qs[i]).
+ * s lets Q4_1's minimum term be m * s and lets Q4_0 subtract its offset 8
+ * as 8 * d_w * s after an unsigned nibble dot product. 40 bytes. */
+typedef struct fi_block_q8x {
+    float d;            /* scale */
+    float s;            /* d * sum(qs) */
+    int8_t qs[FI_QK];   /* quants */
+} fi_block_q8x;
+
+_Static_assert(sizeof(fi_block_q8_0) == 34, "q8_0 block is 34 bytes");
+_Static_assert(sizeof(fi_block_q4_0) == 18, "q4_0 block is 18 bytes");
+_Static_assert(sizeof(fi_block_q4_1) == 20, "q4_1 block is 20 bytes");
+_Static_assert(sizeof(fi_block_q8x) == 40, "q8x block is 40 bytes");
+
+/* One matmul: y[t*y_stride + r] = dot(row r of w, activation row t).
+ * For quantised weights x holds fi_block_q8x rows (cols/32 blocks each),
+ * for float weights plain float rows. */
+typedef struct fi_mm_task {
+    const uint8_t *w;   /* first weight row */
+    size_t w_stride;    /* bytes per weight row */
+    int cols;           /* elements per row */
+    const uint8_t *x;   /* first activation row (float or fi_block_q8x) */
+    size_t x_stride;    /* bytes per activation row */
+    int n;              /* tokens */
+    float *y;           /* output, token-major */
+    int y_stride;       /* floats per output row (the weight's rows) */
+} fi_mm_task;
+
+/* Computes rows [r0, r1) of task t for all its tokens. */
+typedef void (*fi_mm_fn)(const fi_mm_task *t, int r0, int r1);
+
+/* The kernels of one SIMD flavour. */
+typedef struct fi_cpu_kernels {
+    const char *name;                                          /* "avx2" */
+    /* Quantises nb blocks of x (32*nb floats) into y. */
+    void (*quantize_q8x)(const float *x, fi_block_q8x *y, int nb);
+    fi_mm_fn mm_f32;                                           /* float weights */
+    fi_mm_fn mm_f16;
+    fi_mm_fn mm_bf16;
+    fi_mm_fn mm_q4_0;                                          /* quantised weights */
+    fi_mm_fn mm_q4_1;
+    fi_mm_fn mm_q8_0;
+    /* Attention helpers over fp16 cache rows: dot product and y += a * x. */
+    float (*dot)(const float *a, const uint16_t *b, int n);
+    void (*axpy)(float *y, float a, const uint16_t *x, int n);
+    /* fp32 -> fp16, round to nearest even (stores into the KV cache). */
+    void (*to_f16)(uint16_t *dst, const float *src, size_t n);
+} fi_cpu_kernels;
+
+/* Fills k with the portable kernels. Cannot fail. */
+void fi_cpu_kernels_portable(fi_cpu_kernels *k);
+#if defined(FI_HAVE_X86) && FI_HAVE_X86
+/* Overwrites the members of k that have AVX2+FMA+F16C versions. Only call
+ * after checking that the processor has them. */
+void fi_cpu_kernels_avx2(fi_cpu_kernels *k);
+#endif
+
+/* Portable quantiser, also the reference for the SIMD ones: d = amax/127,
+ * qs = round-to-nearest-even(x * 127/amax). */
+void fi_quantize_q8x_ref(const float *x, fi_block_q8x *y, int nb);
+
+/* fp16 -> fp32 for hot loops (exact, handles all encodings). */
+static inline float fi_h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {
+        /* zero or subnormal: mant * 2^-24, exact in fp32 */
+        f = (float)mant * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#endif /* FI_KERNELS_IMPL_H */

@@ -1,0 +1,321 @@
+/*
+ * policy_audit.c - the hash-chained, append-only decision log (contract and
+ * chain definition in fi_audit.h).
+ */
+#include <sodium.h>
+#include <sqlite3.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fi_audit.h"
+
+struct fi_audit {
+    sqlite3 *db; /* the open database */
+};
+
+static const char *s_schema =
+    "PRAGMA journal_mode=WAL;"
+    "CREATE TABLE IF NOT EXISTS audit("
+    " seq INTEGER PRIMARY KEY,"
+    " time INTEGER NOT NULL,"
+    " request_id TEXT NOT NULL, tenant TEXT NOT NULL, application TEXT NOT NULL,"
+    " origin TEXT NOT NULL, labels TEXT NOT NULL, model TEXT NOT NULL,"
+    " latency_ms INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL,"
+    " decision TEXT NOT NULL, target TEXT NOT NULL, rules TEXT NOT NULL, policy_digest TEXT NOT NULL,"
+    " prev_hash TEXT NOT NULL, hash TEXT NOT NULL);"
+    "CREATE INDEX IF NOT EXISTS audit_time ON audit(time);"
+    "CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit"
+    " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;"
+    "CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit"
+    " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;";
+
+#define COLS                                                                                                     \
+    "seq, time, request_id, tenant, application, origin, labels, model, latency_ms, prompt_tokens, decision, " \
+    "target, rules, policy_digest, prev_hash, hash"
+
+fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
+    fi_audit *a = calloc(1, sizeof *a);
+    if (!a || sodium_init() < 0) {
+        free(a);
+        snprintf(err, cap, "out of memory");
+        return NULL;
+    }
+    char *msg = NULL;
+    if (sqlite3_open_v2(path, &a->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL) != SQLITE_OK ||
+        sqlite3_busy_timeout(a->db, 5000) != SQLITE_OK || sqlite3_exec(a->db, s_schema, NULL, NULL, &msg) != SQLITE_OK) {
+        snprintf(err, cap, "cannot open audit log %s: %s", path, msg ? msg : sqlite3_errmsg(a->db));
+        sqlite3_free(msg);
+        fi_audit_destroy(&a);
+        return NULL;
+    }
+    return a;
+}
+
+void fi_audit_destroy(fi_audit **self_p) {
+    if (!self_p || !*self_p) return;
+    sqlite3_close((*self_p)->db);
+    free(*self_p);
+    *self_p = NULL;
+}
+
+static void s_put(crypto_hash_sha256_state *h, const char *s) {
+    if (!s) s = "";
+    uint32_t n = (uint32_t)strlen(s);
+    uint8_t le[4] = {(uint8_t)n, (uint8_t)(n >> 8), (uint8_t)(n >> 16), (uint8_t)(n >> 24)};
+    crypto_hash_sha256_update(h, le, 4);
+    crypto_hash_sha256_update(h, (const uint8_t *)s, n);
+}
+
+static void s_put_i(crypto_hash_sha256_state *h, int64_t x) {
+    char b[32];
+    snprintf(b, sizeof b, "%lld", (long long)x);
+    s_put(h, b);
+}
+
+/* hash = SHA-256(prev || fields), hex into out[65]. prev_hex "" = genesis. */
+static void s_chain(const char *prev_hex, const fi_audit_record *r, char out[65]) {
+    uint8_t prev[32] = {0}, d[32];
+    size_t got;
+    if (prev_hex[0] && (sodium_hex2bin(prev, 32, prev_hex, strlen(prev_hex), NULL, &got, NULL) || got != 32))
+        memset(prev, 0xff, 32); /* a malformed link never matches a real hash */
+    crypto_hash_sha256_state h;
+    crypto_hash_sha256_init(&h);
+    crypto_hash_sha256_update(&h, prev, 32);
+    s_put_i(&h, r->seq);
+    s_put_i(&h, r->time);
+    s_put(&h, r->request_id);
+    s_put(&h, r->tenant);
+    s_put(&h, r->application);
+    s_put(&h, r->origin);
+    s_put(&h, r->labels);
+    s_put(&h, r->model);
+    s_put_i(&h, r->latency_ms);
+    s_put_i(&h, r->prompt_tokens);
+    s_put(&h, r->decision);
+    s_put(&h, r->target);
+    s_put(&h, r->rules);
+    s_put(&h, r->policy_digest);
+    crypto_hash_sha256_final(&h, d);
+    sodium_bin2hex(out, 65, d, 32);
+}
+
+static const char *s_nz(const char *s) { return s ? s : ""; }
+
+int fi_audit_append(fi_audit *self, fi_audit_record *rec, char *err, size_t cap) {
+    sqlite3_stmt *st = NULL;
+    char prev[65] = "";
+    if (sqlite3_exec(self->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) goto dberr;
+    if (sqlite3_prepare_v2(self->db, "SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1", -1, &st, NULL) !=
+        SQLITE_OK)
+        goto dberr_tx;
+    int r = sqlite3_step(st);
+    rec->seq = 1;
+    if (r == SQLITE_ROW) {
+        rec->seq = sqlite3_column_int64(st, 0) + 1;
+        snprintf(prev, sizeof prev, "%s", (const char *)sqlite3_column_text(st, 1));
+    } else if (r != SQLITE_DONE) {
+        goto dberr_tx;
+    }
+    sqlite3_finalize(st);
+    st = NULL;
+    fi_audit_record c = *rec;
+    c.request_id = s_nz(c.request_id);
+    c.tenant = s_nz(c.tenant);
+    c.application = s_nz(c.application);
+    c.origin = s_nz(c.origin);
+    c.labels = s_nz(c.labels);
+    c.model = s_nz(c.model);
+    c.decision = s_nz(c.decision);
+    c.target = s_nz(c.target);
+    c.rules = s_nz(c.rules);
+    c.policy_digest = s_nz(c.policy_digest);
+    s_chain(prev, &c, rec->hash);
+    if (sqlite3_prepare_v2(self->db, "INSERT INTO audit(" COLS ") VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", -1, &st,
+                           NULL) != SQLITE_OK)
+        goto dberr_tx;
+    sqlite3_bind_int64(st, 1, c.seq);
+    sqlite3_bind_int64(st, 2, c.time);
+    const char *s[] = {c.request_id, c.tenant, c.application, c.origin, c.labels, c.model};
+    for (int i = 0; i < 6; i++) sqlite3_bind_text(st, 3 + i, s[i], -1, SQLITE_TRANSIENT);
+    sqlite3_bind_int64(st, 9, c.latency_ms);
+    sqlite3_bind_int64(st, 10, c.prompt_tokens);
+    const char *t[] = {c.decision, c.target, c.rules, c.policy_digest, prev, rec->hash};
+    for (int i = 0; i < 6; i++) sqlite3_bind_text(st, 11 + i, t[i], -1, SQLITE_TRANSIENT);
+    if (sqlite3_step(st) != SQLITE_DONE) goto dberr_tx;
+    sqlite3_finalize(st);
+    if (sqlite3_exec(self->db, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
+        st = NULL;
+        goto dberr_tx;
+    }
+    return 0;
+dberr_tx:
+    snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+    sqlite3_finalize(st);
+    sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL);
+    return -1;
+dberr:
+    snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+    return -1;
+}
+
+/* Appends ", id" to a list buffer. */
+static void s_list_add(char *buf, size_t cap, const char *id) {
+    size_t k = strlen(buf);
+    if (k + strlen(id) + 2 < cap) snprintf(buf + k, cap - k, "%s%s", k ? "," : "", id);
+}
+
+int fi_audit_log_decision(fi_audit *self, const fi_policy *pol, const fi_request *req, const fi_verdict *v, size_t n,
+                          const char *const *names, int64_t time_ms, char *err, size_t cap) {
+    char labels[1024] = "", rules[1024] = "", digest[65] = "";
+    for (size_t i = 0; i < req->n_labels; i++) s_list_add(labels, sizeof labels, req->labels[i] ? req->labels[i] : "");
+    int b = fi_verdict_best(v, n);
+    const char *target = "";
+    const char *decision = "deny";
+    if (pol) fi_policy_digest_hex(pol, digest);
+    if (b >= 0) {
+        target = pol ? fi_policy_target_name(pol, v[b].target) : names[v[b].target];
+        decision = v[b].cause == FI_CAUSE_FALLBACK ? "fallback" : "permit";
+        unsigned k = v[b].n_rules < FI_VERDICT_MAX_RULES ? v[b].n_rules : FI_VERDICT_MAX_RULES;
+        for (unsigned i = 0; pol && i < k; i++) s_list_add(rules, sizeof rules, fi_policy_rule_id(pol, v[b].rules[i]));
+        k = v[b].n_prefer < FI_VERDICT_MAX_RULES ? v[b].n_prefer : FI_VERDICT_MAX_RULES;
+        for (unsigned i = 0; pol && i < k; i++) s_list_add(rules, sizeof rules, fi_policy_rule_id(pol, v[b].prefer[i]));
+    } else {
+        for (size_t t = 0; t < n; t++) {
+            if (v[t].cause == FI_CAUSE_FALLBACK) decision = "fallback";
+            unsigned k = v[t].n_rules < FI_VERDICT_MAX_RULES ? v[t].n_rules : FI_VERDICT_MAX_RULES;
+            for (unsigned i = 0; pol && v[t].cause == FI_CAUSE_FORBID && i < k; i++) {
+                const char *id = fi_policy_rule_id(pol, v[t].rules[i]);
+                char pad[300];
+                snprintf(pad, sizeof pad, ",%s,", id);
+                char hay[1100];
+                snprintf(hay, sizeof hay, ",%s,", rules);
+                if (!strstr(hay, pad)) s_list_add(rules, sizeof rules, id);
+            }
+        }
+        if (!rules[0] && pol) snprintf(rules, sizeof rules, "default deny");
+    }
+    fi_audit_record r;
+    memset(&r, 0, sizeof r);
+    r.time = time_ms;
+    r.request_id = req->request_id;
+    r.tenant = req->tenant;
+    r.application = req->application;
+    r.origin = req->origin_site;
+    r.labels = labels;
+    r.model = req->model;
+    r.latency_ms = req->latency_ms < 0 ? -1 : req->latency_ms;
+    r.prompt_tokens = req->prompt_tokens < 0 ? -1 : req->prompt_tokens;
+    r.decision = decision;
+    r.target = target;
+    r.rules = rules;
+    r.policy_digest = digest;
+    return fi_audit_append(self, &r, err, cap);
+}
+
+static void s_read(sqlite3_stmt *st, fi_audit_record *r, const char **prev) {
+    memset(r, 0, sizeof *r);
+    r->seq = sqlite3_column_int64(st, 0);
+    r->time = sqlite3_column_int64(st, 1);
+    const char **s[] = {&r->request_id, &r->tenant, &r->application, &r->origin, &r->labels, &r->model};
+    for (int i = 0; i < 6; i++) *s[i] = (const char *)sqlite3_column_text(st, 2 + i);
+    r->latency_ms = sqlite3_column_int64(st, 8);
+    r->prompt_tokens = sqlite3_column_int64(st, 9);
+    const char **t[] = {&r->decision, &r->target, &r->rules, &r->policy_digest};
+    for (int i = 0; i < 4; i++) *t[i] = (const char *)sqlite3_column_text(st, 10 + i);
+    *prev = (const char *)sqlite3_column_text(st, 14);
+    snprintf(r->hash, sizeof r->hash, "%s", (const char *)sqlite3_column_text(st, 15));
+    const char **all[] = {&r->request_id, &r->tenant, &r->application, &r->origin, &r->labels, &r->model,
+                          &r->decision, &r->target, &r->rules, &r->policy_digest, prev};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (!*all[i]) *all[i] = "";
+}
+
+int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_audit_record *r, void *arg), void *arg,
+                   char *err, size_t cap) {
+    static const fi_audit_filter none;
+    if (!f) f = &none;
+    const char *sql =
+        "SELECT * FROM (SELECT " COLS " FROM audit WHERE time >= ?1 AND (?2 = 0 OR time < ?2)"
+        " AND (?3 IS NULL OR origin = ?3) AND (?4 IS NULL OR instr(',' || labels || ',', ',' || ?4 || ',') > 0)"
+        " AND (?5 IS NULL OR target = ?5) AND (?6 IS NULL OR decision = ?6) AND (?7 IS NULL OR request_id = ?7)"
+        " AND (?8 IS NULL OR instr(',' || rules || ',', ',' || ?8 || ',') > 0)"
+        " ORDER BY seq DESC LIMIT ?9) ORDER BY seq";
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(self->db, sql, -1, &st, NULL) != SQLITE_OK) {
+        snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+        return -1;
+    }
+    sqlite3_bind_int64(st, 1, f->since_ms);
+    sqlite3_bind_int64(st, 2, f->until_ms);
+    const char *b[] = {f->origin, f->label, f->target, f->decision, f->request_id, f->rule};
+    for (int i = 0; i < 6; i++)
+        if (b[i]) sqlite3_bind_text(st, 3 + i, b[i], -1, SQLITE_TRANSIENT);
+    sqlite3_bind_int64(st, 9, f->limit ? (sqlite3_int64)f->limit : -1);
+    int r;
+    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
+        fi_audit_record rec;
+        const char *prev;
+        s_read(st, &rec, &prev);
+        if (fn(&rec, arg)) {
+            r = SQLITE_DONE;
+            break;
+        }
+    }
+    if (r != SQLITE_DONE) snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+    sqlite3_finalize(st);
+    return r == SQLITE_DONE ? 0 : -1;
+}
+
+int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) {
+    memset(out, 0, sizeof *out);
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(self->db, "SELECT " COLS " FROM audit ORDER BY seq", -1, &st, NULL) != SQLITE_OK) {
+        snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+        return -1;
+    }
+    char expect_prev[65] = "";
+    int64_t expect_seq = 1;
+    int r, broken = 0;
+    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
+        fi_audit_record rec;
+        const char *prev;
+        s_read(st, &rec, &prev);
+        out->records++;
+        char h[65];
+        if (rec.seq != expect_seq) {
+            snprintf(out->what, sizeof out->what,
+                     rec.seq > expect_seq ? "record %lld is missing (removed): the next one is %lld"
+                                          : "record %lld is out of order: found %lld",
+                     (long long)expect_seq, (long long)rec.seq);
+            out->bad_seq = expect_seq;
+            broken = 1;
+            break;
+        }
+        if (strcmp(prev, expect_prev)) {
+            snprintf(out->what, sizeof out->what,
+                     "record %lld does not link to record %lld (records removed, replaced or reordered)",
+                     (long long)rec.seq, (long long)rec.seq - 1);
+            out->bad_seq = rec.seq;
+            broken = 1;
+            break;
+        }
+        s_chain(prev, &rec, h);
+        if (strcmp(h, rec.hash)) {
+            snprintf(out->what, sizeof out->what, "record %lld was edited: its content does not match its hash",
+                     (long long)rec.seq);
+            out->bad_seq = rec.seq;
+            broken = 1;
+            break;
+        }
+        snprintf(expect_prev, sizeof expect_prev, "%s", rec.hash);
+        expect_seq++;
+    }
+    if (!broken && r != SQLITE_DONE) {
+        snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+        sqlite3_finalize(st);
+        return -1;
+    }
+    sqlite3_finalize(st);
+    snprintf(out->head, sizeof out->head, "%s", expect_prev);
+    return broken;
+}

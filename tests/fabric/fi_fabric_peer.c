@@ -1,0 +1,102 @@
+/*
+ * fi_fabric_peer.c - test-only program: the fabric's commands without the
+ * engine, so that tests can run a coordinator or a worker as a separate
+ * process (and kill it with SIGKILL).
+ *
+ *   fi_fabric_peer coordinator ARGS...   same as `fedinfer coordinator`
+ *   fi_fabric_peer keygen ARGS...        same as `fedinfer keygen`
+ *   fi_fabric_peer worker --config FILE [--enrol TOKEN]
+ *                                        a cluster worker with the echo
+ *                                        backend (shard configuration;
+ *                                        `model` is not read)
+ *   fi_fabric_peer status|enrol|revoke ARGS...  the fedctl verbs
+ */
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "fi_fabric_cmd.h"
+#include "fi_shard.h"
+
+static atomic_int s_stop;
+
+static void s_on_signal(int sig) {
+    (void)sig;
+    atomic_store(&s_stop, 1);
+}
+
+static int s_worker(int argc, char **argv) {
+    if ((argc != 3 && argc != 5) || strcmp(argv[1], "--config") ||
+        (argc == 5 && strcmp(argv[3], "--enrol"))) {
+        fprintf(stderr, "usage: fi_fabric_peer worker --config FILE [--enrol TOKEN]\n");
+        return 2;
+    }
+    const char *token = argc == 5 ? argv[4] : NULL;
+    char err[1024];
+    fi_shard_conf conf;
+    fi_shard_conf_default(&conf);
+    if (fi_conf_load(argv[2], fi_shard_conf_keys, &conf, err, sizeof err) != 0) {
+        fprintf(stderr, "worker: %s\n", err);
+        return 1;
+    }
+    fi_client_opts o;
+    fi_client_opts_default(&o);
+    snprintf(o.endpoint, sizeof o.endpoint, "%s", conf.coordinator);
+    o.role = FI__ROLE__ROLE_CLUSTER;
+    o.heartbeat_ms = conf.heartbeat_ms;
+    o.liveness = conf.liveness;
+    o.reconnect_ms = 50;
+    o.reconnect_max_ms = 400;
+    o.n_models = 1;
+    snprintf(o.models[0], sizeof o.models[0], "%.63s", conf.model_name);
+    o.capacity[0] = (uint32_t)conf.capacity;
+    if (fi_keys_load_public(conf.coordinator_key, o.server_pub, err, sizeof err) != 0 ||
+        fi_keys_load_secret(conf.secret_key, &o.kp, err, sizeof err) != 0) {
+        fprintf(stderr, "worker: %s\n", err);
+        return 1;
+    }
+    if (token) {
+        char fpr[FI_KEYS_FPR_LEN];
+        if (fi_client_enrol(&o, conf.enrol_endpoint, token, FI__ROLE__ROLE_CLUSTER, conf.site,
+                            conf.region, 5000, fpr, err, sizeof err) != 0) {
+            fprintf(stderr, "worker: %s\n", err);
+            fi_keys_wipe(&o.kp);
+            return 1;
+        }
+        printf("%s\n", fpr);
+        fflush(stdout);
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = s_on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    fi_client *c = fi_client_new(&o, err, sizeof err);
+    fi_keys_wipe(&o.kp);
+    if (!c) {
+        fprintf(stderr, "worker: %s\n", err);
+        return 1;
+    }
+    fi_shard_backend be = fi_shard_echo_backend(4, 50);
+    int rc = be.ctx ? fi_shard_serve(c, &be, 16, &s_stop, err, sizeof err) : -1;
+    if (rc) fprintf(stderr, "worker: %s\n", err);
+    if (be.destroy) be.destroy(be.ctx);
+    fi_client_destroy(&c);
+    return rc ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: fi_fabric_peer coordinator|keygen|worker|status|enrol|revoke ...\n");
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "coordinator")) return fi_cmd_coordinator(argc - 1, argv + 1);
+    if (!strcmp(cmd, "keygen")) return fi_cmd_keygen(argc - 1, argv + 1);
+    if (!strcmp(cmd, "worker")) return s_worker(argc - 1, argv + 1);
+    if (!strcmp(cmd, "status")) return fi_ctl_status(argc - 1, argv + 1);
+    if (!strcmp(cmd, "enrol")) return fi_ctl_enrol(argc - 1, argv + 1);
+    if (!strcmp(cmd, "revoke")) return fi_ctl_revoke(argc - 1, argv + 1);
+    fprintf(stderr, "fi_fabric_peer: unknown command '%s'\n", cmd);
+    return 2;
+}

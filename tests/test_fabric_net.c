@@ -1,0 +1,440 @@
+/*
+ * test_fabric_net.c - the fabric on loopback: a coordinator, an operator,
+ * an edge and an echo worker exchange every message type; enrolment with
+ * one-time tokens; unknown and revoked keys. (A worker killed mid-stream:
+ * test_fabric_procs.c.)
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include "fabric/harness.h"
+
+static int setup(void **state) {
+    harness *h = calloc(1, sizeof *h);
+    if (!h || h_init(h) || h_start(h)) return -1;
+    *state = h;
+    return 0;
+}
+
+static int teardown(void **state) {
+    harness *h = *state;
+    h_stop(h);
+    free(h);
+    return 0;
+}
+
+/* Asks the coordinator for an enrolment token. */
+static int s_token(fi_client *op, Fi__Role role, const char *site, const char *region,
+                   char *tok, size_t toklen) {
+    Fi__TokenRequest tr = FI__TOKEN_REQUEST__INIT;
+    tr.role = role;
+    tr.site = (char *)site;
+    tr.region = (char *)region;
+    tr.ttl_s = 60;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_TOKEN_REQUEST;
+    m.token_request = &tr;
+    fi_msg *r = NULL;
+    char err[256];
+    if (fi_client_call(op, &m, FI__ENVELOPE__BODY_TOKEN_REPLY, 3000, &r, err, sizeof err) != 1)
+        return -1;
+    int rc = r->body_case == FI__ENVELOPE__BODY_TOKEN_REPLY ? 0 : -1;
+    if (!rc) snprintf(tok, toklen, "%s", r->token_reply->token);
+    fi_wire_free(&r);
+    return rc;
+}
+
+static void test_every_message_type(void **state) {
+    harness *h = *state;
+    char err[256], tok[64], fpr[FI_KEYS_FPR_LEN];
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR); /* hello, heartbeat */
+    assert_non_null(op);
+
+    /* Enrolment: token -> enrol (with the key of the new edge). */
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(s_token(op, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west", tok, sizeof tok), 0);
+    fi_client_opts eo;
+    h_client_opts(h, &eo, &ek, FI__ROLE__ROLE_EDGE);
+    /* Before enrolment the key is refused on the fabric endpoint. */
+    fi_client *early = fi_client_new(&eo, err, sizeof err);
+    assert_non_null(early);
+    assert_int_equal(fi_client_wait_ready(early, 1500, err, sizeof err), -1);
+    fi_client_destroy(&early);
+    /* A token for another site does not enrol. */
+    assert_int_equal(fi_client_enrol(&eo, h->enrol_ep, tok, FI__ROLE__ROLE_EDGE, "clinic-8",
+                                     "eu-west", 3000, fpr, err, sizeof err), -1);
+    assert_non_null(strstr(err, "clinic-7"));
+    assert_int_equal(fi_client_enrol(&eo, h->enrol_ep, tok, FI__ROLE__ROLE_EDGE, "clinic-7",
+                                     "eu-west", 3000, fpr, err, sizeof err), 0);
+    char want[FI_KEYS_FPR_LEN];
+    fi_keys_fingerprint(ek.pub, want);
+    assert_string_equal(fpr, want);
+    /* One time only: a second key cannot use it. */
+    fi_keypair other;
+    assert_int_equal(fi_keys_generate(&other), 0);
+    fi_client_opts oo = eo;
+    oo.kp = other;
+    assert_int_equal(fi_client_enrol(&oo, h->enrol_ep, tok, FI__ROLE__ROLE_EDGE, "clinic-7",
+                                     "eu-west", 3000, fpr, err, sizeof err), -1);
+    assert_non_null(strstr(err, "already used"));
+
+    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(edge);
+    h_worker w;
+    assert_int_equal(h_worker_start(h, &w, "smol", 0), 0);
+
+    /* Inference request -> token-stream chunks -> final result. */
+    h_text t;
+    fi_client_result res;
+    assert_int_equal(h_infer(edge, "r1", "smol", "hello fabric", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_UNSPECIFIED);
+    assert_string_equal(t.buf, "echo: hello fabric");
+    assert_string_equal(res.stop_reason, "eog");
+    /* Error: no worker serves that model. */
+    assert_int_equal(h_infer(edge, "r2", "nope", "x", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_NO_WORKER);
+
+    /* Audit upload -> ack. */
+    Fi__AuditUpload au = FI__AUDIT_UPLOAD__INIT;
+    au.batch_id = (char *)"b1";
+    au.first_seq = 1;
+    au.count = 2;
+    au.batch.data = (uint8_t *)"opaque";
+    au.batch.len = 6;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_AUDIT_UPLOAD;
+    m.audit_upload = &au;
+    fi_msg *r = NULL;
+    assert_int_equal(fi_client_call(edge, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
+    assert_string_equal(r->ack->ref, "b1");
+    fi_wire_free(&r);
+
+    /* Policy bundle push: stored and forwarded to the edge. */
+    Fi__PolicyBundle pb = FI__POLICY_BUNDLE__INIT;
+    pb.version = 7;
+    pb.bundle.data = (uint8_t *)"signed-bundle";
+    pb.bundle.len = 13;
+    m.body_case = FI__ENVELOPE__BODY_POLICY_BUNDLE;
+    m.policy_bundle = &pb;
+    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
+    fi_wire_free(&r);
+    int got = 0;
+    for (int i = 0; i < 20 && !got; i++) {
+        if (fi_client_recv(edge, 100, &r, err, sizeof err) == 1) {
+            got = r->body_case == FI__ENVELOPE__BODY_POLICY_BUNDLE && r->policy_bundle->version == 7;
+            fi_wire_free(&r);
+        }
+    }
+    assert_true(got);
+    /* An edge may not push a bundle. */
+    assert_int_equal(fi_client_call(edge, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ERROR);
+    assert_int_equal(r->error->code, FI__ERROR_CODE__ERR_UNAUTHORISED);
+    fi_wire_free(&r);
+
+    /* Status: every enrolled peer, with its health. */
+    Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
+    m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
+    m.status_request = &sq;
+    assert_int_equal(
+        fi_client_call(op, &m, FI__ENVELOPE__BODY_STATUS_REPLY, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_STATUS_REPLY);
+    assert_int_equal(r->status_reply->n_peers, 3);
+    int edges = 0, clusters = 0;
+    for (size_t i = 0; i < r->status_reply->n_peers; i++) {
+        Fi__PeerStatus *ps = r->status_reply->peers[i];
+        assert_true(ps->connected);
+        if (ps->role == FI__ROLE__ROLE_EDGE) {
+            edges++;
+            assert_string_equal(ps->site, "clinic-7");
+        }
+        if (ps->role == FI__ROLE__ROLE_CLUSTER) {
+            clusters++;
+            assert_int_equal(ps->n_models, 1);
+            assert_string_equal(ps->models[0]->name, "smol");
+        }
+    }
+    assert_int_equal(edges, 1);
+    assert_int_equal(clusters, 1);
+    fi_wire_free(&r);
+    /* An edge may not ask for status or tokens. */
+    assert_int_equal(
+        fi_client_call(edge, &m, FI__ENVELOPE__BODY_STATUS_REPLY, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ERROR);
+    fi_wire_free(&r);
+
+    h_worker_stop(&w);
+    fi_client_destroy(&edge);
+    fi_client_destroy(&op);
+}
+
+static void test_unknown_key_refused(void **state) {
+    harness *h = *state;
+    fi_keypair k;
+    char err[256];
+    assert_int_equal(fi_keys_generate(&k), 0);
+    fi_client_opts o;
+    h_client_opts(h, &o, &k, FI__ROLE__ROLE_EDGE);
+    fi_client *c = fi_client_new(&o, err, sizeof err);
+    assert_non_null(c);
+    assert_int_equal(fi_client_wait_ready(c, 2000, err, sizeof err), -1);
+    assert_non_null(strstr(err, "refused"));
+    fi_client_destroy(&c);
+    /* A client that trusts another server key never completes either. */
+    fi_keypair fake;
+    assert_int_equal(fi_keys_generate(&fake), 0);
+    h_client_opts(h, &o, &h->op, FI__ROLE__ROLE_OPERATOR);
+    memcpy(o.server_pub, fake.pub, FI_KEYS_BYTES);
+    c = fi_client_new(&o, err, sizeof err);
+    assert_non_null(c);
+    assert_int_equal(fi_client_wait_ready(c, 1000, err, sizeof err), -1);
+    fi_client_destroy(&c);
+}
+
+/* A raw CURVE DEALER with a monitor, to watch the connection itself. */
+typedef struct s_raw {
+    void *ctx, *sock, *mon;
+} s_raw;
+
+static int s_raw_open(s_raw *r, const harness *h, const fi_keypair *kp) {
+    fi_sockopts so;
+    char err[256];
+    fi_sockopts_default(&so);
+    so.reconnect_ms = 50;
+    r->ctx = zmq_ctx_new();
+    r->sock = zmq_socket(r->ctx, ZMQ_DEALER);
+    if (fi_sock_client(r->sock, kp, h->coord.pub, &so, err, sizeof err)) return -1;
+    if (zmq_socket_monitor(r->sock, "inproc://raw-mon", ZMQ_EVENT_DISCONNECTED)) return -1;
+    r->mon = zmq_socket(r->ctx, ZMQ_PAIR);
+    zmq_connect(r->mon, "inproc://raw-mon");
+    return zmq_connect(r->sock, h->ep);
+}
+
+static void s_raw_close(s_raw *r) {
+    zmq_close(r->mon);
+    zmq_close(r->sock);
+    zmq_ctx_term(r->ctx);
+}
+
+/* Sends bytes and returns the decoded answer (NULL when none in ms). */
+static fi_msg *s_raw_ask(s_raw *r, const void *buf, size_t len, int ms) {
+    zmq_send(r->sock, buf, len, 0);
+    uint64_t end = fi_wire_now_ms() + (uint64_t)ms;
+    while (fi_wire_now_ms() < end) {
+        zmq_pollitem_t it = {r->sock, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 50) <= 0) continue;
+        char rbuf[4096];
+        int n = zmq_recv(r->sock, rbuf, sizeof rbuf, 0);
+        if (n < 0) continue;
+        Fi__ErrorCode code;
+        char err[128];
+        fi_msg *m = fi_wire_decode(rbuf, (size_t)n, 0, &code, err, sizeof err);
+        if (m && m->body_case == FI__ENVELOPE__BODY_HEARTBEAT) {
+            fi_wire_free(&m);
+            continue;
+        }
+        return m;
+    }
+    return NULL;
+}
+
+static void test_revoked_key_cut_off(void **state) {
+    harness *h = *state;
+    char err[256];
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s1", "r1"), 0);
+    /* The edge's connection, watched at the socket level. */
+    s_raw raw = {NULL, NULL, NULL};
+    assert_int_equal(s_raw_open(&raw, h, &ek), 0);
+    size_t len;
+    uint8_t *hb = fi_wire_heartbeat(1, &len);
+    fi_msg *m = s_raw_ask(&raw, hb, len, 300); /* registers it */
+    fi_wire_free(&m);
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    Fi__RevokeRequest rr = FI__REVOKE_REQUEST__INIT;
+    char fpr[FI_KEYS_FPR_LEN];
+    fi_keys_fingerprint(ek.pub, fpr);
+    rr.fingerprint = fpr;
+    fi_msg req = FI__ENVELOPE__INIT;
+    req.body_case = FI__ENVELOPE__BODY_REVOKE_REQUEST;
+    req.revoke_request = &rr;
+    fi_msg *r = NULL;
+    zmq_send(raw.sock, hb, len, 0); /* alive and registered right now */
+    h_sleep_ms(20);
+    assert_int_equal(fi_client_call(op, &req, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
+    fi_wire_free(&r);
+    /* The open connection is closed by the coordinator, well before the
+     * raw socket's own heartbeat timeout (3 s) could have closed it. */
+    zmq_pollitem_t it = {raw.mon, 0, ZMQ_POLLIN, 0};
+    assert_int_equal(zmq_poll(&it, 1, 1000), 1);
+    /* ... and nothing it sends is answered any more (reconnects fail);
+     * at most the error sent just before the cut arrives. */
+    m = s_raw_ask(&raw, hb, len, 500);
+    if (m) {
+        assert_int_equal(m->body_case, FI__ENVELOPE__BODY_ERROR);
+        assert_int_equal(m->error->code, FI__ERROR_CODE__ERR_REVOKED);
+        fi_wire_free(&m);
+        m = s_raw_ask(&raw, hb, len, 500);
+    }
+    assert_null(m);
+    free(hb);
+    s_raw_close(&raw);
+    /* A fresh client with the key is refused at the handshake. */
+    fi_client_opts o;
+    h_client_opts(h, &o, &ek, FI__ROLE__ROLE_EDGE);
+    fi_client *c = fi_client_new(&o, err, sizeof err);
+    assert_int_equal(fi_client_wait_ready(c, 2000, err, sizeof err), -1);
+    assert_non_null(strstr(err, "refused"));
+    fi_client_destroy(&c);
+    fi_client_destroy(&op);
+}
+
+static void test_revoked_client_told(void **state) {
+    harness *h = *state;
+    char err[256];
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s2", "r1"), 0);
+    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(edge);
+    assert_non_null(op);
+    Fi__RevokeRequest rr = FI__REVOKE_REQUEST__INIT;
+    char fpr[FI_KEYS_FPR_LEN];
+    fi_keys_fingerprint(ek.pub, fpr);
+    rr.fingerprint = fpr;
+    fi_msg req = FI__ENVELOPE__INIT;
+    req.body_case = FI__ENVELOPE__BODY_REVOKE_REQUEST;
+    req.revoke_request = &rr;
+    fi_msg *r = NULL;
+    assert_int_equal(fi_client_call(op, &req, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
+    fi_wire_free(&r);
+    int rc = 0;
+    for (int i = 0; i < 40 && rc >= 0; i++) {
+        rc = fi_client_recv(edge, 100, &r, err, sizeof err);
+        fi_wire_free(&r);
+    }
+    assert_int_equal(rc, -1);
+    fi_client_destroy(&edge);
+    fi_client_destroy(&op);
+}
+
+static void test_bad_messages_answered(void **state) {
+    harness *h = *state;
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s4", "r1"), 0);
+    s_raw raw = {NULL, NULL, NULL};
+    assert_int_equal(s_raw_open(&raw, h, &ek), 0);
+    struct {
+        const uint8_t *b;
+        size_t n;
+        Fi__ErrorCode want;
+    } cases[] = {
+        {(const uint8_t *)"\x5a\x7f\x01", 3, FI__ERROR_CODE__ERR_MALFORMED},
+        {(const uint8_t *)"\x08\x02\x5a\x00", 4, FI__ERROR_CODE__ERR_BAD_VERSION},
+        {(const uint8_t *)"\x08\x01\x9a\x06\x00", 5, FI__ERROR_CODE__ERR_UNKNOWN_TYPE},
+        {(const uint8_t *)"\x08\x01", 2, FI__ERROR_CODE__ERR_UNKNOWN_TYPE},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        fi_msg *m = s_raw_ask(&raw, cases[i].b, cases[i].n, 1000);
+        assert_non_null(m);
+        assert_int_equal(m->body_case, FI__ENVELOPE__BODY_ERROR);
+        assert_int_equal(m->error->code, cases[i].want);
+        fi_wire_free(&m);
+    }
+    /* Two frames: one message is one frame. */
+    size_t len;
+    uint8_t *hb = fi_wire_heartbeat(1, &len);
+    zmq_send(raw.sock, hb, len, ZMQ_SNDMORE);
+    fi_msg *m = s_raw_ask(&raw, hb, len, 1000);
+    assert_non_null(m);
+    assert_int_equal(m->error->code, FI__ERROR_CODE__ERR_MALFORMED);
+    fi_wire_free(&m);
+    /* A message type an edge may not send here (enrol belongs to the
+     * enrolment endpoint). */
+    Fi__Enrol en = FI__ENROL__INIT;
+    en.token = (char *)"x";
+    fi_msg e = FI__ENVELOPE__INIT;
+    e.body_case = FI__ENVELOPE__BODY_ENROL;
+    e.enrol = &en;
+    size_t elen;
+    uint8_t *eb = fi_wire_encode(&e, &elen);
+    m = s_raw_ask(&raw, eb, elen, 1000);
+    free(eb);
+    assert_non_null(m);
+    assert_int_equal(m->error->code, FI__ERROR_CODE__ERR_UNKNOWN_TYPE);
+    fi_wire_free(&m);
+    /* Over ZMQ_MAXMSGSIZE: no reply is possible, libzmq drops the
+     * connection; the coordinator carries on. */
+    size_t big = 2 * FI_WIRE_MAX_MSG;
+    uint8_t *huge = calloc(1, big);
+    zmq_send(raw.sock, huge, big, 0);
+    free(huge);
+    zmq_pollitem_t it = {raw.mon, 0, ZMQ_POLLIN, 0};
+    assert_int_equal(zmq_poll(&it, 1, 2000), 1); /* disconnected */
+    free(hb);
+    s_raw_close(&raw);
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    fi_client_destroy(&op);
+}
+
+static void test_capacity_and_cancel(void **state) {
+    harness *h = *state;
+    char err[256];
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s5", "r1"), 0);
+    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(edge);
+    h_worker w;
+    assert_int_equal(h_worker_start_cap(h, &w, "one", 50, 1), 0);
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)"first";
+    rq.model = (char *)"one";
+    rq.prompt = (char *)"a fairly long prompt to keep the only slot busy for a while";
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_INFER;
+    m.infer = &rq;
+    assert_int_equal(fi_client_send(edge, &m), 0);
+    /* The second finds the worker at capacity: busy, not "no worker". */
+    h_text t;
+    fi_client_result res;
+    assert_int_equal(h_infer(edge, "second", "one", "x", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_BUSY);
+    /* Cancel the first: the slot frees, and no more of its stream comes. */
+    Fi__Cancel cn = FI__CANCEL__INIT;
+    cn.request_id = (char *)"first";
+    m.body_case = FI__ENVELOPE__BODY_CANCEL;
+    m.cancel = &cn;
+    assert_int_equal(fi_client_send(edge, &m), 0);
+    h_sleep_ms(150);
+    fi_msg *r = NULL;
+    while (fi_client_recv(edge, 100, &r, err, sizeof err) == 1) fi_wire_free(&r);
+    assert_int_equal(h_infer(edge, "third", "one", "ok", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_UNSPECIFIED);
+    assert_string_equal(t.buf, "echo: ok");
+    h_worker_stop(&w);
+    fi_client_destroy(&edge);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_every_message_type, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unknown_key_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_revoked_key_cut_off, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_revoked_client_told, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,384 @@
+/*
+ * test_fabric_procs.c - the fabric across processes: the coordinator
+ * killed with SIGKILL and restarted (peers come back by themselves, no
+ * state is lost), and a worker killed with SIGKILL mid-stream (its request
+ * ends with an error, never a hang).
+ *
+ * The coordinator and workers run as fi_fabric_peer processes (the same
+ * command code as `fedinfer coordinator`); the edge is this process.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <fcntl.h>
+
+#include "fabric/harness.h"
+
+extern char **environ;
+
+typedef struct procs {
+    harness h;          /* directory, keys, database path */
+    int port;           /* fabric port (enrolment on port + 1) */
+    pid_t coord;        /* coordinator process, 0 when none */
+    pid_t worker;       /* worker process, 0 when none */
+    fi_keypair wk;      /* the worker's key */
+} procs;
+
+static int s_free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t sl = sizeof a;
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) || getsockname(fd, (struct sockaddr *)&a, &sl)) {
+        close(fd);
+        return -1;
+    }
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static int s_write(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    if (!f) return -1;
+    fputs(text, f);
+    return fclose(f);
+}
+
+static pid_t s_spawn(const char *log, char *const argv[]) {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 2, log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    pid_t pid = 0;
+    int rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    return rc ? -1 : pid;
+}
+
+static pid_t s_start_coord(procs *p) {
+    char conf[300], log[300];
+    snprintf(conf, sizeof conf, "%s/coord.conf", p->h.dir);
+    snprintf(log, sizeof log, "%s/coord.log", p->h.dir);
+    char *argv[] = {(char *)FI_FABRIC_PEER, (char *)"coordinator", (char *)"--config", conf, NULL};
+    return s_spawn(log, argv);
+}
+
+static pid_t s_start_worker(procs *p) {
+    char conf[300], log[300];
+    snprintf(conf, sizeof conf, "%s/worker.conf", p->h.dir);
+    snprintf(log, sizeof log, "%s/worker.log", p->h.dir);
+    char *argv[] = {(char *)FI_FABRIC_PEER, (char *)"worker", (char *)"--config", conf, NULL};
+    return s_spawn(log, argv);
+}
+
+static void s_kill(pid_t *pid) {
+    if (*pid <= 0) return;
+    kill(*pid, SIGKILL);
+    waitpid(*pid, NULL, 0);
+    *pid = 0;
+}
+
+static int setup(void **state) {
+    procs *p = calloc(1, sizeof *p);
+    if (!p || h_init(&p->h)) return -1;
+    char path[300], err[256], text[2048];
+    snprintf(path, sizeof path, "%s/coord", p->h.dir);
+    char sec[320], pub[320];
+    snprintf(sec, sizeof sec, "%s.key", path);
+    snprintf(pub, sizeof pub, "%s.pub", path);
+    if (fi_keys_save(&p->h.coord, sec, pub, 0, err, sizeof err)) return -1;
+    if (fi_keys_generate(&p->wk) ||
+        h_enrol_direct(&p->h, &p->wk, FI__ROLE__ROLE_CLUSTER, "core1", "eu-west"))
+        return -1;
+    char wsec[320], wpub[320];
+    snprintf(wsec, sizeof wsec, "%s/worker.key", p->h.dir);
+    snprintf(wpub, sizeof wpub, "%s/worker.pub", p->h.dir);
+    if (fi_keys_save(&p->wk, wsec, wpub, 0, err, sizeof err)) return -1;
+    p->port = s_free_port();
+    if (p->port <= 0) return -1;
+    snprintf(p->h.ep, sizeof p->h.ep, "tcp://127.0.0.1:%d", p->port);
+    snprintf(p->h.enrol_ep, sizeof p->h.enrol_ep, "tcp://127.0.0.1:%d", p->port + 1);
+    snprintf(text, sizeof text,
+             "db = %s\nsecret_key = %s\nbind = %s\nenrol_bind = %s\nheartbeat_ms = %d\n"
+             "liveness = %d\nhandshake_ms = 500\n",
+             p->h.db, sec, p->h.ep, p->h.enrol_ep, H_HB_MS, H_LIVENESS);
+    snprintf(path, sizeof path, "%s/coord.conf", p->h.dir);
+    if (s_write(path, text)) return -1;
+    snprintf(text, sizeof text,
+             "coordinator = %s\ncoordinator_key = %s\nsecret_key = %s\nmodel = none\n"
+             "model_name = smol\nheartbeat_ms = %d\nliveness = %d\ncapacity = 4\n",
+             p->h.ep, pub, wsec, H_HB_MS, H_LIVENESS);
+    snprintf(path, sizeof path, "%s/worker.conf", p->h.dir);
+    if (s_write(path, text)) return -1;
+    *state = p;
+    return 0;
+}
+
+static int teardown(void **state) {
+    procs *p = *state;
+    s_kill(&p->worker);
+    s_kill(&p->coord);
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "cat '%s/coord.log' >&2", p->h.dir);
+    if (system(cmd)) { /* log only */
+    }
+    h_stop(&p->h);
+    free(p);
+    return 0;
+}
+
+/* Retries an inference until it completes (or ms pass); returns the time
+ * it took in ms, or -1. */
+static long s_until_served(fi_client *edge, const char *tag, int ms) {
+    uint64_t t0 = fi_wire_now_ms();
+    for (int i = 0; fi_wire_now_ms() - t0 < (uint64_t)ms; i++) {
+        char id[64];
+        snprintf(id, sizeof id, "%s-%d", tag, i);
+        h_text t;
+        fi_client_result res;
+        Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+        rq.request_id = id;
+        rq.model = (char *)"smol";
+        rq.prompt = (char *)"ping";
+        char err[256] = "";
+        memset(&t, 0, sizeof t);
+        memset(&res, 0, sizeof res);
+        if (fi_client_infer(edge, &rq, h_on_text, &t, 1000, &res, err, sizeof err) == 0 &&
+            res.error == FI__ERROR_CODE__ERR_UNSPECIFIED && !strcmp(t.buf, "echo: ping"))
+            return (long)(fi_wire_now_ms() - t0);
+        if (getenv("FI_TEST_DEBUG")) fprintf(stderr, "%s attempt %d at %llu: %s / %s\n", tag, i, (unsigned long long)(fi_wire_now_ms() - t0), err, res.message);
+        fi_msg *m = NULL;
+        if (fi_client_recv(edge, 50, &m, err, sizeof err) < 0) return -1;
+        fi_wire_free(&m);
+    }
+    return -1;
+}
+
+typedef struct s_killer {
+    procs *p;   /* whose coordinator */
+    int killed; /* 1 once killed */
+} s_killer;
+
+/* Kills the coordinator with SIGKILL on the first streamed text. */
+static int s_kill_coord_on_text(void *user, const char *text, size_t len) {
+    s_killer *k = user;
+    (void)text;
+    (void)len;
+    if (!k->killed) {
+        s_kill(&k->p->coord);
+        k->killed = 1;
+    }
+    return 0;
+}
+
+static int64_t s_count(procs *p, const char *table) {
+    char err[256];
+    fi_store *st = fi_store_open(p->h.db, err, sizeof err);
+    int64_t n = st ? fi_store_count(st, table) : -1;
+    fi_store_destroy(&st);
+    return n;
+}
+
+static void test_coordinator_kill9_restart(void **state) {
+    procs *p = *state;
+    char err[256];
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(&p->h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
+    assert_true((p->coord = s_start_coord(p)) > 0);
+    assert_true((p->worker = s_start_worker(p)) > 0);
+    fi_client_opts eo;
+    h_client_opts(&p->h, &eo, &ek, FI__ROLE__ROLE_EDGE);
+    fi_client *edge = fi_client_new(&eo, err, sizeof err);
+    assert_non_null(edge);
+    assert_true(s_until_served(edge, "warm", 5000) >= 0);
+
+    /* State written through the fabric before the crash. */
+    fi_client *op = h_client(&p->h, &p->h.op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    Fi__TokenRequest tr = FI__TOKEN_REQUEST__INIT;
+    tr.role = FI__ROLE__ROLE_EDGE;
+    tr.site = (char *)"clinic-9";
+    tr.region = (char *)"eu-west";
+    tr.ttl_s = 600;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_TOKEN_REQUEST;
+    m.token_request = &tr;
+    fi_msg *r = NULL;
+    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_TOKEN_REPLY, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_TOKEN_REPLY);
+    char token[64];
+    snprintf(token, sizeof token, "%s", r->token_reply->token);
+    fi_wire_free(&r);
+    Fi__AuditUpload au = FI__AUDIT_UPLOAD__INIT;
+    au.batch_id = (char *)"batch-1";
+    au.count = 1;
+    au.batch.data = (uint8_t *)"entry";
+    au.batch.len = 5;
+    m.body_case = FI__ENVELOPE__BODY_AUDIT_UPLOAD;
+    m.audit_upload = &au;
+    assert_int_equal(fi_client_call(edge, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
+    fi_wire_free(&r);
+    fi_client_destroy(&op);
+    /* The acks came after the commits: all of it is on disk now. */
+    int64_t peers = s_count(p, "peers"), tokens = s_count(p, "tokens"),
+            audit = s_count(p, "audit"), sites = s_count(p, "sites");
+    assert_int_equal(peers, 3);
+    assert_int_equal(tokens, 1);
+    assert_int_equal(audit, 1);
+
+    /* Killed while a request is streaming: the edge's call ends with an
+     * error (the connection was lost), not a hang. */
+    char prompt[401];
+    memset(prompt, 'y', 400);
+    prompt[400] = 0;
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)"in-flight";
+    rq.model = (char *)"smol";
+    rq.prompt = prompt;
+    s_killer k = {p, 0};
+    fi_client_result res;
+    uint64_t t_call = fi_wire_now_ms();
+    assert_int_equal(fi_client_infer(edge, &rq, s_kill_coord_on_text, &k, 10000, &res, err,
+                                     sizeof err), -1);
+    assert_true(k.killed);
+    assert_non_null(strstr(err, "lost"));
+    assert_true(fi_wire_now_ms() - t_call < 3000);
+    h_sleep_ms(200);
+    uint64_t t_restart = fi_wire_now_ms();
+    assert_true((p->coord = s_start_coord(p)) > 0);
+    /* Edge and worker reconnect by themselves (back-off 50..400 ms). */
+    long back = s_until_served(edge, "after", 5000);
+    assert_true(back >= 0);
+    long total = (long)(fi_wire_now_ms() - t_restart);
+    print_message("coordinator restarted: edge -> worker round trip back after %ld ms "
+                  "(heartbeat %d ms)\n", total, H_HB_MS);
+    assert_true(total < 3000);
+
+    /* Nothing lost. */
+    assert_int_equal(s_count(p, "peers"), peers);
+    assert_int_equal(s_count(p, "tokens"), tokens);
+    assert_int_equal(s_count(p, "audit"), audit);
+    assert_int_equal(s_count(p, "sites"), sites);
+    /* The token made before the crash still enrols, once. */
+    fi_keypair nk;
+    assert_int_equal(fi_keys_generate(&nk), 0);
+    fi_client_opts no;
+    h_client_opts(&p->h, &no, &nk, FI__ROLE__ROLE_EDGE);
+    char fpr[FI_KEYS_FPR_LEN];
+    assert_int_equal(fi_client_enrol(&no, p->h.enrol_ep, token, FI__ROLE__ROLE_EDGE, "clinic-9",
+                                     "eu-west", 3000, fpr, err, sizeof err), 0);
+    assert_int_equal(s_count(p, "peers"), peers + 1);
+    fi_client_destroy(&edge);
+}
+
+static void test_worker_kill9_fails_requests(void **state) {
+    procs *p = *state;
+    char err[256];
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(&p->h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
+    assert_true((p->coord = s_start_coord(p)) > 0);
+    assert_true((p->worker = s_start_worker(p)) > 0);
+    fi_client_opts eo;
+    h_client_opts(&p->h, &eo, &ek, FI__ROLE__ROLE_EDGE);
+    fi_client *edge = fi_client_new(&eo, err, sizeof err);
+    assert_non_null(edge);
+    assert_true(s_until_served(edge, "warm", 5000) >= 0);
+    /* A long echo: 50 ms per 4 bytes. */
+    char prompt[401];
+    memset(prompt, 'x', 400);
+    prompt[400] = 0;
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)"long";
+    rq.model = (char *)"smol";
+    rq.prompt = prompt;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_INFER;
+    m.infer = &rq;
+    assert_int_equal(fi_client_send(edge, &m), 0);
+    int chunks = 0, code = 0;
+    uint64_t t_kill = 0, t0 = fi_wire_now_ms();
+    while (!code && fi_wire_now_ms() - t0 < 5000) {
+        fi_msg *r = NULL;
+        if (fi_client_recv(edge, 50, &r, err, sizeof err) != 1) continue;
+        if (r->body_case == FI__ENVELOPE__BODY_CHUNK && ++chunks == 3) {
+            s_kill(&p->worker); /* mid-stream, without a word */
+            t_kill = fi_wire_now_ms();
+        }
+        if (r->body_case == FI__ENVELOPE__BODY_ERROR) {
+            assert_string_equal(r->error->request_id, "long");
+            code = r->error->code;
+        }
+        assert_int_not_equal(r->body_case, FI__ENVELOPE__BODY_FINAL);
+        fi_wire_free(&r);
+    }
+    assert_true(t_kill > 0);
+    assert_int_equal(code, FI__ERROR_CODE__ERR_PEER_DEAD);
+    long took = (long)(fi_wire_now_ms() - t_kill);
+    print_message("worker killed: error reached the edge after %ld ms (dead after %d ms)\n", took,
+                  H_HB_MS * H_LIVENESS);
+    assert_true(took < 2000);
+    /* Out of routing until it comes back. */
+    h_text t;
+    fi_client_result res;
+    assert_int_equal(h_infer(edge, "none", "smol", "x", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_NO_WORKER);
+    assert_true((p->worker = s_start_worker(p)) > 0);
+    assert_true(s_until_served(edge, "back", 5000) >= 0);
+    fi_client_destroy(&edge);
+}
+
+/* A worker that stops answering (SIGSTOP: its TCP connection stays up but
+ * nothing comes from it, as with a half-open link) is dropped by the
+ * coordinator within a few heartbeats; resumed, it comes back. */
+static void test_worker_stalled_then_back(void **state) {
+    procs *p = *state;
+    char err[256];
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(&p->h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
+    assert_true((p->coord = s_start_coord(p)) > 0);
+    assert_true((p->worker = s_start_worker(p)) > 0);
+    fi_client_opts eo;
+    h_client_opts(&p->h, &eo, &ek, FI__ROLE__ROLE_EDGE);
+    fi_client *edge = fi_client_new(&eo, err, sizeof err);
+    assert_non_null(edge);
+    assert_true(s_until_served(edge, "warm", 5000) >= 0);
+    kill(p->worker, SIGSTOP);
+    /* Keep the edge alive while the coordinator notices. */
+    for (int i = 0; i < 10; i++) {
+        fi_msg *m = NULL;
+        (void)fi_client_recv(edge, 60, &m, err, sizeof err);
+        fi_wire_free(&m);
+    }
+    h_text t;
+    fi_client_result res;
+    assert_int_equal(h_infer(edge, "stalled", "smol", "x", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_NO_WORKER);
+    kill(p->worker, SIGCONT);
+    long back = s_until_served(edge, "resumed", 5000);
+    print_message("stalled worker: out of routing, back %ld ms after SIGCONT\n", back);
+    assert_true(back >= 0);
+    fi_client_destroy(&edge);
+}
+
+int main(void) {
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_coordinator_kill9_restart, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_worker_kill9_fails_requests, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_worker_stalled_then_back, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,232 @@
+/*
+ * test_fabric_store.c - keys and their files, strict configuration files,
+ * and the SQLite fleet store (peers, one-time tokens, revocation,
+ * persistence across reopening).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fi_conf.h"
+#include "fi_keys.h"
+#include "fi_store.h"
+
+typedef struct s_dir {
+    char path[64]; /* temporary directory */
+} s_dir;
+
+static int setup(void **state) {
+    s_dir *d = calloc(1, sizeof *d);
+    snprintf(d->path, sizeof d->path, "/tmp/fi_store_test_XXXXXX");
+    if (!mkdtemp(d->path)) return -1;
+    *state = d;
+    return 0;
+}
+
+static int teardown(void **state) {
+    s_dir *d = *state;
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", d->path);
+    if (system(cmd)) return -1;
+    free(d);
+    return 0;
+}
+
+static void test_keys(void **state) {
+    s_dir *d = *state;
+    char sec[128], pub[128], err[512];
+    snprintf(sec, sizeof sec, "%s/k.key", d->path);
+    snprintf(pub, sizeof pub, "%s/k.pub", d->path);
+    fi_keypair kp, back;
+    assert_int_equal(fi_keys_generate(&kp), 0);
+    assert_int_equal(fi_keys_save(&kp, sec, pub, 0, err, sizeof err), 0);
+    struct stat st;
+    assert_int_equal(stat(sec, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0600);
+    /* no silent overwrite */
+    assert_int_equal(fi_keys_save(&kp, sec, pub, 0, err, sizeof err), -1);
+    assert_int_equal(fi_keys_load_secret(sec, &back, err, sizeof err), 0);
+    assert_memory_equal(back.pub, kp.pub, FI_KEYS_BYTES);
+    assert_memory_equal(back.sec, kp.sec, FI_KEYS_BYTES);
+    uint8_t p2[FI_KEYS_BYTES];
+    assert_int_equal(fi_keys_load_public(pub, p2, err, sizeof err), 0);
+    assert_memory_equal(p2, kp.pub, FI_KEYS_BYTES);
+    /* a secret key readable by others is refused */
+    assert_int_equal(chmod(sec, 0644), 0);
+    assert_int_equal(fi_keys_load_secret(sec, &back, err, sizeof err), -1);
+    assert_non_null(strstr(err, "accessible by others"));
+    assert_int_equal(chmod(sec, 0640), 0);
+    assert_int_equal(fi_keys_load_secret(sec, &back, err, sizeof err), -1);
+    /* a public file has no secret */
+    assert_int_equal(fi_keys_load_secret(pub, &back, err, sizeof err), -1);
+    /* a mismatched pair is refused */
+    FILE *f = fopen(sec, "w");
+    char z1[FI_KEYS_Z85_LEN], z2[FI_KEYS_Z85_LEN];
+    fi_keypair other;
+    assert_int_equal(fi_keys_generate(&other), 0);
+    fi_keys_to_z85(other.pub, z1);
+    fi_keys_to_z85(kp.sec, z2);
+    fprintf(f, "public = %s\nsecret = %s\n", z1, z2);
+    fclose(f);
+    assert_int_equal(chmod(sec, 0600), 0);
+    assert_int_equal(fi_keys_load_secret(sec, &back, err, sizeof err), -1);
+    assert_non_null(strstr(err, "does not match"));
+    /* z85, fingerprint, tokens */
+    uint8_t k3[FI_KEYS_BYTES];
+    assert_int_equal(fi_keys_from_z85(z1, k3), 0);
+    assert_memory_equal(k3, other.pub, FI_KEYS_BYTES);
+    assert_int_equal(fi_keys_from_z85("short", k3), -1);
+    char f1[FI_KEYS_FPR_LEN], f2[FI_KEYS_FPR_LEN];
+    fi_keys_fingerprint(kp.pub, f1);
+    fi_keys_fingerprint(kp.pub, f2);
+    assert_string_equal(f1, f2);
+    assert_int_equal(strlen(f1), 32);
+    char t1[FI_KEYS_TOKEN_LEN], t2[FI_KEYS_TOKEN_LEN], h1[65];
+    assert_int_equal(fi_keys_token(t1), 0);
+    assert_int_equal(fi_keys_token(t2), 0);
+    assert_string_not_equal(t1, t2);
+    assert_int_equal(strncmp(t1, "fit_", 4), 0);
+    fi_keys_token_hash(t1, h1);
+    assert_null(strstr(h1, t1 + 4));
+    fi_keys_wipe(&kp);
+    uint8_t zero[sizeof kp] = {0};
+    assert_memory_equal(&kp, zero, sizeof kp);
+}
+
+typedef struct s_cfg {
+    char name[FI_CONF_STR_MAX]; /* required string */
+    int n;                      /* optional int in [1, 10] */
+} s_cfg;
+
+static const fi_conf_key s_keys[] = {
+    {"name", FI_CONF_STR, offsetof(s_cfg, name), 1, 0, 0},
+    {"n", FI_CONF_INT, offsetof(s_cfg, n), 0, 1, 10},
+    {NULL, FI_CONF_STR, 0, 0, 0, 0},
+};
+
+static int s_conf(const char *dir, const char *text, s_cfg *c, char *err, size_t errlen) {
+    char path[128];
+    snprintf(path, sizeof path, "%s/c.conf", dir);
+    FILE *f = fopen(path, "w");
+    fputs(text, f);
+    fclose(f);
+    memset(c, 0, sizeof *c);
+    c->n = 5;
+    return fi_conf_load(path, s_keys, c, err, errlen);
+}
+
+static void test_conf(void **state) {
+    s_dir *d = *state;
+    s_cfg c;
+    char err[512];
+    assert_int_equal(s_conf(d->path, "# comment\n\nname = a b  \n", &c, err, sizeof err), 0);
+    assert_string_equal(c.name, "a b");
+    assert_int_equal(c.n, 5);
+    assert_int_equal(s_conf(d->path, "name = x\nn=7\n", &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 7);
+    assert_int_equal(s_conf(d->path, "name = x\nnmae = 3\n", &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "c.conf:2: unknown key 'nmae'"));
+    assert_int_equal(s_conf(d->path, "name = x\nn = 11\n", &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":2:"));
+    assert_int_equal(s_conf(d->path, "name = x\nn = 3x\n", &c, err, sizeof err), -1);
+    assert_int_equal(s_conf(d->path, "name = x\nname = y\n", &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "twice"));
+    assert_int_equal(s_conf(d->path, "n = 3\n", &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "required key 'name'"));
+    assert_int_equal(s_conf(d->path, "name\n", &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":1: expected"));
+    assert_int_equal(s_conf(d->path, "name =\n", &c, err, sizeof err), -1);
+}
+
+static void test_store(void **state) {
+    s_dir *d = *state;
+    char db[128], err[512];
+    snprintf(db, sizeof db, "%s/state.db", d->path);
+    fi_store *st = fi_store_open(db, err, sizeof err);
+    assert_non_null(st);
+    fi_keypair a, b, c;
+    assert_int_equal(fi_keys_generate(&a) | fi_keys_generate(&b) | fi_keys_generate(&c), 0);
+    assert_int_equal(fi_store_peer_add(st, a.pub, FI__ROLE__ROLE_OPERATOR, "", "", err, sizeof err), 0);
+    assert_int_equal(fi_store_peer_add(st, a.pub, FI__ROLE__ROLE_EDGE, "s", "r", err, sizeof err), -1);
+    assert_non_null(strstr(err, "already enrolled"));
+    fi_peer_rec rec;
+    assert_int_equal(fi_store_peer_get(st, a.pub, &rec), 1);
+    assert_int_equal(rec.role, FI__ROLE__ROLE_OPERATOR);
+    assert_int_equal(fi_store_peer_get(st, b.pub, &rec), 0);
+
+    /* tokens: right role/site/region, once, before expiry */
+    char tok[FI_KEYS_TOKEN_LEN], h[65];
+    assert_int_equal(fi_keys_token(tok), 0);
+    fi_keys_token_hash(tok, h);
+    int64_t now = (int64_t)time(NULL);
+    assert_int_equal(fi_store_token_add(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", now + 60, err,
+                                        sizeof err), 0);
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_CLUSTER, "clinic", "eu", b.pub, now, err,
+                                    sizeof err), -1);
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "us", b.pub, now, err,
+                                    sizeof err), -1);
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", b.pub, now + 61,
+                                    err, sizeof err), -1);
+    assert_non_null(strstr(err, "expired"));
+    assert_int_equal(fi_store_peer_get(st, b.pub, &rec), 0); /* nothing half-done */
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", b.pub, now, err,
+                                    sizeof err), 0);
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
+                                    sizeof err), -1);
+    assert_non_null(strstr(err, "already used"));
+    fi_keys_token_hash("fit_nope", h);
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
+                                    sizeof err), -1);
+    assert_non_null(strstr(err, "unknown"));
+    assert_int_equal(fi_store_peer_get(st, b.pub, &rec), 1);
+    assert_string_equal(rec.site, "clinic");
+    assert_false(rec.revoked);
+
+    /* revoke */
+    char fpr[FI_KEYS_FPR_LEN];
+    fi_keys_fingerprint(b.pub, fpr);
+    assert_int_equal(fi_store_peer_revoke(st, fpr, &rec), 1);
+    assert_true(rec.revoked);
+    assert_int_equal(fi_store_peer_revoke(st, "00000000000000000000000000000000", &rec), 0);
+    /* opaque carriage for policy/ */
+    assert_int_equal(fi_store_bundle_put(st, 1, "b", 1, fpr), 0);
+    assert_int_equal(fi_store_audit_put(st, fpr, "x", 1, 1, "a", 1), 0);
+    assert_int_equal(fi_store_audit_put(st, fpr, "x", 1, 1, "a", 1), 0); /* resent: kept once */
+    assert_int_equal(fi_store_count(st, "audit"), 1);
+    assert_int_equal(fi_store_count(st, "sites"), 1);
+    assert_int_equal(fi_store_count(st, "nope"), -1);
+    fi_store_destroy(&st);
+    assert_null(st);
+    fi_store_destroy(&st);
+
+    /* everything survives a reopen */
+    st = fi_store_open(db, err, sizeof err);
+    assert_non_null(st);
+    assert_int_equal(fi_store_peer_get(st, b.pub, &rec), 1);
+    assert_true(rec.revoked);
+    assert_int_equal(fi_store_count(st, "peers"), 2);
+    assert_int_equal(fi_store_count(st, "tokens"), 1);
+    assert_int_equal(fi_store_count(st, "bundles"), 1);
+    fi_store_destroy(&st);
+    assert_null(fi_store_open("/nonexistent/dir/x.db", err, sizeof err));
+    assert_true(fi_store_name_ok("clinic-7.eu_1"));
+    assert_false(fi_store_name_ok("a b"));
+    assert_false(fi_store_name_ok(""));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_keys, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_conf, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_store, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

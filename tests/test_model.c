@@ -1,0 +1,428 @@
+/*
+ * test_model.c - the engine on tiny synthetic Llama models that the test
+ * writes itself (tests/support/gguf_writer.h): batching and chunking give
+ * the same logits as one token at a time, the KV cache rewinds, the context
+ * limit is enforced with a clear error, generation stops as asked, the
+ * portable and SIMD paths agree, and malformed models are refused with a
+ * message that names the problem.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "fi_model.h"
+#include "gguf_writer.h"
+
+static char s_path[256];
+
+/* Writes the tiny model with options o to a temp file; returns its path. */
+static const char *s_write(const fi_gw_llama_opts *o) {
+    snprintf(s_path, sizeof s_path, "/tmp/fi_test_model_%d.gguf", (int)getpid());
+    assert_int_equal(fi_gw_tiny_llama_file(o, s_path), 0);
+    return s_path;
+}
+
+static fi_model *s_load(const fi_gw_llama_opts *o, fi_simd simd, int threads) {
+    char err[512];
+    fi_model_opts mo = {threads, simd, 0};
+    fi_model *m = fi_model_load(s_write(o), &mo, err, sizeof err);
+    if (!m) fail_msg("load failed: %s", err);
+    unlink(s_path);
+    return m;
+}
+
+static double s_max_abs_diff(const float *a, const float *b, size_t n) {
+    double d = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - (double)b[i]);
+        if (!(e <= d)) d = e; /* NaN propagates as a failure */
+    }
+    return d;
+}
+
+static double s_max_abs(const float *a, size_t n) {
+    double d = 0;
+    for (size_t i = 0; i < n; i++)
+        if (fabs(a[i]) > d) d = fabs(a[i]);
+    return d;
+}
+
+static void s_tokens(int32_t *t, int n, int vocab, uint32_t seed) {
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        t[i] = 3 + (int32_t)((seed >> 8) % (uint32_t)(vocab - 3));
+    }
+}
+
+static void test_config_and_shapes(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_model *m = s_load(&o, FI_SIMD_AUTO, 1);
+    const fi_config *c = fi_model_config(m);
+    assert_int_equal(c->n_layers, o.n_layers);
+    assert_int_equal(c->dim, o.dim);
+    assert_int_equal(c->n_heads, o.n_heads);
+    assert_int_equal(c->n_kv_heads, o.n_kv_heads);
+    assert_int_equal(c->head_dim, o.dim / o.n_heads);
+    assert_int_equal(c->ffn_dim, o.ffn_dim);
+    assert_int_equal(c->ctx_train, o.ctx);
+    assert_int_equal(c->tied_output, 1);
+    assert_true(fi_model_weight_bytes_per_token(m) > 0);
+    fi_model_destroy(&m);
+    assert_null(m);
+    fi_model_destroy(&m); /* safe twice */
+}
+
+/* Evaluating n tokens at once, or one at a time, or in odd chunks, gives
+ * the same logits for every position. */
+static void s_check_batching(fi_dtype wtype, int n) {
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.wtype = wtype;
+    o.ctx = 512;
+    fi_model *m = s_load(&o, FI_SIMD_AUTO, 2);
+    const fi_config *c = fi_model_config(m);
+    size_t V = (size_t)c->n_vocab;
+    char err[256];
+    int32_t *toks = malloc((size_t)n * sizeof *toks);
+    float *all = malloc((size_t)n * V * sizeof(float));
+    float *one = malloc(V * sizeof(float));
+    float *last = malloc(V * sizeof(float));
+    s_tokens(toks, n, c->n_vocab, 7);
+
+    fi_session *s = fi_session_new(m, 512, err, sizeof err);
+    assert_non_null(s);
+    assert_int_equal(fi_session_eval(s, toks, n, last, all, err, sizeof err), 0);
+    assert_int_equal(fi_session_pos(s), n);
+    assert_true(s_max_abs_diff(last, all + (size_t)(n - 1) * V, V) == 0.0);
+    double scale = s_max_abs(all, (size_t)n * V);
+    assert_true(scale > 0.0);
+
+    fi_session_rewind(s, 0);
+    assert_int_equal(fi_session_pos(s), 0);
+    double worst = 0;
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(fi_session_eval(s, toks + i, 1, one, NULL, err, sizeof err), 0);
+        double d = s_max_abs_diff(one, all + (size_t)i * V, V);
+        if (d > worst) worst = d;
+    }
+    /* the same arithmetic, only grouped differently */
+    if (!(worst <= 1e-3 * scale)) fail_msg("batched vs single differ by %g (scale %g)", worst, scale);
+
+    /* odd chunks */
+    fi_session_rewind(s, 0);
+    for (int i = 0; i < n; i += 7) {
+        int b = n - i < 7 ? n - i : 7;
+        assert_int_equal(fi_session_eval(s, toks + i, b, one, NULL, err, sizeof err), 0);
+    }
+    worst = s_max_abs_diff(one, all + (size_t)(n - 1) * V, V);
+    if (!(worst <= 1e-3 * scale)) fail_msg("chunked vs batched differ by %g", worst);
+
+    fi_session_destroy(&s);
+    free(toks);
+    free(all);
+    free(one);
+    free(last);
+    fi_model_destroy(&m);
+}
+
+static void test_batching_q8_0(void **state) {
+    (void)state;
+    s_check_batching(FI_DTYPE_Q8_0, 40);
+}
+static void test_batching_q4_1(void **state) {
+    (void)state;
+    s_check_batching(FI_DTYPE_Q4_1, 40);
+}
+static void test_batching_f32(void **state) {
+    (void)state;
+    s_check_batching(FI_DTYPE_F32, 21);
+}
+static void test_batching_f16_long(void **state) {
+    (void)state;
+    /* longer than one forward chunk (256 tokens) */
+    s_check_batching(FI_DTYPE_F16, 300);
+}
+
+static void test_rewind_reuses_prefix(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_model *m = s_load(&o, FI_SIMD_AUTO, 1);
+    size_t V = (size_t)fi_model_config(m)->n_vocab;
+    char err[256];
+    float *a = malloc(V * sizeof(float)), *b = malloc(V * sizeof(float));
+    int32_t t1[] = {10, 20, 30, 40, 50}, t2[] = {10, 20, 99, 98, 97};
+    fi_session *s = fi_session_new(m, 64, err, sizeof err);
+    assert_int_equal(fi_session_eval(s, t1, 5, a, NULL, err, sizeof err), 0);
+    fi_session_rewind(s, 2);
+    assert_int_equal(fi_session_pos(s), 2);
+    assert_int_equal(fi_session_eval(s, t2 + 2, 3, a, NULL, err, sizeof err), 0);
+    fi_session_rewind(s, 0);
+    assert_int_equal(fi_session_eval(s, t2, 5, b, NULL, err, sizeof err), 0);
+    assert_true(s_max_abs_diff(a, b, V) <= 1e-3 * s_max_abs(b, V));
+    /* rewinding forward does nothing */
+    fi_session_rewind(s, 100);
+    assert_int_equal(fi_session_pos(s), 5);
+    fi_session_destroy(&s);
+    free(a);
+    free(b);
+    fi_model_destroy(&m);
+}
+
+static void test_context_limit(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_model *m = s_load(&o, FI_SIMD_AUTO, 1);
+    size_t V = (size_t)fi_model_config(m)->n_vocab;
+    char err[256] = "";
+    float *l = malloc(V * sizeof(float));
+    int32_t t[16];
+    s_tokens(t, 16, (int)V, 3);
+    /* a session larger than the trained context is refused */
+    assert_null(fi_session_new(m, o.ctx + 1, err, sizeof err));
+    assert_non_null(strstr(err, "exceeds the model's trained context"));
+    fi_session *s = fi_session_new(m, 16, err, sizeof err);
+    assert_int_equal(fi_session_eval(s, t, 10, l, NULL, err, sizeof err), 0);
+    assert_int_not_equal(fi_session_eval(s, t, 7, l, NULL, err, sizeof err), 0);
+    assert_non_null(strstr(err, "context full"));
+    assert_int_equal(fi_session_pos(s), 10); /* nothing changed */
+    assert_int_equal(fi_session_eval(s, t, 6, l, NULL, err, sizeof err), 0);
+    assert_int_equal(fi_session_pos(s), 16);
+    /* bad ids and empty input */
+    fi_session_rewind(s, 0);
+    int32_t bad[] = {5, (int32_t)V};
+    assert_int_not_equal(fi_session_eval(s, bad, 2, l, NULL, err, sizeof err), 0);
+    assert_non_null(strstr(err, "outside the vocabulary"));
+    assert_int_not_equal(fi_session_eval(s, bad, 0, l, NULL, err, sizeof err), 0);
+    fi_session_destroy(&s);
+    free(l);
+    fi_model_destroy(&m);
+}
+
+typedef struct collect {
+    char text[4096];
+    size_t len;
+    int cancel_after; /* cancel at this callback (0: never) */
+    int calls;
+} collect;
+
+static int s_collect(void *user, const char *t, size_t n) {
+    collect *c = user;
+    if (c->len + n < sizeof c->text) {
+        memcpy(c->text + c->len, t, n);
+        c->len += n;
+        c->text[c->len] = 0;
+    }
+    c->calls++;
+    return c->cancel_after && c->calls >= c->cancel_after;
+}
+
+static void test_generate(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_model *m = s_load(&o, FI_SIMD_AUTO, 1);
+    char err[256];
+    fi_session *s = fi_session_new(m, 64, err, sizeof err);
+    int32_t prompt[] = {FI_GW_TOK_IM_START, 10, 11, 12};
+    fi_gen_opts go = {0};
+    go.max_tokens = 8;
+    go.sampling = fi_sampler_defaults();
+    go.sampling.temperature = 0.0f;
+    collect c1 = {0}, c2 = {0};
+    go.on_text = s_collect;
+    go.user = &c1;
+    fi_gen_result r;
+    assert_int_equal(fi_generate(s, prompt, 4, &go, &r, err, sizeof err), 0);
+    assert_int_equal(r.n_prompt, 4);
+    assert_true(r.n_generated >= 1 && r.n_generated <= 8);
+    if (r.stop == FI_STOP_LENGTH) assert_int_equal(r.n_generated, 8);
+    /* greedy is deterministic */
+    fi_session_rewind(s, 0);
+    go.user = &c2;
+    fi_gen_result r2;
+    assert_int_equal(fi_generate(s, prompt, 4, &go, &r2, err, sizeof err), 0);
+    assert_int_equal(r2.n_generated, r.n_generated);
+    assert_int_equal(c1.len, c2.len);
+    assert_memory_equal(c1.text, c2.text, c1.len);
+
+    /* the context ends generation with its own reason */
+    fi_session_rewind(s, 0);
+    go.max_tokens = 1000;
+    go.user = &c2;
+    int32_t longp[60];
+    s_tokens(longp, 60, fi_model_config(m)->n_vocab, 9);
+    assert_int_equal(fi_generate(s, longp, 60, &go, &r2, err, sizeof err), 0);
+    assert_true(r2.stop == FI_STOP_CONTEXT || r2.stop == FI_STOP_EOG || r2.stop == FI_STOP_STRING);
+    assert_true(fi_session_pos(s) <= 64);
+
+    /* a prompt longer than the context is refused before any work */
+    fi_session_rewind(s, 0);
+    int32_t huge[65] = {0};
+    assert_int_not_equal(fi_generate(s, huge, 65, &go, &r2, err, sizeof err), 0);
+    assert_non_null(strstr(err, "does not fit the context"));
+    assert_int_equal(fi_session_pos(s), 0);
+
+    /* the callback cancels */
+    fi_session_rewind(s, 0);
+    collect c3 = {0};
+    c3.cancel_after = 1;
+    go.user = &c3;
+    go.max_tokens = 30;
+    go.sampling.temperature = 1.0f;
+    go.sampling.top_k = 0;
+    go.sampling.top_p = 1.0f;
+    go.sampling.min_p = 0.0f;
+    /* sample from a flat-ish distribution: special tokens (which end the
+     * turn) are 3 of hundreds, so text appears quickly */
+    assert_int_equal(fi_generate(s, prompt, 4, &go, &r2, err, sizeof err), 0);
+    if (c3.calls > 0) assert_int_equal(r2.stop, FI_STOP_CANCEL);
+    fi_session_destroy(&s);
+    fi_model_destroy(&m);
+}
+
+static void test_portable_matches_simd(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.wtype = FI_DTYPE_Q4_1;
+    fi_model *a = s_load(&o, FI_SIMD_AUTO, 2), *b = s_load(&o, FI_SIMD_PORTABLE, 1);
+    size_t V = (size_t)fi_model_config(a)->n_vocab;
+    char err[256];
+    float *la = malloc(V * sizeof(float)), *lb = malloc(V * sizeof(float));
+    int32_t t[12];
+    s_tokens(t, 12, (int)V, 5);
+    fi_session *sa = fi_session_new(a, 32, err, sizeof err), *sb = fi_session_new(b, 32, err, sizeof err);
+    assert_int_equal(fi_session_eval(sa, t, 12, la, NULL, err, sizeof err), 0);
+    assert_int_equal(fi_session_eval(sb, t, 12, lb, NULL, err, sizeof err), 0);
+    assert_true(s_max_abs_diff(la, lb, V) <= 1e-3 * s_max_abs(lb, V));
+    fi_session_destroy(&sa);
+    fi_session_destroy(&sb);
+    fi_model_destroy(&a);
+    fi_model_destroy(&b);
+    free(la);
+    free(lb);
+}
+
+/* Serialises the default tiny model, lets `patch` change bytes, and
+ * expects the load to fail with `want` in the message. */
+static void s_expect_load_error(void (*patch)(fi_gw *, uint8_t *, size_t), const char *want) {
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    fi_gw *w = fi_gw_tiny_llama(&o);
+    assert_non_null(w);
+    size_t len;
+    uint8_t *buf = fi_gw_serialize(w, &len, NULL);
+    assert_non_null(buf);
+    patch(w, buf, len);
+    char path[256], err[512] = "";
+    snprintf(path, sizeof path, "/tmp/fi_test_bad_%d.gguf", (int)getpid());
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(buf, 1, len, f), len);
+    fclose(f);
+    fi_model *m = fi_model_load(path, NULL, err, sizeof err);
+    unlink(path);
+    if (m) fail_msg("a bad model loaded (expected \"%s\")", want);
+    if (!strstr(err, want)) fail_msg("error \"%s\" does not say \"%s\"", err, want);
+    free(buf);
+    fi_gw_destroy(&w);
+}
+
+static void s_replace(uint8_t *buf, size_t len, const char *from, const char *to) {
+    size_t n = strlen(from);
+    assert_int_equal(n, strlen(to));
+    for (size_t i = 0; i + n <= len; i++)
+        if (!memcmp(buf + i, from, n)) {
+            memcpy(buf + i, to, n);
+            return;
+        }
+    fail_msg("'%s' not found in the model bytes", from);
+}
+
+static void s_patch_arch(fi_gw *w, uint8_t *b, size_t n) {
+    (void)w;
+    /* key, uint32 type, uint64 length, then the value "llama" */
+    const char *key = "general.architecture";
+    size_t kl = strlen(key);
+    for (size_t i = 0; i + kl + 17 <= n; i++)
+        if (!memcmp(b + i, key, kl)) {
+            assert_memory_equal(b + i + kl + 12, "llama", 5);
+            memcpy(b + i + kl + 12, "mamba", 5);
+            return;
+        }
+    fail_msg("key not found");
+}
+static void s_patch_missing(fi_gw *w, uint8_t *b, size_t n) {
+    (void)w;
+    s_replace(b, n, "blk.1.ffn_up.weight", "blk.1.ffn_uX.weight");
+}
+static void s_patch_shape(fi_gw *w, uint8_t *b, size_t n) {
+    (void)n;
+    /* tensor info of blk.0.attn_k: swap ne[0] and ne[1] (same byte size) */
+    for (size_t i = 0;; i++) {
+        size_t off = fi_gw_tensor_offset(w, i);
+        assert_true(off != (size_t)-1);
+        uint64_t nl;
+        memcpy(&nl, b + off, 8);
+        if (nl == strlen("blk.0.attn_k.weight") && !memcmp(b + off + 8, "blk.0.attn_k.weight", nl)) {
+            uint8_t *ne = b + off + 8 + nl + 4;
+            uint8_t t[8];
+            memcpy(t, ne, 8);
+            memcpy(ne, ne + 8, 8);
+            memcpy(ne + 8, t, 8);
+            return;
+        }
+    }
+}
+static void s_patch_heads(fi_gw *w, uint8_t *b, size_t n) {
+    (void)w;
+    /* head_count_kv = 3 does not divide head_count = 4 */
+    const char *key = "llama.attention.head_count_kv";
+    size_t kl = strlen(key);
+    for (size_t i = 0; i + kl + 8 <= n; i++)
+        if (!memcmp(b + i, key, kl)) {
+            uint32_t three = 3;
+            memcpy(b + i + kl + 4, &three, 4); /* after the uint32 type id */
+            return;
+        }
+    fail_msg("key not found");
+}
+
+static void test_load_errors(void **state) {
+    (void)state;
+    s_expect_load_error(s_patch_arch, "architecture 'mamba' is not supported");
+    s_expect_load_error(s_patch_missing, "tensor 'blk.1.ffn_up.weight' is missing");
+    s_expect_load_error(s_patch_shape, "'blk.0.attn_k.weight' has shape");
+    s_expect_load_error(s_patch_heads, "not a multiple of head_count_kv");
+    char err[256] = "";
+    assert_null(fi_model_load("/nonexistent/model.gguf", NULL, err, sizeof err));
+    assert_non_null(strstr(err, "/nonexistent/model.gguf"));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_config_and_shapes),
+        cmocka_unit_test(test_batching_q8_0),
+        cmocka_unit_test(test_batching_q4_1),
+        cmocka_unit_test(test_batching_f32),
+        cmocka_unit_test(test_batching_f16_long),
+        cmocka_unit_test(test_rewind_reuses_prefix),
+        cmocka_unit_test(test_context_limit),
+        cmocka_unit_test(test_generate),
+        cmocka_unit_test(test_portable_matches_simd),
+        cmocka_unit_test(test_load_errors),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

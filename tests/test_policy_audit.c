@@ -1,0 +1,302 @@
+/*
+ * test_policy_audit.c - the hash-chained audit log: appends chain, the
+ * triggers refuse edits, and verify detects every edited, removed or
+ * reordered record made by someone who bypasses the triggers; queries
+ * filter; decisions are logged with their rules and the policy digest.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <sqlite3.h>
+
+#include "fi_audit.h"
+
+typedef struct fx {
+    char path[256]; /* the log's file */
+} fx;
+
+static int s_setup(void **state) {
+    fx *f = calloc(1, sizeof *f);
+    if (!f) return -1;
+    snprintf(f->path, sizeof f->path, "/tmp/fi_audit_test_%d_XXXXXX", (int)getpid());
+    int fd = mkstemp(f->path);
+    if (fd < 0) return -1;
+    close(fd);
+    unlink(f->path);
+    *state = f;
+    return 0;
+}
+
+static int s_teardown(void **state) {
+    fx *f = *state;
+    char p[300];
+    unlink(f->path);
+    snprintf(p, sizeof p, "%s-wal", f->path);
+    unlink(p);
+    snprintf(p, sizeof p, "%s-shm", f->path);
+    unlink(p);
+    free(f);
+    return 0;
+}
+
+static void s_fill(const fx *f, int n) {
+    char err[300];
+    fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    for (int i = 0; i < n; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "req-%d", i + 1);
+        fi_audit_record r = {0};
+        r.time = 1800000000000LL + i * 1000;
+        r.request_id = id;
+        r.origin = i % 2 ? "berlin-clinic" : "paris-clinic";
+        r.labels = i % 3 ? "pii" : "phi,public";
+        r.model = "smollm2-135m";
+        r.latency_ms = -1;
+        r.prompt_tokens = 100 + i;
+        r.decision = i % 3 ? "permit" : "deny";
+        r.target = i % 3 ? "fra-gpu-1" : "";
+        r.rules = i % 3 ? "internal and pii within the EU" : "phi stays on site";
+        r.policy_digest = "ab12";
+        assert_int_equal(fi_audit_append(a, &r, err, sizeof err), 0);
+        assert_true(r.seq == i + 1);
+        assert_int_equal(strlen(r.hash), 64);
+    }
+    fi_audit_destroy(&a);
+}
+
+/* Runs SQL on the file directly, as someone who edits it would. */
+static int s_sql(const fx *f, const char *sql) {
+    sqlite3 *db;
+    assert_int_equal(sqlite3_open(f->path, &db), SQLITE_OK);
+    int rc = sqlite3_exec(db, sql, NULL, NULL, NULL);
+    sqlite3_close(db);
+    return rc;
+}
+
+static int s_verify(const fx *f, fi_audit_check *ck) {
+    char err[300];
+    fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    int r = fi_audit_verify(a, ck, err, sizeof err);
+    fi_audit_destroy(&a);
+    return r;
+}
+
+static const char *UNGUARD = "DROP TRIGGER audit_no_update; DROP TRIGGER audit_no_delete;";
+
+static void test_intact(void **state) {
+    fx *f = *state;
+    fi_audit_check ck;
+    assert_int_equal(s_verify(f, &ck), 0); /* empty is intact */
+    assert_true(ck.records == 0);
+    s_fill(f, 10);
+    assert_int_equal(s_verify(f, &ck), 0);
+    assert_true(ck.records == 10);
+    assert_int_equal(strlen(ck.head), 64);
+}
+
+static void test_triggers_refuse(void **state) {
+    fx *f = *state;
+    s_fill(f, 3);
+    assert_int_not_equal(s_sql(f, "UPDATE audit SET target='virginia-gpu' WHERE seq=2"), SQLITE_OK);
+    assert_int_not_equal(s_sql(f, "DELETE FROM audit WHERE seq=2"), SQLITE_OK);
+    fi_audit_check ck;
+    assert_int_equal(s_verify(f, &ck), 0);
+}
+
+static void test_edit_detected(void **state) {
+    fx *f = *state;
+    s_fill(f, 6);
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    assert_int_equal(s_sql(f, "UPDATE audit SET target='virginia-gpu' WHERE seq=4"), SQLITE_OK);
+    fi_audit_check ck;
+    assert_int_equal(s_verify(f, &ck), 1);
+    assert_true(ck.bad_seq == 4);
+    assert_string_equal(ck.what, "record 4 was edited: its content does not match its hash");
+}
+
+static void test_edit_with_rehash_detected(void **state) {
+    fx *f = *state;
+    s_fill(f, 6);
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    /* the editor also replaces the hash with another record's: the next link breaks */
+    assert_int_equal(s_sql(f, "UPDATE audit SET hash=(SELECT hash FROM audit WHERE seq=1) WHERE seq=3"), SQLITE_OK);
+    fi_audit_check ck;
+    assert_int_equal(s_verify(f, &ck), 1);
+    assert_true(ck.bad_seq == 3);
+}
+
+static void test_remove_detected(void **state) {
+    fx *f = *state;
+    s_fill(f, 6);
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    assert_int_equal(s_sql(f, "DELETE FROM audit WHERE seq=3"), SQLITE_OK);
+    fi_audit_check ck;
+    assert_int_equal(s_verify(f, &ck), 1);
+    assert_true(ck.bad_seq == 3);
+    assert_string_equal(ck.what, "record 3 is missing (removed): the next one is 4");
+}
+
+static void test_remove_and_renumber_detected(void **state) {
+    fx *f = *state;
+    s_fill(f, 6);
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    assert_int_equal(s_sql(f, "DELETE FROM audit WHERE seq=3; UPDATE audit SET seq=seq-1 WHERE seq>3"), SQLITE_OK);
+    fi_audit_check ck;
+    assert_int_equal(s_verify(f, &ck), 1);
+    assert_true(ck.bad_seq == 3);
+    assert_non_null(strstr(ck.what, "does not link"));
+}
+
+static void test_reorder_detected(void **state) {
+    fx *f = *state;
+    s_fill(f, 6);
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    assert_int_equal(
+        s_sql(f, "UPDATE audit SET seq=-2 WHERE seq=2; UPDATE audit SET seq=2 WHERE seq=5; UPDATE audit SET seq=5 WHERE seq=-2"),
+        SQLITE_OK);
+    fi_audit_check ck;
+    assert_int_equal(s_verify(f, &ck), 1);
+    assert_true(ck.bad_seq == 2);
+}
+
+static void test_truncation_changes_head(void **state) {
+    fx *f = *state;
+    s_fill(f, 5);
+    fi_audit_check before, after;
+    assert_int_equal(s_verify(f, &before), 0);
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    assert_int_equal(s_sql(f, "DELETE FROM audit WHERE seq=5"), SQLITE_OK);
+    /* a shorter chain is still a chain; its head differs from the one kept elsewhere */
+    assert_int_equal(s_verify(f, &after), 0);
+    assert_true(after.records == 4);
+    assert_string_not_equal(before.head, after.head);
+}
+
+typedef struct collect {
+    int n;
+    char ids[32][32];
+} collect;
+
+static int s_collect(const fi_audit_record *r, void *arg) {
+    collect *c = arg;
+    if (c->n < 32) snprintf(c->ids[c->n++], 32, "%s", r->request_id);
+    return 0;
+}
+
+static void test_query(void **state) {
+    fx *f = *state;
+    s_fill(f, 9);
+    char err[300];
+    fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+    fi_audit_filter flt = {0};
+    collect c = {0};
+    flt.label = "phi";
+    assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 3); /* 1, 4, 7 */
+    assert_string_equal(c.ids[0], "req-1");
+    assert_string_equal(c.ids[2], "req-7");
+    memset(&c, 0, sizeof c);
+    memset(&flt, 0, sizeof flt);
+    flt.origin = "berlin-clinic";
+    flt.decision = "permit";
+    assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 3); /* 2, 6, 8 */
+    memset(&c, 0, sizeof c);
+    memset(&flt, 0, sizeof flt);
+    flt.since_ms = 1800000000000LL + 2000;
+    flt.until_ms = 1800000000000LL + 5000;
+    assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 3); /* 3, 4, 5 */
+    memset(&c, 0, sizeof c);
+    memset(&flt, 0, sizeof flt);
+    flt.limit = 2;
+    assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 2);
+    assert_string_equal(c.ids[0], "req-8");
+    assert_string_equal(c.ids[1], "req-9");
+    memset(&c, 0, sizeof c);
+    memset(&flt, 0, sizeof flt);
+    flt.rule = "phi stays on site";
+    flt.label = "p_i"; /* whole labels only, no LIKE wildcards */
+    assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 0);
+    flt.label = "ph";
+    assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 0);
+    flt.label = "phi";
+    assert_int_equal(fi_audit_query(a, &flt, s_collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.n, 3);
+    fi_audit_destroy(&a);
+}
+
+static void test_log_decision(void **state) {
+    fx *f = *state;
+    const char *text = "labels public, phi;\njurisdiction EU;\nregion r in EU;\nsite s1 in r;\nsite s2 in r;\n"
+                       "cluster c in r { cost = 1; }\n"
+                       "permit \"all\";\nforbid \"phi on site\" when \"phi\" in request.labels and target.site != request.origin.site;\n"
+                       "prefer \"cheap\" score 3 when target has cost and target.cost < 2;\n";
+    fi_policy *p = fi_policy_parse(text, strlen(text), NULL);
+    assert_non_null(p);
+    char err[300];
+    fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+    const char *pub[] = {"public"}, *phi[] = {"phi"};
+    fi_request r1 = {"r1", NULL, NULL, "s1", "m", pub, 1, -1, 7};
+    fi_request r2 = {"r2", NULL, NULL, "s1", NULL, phi, 1, -1, -1};
+    fi_verdict v[3];
+    assert_int_equal(fi_policy_decide(p, &r1, NULL, 3, v), 0);
+    assert_int_equal(fi_audit_log_decision(a, p, &r1, v, 3, NULL, 1000, err, sizeof err), 0);
+    uint32_t only_remote[2] = {(uint32_t)fi_policy_target_find(p, "s2"), (uint32_t)fi_policy_target_find(p, "c")};
+    assert_int_equal(fi_policy_decide(p, &r2, only_remote, 2, v), 0);
+    assert_int_equal(fi_audit_log_decision(a, p, &r2, v, 2, NULL, 2000, err, sizeof err), 0);
+    const char *names[] = {"c", "s1"};
+    fi_target_kind kinds[] = {FI_TARGET_CLUSTER, FI_TARGET_SITE};
+    fi_policy_fallback("s1", names, kinds, 2, v);
+    assert_int_equal(fi_audit_log_decision(a, NULL, &r2, v, 2, names, 3000, err, sizeof err), 0);
+    fi_audit_destroy(&a);
+    sqlite3 *db;
+    assert_int_equal(sqlite3_open(f->path, &db), SQLITE_OK);
+    sqlite3_stmt *st;
+    assert_int_equal(sqlite3_prepare_v2(db, "SELECT decision, target, rules, labels, prompt_tokens, policy_digest FROM audit ORDER BY seq",
+                                        -1, &st, NULL),
+                     SQLITE_OK);
+    char digest[65];
+    fi_policy_digest_hex(p, digest);
+    const char *want[3][6] = {{"permit", "c", "all,cheap", "public", "7", digest},
+                              {"deny", "", "phi on site", "phi", "-1", digest},
+                              {"fallback", "s1", "", "phi", "-1", ""}};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+        for (int k = 0; k < 6; k++) assert_string_equal((const char *)sqlite3_column_text(st, k), want[i][k]);
+    }
+    sqlite3_finalize(st);
+    sqlite3_close(db);
+    fi_audit_check ck;
+    assert_int_equal(s_verify(f, &ck), 0);
+    assert_true(ck.records == 3);
+    fi_policy_destroy(&p);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_intact, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_triggers_refuse, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_edit_detected, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_edit_with_rehash_detected, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_remove_detected, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_remove_and_renumber_detected, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_reorder_detected, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_truncation_changes_head, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_query, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_log_decision, s_setup, s_teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

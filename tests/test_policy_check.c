@@ -1,0 +1,166 @@
+/*
+ * test_policy_check.c - the validator: which findings are errors (the
+ * policy is refused: unknown attribute or entity, type mismatch, duplicate
+ * ids) and which are warnings (the policy is built: a rule that can never
+ * match, a permit entirely shadowed by a forbid, a rule that cannot be
+ * evaluated for some targets, an exact comparison with a jurisdiction that
+ * holds others).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "fi_policy.h"
+
+static const char *TOPO = "labels public, pii, phi;\n"
+                          "jurisdiction EU;\njurisdiction DE in EU;\njurisdiction US;\n"
+                          "region de-r in DE;\nregion us-r in US;\n"
+                          "site s-de in de-r;\nsite s-us in us-r;\n"
+                          "cluster c-de in de-r { cost = 3; gpu = \"h200\"; }\n"
+                          "cluster c-us in us-r { cost = 1; gpu = \"a100\"; }\n";
+
+typedef struct result {
+    bool built;       /* the policy was built */
+    size_t errors;
+    size_t warnings;
+    char text[8192];  /* every diagnostic, formatted */
+} result;
+
+static result s_check(const char *rules) {
+    result r;
+    memset(&r, 0, sizeof r);
+    char src[8192];
+    snprintf(src, sizeof src, "%s%s", TOPO, rules);
+    fi_diags *d = fi_diags_new();
+    fi_policy *p = fi_policy_parse(src, strlen(src), d);
+    r.built = p != NULL;
+    r.errors = fi_diags_errors(d);
+    r.warnings = fi_diags_warnings(d);
+    for (size_t i = 0; i < fi_diags_count(d); i++) {
+        char line[700];
+        fi_diag_format(fi_diags_get(d, i), "t.policy", line, sizeof line);
+        strncat(r.text, line, sizeof r.text - strlen(r.text) - 2);
+        strcat(r.text, "\n");
+    }
+    fi_policy_destroy(&p);
+    fi_diags_destroy(&d);
+    return r;
+}
+
+static void s_expect_error(const char *rules, const char *msg) {
+    result r = s_check(rules);
+    if (r.built || !r.errors || !strstr(r.text, msg))
+        fail_msg("for\n%s\nexpected an error containing \"%s\", got (built %d):\n%s", rules, msg, r.built, r.text);
+}
+
+static void s_expect_warning(const char *rules, const char *msg) {
+    result r = s_check(rules);
+    if (!r.built || r.errors || !strstr(r.text, msg))
+        fail_msg("for\n%s\nexpected a warning containing \"%s\", got (built %d):\n%s", rules, msg, r.built, r.text);
+}
+
+static void s_expect_clean(const char *rules) {
+    result r = s_check(rules);
+    if (!r.built || r.errors || r.warnings) fail_msg("for\n%s\nexpected no findings, got:\n%s", rules, r.text);
+}
+
+static void test_errors(void **state) {
+    (void)state;
+    /* unknown attribute and entity */
+    s_expect_error("permit \"x\" when target.price < 3;\n", "unknown attribute target.price");
+    s_expect_error("permit \"x\" when request.origin == \"s-de\";\n", "unknown attribute request.origin");
+    s_expect_error("permit \"x\" when target within \"Mars\";\n", "unknown entity \"Mars\"");
+    s_expect_error("permit \"x\" when request.origin.site == \"c-de\";\n",
+                   "t.policy:11:40: error: unknown entity \"c-de\": expected a site");
+    s_expect_error("permit \"x\" when target.region in [\"de-r\", \"xx-r\"];\n", "unknown entity \"xx-r\"");
+    s_expect_error("permit \"x\" when \"pci\" in request.labels;\n", "unknown label \"pci\"");
+    s_expect_error("permit \"x\" when request.labels <= [\"public\", \"secret\"];\n", "unknown label \"secret\"");
+    s_expect_error("permit \"x\" when target.kind == \"gpu\";\n", "unknown target kind \"gpu\"");
+    s_expect_error("site s-fr in nowhere;\n", "unknown entity \"nowhere\"");
+    s_expect_error("region late in LATER;\njurisdiction LATER;\n", "\"LATER\" is used before it is declared");
+    s_expect_error("region late in LATER;\njurisdiction LATER;\n", "hint: declare \"LATER\" (line 12) before");
+    /* type mismatches */
+    s_expect_error("permit \"x\" when target.gpu < 3;\n", "type mismatch: `<` cannot compare a string with a number");
+    s_expect_error("permit \"x\" when target.cost == \"3\";\n", "type mismatch: `==` cannot compare a number with a string");
+    s_expect_error("permit \"x\" when target.cost in [\"3\"];\n", "type mismatch");
+    s_expect_error("permit \"x\" when target.gpu and true;\n", "the operand of `and` must be a condition, found a string");
+    s_expect_error("permit \"x\" when not target.cost;\n", "the operand of `not` must be a condition, found a number");
+    s_expect_error("permit \"x\" when target.cost;\n", "a condition must be true or false, found a number");
+    s_expect_error("cluster c-x in us-r { cost = \"high\"; }\n", "type mismatch: attribute \"cost\" is a string here");
+    s_expect_error("permit \"x\" when request.labels < [\"public\"];\n", "< and > compare numbers");
+    /* duplicates, built-ins */
+    s_expect_error("permit \"x\";\nforbid \"x\" when false;\n", "duplicate rule id \"x\"");
+    s_expect_error("site c-de in de-r;\n", "duplicate id \"c-de\": already declared as a cluster");
+    s_expect_error("cluster c-y in us-r { a = 1; a = 2; }\n", "duplicate attribute \"a\" on \"c-y\"");
+    s_expect_error("cluster c-y in us-r { region = \"x\"; }\n", "attribute \"region\" is built in");
+    s_expect_error("region r2 in DE { cost = 1; }\n", "attribute \"cost\" on region \"r2\"");
+    s_expect_error("labels extra, extra;\n", "duplicate label \"extra\"");
+}
+
+static void test_warnings(void **state) {
+    (void)state;
+    /* a rule that can never match */
+    s_expect_warning("permit \"p\" when \"phi\" in request.labels and not (\"phi\" in request.labels);\n",
+                     "permit \"p\" can never match");
+    s_expect_warning("permit \"any\";\nforbid \"f\" when target has cost and target.cost > 100;\n", "forbid \"f\" can never match");
+    s_expect_warning("prefer \"s\" score 3 when target within \"EU\" and target within \"US\";\n",
+                     "prefer \"s\" can never match");
+    /* a permit entirely shadowed by a forbid */
+    s_expect_warning("permit \"us\" when target within \"US\";\nforbid \"no us\" when target within \"US\";\n",
+                     "permit \"us\" is entirely shadowed");
+    s_expect_warning("permit \"us\" when target within \"US\";\nforbid \"no us\" when target within \"US\";\n",
+                     "narrow forbid \"no us\"");
+    s_expect_warning("permit \"phi\" when \"phi\" in request.labels;\n"
+                     "forbid \"a\" when \"phi\" in request.labels and target within \"US\";\n"
+                     "forbid \"b\" when \"phi\" in request.labels and target within \"EU\";\n",
+                     "permit \"phi\" is entirely shadowed");
+    /* a rule that cannot be evaluated for some targets (errors block) */
+    s_expect_warning("permit \"any\";\nforbid \"gpu\" when target.gpu == \"h200\";\n",
+                     "forbid \"gpu\" cannot be evaluated for s-de, s-us, so it always matches there");
+    s_expect_warning("permit \"cheap\" when target.cost < 2;\n",
+                     "permit \"cheap\" cannot be evaluated for s-de, s-us, so it never matches there");
+    /* exact comparison with a jurisdiction holding others */
+    s_expect_warning("permit \"eu\" when target.jurisdiction == \"EU\";\n",
+                     "`==` compares exactly: it is false for jurisdictions nested inside \"EU\"");
+    /* and the same rules written well are clean */
+    s_expect_clean("permit \"eu\" when target within \"EU\";\n"
+                   "forbid \"gpu\" when target has gpu and target.gpu == \"h200\" and \"phi\" in request.labels;\n"
+                   "prefer \"cheap\" score 5 when target has cost and target.cost < 2;\n");
+}
+
+static void test_errors_block_use(void **state) {
+    (void)state;
+    /* A policy with errors is never built, even with valid rules around. */
+    result r = s_check("permit \"fine\";\npermit \"broken\" when target.nope == 1;\n");
+    assert_false(r.built);
+    assert_int_equal(r.errors, 1);
+    /* Warnings alone do not prevent building. */
+    r = s_check("permit \"p\" when false;\n");
+    assert_true(r.built);
+    assert_int_equal(r.warnings, 1);
+}
+
+static void test_hint_suggestions(void **state) {
+    (void)state;
+    s_expect_error("permit \"x\" when target.gpuu == \"h200\";\n", "hint: did you mean \"gpu\"?");
+    s_expect_error("permit \"x\" when target within \"EUU\";\n", "hint: did you mean \"EU\"?");
+    s_expect_error("permit \"x\" when \"pi\" in request.labels;\n", "hint: did you mean \"pii\"?");
+    s_expect_error("permit \"x\" when request.modle == \"m\";\n", "hint: did you mean \"model\"?");
+    s_expect_error("permit \"x\" when target.zzzzzz == \"m\";\n", "target attributes: kind, name, site, region, jurisdiction, cost, gpu");
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_warnings),
+        cmocka_unit_test(test_errors_block_use),
+        cmocka_unit_test(test_hint_suggestions),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
