@@ -524,7 +524,15 @@ static int group_setup(void **state) {
         say("golden data: %s\n", err);
         return -1;
     }
-    fi_model_opts o = {.n_threads = 0, .simd = FI_SIMD_AUTO};
+    /* One thread unless FI_GOLDEN_THREADS says otherwise: the numbers do
+     * not depend on it, and a thread pool on a loaded machine (ctest -j,
+     * other jobs) can take minutes where one thread takes seconds. */
+    const char *th = getenv("FI_GOLDEN_THREADS");
+    /* FI_GOLDEN_ACT_BITS=8 measures the 8-bit activation path (expected to
+     * fail these tolerances: see make_golden.py --emulate). */
+    const char *ab = getenv("FI_GOLDEN_ACT_BITS");
+    fi_model_opts o = {.n_threads = th ? atoi(th) : 1, .simd = FI_SIMD_AUTO,
+                       .act_bits = ab ? atoi(ab) : 0};
     G.m = fi_model_load(FI_TEST_MODEL, &o, err, sizeof err);
     if (!G.m) {
         say("cannot load the model %s: %s\n", FI_TEST_MODEL, err);
@@ -536,8 +544,9 @@ static int group_setup(void **state) {
             say("golden subset id %d >= n_vocab %d\n", G.subset[i], G.n_vocab);
             return -1;
         }
-    say("golden: %d prompts, subset of %d ids, full row of %d (%s p%d); model %s\n",
-        G.n_prompts, G.n_subset, G.full_n, G.full_prompt, G.full_pos, FI_TEST_MODEL);
+    say("golden: %d prompts, subset of %d ids, full row of %d (%s p%d); model %s; %d thread(s), act_bits %d\n",
+        G.n_prompts, G.n_subset, G.full_n, G.full_prompt, G.full_pos, FI_TEST_MODEL, o.n_threads,
+        o.act_bits);
     (void)state;
     return 0;
 }

@@ -3,6 +3,11 @@
 engine against, from the float64 numpy reference in reference.py.
 
     python3 tests/golden/make_golden.py [model.gguf]
+    python3 tests/golden/make_golden.py --emulate [model.gguf]
+
+--emulate writes nothing: it applies test_golden.c's rules to a model of an
+engine that quantises activations to 8 bits per 32 (and keeps K/V in
+float16), to tell what such an engine must be expected to fail from bugs.
 
 (default: models/SmolLM2-135M-Instruct.Q4_1.gguf under the repository root).
 Needs python3 with gguf, numpy and tokenizers; the C tests only read the
@@ -80,13 +85,63 @@ def gap(row):
     return float(a[1] - a[0])
 
 
+def emulate(m, tk, sub):
+    """test_golden.c's checks (subset cosine, top-5 modulo near ties,
+    greedy up to the first reference near tie) on a quantising engine's
+    logits, teacher-forced on the reference tokens."""
+    def cos(a, b):
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    def top5(e, r):
+        o = np.argsort(-r, kind="stable")[:N_TOP]
+        bad = []
+        for i, t in enumerate(np.argsort(-e, kind="stable")[:5]):
+            if t not in o or abs(r[t] - r[o[i]]) > 0.05:
+                bad.append("rank %d id %d (ref logit %+.3f from rank %d's)" % (i, t, r[t] - r[o[i]], i))
+        return bad
+
+    print("== engine model: activations of quantised matrices at 8 bits per 32, K/V float16")
+    for name, text in PROMPTS:
+        ids = ref.encode(tk, text)
+        gen, steps, plog = ref.greedy(ref.Session(m), ids, N_GEN)
+        n = len(ids)
+        e = ref.Session(m, act_q8=True, kv_f16=True).eval(ids + gen)
+        rows = [("p%d" % i, e[i], plog[i]) for i in range(min(PROMPT_POS, n))]
+        rows += [("g%d" % s, e[n - 1 + s], steps[s]) for s in GEN_STEPS]
+        msgs = []
+        for tag, er, rr in rows:
+            c = cos(er[sub], rr[sub])
+            bad = top5(er, rr)
+            if c < 0.999 or bad:
+                msgs.append("%s cos %.5f%s" % (tag, c, "; top-5: " + ", ".join(bad) if bad else ""))
+        gaps = [gap(r) for r in steps]
+        cmp_, why = N_GEN, "all steps"
+        for i in range(N_GEN):
+            if gaps[i] < 0.05:
+                cmp_, why = i, "reference near tie"
+                break
+            if int(np.argmax(e[n - 1 + i])) != gen[i]:
+                cmp_, why = i, "MISMATCH: engine %d, reference %d, reference gap %.3f" % (
+                    int(np.argmax(e[n - 1 + i])), gen[i], gaps[i])
+                break
+        allc = [cos(er[sub], rr[sub]) for _, er, rr in rows]
+        print("%-10s greedy %2d/%d (%s); subset cosine min %.5f; max|d| %.3f"
+              % (name, cmp_, N_GEN, why, min(allc),
+                 max(float(np.abs(er - rr).max()) for _, er, rr in rows)))
+        for msg in msgs:
+            print("    FAIL " + msg)
+
+
 def main():
     root = os.path.dirname(os.path.dirname(HERE))
-    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(
-        root, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    args = [a for a in sys.argv[1:] if a != "--emulate"]
+    path = args[0] if args else os.path.join(root, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
     m = ref.Model(path)
     tk = ref.build_tokenizer(m.reader)
     sub = subset_ids(m.n_vocab)
+    if "--emulate" in sys.argv[1:]:
+        emulate(m, tk, sub)
+        return
 
     lines = [
         "# fedinfer golden v1: written by tests/golden/make_golden.py from the float64 numpy",

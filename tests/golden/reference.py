@@ -65,6 +65,12 @@ class Model:
         self.n_vocab = self.tok_embd.shape[0]
         self.output_norm = load("output_norm.weight")
         self.output = load("output.weight") if "output.weight" in tensors else self.tok_embd
+        # Diagnostics only (Session act_q8): which matrices are quantised.
+        floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                  gguf.GGMLQuantizationType.BF16)
+        self.quantised = {n: t.tensor_type not in floats for n, t in tensors.items()}
+        self.output_quantised = self.quantised["output.weight" if "output.weight" in tensors
+                                               else "token_embd.weight"]
         self.layers = []
         for i in range(c.n_layers):
             p = "blk.%d." % i
@@ -75,6 +81,7 @@ class Model:
             assert L["attn_k"].shape == (c.n_kv_heads * c.head_dim, c.dim)
             assert L["ffn_gate"].shape == (c.ffn_dim, c.dim)
             assert L["ffn_down"].shape == (c.dim, c.ffn_dim)
+            L["_q"] = {k: self.quantised[p + k + ".weight"] for k in L}
             self.layers.append(L)
         # RoPE inverse frequencies: theta^(-2i/head_dim), i < head_dim/2.
         hd = c.head_dim
@@ -99,13 +106,33 @@ def rope(x, pos, inv_freq):
     return out
 
 
-class Session:
-    """One sequence with a KV cache (float64)."""
+def quantise_q8(x):
+    """Diagnostics: what an engine that quantises activations for integer
+    dot products sees: blocks of 32, scale d = amax/127 (float32),
+    q = round-half-even(x/d), x' = q*d."""
+    s = x.shape
+    b = x.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(b * inv)
+    d = (amax / np.float32(127)).astype(np.float32)
+    return (q * d).astype(np.float64).reshape(s)
 
-    def __init__(self, model, n_ctx=512):
+
+class Session:
+    """One sequence with a KV cache (float64).
+
+    The golden data uses the defaults. act_q8 (activations of quantised
+    matrices rounded as quantise_q8 does) and kv_f16 (K and V stored as
+    float16) are diagnostics: they model an engine that does so, to tell
+    quantisation effects from bugs (make_golden.py --emulate)."""
+
+    def __init__(self, model, n_ctx=512, act_q8=False, kv_f16=False):
         c = model.cfg
         self.m = model
         self.pos = 0
+        self.act_q8 = act_q8
+        self.kv_f16 = kv_f16
         kvd = (c.n_layers, n_ctx, c.n_kv_heads, c.head_dim)
         self.k = np.zeros(kvd)
         self.v = np.zeros(kvd)
@@ -124,14 +151,22 @@ class Session:
         kpos = np.arange(p0 + n)
         mask = kpos[None, :] > pos[:, None]                         # (n, p0+n)
 
+        def mm(x, L, name):
+            if self.act_q8 and L["_q"][name]:
+                x = quantise_q8(x)
+            return x @ L[name].T
+
         x = m.tok_embd[toks].copy()                                 # (n, dim)
         for li, L in enumerate(m.layers):
             h = rmsnorm(x, L["attn_norm"], c.norm_eps)
-            q = (h @ L["attn_q"].T).reshape(n, H, hd)
-            k = (h @ L["attn_k"].T).reshape(n, KV, hd)
-            v = (h @ L["attn_v"].T).reshape(n, KV, hd)
+            q = mm(h, L, "attn_q").reshape(n, H, hd)
+            k = mm(h, L, "attn_k").reshape(n, KV, hd)
+            v = mm(h, L, "attn_v").reshape(n, KV, hd)
             q = rope(q, pos, m.inv_freq)
             k = rope(k, pos, m.inv_freq)
+            if self.kv_f16:
+                k = k.astype(np.float16).astype(np.float64)
+                v = v.astype(np.float16).astype(np.float64)
             self.k[li, p0:p0 + n] = k
             self.v[li, p0:p0 + n] = v
             K = self.k[li, :p0 + n]                                 # (T, KV, hd)
@@ -145,14 +180,16 @@ class Session:
                 e = np.exp(s)
                 w = e / e.sum(axis=1, keepdims=True)
                 att[:, hh, :] = w @ V[:, kv, :]
-            x = x + att.reshape(n, c.dim) @ L["attn_output"].T
+            x = x + mm(att.reshape(n, c.dim), L, "attn_output")
             h = rmsnorm(x, L["ffn_norm"], c.norm_eps)
-            g = h @ L["ffn_gate"].T
-            u = h @ L["ffn_up"].T
+            g = mm(h, L, "ffn_gate")
+            u = mm(h, L, "ffn_up")
             a = g / (1.0 + np.exp(-g)) * u
-            x = x + a @ L["ffn_down"].T
+            x = x + mm(a, L, "ffn_down")
         x = rmsnorm(x, m.output_norm, c.norm_eps)
         self.pos += n
+        if self.act_q8 and m.output_quantised:
+            x = quantise_q8(x)
         return x @ m.output.T                                       # (n, vocab)
 
 
