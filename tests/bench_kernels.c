@@ -156,6 +156,13 @@ typedef struct s_layer {
 int main(int argc, char **argv) {
     int threads[8] = {1, 2};
     int nthreads = 2;
+    if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+        printf("usage: bench_kernels [THREADS...]\n\n"
+               "Times the CPU kernels at the default model's shapes for each kernel flavour and\n"
+               "activation precision, at each thread count given (default: 1 2). Set\n"
+               "BENCH_CPUTIME=1 to time with thread CPU time. Not a test: run by hand.\n");
+        return 0;
+    }
     if (argc > 1) {
         nthreads = 0;
         for (int i = 1; i < argc && nthreads < 8; i++)

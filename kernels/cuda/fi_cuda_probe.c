@@ -238,6 +238,14 @@ static int s_write_synthetic(const char *path) {
 
 int main(int argc, char **argv) {
     char err[512];
+    if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+        printf("usage: fi_cuda_probe MODEL | --synthetic\n"
+               "       fi_cuda_probe --write-synthetic FILE\n\n"
+               "GPU throughput probe for kernels/cuda/gpu-check.sh: cuBLASLt GEMMs at the model's\n"
+               "shapes against a large square GEMM, prefill and decode timings with CUDA-event\n"
+               "kernel sums. Exits 77 where no CUDA device is present.\n");
+        return 0;
+    }
     if (argc == 3 && !strcmp(argv[1], "--write-synthetic"))
         return s_write_synthetic(argv[2]) ? 1 : 0;
     if (fi_cuda_device_count(err, sizeof err) < 0) {

@@ -146,6 +146,13 @@ int main(int argc, char **argv) {
     int n = 20, clients = 4, threads = 2;
     double secs = 3;
     const char *model = FI_TEST_MODEL;
+    if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+        printf("usage: bench_edge [-n REQUESTS] [-t SECONDS] [-c CLIENTS] [-m MODEL] [--threads N]\n\n"
+               "Time to first token of the engine alone against the same prompt through the\n"
+               "edge's HTTP API (p50, p99, difference), then requests/s of the denial path\n"
+               "with CLIENTS threads for SECONDS. Not a test: run by hand.\n");
+        return 0;
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "-n")) n = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-t")) secs = atof(argv[i + 1]);

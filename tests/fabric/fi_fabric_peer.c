@@ -91,6 +91,12 @@ int main(int argc, char **argv) {
         return 2;
     }
     const char *cmd = argv[1];
+    if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
+        printf("usage: fi_fabric_peer coordinator|keygen|worker|status|enrol|revoke ...\n\n"
+               "Test-only: runs the coordinator, an echo cluster worker or the fedctl verbs as\n"
+               "separate processes for the fabric's process tests. Each command answers --help.\n");
+        return 0;
+    }
     if (!strcmp(cmd, "coordinator")) return fi_cmd_coordinator(argc - 1, argv + 1);
     if (!strcmp(cmd, "keygen")) return fi_cmd_keygen(argc - 1, argv + 1);
     if (!strcmp(cmd, "worker")) return s_worker(argc - 1, argv + 1);
