@@ -264,6 +264,7 @@ static result s_medians(const result *rs, int n) {
 
 int main(int argc, char **argv) {
     int n = 5000, window = 32, size = 64, rounds = 1, ch;
+    if (argc > 1 && !strcmp(argv[1], "--help")) argv[1] = (char *)"-h";
     while ((ch = getopt(argc, argv, "n:w:s:r:h")) != -1) {
         switch (ch) {
         case 'n': n = atoi(optarg); break;
