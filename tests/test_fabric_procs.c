@@ -188,8 +188,9 @@ static int64_t s_count(procs *p, const char *table) {
     return n;
 }
 
-static void test_coordinator_kill9_restart(void **state) {
-    procs *p = *state;
+/* Enrols an edge, starts the coordinator and a worker, and returns the
+ * edge's client once a request has gone through. */
+static fi_client *s_start_fleet(procs *p) {
     char err[256];
     fi_keypair ek;
     assert_int_equal(fi_keys_generate(&ek), 0);
@@ -201,6 +202,13 @@ static void test_coordinator_kill9_restart(void **state) {
     fi_client *edge = fi_client_new(&eo, err, sizeof err);
     assert_non_null(edge);
     assert_true(s_until_served(edge, "warm", 5000) >= 0);
+    return edge;
+}
+
+static void test_coordinator_kill9_restart(void **state) {
+    procs *p = *state;
+    char err[256];
+    fi_client *edge = s_start_fleet(p);
 
     /* State written through the fabric before the crash. */
     fi_client *op = h_client(&p->h, &p->h.op, FI__ROLE__ROLE_OPERATOR);
@@ -289,16 +297,7 @@ static void test_coordinator_kill9_restart(void **state) {
 static void test_worker_kill9_fails_requests(void **state) {
     procs *p = *state;
     char err[256];
-    fi_keypair ek;
-    assert_int_equal(fi_keys_generate(&ek), 0);
-    assert_int_equal(h_enrol_direct(&p->h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
-    assert_true((p->coord = s_start_coord(p)) > 0);
-    assert_true((p->worker = s_start_worker(p)) > 0);
-    fi_client_opts eo;
-    h_client_opts(&p->h, &eo, &ek, FI__ROLE__ROLE_EDGE);
-    fi_client *edge = fi_client_new(&eo, err, sizeof err);
-    assert_non_null(edge);
-    assert_true(s_until_served(edge, "warm", 5000) >= 0);
+    fi_client *edge = s_start_fleet(p);
     /* A long echo: 50 ms per 4 bytes. */
     char prompt[401];
     memset(prompt, 'x', 400);
@@ -349,16 +348,7 @@ static void test_worker_kill9_fails_requests(void **state) {
 static void test_worker_stalled_then_back(void **state) {
     procs *p = *state;
     char err[256];
-    fi_keypair ek;
-    assert_int_equal(fi_keys_generate(&ek), 0);
-    assert_int_equal(h_enrol_direct(&p->h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
-    assert_true((p->coord = s_start_coord(p)) > 0);
-    assert_true((p->worker = s_start_worker(p)) > 0);
-    fi_client_opts eo;
-    h_client_opts(&p->h, &eo, &ek, FI__ROLE__ROLE_EDGE);
-    fi_client *edge = fi_client_new(&eo, err, sizeof err);
-    assert_non_null(edge);
-    assert_true(s_until_served(edge, "warm", 5000) >= 0);
+    fi_client *edge = s_start_fleet(p);
     kill(p->worker, SIGSTOP);
     /* Keep the edge alive while the coordinator notices. */
     for (int i = 0; i < 2 * H_LIVENESS; i++) { /* two liveness periods */
