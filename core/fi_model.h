@@ -47,6 +47,34 @@ typedef enum fi_device {
                             there (fits in its memory), else the CPU */
 } fi_device;
 
+/* The part of the model one rank of a shard group holds (tensor and
+ * pipeline parallelism). A zeroed plan, or a NULL opts->plan, is the whole
+ * model. Loading with a plan copies only the plan's slices of the weights
+ * into the process (the file's mapping is then released), so a rank's
+ * memory holds its share, not the whole model. */
+typedef struct fi_shard_plan {
+    int layer_begin, layer_end; /* layers [begin, end); end 0: to the last */
+    int kv_head_begin;          /* first KV head of this rank; its query heads */
+    int kv_head_count;          /*   come with it; 0: every head */
+    int ffn_begin;              /* rows of ffn_gate/ffn_up (= columns of */
+    int ffn_count;              /*   ffn_down) of this rank; 0: all */
+    int no_embed;               /* 1: no token embedding (not the first stage) */
+    int no_output;              /* 1: no output norm/matrix (not the last stage) */
+} fi_shard_plan;
+
+/* Checks a plan against a model's configuration: ranges inside the model,
+ * the FFN slice on the quantisation block size of ffn_down's type, ...
+ * 0, or -1 with the reason in err. (fi_model_load checks it too.) */
+FI_MUST_CHECK int fi_shard_plan_check(const fi_shard_plan *p, const fi_config *c,
+                                      int ffn_down_block, char *err, size_t errlen);
+
+/* Called by the forward pass where tensor parallelism needs a sum over the
+ * ranks of a stage: after the attention output projection and after the
+ * FFN down projection of every layer. x holds n floats (backend memory)
+ * that must be replaced by their sum over the ranks. 0, or -1 to abort the
+ * pass (the forward pass then fails with the hook's message in err). */
+typedef int (*fi_allreduce_fn)(void *user, float *x, size_t n, char *err, size_t errlen);
+
 typedef struct fi_model_opts {
     int n_threads;   /* CPU threads; <= 0: one per core */
     fi_simd simd;    /* CPU code path */
@@ -54,6 +82,7 @@ typedef struct fi_model_opts {
                         CPU: 16 (0 means this default) or 8 (faster, less
                         exact); the CUDA backend always uses fp16 */
     fi_device device; /* backend; FI_DEVICE_CPU when zeroed */
+    const fi_shard_plan *plan; /* NULL: the whole model */
 } fi_model_opts;
 
 /* Parses "cpu", "cuda" or "auto"; 0, or -1 for anything else. */
@@ -74,6 +103,55 @@ fi_backend *fi_model_backend(const fi_model *m);
 /* Bytes of weights one decode step reads (every matrix once, plus one
  * embedding row). */
 uint64_t fi_model_weight_bytes_per_token(const fi_model *m);
+/* The plan the model was loaded with (the whole model when none). */
+const fi_shard_plan *fi_model_plan(const fi_model *m);
+/* Installs the tensor-parallel sum (NULL: none, a single rank). */
+void fi_model_set_allreduce(fi_model *m, fi_allreduce_fn fn, void *user);
+
+/* --- paged KV cache and batched forward passes ------------------------- */
+
+#define FI_KV_BLOCK 16 /* positions per KV-cache block */
+
+/* A pool of KV-cache blocks (every layer of the model's plan, keys and
+ * values, fp16), plus the work buffers of forward passes over up to
+ * max_tokens tokens of which up to max_out want logits. */
+typedef struct fi_kvpool fi_kvpool;
+
+/* Bytes one block takes (all layers of the plan, K and V). */
+size_t fi_kv_block_bytes(const fi_model *m);
+fi_kvpool *fi_kvpool_new(fi_model *m, int n_blocks, int max_tokens, int max_out, char *err,
+                         size_t errlen);
+void fi_kvpool_destroy(fi_kvpool **p);
+int fi_kvpool_blocks(const fi_kvpool *p);
+int fi_kvpool_max_tokens(const fi_kvpool *p);
+int fi_kvpool_max_out(const fi_kvpool *p);
+
+/* One forward pass: n tokens of one or more sequences. tok, pos, seq and
+ * out_rows are host arrays; tables holds max_blocks block ids for each of
+ * n_seqs sequences (entries past a sequence's length are ignored). Token t
+ * is written to the cache at its position pos[t] in sequence seq[t]; the
+ * blocks covering it must be in the sequence's table. */
+typedef struct fi_batch {
+    int n;                 /* tokens, 1..fi_kvpool_max_tokens */
+    const int32_t *tok;    /* token ids (ignored by a stage without embedding) */
+    const int32_t *pos;    /* positions */
+    const int32_t *seq;    /* sequence index of each token, < n_seqs */
+    int n_seqs;
+    const int32_t *tables; /* n_seqs * max_blocks block ids */
+    int max_blocks;
+    const int32_t *out_rows; /* tokens whose logits are wanted, ascending */
+    int n_out;             /* 0..fi_kvpool_max_out */
+} fi_batch;
+
+/* Runs the batch through the model's plan: from the token embeddings (or,
+ * for a stage without embedding, from x_in: n rows of dim floats, host),
+ * through its layers, to logits (n_out rows of n_vocab floats, host) when
+ * the plan has the output, else to x_out (n rows of dim floats, host).
+ * Every check (token ids, positions inside the tables, block ids inside
+ * the pool) is made before any work. 0, or -1 with a message in err. */
+FI_MUST_CHECK int fi_model_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b,
+                                   const float *x_in, float *x_out, float *logits, char *err,
+                                   size_t errlen);
 
 /* --- sessions ---------------------------------------------------------- */
 typedef struct fi_session fi_session;
