@@ -45,6 +45,12 @@ typedef struct fi_sched_opts {
     int step_tokens;     /* tokens per forward pass (decode + prefill); 0: 256 */
     int n_ctx;           /* positions per sequence at most; 0: the model's (<= 8192) */
     int no_prefix_cache; /* 1: never reuse blocks across sequences */
+    /* Runs each step's batch instead of fi_model_forward(m, kv, b, NULL,
+     * NULL, logits, ...): a shard group's leader sends the batch to the
+     * other ranks and runs its own slice. NULL: fi_model_forward. */
+    int (*forward)(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, float *logits,
+                   char *err, size_t errlen);
+    void *forward_user;
 } fi_sched_opts;
 
 typedef struct fi_sched fi_sched;
