@@ -965,27 +965,30 @@ int edge_http_start(fi_edge *e, char *err, size_t errlen) {
         snprintf(err, errlen, "listen: '%s' is not an IPv4 address", e->conf.listen);
         return -1;
     }
+    /* Our own listener accepts and hands connections over (edge_front.c). */
     e->httpd = MHD_start_daemon(
         MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG |
-            MHD_USE_POLL,
+            MHD_USE_POLL | MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC,
         0, NULL, NULL, s_handler, e, MHD_OPTION_EXTERNAL_LOGGER, s_mhd_log, e,
-        MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
         MHD_OPTION_CONNECTION_LIMIT, (unsigned)e->conf.conn_limit,
         MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)e->conf.per_ip_limit,
         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)e->conf.conn_timeout_s,
         MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)e->conf.conn_memory,
-        MHD_OPTION_NOTIFY_COMPLETED, s_completed, e,
-        MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u, MHD_OPTION_END);
+        MHD_OPTION_NOTIFY_COMPLETED, s_completed, e, MHD_OPTION_END);
     if (!e->httpd) {
-        snprintf(err, errlen, "cannot listen on %s:%d", e->conf.listen, e->conf.port);
+        snprintf(err, errlen, "cannot start the HTTP server");
         return -1;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(e->httpd, MHD_DAEMON_INFO_BIND_PORT);
-    e->port = di ? di->port : e->conf.port;
+    if (!(e->front = edge_front_start(e, &sa, &e->port, err, errlen))) {
+        MHD_stop_daemon(e->httpd);
+        e->httpd = NULL;
+        return -1;
+    }
     return 0;
 }
 
 void edge_http_stop(fi_edge *e) {
+    edge_front_stop(&e->front);
     if (!e->httpd) return;
     MHD_stop_daemon(e->httpd);
     e->httpd = NULL;

@@ -200,11 +200,27 @@ struct fi_edge {
     edge_policy *policy;          /* bundle, decisions, audit */
     void *tokens;                 /* bearer tokens (edge_auth), NULL when auth is off */
     struct MHD_Daemon *httpd;     /* the HTTP server */
+    struct edge_front *front;     /* its listener (edge_front.c) */
     int port;                     /* bound port */
     atomic_int stopping;          /* 1: refuse new requests with 503 */
     atomic_long next_id;          /* request ids */
     edge_metrics m;
 };
+
+/* The listener in front of libmicrohttpd (edge_front.c): accepts, answers
+ * an unparsable or absurd Content-Length with a JSON error, hands the rest
+ * to e->httpd. */
+typedef struct edge_front edge_front;
+struct sockaddr_in;
+edge_front *edge_front_start(fi_edge *e, const struct sockaddr_in *sa, int *port, char *err,
+                             size_t errlen);
+void edge_front_stop(edge_front **f);
+/* The check on a complete request head (h, n bytes up to its blank line):
+ * 0 when it may go on; 400 (a Content-Length that is not a number, or two
+ * that differ) or 413 (one over 2^64-1) with an OpenAI error code and a
+ * message. */
+int edge_front_check_head(const char *h, size_t n, long max_body, char *code, size_t clen,
+                          char *msg, size_t mlen);
 
 /* HTTP server (edge_http.c). */
 int edge_http_start(fi_edge *e, char *err, size_t errlen);

@@ -23,6 +23,7 @@
 
 #include "fabric/harness.h"
 #include "fi_bundle.h"
+#include "edge_impl.h"
 #include "fi_edge.h"
 
 typedef struct resp {
@@ -164,6 +165,41 @@ static int teardown(void **state) {
     return 0;
 }
 
+/* Sends raw bytes (a request head and body; split: in two sends 50 ms
+ * apart at that offset, 0: at once) and reads the answer. */
+static int http_raw_split(int port, const char *req, size_t split, resp *r) {
+    memset(r, 0, sizeof *r);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) return -1;
+    size_t n = strlen(req), a = split && split < n ? split : n;
+    if (send(fd, req, a, 0) != (ssize_t)a) return -1;
+    if (a < n) {
+        h_sleep_ms(50);
+        if (send(fd, req + a, n - a, 0) != (ssize_t)(n - a)) return -1;
+    }
+    char buf[16384];
+    size_t len = 0;
+    for (;;) {
+        ssize_t k = recv(fd, buf + len, sizeof buf - len - 1, 0);
+        if (k <= 0) break;
+        len += (size_t)k;
+    }
+    close(fd);
+    buf[len] = 0;
+    char *sep = strstr(buf, "\r\n\r\n");
+    if (!sep) return -1;
+    snprintf(r->head, sizeof r->head, "%.*s", (int)(sep - buf), buf);
+    snprintf(r->body, sizeof r->body, "%s", sep + 4);
+    sscanf(buf, "HTTP/1.%*d %d", &r->status);
+    return 0;
+}
+
+static int http_raw(int port, const char *req, resp *r) { return http_raw_split(port, req, 0, r); }
+
 static int has(const resp *r, const char *s) { return strstr(r->head, s) || strstr(r->body, s); }
 
 static void test_routed(void **state) {
@@ -257,8 +293,87 @@ static void test_audit_upload_and_offline(void **state) {
     assert_true(has(&r, "coordinator"));
 }
 
+/* A Content-Length libmicrohttpd cannot parse gets our JSON error, not
+ * its HTML page (edge_front.c); a good request still goes through. */
+static void test_content_length(void **state) {
+    fx *f = *state;
+    static const struct {
+        const char *cl;
+        int status;
+        const char *code;
+    } cases[] = {
+        {"99999999999999999999999", 413, "body_too_large"},
+        {"18446744073709551616", 413, "body_too_large"},
+        {"abc", 400, "invalid_content_length"},
+        {"-1", 400, "invalid_content_length"},
+        {"12, 13", 400, "invalid_content_length"},
+        {"", 400, "invalid_content_length"},
+        {"18446744073709551615", 413, "body_too_large"}, /* parses: our handler's 413 */
+        {"5000000", 413, "body_too_large"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char req[512];
+        snprintf(req, sizeof req,
+                 "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n"
+                 "Connection: close\r\n\r\n{}",
+                 cases[i].cl);
+        resp r;
+        assert_int_equal(http_raw(f->port, req, &r), 0);
+        if (r.status != cases[i].status || !strstr(r.body, cases[i].code))
+            fail_msg("Content-Length '%s': %d %s", cases[i].cl, r.status, r.body);
+        assert_non_null(strstr(r.head, "application/json"));
+        assert_non_null(strstr(r.body, "\"error\":{"));
+        assert_null(strstr(r.body, "<html>"));
+    }
+    /* Two that differ. */
+    resp r;
+    assert_int_equal(http_raw(f->port,
+                              "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                              "content-length: 3\r\nConnection: close\r\n\r\n{}",
+                              &r),
+                     0);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(r.body, "differ"));
+    /* Heads sent in two pieces: judged once complete; a good request
+     * still reaches the API. */
+    const char *big = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999"
+                      "999999999999\r\nConnection: close\r\n\r\n{}";
+    assert_int_equal(http_raw_split(f->port, big, 40, &r), 0);
+    assert_int_equal(r.status, 413);
+    assert_non_null(strstr(r.body, "body_too_large"));
+    const char *good = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 59\r\n"
+                       "Connection: close\r\n\r\n"
+                       "{\"model\":\"echo-model\",\"prompt\":\"piecewise\",\"max_tokens\":50}";
+    assert_int_equal(strlen(strstr(good, "\r\n\r\n") + 4), 59);
+    assert_int_equal(http_raw_split(f->port, good, 30, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_true(has(&r, "echo: piecewise"));
+}
+
+static void test_check_head(void **state) {
+    (void)state;
+    char code[40], msg[256];
+    const char *ok = "POST / HTTP/1.1\r\nContent-Length:  12 \r\n\r\n";
+    assert_int_equal(edge_front_check_head(ok, strlen(ok), 100, code, sizeof code, msg, sizeof msg), 0);
+    const char *none = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    assert_int_equal(edge_front_check_head(none, strlen(none), 100, code, sizeof code, msg, sizeof msg), 0);
+    const char *zeros = "POST / HTTP/1.1\r\nContent-Length: 000000000000000000000000000012\r\n\r\n";
+    assert_int_equal(edge_front_check_head(zeros, strlen(zeros), 100, code, sizeof code, msg, sizeof msg), 0);
+    const char *big = "POST / HTTP/1.1\r\ncontent-LENGTH: 18446744073709551616\r\n\r\n";
+    assert_int_equal(edge_front_check_head(big, strlen(big), 100, code, sizeof code, msg, sizeof msg), 413);
+    assert_non_null(strstr(msg, "at most 100 bytes"));
+    /* Only the head is looked at: a body line is not a header. */
+    const char *body = "POST / HTTP/1.1\r\nContent-Length: 20\r\n\r\nContent-Length: x\r\n";
+    assert_int_equal(edge_front_check_head(body, strlen(body), 100, code, sizeof code, msg, sizeof msg), 0);
+    const char *bad = "POST / HTTP/1.1\nContent-Length: 1e3\n\n";
+    assert_int_equal(edge_front_check_head(bad, strlen(bad), 100, code, sizeof code, msg, sizeof msg), 400);
+    assert_non_null(strstr(msg, "'1e3'"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_check_head),
+        cmocka_unit_test(test_content_length),
         cmocka_unit_test(test_routed),
         cmocka_unit_test(test_pushed_bundles),
         cmocka_unit_test(test_audit_upload_and_offline),
