@@ -32,7 +32,7 @@ static const char *s_write(const fi_gw_llama_opts *o) {
 
 static fi_model *s_load(const fi_gw_llama_opts *o, fi_simd simd, int threads) {
     char err[512];
-    fi_model_opts mo = {threads, simd, 0, FI_DEVICE_CPU};
+    fi_model_opts mo = {.n_threads = threads, .simd = simd, .device = FI_DEVICE_CPU};
     fi_model *m = fi_model_load(s_write(o), &mo, err, sizeof err);
     if (!m) fail_msg("load failed: %s", err);
     unlink(s_path);
@@ -420,7 +420,7 @@ static void test_device_choice(void **state) {
     fi_gw_llama_defaults(&o);
     const char *path = s_write(&o);
     char err[512] = "";
-    fi_model_opts mo = {1, FI_SIMD_AUTO, 0, FI_DEVICE_CUDA};
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CUDA};
     fi_model *m = fi_model_load(path, &mo, err, sizeof err);
     if (m) {
         assert_string_equal(fi_model_backend(m)->ops->name, "cuda");
