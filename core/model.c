@@ -687,13 +687,13 @@ static int s_check_batch(const fi_model *m, const fi_kvpool *kv, const fi_batch 
         s_err(err, errlen, "batch of %d tokens; this pool takes 1..%d", b->n, kv->max_tokens);
         return -1;
     }
+    if (b->n_out && !m->output_norm) {
+        s_err(err, errlen, "this shard's plan has no output layer, yet logits were asked for");
+        return -1;
+    }
     if (b->n_out < 0 || b->n_out > kv->max_out) {
         s_err(err, errlen, "batch wants %d rows of logits; this pool takes at most %d", b->n_out,
               kv->max_out);
-        return -1;
-    }
-    if (b->n_out && !m->output_norm) {
-        s_err(err, errlen, "this shard's plan has no output layer, yet logits were asked for");
         return -1;
     }
     if (b->n_seqs < 1 || b->max_blocks < 1 || !b->tables || !b->pos || !b->seq) {
