@@ -199,7 +199,7 @@ int fi_cmd_bench(int argc, char **argv) {
         return 2;
     }
     char err[512];
-    fi_model_opts mo = {(int)threads, simd, 0, device};
+    fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .device = device};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);
