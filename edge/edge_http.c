@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "edge_impl.h"
+#include "fi_sched.h"
 
 #define EDGE_MAX_DEPTH 32       /* JSON nesting we accept */
 #define EDGE_MAX_MESSAGES 256   /* chat messages per request */
@@ -577,6 +578,46 @@ static int s_route(fi_edge *e, const edge_decision *d, const char *model, int *u
     return best;
 }
 
+/* Fills what a routed request carries: the chat's messages (the worker
+ * renders them with its model's template) or the raw prompt, the sampling
+ * and stop strings, the user for conversation affinity, and the prefix
+ * hashes of the prompt when this edge's model is the one asked for (same
+ * tokenizer as the workers serving it), salted with the tenant and the
+ * residency zone. 0, or -1 when out of memory. */
+static int s_routed(fi_edge *e, edge_job *job, const s_req *r, int chat, const char *tenant,
+                    const int32_t *ids, int n_ids) {
+    edge_routed *w = calloc(1, sizeof *w);
+    if (!w) return -1;
+    job->routed = w;
+    job->text = strdup(chat ? "" : r->prompt);
+    if (!job->text) return -1;
+    w->raw = !chat;
+    if (chat) {
+        w->roles = calloc((size_t)r->n_msgs, sizeof *w->roles);
+        w->contents = calloc((size_t)r->n_msgs, sizeof *w->contents);
+        if (!w->roles || !w->contents) return -1;
+        for (int i = 0; i < r->n_msgs; i++, w->n_msgs++) {
+            w->roles[i] = strdup(r->msgs[i].role);
+            w->contents[i] = strdup(r->msgs[i].content);
+            if (!w->roles[i] || !w->contents[i]) {
+                w->n_msgs++;
+                return -1;
+            }
+        }
+    }
+    for (int i = 0; i < r->n_stop; i++, w->n_stop++)
+        if (!(w->stop[i] = strdup(r->stop[i]))) return -1;
+    snprintf(w->user, sizeof w->user, "%s", r->user ? r->user : "");
+    snprintf(w->tenant, sizeof w->tenant, "%s", tenant ? tenant : "");
+    snprintf(w->zone, sizeof w->zone, "%.63s", e->conf.zone);
+    if (ids && n_ids >= FI_KV_BLOCK && !strcmp(r->model, e->conf.model_name)) {
+        int max = n_ids / FI_KV_BLOCK < EDGE_MAX_HASHES ? n_ids / FI_KV_BLOCK : EDGE_MAX_HASHES;
+        if (!(w->hashes = malloc((size_t)max * sizeof *w->hashes))) return -1;
+        w->n_hashes = fi_prefix_hashes(w->tenant, w->zone, ids, n_ids, w->hashes, max);
+    }
+    return 0;
+}
+
 static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn, int chat) {
     atomic_fetch_add(&e->m.requests, 1);
     if (atomic_load(&e->stopping))
@@ -747,28 +788,9 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     job->timeout_s = e->conf.request_timeout_s;
     for (int i = 0; i < d->n_eff_labels; i++) job->labels[job->n_labels++] = strdup(d->eff_labels[i]);
     snprintf(job->target, sizeof job->target, "%s", d->names[t]);
-    if (t > 0) {
-        /* Routed: the cluster worker renders the chat itself from one user
-         * message, so a conversation travels as its transcript. */
-        if (chat && r->n_msgs == 1) {
-            job->text = strdup(r->msgs[0].content);
-        } else if (chat) {
-            size_t n = 1;
-            for (int i = 0; i < r->n_msgs; i++) n += strlen(r->msgs[i].content) + 16;
-            job->text = malloc(n);
-            if (job->text) {
-                size_t k = 0;
-                for (int i = 0; i < r->n_msgs; i++)
-                    k += (size_t)snprintf(job->text + k, n - k, "%s%s: %s", i ? "\n" : "",
-                                          r->msgs[i].role, r->msgs[i].content);
-            }
-        } else {
-            job->text = strdup(r->prompt);
-        }
-        if (!job->text) {
-            rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory");
-            goto done;
-        }
+    if (t > 0 && s_routed(e, job, r, chat, tenant, ids, n_ids) != 0) {
+        rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory");
+        goto done;
     }
     edge_exec *ex = t == 0 ? &e->local : &e->remote;
     if (ex->submit(ex->ctx, job) != 0) {

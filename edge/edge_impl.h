@@ -35,6 +35,24 @@ struct MHD_Daemon;
 
 /* --- jobs ------------------------------------------------------------- */
 
+#define EDGE_MAX_HASHES 512 /* prefix hashes sent with a routed request */
+
+/* What a routed request carries over the fabric besides the job's own
+ * fields; owned by its job. */
+typedef struct edge_routed {
+    int raw;                       /* completions: prompt is text to continue */
+    int n_msgs;                    /* chat: messages (roles and contents owned) */
+    char **roles, **contents;
+    char *stop[EDGE_MAX_STOP];     /* stop strings (the worker stops early too) */
+    int n_stop;
+    char user[128];                /* OpenAI's `user`: conversation affinity */
+    char tenant[64];               /* prefix-cache salt: the token's tenant */
+    char zone[64];                 /* prefix-cache salt: the residency zone */
+    uint64_t *hashes;              /* fi_prefix_hashes of the prompt (NULL: none) */
+    int n_hashes;
+} edge_routed;
+void edge_routed_free(edge_routed **r);
+
 /* One request in flight. Created by the HTTP layer, handed to one executor;
  * both hold a reference (edge_job_unref frees at zero). Inputs are fixed
  * before submission; outputs are guarded by mu and announced on cv. */
@@ -49,6 +67,7 @@ typedef struct edge_job {
     int max_tokens;              /* tokens to generate at most */
     char *labels[EDGE_MAX_LABELS]; /* effective residency labels (routed) */
     char target[64];             /* the cluster chosen (routed), for the audit */
+    edge_routed *routed;         /* routed: what goes on the wire (owned) */
     int n_labels;                /* count of labels */
     double timeout_s;            /* whole request, from submission */
 
@@ -125,6 +144,9 @@ void edge_policy_audit_note(edge_policy *p, const char *request_id, const char *
                             const char *labels, const char *decision, const char *target,
                             const char *rules);
 void edge_policy_destroy(edge_policy **p);
+/* The version of the bundle held and valid now (0: none), said in Hello
+ * so that the coordinator pushes only a newer one. */
+uint64_t edge_policy_version(edge_policy *p);
 /* Reloads the bundle from disk (SIGHUP). */
 void edge_policy_reload(edge_policy *p);
 /* Verifies and installs a bundle received from the coordinator, then

@@ -40,6 +40,21 @@ edge_job *edge_job_new(const char *id, const char *model, const char *const *sto
     return j;
 }
 
+void edge_routed_free(edge_routed **rp) {
+    edge_routed *r = *rp;
+    if (!r) return;
+    *rp = NULL;
+    for (int i = 0; i < r->n_msgs; i++) {
+        free(r->roles[i]);
+        free(r->contents[i]);
+    }
+    free(r->roles);
+    free(r->contents);
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->hashes);
+    free(r);
+}
+
 void edge_job_ref(edge_job *j) { atomic_fetch_add(&j->refs, 1); }
 
 void edge_job_unref(edge_job **jp) {
@@ -51,6 +66,7 @@ void edge_job_unref(edge_job **jp) {
     free(j->text);
     free(j->prompt);
     for (int i = 0; i < j->n_labels; i++) free(j->labels[i]);
+    edge_routed_free(&j->routed);
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
     free(j);

@@ -127,6 +127,13 @@ void edge_policy_destroy(edge_policy **pp) {
     free(p);
 }
 
+uint64_t edge_policy_version(edge_policy *p) {
+    pthread_rwlock_rdlock(&p->lk);
+    uint64_t v = p->pol ? p->version : 0;
+    pthread_rwlock_unlock(&p->lk);
+    return v;
+}
+
 int edge_policy_install(edge_policy *p, const char *buf, size_t len, char *err, size_t errlen) {
     if (!p->dir[0] || !p->have_key) {
         snprintf(err, errlen, "no policy_dir/policy_key configured: bundle ignored");

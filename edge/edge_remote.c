@@ -55,6 +55,7 @@ typedef struct s_remote {
     char upload_id[FI_WIRE_MAX_ID + 1]; /* batch awaiting its Ack ("" : none) */
     int64_t upload_last;        /* its last seq */
     uint64_t upload_at;         /* when it was sent */
+    uint64_t said_version;      /* policy version the client says in Hello */
 } s_remote;
 
 static void s_wake(s_remote *r) {
@@ -143,16 +144,45 @@ static void s_send_new(s_remote *r) {
         Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
         rq.request_id = j->id;
         rq.model = j->model;
-        rq.prompt = j->text;
+        rq.prompt = j->text ? j->text : (char *)"";
         rq.labels = j->labels;
         rq.n_labels = (size_t)j->n_labels;
         rq.max_tokens = (uint32_t)j->max_tokens;
         rq.temperature = j->sp.temperature;
         rq.seed = j->sp.seed;
+        rq.top_p = j->sp.top_p;
+        rq.top_k = j->sp.top_k;
+        rq.min_p = j->sp.min_p;
+        rq.repeat_penalty = j->sp.repeat_penalty;
+        const edge_routed *w = j->routed;
+        Fi__ChatMessage *cm = NULL, **cmp = NULL;
+        if (w) {
+            rq.raw = w->raw;
+            rq.stop = (char **)w->stop;
+            rq.n_stop = (size_t)w->n_stop;
+            rq.user = (char *)w->user;
+            rq.tenant = (char *)w->tenant;
+            rq.zone = (char *)w->zone;
+            rq.prefix_hashes = w->hashes;
+            rq.n_prefix_hashes = (size_t)w->n_hashes;
+            cm = calloc((size_t)w->n_msgs + 1, sizeof *cm);
+            cmp = calloc((size_t)w->n_msgs + 1, sizeof *cmp);
+            for (int k = 0; cm && cmp && k < w->n_msgs; k++) {
+                fi__chat_message__init(&cm[k]);
+                cm[k].role = w->roles[k];
+                cm[k].content = w->contents[k];
+                cmp[k] = &cm[k];
+            }
+            rq.messages = cmp;
+            rq.n_messages = cm && cmp ? (size_t)w->n_msgs : 0;
+        }
         fi_msg m = FI__ENVELOPE__INIT;
         m.body_case = FI__ENVELOPE__BODY_INFER;
         m.infer = &rq;
-        if (fi_client_send(r->client, &m) != 0) {
+        int sent = (!w || (cm && cmp)) && fi_client_send(r->client, &m) == 0;
+        free(cm);
+        free(cmp);
+        if (!sent) {
             edge_job_fail(j, 503, "coordinator_unreachable",
                           "cannot send the request to the coordinator");
             edge_job_unref(&j);
@@ -325,6 +355,11 @@ static void *s_run(void *arg) {
             s_dispatch(r, m);
             fi_wire_free(&m);
         }
+        uint64_t held = edge_policy_version(r->e->policy); /* pushed, or reloaded on SIGHUP */
+        if (held != r->said_version) {
+            fi_client_set_policy_version(r->client, held);
+            r->said_version = held;
+        }
         int online = fi_client_ready(r->client);
         atomic_store(&r->online, online);
         if (online != was_online)
@@ -425,6 +460,9 @@ int edge_remote_new(fi_edge *e, edge_exec *out, char *err, size_t errlen) {
     pthread_mutex_init(&r->mu, NULL);
     fi_client_opts o;
     if (edge_remote_client_opts(&e->conf, &o, err, errlen) != 0) goto fail;
+    /* Say which bundle we hold, so that the coordinator does not push the
+     * same one again after each Hello. */
+    o.policy_version = r->said_version = edge_policy_version(e->policy);
     r->client = fi_client_new(&o, err, errlen);
     fi_keys_wipe(&o.kp);
     if (!r->client) goto fail;

@@ -42,6 +42,7 @@ typedef struct s_peer {
     uint32_t in_flight;            /* requests open on (worker) or from (edge) it */
     int fd;                        /* TCP socket it last spoke on, -1 unknown */
     char addr[S_ADDR_LEN];         /* that socket's peer address, for the cut-off check */
+    uint64_t policy_version;       /* edges: the bundle version said in Hello */
 } s_peer;
 
 typedef struct s_req {
@@ -324,6 +325,7 @@ static void s_on_hello(fi_coord *c, s_peer *p, const Fi__Hello *h) {
         }
     }
     p->n_models = 0;
+    p->policy_version = p->rec.role == FI__ROLE__ROLE_EDGE ? h->policy_version : 0;
     if (p->rec.role == FI__ROLE__ROLE_CLUSTER) {
         for (size_t i = 0; i < h->n_models && p->n_models < S_MAX_MODELS; i++) {
             const Fi__ModelOffer *mo = h->models[i];
@@ -529,6 +531,7 @@ static int s_status_row(void *user, const fi_peer_rec *rec) {
         ps->connected = 1;
         ps->idle_ms = now - p->last_ms;
         ps->in_flight = p->in_flight;
+        ps->policy_version = p->policy_version;
         ps->n_models = (size_t)p->n_models;
         ps->models = &s->optrs[i * S_MAX_MODELS];
         for (int j = 0; j < p->n_models; j++) {

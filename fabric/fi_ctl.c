@@ -133,7 +133,7 @@ int fi_ctl_status(int argc, char **argv) {
     fi_client_destroy(&c);
     if (!r) return 1;
     printf("%-9s %-16s %-12s %-32s %-10s %-9s %s\n", "ROLE", "SITE", "REGION", "FINGERPRINT",
-           "HEALTH", "IN-FLIGHT", "MODELS");
+           "HEALTH", "IN-FLIGHT", "MODELS/POLICY");
     for (size_t i = 0; i < r->status_reply->n_peers; i++) {
         const Fi__PeerStatus *p = r->status_reply->peers[i];
         char health[32], models[256] = "";
@@ -145,6 +145,8 @@ int fi_ctl_status(int argc, char **argv) {
             snprintf(models + used, sizeof models - used, "%s%s(x%u)", k ? "," : "",
                      p->models[k]->name, p->models[k]->capacity);
         }
+        if (p->role == FI__ROLE__ROLE_EDGE && p->connected)
+            snprintf(models, sizeof models, "policy=%llu", (unsigned long long)p->policy_version);
         printf("%-9s %-16s %-12s %-32s %-10s %-9u %s\n", fi_wire_role_name(p->role),
                p->site[0] ? p->site : "-", p->region[0] ? p->region : "-", p->fingerprint, health,
                p->in_flight, models[0] ? models : "-");

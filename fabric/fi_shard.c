@@ -48,7 +48,10 @@ typedef struct s_echo {
 static int s_echo_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit,
                            void *emit_user, fi_shard_gen *out, char *err, size_t errlen) {
     const s_echo *e = ctx;
-    const char *p = rq->prompt ? rq->prompt : "";
+    /* A chat echoes its last message. */
+    const char *p = rq->n_messages && rq->messages[rq->n_messages - 1]->content
+                        ? rq->messages[rq->n_messages - 1]->content
+                    : rq->prompt ? rq->prompt : "";
     size_t n = strlen(p), piece = (size_t)e->piece_len;
     memset(out, 0, sizeof *out);
     snprintf(out->stop, sizeof out->stop, "eog");

@@ -20,6 +20,7 @@
 
 #include "fi_client.h"
 #include "fi_conf.h"
+#include "fi_model.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -84,6 +85,17 @@ extern const fi_conf_key fi_shard_conf_keys[];
  * 0, or -1 with a message. */
 int fi_shard_engine_backend(const fi_shard_conf *conf, fi_shard_backend *out, char *err,
                             size_t errlen);
+
+/* A routed request's sampling parameters (fields 0 on the wire: off,
+ * temperature 0: greedy). */
+fi_sampler_params fi_shard_sampling(const Fi__InferRequest *rq);
+/* A routed request's prompt as tokens: its messages rendered with the
+ * model's chat template, or its raw prompt (after BOS when the model wants
+ * one), or its prompt as one user message; exactly as the edge tokenises
+ * it for prefix hashes. malloc'd, *n tokens; NULL with a message on a bad
+ * role, an empty prompt or when out of memory. */
+int32_t *fi_shard_prompt_tokens(const fi_tok *tok, const Fi__InferRequest *rq, int *n, char *err,
+                                size_t errlen);
 
 #ifdef __cplusplus
 }

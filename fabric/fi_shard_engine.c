@@ -3,9 +3,10 @@
  * one process (core/fi_model.h). Sharded groups (TP/PP ranks) come with
  * their own issue and will provide the same fi_shard_backend table.
  *
- * A request's prompt is one user message: it is rendered with the model's
- * chat template, and the assistant's turn is generated. Each request gets
- * a fresh session (no prefix cache yet).
+ * A request is a chat (its messages, rendered with the model's chat
+ * template; the assistant's turn is generated), raw text to continue, or
+ * one user message; sampling and stop strings come with it. Each request
+ * gets a fresh session.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,31 +31,89 @@ static int s_on_text(void *user, const char *text, size_t len) {
     return e->emit(e->user, text, len);
 }
 
+/* The request's sampling, from the wire: fields left at 0 are off (or
+ * greedy, for temperature). */
+fi_sampler_params fi_shard_sampling(const Fi__InferRequest *rq) {
+    fi_sampler_params sp = fi_sampler_defaults();
+    sp.temperature = rq->temperature; /* 0 (the wire default): greedy */
+    sp.top_p = rq->top_p > 0 && rq->top_p <= 1 ? rq->top_p : 1.0f;
+    sp.top_k = rq->top_k > 0 ? rq->top_k : 0;
+    sp.min_p = rq->min_p > 0 && rq->min_p < 1 ? rq->min_p : 0.0f;
+    sp.repeat_penalty = rq->repeat_penalty > 0 ? rq->repeat_penalty : 1.0f;
+    sp.seed = rq->seed;
+    return sp;
+}
+
+int32_t *fi_shard_prompt_tokens(const fi_tok *tok, const Fi__InferRequest *rq, int *n, char *err,
+                                size_t errlen) {
+    char *text = NULL;
+    int chat = !rq->raw;
+    if (rq->n_messages > 0) {
+        if (rq->n_messages > 256) {
+            snprintf(err, errlen, "at most 256 messages, not %zu", rq->n_messages);
+            return NULL;
+        }
+        fi_chat_msg msgs[256];
+        for (size_t i = 0; i < rq->n_messages; i++) {
+            const Fi__ChatMessage *m = rq->messages[i];
+            const char *role = m->role ? m->role : "";
+            if (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant")) {
+                snprintf(err, errlen, "messages[%zu]: role '%.32s' is not system, user or assistant",
+                         i, role);
+                return NULL;
+            }
+            msgs[i].role = role;
+            msgs[i].content = m->content ? m->content : "";
+        }
+        text = fi_tok_chat(tok, msgs, (int)rq->n_messages, 1, err, errlen);
+    } else if (chat) {
+        fi_chat_msg msg = {"user", rq->prompt ? rq->prompt : ""};
+        text = fi_tok_chat(tok, &msg, 1, 1, err, errlen);
+    } else {
+        text = strdup(rq->prompt ? rq->prompt : "");
+        if (!text) snprintf(err, errlen, "out of memory");
+    }
+    if (!text) return NULL;
+    /* As the edge counts and hashes it (edge_http.c): a chat is encoded with
+     * its special tokens; raw text without, after BOS when the model wants. */
+    int bos = !chat && fi_tok_add_bos(tok) && fi_tok_bos(tok) >= 0;
+    int32_t *ids = NULL;
+    int k = fi_tok_encode(tok, text, strlen(text), chat, NULL, 0);
+    if (k < 0 || !(ids = malloc((size_t)(k + bos + 1) * sizeof *ids)) ||
+        fi_tok_encode(tok, text, strlen(text), chat, ids + bos, k) != k) {
+        snprintf(err, errlen, "cannot tokenise the prompt");
+        free(ids);
+        free(text);
+        return NULL;
+    }
+    if (bos) ids[0] = fi_tok_bos(tok);
+    free(text);
+    *n = k + bos;
+    if (*n == 0) {
+        snprintf(err, errlen, "the prompt is empty");
+        free(ids);
+        return NULL;
+    }
+    return ids;
+}
+
 static int s_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit,
                       void *emit_user, fi_shard_gen *out, char *err, size_t errlen) {
     s_engine *en = ctx;
     const fi_tok *tok = fi_model_tok(en->model);
     memset(out, 0, sizeof *out);
-    fi_chat_msg msg = {"user", rq->prompt ? rq->prompt : ""};
-    char *text = fi_tok_chat(tok, &msg, 1, 1, err, errlen);
-    if (!text) return -1;
-    int rc = -1;
-    int32_t *ids = NULL;
+    int rc = -1, n = 0;
     fi_session *s = NULL;
-    int n = fi_tok_encode(tok, text, strlen(text), 1, NULL, 0);
-    if (n < 0 || !(ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids)) ||
-        fi_tok_encode(tok, text, strlen(text), 1, ids, n) != n) {
-        snprintf(err, errlen, "cannot tokenise the prompt");
-        goto done;
-    }
+    int32_t *ids = fi_shard_prompt_tokens(tok, rq, &n, err, errlen);
+    if (!ids) return -1;
     if (!(s = fi_session_new(en->model, en->n_ctx, err, errlen))) goto done;
     fi_gen_opts o;
     memset(&o, 0, sizeof o);
     o.max_tokens = rq->max_tokens && (int)rq->max_tokens < en->max_tokens ? (int)rq->max_tokens
                                                                           : en->max_tokens;
-    o.sampling = fi_sampler_defaults();
-    o.sampling.temperature = rq->temperature; /* 0 (the wire default): greedy */
-    o.sampling.seed = rq->seed;
+    o.sampling = fi_shard_sampling(rq);
+    o.stop = (const char *const *)rq->stop;
+    o.n_stop = rq->n_stop < 4 ? (int)rq->n_stop : 4;
     s_emit_ctx ec = {emit, emit_user};
     o.on_text = s_on_text;
     o.user = &ec;
@@ -69,7 +128,6 @@ static int s_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn em
 done:
     fi_session_destroy(&s);
     free(ids);
-    free(text);
     return rc;
 }
 

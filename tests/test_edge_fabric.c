@@ -108,12 +108,56 @@ static void push(fx *f, uint64_t v, const char *b, size_t bl) {
     fi_client_destroy(&op);
 }
 
+/* A test-only backend: echoes like the echo backend (the last message of
+ * a chat, else the prompt) and keeps what the last request carried over
+ * the wire, for the tests to look at. */
+typedef struct seen {
+    pthread_mutex_t mu;
+    int n;                 /* requests served */
+    int n_messages;
+    char roles[64];        /* comma-separated */
+    char last[256];        /* last message's content */
+    float top_p, temperature;
+    int raw, n_stop, n_hashes;
+    char user[64], tenant[64], zone[64], stop0[32];
+} seen;
+static seen s_seen = {PTHREAD_MUTEX_INITIALIZER, 0, 0, "", "", 0, 0, 0, 0, 0, "", "", "", ""};
+
+static int s_rec_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit,
+                          void *emit_user, fi_shard_gen *out, char *err, size_t errlen) {
+    pthread_mutex_lock(&s_seen.mu);
+    s_seen.n++;
+    s_seen.n_messages = (int)rq->n_messages;
+    s_seen.roles[0] = 0;
+    for (size_t i = 0; i < rq->n_messages; i++)
+        snprintf(s_seen.roles + strlen(s_seen.roles), sizeof s_seen.roles - strlen(s_seen.roles),
+                 "%s%s", i ? "," : "", rq->messages[i]->role);
+    snprintf(s_seen.last, sizeof s_seen.last, "%s",
+             rq->n_messages ? rq->messages[rq->n_messages - 1]->content : "");
+    s_seen.top_p = rq->top_p;
+    s_seen.temperature = rq->temperature;
+    s_seen.raw = rq->raw;
+    s_seen.n_stop = (int)rq->n_stop;
+    snprintf(s_seen.stop0, sizeof s_seen.stop0, "%s", rq->n_stop ? rq->stop[0] : "");
+    s_seen.n_hashes = (int)rq->n_prefix_hashes;
+    snprintf(s_seen.user, sizeof s_seen.user, "%s", rq->user);
+    snprintf(s_seen.tenant, sizeof s_seen.tenant, "%s", rq->tenant);
+    snprintf(s_seen.zone, sizeof s_seen.zone, "%s", rq->zone);
+    pthread_mutex_unlock(&s_seen.mu);
+    fi_shard_backend echo = fi_shard_echo_backend(4, 0);
+    int rc = echo.generate(echo.ctx, rq, emit, emit_user, out, err, errlen);
+    echo.destroy(echo.ctx);
+    (void)ctx;
+    return rc;
+}
+
 static int setup(void **state) {
     fx *f = calloc(1, sizeof *f);
     char err[768], path[512];
     assert_int_equal(h_init(&f->h), 0);
     assert_int_equal(h_start(&f->h), 0);
-    assert_int_equal(h_worker_start(&f->h, &f->w, "echo-model", 0), 0);
+    fi_shard_backend rec = {"recorder", s_rec_generate, NULL, NULL};
+    assert_int_equal(h_worker_start_be(&f->h, &f->w, "echo-model", "core1", &rec, 4), 0);
     /* The edge's key, enrolled; the coordinator's public key in a file. */
     fi_keypair ek;
     assert_int_equal(fi_keys_generate(&ek), 0);
@@ -143,7 +187,7 @@ static int setup(void **state) {
     fprintf(fc,
             "site = berlin-clinic\nport = 0\ndb = %s/edge.db\npolicy_dir = %s/policy\n"
             "policy_key = %s/sign.key.pub\ncoordinator = %s\ncoordinator_key = %s\n"
-            "secret_key = %s\nshutdown_grace_s = 1\nheartbeat_ms = %d\n",
+            "secret_key = %s\nshutdown_grace_s = 1\nheartbeat_ms = %d\nzone = EU\n",
             f->h.dir, f->h.dir, f->h.dir, f->h.ep, cpub, ekey, H_HB_MS);
     fclose(fc);
     fi_edge_conf c;
@@ -224,6 +268,85 @@ static void test_routed(void **state) {
     assert_int_equal(http_post(f->port, "X-Data-Class: secret\r\n", b, &r), 0);
     assert_int_equal(r.status, 403);
     assert_true(has(&r, "secret nowhere"));
+}
+
+static int http_chat(int port, const char *body, resp *r) {
+    char req[4096];
+    snprintf(req, sizeof req,
+             "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n"
+             "Connection: close\r\n\r\n%s",
+             strlen(body), body);
+    return http_raw(port, req, r);
+}
+
+/* A routed chat travels as its messages, with its sampling, stop strings,
+ * user, tenant and zone (issue 5): the worker renders the template. */
+static void test_routed_chat_fields(void **state) {
+    fx *f = *state;
+    resp r;
+    const char *b = "{\"model\":\"echo-model\",\"max_tokens\":40,\"top_p\":0.25,"
+                    "\"temperature\":0.5,\"user\":\"alice\",\"stop\":[\"zzz\"],\"messages\":["
+                    "{\"role\":\"system\",\"content\":\"be brief\"},"
+                    "{\"role\":\"user\",\"content\":\"first question\"},"
+                    "{\"role\":\"assistant\",\"content\":\"first answer\"},"
+                    "{\"role\":\"user\",\"content\":\"second question\"}]}";
+    assert_int_equal(http_chat(f->port, b, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_true(has(&r, "X-Fedinfer-Target: core1"));
+    assert_true(has(&r, "echo: second question"));
+    pthread_mutex_lock(&s_seen.mu);
+    seen sn = s_seen;
+    pthread_mutex_unlock(&s_seen.mu);
+    assert_int_equal(sn.n_messages, 4);
+    assert_string_equal(sn.roles, "system,user,assistant,user");
+    assert_string_equal(sn.last, "second question");
+    assert_true(sn.top_p > 0.24f && sn.top_p < 0.26f);
+    assert_true(sn.temperature > 0.49f && sn.temperature < 0.51f);
+    assert_int_equal(sn.raw, 0);
+    assert_int_equal(sn.n_stop, 1);
+    assert_string_equal(sn.stop0, "zzz");
+    assert_string_equal(sn.user, "alice");
+    assert_string_equal(sn.zone, "EU");
+    assert_int_equal(sn.n_hashes, 0); /* this edge has no model: no tokenizer */
+    /* A completion travels as raw text. */
+    assert_int_equal(http_post(f->port, NULL,
+                               "{\"model\":\"echo-model\",\"prompt\":\"go on\",\"top_p\":0.75}",
+                               &r),
+                     0);
+    assert_int_equal(r.status, 200);
+    pthread_mutex_lock(&s_seen.mu);
+    sn = s_seen;
+    pthread_mutex_unlock(&s_seen.mu);
+    assert_int_equal(sn.raw, 1);
+    assert_int_equal(sn.n_messages, 0);
+    assert_true(sn.top_p > 0.74f && sn.top_p < 0.76f);
+}
+
+/* The edge says the bundle it holds in Hello (fi_client_opts.policy_version),
+ * so the coordinator does not push the same one again. */
+static void test_policy_version_said(void **state) {
+    fx *f = *state;
+    fi_client *op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
+    m.status_request = &sq;
+    fi_msg *rep = NULL;
+    char err[256];
+    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_STATUS_REPLY, 3000, &rep, err,
+                                    sizeof err),
+                     1);
+    int found = 0;
+    for (size_t i = 0; i < rep->status_reply->n_peers; i++) {
+        const Fi__PeerStatus *p = rep->status_reply->peers[i];
+        if (p->role != FI__ROLE__ROLE_EDGE || !p->connected) continue;
+        assert_int_equal(p->policy_version, 1);
+        found = 1;
+    }
+    assert_true(found);
+    fi_wire_free(&rep);
+    fi_client_destroy(&op);
 }
 
 static void test_pushed_bundles(void **state) {
@@ -374,6 +497,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_check_head),
         cmocka_unit_test(test_content_length),
+        cmocka_unit_test(test_routed_chat_fields),
+        cmocka_unit_test(test_policy_version_said),
         cmocka_unit_test(test_routed),
         cmocka_unit_test(test_pushed_bundles),
         cmocka_unit_test(test_audit_upload_and_offline),

@@ -190,6 +190,9 @@ typedef struct h_worker {
     atomic_int stop;        /* stops it */
     atomic_int ready;       /* 1 once Hello was answered */
     int rc;                 /* fi_shard_serve's result */
+    fi_shard_backend be;    /* backend it serves with */
+    int owns_be;            /* be is destroyed by h_worker_stop */
+    char site[64];          /* enrolled site ("" : core1) */
 } h_worker;
 
 H_FN void *h_worker_main(void *arg) {
@@ -206,30 +209,40 @@ H_FN void *h_worker_main(void *arg) {
         return NULL;
     }
     if (fi_client_wait_ready(c, 3000, err, sizeof err) == 0) atomic_store(&w->ready, 1);
-    fi_shard_backend be = fi_shard_echo_backend(4, w->delay_ms);
-    w->rc = fi_shard_serve(c, &be, 16, &w->stop, err, sizeof err);
-    if (be.destroy) be.destroy(be.ctx);
+    w->rc = fi_shard_serve(c, &w->be, 16, &w->stop, err, sizeof err);
     fi_client_destroy(&c);
     return NULL;
 }
 
 /* Enrols a fresh key as a cluster and starts serving `model` with the
  * given capacity (0: 4). */
-H_FN int h_worker_start_cap(harness *h, h_worker *w, const char *model, int delay_ms,
-                            int capacity) {
+/* Enrols a fresh key as a cluster of site ("" : core1) and starts serving
+ * `model` with backend be (NULL: echo) and the given capacity (0: 4). */
+H_FN int h_worker_start_be(harness *h, h_worker *w, const char *model, const char *site,
+                           const fi_shard_backend *be, int capacity) {
     memset(w, 0, sizeof *w);
+    if (be) w->be = *be;
+    snprintf(w->site, sizeof w->site, "%s", site && site[0] ? site : "core1");
     w->h = h;
     w->capacity = capacity;
-    w->delay_ms = delay_ms;
     snprintf(w->model, sizeof w->model, "%s", model);
     if (fi_keys_generate(&w->kp) ||
-        h_enrol_direct(h, &w->kp, FI__ROLE__ROLE_CLUSTER, "core1", "eu-west"))
+        h_enrol_direct(h, &w->kp, FI__ROLE__ROLE_CLUSTER, w->site, "eu-west"))
         return -1;
     if (pthread_create(&w->th, NULL, h_worker_main, w)) return -1;
     for (int i = 0; i < 300 && !atomic_load(&w->ready); i++) h_sleep_ms(10);
     /* The coordinator routes to it once its Hello is processed, which the
      * answer proves. */
     return atomic_load(&w->ready) ? 0 : -1;
+}
+
+H_FN int h_worker_start_cap(harness *h, h_worker *w, const char *model, int delay_ms,
+                            int capacity) {
+    fi_shard_backend be = fi_shard_echo_backend(4, delay_ms);
+    int rc = h_worker_start_be(h, w, model, NULL, &be, capacity);
+    w->delay_ms = delay_ms;
+    w->owns_be = 1;
+    return rc;
 }
 
 H_FN int h_worker_start(harness *h, h_worker *w, const char *model, int delay_ms) {
@@ -239,6 +252,7 @@ H_FN int h_worker_start(harness *h, h_worker *w, const char *model, int delay_ms
 H_FN void h_worker_stop(h_worker *w) {
     atomic_store(&w->stop, 1);
     pthread_join(w->th, NULL);
+    if (w->owns_be && w->be.destroy) w->be.destroy(w->be.ctx);
 }
 
 /* Collects streamed text. */
