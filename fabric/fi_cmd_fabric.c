@@ -100,6 +100,10 @@ int fi_cmd_coordinator(int argc, char **argv) {
                     "  policy_key = FILE    policy-signing key (DB.policy.key)\n"
                     "  audit_db = FILE      the coordinator's audit log (DB.audit)\n"
                     "  policy_valid_s = N   default validity of a signed bundle (2592000)\n"
+                    "  policy_check_key = FILE  trusted policy-signing public key: re-check every\n"
+                    "                       routed request (normally DB.policy.key.pub; the\n"
+                    "                       environment's FEDINFER_COORD_POLICY_KEY overrides it;\n"
+                    "                       neither: no re-check)\n"
                     "  heartbeat_ms, liveness, handshake_ms, max_msg, hwm, max_in_flight\n");
             return ch == 'h' ? 0 : 2;
         }

@@ -7,6 +7,7 @@
  */
 #include "fi_coord.h"
 #include "fi_coord_policy.h"
+#include "fi_coord_route.h"
 #include "fi_coord_ship.h"
 
 #include <errno.h>
@@ -24,6 +25,9 @@
 #define S_MODEL_NAME 64
 #define S_MAX_STATUS 4096
 #define S_ADDR_LEN 64
+#define S_MAX_CANDS 64     /* workers considered for one request */
+#define S_AFFINITY 1024    /* remembered conversations (direct-mapped) */
+#define S_MAX_HASHES 512   /* prefix hashes of a request taken */
 
 typedef struct s_model {
     char name[S_MODEL_NAME]; /* model a worker serves */
@@ -43,7 +47,17 @@ typedef struct s_peer {
     int fd;                        /* TCP socket it last spoke on, -1 unknown */
     char addr[S_ADDR_LEN];         /* that socket's peer address, for the cut-off check */
     uint64_t policy_version;       /* edges: the bundle version said in Hello */
+    uint32_t running, queued;      /* clusters: reported load (heartbeats) */
+    uint32_t kv_free, kv_total;    /* clusters: reported KV-cache blocks */
+    uint8_t *filter;               /* clusters: reported prefix filter (owned), NULL: none */
+    size_t filter_len;             /* its bytes */
 } s_peer;
+
+/* The worker that served a conversation (a user of an edge) last. */
+typedef struct s_affinity {
+    uint64_t key;                  /* hash of edge serial, tenant and user; 0: empty */
+    uint64_t worker;               /* serial of the worker */
+} s_affinity;
 
 typedef struct s_req {
     uint64_t id;                       /* coordinator's id ("c<id>" on the worker side) */
@@ -73,6 +87,7 @@ struct fi_coord {
     uint64_t next_serial;          /* for peers */
     uint64_t next_req;             /* for requests */
     uint64_t next_beat_ms;         /* when heartbeats go out next */
+    s_affinity affinity[S_AFFINITY]; /* conversations and their last worker */
 };
 
 #define S_OFF(f) offsetof(fi_coord_opts, f)
@@ -90,6 +105,7 @@ const fi_conf_key fi_coord_conf_keys[] = {
     {"policy_key", FI_CONF_STR, S_OFF(policy_key), 0, 0, 0},
     {"audit_db", FI_CONF_STR, S_OFF(audit_db), 0, 0, 0},
     {"policy_valid_s", FI_CONF_INT, S_OFF(policy_valid_s), 0, 60, 10 * 366 * 86400},
+    {"policy_check_key", FI_CONF_STR, S_OFF(policy_check_key), 0, 0, 0},
     {NULL, FI_CONF_STR, 0, 0, 0, 0},
 };
 
@@ -241,6 +257,7 @@ static void s_peer_remove(fi_coord *c, s_peer *p, const char *why, int quiet) {
         s_log("peer %s (%s %s) removed: %s", p->rec.fpr, fi_wire_role_name(p->rec.role),
               p->rec.site[0] ? p->rec.site : "-", why);
     s_fail_requests_of(c, p, why);
+    free(p->filter);
     *p = c->peers[--c->n_peers];
 }
 
@@ -353,28 +370,83 @@ static void s_on_hello(fi_coord *c, s_peer *p, const Fi__Hello *h) {
     (void)s_send_msg(c, c->router, p->rid, p->rid_len, &m);
 }
 
-/* The least-loaded live worker with room for a request of model; NULL
- * when none, with *serving telling whether some live worker serves the
- * model at all. */
-static s_peer *s_pick_worker(fi_coord *c, const char *model, int *serving) {
-    s_peer *best = NULL;
+/* FNV-1a over a conversation's identity: the edge, the tenant, the user. */
+static uint64_t s_conv_key(const s_peer *e, const Fi__InferRequest *rq) {
+    if (!rq->user || !rq->user[0]) return 0;
+    uint64_t h = 1469598103934665603ull;
+    const char *parts[3] = {e->rec.fpr, rq->tenant ? rq->tenant : "", rq->user};
+    for (int i = 0; i < 3; i++) {
+        for (const char *p = parts[i]; *p; p++) h = (h ^ (uint8_t)*p) * 1099511628211ull;
+        h = (h ^ 0xff) * 1099511628211ull;
+    }
+    return h ? h : 1;
+}
+
+/* Appends the coordinator's own routing decision to its audit log. */
+static void s_audit_route(fi_coord *c, const s_peer *e, const Fi__InferRequest *rq,
+                          const char *decision, const char *target, const char *rules,
+                          const char *digest) {
+    fi_audit *a = fi_ship_audit(c->ship);
+    if (!a) return;
+    char labels[512] = "";
+    for (size_t i = 0; i < rq->n_labels && i < 32; i++)
+        snprintf(labels + strlen(labels), sizeof labels - strlen(labels), "%s%s", i ? "," : "",
+                 rq->labels[i] ? rq->labels[i] : "");
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    fi_audit_record r;
+    memset(&r, 0, sizeof r);
+    r.time = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    r.request_id = rq->request_id;
+    r.tenant = rq->tenant ? rq->tenant : "";
+    r.application = "";
+    r.origin = e->rec.site;
+    r.labels = labels;
+    r.model = rq->model;
+    r.latency_ms = -1;
+    r.prompt_tokens = -1;
+    r.decision = decision;
+    r.target = target;
+    r.rules = rules;
+    r.policy_digest = digest ? digest : "";
+    char err[256];
+    if (fi_audit_append(a, &r, err, sizeof err) != 0)
+        s_log("audit: cannot record the routing of %s: %s", rq->request_id, err);
+}
+
+/* A live worker serving the request's model with room for it, and what
+ * the policy and the router need to know about it. */
+typedef struct s_cand {
+    s_peer *w;                 /* the worker */
+    fi_route_cand rc;          /* its routing inputs */
+    fi_coord_verdict v;        /* the policy's verdict on its cluster */
+} s_cand;
+
+/* Fills cands with the live workers serving model that have room; *serving
+ * tells whether some live worker serves it at all. Returns the count. */
+static int s_candidates(fi_coord *c, const char *model, s_cand *cands, int *serving) {
+    int n = 0;
     *serving = 0;
-    double best_load = 2.0;
-    for (size_t i = 0; i < c->n_peers; i++) {
+    for (size_t i = 0; i < c->n_peers && n < S_MAX_CANDS; i++) {
         s_peer *w = &c->peers[i];
         if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
         for (int k = 0; k < w->n_models; k++) {
             if (strcmp(w->models[k].name, model)) continue;
             *serving = 1;
             if (w->in_flight >= w->models[k].capacity) continue;
-            double load = (double)w->in_flight / w->models[k].capacity;
-            if (load < best_load) {
-                best_load = load;
-                best = w;
-            }
+            s_cand *cd = &cands[n++];
+            memset(cd, 0, sizeof *cd);
+            cd->w = w;
+            cd->rc.in_flight = w->in_flight;
+            cd->rc.capacity = w->models[k].capacity;
+            cd->rc.running = w->running;
+            cd->rc.queued = w->queued;
+            cd->rc.filter = w->filter;
+            cd->rc.filter_len = w->filter_len;
+            break;
         }
     }
-    return best;
+    return n;
 }
 
 static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
@@ -385,14 +457,20 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
                      "request_id (1..64 bytes), model and at most 32 labels are required");
         return;
     }
+    if (rq->n_prefix_hashes > S_MAX_HASHES || rq->n_messages > 256 || rq->n_stop > 4) {
+        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BAD_REQUEST,
+                     "at most 512 prefix hashes, 256 messages and 4 stop strings");
+        return;
+    }
     if (e->in_flight >= (uint32_t)c->o.max_in_flight) {
         s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY,
                      "too many requests in flight from this peer");
         return;
     }
     int serving = 0;
-    s_peer *w = s_pick_worker(c, rq->model, &serving);
-    if (!w) {
+    s_cand cands[S_MAX_CANDS];
+    int n = s_candidates(c, rq->model, cands, &serving);
+    if (n == 0) {
         char msg[160];
         snprintf(msg, sizeof msg, serving ? "every worker serving model '%.64s' is at capacity"
                                           : "no live worker serves model '%.64s'", rq->model);
@@ -400,13 +478,58 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
                      serving ? FI__ERROR_CODE__ERR_BUSY : FI__ERROR_CODE__ERR_NO_WORKER, msg);
         return;
     }
-    if (c->o.policy) {
-        char reason[256] = "denied by policy";
-        if (!c->o.policy(c->o.policy_user, rq, &e->rec, &w->rec, reason, sizeof reason)) {
-            s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_UNAUTHORISED,
-                         reason);
-            return;
+    /* The residency policy first: the permitted set is fixed here, with
+     * the origin of the edge's key, before any score is looked at. One
+     * check per cluster (workers of one site share the verdict). */
+    char reason[256] = "denied by policy", first_reason[256] = "";
+    int ok[S_MAX_CANDS];
+    for (int i = 0; i < n; i++) {
+        int same = -1;
+        for (int j = 0; j < i && same < 0; j++)
+            if (!strcmp(cands[j].w->rec.site, cands[i].w->rec.site)) same = j;
+        ok[i] = 1;
+        if (same >= 0) {
+            ok[i] = ok[same];
+            cands[i].v = cands[same].v;
+        } else if (c->o.policy) {
+            ok[i] = c->o.policy(c->o.policy_user, rq, &e->rec, &cands[i].w->rec, &cands[i].v,
+                                reason, sizeof reason);
+            if (!ok[i] && !first_reason[0]) snprintf(first_reason, sizeof first_reason, "%s", reason);
         }
+    }
+    /* The permitted set: nothing below looks at a denied worker. */
+    int permitted = 0;
+    for (int i = 0; i < n; i++) {
+        if (!ok[i]) continue;
+        cands[i].rc.pref = cands[i].v.score;
+        cands[permitted++] = cands[i];
+    }
+    if (permitted == 0) {
+        s_audit_route(c, e, rq, "deny", "", first_reason, cands[0].v.digest);
+        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_UNAUTHORISED,
+                     first_reason);
+        return;
+    }
+    /* Only now the router's order among the permitted ones. */
+    uint64_t conv = s_conv_key(e, rq);
+    s_affinity *aff = conv ? &c->affinity[conv % S_AFFINITY] : NULL;
+    fi_route_cand rcs[S_MAX_CANDS];
+    for (int i = 0; i < permitted; i++) {
+        rcs[i] = cands[i].rc;
+        rcs[i].affinity = aff && aff->key == conv && aff->worker == cands[i].w->serial;
+    }
+    int hit = 0;
+    int pick = fi_route_pick(rcs, permitted, rq->prefix_hashes, (int)rq->n_prefix_hashes, &hit);
+    s_peer *w = cands[pick].w;
+    char rules[512];
+    snprintf(rules, sizeof rules, "%s%sworker %s; prefix hit %d of %zu blocks; load %.2f%s",
+             c->o.policy ? cands[pick].v.rules : "no policy re-check",
+             "; ", w->rec.fpr, hit, rq->n_prefix_hashes, fi_route_load(&rcs[pick]),
+             rcs[pick].affinity ? "; same conversation" : "");
+    s_audit_route(c, e, rq, "permit", w->rec.site, rules, cands[pick].v.digest);
+    if (aff) {
+        aff->key = conv;
+        aff->worker = w->serial;
     }
     if (c->n_reqs == c->cap_reqs) {
         size_t cap = c->cap_reqs ? 2 * c->cap_reqs : 64;

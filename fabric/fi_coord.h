@@ -28,13 +28,22 @@
 extern "C" {
 #endif
 
+/* What the policy said about one target, for routing and the audit log. */
+typedef struct fi_coord_verdict {
+    int64_t score;          /* sum of the matching prefer rules (permitted only) */
+    char rules[256];        /* deciding rule ids, comma-separated */
+    char digest[65];        /* SHA-256 of the deciding policy, hex; "" when none */
+} fi_coord_verdict;
+
 /* The seam for policy/: called for every routed inference request with the
- * origin (from the edge's key) and the chosen worker. Returns 1 to permit,
- * 0 to deny with a reason. Until policy/ provides it, opts.policy is NULL
- * and requests are routed on model and load alone. */
+ * origin (from the edge's key) and each candidate worker's enrolled
+ * identity (its site is the policy's cluster), before any routing score
+ * is looked at: only the targets it permits are ever scored. Returns 1 to
+ * permit, 0 to deny with a reason; fills v (may be NULL). NULL: requests
+ * are routed on model and load alone. */
 typedef int (*fi_coord_policy_fn)(void *user, const Fi__InferRequest *req,
                                   const fi_peer_rec *origin, const fi_peer_rec *target,
-                                  char *reason, size_t reasonlen);
+                                  fi_coord_verdict *v, char *reason, size_t reasonlen);
 
 typedef struct fi_coord_opts {
     char bind[FI_CONF_STR_MAX];       /* fabric endpoint, e.g. tcp://0.0.0.0:7700 */
@@ -55,6 +64,10 @@ typedef struct fi_coord_opts {
     char policy_key[FI_CONF_STR_MAX]; /* policy-signing key (made by --init) */
     char audit_db[FI_CONF_STR_MAX];   /* the coordinator's audit log (SQLite) */
     int policy_valid_s;               /* default bundle validity, seconds (30 days) */
+    /* The re-check of routed requests (fi_coord_policy.h): the trusted
+     * policy-signing public key; "" : off (unless the environment variable
+     * FEDINFER_COORD_POLICY_KEY names one, which overrides this). */
+    char policy_check_key[FI_CONF_STR_MAX];
 } fi_coord_opts;
 
 /* Defaults: tcp://0.0.0.0:7700 and :7701, coordinator.db, heartbeat

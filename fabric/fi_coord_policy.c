@@ -19,16 +19,22 @@
 
 void fi_coord_policy_attach(fi_coord_opts *o) {
     if (o->policy) return;
-    const char *key = getenv(FI_COORD_POLICY_KEY_ENV);
-    if (!key || !key[0]) {
-        fprintf(stderr, "coordinator: %s is not set: routed requests are not re-checked "
-                        "against the residency policy\n", FI_COORD_POLICY_KEY_ENV);
+    const char *env = getenv(FI_COORD_POLICY_KEY_ENV);
+    if (env && env[0]) {
+        if (o->policy_check_key[0] && strcmp(o->policy_check_key, env))
+            fprintf(stderr, "coordinator: %s overrides policy_check_key %s\n",
+                    FI_COORD_POLICY_KEY_ENV, o->policy_check_key);
+        snprintf(o->policy_check_key, sizeof o->policy_check_key, "%s", env);
+    }
+    if (!o->policy_check_key[0]) {
+        fprintf(stderr, "coordinator: no policy_check_key (nor %s): routed requests are not "
+                        "re-checked against the residency policy\n", FI_COORD_POLICY_KEY_ENV);
         return;
     }
     o->policy = fi_coord_policy_check;
-    o->policy_user = o->db;
+    o->policy_user = o;
     fprintf(stderr, "coordinator: routed requests are checked against the newest policy bundle "
-                    "signed by %s (fail closed)\n", key);
+                    "signed by %s (fail closed)\n", o->policy_check_key);
 }
 
 /* The newest bundle in the store, malloc'd; NULL when none. Bundles
@@ -69,9 +75,11 @@ static char *s_newest_bundle(const char *db, size_t *len) {
 }
 
 int fi_coord_policy_check(void *user, const Fi__InferRequest *req, const fi_peer_rec *origin,
-                          const fi_peer_rec *target, char *reason, size_t reasonlen) {
-    const char *db = user;
-    const char *keyfile = getenv(FI_COORD_POLICY_KEY_ENV);
+                          const fi_peer_rec *target, fi_coord_verdict *out, char *reason,
+                          size_t reasonlen) {
+    const fi_coord_opts *o = user;
+    const char *db = o->db;
+    const char *keyfile = o->policy_check_key[0] ? o->policy_check_key : NULL;
     uint8_t trusted[1][FI_BUNDLE_PK_BYTES];
     char err[256] = "";
     fi_policy *pol = NULL;
@@ -108,6 +116,19 @@ int fi_coord_policy_check(void *user, const Fi__InferRequest *req, const fi_peer
     fi_target_kind kinds[1] = {FI_TARGET_CLUSTER};
     fi_verdict v;
     fi_policy_decide_names(pol, now, &rq, names, kinds, 1, &v);
+    if (out) {
+        memset(out, 0, sizeof *out);
+        out->score = v.permitted ? v.score : 0;
+        size_t k = 0;
+        unsigned nr = v.n_rules < FI_VERDICT_MAX_RULES ? v.n_rules : FI_VERDICT_MAX_RULES;
+        for (unsigned r = 0; pol && r < nr; r++)
+            k += (size_t)snprintf(out->rules + k, k < sizeof out->rules ? sizeof out->rules - k : 0,
+                                  "%s%s", r ? "," : "", fi_policy_rule_id(pol, v.rules[r]));
+        if (!v.permitted && !out->rules[0])
+            snprintf(out->rules, sizeof out->rules, "%s",
+                     why ? "no valid policy at the coordinator" : "default deny");
+        if (pol) fi_policy_digest_hex(pol, out->digest);
+    }
     if (!v.permitted) {
         char ex[256];
         fi_verdict_explain(pol, &v, target->site, ex, sizeof ex);

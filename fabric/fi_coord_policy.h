@@ -6,11 +6,13 @@
  * never anything in the request's body; the target is the cluster of the
  * worker the coordinator picked (the worker's enrolled site name is the
  * cluster's name in the policy). The policy is the newest bundle in the
- * coordinator's store, verified against the trusted policy-signing key
- * named by the environment variable FEDINFER_COORD_POLICY_KEY (a public
- * key file, fedctl policy keygen). With the key set, the check fails
- * closed: no bundle, a bad signature or an expired policy denies every
- * routed request. Without it the check is off and says so once in the log.
+ * coordinator's store, verified against the trusted policy-signing key:
+ * the public key file named by `policy_check_key` in coordinator.conf
+ * (normally DB.policy.key.pub, the pair of the coordinator's own signing
+ * key), or by the environment variable FEDINFER_COORD_POLICY_KEY, which
+ * overrides the file's key. With a key, the check fails closed: no bundle,
+ * a bad signature or an expired policy denies every routed request.
+ * Without one the check is off and says so once in the log.
  */
 #ifndef FI_COORD_POLICY_H
 #define FI_COORD_POLICY_H
@@ -25,15 +27,18 @@ extern "C" {
 
 #define FI_COORD_POLICY_KEY_ENV "FEDINFER_COORD_POLICY_KEY"
 
-/* Installs the check into o (o->policy, o->policy_user = o->db, which must
- * stay valid as long as o) unless o->policy is already set or the key is
- * not configured. */
+/* Installs the check into o (o->policy, o->policy_user = o, which must
+ * stay valid as long as the check is used) unless o->policy is already set
+ * or no key is configured; the environment's key, when set, replaces
+ * o->policy_check_key. */
 void fi_coord_policy_attach(fi_coord_opts *o);
 
-/* The check itself (fi_coord_policy_fn): user is the store's path. 1 to
- * permit; 0 to deny with reason naming the rule. */
+/* The check itself (fi_coord_policy_fn): user is the fi_coord_opts (its
+ * db and policy_check_key). 1 to permit; 0 to deny with reason naming the
+ * rule. v (may be NULL) gets the score, rules and policy digest. */
 int fi_coord_policy_check(void *user, const Fi__InferRequest *req, const fi_peer_rec *origin,
-                          const fi_peer_rec *target, char *reason, size_t reasonlen);
+                          const fi_peer_rec *target, fi_coord_verdict *v, char *reason,
+                          size_t reasonlen);
 
 #ifdef __cplusplus
 }

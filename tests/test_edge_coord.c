@@ -54,7 +54,7 @@ static int setup(void **state) {
     snprintf(f->pub, sizeof f->pub, "%s/sign.key.pub", f->dir);
     f->st = fi_store_open(f->db, err, sizeof err);
     assert_non_null(f->st);
-    setenv(FI_COORD_POLICY_KEY_ENV, f->pub, 1);
+    unsetenv(FI_COORD_POLICY_KEY_ENV); /* the key comes from the configuration */
     *state = f;
     return 0;
 }
@@ -96,56 +96,88 @@ static int check(const char *origin, const char *target, const char *label, char
     o.role = FI__ROLE__ROLE_EDGE;
     t.role = FI__ROLE__ROLE_CLUSTER;
     reason[0] = 0;
-    return fi_coord_policy_check(db, &rq, &o, &t, reason, cap);
+    const fx *f = db;
+    fi_coord_opts co;
+    fi_coord_opts_default(&co);
+    snprintf(co.db, sizeof co.db, "%s", f->db);
+    snprintf(co.policy_check_key, sizeof co.policy_check_key, "%s", f->pub);
+    fi_coord_verdict v;
+    int ok = fi_coord_policy_check(&co, &rq, &o, &t, &v, reason, cap);
+    /* The verdict names the deciding rules and the policy when there is one. */
+    if (ok) assert_true(v.rules[0] && strlen(v.digest) == 64);
+    return ok;
 }
 
 static void test_attach(void **state) {
     fx *f = *state;
     fi_coord_opts o;
+    /* From coordinator.conf's policy_check_key. */
     fi_coord_opts_default(&o);
     snprintf(o.db, sizeof o.db, "%s", f->db);
+    snprintf(o.policy_check_key, sizeof o.policy_check_key, "%s", f->pub);
     fi_coord_policy_attach(&o);
     assert_ptr_equal(o.policy, fi_coord_policy_check);
-    assert_ptr_equal(o.policy_user, o.db);
-    unsetenv(FI_COORD_POLICY_KEY_ENV);
+    assert_ptr_equal(o.policy_user, &o);
+    /* Neither the key nor the variable: off. */
     fi_coord_opts_default(&o);
     fi_coord_policy_attach(&o);
     assert_null(o.policy);
+    /* The variable overrides the file's key. */
     setenv(FI_COORD_POLICY_KEY_ENV, f->pub, 1);
+    fi_coord_opts_default(&o);
+    snprintf(o.policy_check_key, sizeof o.policy_check_key, "/nonexistent.pub");
+    fi_coord_policy_attach(&o);
+    assert_ptr_equal(o.policy, fi_coord_policy_check);
+    assert_string_equal(o.policy_check_key, f->pub);
+    unsetenv(FI_COORD_POLICY_KEY_ENV);
+    /* A configured key that cannot be read fails closed. */
+    fi_coord_opts_default(&o);
+    snprintf(o.db, sizeof o.db, "%s", f->db);
+    snprintf(o.policy_check_key, sizeof o.policy_check_key, "%s/missing.pub", f->dir);
+    fi_coord_policy_attach(&o);
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = "r0";
+    rq.model = "m";
+    fi_peer_rec org = {0}, tgt = {0};
+    snprintf(org.site, sizeof org.site, "berlin-clinic");
+    snprintf(tgt.site, sizeof tgt.site, "fra-gpu-1");
+    char reason[256] = "";
+    assert_int_equal(o.policy(o.policy_user, &rq, &org, &tgt, NULL, reason, sizeof reason), 0);
+    assert_non_null(strstr(reason, "key cannot be read"));
 }
 
 static void test_fail_closed_and_decisions(void **state) {
     fx *f = *state;
     char r[256];
     /* No bundle: every routed request is denied. */
-    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f->db), 0);
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 0);
     assert_non_null(strstr(r, "no policy bundle"));
     /* A valid bundle decides, with the origin given (from the key). */
     put(f, 1, "2099-01-01T00:00:00Z", f->sk, 0);
-    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f->db), 1);
-    assert_int_equal(check("berlin-clinic", "fra-gpu-1", NULL, r, sizeof r, f->db), 1);
-    assert_int_equal(check("berlin-clinic", "virginia-gpu", "internal", r, sizeof r, f->db), 0);
-    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "phi", r, sizeof r, f->db), 0);
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 1);
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", NULL, r, sizeof r, f), 1);
+    assert_int_equal(check("berlin-clinic", "virginia-gpu", "internal", r, sizeof r, f), 0);
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "phi", r, sizeof r, f), 0);
     assert_non_null(strstr(r, "phi stays on site"));
     assert_non_null(strstr(r, "berlin-clinic"));
     /* An unknown origin or cluster is denied. */
-    assert_int_equal(check("atlantis", "fra-gpu-1", "public", r, sizeof r, f->db), 0);
-    assert_int_equal(check("berlin-clinic", "moon-gpu", "public", r, sizeof r, f->db), 0);
+    assert_int_equal(check("atlantis", "fra-gpu-1", "public", r, sizeof r, f), 0);
+    assert_int_equal(check("berlin-clinic", "moon-gpu", "public", r, sizeof r, f), 0);
     /* A newer bundle signed by someone else is not used: fail closed. */
     uint8_t pk2[32], sk2[64];
     assert_int_equal(fi_bundle_keygen(pk2, sk2), 0);
     put(f, 2, "2099-01-01T00:00:00Z", sk2, 0);
-    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f->db), 0);
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 0);
     assert_non_null(strstr(r, "no valid policy"));
     /* A tampered one neither. */
     put(f, 3, "2099-01-01T00:00:00Z", f->sk, 1);
-    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f->db), 0);
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 0);
     /* An expired policy neither. */
     put(f, 4, "2001-01-01T00:00:00Z", f->sk, 0);
-    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f->db), 0);
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 0);
     /* A good newer one restores service. */
     put(f, 5, "2099-01-01T00:00:00Z", f->sk, 0);
-    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f->db), 1);
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 1);
 }
 
 int main(void) {

@@ -26,15 +26,15 @@ class Fleet:
         for k in ("coord", "op", "shard1"):
             self.run(FEDINFER, "keygen", k)
         self.write("coordinator.conf", f"db = {d}/coordinator.db\nsecret_key = {d}/coord.key\n"
-                   f"bind = tcp://127.0.0.1:{self.fabric}\nenrol_bind = tcp://127.0.0.1:{self.enrol}\n")
+                   f"bind = tcp://127.0.0.1:{self.fabric}\nenrol_bind = tcp://127.0.0.1:{self.enrol}\n"
+                   f"policy_check_key = {d}/sign.key.pub\n")
         self.run(FEDINFER, "coordinator", "--config", f"{d}/coordinator.conf", "--init",
                  "--operator-key", f"{d}/op.pub")
         # The policy: signed, stored where the coordinator enforces it.
         self.run(FEDCTL, "policy", "keygen", "--out", f"{d}/sign.key")
         self.run(FEDCTL, "policy", "apply", policy, "-m", "e2e", "--store", f"{d}/coordinator.db",
                  "--key", f"{d}/sign.key", "--bundle-out", f"{d}/v1.bundle")
-        self.start("coordinator", [FEDINFER, "coordinator", "--config", f"{d}/coordinator.conf"],
-                   env={"FEDINFER_COORD_POLICY_KEY": f"{d}/sign.key.pub"})
+        self.start("coordinator", [FEDINFER, "coordinator", "--config", f"{d}/coordinator.conf"])
         self.write("fedctl.conf", f"coordinator = tcp://127.0.0.1:{self.fabric}\n"
                    f"coordinator_key = {d}/coord.pub\nsecret_key = {d}/op.key\n")
         tok = self.ctl("enrol", "--role", "cluster", "--site", "fra-gpu-1", "--region",

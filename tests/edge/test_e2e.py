@@ -96,6 +96,13 @@ class EndToEnd(unittest.TestCase):
         phi = [r for r in rows if "phi" in r[2].split(",")]
         self.assertTrue(any(r[3] == "deny" and "phi stays on site" in r[5] for r in phi), rows)
         self.assertIn(rid, [r[1] for r in rows])
+        # The coordinator wrote its own decisions to its hash-chained log:
+        # the worker it chose, and the denial with the rule.
+        own = audit(f"{self.f.dir}/coordinator.db.audit")
+        mine = [r for r in own if r[1] == rid and "worker " in r[5]]
+        self.assertTrue(mine and mine[0][3] == "permit" and mine[0][4] == "fra-gpu-1", own)
+        self.assertTrue(any(r[3] == "deny" and "phi stays on site" in r[5] and "phi" in r[2]
+                            for r in own), own)
 
     def test_3_disconnect_cancels_at_cluster(self):
         # A long routed stream (up to 800 tokens: many seconds of work for
@@ -130,8 +137,7 @@ class EndToEnd(unittest.TestCase):
         self.assertEqual(t, "berlin-clinic")
         # The coordinator comes back; every record of both edges reaches it.
         f.start("coordinator", [FEDINFER, "coordinator", "--config",
-                                f"{f.dir}/coordinator.conf"],
-                env={"FEDINFER_COORD_POLICY_KEY": f"{f.dir}/sign.key.pub"})
+                                f"{f.dir}/coordinator.conf"])
         heads = {s: audit(f"{f.dir}/{s}.db")[-1][0] for s in ("berlin-clinic", "paris-clinic")}
         deadline = time.monotonic() + 30
         got = {}

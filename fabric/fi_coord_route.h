@@ -1,0 +1,48 @@
+/*
+ * fi_coord_route.h - the coordinator's choice among the workers a routed
+ * request may go to (issue 6).
+ *
+ * The caller passes only candidates the residency policy permits (the
+ * coordinator's own re-check runs first, fi_coord.c): nothing here can
+ * widen the set, it only orders it. Among them, in this order:
+ *   1. the expected prefix-cache hit: how many leading blocks of the
+ *      request's prompt (its fi_prefix_hashes) the worker's reported
+ *      Bloom filter holds (fi_prefix_filter_match), more is better;
+ *   2. conversation affinity: the worker that served this user last;
+ *   3. load: open requests and reported queue over capacity, lower is
+ *      better;
+ *   4. the policy's preference score, higher is better;
+ *   5. the first candidate on a full tie.
+ */
+#ifndef FI_COORD_ROUTE_H
+#define FI_COORD_ROUTE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct fi_route_cand {
+    uint32_t in_flight;       /* requests open on it (the coordinator's count) */
+    uint32_t capacity;        /* announced for the model, > 0 */
+    uint32_t running, queued; /* reported with its heartbeats */
+    const uint8_t *filter;    /* its prefix filter, NULL: none */
+    size_t filter_len;        /* bytes (a power of two, 64..65536) */
+    int64_t pref;             /* the policy's prefer score */
+    int affinity;             /* 1: served this request's user last */
+} fi_route_cand;
+
+/* Load of a candidate: max(open, reported running + queued) / capacity. */
+double fi_route_load(const fi_route_cand *c);
+
+/* The index in c[0..n) to route to (n >= 1; every candidate permitted),
+ * with the expected hit in blocks in *hit (may be NULL). h: the request's
+ * prefix hashes (nh may be 0). -1 when n is 0. */
+int fi_route_pick(const fi_route_cand *c, int n, const uint64_t *h, int nh, int *hit);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FI_COORD_ROUTE_H */
