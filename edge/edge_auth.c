@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "edge_impl.h"
+#include "fi_wire.h"
 
 typedef struct s_auth {
     sqlite3 *db;            /* the edge's SQLite */
@@ -137,6 +138,53 @@ int edge_token_revoke(const char *db, const char *token_or_hash, char *err, size
     }
     if (rc) snprintf(err, errlen, "no such active token");
     sqlite3_finalize(st);
+    edge_auth_close(&ap);
+    return rc;
+}
+
+int edge_token_sync(const char *db, const Fi__AppTokenSync *sy, int *added, int *revoked,
+                    char *err, size_t errlen) {
+    *added = *revoked = 0;
+    void *ap = edge_auth_open(db, err, errlen);
+    if (!ap) return -1;
+    s_auth *a = ap;
+    int rc = sqlite3_exec(a->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) == SQLITE_OK ? 0 : -1;
+    for (size_t i = 0; rc == 0 && i < sy->n_tokens; i++) {
+        const Fi__AppToken *t = sy->tokens[i];
+        const char *h = t->hash ? t->hash : "";
+        int hex = strlen(h) == 64;
+        for (int k = 0; hex && k < 64; k++)
+            hex = (h[k] >= '0' && h[k] <= '9') || (h[k] >= 'a' && h[k] <= 'f');
+        if (!hex || !t->tenant || !t->application || !t->tenant[0] || !t->application[0] ||
+            strlen(t->tenant) > 63 || strlen(t->application) > 63) {
+            snprintf(err, errlen, "token %zu of the sync is malformed (hash, tenant, application)", i);
+            rc = -1;
+            break;
+        }
+        sqlite3_stmt *st = NULL;
+        /* Never brings a revoked token back; a revocation of a token this
+         * edge never saw is kept too, so that a late add cannot revive it. */
+        const char *sql = t->revoked
+                              ? "INSERT INTO edge_tokens(hash, tenant, application, created, revoked) "
+                                "VALUES(?1, ?2, ?3, ?4, ?5) ON CONFLICT(hash) DO UPDATE SET "
+                                "revoked=excluded.revoked WHERE revoked IS NULL"
+                              : "INSERT OR IGNORE INTO edge_tokens(hash, tenant, application, "
+                                "created) VALUES(?1, ?2, ?3, ?4)";
+        if (sqlite3_prepare_v2(a->db, sql, -1, &st, NULL) != SQLITE_OK) {
+            rc = -1;
+        } else {
+            sqlite3_bind_text(st, 1, h, -1, SQLITE_STATIC);
+            sqlite3_bind_text(st, 2, t->tenant, -1, SQLITE_STATIC);
+            sqlite3_bind_text(st, 3, t->application, -1, SQLITE_STATIC);
+            sqlite3_bind_int64(st, 4, t->created);
+            if (t->revoked) sqlite3_bind_int64(st, 5, t->revoked);
+            if (sqlite3_step(st) != SQLITE_DONE) rc = -1;
+            else if (sqlite3_changes(a->db)) (*(t->revoked ? revoked : added))++;
+        }
+        sqlite3_finalize(st);
+        if (rc) snprintf(err, errlen, "%s: %s", db, sqlite3_errmsg(a->db));
+    }
+    sqlite3_exec(a->db, rc == 0 ? "COMMIT" : "ROLLBACK", NULL, NULL, NULL);
     edge_auth_close(&ap);
     return rc;
 }

@@ -264,6 +264,13 @@ void edge_token_hash(const char *token, char out[65]);
 /* Makes a token for tenant/app, stores its hash, and writes it to token. */
 int edge_token_add(const char *db, const char *tenant, const char *app, char *token, size_t toklen,
                    char *err, size_t errlen);
+/* Applies the coordinator's AppTokenSync (tokens managed with `fedctl
+ * token`): inserts the hashes it lacks, revokes the revoked ones, never
+ * revives a revoked one, leaves local tokens alone. 0, or -1 with a
+ * message (nothing applied). */
+struct Fi__AppTokenSync;
+int edge_token_sync(const char *db, const struct Fi__AppTokenSync *sy, int *added, int *revoked,
+                    char *err, size_t errlen);
 /* Revokes by token or by its hash. */
 int edge_token_revoke(const char *db, const char *token_or_hash, char *err, size_t errlen);
 

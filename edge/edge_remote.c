@@ -298,6 +298,17 @@ static void s_dispatch(s_remote *r, fi_msg *m) {
                     (unsigned long long)b->version, err);
         return;
     }
+    case FI__ENVELOPE__BODY_APP_TOKEN_SYNC: {
+        char err[512];
+        int added = 0, revoked = 0;
+        if (edge_token_sync(r->e->conf.db, m->app_token_sync, &added, &revoked, err,
+                            sizeof err) != 0)
+            fprintf(stderr, "edge: refused the coordinator's application tokens: %s\n", err);
+        else if (added || revoked)
+            fprintf(stderr, "edge: application tokens from the coordinator: %d added, %d revoked\n",
+                    added, revoked);
+        return;
+    }
     case FI__ENVELOPE__BODY_ACK:
         if (r->upload_id[0] && m->ack->ref && !strcmp(m->ack->ref, r->upload_id)) {
             edge_policy_set_uploaded(r->e->policy, r->upload_last);

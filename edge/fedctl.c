@@ -23,6 +23,7 @@ static const verb s_verbs[] = {
     {"status", fi_ctl_status, "list sites, edges and clusters with their health"},
     {"enrol", fi_ctl_enrol, "create a one-time enrolment token"},
     {"revoke", fi_ctl_revoke, "revoke a peer's key and cut it off"},
+    {"token", fi_ctl_token, "add, list and revoke the application bearer tokens of edges"},
     {NULL, NULL, NULL},
 };
 

@@ -9,6 +9,7 @@
 #include "fi_coord_policy.h"
 #include "fi_coord_route.h"
 #include "fi_coord_ship.h"
+#include "fi_coord_tokens.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -72,6 +73,7 @@ struct fi_coord {
     fi_keypair kp;                 /* coordinator's key pair (wiped on destroy) */
     fi_store *st;                  /* fleet state */
     fi_ship *ship;                 /* policy store, signing key, audit log */
+    fi_apptok *apptok;             /* edges' application tokens (hashes) */
     void *ctx;                     /* ZeroMQ context */
     void *zap;                     /* ZAP handler (REP, inproc) */
     void *router;                  /* fabric endpoint */
@@ -819,6 +821,54 @@ static void s_push_active(fi_coord *c, s_peer *p, uint64_t held) {
     if (buf) (void)s_send(c, c->router, p->rid, p->rid_len, buf, &len);
 }
 
+typedef struct s_site_scan {
+    const char *site; /* wanted */
+    int found;        /* an edge of it is enrolled */
+} s_site_scan;
+
+static int s_site_row(void *user, const fi_peer_rec *rec) {
+    s_site_scan *sc = user;
+    if (rec->role == FI__ROLE__ROLE_EDGE && !rec->revoked && !strcmp(rec->site, sc->site)) {
+        sc->found = 1;
+        return 1;
+    }
+    return 0;
+}
+
+static int s_site_has_edge(void *user, const char *site) {
+    fi_coord *c = user;
+    s_site_scan sc = {site, 0};
+    (void)fi_store_peer_each(c->st, s_site_row, &sc);
+    return sc.found;
+}
+
+static int s_push_site(void *user, const char *site, const uint8_t *buf, size_t len) {
+    fi_coord *c = user;
+    int sent = 0;
+    for (size_t i = 0; i < c->n_peers; i++) {
+        s_peer *p = &c->peers[i];
+        if (p->rec.role != FI__ROLE__ROLE_EDGE || !p->hello || strcmp(p->rec.site, site)) continue;
+        if (zmq_send(c->router, p->rid, p->rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
+            zmq_send(c->router, buf, len, ZMQ_DONTWAIT) >= 0)
+            sent++;
+    }
+    return sent;
+}
+
+static void s_on_apptok(fi_coord *c, s_peer *op, const Fi__AppTokenRequest *rq) {
+    uint64_t serial = op->serial;
+    char author[FI_KEYS_FPR_LEN];
+    snprintf(author, sizeof author, "%s", op->rec.fpr);
+    fi_apptok_fleet fl = {s_site_has_edge, s_push_site, c};
+    size_t len = 0;
+    uint8_t *buf = fi_apptok_handle(c->apptok, author, rq, &fl, &len);
+    s_log("operator %s: application token %s%s%s", author, rq->op ? rq->op : "?",
+          rq->site && rq->site[0] ? " for " : "", rq->site ? rq->site : "");
+    op = s_peer_by_serial(c, serial);
+    if (op) (void)s_send(c, c->router, op->rid, op->rid_len, buf, &len);
+    else free(buf);
+}
+
 /* Which message types each role may send on the fabric endpoint. */
 static int s_allowed(Fi__Role role, fi_msg_type t) {
     switch (t) {
@@ -840,7 +890,8 @@ static int s_allowed(Fi__Role role, fi_msg_type t) {
     case FI__ENVELOPE__BODY_POLICY_BUNDLE:
     case FI__ENVELOPE__BODY_STATUS_REQUEST:
     case FI__ENVELOPE__BODY_TOKEN_REQUEST:
-    case FI__ENVELOPE__BODY_REVOKE_REQUEST: return role == FI__ROLE__ROLE_OPERATOR;
+    case FI__ENVELOPE__BODY_REVOKE_REQUEST:
+    case FI__ENVELOPE__BODY_APP_TOKEN_REQUEST: return role == FI__ROLE__ROLE_OPERATOR;
     default: return 0;
     }
 }
@@ -870,6 +921,12 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
             uint64_t serial = p->serial;
             s_on_hello(c, p, m->hello);
             if ((p = s_peer_by_serial(c, serial))) s_push_active(c, p, m->hello->policy_version);
+            if ((p = s_peer_by_serial(c, serial))) {
+                /* The site's application tokens, so an edge that was offline catches up. */
+                size_t len = 0;
+                uint8_t *buf = fi_apptok_sync_site(c->apptok, p->rec.site, &len);
+                if (buf) (void)s_send(c, c->router, p->rid, p->rid_len, buf, &len);
+            }
         } else {
             s_on_hello(c, p, m->hello);
         }
@@ -891,6 +948,7 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
     case FI__ENVELOPE__BODY_STATUS_REQUEST: s_on_status(c, p); break;
     case FI__ENVELOPE__BODY_TOKEN_REQUEST: s_on_token(c, p, m->token_request); break;
     case FI__ENVELOPE__BODY_REVOKE_REQUEST: s_on_revoke(c, p, m->revoke_request); break;
+    case FI__ENVELOPE__BODY_APP_TOKEN_REQUEST: s_on_apptok(c, p, m->app_token_request); break;
     default: break;
     }
 }
@@ -1074,6 +1132,7 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
         fi_ship_paths(o->db, o->policy_key, o->audit_db, key, sizeof key, audit, sizeof audit);
         if (!(c->ship = fi_ship_open(c->st, o->db, audit, key, o->policy_valid_s, err, errlen))) goto fail;
     }
+    if (!(c->apptok = fi_apptok_open(o->db, err, errlen))) goto fail;
     if (!(c->ctx = zmq_ctx_new())) {
         snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
         goto fail;
@@ -1130,6 +1189,8 @@ void fi_coord_destroy(fi_coord **cp) {
     if (c->ctx) zmq_ctx_term(c->ctx);
     fi_store_destroy(&c->st);
     fi_ship_destroy(&c->ship);
+    fi_apptok_destroy(&c->apptok);
+    for (size_t i = 0; i < c->n_peers; i++) free(c->peers[i].filter);
     free(c->peers);
     free(c->reqs);
     fi_keys_wipe(&c->kp);

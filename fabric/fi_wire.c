@@ -127,6 +127,9 @@ const char *fi_wire_type_name(fi_msg_type t) {
     case FI__ENVELOPE__BODY_AUDIT_RECORDS: return "audit_records";
     case FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST: return "audit_verify_request";
     case FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY: return "audit_verify_reply";
+    case FI__ENVELOPE__BODY_APP_TOKEN_REQUEST: return "app_token_request";
+    case FI__ENVELOPE__BODY_APP_TOKEN_REPLY: return "app_token_reply";
+    case FI__ENVELOPE__BODY_APP_TOKEN_SYNC: return "app_token_sync";
     default: return "unknown";
     }
 }

@@ -349,6 +349,141 @@ static void test_policy_version_said(void **state) {
     fi_client_destroy(&op);
 }
 
+static fi_msg *apptok_call(fx *f, const char *op, const char *site, const char *tenant,
+                           const char *app, const char *hash) {
+    Fi__AppTokenRequest rq = FI__APP_TOKEN_REQUEST__INIT;
+    rq.op = (char *)op;
+    rq.site = (char *)site;
+    rq.tenant = (char *)tenant;
+    rq.application = (char *)app;
+    rq.hash = (char *)hash;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_APP_TOKEN_REQUEST;
+    m.app_token_request = &rq;
+    fi_client *op_c = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op_c);
+    fi_msg *reply = NULL;
+    char err[256];
+    assert_int_equal(fi_client_call(op_c, &m, FI__ENVELOPE__BODY_APP_TOKEN_REPLY, 3000, &reply, err,
+                                    sizeof err),
+                     1);
+    fi_client_destroy(&op_c);
+    return reply;
+}
+
+/* 1 when the edge's own check (edge_auth_check, as the HTTP layer calls
+ * it) takes token, with tenant and app. */
+static int edge_takes(fx *f, const char *token, char *tenant, char *app) {
+    char db[400], err[256];
+    snprintf(db, sizeof db, "%s/edge.db", f->h.dir);
+    void *a = edge_auth_open(db, err, sizeof err);
+    assert_non_null(a);
+    int ok = edge_auth_check(a, token, tenant, 64, app, 64);
+    edge_auth_close(&a);
+    return ok;
+}
+
+/* Application tokens managed centrally (fedctl token): only the hash goes
+ * to the coordinator, which forwards it to the site's edge; the edge then
+ * takes the token, with its tenant and application; a revocation reaches
+ * it the same way; the secret is in no database. */
+static void test_app_tokens(void **state) {
+    fx *f = *state;
+    const char *token = "fie_0123456789abcdef0123456789abcdef01234567";
+    char hash[65], tenant[64] = "", app[64] = "";
+    edge_token_hash(token, hash);
+    assert_int_equal(edge_takes(f, token, tenant, app), 0);
+    fi_msg *r = apptok_call(f, "add", "berlin-clinic", "oncology", "triage", hash);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_APP_TOKEN_REPLY);
+    assert_int_equal(r->app_token_reply->n_tokens, 1);
+    assert_int_equal(r->app_token_reply->pushed, 1);
+    fi_wire_free(&r);
+    int ok = 0;
+    for (int i = 0; i < 100 && !ok; i++) {
+        h_sleep_ms(20);
+        ok = edge_takes(f, token, tenant, app);
+    }
+    assert_true(ok);
+    assert_string_equal(tenant, "oncology");
+    assert_string_equal(app, "triage");
+    /* Listed with its metadata; refusals name what is wrong. */
+    r = apptok_call(f, "list", "berlin-clinic", "", "", "");
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_APP_TOKEN_REPLY);
+    assert_int_equal(r->app_token_reply->n_tokens, 1);
+    assert_string_equal(r->app_token_reply->tokens[0]->hash, hash);
+    assert_string_equal(r->app_token_reply->tokens[0]->tenant, "oncology");
+    assert_int_equal(r->app_token_reply->tokens[0]->revoked, 0);
+    fi_wire_free(&r);
+    r = apptok_call(f, "add", "atlantis", "t", "a", hash);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ERROR);
+    assert_non_null(strstr(r->error->message, "no edge is enrolled for site 'atlantis'"));
+    fi_wire_free(&r);
+    r = apptok_call(f, "add", "berlin-clinic", "t", "a", token); /* the secret, not its hash */
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ERROR);
+    assert_non_null(strstr(r->error->message, "SHA-256"));
+    fi_wire_free(&r);
+    r = apptok_call(f, "add", "berlin-clinic", "bad tenant", "a", hash);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ERROR);
+    fi_wire_free(&r);
+    r = apptok_call(f, "add", "berlin-clinic", "t", "a", hash); /* twice */
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ERROR);
+    assert_non_null(strstr(r->error->message, "exists"));
+    fi_wire_free(&r);
+    /* Revoked: the edge refuses the token. */
+    r = apptok_call(f, "revoke", "", "", "", hash);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_APP_TOKEN_REPLY);
+    assert_true(r->app_token_reply->tokens[0]->revoked > 0);
+    fi_wire_free(&r);
+    for (int i = 0; i < 100 && ok; i++) {
+        h_sleep_ms(20);
+        ok = edge_takes(f, token, tenant, app);
+    }
+    assert_false(ok);
+    r = apptok_call(f, "revoke", "", "", "", hash);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ERROR);
+    fi_wire_free(&r);
+    /* The secret is in neither database. */
+    char cmd[800];
+    snprintf(cmd, sizeof cmd, "cat '%s'/coord.db* '%s'/edge.db* | grep -c -a '%s' >/dev/null",
+             f->h.dir, f->h.dir, token + 4);
+    assert_int_not_equal(system(cmd), 0);
+}
+
+/* The coordinator's sync on an edge (edge_token_sync): inserts, revokes,
+ * never revives, refuses malformed entries whole. */
+static void test_token_sync_unit(void **state) {
+    fx *f = *state;
+    char db[400], err[256], h1[65], h2[65], tenant[64], app[64];
+    snprintf(db, sizeof db, "%s/sync.db", f->h.dir);
+    edge_token_hash("fie_one-one-one", h1);
+    edge_token_hash("fie_two-two-two", h2);
+    Fi__AppToken t1 = FI__APP_TOKEN__INIT, t2 = FI__APP_TOKEN__INIT;
+    t1.hash = h1, t1.tenant = "a", t1.application = "x", t1.created = 1;
+    t2.hash = h2, t2.tenant = "b", t2.application = "y", t2.created = 1, t2.revoked = 5;
+    Fi__AppToken *ts[2] = {&t1, &t2};
+    Fi__AppTokenSync sy = FI__APP_TOKEN_SYNC__INIT;
+    sy.tokens = ts;
+    sy.n_tokens = 2;
+    int added, revoked;
+    assert_int_equal(edge_token_sync(db, &sy, &added, &revoked, err, sizeof err), 0);
+    assert_int_equal(added, 1);
+    assert_int_equal(revoked, 1);
+    void *a = edge_auth_open(db, err, sizeof err);
+    assert_int_equal(edge_auth_check(a, "fie_one-one-one", tenant, 64, app, 64), 1);
+    assert_int_equal(edge_auth_check(a, "fie_two-two-two", tenant, 64, app, 64), 0);
+    /* A later sync that says t2 is active does not revive it. */
+    t2.revoked = 0;
+    assert_int_equal(edge_token_sync(db, &sy, &added, &revoked, err, sizeof err), 0);
+    assert_int_equal(edge_auth_check(a, "fie_two-two-two", tenant, 64, app, 64), 0);
+    /* Malformed: refused as a whole. */
+    t1.revoked = 9;
+    t2.hash = "not-a-hash";
+    assert_int_equal(edge_token_sync(db, &sy, &added, &revoked, err, sizeof err), -1);
+    assert_non_null(strstr(err, "malformed"));
+    assert_int_equal(edge_auth_check(a, "fie_one-one-one", tenant, 64, app, 64), 1);
+    edge_auth_close(&a);
+}
+
 static void test_pushed_bundles(void **state) {
     fx *f = *state;
     resp r;
@@ -499,6 +634,8 @@ int main(void) {
         cmocka_unit_test(test_content_length),
         cmocka_unit_test(test_routed_chat_fields),
         cmocka_unit_test(test_policy_version_said),
+        cmocka_unit_test(test_app_tokens),
+        cmocka_unit_test(test_token_sync_unit),
         cmocka_unit_test(test_routed),
         cmocka_unit_test(test_pushed_bundles),
         cmocka_unit_test(test_audit_upload_and_offline),
