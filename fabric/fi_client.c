@@ -33,7 +33,56 @@ struct fi_client {
     int backoff_ms;         /* next back-off delay */
     uint64_t hello_at_ms;   /* when Hello was last sent */
     uint64_t policy_version; /* edges: the policy bundle version held, for Hello */
+    int have_load;          /* clusters: load set, sent with heartbeats */
+    Fi__WorkerLoad load;    /* its counters (prefix_filter points into filter) */
+    uint8_t *filter;        /* its prefix filter (owned) */
+    uint64_t load_sent_ms;  /* when the load was last sent */
+    fi_cluster_load loads[FI_CLIENT_MAX_LOADS]; /* edges: clusters' load, last heard */
+    int n_loads;
 };
+
+void fi_client_set_load(fi_client *c, uint32_t running, uint32_t queued, uint32_t kv_free,
+                        uint32_t kv_total, const uint8_t *filter, size_t filter_len) {
+    fi__worker_load__init(&c->load);
+    c->load.running = running;
+    c->load.queued = queued;
+    c->load.kv_blocks_free = kv_free;
+    c->load.kv_blocks_total = kv_total;
+    if (filter && filter_len && filter_len <= 65536) {
+        uint8_t *f = realloc(c->filter, filter_len);
+        if (f) {
+            memcpy(f, filter, filter_len);
+            c->filter = f;
+            c->load.prefix_filter.data = f;
+            c->load.prefix_filter.len = filter_len;
+        }
+    }
+    c->have_load = 1;
+}
+
+int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max) {
+    int n = c->n_loads < max ? c->n_loads : max;
+    memcpy(out, c->loads, (size_t)n * sizeof *out);
+    return n;
+}
+
+/* Keeps what the coordinator's heartbeat says about the clusters. */
+static void s_take_loads(fi_client *c, const Fi__Heartbeat *h) {
+    if (!h->n_clusters) return;
+    c->n_loads = 0;
+    for (size_t i = 0; i < h->n_clusters && c->n_loads < FI_CLIENT_MAX_LOADS; i++) {
+        const Fi__ClusterLoad *l = h->clusters[i];
+        if (!l->cluster || !l->model) continue;
+        fi_cluster_load *o = &c->loads[c->n_loads++];
+        snprintf(o->cluster, sizeof o->cluster, "%s", l->cluster);
+        snprintf(o->model, sizeof o->model, "%s", l->model);
+        o->workers = l->workers;
+        o->capacity = l->capacity;
+        o->in_flight = l->in_flight;
+        o->queued = l->queued;
+        o->received_ms = fi_wire_now_ms();
+    }
+}
 
 void fi_client_set_policy_version(fi_client *c, uint64_t version) { c->policy_version = version; }
 
@@ -156,6 +205,7 @@ void fi_client_destroy(fi_client **cp) {
     s_close(c);
     if (c->ctx) zmq_ctx_term(c->ctx);
     fi_keys_wipe(&c->o.kp);
+    free(c->filter);
     free(c);
     *cp = NULL;
 }
@@ -217,9 +267,20 @@ static void s_housekeeping(fi_client *c) {
     }
     if (!c->ready && now - c->hello_at_ms >= (uint64_t)c->o.heartbeat_ms)
         (void)s_send_hello(c);
-    else if (now - c->last_send_ms >= (uint64_t)c->o.heartbeat_ms) {
+    else if (now - c->last_send_ms >= (uint64_t)c->o.heartbeat_ms ||
+             (c->have_load && now - c->load_sent_ms >= (uint64_t)c->o.heartbeat_ms)) {
+        /* A busy worker sends its load every interval, streaming or not. */
+        Fi__Heartbeat h = FI__HEARTBEAT__INIT;
+        h.sent_ms = now;
+        if (c->have_load) {
+            h.load = &c->load;
+            c->load_sent_ms = now;
+        }
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_HEARTBEAT;
+        m.heartbeat = &h;
         size_t len = 0;
-        (void)s_send_raw(c, fi_wire_heartbeat(now, &len), &len);
+        (void)s_send_raw(c, fi_wire_encode(&m, &len), &len);
     }
 }
 
@@ -290,7 +351,10 @@ int fi_client_recv_or(fi_client *c, int timeout_ms, void *other, fi_msg **out, c
                 continue;
             }
             switch (m->body_case) {
-            case FI__ENVELOPE__BODY_HEARTBEAT: fi_wire_free(&m); continue;
+            case FI__ENVELOPE__BODY_HEARTBEAT:
+                s_take_loads(c, m->heartbeat);
+                fi_wire_free(&m);
+                continue;
             case FI__ENVELOPE__BODY_HELLO:
                 c->ready = 1;
                 fi_wire_free(&m);

@@ -84,6 +84,28 @@ int fi_client_ready(const fi_client *c);
  * pushes its active bundle after Hello only when it is newer (0, the
  * default: whatever is active). */
 void fi_client_set_policy_version(fi_client *c, uint64_t version);
+/* Clusters: the load sent with every heartbeat from now on (at least once
+ * per heartbeat interval, even while streaming): sequences running and
+ * queued, KV-cache blocks, and the prefix filter (fi_sched_prefix_filter;
+ * NULL: none; copied, at most 65536 bytes). */
+void fi_client_set_load(fi_client *c, uint32_t running, uint32_t queued, uint32_t kv_free,
+                        uint32_t kv_total, const uint8_t *filter, size_t filter_len);
+
+#define FI_CLIENT_MAX_LOADS 32
+/* One cluster's load for one model, as the coordinator last said. */
+typedef struct fi_cluster_load {
+    char cluster[64];       /* the policy's cluster (the workers' site) */
+    char model[64];
+    uint32_t workers;       /* live workers serving the model */
+    uint32_t capacity;      /* their capacity, summed */
+    uint32_t in_flight;     /* requests open on them */
+    uint32_t queued;        /* waiting at the workers, reported */
+    uint64_t received_ms;   /* when it was heard (fi_wire_now_ms) */
+} fi_cluster_load;
+/* Edges: the clusters' load from the coordinator's last heartbeat that
+ * carried one; returns how many were written (<= max). */
+int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max);
+
 /* How many times the client has reconnected (a request open across a
  * reconnect is lost: the coordinator that had it may be gone). */
 unsigned fi_client_reconnects(const fi_client *c);

@@ -869,6 +869,74 @@ static void s_on_apptok(fi_coord *c, s_peer *op, const Fi__AppTokenRequest *rq) 
     else free(buf);
 }
 
+/* A worker's reported load and prefix filter (a power of two of 64..65536
+ * bytes, else dropped with a log line). */
+static void s_take_load(fi_coord *c, s_peer *w, const Fi__WorkerLoad *l) {
+    w->running = l->running;
+    w->queued = l->queued;
+    w->kv_free = l->kv_blocks_free;
+    w->kv_total = l->kv_blocks_total;
+    size_t n = l->prefix_filter.len;
+    if (n == 0) {
+        free(w->filter);
+        w->filter = NULL;
+        w->filter_len = 0;
+        return;
+    }
+    if (n < 64 || n > 65536 || (n & (n - 1))) {
+        s_log("peer %s: prefix filter of %zu bytes ignored (a power of two of 64..65536)",
+              w->rec.fpr, n);
+        return;
+    }
+    if (n != w->filter_len) {
+        uint8_t *f = realloc(w->filter, n);
+        if (!f) return;
+        w->filter = f;
+        w->filter_len = n;
+    }
+    memcpy(w->filter, l->prefix_filter.data, n);
+}
+
+/* The load of each (cluster, model) for the edges' routers, encoded as a
+ * heartbeat; NULL when no worker is live. */
+static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, size_t *len) {
+    Fi__ClusterLoad rows[64], *ptrs[64];
+    size_t n = 0;
+    for (size_t i = 0; i < c->n_peers; i++) {
+        const s_peer *w = &c->peers[i];
+        if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
+        for (int k = 0; k < w->n_models; k++) {
+            size_t j = 0;
+            while (j < n && (strcmp(rows[j].cluster, w->rec.site) ||
+                             strcmp(rows[j].model, w->models[k].name)))
+                j++;
+            if (j == n) {
+                if (n == 64) continue;
+                fi__cluster_load__init(&rows[n]);
+                rows[n].cluster = (char *)w->rec.site;
+                rows[n].model = (char *)w->models[k].name;
+                ptrs[n] = &rows[n];
+                n++;
+            }
+            rows[j].workers++;
+            rows[j].capacity += w->models[k].capacity;
+            rows[j].in_flight += w->in_flight;
+            rows[j].queued += w->queued;
+            rows[j].kv_blocks_free += w->kv_free;
+            rows[j].kv_blocks_total += w->kv_total;
+        }
+    }
+    if (!n) return NULL;
+    Fi__Heartbeat h = FI__HEARTBEAT__INIT;
+    h.sent_ms = now;
+    h.n_clusters = n;
+    h.clusters = ptrs;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_HEARTBEAT;
+    m.heartbeat = &h;
+    return fi_wire_encode(&m, len);
+}
+
 /* Which message types each role may send on the fabric endpoint. */
 static int s_allowed(Fi__Role role, fi_msg_type t) {
     switch (t) {
@@ -931,7 +999,10 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
             s_on_hello(c, p, m->hello);
         }
         break;
-    case FI__ENVELOPE__BODY_HEARTBEAT: break;
+    case FI__ENVELOPE__BODY_HEARTBEAT:
+        if (p->rec.role == FI__ROLE__ROLE_CLUSTER && m->heartbeat->load)
+            s_take_load(c, p, m->heartbeat->load);
+        break;
     case FI__ENVELOPE__BODY_INFER: s_on_infer(c, p, m->infer); break;
     case FI__ENVELOPE__BODY_CANCEL: s_on_cancel(c, p, m->cancel); break;
     case FI__ENVELOPE__BODY_CHUNK:
@@ -1091,6 +1162,8 @@ static void s_tick(fi_coord *c) {
         c->failed_handshakes = 0;
     }
     uint64_t dead_after = (uint64_t)c->o.heartbeat_ms * (uint64_t)c->o.liveness;
+    size_t loads_len = 0;
+    uint8_t *loads = s_cluster_loads(c, now, &loads_len);
     for (size_t i = 0; i < c->n_peers;) {
         s_peer *p = &c->peers[i];
         if (now - p->last_ms > dead_after) {
@@ -1101,9 +1174,16 @@ static void s_tick(fi_coord *c) {
             continue;
         }
         size_t len = 0;
-        (void)s_send(c, c->router, p->rid, p->rid_len, fi_wire_heartbeat(now, &len), &len);
+        if (p->rec.role == FI__ROLE__ROLE_EDGE && loads) {
+            /* Edges get the clusters' load with their heartbeat. */
+            if (zmq_send(c->router, p->rid, p->rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0)
+                (void)zmq_send(c->router, loads, loads_len, ZMQ_DONTWAIT);
+        } else {
+            (void)s_send(c, c->router, p->rid, p->rid_len, fi_wire_heartbeat(now, &len), &len);
+        }
         i++;
     }
+    free(loads);
     c->next_beat_ms = now + (uint64_t)c->o.heartbeat_ms;
 }
 

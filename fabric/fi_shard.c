@@ -82,7 +82,7 @@ static int s_echo_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_
 }
 
 fi_shard_backend fi_shard_echo_backend(int piece_len, int delay_ms) {
-    fi_shard_backend be = {"echo", s_echo_generate, free, NULL};
+    fi_shard_backend be = {"echo", s_echo_generate, free, NULL, NULL};
     s_echo *e = malloc(sizeof *e);
     if (!e) return be;
     e->piece_len = piece_len > 0 ? piece_len : 4;
@@ -180,6 +180,11 @@ static void *s_gen_main(void *arg) {
         if (zmq_recv(g->pipe, &m, sizeof m, 0) != (int)sizeof m || !m) break;
         s_gen_one(g, m->infer);
         fi_wire_free(&m);
+        uint8_t bits[FI_SHARD_FILTER_BYTES];
+        if (g->be->prefix_filter && g->be->prefix_filter(g->be->ctx, bits, sizeof bits) == 0) {
+            zmq_send(g->pipe, "f", 1, ZMQ_SNDMORE);
+            zmq_send(g->pipe, bits, sizeof bits, 0);
+        }
         zmq_send(g->pipe, "d", 1, 0);
     }
     return NULL;
@@ -194,6 +199,8 @@ typedef struct s_serve {
     int fatal;               /* refused or revoked */
     unsigned gen;            /* fi_client_reconnects when the queue was last valid */
     s_gen *g;                /* the generator (for its cancel flag) */
+    uint8_t filter[FI_SHARD_FILTER_BYTES]; /* the backend's last prefix filter */
+    int have_filter;         /* filter is set */
     void *pipe;              /* loop's end of the pipe */
     char err[256];           /* why fatal */
 } s_serve;
@@ -260,6 +267,10 @@ static void s_from_generator(s_serve *s) {
             s->current[0] = 0;
             continue;
         }
+        if (kind == 'f') {
+            s->have_filter = zmq_recv(s->pipe, s->filter, sizeof s->filter, 0) == (int)sizeof s->filter;
+            continue;
+        }
         zmq_msg_t m;
         zmq_msg_init(&m);
         if (zmq_msg_recv(&m, s->pipe, 0) >= 0 && !atomic_load(&s->g->cancel)) {
@@ -318,6 +329,9 @@ int fi_shard_serve(fi_client *c, const fi_shard_backend *be, int max_queue, atom
         if (r == 1) s_take(&s, m);
         s_check_link(&s);
         s_from_generator(&s);
+        /* The load the router sees, with every heartbeat. */
+        fi_client_set_load(c, (uint32_t)s.busy, (uint32_t)s.n_queue, 0, 0,
+                           s.have_filter ? s.filter : NULL, sizeof s.filter);
     }
     rc = s.fatal ? -1 : 0;
     if (s.fatal) snprintf(err, errlen, "%s", s.err);

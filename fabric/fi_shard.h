@@ -47,7 +47,15 @@ typedef struct fi_shard_backend {
                     void *emit_user, fi_shard_gen *out, char *err, size_t errlen);
     void (*destroy)(void *ctx); /* optional */
     void *ctx;                  /* the backend's state */
+    /* Optional: the backend's prefix-cache summary for the router, into
+     * bits (nbytes, a power of two): fi_sched_prefix_filter for a backend
+     * with a prefix cache. 0, or -1 when it has none now. Called on the
+     * generator thread between requests. */
+    int (*prefix_filter)(void *ctx, uint8_t *bits, size_t nbytes);
 } fi_shard_backend;
+
+/* Bytes of the prefix filter a worker reports (fi_fabric.proto WorkerLoad). */
+#define FI_SHARD_FILTER_BYTES 1024
 
 /* The echo backend: streams "echo: " and the prompt back in pieces of
  * piece_len bytes, waiting delay_ms before each (0: none). Its ctx is NULL

@@ -1,0 +1,237 @@
+/*
+ * test_fabric_route.c - load and prefix-cache aware routing (issue 6)
+ * through a real coordinator (in a thread, with its policy re-check on a
+ * signed bundle) and two worker replicas that report their prefix filter
+ * over the real wire (heartbeats).
+ *
+ * The replicas use a test-only backend: it echoes, prefixed with its name,
+ * and keeps a Bloom filter (fi_prefix_filter_add) of the prefix hashes of
+ * the prompts it served, hashing the prompt's bytes as tokens. The product
+ * worker reports fi_sched_prefix_filter instead; the router cannot tell.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include "fabric/harness.h"
+#include "fi_audit.h"
+#include "fi_bundle.h"
+#include "fi_sched.h"
+
+typedef struct s_replica {
+    const char *name;                     /* prefix of its answers */
+    pthread_mutex_t mu;
+    uint8_t bits[FI_SHARD_FILTER_BYTES];  /* prompts served so far */
+} s_replica;
+
+/* The prompt's bytes as tokens, hashed as the edge hashes tokens. */
+static int s_hashes(const char *p, uint64_t *h, int max) {
+    int32_t toks[2048];
+    int n = 0;
+    for (; p[n] && n < 2048; n++) toks[n] = (uint8_t)p[n];
+    return fi_prefix_hashes("tenant", "EU", toks, n, h, max);
+}
+
+static int s_gen(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit, void *eu,
+                 fi_shard_gen *out, char *err, size_t errlen) {
+    s_replica *r = ctx;
+    (void)err, (void)errlen;
+    memset(out, 0, sizeof *out);
+    snprintf(out->stop, sizeof out->stop, "eog");
+    uint64_t h[128];
+    int n = s_hashes(rq->prompt, h, 128);
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < n; i++) fi_prefix_filter_add(r->bits, sizeof r->bits, h[i]);
+    pthread_mutex_unlock(&r->mu);
+    return emit(eu, r->name, strlen(r->name)) ? 0 : 0;
+}
+
+static int s_filter(void *ctx, uint8_t *bits, size_t nbytes) {
+    s_replica *r = ctx;
+    if (nbytes != sizeof r->bits) return -1;
+    pthread_mutex_lock(&r->mu);
+    memcpy(bits, r->bits, nbytes);
+    pthread_mutex_unlock(&r->mu);
+    return 0;
+}
+
+static const char *s_policy =
+    "labels public, secret;\ndefault_label \"public\";\n"
+    "jurisdiction EU;\nregion eu-a in EU;\nregion eu-b in EU;\n"
+    "site clinic in eu-a;\ncluster core1 in eu-a;\ncluster core2 in eu-b;\n"
+    "permit \"anything\";\n"
+    "forbid \"secret stays out of eu-a clusters\" when \"secret\" in request.labels and "
+    "target within \"eu-a\" and target.site != request.origin.site;\n";
+
+typedef struct fx {
+    harness h;
+    s_replica rep[2];
+    h_worker w[2];
+    fi_client *edge;
+} fx;
+
+static int setup(void **state) {
+    fx *f = calloc(1, sizeof *f);
+    char err[256], path[400];
+    assert_int_equal(h_init(&f->h), 0);
+    /* The signed policy in the coordinator's store, and its key in the
+     * configuration (policy_check_key). */
+    uint8_t pk[32], sk[64];
+    assert_int_equal(fi_bundle_keygen(pk, sk), 0);
+    snprintf(path, sizeof path, "%s/sign.key", f->h.dir);
+    assert_int_equal(fi_bundle_key_save(path, sk, err, sizeof err), 0);
+    char *b;
+    size_t bl;
+    int64_t now = (int64_t)time(NULL);
+    assert_int_equal(fi_bundle_sign(sk, 1, now - 60, now + 3600, s_policy, strlen(s_policy), &b, &bl), 0);
+    fi_store *st = fi_store_open(f->h.db, err, sizeof err);
+    assert_non_null(st);
+    assert_int_equal(fi_store_bundle_put(st, 1, b, bl, "op"), 0);
+    fi_store_destroy(&st);
+    free(b);
+    fi_coord_opts o;
+    h_opts(&f->h, &o, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*");
+    snprintf(o.policy_check_key, sizeof o.policy_check_key, "%s/sign.key.pub", f->h.dir);
+    f->h.c = fi_coord_new(&o, &f->h.coord, err, sizeof err);
+    assert_non_null(f->h.c);
+    snprintf(f->h.ep, sizeof f->h.ep, "%s", fi_coord_endpoint(f->h.c, 0));
+    assert_int_equal(pthread_create(&f->h.th, NULL, h_coord_main, &f->h), 0);
+    const char *sites[2] = {"core1", "core2"};
+    for (int i = 0; i < 2; i++) {
+        f->rep[i].name = sites[i];
+        pthread_mutex_init(&f->rep[i].mu, NULL);
+        fi_shard_backend be = {"replica", s_gen, NULL, &f->rep[i], s_filter};
+        assert_int_equal(h_worker_start_be(&f->h, &f->w[i], "m", sites[i], &be, 8), 0);
+    }
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(&f->h, &ek, FI__ROLE__ROLE_EDGE, "clinic", "eu-a"), 0);
+    f->edge = h_client(&f->h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(f->edge);
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state) {
+    fx *f = *state;
+    fi_client_destroy(&f->edge);
+    for (int i = 0; i < 2; i++) h_worker_stop(&f->w[i]);
+    h_stop(&f->h);
+    free(f);
+    return 0;
+}
+
+/* Sends a request with the prompt's prefix hashes; returns the replica
+ * that answered (0, 1) or -1 with the error code in *code. */
+static int s_ask(fx *f, const char *id, const char *prompt, const char *label, int *code) {
+    uint64_t h[128];
+    int n = s_hashes(prompt, h, 128);
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)id;
+    rq.model = (char *)"m";
+    rq.prompt = (char *)prompt;
+    rq.tenant = (char *)"tenant";
+    rq.zone = (char *)"EU";
+    rq.prefix_hashes = h;
+    rq.n_prefix_hashes = (size_t)n;
+    char *labels[1] = {(char *)label};
+    rq.labels = labels;
+    rq.n_labels = label ? 1 : 0;
+    h_text t;
+    memset(&t, 0, sizeof t);
+    fi_client_result res;
+    char err[256];
+    assert_int_equal(fi_client_infer(f->edge, &rq, h_on_text, &t, 5000, &res, err, sizeof err), 0);
+    *code = res.error;
+    if (res.error) return -1;
+    return !strcmp(t.buf, "core1") ? 0 : !strcmp(t.buf, "core2") ? 1 : -1;
+}
+
+/* Lets a few heartbeats carry the replicas' filters to the coordinator. */
+static void s_beats(fx *f) {
+    for (int i = 0; i < 4; i++) {
+        fi_msg *m = NULL;
+        char err[128];
+        (void)fi_client_recv(f->edge, H_HB_MS, &m, err, sizeof err);
+        fi_wire_free(&m);
+    }
+}
+
+static char s_prompt[2][600];
+
+static void test_prefix_goes_to_holder(void **state) {
+    fx *f = *state;
+    int code;
+    for (int k = 0; k < 2; k++) {
+        memset(s_prompt[k], 'a' + k, 512);
+        s_prompt[k][512] = 0;
+    }
+    /* The first request of a prompt goes somewhere; its replica then holds
+     * the prefix and every later request with it goes there. */
+    int holder = s_ask(f, "p0", s_prompt[0], NULL, &code);
+    assert_true(holder == 0 || holder == 1);
+    s_beats(f);
+    for (int i = 0; i < 6; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "p0-%d", i);
+        assert_int_equal(s_ask(f, id, s_prompt[0], NULL, &code), holder);
+    }
+}
+
+typedef struct s_scan {
+    int permits_core1_secret; /* coordinator permits of secret requests to core1 */
+    int permits_secret;       /* coordinator permits of secret requests */
+} s_scan;
+
+static int s_row(const fi_audit_record *r, void *arg) {
+    s_scan *sc = arg;
+    if (!strstr(r->rules, "worker ") || strcmp(r->labels, "secret") || strcmp(r->decision, "permit"))
+        return 0;
+    sc->permits_secret++;
+    if (!strcmp(r->target, "core1")) sc->permits_core1_secret++;
+    return 0;
+}
+
+/* With the replica that holds the prefix forbidden by the policy, requests
+ * sharing the prefix never go there, whatever the cache says. */
+static void test_forbidden_holder_never_chosen(void **state) {
+    fx *f = *state;
+    int code;
+    /* Make core1 the holder of prompt 1: ask until core1 served it. */
+    int holder = -1;
+    for (int i = 0; i < 20 && holder != 0; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "warm-%d", i);
+        memset(s_prompt[1], 'q', 512);
+        s_prompt[1][512] = 0;
+        s_prompt[1][0] = (char)('A' + i); /* a fresh prompt each time */
+        holder = s_ask(f, id, s_prompt[1], NULL, &code);
+    }
+    assert_int_equal(holder, 0);
+    s_beats(f);
+    /* Not secret: the holder gets it (cache). */
+    assert_int_equal(s_ask(f, "pub", s_prompt[1], NULL, &code), 0);
+    /* Secret: core1 is forbidden; core2, never core1. */
+    for (int i = 0; i < 8; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "sec-%d", i);
+        assert_int_equal(s_ask(f, id, s_prompt[1], "secret", &code), 1);
+    }
+    /* The coordinator's audit log agrees. */
+    s_scan sc = {0, 0};
+    char err[256];
+    assert_int_equal(fi_audit_query(fi_ship_audit(fi_coord_ship(f->h.c)), NULL, s_row, &sc, err,
+                                    sizeof err),
+                     0);
+    assert_int_equal(sc.permits_secret, 8);
+    assert_int_equal(sc.permits_core1_secret, 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prefix_goes_to_holder),
+        cmocka_unit_test(test_forbidden_holder_never_chosen),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
