@@ -542,19 +542,23 @@ static enum MHD_Result s_metrics(fi_edge *e, struct MHD_Connection *c) {
 
 /* The router: among the permitted targets, the best by policy score, with
  * the local engine only when it serves the model and has room, a cluster
- * only while the coordinator is connected. Returns the index in d, or -1
- * with *why_unavail set when something was permitted but not reachable. */
+ * only while the coordinator is connected and, when the coordinator
+ * reports the clusters' load, only when it has a live worker for the
+ * model. A full target (local slots, or the cluster's capacity by its
+ * reported load) loses 1000; ties go to the site, then to the less loaded
+ * cluster. Returns the index in d, or -1 with *why_unavail set when
+ * something was permitted but not reachable. */
 static int s_route(fi_edge *e, const edge_decision *d, const char *model, int *unavail,
                    char *why, size_t wlen) {
     int best = -1;
-    int64_t best_score = 0;
+    double best_score = 0;
     int local_ok = e->model && !strcmp(model, e->conf.model_name);
     int online = e->remote_online && atomic_load(e->remote_online);
     *unavail = 0;
     why[0] = 0;
     for (int i = 0; i < d->n; i++) {
         if (!d->permitted[i]) continue;
-        int64_t score = d->score[i];
+        double score = (double)d->score[i];
         if (i == 0) {
             if (!local_ok) {
                 *unavail = 1;
@@ -569,6 +573,20 @@ static int s_route(fi_edge *e, const edge_decision *d, const char *model, int *u
             snprintf(why + strlen(why), wlen - strlen(why), "%scluster %s is permitted but the coordinator is unreachable",
                      why[0] ? "; " : "", d->names[i]);
             continue;
+        } else {
+            edge_cluster_load cl;
+            int known = edge_remote_cluster_load(e, d->names[i], model, &cl);
+            if (known == 0 || (known == 1 && cl.workers == 0)) {
+                *unavail = 1;
+                snprintf(why + strlen(why), wlen - strlen(why),
+                         "%scluster %s is permitted but no live worker there serves '%s'",
+                         why[0] ? "; " : "", d->names[i], model);
+                continue;
+            }
+            if (known == 1 && cl.capacity > 0) {
+                if (cl.busy >= cl.capacity) score -= 1000; /* full: prefer the site */
+                score -= 0.5 * (double)cl.busy / cl.capacity; /* ties: the less loaded */
+            }
         }
         if (best < 0 || score > best_score) {
             best = i;

@@ -248,8 +248,22 @@ int edge_front_check_head(const char *h, size_t n, long max_body, char *code, si
 int edge_http_start(fi_edge *e, char *err, size_t errlen);
 void edge_http_stop(fi_edge *e);
 
+/* A cluster's load for one model, as the coordinator last said
+ * (edge_remote_cluster_load). */
+typedef struct edge_cluster_load {
+    int workers;     /* live workers serving the model */
+    int capacity;    /* their capacity, summed */
+    int busy;        /* requests open on them, or waiting there if more */
+} edge_cluster_load;
+
 /* The routed executor (edge_remote.c): a fabric client on its own thread. */
 int edge_remote_new(fi_edge *e, edge_exec *out, char *err, size_t errlen);
+/* What the coordinator's heartbeats last said about cluster's load for
+ * model: 1 with *out filled; 0 when it serves the model nowhere there
+ * (the coordinator reported other clusters, not this one); -1 when
+ * nothing is known (no report for a few heartbeats, or none yet). */
+int edge_remote_cluster_load(fi_edge *e, const char *cluster, const char *model,
+                             edge_cluster_load *out);
 struct fi_client_opts;
 /* Client options from the configuration (keys loaded; wipe o->kp). */
 int edge_remote_client_opts(const fi_edge_conf *c, struct fi_client_opts *o, char *err,

@@ -56,6 +56,9 @@ typedef struct s_remote {
     int64_t upload_last;        /* its last seq */
     uint64_t upload_at;         /* when it was sent */
     uint64_t said_version;      /* policy version the client says in Hello */
+    /* clusters' load from the coordinator's heartbeats, under mu */
+    fi_cluster_load loads[FI_CLIENT_MAX_LOADS];
+    int n_loads;
 } s_remote;
 
 static void s_wake(s_remote *r) {
@@ -371,6 +374,12 @@ static void *s_run(void *arg) {
             fi_client_set_policy_version(r->client, held);
             r->said_version = held;
         }
+        fi_cluster_load loads[FI_CLIENT_MAX_LOADS];
+        int n_loads = fi_client_cluster_loads(r->client, loads, FI_CLIENT_MAX_LOADS);
+        pthread_mutex_lock(&r->mu);
+        memcpy(r->loads, loads, (size_t)n_loads * sizeof *loads);
+        r->n_loads = n_loads;
+        pthread_mutex_unlock(&r->mu);
         int online = fi_client_ready(r->client);
         atomic_store(&r->online, online);
         if (online != was_online)
@@ -447,6 +456,28 @@ static void s_destroy(void *ctx) {
     zmq_ctx_term(r->zctx);
     pthread_mutex_destroy(&r->mu);
     free(r);
+}
+
+int edge_remote_cluster_load(fi_edge *e, const char *cluster, const char *model,
+                             edge_cluster_load *out) {
+    s_remote *r = e->remote.ctx;
+    if (!r) return -1;
+    memset(out, 0, sizeof *out);
+    int rc = -1;
+    uint64_t now = fi_wire_now_ms(), fresh = 5u * (uint64_t)e->conf.heartbeat_ms;
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < r->n_loads; i++) {
+        const fi_cluster_load *l = &r->loads[i];
+        if (now - l->received_ms > fresh) continue; /* stale: say nothing */
+        if (rc < 0) rc = 0;
+        if (strcmp(l->cluster, cluster) || strcmp(l->model, model)) continue;
+        out->workers = (int)l->workers;
+        out->capacity = (int)l->capacity;
+        out->busy = (int)(l->queued > l->in_flight ? l->queued : l->in_flight);
+        rc = 1;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return rc;
 }
 
 int edge_remote_client_opts(const fi_edge_conf *c, fi_client_opts *o, char *err, size_t errlen) {

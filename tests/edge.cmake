@@ -6,7 +6,7 @@
 # slower) it is built with FI_EDGE_TEST_QUICK (fewer clients and tokens,
 # time limits of 240 s) and takes about 80 s on 2 cores, so it stays in
 # the asan pass too.
-foreach(t test_edge test_edge_coord test_edge_fabric)
+foreach(t test_edge test_edge_coord test_edge_fabric test_edge_route)
   if(TARGET ${t})
     set_tests_properties(${t} PROPERTIES LABELS asan TIMEOUT 300)
   endif()

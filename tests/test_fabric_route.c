@@ -62,7 +62,7 @@ static const char *s_policy =
     "site clinic in eu-a;\ncluster core1 in eu-a;\ncluster core2 in eu-b;\n"
     "permit \"anything\";\n"
     "forbid \"secret stays out of eu-a clusters\" when \"secret\" in request.labels and "
-    "target within \"eu-a\" and target.site != request.origin.site;\n";
+    "target within \"eu-a\" and target.kind == \"cluster\";\n";
 
 typedef struct fx {
     harness h;

@@ -1,0 +1,183 @@
+/*
+ * test_edge_route.c - the edge's local-versus-cluster choice sees the
+ * clusters' load the coordinator reports with its heartbeats (issue 5/6):
+ * an edge whose policy prefers the cluster sends a request to its own
+ * engine while the cluster is full, and to the cluster again once it has
+ * room. A real coordinator (thread), a slow echo worker of capacity 1 and
+ * the default model on the edge.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "fabric/harness.h"
+#include "fi_bundle.h"
+#include "fi_edge.h"
+
+typedef struct resp {
+    int status;
+    char head[2048];
+    char body[8192];
+} resp;
+
+static int http_post(int port, const char *body, resp *r) {
+    memset(r, 0, sizeof *r);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) return -1;
+    char req[4096];
+    int n = snprintf(req, sizeof req,
+                     "POST /v1/completions HTTP/1.0\r\nContent-Length: %zu\r\n\r\n%s",
+                     strlen(body), body);
+    if (send(fd, req, (size_t)n, 0) != n) return -1;
+    char buf[16384];
+    size_t len = 0;
+    for (;;) {
+        ssize_t k = recv(fd, buf + len, sizeof buf - len - 1, 0);
+        if (k <= 0) break;
+        len += (size_t)k;
+    }
+    close(fd);
+    buf[len] = 0;
+    char *sep = strstr(buf, "\r\n\r\n");
+    if (!sep) return -1;
+    snprintf(r->head, sizeof r->head, "%.*s", (int)(sep - buf), buf);
+    snprintf(r->body, sizeof r->body, "%s", sep + 4);
+    sscanf(buf, "HTTP/1.%*d %d", &r->status);
+    return 0;
+}
+
+static const char *s_policy =
+    "labels public;\ndefault_label \"public\";\n"
+    "jurisdiction EU;\nregion eu-a in EU;\n"
+    "site clinic in eu-a;\ncluster core1 in eu-a;\n"
+    "permit \"anything\";\n"
+    "prefer \"the cluster\" score 10 when target.kind == \"cluster\";\n";
+
+typedef struct fx {
+    harness h;
+    h_worker w;
+    fi_edge *e;
+    int port;
+} fx;
+
+static int setup(void **state) {
+    fx *f = calloc(1, sizeof *f);
+    char err[768], path[512];
+    assert_int_equal(h_init(&f->h), 0);
+    assert_int_equal(h_start(&f->h), 0);
+    /* One slot, 50 ms per 4 bytes: a 200-byte prompt holds it for 2.5 s. */
+    assert_int_equal(h_worker_start_cap(&f->h, &f->w, "smol", 50, 1), 0);
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(&f->h, &ek, FI__ROLE__ROLE_EDGE, "clinic", "eu-a"), 0);
+    char ekey[400], epub[400], ckey[400], cpub[400];
+    snprintf(ekey, sizeof ekey, "%s/edge.key", f->h.dir);
+    snprintf(epub, sizeof epub, "%s/edge.pub", f->h.dir);
+    snprintf(ckey, sizeof ckey, "%s/coord.key", f->h.dir);
+    snprintf(cpub, sizeof cpub, "%s/coord.pub", f->h.dir);
+    assert_int_equal(fi_keys_save(&ek, ekey, epub, 1, err, sizeof err), 0);
+    assert_int_equal(fi_keys_save(&f->h.coord, ckey, cpub, 1, err, sizeof err), 0);
+    uint8_t pk[32], sk[64];
+    assert_int_equal(fi_bundle_keygen(pk, sk), 0);
+    snprintf(path, sizeof path, "%s/sign.key", f->h.dir);
+    assert_int_equal(fi_bundle_key_save(path, sk, err, sizeof err), 0);
+    snprintf(path, sizeof path, "%s/policy", f->h.dir);
+    mkdir(path, 0700);
+    char *b;
+    size_t bl;
+    int64_t now = (int64_t)time(NULL);
+    assert_int_equal(fi_bundle_sign(sk, 1, now - 60, now + 3600, s_policy, strlen(s_policy), &b, &bl), 0);
+    assert_int_equal(fi_bundle_install(path, b, bl, (const uint8_t(*)[32])pk, 1, now, err, sizeof err),
+                     FI_BUNDLE_OK);
+    free(b);
+    char conf[400];
+    snprintf(conf, sizeof conf, "%s/edge.conf", f->h.dir);
+    FILE *fc = fopen(conf, "w");
+    fprintf(fc,
+            "site = clinic\nport = 0\ndb = %s/edge.db\npolicy_dir = %s/policy\n"
+            "policy_key = %s/sign.key.pub\ncoordinator = %s\ncoordinator_key = %s\n"
+            "secret_key = %s\nshutdown_grace_s = 1\nheartbeat_ms = %d\nmodel = %s\n"
+            "model_name = smol\nthreads = 1\nn_ctx = 256\nconcurrency = 1\n",
+            f->h.dir, f->h.dir, f->h.dir, f->h.ep, cpub, ekey, H_HB_MS, FI_TEST_MODEL);
+    fclose(fc);
+    fi_edge_conf c;
+    fi_edge_conf_default(&c);
+    if (fi_edge_conf_load(conf, &c, err, sizeof err) != 0) fail_msg("%s", err);
+    f->e = fi_edge_new(&c, err, sizeof err);
+    if (!f->e) fail_msg("%s", err);
+    f->port = fi_edge_port(f->e);
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state) {
+    fx *f = *state;
+    fi_edge_destroy(&f->e);
+    h_worker_stop(&f->w);
+    h_stop(&f->h);
+    free(f);
+    return 0;
+}
+
+typedef struct s_bg {
+    int port;     /* the edge */
+    resp r;       /* its answer */
+} s_bg;
+
+static void *s_long(void *arg) {
+    s_bg *bg = arg;
+    char body[512];
+    char prompt[201];
+    memset(prompt, 'x', 200);
+    prompt[200] = 0;
+    snprintf(body, sizeof body, "{\"model\":\"smol\",\"prompt\":\"%s\",\"max_tokens\":100}", prompt);
+    if (http_post(bg->port, body, &bg->r) != 0) bg->r.status = -1;
+    return NULL;
+}
+
+static void test_full_cluster_keeps_it_local(void **state) {
+    fx *f = *state;
+    resp r;
+    const char *b = "{\"model\":\"smol\",\"prompt\":\"Hi\",\"max_tokens\":2,\"temperature\":0}";
+    /* The policy prefers the cluster. */
+    assert_int_equal(http_post(f->port, b, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.head, "X-Fedinfer-Target: core1"));
+    /* A long request fills the cluster's only slot... */
+    s_bg bg = {f->port, {0, "", ""}};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, s_long, &bg), 0);
+    h_sleep_ms(8 * H_HB_MS); /* ...and the coordinator's heartbeats say so */
+    assert_int_equal(http_post(f->port, b, &r), 0);
+    assert_int_equal(r.status, 200);
+    if (!strstr(r.head, "X-Fedinfer-Target: clinic")) fail_msg("while full: %s", r.head);
+    pthread_join(th, NULL);
+    assert_int_equal(bg.r.status, 200);
+    assert_non_null(strstr(bg.r.head, "X-Fedinfer-Target: core1"));
+    /* Room again: back to the cluster. */
+    h_sleep_ms(8 * H_HB_MS);
+    assert_int_equal(http_post(f->port, b, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.head, "X-Fedinfer-Target: core1"));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_full_cluster_keeps_it_local),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
