@@ -79,7 +79,7 @@ static int setup(void **state) {
     char err[768], path[512];
     assert_int_equal(h_init(&f->h), 0);
     assert_int_equal(h_start(&f->h), 0);
-    /* One slot, 50 ms per 4 bytes: a 200-byte prompt holds it for 2.5 s. */
+    /* One slot, 50 ms per 4 bytes: a 400-byte prompt holds it for 5 s. */
     assert_int_equal(h_worker_start_cap(&f->h, &f->w, "smol", 50, 1), 0);
     fi_keypair ek;
     assert_int_equal(fi_keys_generate(&ek), 0);
@@ -111,7 +111,7 @@ static int setup(void **state) {
             "site = clinic\nport = 0\ndb = %s/edge.db\npolicy_dir = %s/policy\n"
             "policy_key = %s/sign.key.pub\ncoordinator = %s\ncoordinator_key = %s\n"
             "secret_key = %s\nshutdown_grace_s = 1\nheartbeat_ms = %d\nmodel = %s\n"
-            "model_name = smol\nthreads = 1\nn_ctx = 256\nconcurrency = 1\n",
+            "model_name = smol\nthreads = 1\nn_ctx = 1024\nconcurrency = 1\n",
             f->h.dir, f->h.dir, f->h.dir, f->h.ep, cpub, ekey, H_HB_MS, FI_TEST_MODEL);
     fclose(fc);
     fi_edge_conf c;
@@ -140,11 +140,11 @@ typedef struct s_bg {
 
 static void *s_long(void *arg) {
     s_bg *bg = arg;
-    char body[512];
-    char prompt[201];
-    memset(prompt, 'x', 200);
-    prompt[200] = 0;
-    snprintf(body, sizeof body, "{\"model\":\"smol\",\"prompt\":\"%s\",\"max_tokens\":100}", prompt);
+    char body[700];
+    char prompt[401];
+    memset(prompt, 'x', 400);
+    prompt[400] = 0;
+    snprintf(body, sizeof body, "{\"model\":\"smol\",\"prompt\":\"%s\",\"max_tokens\":200}", prompt);
     if (http_post(bg->port, body, &bg->r) != 0) bg->r.status = -1;
     return NULL;
 }
@@ -157,11 +157,38 @@ static void test_full_cluster_keeps_it_local(void **state) {
     assert_int_equal(http_post(f->port, b, &r), 0);
     assert_int_equal(r.status, 200);
     assert_non_null(strstr(r.head, "X-Fedinfer-Target: core1"));
-    /* A long request fills the cluster's only slot... */
+    /* A long request fills the cluster's only slot (once the edge has
+     * heard that the first one ended: the load it sees lags by up to a
+     * heartbeat)... */
+    h_sleep_ms(4 * H_HB_MS);
     s_bg bg = {f->port, {0, "", ""}};
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, s_long, &bg), 0);
-    h_sleep_ms(8 * H_HB_MS); /* ...and the coordinator's heartbeats say so */
+    /* ...(the coordinator has it open)... */
+    int open = 0;
+    for (int i = 0; i < 100 && !open; i++) {
+        h_sleep_ms(20);
+        fi_client *op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
+        assert_non_null(op);
+        Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
+        m.status_request = &sq;
+        fi_msg *rep = NULL;
+        char err[256];
+        if (fi_client_call(op, &m, FI__ENVELOPE__BODY_STATUS_REPLY, 3000, &rep, err, sizeof err) == 1 &&
+            rep->body_case == FI__ENVELOPE__BODY_STATUS_REPLY)
+            for (size_t k = 0; k < rep->status_reply->n_peers; k++)
+                open |= rep->status_reply->peers[k]->role == FI__ROLE__ROLE_CLUSTER &&
+                        rep->status_reply->peers[k]->in_flight == 1;
+        fi_wire_free(&rep);
+        fi_client_destroy(&op);
+    }
+    if (!open) {
+        pthread_join(th, NULL);
+        fail_msg("the long request did not reach the cluster: %d %s", bg.r.status, bg.r.head);
+    }
+    h_sleep_ms(4 * H_HB_MS); /* ...and its heartbeats have told the edge */
     assert_int_equal(http_post(f->port, b, &r), 0);
     assert_int_equal(r.status, 200);
     if (!strstr(r.head, "X-Fedinfer-Target: clinic")) fail_msg("while full: %s", r.head);
