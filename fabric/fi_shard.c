@@ -27,6 +27,9 @@ const fi_conf_key fi_shard_conf_keys[] = {
     {"n_ctx", FI_CONF_INT, S_OFF(n_ctx), 0, 0, 1 << 20},
     {"threads", FI_CONF_INT, S_OFF(threads), 0, 0, 1024},
     {"max_tokens", FI_CONF_INT, S_OFF(max_tokens), 0, 1, 1 << 20},
+    {"kv_mb", FI_CONF_INT, S_OFF(kv_mb), 0, 0, 1 << 20},
+    {"batch", FI_CONF_INT, S_OFF(batch), 0, 0, 4096},
+    {"prefix_cache", FI_CONF_INT, S_OFF(prefix_cache), 0, 0, 1},
     {NULL, FI_CONF_STR, 0, 0, 0, 0},
 };
 
@@ -36,6 +39,7 @@ void fi_shard_conf_default(fi_shard_conf *c) {
     c->heartbeat_ms = 1000;
     c->liveness = 3;
     c->max_tokens = 512;
+    c->prefix_cache = 1;
 }
 
 /* --- echo backend ------------------------------------------------------ */
@@ -82,7 +86,7 @@ static int s_echo_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_
 }
 
 fi_shard_backend fi_shard_echo_backend(int piece_len, int delay_ms) {
-    fi_shard_backend be = {"echo", s_echo_generate, free, NULL, NULL};
+    fi_shard_backend be = {.name = "echo", .generate = s_echo_generate, .destroy = free};
     s_echo *e = malloc(sizeof *e);
     if (!e) return be;
     e->piece_len = piece_len > 0 ? piece_len : 4;
@@ -288,6 +292,7 @@ static void s_from_generator(s_serve *s) {
 
 int fi_shard_serve(fi_client *c, const fi_shard_backend *be, int max_queue, atomic_int *stop,
                    char *err, size_t errlen) {
+    if (be->submit) return fi_shard_serve_batched(c, be, max_queue, stop, err, errlen);
     int rc = -1;
     s_gen g;
     memset(&g, 0, sizeof g);

@@ -21,6 +21,7 @@
 #include "fi_client.h"
 #include "fi_conf.h"
 #include "fi_model.h"
+#include "fi_sched.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -30,6 +31,15 @@ extern "C" {
  * request must stop (cancelled, the link was lost, or the worker is
  * stopping). Backends run on the generator thread. */
 typedef int (*fi_shard_emit_fn)(void *emit_user, const char *text, size_t len);
+
+/* Where a batched backend sends one request's output: emit (text) and,
+ * once, done (the end: error NULL, or why it failed), both with user and
+ * both on the serving thread. Shaped as fi_sched's callbacks. */
+typedef struct fi_shard_sink {
+    fi_shard_emit_fn emit;
+    void (*done)(void *user, const fi_gen_result *res, const char *error);
+    void *user;
+} fi_shard_sink;
 
 typedef struct fi_shard_gen {
     uint32_t n_prompt;     /* prompt tokens */
@@ -42,7 +52,8 @@ typedef struct fi_shard_gen {
 typedef struct fi_shard_backend {
     const char *name; /* "engine", "echo" */
     /* Generates for rq, emitting text as it goes. 0, or -1 with a message
-     * (sent to the requester as ERR_ENGINE). */
+     * (sent to the requester as ERR_ENGINE). One request at a time; the
+     * serving loop uses it when the backend is not batched (submit NULL). */
     int (*generate)(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit,
                     void *emit_user, fi_shard_gen *out, char *err, size_t errlen);
     void (*destroy)(void *ctx); /* optional */
@@ -52,6 +63,19 @@ typedef struct fi_shard_backend {
      * with a prefix cache. 0, or -1 when it has none now. Called on the
      * generator thread between requests. */
     int (*prefix_filter)(void *ctx, uint8_t *bits, size_t nbytes);
+    /* Optional, a batched backend (the engine over fi_sched): every call on
+     * one serving thread. submit queues rq (copied) and returns its id
+     * (> 0), or -1 with a message (sink is not called then); cancel ends it
+     * at the next step (its done still comes); step runs one batch and
+     * returns how many requests are pending, or -1 with a message (every
+     * pending request has then ended through done); load reports the
+     * counters of fi_sched_stats. */
+    int64_t (*submit)(void *ctx, const Fi__InferRequest *rq, const fi_shard_sink *sink,
+                      char *err, size_t errlen);
+    int (*cancel)(void *ctx, int64_t id);
+    int (*step)(void *ctx, char *err, size_t errlen);
+    void (*load)(void *ctx, uint32_t *running, uint32_t *queued, uint32_t *kv_free,
+                 uint32_t *kv_total);
 } fi_shard_backend;
 
 /* Bytes of the prefix filter a worker reports (fi_fabric.proto WorkerLoad). */
@@ -64,9 +88,18 @@ fi_shard_backend fi_shard_echo_backend(int piece_len, int delay_ms);
 
 /* Serves requests from c with be until *stop is nonzero or the
  * coordinator refuses or revokes the key. Returns 0 on stop, -1 with a
- * message on refusal. max_queue bounds the waiting requests. */
+ * message on refusal. max_queue bounds the waiting requests (batched: the
+ * requests open at the backend). A batched backend (be->submit) is served
+ * by fi_shard_serve_batched. */
 int fi_shard_serve(fi_client *c, const fi_shard_backend *be, int max_queue, atomic_int *stop,
                    char *err, size_t errlen);
+/* The serving loop of a batched backend (fi_shard_batch.c): the calling
+ * thread owns the connection; one serving thread owns the backend and
+ * calls submit, cancel and step; requests and cancellations reach it
+ * through a pipe, so a client's disconnect (Cancel from the coordinator)
+ * reaches the backend's cancel. */
+int fi_shard_serve_batched(fi_client *c, const fi_shard_backend *be, int max_open,
+                           atomic_int *stop, char *err, size_t errlen);
 
 /* --- the `fedinfer shard` configuration ------------------------------ */
 typedef struct fi_shard_conf {
@@ -84,15 +117,38 @@ typedef struct fi_shard_conf {
     int n_ctx;                             /* context per session, tokens */
     int threads;                           /* CPU threads, 0: all */
     int max_tokens;                        /* cap on a request's max_tokens */
+    int kv_mb;                             /* KV-cache pool, MiB (0: the scheduler's 256) */
+    int batch;                             /* sequences in one forward pass (0: capacity) */
+    int prefix_cache;                      /* 1: reuse cached prompt prefixes (default) */
 } fi_shard_conf;
 
 void fi_shard_conf_default(fi_shard_conf *c);
 extern const fi_conf_key fi_shard_conf_keys[];
 
-/* The engine backend (fi_shard_engine.c): loads the model of conf.
- * 0, or -1 with a message. */
+/* The engine backend (fi_shard_engine.c): loads the model of conf and
+ * serves through one continuous-batching scheduler (fi_sched): requests
+ * that arrive together share forward passes, and prompts share cached
+ * prefixes (salted with the request's tenant and zone). 0, or -1 with a
+ * message. */
 int fi_shard_engine_backend(const fi_shard_conf *conf, fi_shard_backend *out, char *err,
                             size_t errlen);
+
+/* The seam for shard groups (issue 7): a group's leader loads its part of
+ * the model (plan) and runs each step's batch through its own forward
+ * function (fi_sched_opts.forward), which drives the other ranks. NULL
+ * members: the whole model in this process. */
+typedef struct fi_shard_engine_hooks {
+    const fi_shard_plan *plan;   /* this rank's part of the model; NULL: all */
+    int (*forward)(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, float *logits,
+                   char *err, size_t errlen);
+    void *forward_user;
+} fi_shard_engine_hooks;
+/* The engine backend's scheduler counters (fi_sched_get_stats); call it
+ * only while no serving loop uses the backend. -1 when be is not the
+ * engine. */
+int fi_shard_engine_stats(const fi_shard_backend *be, fi_sched_stats *st);
+int fi_shard_engine_backend_hooks(const fi_shard_conf *conf, const fi_shard_engine_hooks *hooks,
+                                  fi_shard_backend *out, char *err, size_t errlen);
 
 /* A routed request's sampling parameters (fields 0 on the wire: off,
  * temperature 0: greedy). */

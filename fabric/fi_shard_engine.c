@@ -5,18 +5,26 @@
  *
  * A request is a chat (its messages, rendered with the model's chat
  * template; the assistant's turn is generated), raw text to continue, or
- * one user message; sampling and stop strings come with it. Each request
- * gets a fresh session.
+ * one user message; sampling and stop strings come with it.
+ *
+ * Served through one scheduler (core/fi_sched.h): the worker's serving
+ * thread submits requests as they arrive and steps the batch, so
+ * concurrent requests share each forward pass, and prompts reuse the KV
+ * blocks of earlier prompts with the same prefix, tenant and zone. The
+ * one-at-a-time `generate` (a fresh session per request) stays as the
+ * reference the tests compare with.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fi_model.h"
+#include "fi_sched.h"
 #include "fi_shard.h"
 
 typedef struct s_engine {
     fi_model *model;   /* loaded once */
+    fi_sched *sched;   /* the continuous-batching scheduler (serving thread only) */
     int n_ctx;         /* context per request */
     int max_tokens;    /* cap on a request's max_tokens */
 } s_engine;
@@ -131,21 +139,75 @@ done:
     return rc;
 }
 
+static int64_t s_submit(void *ctx, const Fi__InferRequest *rq, const fi_shard_sink *sink,
+                        char *err, size_t errlen) {
+    s_engine *en = ctx;
+    int n = 0;
+    int32_t *ids = fi_shard_prompt_tokens(fi_model_tok(en->model), rq, &n, err, errlen);
+    if (!ids) return -1;
+    fi_sched_req r;
+    memset(&r, 0, sizeof r);
+    r.prompt = ids;
+    r.n_prompt = n;
+    r.gen.max_tokens = rq->max_tokens && (int)rq->max_tokens < en->max_tokens
+                           ? (int)rq->max_tokens
+                           : en->max_tokens;
+    r.gen.sampling = fi_shard_sampling(rq);
+    r.gen.stop = (const char *const *)rq->stop;
+    r.gen.n_stop = rq->n_stop < 4 ? (int)rq->n_stop : 4;
+    r.gen.on_text = sink->emit;
+    r.gen.user = sink->user;
+    r.on_done = sink->done;
+    r.tenant = rq->tenant;
+    r.zone = rq->zone;
+    int64_t id = fi_sched_submit(en->sched, &r, err, errlen); /* copies the prompt */
+    free(ids);
+    return id;
+}
+
+static int s_cancel(void *ctx, int64_t id) {
+    s_engine *en = ctx;
+    return fi_sched_cancel(en->sched, id);
+}
+
+static int s_step(void *ctx, char *err, size_t errlen) {
+    s_engine *en = ctx;
+    return fi_sched_step(en->sched, err, errlen);
+}
+
+static void s_load(void *ctx, uint32_t *running, uint32_t *queued, uint32_t *kv_free,
+                   uint32_t *kv_total) {
+    s_engine *en = ctx;
+    fi_sched_stats st;
+    fi_sched_get_stats(en->sched, &st);
+    *running = (uint32_t)st.running;
+    *queued = (uint32_t)st.queued;
+    *kv_free = (uint32_t)st.blocks_free;
+    *kv_total = (uint32_t)st.blocks_total;
+}
+
+static int s_filter(void *ctx, uint8_t *bits, size_t nbytes) {
+    s_engine *en = ctx;
+    return fi_sched_prefix_filter(en->sched, bits, nbytes);
+}
+
 static void s_destroy(void *ctx) {
     s_engine *en = ctx;
     if (!en) return;
+    fi_sched_destroy(&en->sched);
     fi_model_destroy(&en->model);
     free(en);
 }
 
-int fi_shard_engine_backend(const fi_shard_conf *conf, fi_shard_backend *out, char *err,
-                            size_t errlen) {
+int fi_shard_engine_backend_hooks(const fi_shard_conf *conf, const fi_shard_engine_hooks *hooks,
+                                  fi_shard_backend *out, char *err, size_t errlen) {
     s_engine *en = calloc(1, sizeof *en);
     if (!en) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    fi_model_opts mo = {.n_threads = conf->threads, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_AUTO}; /* a GPU when present */
+    fi_model_opts mo = {.n_threads = conf->threads, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_AUTO,
+                        .plan = hooks ? hooks->plan : NULL}; /* a GPU when present */
     en->model = fi_model_load(conf->model, &mo, err, errlen);
     if (!en->model) {
         free(en);
@@ -153,9 +215,41 @@ int fi_shard_engine_backend(const fi_shard_conf *conf, fi_shard_backend *out, ch
     }
     en->n_ctx = conf->n_ctx;
     en->max_tokens = conf->max_tokens;
+    fi_sched_opts so;
+    memset(&so, 0, sizeof so);
+    so.kv_bytes = (size_t)conf->kv_mb << 20;
+    so.max_seqs = conf->batch > 0 ? conf->batch : conf->capacity;
+    so.n_ctx = conf->n_ctx;
+    so.no_prefix_cache = !conf->prefix_cache;
+    if (hooks) {
+        so.forward = hooks->forward;
+        so.forward_user = hooks->forward_user;
+    }
+    if (!(en->sched = fi_sched_new(en->model, &so, err, errlen))) {
+        s_destroy(en);
+        return -1;
+    }
+    memset(out, 0, sizeof *out);
     out->name = "engine";
     out->generate = s_generate;
     out->destroy = s_destroy;
     out->ctx = en;
+    out->prefix_filter = s_filter;
+    out->submit = s_submit;
+    out->cancel = s_cancel;
+    out->step = s_step;
+    out->load = s_load;
     return 0;
+}
+
+int fi_shard_engine_stats(const fi_shard_backend *be, fi_sched_stats *st) {
+    if (!be || be->destroy != s_destroy || !be->ctx) return -1;
+    const s_engine *en = be->ctx;
+    fi_sched_get_stats(en->sched, st);
+    return 0;
+}
+
+int fi_shard_engine_backend(const fi_shard_conf *conf, fi_shard_backend *out, char *err,
+                            size_t errlen) {
+    return fi_shard_engine_backend_hooks(conf, NULL, out, err, errlen);
 }

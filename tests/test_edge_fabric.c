@@ -156,7 +156,7 @@ static int setup(void **state) {
     char err[768], path[512];
     assert_int_equal(h_init(&f->h), 0);
     assert_int_equal(h_start(&f->h), 0);
-    fi_shard_backend rec = {"recorder", s_rec_generate, NULL, NULL, NULL};
+    fi_shard_backend rec = {.name = "recorder", .generate = s_rec_generate};
     assert_int_equal(h_worker_start_be(&f->h, &f->w, "echo-model", "core1", &rec, 4), 0);
     /* The edge's key, enrolled; the coordinator's public key in a file. */
     fi_keypair ek;

@@ -1,7 +1,10 @@
 /*
  * test_fabric_engine.c - a request through the fabric served by the real
  * engine: edge -> coordinator -> shard worker (engine backend, the default
- * model) -> tokens streamed back. Skipped when the model file is missing.
+ * model, one continuous-batching scheduler) -> tokens streamed back; three
+ * requests at once batched and each equal to its one-at-a-time answer; a
+ * repeated prompt taken from the prefix cache; a client that leaves
+ * cancels at the scheduler. Skipped when the model file is missing.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -25,12 +28,22 @@ static void *s_serve(void *arg) {
     h_client_opts(w->h, &o, &w->kp, FI__ROLE__ROLE_CLUSTER);
     o.n_models = 1;
     snprintf(o.models[0], sizeof o.models[0], "smollm2");
-    o.capacity[0] = 2;
+    o.capacity[0] = 4;
     fi_client *c = fi_client_new(&o, err, sizeof err);
     if (c && fi_shard_serve(c, &w->be, 4, &w->stop, err, sizeof err) != 0)
         fprintf(stderr, "engine worker: %s\n", err);
     fi_client_destroy(&c);
     return NULL;
+}
+
+typedef struct s_stop_after {
+    int calls; /* pieces seen */
+} s_stop_after;
+
+static int s_stop_after_3(void *user, const char *t, size_t n) {
+    s_stop_after *sa = user;
+    (void)t, (void)n;
+    return ++sa->calls >= 3;
 }
 
 static void test_engine_through_fabric(void **state) {
@@ -91,9 +104,94 @@ static void test_engine_through_fabric(void **state) {
     assert_int_equal(w.be.generate(w.be.ctx, &rq, h_on_text, &direct, &g, err, sizeof err), 0);
     assert_string_equal(t.buf, direct.buf);
     assert_int_equal(g.n_generated, res.n_generated);
+
+    /* Three requests at once share forward passes, and each is still
+     * exactly its one-at-a-time greedy answer. */
+    static const char *qs[3] = {"Name a colour.", "Name a fruit.", "Name a planet."};
+    char ids[3][8];
+    h_text tx[3];
+    int done[3] = {0, 0, 0}, n_gen[3] = {0, 0, 0};
+    for (int i = 0; i < 3; i++) {
+        Fi__InferRequest q = FI__INFER_REQUEST__INIT;
+        snprintf(ids[i], sizeof ids[i], "b%d", i);
+        q.request_id = ids[i];
+        q.model = (char *)"smollm2";
+        q.prompt = (char *)qs[i];
+        q.max_tokens = 12;
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_INFER;
+        m.infer = &q;
+        assert_int_equal(fi_client_send(edge, &m), 0);
+        memset(&tx[i], 0, sizeof tx[i]);
+    }
+    uint64_t t0 = fi_wire_now_ms();
+    while ((done[0] + done[1] + done[2]) < 3 && fi_wire_now_ms() - t0 < 60000) {
+        fi_msg *r = NULL;
+        if (fi_client_recv(edge, 100, &r, err, sizeof err) != 1) continue;
+        const char *id = r->body_case == FI__ENVELOPE__BODY_CHUNK   ? r->chunk->request_id
+                         : r->body_case == FI__ENVELOPE__BODY_FINAL ? r->final->request_id
+                         : r->body_case == FI__ENVELOPE__BODY_ERROR ? r->error->request_id
+                                                                    : "";
+        int k = id[0] == 'b' ? id[1] - '0' : -1;
+        if (k >= 0 && k < 3) {
+            if (r->body_case == FI__ENVELOPE__BODY_CHUNK)
+                h_on_text(&tx[k], r->chunk->text, strlen(r->chunk->text));
+            else if (r->body_case == FI__ENVELOPE__BODY_FINAL)
+                done[k] = 1, n_gen[k] = (int)r->final->n_generated;
+            else
+                fail_msg("b%d: %s", k, r->error->message);
+        }
+        fi_wire_free(&r);
+    }
+    for (int i = 0; i < 3; i++) {
+        assert_true(done[i]);
+        Fi__InferRequest q = FI__INFER_REQUEST__INIT;
+        q.request_id = ids[i];
+        q.model = (char *)"smollm2";
+        q.prompt = (char *)qs[i];
+        q.max_tokens = 12;
+        h_text one;
+        memset(&one, 0, sizeof one);
+        assert_int_equal(w.be.generate(w.be.ctx, &q, h_on_text, &one, &g, err, sizeof err), 0);
+        assert_string_equal(tx[i].buf, one.buf);
+    }
+    /* The same prompt again reuses its cached prefix. */
+    memset(&t, 0, sizeof t);
+    assert_int_equal(fi_client_infer(edge, &rq, h_on_text, &t, 60000, &res, err, sizeof err), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_UNSPECIFIED);
+    assert_string_equal(t.buf, direct.buf);
+    /* A client that goes away cancels at the scheduler: a long answer
+     * stops after a few pieces. */
+    Fi__InferRequest lq = FI__INFER_REQUEST__INIT;
+    lq.request_id = (char *)"long";
+    lq.model = (char *)"smollm2";
+    lq.prompt = (char *)"Count from 1 to 500, separated by commas.";
+    lq.max_tokens = 400;
+    s_stop_after sa = {0};
+    memset(&t, 0, sizeof t);
+    assert_int_equal(fi_client_infer(edge, &lq, s_stop_after_3, &sa, 60000, &res, err, sizeof err), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_CANCELLED);
+    h_sleep_ms(500); /* the Cancel reaches the worker; the next steps end it */
+
     fi_client_destroy(&edge);
     atomic_store(&w.stop, 1);
     pthread_join(w.th, NULL);
+    fi_sched_stats st;
+    assert_int_equal(fi_shard_engine_stats(&w.be, &st), 0);
+    int sum = n_gen[0] + n_gen[1] + n_gen[2];
+    print_message("scheduler: %llu steps, %llu decode tokens (3 concurrent: %d generated), "
+                  "%llu of %llu prompt tokens from the prefix cache, %llu completed\n",
+                  (unsigned long long)st.steps, (unsigned long long)st.decode_tokens, sum,
+                  (unsigned long long)st.prefix_hit_tokens, (unsigned long long)st.prompt_tokens,
+                  (unsigned long long)st.completed);
+    assert_int_equal(st.completed, 6);
+    assert_true(st.prefix_hit_tokens >= 32);
+    /* Everything but the cancelled one: 8 + sum + 8 tokens; the cancelled
+     * one stopped long before its 400. */
+    assert_true(st.decode_tokens < (uint64_t)(2 * res.n_generated + sum + 100));
+    assert_true(st.decode_tokens < 300);
+    /* Batched: fewer forward passes than tokens decoded. */
+    assert_true(st.steps < st.decode_tokens);
     w.be.destroy(w.be.ctx);
     h_stop(&h);
 }
