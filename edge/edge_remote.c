@@ -166,6 +166,7 @@ static void s_send_new(s_remote *r) {
             rq.user = (char *)w->user;
             rq.tenant = (char *)w->tenant;
             rq.zone = (char *)w->zone;
+            rq.cluster = j->target; /* what our policy decided and our audit log says */
             rq.prefix_hashes = w->hashes;
             rq.n_prefix_hashes = (size_t)w->n_hashes;
             cm = calloc((size_t)w->n_msgs + 1, sizeof *cm);

@@ -424,14 +424,17 @@ typedef struct s_cand {
     fi_coord_verdict v;        /* the policy's verdict on its cluster */
 } s_cand;
 
-/* Fills cands with the live workers serving model that have room; *serving
- * tells whether some live worker serves it at all. Returns the count. */
-static int s_candidates(fi_coord *c, const char *model, s_cand *cands, int *serving) {
+/* Fills cands with the live workers serving model that have room, of
+ * cluster only when it is not empty; *serving tells whether some live
+ * worker (of it) serves the model at all. Returns the count. */
+static int s_candidates(fi_coord *c, const char *model, const char *cluster, s_cand *cands,
+                        int *serving) {
     int n = 0;
     *serving = 0;
     for (size_t i = 0; i < c->n_peers && n < S_MAX_CANDS; i++) {
         s_peer *w = &c->peers[i];
         if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
+        if (cluster && cluster[0] && strcmp(w->rec.site, cluster)) continue;
         for (int k = 0; k < w->n_models; k++) {
             if (strcmp(w->models[k].name, model)) continue;
             *serving = 1;
@@ -471,11 +474,13 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     }
     int serving = 0;
     s_cand cands[S_MAX_CANDS];
-    int n = s_candidates(c, rq->model, cands, &serving);
+    int n = s_candidates(c, rq->model, rq->cluster, cands, &serving);
     if (n == 0) {
-        char msg[160];
-        snprintf(msg, sizeof msg, serving ? "every worker serving model '%.64s' is at capacity"
-                                          : "no live worker serves model '%.64s'", rq->model);
+        char msg[200], where[80] = "";
+        if (rq->cluster && rq->cluster[0])
+            snprintf(where, sizeof where, " in cluster '%.64s'", rq->cluster);
+        snprintf(msg, sizeof msg, serving ? "every worker serving model '%.64s'%s is at capacity"
+                                          : "no live worker serves model '%.64s'%s", rq->model, where);
         s_send_error(c, c->router, e->rid, e->rid_len, rid,
                      serving ? FI__ERROR_CODE__ERR_BUSY : FI__ERROR_CODE__ERR_NO_WORKER, msg);
         return;
@@ -629,6 +634,7 @@ static void s_on_cancel(fi_coord *c, s_peer *e, const Fi__Cancel *cn) {
 
 typedef struct s_status_ctx {
     fi_coord *c;              /* the coordinator */
+    Fi__WorkerLoad *loads;    /* one per row */
     Fi__PeerStatus *rows;     /* one per enrolled peer */
     Fi__PeerStatus **ptrs;    /* pointers to rows, for the reply */
     Fi__ModelOffer *offers;   /* S_MAX_MODELS per row */
@@ -657,6 +663,15 @@ static int s_status_row(void *user, const fi_peer_rec *rec) {
         ps->idle_ms = now - p->last_ms;
         ps->in_flight = p->in_flight;
         ps->policy_version = p->policy_version;
+        if (p->rec.role == FI__ROLE__ROLE_CLUSTER) {
+            Fi__WorkerLoad *wl = &s->loads[i];
+            fi__worker_load__init(wl);
+            wl->running = p->running;
+            wl->queued = p->queued;
+            wl->kv_blocks_free = p->kv_free;
+            wl->kv_blocks_total = p->kv_total;
+            ps->load = wl;
+        }
         ps->n_models = (size_t)p->n_models;
         ps->models = &s->optrs[i * S_MAX_MODELS];
         for (int j = 0; j < p->n_models; j++) {
@@ -674,12 +689,12 @@ static int s_status_row(void *user, const fi_peer_rec *rec) {
 static void s_on_status(fi_coord *c, s_peer *op) {
     int64_t total = fi_store_count(c->st, "peers");
     size_t n = total < 0 ? 0 : total > S_MAX_STATUS ? S_MAX_STATUS : (size_t)total;
-    s_status_ctx s = {c, calloc(n + 1, sizeof(Fi__PeerStatus)),
+    s_status_ctx s = {c, calloc(n + 1, sizeof(Fi__WorkerLoad)), calloc(n + 1, sizeof(Fi__PeerStatus)),
                       calloc(n + 1, sizeof(Fi__PeerStatus *)),
                       calloc((n + 1) * S_MAX_MODELS, sizeof(Fi__ModelOffer)),
                       calloc((n + 1) * S_MAX_MODELS, sizeof(Fi__ModelOffer *)), 0,
                       calloc(n + 1, sizeof(fi_peer_rec))};
-    if (total < 0 || !s.rows || !s.ptrs || !s.offers || !s.optrs || !s.recs) {
+    if (total < 0 || !s.loads || !s.rows || !s.ptrs || !s.offers || !s.optrs || !s.recs) {
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
                      "cannot read the fleet");
     } else {
@@ -693,6 +708,7 @@ static void s_on_status(fi_coord *c, s_peer *op) {
         m.status_reply = &sr;
         (void)s_send_msg(c, c->router, op->rid, op->rid_len, &m);
     }
+    free(s.loads);
     free(s.rows);
     free(s.ptrs);
     free(s.offers);

@@ -145,6 +145,12 @@ int fi_ctl_status(int argc, char **argv) {
             snprintf(models + used, sizeof models - used, "%s%s(x%u)", k ? "," : "",
                      p->models[k]->name, p->models[k]->capacity);
         }
+        if (p->load && p->connected) {
+            size_t used = strlen(models);
+            snprintf(models + used, sizeof models - used, " running=%u queued=%u kv=%u/%u",
+                     p->load->running, p->load->queued, p->load->kv_blocks_free,
+                     p->load->kv_blocks_total);
+        }
         if (p->role == FI__ROLE__ROLE_EDGE && p->connected)
             snprintf(models, sizeof models, "policy=%llu", (unsigned long long)p->policy_version);
         printf("%-9s %-16s %-12s %-32s %-10s %-9u %s\n", fi_wire_role_name(p->role),

@@ -127,7 +127,8 @@ static int teardown(void **state) {
 
 /* Sends a request with the prompt's prefix hashes; returns the replica
  * that answered (0, 1) or -1 with the error code in *code. */
-static int s_ask(fx *f, const char *id, const char *prompt, const char *label, int *code) {
+static int s_ask_in(fx *f, const char *id, const char *prompt, const char *label,
+                    const char *cluster, int *code) {
     uint64_t h[128];
     int n = s_hashes(prompt, h, 128);
     Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
@@ -138,6 +139,7 @@ static int s_ask(fx *f, const char *id, const char *prompt, const char *label, i
     rq.zone = (char *)"EU";
     rq.prefix_hashes = h;
     rq.n_prefix_hashes = (size_t)n;
+    rq.cluster = (char *)cluster;
     char *labels[1] = {(char *)label};
     rq.labels = labels;
     rq.n_labels = label ? 1 : 0;
@@ -149,6 +151,10 @@ static int s_ask(fx *f, const char *id, const char *prompt, const char *label, i
     *code = res.error;
     if (res.error) return -1;
     return !strcmp(t.buf, "core1") ? 0 : !strcmp(t.buf, "core2") ? 1 : -1;
+}
+
+static int s_ask(fx *f, const char *id, const char *prompt, const char *label, int *code) {
+    return s_ask_in(f, id, prompt, label, "", code);
 }
 
 /* Lets a few heartbeats carry the replicas' filters to the coordinator. */
@@ -215,6 +221,11 @@ static void test_forbidden_holder_never_chosen(void **state) {
         snprintf(id, sizeof id, "sec-%d", i);
         assert_int_equal(s_ask(f, id, s_prompt[1], "secret", &code), 1);
     }
+    /* An edge that chose core2 gets core2, whatever the cache says; one that
+     * chose core1 for a secret request is refused (never widened). */
+    assert_int_equal(s_ask_in(f, "chosen", s_prompt[1], NULL, "core2", &code), 1);
+    assert_int_equal(s_ask_in(f, "chosen-sec", s_prompt[1], "secret", "core1", &code), -1);
+    assert_int_equal(code, FI__ERROR_CODE__ERR_UNAUTHORISED);
     /* The coordinator's audit log agrees. */
     s_scan sc = {0, 0};
     char err[256];

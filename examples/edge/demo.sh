@@ -39,11 +39,12 @@ db = $T/coordinator.db
 secret_key = $T/coord.key
 bind = tcp://127.0.0.1:$FABRIC
 enrol_bind = tcp://127.0.0.1:$ENROL
+policy_check_key = $T/sign.key.pub
 CONF
 "$FI" coordinator --config coordinator.conf --init --operator-key op.pub 2>/dev/null
 "$CTL" policy keygen --out sign.key >/dev/null
 "$CTL" policy apply "$POLICY" -m "demo" --store coordinator.db --key sign.key --bundle-out v1.bundle >/dev/null
-FEDINFER_COORD_POLICY_KEY=$T/sign.key.pub "$FI" coordinator --config coordinator.conf 2>coordinator.log &
+"$FI" coordinator --config coordinator.conf 2>coordinator.log &
 PIDS+=($!)
 cat > fedctl.conf <<CONF
 coordinator = tcp://127.0.0.1:$FABRIC

@@ -7,6 +7,7 @@ holds a permissive policy and is refused PHI routing); a client that leaves
 cancels the work at the cluster; offline, the edge serves what it may on
 site and answers 503 at once for the rest; the audit logs reach the
 coordinator, also across its restart."""
+import hashlib
 import json
 import os
 import sqlite3
@@ -104,18 +105,35 @@ class EndToEnd(unittest.TestCase):
         self.assertTrue(any(r[3] == "deny" and "phi stays on site" in r[5] and "phi" in r[2]
                             for r in own), own)
 
+    def cluster_running(self):
+        for line in self.f.ctl("status").splitlines():
+            if line.startswith("cluster") and " up " in line and "running=" in line:
+                return int(line.split("running=")[1].split()[0])
+        return -1
+
     def test_3_disconnect_cancels_at_cluster(self):
         # A long routed stream (up to 800 tokens: many seconds of work for
-        # the worker, which generates one request at a time), dropped after
-        # its first chunks; a short request right after is not held up by
-        # the abandoned one, so the worker stopped it.
+        # the worker), dropped after its first chunks: the worker's
+        # scheduler ends it (its reported running count drops to 0 long
+        # before 800 tokens could be made), and a short request right after
+        # is served at once.
         s = self.cb.completions.create(
             model=M, max_tokens=800, temperature=1.0, seed=7, stream=True,
             prompt="Write a very long story about a dragon, in many chapters.")
         it = iter(s)
         for _ in range(3):
             next(it)
+        t_seen = time.monotonic()  # the load reported lags by up to a heartbeat (1 s)
+        while self.cluster_running() != 1 and time.monotonic() - t_seen < 4:
+            time.sleep(0.2)
+        self.assertEqual(self.cluster_running(), 1)
         s.close()
+        t_close = time.monotonic()
+        while self.cluster_running() != 0 and time.monotonic() - t_close < 6:
+            time.sleep(0.2)
+        self.assertEqual(self.cluster_running(), 0)
+        print(f"cancelled at the cluster: running=0 after {time.monotonic() - t_close:.1f} s",
+              file=sys.stderr)
         t0 = time.monotonic()
         t, _, _, _ = self.ask(self.cb, "", max_tokens=2)
         took = time.monotonic() - t0
@@ -152,6 +170,37 @@ class EndToEnd(unittest.TestCase):
             time.sleep(0.5)
         for s, h in heads.items():
             self.assertTrue(got.get(s, set()) >= set(range(1, h + 1)), (s, h, got.get(s)))
+
+    def test_5_app_tokens_with_fedctl(self):
+        # fedctl makes the token; only its SHA-256 reaches the coordinator
+        # and the edge; revoked the same way; the secret is in no database.
+        f = self.f
+        tok = f.ctl("token", "add", "--site", "berlin-clinic", "--tenant", "oncology",
+                    "--app", "triage")
+        self.assertTrue(tok.startswith("fie_"), tok)
+        h = hashlib.sha256(tok.encode()).hexdigest()
+
+        def edge_row():
+            try:
+                with sqlite3.connect(f"{f.dir}/berlin-clinic.db") as c:
+                    return c.execute("SELECT tenant, application, revoked FROM edge_tokens "
+                                     "WHERE hash=?", (h,)).fetchone()
+            except sqlite3.OperationalError:  # no table until the first token arrives
+                return None
+        deadline = time.monotonic() + 15
+        while edge_row() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.assertEqual(edge_row(), ("oncology", "triage", None))
+        self.assertIn(h, f.ctl("token", "list", "--site", "berlin-clinic"))
+        f.ctl("token", "revoke", tok)
+        deadline = time.monotonic() + 15
+        while edge_row()[2] is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.assertIsNotNone(edge_row()[2])
+        for name in os.listdir(f.dir):
+            if name.endswith((".db", ".db-wal", ".audit", ".audit-wal")):
+                with open(os.path.join(f.dir, name), "rb") as fh:
+                    self.assertNotIn(tok[4:].encode(), fh.read(), name)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ typedef struct harness {
     char enrol_ep[256];     /* enrolment endpoint */
     int handshake_ms;       /* coordinator's handshake limit */
     int max_msg;            /* coordinator's message limit */
+    int liveness;           /* heartbeats of silence before a peer is dead (0: H_LIVENESS) */
 } harness;
 
 H_FN void h_sleep_ms(int ms) {
@@ -75,7 +76,7 @@ H_FN void h_opts(harness *h, fi_coord_opts *o, const char *bind, const char *enr
     snprintf(o->enrol_bind, sizeof o->enrol_bind, "%s", enrol_bind);
     snprintf(o->db, sizeof o->db, "%s", h->db);
     o->heartbeat_ms = H_HB_MS;
-    o->liveness = H_LIVENESS;
+    o->liveness = h->liveness ? h->liveness : H_LIVENESS;
     o->handshake_ms = h->handshake_ms ? h->handshake_ms : 2000;
     if (h->max_msg) o->max_msg = h->max_msg;
 }
@@ -128,7 +129,7 @@ H_FN void h_client_opts(const harness *h, fi_client_opts *o, const fi_keypair *k
     o->kp = *kp;
     o->role = role;
     o->heartbeat_ms = H_HB_MS;
-    o->liveness = H_LIVENESS;
+    o->liveness = h->liveness ? h->liveness : H_LIVENESS;
     o->handshake_ms = 2000;
     o->reconnect_ms = 50;
     o->reconnect_max_ms = 400;
