@@ -41,7 +41,8 @@ int fi_cmd_shard(int argc, char **argv) {
         default: {
             FILE *f = ch == 'h' ? stdout : stderr;
             fprintf(f, "usage: fedinfer shard --config FILE [--enrol TOKEN] [--echo]\n\n"
-                       "Serves a model to the coordinator as a cluster worker.\n\n"
+                       "Serves a model to the coordinator as a cluster worker, through one\n"
+                       "continuous-batching scheduler with a paged KV cache and prefix reuse.\n\n"
                        "Configuration (key = value lines; unknown keys are errors):\n"
                        "  coordinator = ENDPOINT       tcp://coordinator:7700 (required)\n"
                        "  coordinator_key = FILE       the coordinator's public key (required)\n"
@@ -49,7 +50,10 @@ int fi_cmd_shard(int argc, char **argv) {
                        "  model = FILE                 GGUF model (required)\n"
                        "  model_name = NAME            name requests use (required)\n"
                        "  enrol_endpoint, site, region  for --enrol\n"
-                       "  capacity, heartbeat_ms, liveness, n_ctx, threads, max_tokens\n");
+                       "  capacity, heartbeat_ms, liveness, n_ctx, threads, max_tokens\n"
+                       "  kv_mb = N                    KV-cache pool in MiB (0: 256)\n"
+                       "  batch = N                    sequences per forward pass (0: capacity)\n"
+                       "  prefix_cache = 0|1           reuse cached prompt prefixes (1)\n");
             return ch == 'h' ? 0 : 2;
         }
         }

@@ -217,6 +217,7 @@ static void *s_serving_main(void *arg) {
     s_bgen *g = arg;
     char err[256];
     int quit = 0;
+    s_report(g, 1); /* the pool's size from the start */
     while (!quit) {
         if (g->n_slots == 0) {
             /* Idle: wait for work, reporting the load now and then. */

@@ -16,6 +16,7 @@
 
 #include "fabric/harness.h"
 #include "fi_audit.h"
+#include "fi_coord_route.h"
 #include "fi_bundle.h"
 #include "fi_sched.h"
 
@@ -236,8 +237,48 @@ static void test_forbidden_holder_never_chosen(void **state) {
     assert_int_equal(sc.permits_core1_secret, 0);
 }
 
+/* The order among permitted workers (fi_coord_route.h), on its own. */
+static void test_route_order(void **state) {
+    (void)state;
+    uint8_t holds[1024] = {0};
+    uint64_t h[4];
+    int32_t toks[64];
+    for (int i = 0; i < 64; i++) toks[i] = 100 + i;
+    assert_int_equal(fi_prefix_hashes("t", "EU", toks, 64, h, 4), 4);
+    for (int i = 0; i < 2; i++) fi_prefix_filter_add(holds, sizeof holds, h[i]); /* 2 blocks */
+    fi_route_cand c[3];
+    memset(c, 0, sizeof c);
+    for (int i = 0; i < 3; i++) c[i].capacity = 4;
+    int hit = -1;
+    /* All equal: the first. */
+    assert_int_equal(fi_route_pick(c, 3, h, 4, &hit), 0);
+    assert_int_equal(hit, 0);
+    /* Preference, then load over preference. */
+    c[2].pref = 5;
+    assert_int_equal(fi_route_pick(c, 3, h, 4, NULL), 2);
+    c[2].in_flight = 3;
+    assert_int_equal(fi_route_pick(c, 3, h, 4, NULL), 0);
+    /* The reported queue counts as load too. */
+    c[0].queued = 6;
+    assert_int_equal(fi_route_pick(c, 3, h, 4, NULL), 1);
+    /* Conversation affinity over load. */
+    c[2].affinity = 1;
+    assert_int_equal(fi_route_pick(c, 3, h, 4, NULL), 2);
+    /* The expected prefix hit over everything, even on the busiest. */
+    c[0].filter = holds;
+    c[0].filter_len = sizeof holds;
+    assert_int_equal(fi_route_pick(c, 3, h, 4, &hit), 0);
+    assert_int_equal(hit, 2);
+    /* Without hashes the filter says nothing. */
+    assert_int_equal(fi_route_pick(c, 3, NULL, 0, &hit), 2);
+    assert_int_equal(hit, 0);
+    /* Nothing to choose from. */
+    assert_int_equal(fi_route_pick(c, 0, h, 4, &hit), -1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_route_order),
         cmocka_unit_test(test_prefix_goes_to_holder),
         cmocka_unit_test(test_forbidden_holder_never_chosen),
     };
