@@ -17,44 +17,10 @@
 #include <cmocka.h>
 
 #include "fi_sched.h"
+#include "gen_capture.h"
 
 static fi_model *g_m;
 
-typedef struct out {
-    char text[8192];
-    size_t len;
-    int done, n_generated;
-    fi_stop_reason stop;
-    char error[256];
-} out;
-
-static int s_on_text(void *user, const char *t, size_t n) {
-    out *o = user;
-    if (o->len + n < sizeof o->text) {
-        memcpy(o->text + o->len, t, n);
-        o->len += n;
-        o->text[o->len] = 0;
-    }
-    return 0;
-}
-
-static void s_on_done(void *user, const fi_gen_result *r, const char *error) {
-    out *o = user;
-    o->done++;
-    o->n_generated = r->n_generated;
-    o->stop = r->stop;
-    if (error) snprintf(o->error, sizeof o->error, "%s", error);
-}
-
-static fi_gen_opts s_greedy(int max_tokens, out *o) {
-    fi_gen_opts g = {0};
-    g.max_tokens = max_tokens;
-    g.sampling = fi_sampler_defaults();
-    g.sampling.temperature = 0.0f;
-    g.on_text = s_on_text;
-    g.user = o;
-    return g;
-}
 
 /* Chat-formatted prompt tokens of a user message. */
 static int s_chat(const char *user, int32_t *ids, int cap) {
@@ -69,12 +35,12 @@ static int s_chat(const char *user, int32_t *ids, int cap) {
     return n;
 }
 
-static void s_solo(const int32_t *p, int n, int max_tokens, out *o) {
+static void s_solo(const int32_t *p, int n, int max_tokens, fi_capture *o) {
     char err[256];
     memset(o, 0, sizeof *o);
     fi_session *s = fi_session_new(g_m, 2048, err, sizeof err);
     assert_non_null(s);
-    fi_gen_opts g = s_greedy(max_tokens, o);
+    fi_gen_opts g = fi_capture_greedy(max_tokens, o);
     fi_gen_result r;
     if (fi_generate(s, p, n, &g, &r, err, sizeof err) != 0) fail_msg("generate: %s", err);
     o->n_generated = r.n_generated;
@@ -83,12 +49,12 @@ static void s_solo(const int32_t *p, int n, int max_tokens, out *o) {
     fi_session_destroy(&s);
 }
 
-static void s_submit(fi_sched *s, const int32_t *p, int n, int max_tokens, out *o,
+static void s_submit(fi_sched *s, const int32_t *p, int n, int max_tokens, fi_capture *o,
                      const char *tenant, const char *zone) {
     char err[256];
     memset(o, 0, sizeof *o);
-    fi_sched_req r = {.prompt = p, .n_prompt = n, .gen = s_greedy(max_tokens, o),
-                      .on_done = s_on_done, .tenant = tenant, .zone = zone};
+    fi_sched_req r = {.prompt = p, .n_prompt = n, .gen = fi_capture_greedy(max_tokens, o),
+                      .on_done = fi_capture_done, .tenant = tenant, .zone = zone};
     if (fi_sched_submit(s, &r, err, sizeof err) <= 0) fail_msg("submit: %s", err);
 }
 
@@ -98,7 +64,7 @@ static void s_run(fi_sched *s) {
         if (fi_sched_step(s, err, sizeof err) < 0) fail_msg("step: %s", err);
 }
 
-static void s_same(const out *a, const out *b, const char *what, int i) {
+static void s_same(const fi_capture *a, const fi_capture *b, const char *what, int i) {
     if (a->n_generated != b->n_generated || a->stop != b->stop || a->len != b->len ||
         memcmp(a->text, b->text, a->len))
         fail_msg("%s: request %d differs:\n  got  %d tokens (%s): %s\n  want %d tokens (%s): %s",
@@ -122,7 +88,7 @@ static void test_batched_equals_alone(void **state) {
     (void)state;
     int32_t p[NQ][256];
     int n[NQ];
-    out solo[NQ], got[NQ];
+    fi_capture solo[NQ], got[NQ];
     for (int i = 0; i < NQ; i++) {
         n[i] = s_chat(s_questions[i], p[i], 256);
         s_solo(p[i], n[i], 32, &solo[i]);
@@ -182,7 +148,7 @@ static void test_prefix_512(void **state) {
     fi_sched_opts so = {.n_ctx = 2048};
     fi_sched *s = fi_sched_new(g_m, &so, err, sizeof err);
     assert_non_null(s);
-    out oa, ob, cold;
+    fi_capture oa, ob, cold;
     s_submit(s, a, na, 16, &oa, "hospital-a", "fr");
     s_run(s);
     fi_sched_stats s0, s1;
@@ -204,7 +170,7 @@ static void test_prefix_512(void **state) {
     for (int i = 0; i < 2; i++) {
         fi_sched_stats x0, x1;
         fi_sched_get_stats(s, &x0);
-        out o;
+        fi_capture o;
         s_submit(s, b, nb, 16, &o, who[i][0], who[i][1]);
         s_run(s);
         fi_sched_get_stats(s, &x1);
@@ -221,7 +187,7 @@ static void test_pool_pressure(void **state) {
     (void)state;
     int32_t p[6][512];
     int n[6];
-    out got[6], solo[6];
+    fi_capture got[6], solo[6];
     for (int i = 0; i < 6; i++) {
         int np;
         n[i] = s_doc_prompt(s_questions[i], p[i], 512 + 64, &np) - 512 + 150;
