@@ -141,6 +141,7 @@ static void s_usage(FILE *f) {
             "  -r, --reps N             repetitions; medians are reported (default 3)\n"
             "      --simd MODE          auto, portable or avx2 (default auto)\n"
             "      --device DEV         cpu, cuda or auto (default auto: CUDA when present)\n"
+            "      --serve              the serving benchmarks instead (see --serve --help)\n"
             "  -h, --help               this text\n");
 }
 
@@ -163,6 +164,8 @@ static int32_t s_argmax(const float *x, int n) {
 }
 
 int fi_cmd_bench(int argc, char **argv) {
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--serve")) return fi_cmd_bench_serve(argc, argv);
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},        {"threads", required_argument, 0, 't'},
         {"prompt-tokens", required_argument, 0, 'P'}, {"gen-tokens", required_argument, 0, 'G'},

@@ -70,6 +70,8 @@ typedef struct edge_job {
     edge_routed *routed;         /* routed: what goes on the wire (owned) */
     int n_labels;                /* count of labels */
     double timeout_s;            /* whole request, from submission */
+    char tenant[64];             /* from the bearer token ("" without one) */
+    char zone[64];               /* residency zone of the cached state (the site) */
 
     /* cancellation: set by the HTTP side, or by the executor on a stop */
     atomic_int cancel;           /* nonzero: stop generating */
