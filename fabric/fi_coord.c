@@ -6,6 +6,7 @@
  * work on each message. Requests likewise.
  */
 #include "fi_coord.h"
+#include "fi_coord_audit.h"
 #include "fi_coord_policy.h"
 #include "fi_coord_route.h"
 #include "fi_coord_ship.h"
@@ -74,6 +75,7 @@ struct fi_coord {
     fi_store *st;                  /* fleet state */
     fi_ship *ship;                 /* policy store, signing key, audit log */
     fi_apptok *apptok;             /* edges' application tokens (hashes) */
+    fi_coord_audit *raudit;        /* writer of our routing decisions to the audit log */
     void *ctx;                     /* ZeroMQ context */
     void *zap;                     /* ZAP handler (REP, inproc) */
     void *router;                  /* fabric endpoint */
@@ -388,8 +390,7 @@ static uint64_t s_conv_key(const s_peer *e, const Fi__InferRequest *rq) {
 static void s_audit_route(fi_coord *c, const s_peer *e, const Fi__InferRequest *rq,
                           const char *decision, const char *target, const char *rules,
                           const char *digest) {
-    fi_audit *a = fi_ship_audit(c->ship);
-    if (!a) return;
+    if (!c->raudit) return;
     char labels[512] = "";
     for (size_t i = 0; i < rq->n_labels && i < 32; i++)
         snprintf(labels + strlen(labels), sizeof labels - strlen(labels), "%s%s", i ? "," : "",
@@ -411,9 +412,8 @@ static void s_audit_route(fi_coord *c, const s_peer *e, const Fi__InferRequest *
     r.target = target;
     r.rules = rules;
     r.policy_digest = digest ? digest : "";
-    char err[256];
-    if (fi_audit_append(a, &r, err, sizeof err) != 0)
-        s_log("audit: cannot record the routing of %s: %s", rq->request_id, err);
+    if (fi_coord_audit_put(c->raudit, &r) != 0)
+        s_log("audit: cannot record the routing of %s: out of memory", rq->request_id);
 }
 
 /* A live worker serving the request's model with room for it, and what
@@ -1227,6 +1227,7 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
         char key[FI_CONF_STR_MAX + 16], audit[FI_CONF_STR_MAX + 16];
         fi_ship_paths(o->db, o->policy_key, o->audit_db, key, sizeof key, audit, sizeof audit);
         if (!(c->ship = fi_ship_open(c->st, o->db, audit, key, o->policy_valid_s, err, errlen))) goto fail;
+        if (!(c->raudit = fi_coord_audit_new(audit, err, errlen))) goto fail;
     }
     if (!(c->apptok = fi_apptok_open(o->db, err, errlen))) goto fail;
     if (!(c->ctx = zmq_ctx_new())) {
@@ -1284,6 +1285,7 @@ void fi_coord_destroy(fi_coord **cp) {
         if (c->mon[i]) zmq_close(c->mon[i]);
     if (c->ctx) zmq_ctx_term(c->ctx);
     fi_store_destroy(&c->st);
+    fi_coord_audit_destroy(&c->raudit); /* writes what is queued */
     fi_ship_destroy(&c->ship);
     fi_apptok_destroy(&c->apptok);
     for (size_t i = 0; i < c->n_peers; i++) free(c->peers[i].filter);
@@ -1299,6 +1301,10 @@ const char *fi_coord_endpoint(const fi_coord *c, int enrol) { return c->ep[enrol
 fi_store *fi_coord_store(fi_coord *c) { return c->st; }
 
 fi_ship *fi_coord_ship(fi_coord *c) { return c->ship; }
+
+void fi_coord_audit_wait(fi_coord *c) {
+    if (c->raudit) fi_coord_audit_flush(c->raudit);
+}
 
 int fi_coord_run(fi_coord *c, atomic_int *stop) {
     s_log("serving on %s (enrolment on %s), heartbeat %d ms x %d", c->ep[0], c->ep[1],

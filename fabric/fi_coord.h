@@ -94,6 +94,10 @@ const char *fi_coord_endpoint(const fi_coord *c, int enrol);
 fi_store *fi_coord_store(fi_coord *c);
 /* The policy store and audit log (fi_coord_ship.h), for tests (owned by c). */
 struct fi_ship *fi_coord_ship(fi_coord *c);
+/* Waits until the routing decisions made so far are in the audit log
+ * (they are written by a thread of their own, fi_coord_audit.h); for
+ * tests. Safe from another thread. */
+void fi_coord_audit_wait(fi_coord *c);
 
 #ifdef __cplusplus
 }

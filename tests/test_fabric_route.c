@@ -230,11 +230,16 @@ static void test_forbidden_holder_never_chosen(void **state) {
     /* The coordinator's audit log agrees. */
     s_scan sc = {0, 0};
     char err[256];
+    fi_coord_audit_wait(f->h.c);
     assert_int_equal(fi_audit_query(fi_ship_audit(fi_coord_ship(f->h.c)), NULL, s_row, &sc, err,
                                     sizeof err),
                      0);
     assert_int_equal(sc.permits_secret, 8);
     assert_int_equal(sc.permits_core1_secret, 0);
+    /* Written by the coordinator's audit thread, the chain is whole. */
+    fi_audit_check chk;
+    assert_int_equal(fi_audit_verify(fi_ship_audit(fi_coord_ship(f->h.c)), &chk, err, sizeof err), 0);
+    assert_true(chk.records >= 12);
 }
 
 /* The order among permitted workers (fi_coord_route.h), on its own. */

@@ -99,8 +99,13 @@ class EndToEnd(unittest.TestCase):
         self.assertIn(rid, [r[1] for r in rows])
         # The coordinator wrote its own decisions to its hash-chained log:
         # the worker it chose, and the denial with the rule.
-        own = audit(f"{self.f.dir}/coordinator.db.audit")
-        mine = [r for r in own if r[1] == rid and "worker " in r[5]]
+        deadline = time.monotonic() + 5  # written by the coordinator's audit thread
+        while True:
+            own = audit(f"{self.f.dir}/coordinator.db.audit")
+            mine = [r for r in own if r[1] == rid and "worker " in r[5]]
+            if mine or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         self.assertTrue(mine and mine[0][3] == "permit" and mine[0][4] == "fra-gpu-1", own)
         self.assertTrue(any(r[3] == "deny" and "phi stays on site" in r[5] and "phi" in r[2]
                             for r in own), own)

@@ -1,0 +1,168 @@
+/*
+ * fi_coord_audit.c - the coordinator's routing records, written by a
+ * thread of their own. See fi_coord_audit.h.
+ */
+#include "fi_coord_audit.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define S_MAX_QUEUE 65536 /* records waiting, at most */
+#define S_MAX_BATCH 1024  /* records in one transaction, at most */
+#define S_SOURCE "coordinator:router"
+
+/* A record's strings, owned. */
+typedef struct s_rec {
+    fi_audit_record r;   /* strings point into s */
+    char *s;             /* all of them, NUL-separated */
+} s_rec;
+
+struct fi_coord_audit {
+    fi_audit *log;             /* the writer's connection */
+    pthread_t th;
+    pthread_mutex_t mu;        /* guards the queue and the counters */
+    pthread_cond_t cv;         /* work for the writer, or room for the loop */
+    s_rec *q;                  /* ring of S_MAX_QUEUE */
+    size_t head, n;            /* first queued, how many */
+    unsigned long long put, written; /* records queued / written so far */
+    int stop;                  /* the writer ends once the queue is empty */
+};
+
+static char *s_dup(const fi_audit_record *r, fi_audit_record *out) {
+    const char *f[10] = {r->request_id, r->tenant, r->application, r->origin, r->labels,
+                         r->model, r->decision, r->target, r->rules, r->policy_digest};
+    size_t len = 0;
+    for (int i = 0; i < 10; i++) len += strlen(f[i] ? f[i] : "") + 1;
+    char *s = malloc(len), *p = s;
+    if (!s) return NULL;
+    const char **dst[10] = {&out->request_id, &out->tenant, &out->application, &out->origin,
+                            &out->labels, &out->model, &out->decision, &out->target,
+                            &out->rules, &out->policy_digest};
+    *out = *r;
+    for (int i = 0; i < 10; i++) {
+        size_t n = strlen(f[i] ? f[i] : "") + 1;
+        memcpy(p, f[i] ? f[i] : "", n);
+        *dst[i] = p;
+        p += n;
+    }
+    return s;
+}
+
+/* Writes batch[0..n) as the next records of our source's chain. */
+static void s_write(fi_coord_audit *a, s_rec *batch, size_t n) {
+    char err[256], head[65];
+    int64_t seq = 0;
+    fi_audit_record *recs = calloc(n, sizeof *recs);
+    if (!recs || fi_audit_source_head(a->log, S_SOURCE, &seq, head, err, sizeof err) != 0) {
+        fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) not written\n",
+                recs ? err : "out of memory", n);
+        free(recs);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        recs[i] = batch[i].r;
+        recs[i].seq = seq + 1 + (int64_t)i;
+        fi_audit_chain_hash(i ? recs[i - 1].hash : head, &recs[i], recs[i].hash);
+    }
+    size_t taken = 0;
+    int rc = fi_audit_ingest(a->log, S_SOURCE, NULL, recs, n, &taken, err, sizeof err);
+    if (rc != 0)
+        fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) not written\n", err, n);
+    free(recs);
+}
+
+static void *s_main(void *arg) {
+    fi_coord_audit *a = arg;
+    s_rec *batch = calloc(S_MAX_BATCH, sizeof *batch);
+    for (;;) {
+        pthread_mutex_lock(&a->mu);
+        while (!a->n && !a->stop) pthread_cond_wait(&a->cv, &a->mu);
+        if (!a->n && a->stop) {
+            pthread_mutex_unlock(&a->mu);
+            break;
+        }
+        size_t n = 0;
+        while (a->n && n < S_MAX_BATCH && batch) {
+            batch[n++] = a->q[a->head];
+            a->head = (a->head + 1) % S_MAX_QUEUE;
+            a->n--;
+        }
+        pthread_cond_broadcast(&a->cv); /* room */
+        pthread_mutex_unlock(&a->mu);
+        if (!batch) break;
+        s_write(a, batch, n);
+        for (size_t i = 0; i < n; i++) free(batch[i].s);
+        pthread_mutex_lock(&a->mu);
+        a->written += n;
+        pthread_cond_broadcast(&a->cv);
+        pthread_mutex_unlock(&a->mu);
+    }
+    free(batch);
+    return NULL;
+}
+
+fi_coord_audit *fi_coord_audit_new(const char *path, char *err, size_t errlen) {
+    fi_coord_audit *a = calloc(1, sizeof *a);
+    if (!a || !(a->q = calloc(S_MAX_QUEUE, sizeof *a->q))) {
+        snprintf(err, errlen, "out of memory");
+        if (a) free(a);
+        return NULL;
+    }
+    if (!(a->log = fi_audit_open(path, err, errlen))) {
+        free(a->q);
+        free(a);
+        return NULL;
+    }
+    pthread_mutex_init(&a->mu, NULL);
+    pthread_cond_init(&a->cv, NULL);
+    if (pthread_create(&a->th, NULL, s_main, a) != 0) {
+        snprintf(err, errlen, "cannot start the audit writer");
+        fi_audit_destroy(&a->log);
+        pthread_mutex_destroy(&a->mu);
+        pthread_cond_destroy(&a->cv);
+        free(a->q);
+        free(a);
+        return NULL;
+    }
+    return a;
+}
+
+void fi_coord_audit_destroy(fi_coord_audit **ap) {
+    fi_coord_audit *a = *ap;
+    if (!a) return;
+    *ap = NULL;
+    pthread_mutex_lock(&a->mu);
+    a->stop = 1;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+    pthread_join(a->th, NULL);
+    for (size_t i = 0; i < a->n; i++) free(a->q[(a->head + i) % S_MAX_QUEUE].s);
+    fi_audit_destroy(&a->log);
+    pthread_mutex_destroy(&a->mu);
+    pthread_cond_destroy(&a->cv);
+    free(a->q);
+    free(a);
+}
+
+int fi_coord_audit_put(fi_coord_audit *a, const fi_audit_record *rec) {
+    s_rec r;
+    memset(&r, 0, sizeof r);
+    if (!(r.s = s_dup(rec, &r.r))) return -1;
+    pthread_mutex_lock(&a->mu);
+    while (a->n == S_MAX_QUEUE) pthread_cond_wait(&a->cv, &a->mu); /* never drop one */
+    a->q[(a->head + a->n) % S_MAX_QUEUE] = r;
+    a->n++;
+    a->put++;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+    return 0;
+}
+
+void fi_coord_audit_flush(fi_coord_audit *a) {
+    pthread_mutex_lock(&a->mu);
+    unsigned long long want = a->put;
+    while (a->written < want) pthread_cond_wait(&a->cv, &a->mu);
+    pthread_mutex_unlock(&a->mu);
+}
