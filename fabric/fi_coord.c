@@ -1286,6 +1286,7 @@ void fi_coord_destroy(fi_coord **cp) {
     if (c->ctx) zmq_ctx_term(c->ctx);
     fi_store_destroy(&c->st);
     fi_coord_audit_destroy(&c->raudit); /* writes what is queued */
+    if (c->o.policy_free) c->o.policy_free(c->o.policy_user);
     fi_ship_destroy(&c->ship);
     fi_apptok_destroy(&c->apptok);
     for (size_t i = 0; i < c->n_peers; i++) free(c->peers[i].filter);

@@ -59,6 +59,7 @@ typedef struct fi_coord_opts {
     int plaintext;                    /* benchmark builds only */
     fi_coord_policy_fn policy;        /* may be NULL, see above */
     void *policy_user;                /* passed to policy */
+    void (*policy_free)(void *user);  /* frees policy_user with the coordinator; may be NULL */
     /* Policy shipping and auditing (fi_coord_ship.h). Empty paths: next to
      * db, as DB.policy.key and DB.audit. */
     char policy_key[FI_CONF_STR_MAX]; /* policy-signing key (made by --init) */

@@ -2,14 +2,18 @@
  * fi_coord_policy.c - the coordinator's re-check of the residency policy
  * (contract in fi_coord_policy.h).
  *
- * Stateless on purpose: each check reads the newest bundle from the store,
- * verifies it and parses its policy. That costs about a millisecond on a
- * request that is about to run a model, and means the coordinator always
- * enforces exactly what is in its store, with nothing to free or keep in
- * step.
+ * fi_coord_policy_check is stateless: each check reads the newest bundle
+ * from the store, verifies it and parses its policy (about 0.3 ms for a
+ * small policy, on the coordinator's only thread, once per candidate
+ * cluster of every routed request). The coordinator uses the cached check
+ * (fi_coord_policy_check_cached): it keeps the verified, parsed policy and
+ * reloads it when the store holds a newer version in either table, the
+ * key file changes, the bundle's validity ends, or no valid policy was
+ * found last time; so it enforces exactly what the stateless check would.
  */
 #include <sqlite3.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -31,8 +35,16 @@ void fi_coord_policy_attach(fi_coord_opts *o) {
                         "re-checked against the residency policy\n", FI_COORD_POLICY_KEY_ENV);
         return;
     }
-    o->policy = fi_coord_policy_check;
-    o->policy_user = o;
+    fi_coord_policy_ctx *x = fi_coord_policy_ctx_new(o);
+    if (!x) {
+        /* Out of memory: the stateless check, slower but as strict. */
+        o->policy = fi_coord_policy_check;
+        o->policy_user = o;
+    } else {
+        o->policy = fi_coord_policy_check_cached;
+        o->policy_user = x;
+        o->policy_free = fi_coord_policy_ctx_free;
+    }
     fprintf(stderr, "coordinator: routed requests are checked against the newest policy bundle "
                     "signed by %s (fail closed)\n", o->policy_check_key);
 }
@@ -74,33 +86,47 @@ static char *s_newest_bundle(const char *db, size_t *len) {
     return out;
 }
 
-int fi_coord_policy_check(void *user, const Fi__InferRequest *req, const fi_peer_rec *origin,
-                          const fi_peer_rec *target, fi_coord_verdict *out, char *reason,
-                          size_t reasonlen) {
-    const fi_coord_opts *o = user;
-    const char *db = o->db;
-    const char *keyfile = o->policy_check_key[0] ? o->policy_check_key : NULL;
+/* The newest valid policy: pol (NULL when none, why says why), its
+ * bundle version and the end of the bundle's validity. */
+typedef struct s_loaded {
+    fi_policy *pol;          /* owned */
+    uint64_t version;
+    int64_t not_after;       /* Unix seconds */
+    char why[160];           /* when pol is NULL */
+} s_loaded;
+
+static void s_load(const char *db, const char *keyfile, int64_t now, s_loaded *L) {
     uint8_t trusted[1][FI_BUNDLE_PK_BYTES];
     char err[256] = "";
-    fi_policy *pol = NULL;
     fi_bundle_info info;
-    int64_t now = (int64_t)time(NULL);
     size_t len = 0;
     char *b = NULL;
-    const char *why = NULL;
+    memset(L, 0, sizeof *L);
     if (!keyfile || fi_bundle_pub_load(keyfile, trusted[0], err, sizeof err) != 0) {
-        why = "the policy-signing key cannot be read";
+        snprintf(L->why, sizeof L->why, "the policy-signing key cannot be read");
     } else if (!(b = s_newest_bundle(db, &len))) {
-        why = "no policy bundle in the store";
+        snprintf(L->why, sizeof L->why, "no policy bundle in the store");
     } else {
         fi_bundle_status st = fi_bundle_verify(b, len, (const uint8_t(*)[FI_BUNDLE_PK_BYTES])trusted,
                                                1, 0, now, &info);
         if (st != FI_BUNDLE_OK) {
-            why = fi_bundle_status_str(st);
-        } else if (!(pol = fi_policy_parse(info.content, info.content_len, NULL))) {
-            why = "the newest bundle's policy does not validate";
+            snprintf(L->why, sizeof L->why, "%s", fi_bundle_status_str(st));
+        } else if (!(L->pol = fi_policy_parse(info.content, info.content_len, NULL))) {
+            snprintf(L->why, sizeof L->why, "the newest bundle's policy does not validate");
+        } else {
+            L->version = info.version;
+            L->not_after = info.not_after;
         }
     }
+    free(b);
+}
+
+/* Decides req for target with L (fail closed when L has no policy). */
+static int s_decide(const s_loaded *L, int64_t now, const Fi__InferRequest *req,
+                    const fi_peer_rec *origin, const fi_peer_rec *target, fi_coord_verdict *out,
+                    char *reason, size_t reasonlen) {
+    const fi_policy *pol = L->pol;
+    const char *why = pol ? NULL : L->why;
     const char *labels[64];
     size_t n_labels = req->n_labels < 64 ? req->n_labels : 64;
     for (size_t i = 0; i < n_labels; i++) labels[i] = req->labels[i];
@@ -136,9 +162,92 @@ int fi_coord_policy_check(void *user, const Fi__InferRequest *req, const fi_peer
             snprintf(reason, reasonlen, "no valid policy at the coordinator (%s): %s", why, ex);
         else
             snprintf(reason, reasonlen, "policy version %llu, origin %s: %s",
-                     (unsigned long long)info.version, origin->site, ex);
+                     (unsigned long long)L->version, origin->site, ex);
     }
-    fi_policy_destroy(&pol);
-    free(b);
     return v.permitted ? 1 : 0;
+}
+
+int fi_coord_policy_check(void *user, const Fi__InferRequest *req, const fi_peer_rec *origin,
+                          const fi_peer_rec *target, fi_coord_verdict *out, char *reason,
+                          size_t reasonlen) {
+    const fi_coord_opts *o = user;
+    int64_t now = (int64_t)time(NULL);
+    s_loaded L;
+    s_load(o->db, o->policy_check_key[0] ? o->policy_check_key : NULL, now, &L);
+    int ok = s_decide(&L, now, req, origin, target, out, reason, reasonlen);
+    fi_policy_destroy(&L.pol);
+    return ok;
+}
+
+/* --- the cached check ---------------------------------------------------- */
+
+struct fi_coord_policy_ctx {
+    const fi_coord_opts *o;  /* db and key (borrowed) */
+    sqlite3 *db;             /* read-only connection, kept */
+    s_loaded cur;            /* the policy in force */
+    int have;                /* cur was loaded */
+    int64_t seen[2];         /* s_versions when loaded */
+    struct stat key;         /* the key file when loaded */
+};
+
+/* What changes when a bundle is added to either table (-1: none or no
+ * table): the newest row of bundles (a bundle of an existing version may
+ * be stored again), the newest version of policy_versions. */
+static void s_versions(sqlite3 *db, int64_t v[2]) {
+    static const char *const q[2] = {"SELECT MAX(id) FROM bundles",
+                                     "SELECT MAX(version) FROM policy_versions"};
+    for (int t = 0; t < 2; t++) {
+        sqlite3_stmt *st = NULL;
+        v[t] = -1;
+        if (db && sqlite3_prepare_v2(db, q[t], -1, &st, NULL) == SQLITE_OK &&
+            sqlite3_step(st) == SQLITE_ROW && sqlite3_column_type(st, 0) != SQLITE_NULL)
+            v[t] = sqlite3_column_int64(st, 0);
+        sqlite3_finalize(st);
+    }
+}
+
+fi_coord_policy_ctx *fi_coord_policy_ctx_new(const fi_coord_opts *o) {
+    fi_coord_policy_ctx *x = calloc(1, sizeof *x);
+    if (!x) return NULL;
+    x->o = o;
+    if (sqlite3_open_v2(o->db, &x->db, SQLITE_OPEN_READONLY, NULL) != SQLITE_OK ||
+        sqlite3_busy_timeout(x->db, 2000) != SQLITE_OK) {
+        sqlite3_close(x->db); /* checks then open the file each time */
+        x->db = NULL;
+    }
+    return x;
+}
+
+void fi_coord_policy_ctx_free(void *p) {
+    fi_coord_policy_ctx *x = p;
+    if (!x) return;
+    fi_policy_destroy(&x->cur.pol);
+    sqlite3_close(x->db);
+    free(x);
+}
+
+int fi_coord_policy_check_cached(void *user, const Fi__InferRequest *req,
+                                 const fi_peer_rec *origin, const fi_peer_rec *target,
+                                 fi_coord_verdict *out, char *reason, size_t reasonlen) {
+    fi_coord_policy_ctx *x = user;
+    int64_t now = (int64_t)time(NULL);
+    int64_t v[2];
+    struct stat ks;
+    memset(&ks, 0, sizeof ks);
+    s_versions(x->db, v);
+    int key_ok = stat(x->o->policy_check_key, &ks) == 0;
+    int same = x->have && x->db && x->cur.pol && key_ok && v[0] == x->seen[0] &&
+               v[1] == x->seen[1] && ks.st_ino == x->key.st_ino && ks.st_size == x->key.st_size &&
+               ks.st_mtime == x->key.st_mtime && now < x->cur.not_after;
+    if (!same) {
+        /* A new bundle, another key, expiry, or no valid policy yet: load
+         * and verify again (the stateless path). */
+        fi_policy_destroy(&x->cur.pol);
+        s_load(x->o->db, x->o->policy_check_key, now, &x->cur);
+        x->have = 1;
+        x->seen[0] = v[0];
+        x->seen[1] = v[1];
+        x->key = ks;
+    }
+    return s_decide(&x->cur, now, req, origin, target, out, reason, reasonlen);
 }

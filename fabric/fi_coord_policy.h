@@ -27,9 +27,10 @@ extern "C" {
 
 #define FI_COORD_POLICY_KEY_ENV "FEDINFER_COORD_POLICY_KEY"
 
-/* Installs the check into o (o->policy, o->policy_user = o, which must
- * stay valid as long as the check is used) unless o->policy is already set
- * or no key is configured; the environment's key, when set, replaces
+/* Installs the cached check into o (o->policy, o->policy_user: a context
+ * over o, which must stay valid as long as the check is used;
+ * o->policy_free frees it) unless o->policy is already set or no key is
+ * configured; the environment's key, when set, replaces
  * o->policy_check_key. */
 void fi_coord_policy_attach(fi_coord_opts *o);
 
@@ -39,6 +40,18 @@ void fi_coord_policy_attach(fi_coord_opts *o);
 int fi_coord_policy_check(void *user, const Fi__InferRequest *req, const fi_peer_rec *origin,
                           const fi_peer_rec *target, fi_coord_verdict *v, char *reason,
                           size_t reasonlen);
+
+/* The cached check the coordinator installs: same decisions as
+ * fi_coord_policy_check, with the verified policy kept until the store has
+ * a newer version, the key file changes or the bundle expires. user is a
+ * context from fi_coord_policy_ctx_new(o) (o must outlive it), freed with
+ * fi_coord_policy_ctx_free. */
+typedef struct fi_coord_policy_ctx fi_coord_policy_ctx;
+fi_coord_policy_ctx *fi_coord_policy_ctx_new(const fi_coord_opts *o);
+void fi_coord_policy_ctx_free(void *ctx);
+int fi_coord_policy_check_cached(void *user, const Fi__InferRequest *req,
+                                 const fi_peer_rec *origin, const fi_peer_rec *target,
+                                 fi_coord_verdict *v, char *reason, size_t reasonlen);
 
 #ifdef __cplusplus
 }

@@ -25,6 +25,8 @@ typedef struct fx {
     char dir[64], db[128], pub[128];
     uint8_t pk[32], sk[64];
     fi_store *st;
+    fi_coord_opts co;          /* db and key, for the cached check */
+    fi_coord_policy_ctx *ctx;  /* the cached check, kept across calls */
 } fx;
 
 static const char *s_policy_fmt =
@@ -55,12 +57,18 @@ static int setup(void **state) {
     f->st = fi_store_open(f->db, err, sizeof err);
     assert_non_null(f->st);
     unsetenv(FI_COORD_POLICY_KEY_ENV); /* the key comes from the configuration */
+    fi_coord_opts_default(&f->co);
+    snprintf(f->co.db, sizeof f->co.db, "%s", f->db);
+    snprintf(f->co.policy_check_key, sizeof f->co.policy_check_key, "%s", f->pub);
+    f->ctx = fi_coord_policy_ctx_new(&f->co);
+    assert_non_null(f->ctx);
     *state = f;
     return 0;
 }
 
 static int teardown(void **state) {
     fx *f = *state;
+    fi_coord_policy_ctx_free(f->ctx);
     fi_store_destroy(&f->st);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", f->dir);
@@ -101,10 +109,18 @@ static int check(const char *origin, const char *target, const char *label, char
     fi_coord_opts_default(&co);
     snprintf(co.db, sizeof co.db, "%s", f->db);
     snprintf(co.policy_check_key, sizeof co.policy_check_key, "%s", f->pub);
-    fi_coord_verdict v;
+    fi_coord_verdict v, vc;
     int ok = fi_coord_policy_check(&co, &rq, &o, &t, &v, reason, cap);
     /* The verdict names the deciding rules and the policy when there is one. */
     if (ok) assert_true(v.rules[0] && strlen(v.digest) == 64);
+    /* The cached check (what the coordinator runs), kept across every call
+     * of the test while bundles come and go, decides the same. */
+    char rc2[256] = "";
+    int okc = fi_coord_policy_check_cached(f->ctx, &rq, &o, &t, &vc, rc2, sizeof rc2);
+    assert_int_equal(okc, ok);
+    assert_string_equal(vc.rules, v.rules);
+    assert_string_equal(vc.digest, v.digest);
+    assert_string_equal(rc2, reason);
     return ok;
 }
 
@@ -116,8 +132,10 @@ static void test_attach(void **state) {
     snprintf(o.db, sizeof o.db, "%s", f->db);
     snprintf(o.policy_check_key, sizeof o.policy_check_key, "%s", f->pub);
     fi_coord_policy_attach(&o);
-    assert_ptr_equal(o.policy, fi_coord_policy_check);
-    assert_ptr_equal(o.policy_user, &o);
+    assert_ptr_equal(o.policy, fi_coord_policy_check_cached);
+    assert_non_null(o.policy_user);
+    assert_non_null(o.policy_free);
+    o.policy_free(o.policy_user);
     /* Neither the key nor the variable: off. */
     fi_coord_opts_default(&o);
     fi_coord_policy_attach(&o);
@@ -127,8 +145,9 @@ static void test_attach(void **state) {
     fi_coord_opts_default(&o);
     snprintf(o.policy_check_key, sizeof o.policy_check_key, "/nonexistent.pub");
     fi_coord_policy_attach(&o);
-    assert_ptr_equal(o.policy, fi_coord_policy_check);
+    assert_ptr_equal(o.policy, fi_coord_policy_check_cached);
     assert_string_equal(o.policy_check_key, f->pub);
+    o.policy_free(o.policy_user);
     unsetenv(FI_COORD_POLICY_KEY_ENV);
     /* A configured key that cannot be read fails closed. */
     fi_coord_opts_default(&o);
@@ -144,6 +163,7 @@ static void test_attach(void **state) {
     char reason[256] = "";
     assert_int_equal(o.policy(o.policy_user, &rq, &org, &tgt, NULL, reason, sizeof reason), 0);
     assert_non_null(strstr(reason, "key cannot be read"));
+    o.policy_free(o.policy_user);
 }
 
 static void test_fail_closed_and_decisions(void **state) {
