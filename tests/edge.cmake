@@ -36,3 +36,20 @@ endif()
 add_executable(bench_edge ${CMAKE_CURRENT_SOURCE_DIR}/edge/bench_edge.c)
 target_link_libraries(bench_edge PRIVATE ${FI_TEST_LIBS})
 target_compile_definitions(bench_edge PRIVATE FI_TEST_MODEL="${FEDINFER_DEFAULT_MODEL}")
+
+# Fuzzing the edge's Content-Length check (edge/edge_head.c), the one parser
+# of outside input the edge has before libmicrohttpd: libFuzzer needs clang.
+if(TARGET fi_edge AND CMAKE_C_COMPILER_ID MATCHES "Clang")
+  add_executable(fuzz_http_head ${CMAKE_CURRENT_LIST_DIR}/edge/fuzz_http_head.c
+                 ${CMAKE_SOURCE_DIR}/edge/edge_head.c)
+  target_link_libraries(fuzz_http_head PRIVATE fi_edge)
+  target_compile_options(fuzz_http_head PRIVATE -fsanitize=fuzzer,address,undefined)
+  target_link_options(fuzz_http_head PRIVATE -fsanitize=fuzzer,address,undefined)
+  add_test(NAME fuzz_http_head
+           COMMAND $<TARGET_FILE:fuzz_http_head> -max_total_time=10 -max_len=2048 -rss_limit_mb=1024)
+  set_tests_properties(fuzz_http_head PROPERTIES TIMEOUT 60 LABELS asan)
+elseif(TARGET fi_edge)
+  add_test(NAME fuzz_http_head COMMAND ${CMAKE_COMMAND} -E echo
+           "fuzz_http_head skipped: libFuzzer needs clang (configure with -DCMAKE_C_COMPILER=clang)")
+  set_tests_properties(fuzz_http_head PROPERTIES SKIP_REGULAR_EXPRESSION "skipped")
+endif()
