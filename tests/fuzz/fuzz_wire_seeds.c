@@ -238,6 +238,48 @@ int main(int argc, char **argv) {
     avr.what = (char *)"record 3 was edited";
     m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY, m.audit_verify_reply = &avr;
     rc |= s_seed(d, "audit_verify_reply", &m);
+    /* Issues 5 and 6: loads with heartbeats, a chat with routing hints,
+     * application tokens. */
+    uint8_t filter[64] = {1, 2, 3};
+    Fi__WorkerLoad wl = FI__WORKER_LOAD__INIT;
+    wl.running = 3, wl.queued = 1, wl.kv_blocks_free = 100, wl.kv_blocks_total = 512;
+    wl.prefix_filter.data = filter, wl.prefix_filter.len = sizeof filter;
+    Fi__ClusterLoad cl = FI__CLUSTER_LOAD__INIT, *clp[1] = {&cl};
+    cl.cluster = (char *)"core1", cl.model = (char *)"smol", cl.workers = 2, cl.capacity = 8;
+    Fi__Heartbeat hbl = FI__HEARTBEAT__INIT;
+    hbl.sent_ms = 5, hbl.load = &wl, hbl.n_clusters = 1, hbl.clusters = clp;
+    m.body_case = FI__ENVELOPE__BODY_HEARTBEAT, m.heartbeat = &hbl;
+    rc |= s_seed(d, "heartbeat_load", &m);
+    Fi__ChatMessage cm0 = FI__CHAT_MESSAGE__INIT, cm1 = FI__CHAT_MESSAGE__INIT;
+    cm0.role = (char *)"system", cm0.content = (char *)"be brief";
+    cm1.role = (char *)"user", cm1.content = (char *)"hello";
+    Fi__ChatMessage *cms[2] = {&cm0, &cm1};
+    uint64_t hashes[2] = {0x1234567890abcdefull, 42};
+    char *stops[1] = {(char *)"\n\n"};
+    Fi__InferRequest ic = ir;
+    ic.n_messages = 2, ic.messages = cms, ic.top_p = 0.9f, ic.top_k = 40, ic.min_p = 0.05f;
+    ic.repeat_penalty = 1.1f, ic.n_stop = 1, ic.stop = stops, ic.user = (char *)"alice";
+    ic.tenant = (char *)"oncology", ic.zone = (char *)"EU", ic.n_prefix_hashes = 2;
+    ic.prefix_hashes = hashes, ic.cluster = (char *)"core1";
+    m.body_case = FI__ENVELOPE__BODY_INFER, m.infer = &ic;
+    rc |= s_seed(d, "infer_chat", &m);
+    Fi__AppTokenRequest atq = FI__APP_TOKEN_REQUEST__INIT;
+    atq.op = (char *)"add", atq.site = (char *)"clinic-7", atq.tenant = (char *)"t";
+    atq.application = (char *)"a";
+    atq.hash = (char *)"0000000000000000000000000000000000000000000000000000000000000000";
+    m.body_case = FI__ENVELOPE__BODY_APP_TOKEN_REQUEST, m.app_token_request = &atq;
+    rc |= s_seed(d, "app_token_request", &m);
+    Fi__AppToken at = FI__APP_TOKEN__INIT, *atp[1] = {&at};
+    at.hash = atq.hash, at.site = atq.site, at.tenant = atq.tenant, at.application = atq.application;
+    at.created = 1700000000, at.author = (char *)"fpr";
+    Fi__AppTokenReply atr = FI__APP_TOKEN_REPLY__INIT;
+    atr.n_tokens = 1, atr.tokens = atp, atr.pushed = 1;
+    m.body_case = FI__ENVELOPE__BODY_APP_TOKEN_REPLY, m.app_token_reply = &atr;
+    rc |= s_seed(d, "app_token_reply", &m);
+    Fi__AppTokenSync ats = FI__APP_TOKEN_SYNC__INIT;
+    ats.n_tokens = 1, ats.tokens = atp;
+    m.body_case = FI__ENVELOPE__BODY_APP_TOKEN_SYNC, m.app_token_sync = &ats;
+    rc |= s_seed(d, "app_token_sync", &m);
     /* Invalid on purpose: version 2, an unknown body (field 99), garbage. */
     const uint8_t v2[] = {0x08, 0x02, 0x5a, 0x00};
     const uint8_t unknown[] = {0x08, 0x01, 0x9a, 0x06, 0x00};
