@@ -42,5 +42,11 @@ void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb);
 /* AVX2 kernels; call only after checking the processor has AVX2 and FMA. */
 void fi_q16_kernels_avx2(fi_q16_kernels *k);
 #endif
+#if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
+/* Overwrites the matmul members of k (filled by fi_q16_kernels_avx2 first:
+ * the quantiser stays) with AVX512-VNNI ones; call only after checking for
+ * AVX2, FMA, F16C, AVX512 F/BW/VL/VNNI and ZMM OS support. */
+void fi_q16_kernels_avx512(fi_q16_kernels *k);
+#endif
 
 #endif /* FI_CPU_Q16_IMPL_H */
