@@ -662,6 +662,34 @@ static void test_q16_kernels_tiling(void **state) {
         }
         free(wb);
     }
+    /* extremes: every activation quant at +-32767 and every weight at its
+     * largest magnitude (nibble 15, Q8_0 -128): no 32-bit overflow */
+    for (int i = 0; i < NT * COLS; i++)
+        x[i] = (i / COLS) % 2 ? -3.0f : 3.0f;
+    fi_quantize_q16x_ref(x, xq, NT * COLS / 32);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        size_t rb;
+        uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
+        size_t bb = fi_dtype_block_bytes(types[ti]), qo = types[ti] == FI_DTYPE_Q4_1 ? 4 : 2;
+        for (size_t blk = 0; blk < rb * ROWS / bb; blk++)
+            memset(wb + blk * bb + qo, types[ti] == FI_DTYPE_Q8_0 ? 0x80 : 0xff, bb - qo);
+        for (int i = 0; i < ROWS; i++)
+            ref_dequant(types[ti], wb + i * rb, wd + (size_t)i * COLS, COLS);
+        for (int ki = 0; ki < ntab; ki++) {
+            fi_mm_fn fn = types[ti] == FI_DTYPE_Q4_0 ? tab[ki].mm_q4_0
+                        : types[ti] == FI_DTYPE_Q4_1 ? tab[ki].mm_q4_1 : tab[ki].mm_q8_0;
+            fi_mm_task t = {.w = wb, .w_stride = rb, .cols = COLS, .x = (const uint8_t *)xq,
+                            .x_stride = xrow, .n = NT, .y = y1, .y_stride = ROWS};
+            poison(y1, (size_t)NT * ROWS);
+            fn(&t, 0, ROWS);
+            char what[96];
+            snprintf(what, sizeof what, "q16 %s kernels, extreme values", names[ki]);
+            check_matmul(what, types[ti], 16, y1, wd, x, ROWS, COLS, NT);
+        }
+        free(wb);
+    }
+    for (int ki = 0; ki < ntab; ki++)
+        print_message("q16 kernel table tested: %s\n", names[ki]);
     free(wd);
     free(xq);
     free(x);
