@@ -41,6 +41,11 @@
 #include "fi_cpu_q16_impl.h"
 
 #include <immintrin.h>
+#include <string.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define S_INLINE static inline __attribute__((always_inline))
 #ifndef S_RB
@@ -215,6 +220,207 @@ S_INLINE void s_mm(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
     }
 }
 
+#if defined(FI_HAVE_AMX) && FI_HAVE_AMX
+/* --- AMX ------------------------------------------------------------------
+ *
+ * With AMX-INT8 (Sapphire Rapids and later) the integer block sums of 16
+ * rows x 16 tokens come from the tile unit, which multiplies bytes: each
+ * activation quant is split exactly as x = 256 * hi + lo (hi = x >> 8
+ * signed, lo = x & 255 unsigned), and isum = 256 * (W . hi) + (W . lo),
+ * two tile products per block, exact in 32 bits (|W . hi| * 256 < 2^27).
+ * The weights' block is the same 16-row dword transpose as above, which
+ * is the tile unit's B layout (four consecutive k of a column per dword).
+ * isum is then the very integer the vpdpwssd path computes, and it goes
+ * through the same floating-point steps (s_tile's: v = float(isum) * d_x,
+ * fma by d_w, fma of a * s), so the results are the same bits as the
+ * one-token path's: batch invariance holds across the two paths. */
+#define S_AMX __attribute__((target("amx-tile,amx-int8")))
+#define S_AMX_INLINE static inline __attribute__((always_inline, target("amx-tile,amx-int8")))
+#define S_AMX_NB 48 /* most blocks per row (1536 columns): the split quants live on the stack */
+
+/* LDTILECFG's 64-byte operand, palette 1. */
+typedef struct s_tilecfg {
+    uint8_t palette;     /* 1 */
+    uint8_t start_row;   /* 0 */
+    uint8_t reserved[14];
+    uint16_t colsb[16];  /* bytes per row of each tile */
+    uint8_t rows[16];    /* rows of each tile */
+} s_tilecfg;
+
+/* Tiles: 0 and 1 the sums with hi and lo (16 tokens x 16 rows, int32), 2
+ * and 3 the hi and lo bytes (16 tokens x 32 elements), 4 the weights (8
+ * rows of 4 elements x 16 weight rows). */
+S_AMX_INLINE void s_amx_config(void) {
+    s_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = 16;
+    c.colsb[0] = c.colsb[1] = 64;
+    c.rows[2] = c.rows[3] = 16;
+    c.colsb[2] = c.colsb[3] = 32;
+    c.rows[4] = 8;
+    c.colsb[4] = 64;
+    c.rows[5] = c.rows[6] = 16;
+    c.colsb[5] = c.colsb[6] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* Rows r..r+nr-1 (nr <= 16) times tokens k..k+15, whose quants are split
+ * in ah/al ([block][token][element]). */
+S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k,
+                             int8_t (*ah)[16][32], uint8_t (*al)[16][32]) {
+    const size_t stride = t->w_stride;
+    const uint8_t *w0 = t->w + (size_t)r * stride;
+    const int nb = t->cols / FI_QK;
+    const uint8_t *p[16];
+    int off[16];
+    for (int i = 0; i < 16; i++) {
+        off[i] = (i < nr ? i : nr - 1) * (int)stride;
+        p[i] = w0 + off[i];
+    }
+    const __m512i vidx = _mm512_loadu_si512(off);
+    const fi_block_q16x *xr[16];
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) {
+        xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+        acc[j] = _mm512_setzero_ps();
+    }
+    _Alignas(64) uint8_t bt[2][8][64];
+    _Alignas(64) int32_t cs[2][2][16][16]; /* [block & 1][hi, lo][token][row] */
+    /* software pipeline: the tile unit works on block b+1 while the
+     * vector units finish block b (two sets of sum tiles: 0, 1 and 5, 6) */
+    for (int b = -1; b < nb; b++) {
+        if (b + 1 < nb) {
+            const int bn = b + 1, sb = bn & 1;
+            __m512i D[4];
+            if (kind == S_Q8_0) {
+                for (int h = 0; h < 2; h++) {
+                    s_t16(p, 2 + 16 * (size_t)h, D);
+                    for (int q = 0; q < 4; q++)
+                        _mm512_store_si512(bt[sb][4 * h + q], D[q]);
+                }
+            } else {
+                const __m512i m4 = _mm512_set1_epi8(0x0f);
+                s_t16(p, kind == S_Q4_1 ? 4 : 2, D);
+                for (int q = 0; q < 4; q++) {
+                    _mm512_store_si512(bt[sb][q], _mm512_and_si512(D[q], m4));
+                    _mm512_store_si512(bt[sb][4 + q], _mm512_and_si512(_mm512_srli_epi32(D[q], 4), m4));
+                }
+            }
+            for (int i = 0; i < 16; i++)
+                p[i] += bsz;
+            _tile_loadd(2, ah[bn], 32);
+            _tile_loadd(3, al[bn], 32);
+            _tile_loadd(4, bt[sb], 64);
+            if (sb == 0) {
+                _tile_zero(0);
+                _tile_zero(1);
+                if (kind == S_Q8_0) {
+                    _tile_dpbssd(0, 2, 4);
+                    _tile_dpbusd(1, 3, 4);
+                } else {
+                    _tile_dpbsud(0, 2, 4);
+                    _tile_dpbuud(1, 3, 4);
+                }
+                _tile_stored(0, cs[0][0], 64);
+                _tile_stored(1, cs[0][1], 64);
+            } else {
+                _tile_zero(5);
+                _tile_zero(6);
+                if (kind == S_Q8_0) {
+                    _tile_dpbssd(5, 2, 4);
+                    _tile_dpbusd(6, 3, 4);
+                } else {
+                    _tile_dpbsud(5, 2, 4);
+                    _tile_dpbuud(6, 3, 4);
+                }
+                _tile_stored(5, cs[1][0], 64);
+                _tile_stored(6, cs[1][1], 64);
+            }
+        }
+        if (b < 0)
+            continue;
+        __m512i g = _mm512_i32gather_epi32(vidx, (const void *)(w0 + (size_t)b * bsz), 1);
+        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), aw = _mm512_setzero_ps();
+        if (kind == S_Q4_1)
+            aw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        else if (kind == S_Q4_0)
+            aw = _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+        for (int j = 0; j < 16; j++) {
+            const fi_block_q16x *x = xr[j] + b;
+            __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cs[b & 1][0][j]), 8),
+                                          _mm512_load_si512(cs[b & 1][1][j]));
+            /* from here exactly s_tile's steps */
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(x->d));
+            acc[j] = _mm512_fmadd_ps(v, dw, acc[j]);
+            if (kind != S_Q8_0)
+                acc[j] = _mm512_fmadd_ps(aw, _mm512_set1_ps(x->s), acc[j]);
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << nr) - 1);
+    for (int j = 0; j < 16; j++)
+        _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
+}
+
+/* Tokens in tiles of 16 through the tile unit (rows in groups of 16),
+ * the rest as s_mm's tiles; one token, or rows too long for the stack
+ * buffers, entirely as s_mm. */
+S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
+    const int nb = t->cols / FI_QK;
+    if (t->n < 16 || nb > S_AMX_NB) {
+        s_mm(kind, bsz, t, r0, r1);
+        return;
+    }
+    _Alignas(64) int8_t ah[S_AMX_NB][16][32];
+    _Alignas(64) uint8_t al[S_AMX_NB][16][32];
+    s_amx_config();
+    int k = 0;
+    for (; k + 16 <= t->n; k += 16) {
+        for (int j = 0; j < 16; j++) {
+            const fi_block_q16x *x = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+            for (int b = 0; b < nb; b++) {
+                __m512i q = _mm512_loadu_si512(x[b].qs);
+                _mm256_store_si256((__m256i *)(void *)ah[b][j], _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
+                _mm256_store_si256((__m256i *)(void *)al[b][j], _mm512_cvtepi16_epi8(q));
+            }
+        }
+        for (int r = r0; r < r1; r += 16)
+            s_amx_rows(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, k, ah, al);
+    }
+    _tile_release();
+    if (k < t->n)
+        for (int rb = r0; rb < r1; rb += S_RB) {
+            int re = rb + S_RB < r1 ? rb + S_RB : r1;
+            for (int r = rb; r < re; r += 16)
+                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k);
+        }
+}
+
+S_AMX static void s_mm_q4_0_amx(const fi_mm_task *t, int r0, int r1) {
+    s_mm_amx(S_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);
+}
+S_AMX static void s_mm_q4_1_amx(const fi_mm_task *t, int r0, int r1) {
+    s_mm_amx(S_Q4_1, sizeof(fi_block_q4_1), t, r0, r1);
+}
+S_AMX static void s_mm_q8_0_amx(const fi_mm_task *t, int r0, int r1) {
+    s_mm_amx(S_Q8_0, sizeof(fi_block_q8_0), t, r0, r1);
+}
+
+/* Whether this process may use the tile unit: the processor has AMX-TILE
+ * and AMX-INT8 and Linux grants the tile data state (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, which is per process and idempotent). */
+static int s_amx_usable(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8"))
+        return 0;
+#if defined(__linux__)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+#endif /* FI_HAVE_AMX */
+
 static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
     s_mm(S_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);
 }
@@ -229,4 +435,17 @@ void fi_q16_kernels_avx512(fi_q16_kernels *k) {
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
+}
+
+int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) {
+#if defined(FI_HAVE_AMX) && FI_HAVE_AMX
+    if (s_amx_usable()) {
+        k->mm_q4_0 = s_mm_q4_0_amx;
+        k->mm_q4_1 = s_mm_q4_1_amx;
+        k->mm_q8_0 = s_mm_q8_0_amx;
+        return 0;
+    }
+#endif
+    (void)k;
+    return -1;
 }

@@ -47,6 +47,13 @@ void fi_q16_kernels_avx2(fi_q16_kernels *k);
  * the quantiser stays) with AVX512-VNNI ones; call only after checking for
  * AVX2, FMA, F16C, AVX512 F/BW/VL/VNNI and ZMM OS support. */
 void fi_q16_kernels_avx512(fi_q16_kernels *k);
+/* Overwrites the matmul members of k (filled by fi_q16_kernels_avx512)
+ * with ones that give tiles of 16 tokens to the AMX-INT8 tile unit, with
+ * the same results bit for bit; 0, or -1 (k unchanged) when the processor
+ * lacks AMX, the compiler did not build it, or the OS refuses this process
+ * the tile state. Asks the OS for that state (once per process). The AMX
+ * kernels use about 56 KiB of stack. */
+int fi_q16_kernels_avx512_amx(fi_q16_kernels *k);
 #endif
 
 #endif /* FI_CPU_Q16_IMPL_H */

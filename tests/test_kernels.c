@@ -571,6 +571,7 @@ static void test_matmul16_batch_invariant(void **state) {
 #if defined(__x86_64__) || defined(__i386__)
 void fi_q16_kernels_avx2(fi_q16_kernels *k) __attribute__((weak));
 void fi_q16_kernels_avx512(fi_q16_kernels *k) __attribute__((weak));
+int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) __attribute__((weak));
 #endif
 
 static int q16_tables(fi_q16_kernels *out, const char **names) {
@@ -590,6 +591,10 @@ static int q16_tables(fi_q16_kernels *out, const char **names) {
         fi_q16_kernels_avx2(&out[n]);
         fi_q16_kernels_avx512(&out[n]);
         names[n++] = "avx512vnni";
+        /* the tile-unit variant, where there is one */
+        out[n] = out[n - 1];
+        if (fi_q16_kernels_avx512_amx && fi_q16_kernels_avx512_amx(&out[n]) == 0)
+            names[n++] = "avx512amx";
     }
 #endif
     return n;
@@ -601,8 +606,8 @@ static void test_q16_kernels_tiling(void **state) {
     static const int ns[] = {1, 2, 3, 4, 5, 8, 16, 17};
     static const int cuts[] = {0, 1, 6, 7, 10, 23, 37}; /* row ranges [cuts[i], cuts[i+1]) */
     enum { ROWS = 37, COLS = 160, NT = 19, NCUT = sizeof cuts / sizeof cuts[0] };
-    fi_q16_kernels tab[3];
-    const char *names[3];
+    fi_q16_kernels tab[4];
+    const char *names[4];
     int ntab = q16_tables(tab, names);
     rng r = {777};
     float *x = fvec((size_t)NT * COLS);
