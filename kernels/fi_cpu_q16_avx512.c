@@ -40,6 +40,7 @@
  */
 #include "fi_cpu_q16_impl.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <string.h>
 #if defined(__linux__)
@@ -410,8 +411,10 @@ S_AMX static void s_mm_q8_0_amx(const fi_mm_task *t, int r0, int r1) {
  * and AMX-INT8 and Linux grants the tile data state (arch_prctl
  * ARCH_REQ_XCOMP_PERM, which is per process and idempotent). */
 static int s_amx_usable(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8"))
+    unsigned a, b, c, d;
+    /* CPUID.(7,0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8 (not every compiler
+     * knows them as __builtin_cpu_supports names) */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 25) & 1u))
         return 0;
 #if defined(__linux__)
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
