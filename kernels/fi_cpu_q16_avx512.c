@@ -86,6 +86,32 @@ S_INLINE void s_t16(const uint8_t *const p[16], size_t off, __m512i D[4]) {
     D[3] = _mm512_shuffle_i64x2(P1, Q1, 0xEE);
 }
 
+/* Q8_0's 32 quant bytes (offset 2) of each of the 16 rows p[0..15],
+ * transposed by dwords: lane r of D[k] (k = 0..7) holds quants 4k..4k+3
+ * of row r. Two rows per 32-byte load pair, then four rows per 128-bit
+ * lane, then a 4 x 4 transpose of lanes. */
+S_INLINE void s_t16x32(const uint8_t *const p[16], __m512i D[8]) {
+    __m512i Z[8]; /* Z[g]: rows 2g and 2g+1 */
+    for (int g = 0; g < 8; g++)
+        Z[g] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(const void *)(p[2 * g] + 2))),
+            _mm256_loadu_si256((const __m256i *)(const void *)(p[2 * g + 1] + 2)), 1);
+    /* T[q] lane k: dword k (lo) or 4+k (hi) of rows 4q..4q+3 */
+    const __m512i il = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i ih = _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
+    for (int h = 0; h < 2; h++) {
+        __m512i T[4];
+        for (int q = 0; q < 4; q++)
+            T[q] = _mm512_permutex2var_epi32(Z[2 * q], h ? ih : il, Z[2 * q + 1]);
+        __m512i A01 = _mm512_shuffle_i64x2(T[0], T[1], 0x44), A23 = _mm512_shuffle_i64x2(T[2], T[3], 0x44);
+        __m512i B01 = _mm512_shuffle_i64x2(T[0], T[1], 0xEE), B23 = _mm512_shuffle_i64x2(T[2], T[3], 0xEE);
+        D[4 * h + 0] = _mm512_shuffle_i64x2(A01, A23, 0x88);
+        D[4 * h + 1] = _mm512_shuffle_i64x2(A01, A23, 0xDD);
+        D[4 * h + 2] = _mm512_shuffle_i64x2(B01, B23, 0x88);
+        D[4 * h + 3] = _mm512_shuffle_i64x2(B01, B23, 0xDD);
+    }
+}
+
 /* Block b of rows p[0..15] (block pointers) as W[c], c = 0..15: lane r
  * holds row r's elements 2c and 2c+1 as 16-bit integers (Q4: the
  * unsigned nibbles, c < 8 low nibbles of bytes 2c and 2c+1, c >= 8 high
@@ -97,16 +123,13 @@ S_INLINE void s_w16(int kind, const uint8_t *const p[16], __m512i W[16]) {
     const __m512i e1 = _mm512_set4_epi32((int)0x800F800Eu, (int)0x800B800Au, (int)0x80078006u, (int)0x80038002u);
     const __m512i h0 = _mm512_set4_epi32((int)0x0D800C80u, (int)0x09800880u, (int)0x05800480u, (int)0x01800080u);
     const __m512i h1 = _mm512_set4_epi32((int)0x0F800E80u, (int)0x0B800A80u, (int)0x07800680u, (int)0x03800280u);
-    __m512i D[4];
+    __m512i D[8];
     if (kind == S_Q8_0) {
-        /* quants at offset 2: elements 16h + 4k .. 16h + 4k + 3 in D[k] of
-         * half h, sign-extended from the high byte */
-        for (int h = 0; h < 2; h++) {
-            s_t16(p, 2 + 16 * (size_t)h, D);
-            for (int k = 0; k < 4; k++) {
-                W[8 * h + 2 * k] = _mm512_srai_epi16(_mm512_shuffle_epi8(D[k], h0), 8);
-                W[8 * h + 2 * k + 1] = _mm512_srai_epi16(_mm512_shuffle_epi8(D[k], h1), 8);
-            }
+        /* quants 4k..4k+3 in D[k], sign-extended from the high byte */
+        s_t16x32(p, D);
+        for (int k = 0; k < 8; k++) {
+            W[2 * k] = _mm512_srai_epi16(_mm512_shuffle_epi8(D[k], h0), 8);
+            W[2 * k + 1] = _mm512_srai_epi16(_mm512_shuffle_epi8(D[k], h1), 8);
         }
         return;
     }
@@ -295,11 +318,10 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
             const int bn = b + 1, sb = bn & 1;
             __m512i D[4];
             if (kind == S_Q8_0) {
-                for (int h = 0; h < 2; h++) {
-                    s_t16(p, 2 + 16 * (size_t)h, D);
-                    for (int q = 0; q < 4; q++)
-                        _mm512_store_si512(bt[sb][4 * h + q], D[q]);
-                }
+                __m512i D8[8];
+                s_t16x32(p, D8);
+                for (int q = 0; q < 8; q++)
+                    _mm512_store_si512(bt[sb][q], D8[q]);
             } else {
                 const __m512i m4 = _mm512_set1_epi8(0x0f);
                 s_t16(p, kind == S_Q4_1 ? 4 : 2, D);
