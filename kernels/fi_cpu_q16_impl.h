@@ -8,7 +8,13 @@
  * against an exact reference, enough to flip greedy choices whose margin is
  * well above any near tie; 16-bit activations keep the error within ~0.02
  * (measured by tests/test_golden.c) while the products stay in integer
- * SIMD (vpmaddwd: 16 products per instruction).
+ * SIMD (vpmaddwd: 16 products per instruction; vpdpwssd on 512 bits: 32;
+ * AMX-INT8 on the quants split into two bytes, fi_cpu_q16_avx512.c).
+ *
+ * Every kernel here is batch-invariant: a (row, token) result is the same
+ * bits whatever the number of tokens in the call and whatever row range
+ * it is computed in (the scheduler's batched decode equals one sequence
+ * alone). Kernels of different flavours may differ in the last bits.
  */
 #ifndef FI_CPU_Q16_IMPL_H
 #define FI_CPU_Q16_IMPL_H
