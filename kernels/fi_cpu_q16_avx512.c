@@ -255,7 +255,7 @@ S_INLINE void s_mm(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
  * rows x 16 tokens come from the tile unit, which multiplies bytes: each
  * activation quant is split exactly as x = 256 * hi + lo (hi = x >> 8
  * signed, lo = x & 255 unsigned), and isum = 256 * (W . hi) + (W . lo),
- * two tile products per block, exact in 32 bits (|W . hi| * 256 < 2^27).
+ * two tile products per block, exact in 32 bits (|isum| < 2^28 as above).
  * The weights' block is the same 16-row dword transpose as above, which
  * is the tile unit's B layout (four consecutive k of a column per dword).
  * isum is then the very integer the vpdpwssd path computes, and it goes
@@ -275,9 +275,10 @@ typedef struct s_tilecfg {
     uint8_t rows[16];    /* rows of each tile */
 } s_tilecfg;
 
-/* Tiles: 0 and 1 the sums with hi and lo (16 tokens x 16 rows, int32), 2
- * and 3 the hi and lo bytes (16 tokens x 32 elements), 4 the weights (8
- * rows of 4 elements x 16 weight rows). */
+/* Tiles: 0 and 1 the sums with hi and lo (16 tokens x 16 rows, int32) of
+ * even blocks, 5 and 6 those of odd blocks; 2 and 3 the hi and lo bytes
+ * (16 tokens x 32 elements); 4 the weights (8 rows of 4 elements x 16
+ * weight rows). */
 S_AMX_INLINE void s_amx_config(void) {
     s_tilecfg c;
     memset(&c, 0, sizeof c);
