@@ -667,7 +667,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     edge_job *job = NULL;
     s_req *r = calloc(1, sizeof *r);
     edge_decision *d = calloc(1, sizeof *d);
-    char msg[512], *rendered = NULL;
+    char msg[512];
     if (!r || !d) {
         rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory");
         goto done;
@@ -696,27 +696,14 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     int32_t *ids = NULL;
     int n_ids = -1;
     if (e->model) {
-        const fi_tok *tok = fi_model_tok(e->model);
         char terr[256];
-        rendered = chat ? fi_tok_chat(tok, r->msgs, r->n_msgs, 1, terr, sizeof terr)
-                        : strdup(r->prompt);
-        if (!rendered) {
-            rc = s_error(e, c, 500, "internal_error", NULL, NULL, "cannot render the prompt: %s",
-                         chat ? terr : "out of memory");
+        ids = edge_prompt_tokens(fi_model_tok(e->model), chat ? r->msgs : NULL, r->n_msgs,
+                                 r->prompt, (size_t)e->conf.max_body * 2, &n_ids, terr,
+                                 sizeof terr);
+        if (!ids) {
+            rc = s_error(e, c, 500, "internal_error", NULL, NULL, "%s", terr);
             goto done;
         }
-        size_t rl = strlen(rendered);
-        int bos = !chat && fi_tok_add_bos(tok) && fi_tok_bos(tok) >= 0;
-        if (rl > (size_t)e->conf.max_body * 2) rl = (size_t)e->conf.max_body * 2;
-        int need = fi_tok_encode(tok, rendered, rl, chat, NULL, 0);
-        ids = need >= 0 ? malloc(((size_t)need + 2) * sizeof *ids) : NULL;
-        if (!ids || fi_tok_encode(tok, rendered, rl, chat, ids + bos, need) != need) {
-            free(ids);
-            rc = s_error(e, c, 500, "internal_error", NULL, NULL, "cannot tokenise the prompt");
-            goto done;
-        }
-        if (bos) ids[0] = fi_tok_bos(tok);
-        n_ids = need + bos;
         if (n_ids == 0) {
             free(ids);
             rc = s_error(e, c, 400, "invalid_value", chat ? "messages" : "prompt", NULL,
@@ -894,7 +881,6 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     rc = s_json(c, 200, o, hdrs);
 done:
     if (job) edge_job_unref(&job);
-    free(rendered);
     free(r);
     free(d);
     json_decref(root);

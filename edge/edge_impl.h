@@ -110,6 +110,14 @@ void edge_job_finish(edge_job *j, const char *finish, int n_prompt, int n_gen);
 void edge_job_fail(edge_job *j, int http_status, const char *code, const char *msg);
 double edge_now(void);
 
+/* A request's prompt as tokens of tok (edge_prompt.c): msgs rendered with
+ * the chat template and encoded with special tokens, or (msgs NULL) the raw
+ * prompt after BOS when the model wants one; at most max_len bytes of the
+ * text are encoded. malloc'd, *n tokens (may be 0); NULL with a message. */
+int32_t *edge_prompt_tokens(const fi_tok *tok, const fi_chat_msg *msgs, int n_msgs,
+                            const char *prompt, size_t max_len, int *n, char *err,
+                            size_t errlen);
+
 /* --- executors -------------------------------------------------------- */
 
 typedef struct edge_exec {

@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include "fabric/harness.h"
+#include "edge_impl.h"
 
 typedef struct s_engine_worker {
     const harness *h;     /* whose coordinator */
@@ -87,6 +88,8 @@ static void test_engine_through_fabric(void **state) {
     rq.prompt = (char *)"What is the capital of France? Answer in one word.";
     rq.max_tokens = 16;
     rq.temperature = 0; /* greedy */
+    rq.tenant = (char *)"oncology"; /* the prefix cache's salt */
+    rq.zone = (char *)"EU";
     int rc = -1;
     for (int i = 0; i < 50 && rc != 0; i++) { /* until the worker has said Hello */
         memset(&t, 0, sizeof t);
@@ -201,6 +204,28 @@ static void test_engine_through_fabric(void **state) {
         assert_int_equal(w.be.generate(w.be.ctx, &q, h_on_text, &one, &g, err, sizeof err), 0);
         assert_string_equal(tx[i].buf, one.buf);
     }
+    /* The blocks the worker cached are found under the hashes an edge
+     * computes for the same chat (edge_http.c: the chat template, encoded
+     * with its special tokens, fi_prefix_hashes with tenant and zone), and
+     * not under another tenant's. */
+    uint8_t bits[FI_SHARD_FILTER_BYTES];
+    assert_int_equal(w.be.prefix_filter(w.be.ctx, bits, sizeof bits), 0);
+    int n_ids = 0;
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU};
+    fi_model *edge_model = fi_model_load(FI_TEST_MODEL, &mo, err, sizeof err);
+    assert_non_null(edge_model);
+    fi_chat_msg one_user = {"user", rq.prompt}; /* a prompt without messages is one user message */
+    int32_t *toks = edge_prompt_tokens(fi_model_tok(edge_model), &one_user, 1, NULL, 1 << 20,
+                                       &n_ids, err, sizeof err);
+    assert_non_null(toks);
+    uint64_t hs[64];
+    int nh = fi_prefix_hashes("oncology", "EU", toks, n_ids, hs, 64);
+    assert_true(nh >= 2);
+    assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), nh);
+    nh = fi_prefix_hashes("radiology", "EU", toks, n_ids, hs, 64);
+    assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), 0);
+    free(toks);
+    fi_model_destroy(&edge_model);
     w.be.destroy(w.be.ctx);
     h_stop(&h);
 }
