@@ -533,15 +533,11 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
              c->o.policy ? cands[pick].v.rules : "no policy re-check",
              "; ", w->rec.fpr, hit, rq->n_prefix_hashes, fi_route_load(&rcs[pick]),
              rcs[pick].affinity ? "; same conversation" : "");
-    s_audit_route(c, e, rq, "permit", w->rec.site, rules, cands[pick].v.digest);
-    if (aff) {
-        aff->key = conv;
-        aff->worker = w->serial;
-    }
     if (c->n_reqs == c->cap_reqs) {
         size_t cap = c->cap_reqs ? 2 * c->cap_reqs : 64;
         s_req *nr = realloc(c->reqs, cap * sizeof *nr);
         if (!nr) {
+            s_audit_route(c, e, rq, "error", w->rec.site, "out of memory", cands[pick].v.digest);
             s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_INTERNAL,
                          "out of memory");
             return;
@@ -565,13 +561,25 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     Fi__InferRequest fwd = *rq;
     fwd.request_id = cid;
     fwd.origin = &origin;
+    /* What only the router needs stays here: the end user's id, the hashes. */
+    fwd.user = (char *)"";
+    fwd.n_prefix_hashes = 0;
+    fwd.prefix_hashes = NULL;
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_INFER;
     m.infer = &fwd;
     if (s_send_msg(c, c->router, w->rid, w->rid_len, &m) != 0) {
+        s_audit_route(c, e, rq, "unavailable", w->rec.site, "the worker's queue is full",
+                      cands[pick].v.digest);
         s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY,
                      "the worker's queue is full");
         return;
+    }
+    /* Recorded once it is on its way. */
+    s_audit_route(c, e, rq, "permit", w->rec.site, rules, cands[pick].v.digest);
+    if (aff) {
+        aff->key = conv;
+        aff->worker = w->serial;
     }
     c->n_reqs++;
     e->in_flight++;

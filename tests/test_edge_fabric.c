@@ -22,6 +22,7 @@
 #include <cmocka.h>
 
 #include "fabric/harness.h"
+#include "fi_audit.h"
 #include "fi_bundle.h"
 #include "edge_impl.h"
 #include "fi_edge.h"
@@ -270,6 +271,16 @@ static void test_routed(void **state) {
     assert_true(has(&r, "secret nowhere"));
 }
 
+typedef struct s_conv_scan {
+    int same_conversation; /* coordinator records naming the conversation */
+} s_conv_scan;
+
+static int s_conv_row(const fi_audit_record *r, void *arg) {
+    s_conv_scan *cs = arg;
+    cs->same_conversation += strstr(r->rules, "same conversation") != NULL;
+    return 0;
+}
+
 static int http_chat(int port, const char *body, resp *r) {
     char req[4096];
     snprintf(req, sizeof req,
@@ -305,9 +316,20 @@ static void test_routed_chat_fields(void **state) {
     assert_int_equal(sn.raw, 0);
     assert_int_equal(sn.n_stop, 1);
     assert_string_equal(sn.stop0, "zzz");
-    assert_string_equal(sn.user, "alice");
+    assert_string_equal(sn.user, ""); /* the end user's id stays at the coordinator */
     assert_string_equal(sn.zone, "EU");
     assert_int_equal(sn.n_hashes, 0); /* this edge has no model: no tokenizer */
+    /* The user reached the coordinator: a second turn of alice's
+     * conversation goes where the first went, and its record says so. */
+    assert_int_equal(http_chat(f->port, b, &r), 0);
+    assert_int_equal(r.status, 200);
+    fi_coord_audit_wait(f->h.c);
+    s_conv_scan cs = {0};
+    char err[256];
+    assert_int_equal(fi_audit_query(fi_ship_audit(fi_coord_ship(f->h.c)), NULL, s_conv_row, &cs,
+                                    err, sizeof err),
+                     0);
+    assert_true(cs.same_conversation >= 1);
     /* A completion travels as raw text. */
     assert_int_equal(http_post(f->port, NULL,
                                "{\"model\":\"echo-model\",\"prompt\":\"go on\",\"top_p\":0.75}",
