@@ -1,0 +1,17 @@
+# group.cmake - shard groups' extra test set-up (included by
+# tests/CMakeLists.txt after every tests/test_*.c is registered).
+#
+#  - test_group_conf, test_group_net: unit tests of the group's files,
+#    plans, mesh and collectives; they run in the sanitizer build (asan).
+#  - the process tests (test_group_procs) start ranks as processes and time
+#    failures in heartbeats: they run alone (RUN_SERIAL), so a parallel
+#    ctest does not starve the processes they watch.
+if(NOT TARGET fi_fabric)
+  return()
+endif()
+
+foreach(name test_group_conf test_group_net)
+  if(TEST ${name})
+    set_tests_properties(${name} PROPERTIES LABELS asan TIMEOUT 120)
+  endif()
+endforeach()
