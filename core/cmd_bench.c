@@ -141,6 +141,7 @@ static void s_usage(FILE *f) {
             "  -r, --reps N             repetitions; medians are reported (default 3)\n"
             "      --simd MODE          auto, portable or avx2 (default auto)\n"
             "      --device DEV         cpu, cuda or auto (default auto: CUDA when present)\n"
+            "      --serve              the serving benchmarks instead (see --serve --help)\n"
             "  -h, --help               this text\n");
 }
 
@@ -163,6 +164,8 @@ static int32_t s_argmax(const float *x, int n) {
 }
 
 int fi_cmd_bench(int argc, char **argv) {
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--serve")) return fi_cmd_bench_serve(argc, argv);
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},        {"threads", required_argument, 0, 't'},
         {"prompt-tokens", required_argument, 0, 'P'}, {"gen-tokens", required_argument, 0, 'G'},
@@ -199,7 +202,7 @@ int fi_cmd_bench(int argc, char **argv) {
         return 2;
     }
     char err[512];
-    fi_model_opts mo = {(int)threads, simd, 0, device};
+    fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .device = device};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);

@@ -229,7 +229,7 @@ int fi_cmd_run(int argc, char **argv) {
     char *text = NULL;
     int32_t *ids = NULL;
     fi_session *s = NULL;
-    fi_model_opts mo = {(int)threads, simd, (int)act_bits, device};
+    fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .act_bits = (int)act_bits, .device = device};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);

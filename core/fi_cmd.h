@@ -14,6 +14,7 @@ extern "C" {
 
 int fi_cmd_run(int argc, char **argv);     /* fedinfer run     */
 int fi_cmd_bench(int argc, char **argv);   /* fedinfer bench   */
+int fi_cmd_bench_serve(int argc, char **argv); /* fedinfer bench --serve */
 int fi_cmd_inspect(int argc, char **argv); /* fedinfer inspect */
 
 /* The model path used when -m is not given: $FEDINFER_MODEL, else the

@@ -13,6 +13,7 @@
 
 #include "fi_model.h"
 #include "fi_textstream.h"
+#include "gen_impl.h"
 
 static double s_now(void) {
     struct timespec ts;
@@ -39,12 +40,40 @@ const char *fi_stop_reason_name(fi_stop_reason r) {
     return "unknown";
 }
 
-/* Hands released text to the callback; returns nonzero when it cancels. */
-static int s_emit(fi_textstream *ts, const fi_gen_opts *o, int flush) {
+int fi_gen_emit(fi_textstream *ts, fi_text_fn on_text, void *user, int flush) {
     size_t n;
     const char *p = fi_textstream_take(ts, flush, &n);
-    if (n && o->on_text) return o->on_text(o->user, p, n);
+    if (n && on_text) return on_text(user, p, n);
     return 0;
+}
+
+int fi_gen_is_greedy(const fi_sampler_params *p) {
+    return !(p->temperature > 0.0f) && (p->repeat_penalty == 1.0f || p->repeat_penalty <= 0.0f);
+}
+
+int fi_gen_push_token(const fi_tok *tok, fi_textstream *ts, int32_t id, char *err,
+                      size_t errlen) {
+    char piece[256];
+    int len = fi_tok_piece(tok, id, piece, sizeof piece);
+    if (len < 0) {
+        s_err(err, errlen, "sampled token %d has no text", id);
+        return -1;
+    }
+    char *big = NULL;
+    const char *pp = piece;
+    if ((size_t)len > sizeof piece) { /* rare: a very long token */
+        big = malloc((size_t)len);
+        if (!big || fi_tok_piece(tok, id, big, (size_t)len) != len) {
+            free(big);
+            s_err(err, errlen, "out of memory");
+            return -1;
+        }
+        pp = big;
+    }
+    int hit = fi_textstream_push(ts, pp, (size_t)len);
+    free(big);
+    if (hit < 0) s_err(err, errlen, "out of memory");
+    return hit;
 }
 
 int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt, const fi_gen_opts *o,
@@ -88,8 +117,7 @@ int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt, const fi_gen
 
     /* Greedy without a repetition penalty needs only the argmax: on a
      * backend that computes it, the logits never leave the device. */
-    int greedy = !(o->sampling.temperature > 0.0f) &&
-                 (o->sampling.repeat_penalty == 1.0f || o->sampling.repeat_penalty <= 0.0f);
+    int greedy = fi_gen_is_greedy(&o->sampling);
     int32_t next = 0;
     double t0 = s_now();
     if (greedy ? fi_session_eval_greedy(s, prompt, n_prompt, &next, err, errlen)
@@ -100,7 +128,6 @@ int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt, const fi_gen
     r.prefill_s = t1 - t0;
     r.stop = FI_STOP_LENGTH;
 
-    char piece[256];
     for (;;) {
         if (r.n_generated >= o->max_tokens) {
             r.stop = FI_STOP_LENGTH;
@@ -113,33 +140,13 @@ int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt, const fi_gen
             r.stop = FI_STOP_EOG;
             break;
         }
-        int len = fi_tok_piece(tok, id, piece, sizeof piece);
-        if (len < 0) {
-            s_err(err, errlen, "sampled token %d has no text", id);
-            goto done;
-        }
-        char *big = NULL;
-        const char *pp = piece;
-        if ((size_t)len > sizeof piece) { /* rare: a very long token */
-            big = malloc((size_t)len);
-            if (!big || fi_tok_piece(tok, id, big, (size_t)len) != len) {
-                free(big);
-                s_err(err, errlen, "out of memory");
-                goto done;
-            }
-            pp = big;
-        }
-        int hit = fi_textstream_push(ts, pp, (size_t)len);
-        free(big);
-        if (hit < 0) {
-            s_err(err, errlen, "out of memory");
-            goto done;
-        }
+        int hit = fi_gen_push_token(tok, ts, id, err, errlen);
+        if (hit < 0) goto done;
         if (hit) {
             r.stop = FI_STOP_STRING;
             break;
         }
-        if (s_emit(ts, o, 0)) {
+        if (fi_gen_emit(ts, o->on_text, o->user, 0)) {
             r.stop = FI_STOP_CANCEL;
             break;
         }
@@ -155,7 +162,8 @@ int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt, const fi_gen
                    : fi_session_eval(s, &id, 1, logits, NULL, err, errlen))
             goto done;
     }
-    if (r.stop != FI_STOP_CANCEL && s_emit(ts, o, 1)) r.stop = FI_STOP_CANCEL;
+    if (r.stop != FI_STOP_CANCEL && fi_gen_emit(ts, o->on_text, o->user, 1))
+        r.stop = FI_STOP_CANCEL;
     r.decode_s = s_now() - t1;
     rc = 0;
 done:

@@ -18,25 +18,28 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "fi_model.h"
 
-/* Most tokens a forward pass takes at once; longer prompts go in chunks. */
+/* Most tokens a session's forward pass takes at once; longer prompts go
+ * in chunks. */
 #define FI_MAX_BATCH 256
-/* Most rows of logits computed at once (a row is n_vocab floats: 192 KiB
- * for the default model, so a whole batch of them would cost 48 MiB). */
+/* Most rows of logits a session computes at once (a row is n_vocab floats:
+ * 192 KiB for the default model, so a whole batch would cost 48 MiB). */
 #define FI_LOGIT_ROWS 16
 
 typedef struct layer {
     float *attn_norm;       /* (dim) backend memory */
     float *ffn_norm;        /* (dim) backend memory */
-    fi_weight wq;           /* (dim, dim): rows = n_heads*head_dim */
-    fi_weight wk;           /* (kv_dim, dim) */
+    fi_weight wq;           /* (q_dim, dim): this rank's query heads */
+    fi_weight wk;           /* (kv_dim, dim): this rank's KV heads */
     fi_weight wv;           /* (kv_dim, dim) */
-    fi_weight wo;           /* (dim, dim) */
-    fi_weight w_gate;       /* (ffn_dim, dim) */
-    fi_weight w_up;         /* (ffn_dim, dim) */
-    fi_weight w_down;       /* (dim, ffn_dim) */
+    fi_weight wo;           /* (dim, q_dim): the matching input columns */
+    fi_weight w_gate;       /* (ffn, dim): this rank's rows */
+    fi_weight w_up;         /* (ffn, dim) */
+    fi_weight w_down;       /* (dim, ffn): the matching input columns */
 } layer;
 
 struct fi_model {
@@ -45,30 +48,47 @@ struct fi_model {
     fi_tok *tok;            /* tokenizer */
     fi_backend *be;         /* compute backend */
     fi_config cfg;
-    fi_weight tok_embd;     /* (n_vocab, dim) */
+    fi_shard_plan plan;     /* normalised: every range filled in */
+    int sliced;             /* the plan is not the whole model */
+    /* This rank's sizes (the whole model's without a plan). */
+    int n_local_layers, n_heads_l, n_kv_l, q_dim_l, kv_dim_l, ffn_l;
+    fi_weight tok_embd;     /* (n_vocab, dim); absent (data NULL) per plan */
     fi_weight output;       /* (n_vocab, dim); a copy of tok_embd when tied */
-    float *output_norm;     /* (dim) backend memory */
-    layer *layers;          /* n_layers */
+    float *output_norm;     /* (dim) backend memory; NULL per plan */
+    layer *layers;          /* n_local_layers: plan.layer_begin.. */
+    void **owned;           /* slices copied out of the file (plans) */
+    int n_owned;
+    fi_allreduce_fn allreduce; /* tensor-parallel sum, or NULL */
+    void *allreduce_user;
+};
+
+struct fi_kvpool {
+    fi_model *m;
+    int n_blocks, max_tokens, max_out;
+    uint16_t *kcache;       /* (layers, n_blocks*FI_KV_BLOCK, kv_dim) fp16, backend */
+    uint16_t *vcache;
+    /* Activations for up to max_tokens tokens, backend memory. */
+    float *x;               /* (n, dim) residual stream */
+    float *xb;              /* (n, dim) normed input / attention output */
+    float *q;               /* (n, max(q_dim, dim)) queries, then projections */
+    float *k;               /* (n, kv_dim) */
+    float *v;               /* (n, kv_dim) */
+    float *hb;              /* (n, ffn) gate, then swiglu */
+    float *hb2;             /* (n, ffn) up */
+    float *logits;          /* (max_out, n_vocab) */
+    int32_t *toks, *pos, *seq, *slot; /* (n) backend memory */
+    int32_t *tables;        /* backend memory, tables_cap entries */
+    size_t tables_cap;
+    int32_t *slot_host;     /* (n) */
 };
 
 struct fi_session {
     fi_model *m;
+    fi_kvpool *kv;          /* n_ctx / FI_KV_BLOCK blocks, in order */
     int n_ctx;              /* positions the cache holds */
     int pos;                /* positions filled */
-    uint16_t *kcache;       /* (n_layers, n_ctx, kv_dim) fp16, backend memory */
-    uint16_t *vcache;       /* (n_layers, n_ctx, kv_dim) fp16 */
-    /* Activations for up to FI_MAX_BATCH tokens, backend memory. */
-    float *x;               /* (batch, dim) residual stream */
-    float *xb;              /* (batch, dim) normed input / attention output */
-    float *q;               /* (batch, dim) */
-    float *k;               /* (batch, kv_dim) */
-    float *v;               /* (batch, kv_dim) */
-    float *hb;              /* (batch, ffn_dim) gate, then swiglu */
-    float *hb2;             /* (batch, ffn_dim) up */
-    float *logits;          /* (FI_LOGIT_ROWS, n_vocab) */
-    int32_t *toks;          /* (batch) backend memory */
-    int32_t *pos_buf;       /* (batch) backend memory */
-    int32_t *pos_host;      /* (batch) host copy */
+    int32_t *table;         /* 0, 1, 2, ...: blocks of the session */
+    int32_t *pos_host, *seq_host, *rows_host; /* (FI_MAX_BATCH) */
 };
 
 static void s_err(char *err, size_t errlen, const char *fmt, ...) {
@@ -216,10 +236,13 @@ static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t er
     return be;
 }
 
-/* Binds a weight matrix: the tensor must exist, be 2-D (rows, cols) of a
- * type the kernels support. */
-static int s_bind_weight(fi_model *m, fi_weight *w, const char *name, int rows, int cols,
-                         char *err, size_t errlen) {
+/* Binds rows [r0, r0+nr) and columns [c0, c0+nc) of a weight matrix (nr
+ * or nc 0: all): the tensor must exist and be 2-D (rows, cols) of a type the
+ * kernels support. The whole matrix is read in place from the mapping; a
+ * slice (shard plans) is copied into memory the model owns, columns on
+ * block boundaries (fi_shard_plan_check made sure). */
+static int s_bind_slice(fi_model *m, fi_weight *w, const char *name, int rows, int cols, int r0,
+                        int nr, int c0, int nc, char *err, size_t errlen) {
     const fi_gguf_tensor *t = fi_gguf_find_tensor(m->gguf, name);
     if (!t) {
         s_err(err, errlen, "%s: tensor '%s' is missing", m->path, name);
@@ -237,18 +260,45 @@ static int s_bind_weight(fi_model *m, fi_weight *w, const char *name, int rows, 
               name, (long long)t->ne[0], (long long)n1, cols, rows);
         return -1;
     }
-    w->data = t->data;
-    w->type = t->type;
-    w->rows = rows;
-    w->cols = cols;
-    w->row_bytes = fi_dtype_row_bytes(t->type, cols);
-    w->dev = NULL;
-    if (w->row_bytes == 0 || (uint64_t)w->row_bytes * (uint64_t)rows != t->n_bytes) {
+    size_t full_row = fi_dtype_row_bytes(t->type, cols);
+    if (full_row == 0 || (uint64_t)full_row * (uint64_t)rows != t->n_bytes) {
         s_err(err, errlen, "%s: tensor '%s' holds %llu bytes, expected %llu for %d x %d %s",
               m->path, name, (unsigned long long)t->n_bytes,
-              (unsigned long long)w->row_bytes * (unsigned long long)rows, rows, cols,
+              (unsigned long long)full_row * (unsigned long long)rows, rows, cols,
               fi_dtype_name(t->type));
         return -1;
+    }
+    if (nr <= 0) r0 = 0, nr = rows;
+    if (nc <= 0) c0 = 0, nc = cols;
+    w->type = t->type;
+    w->rows = nr;
+    w->cols = nc;
+    w->row_bytes = fi_dtype_row_bytes(t->type, nc);
+    w->dev = NULL;
+    if (nr == rows && nc == cols) {
+        w->data = t->data;
+    } else {
+        size_t skip = c0 ? fi_dtype_row_bytes(t->type, c0) : 0;
+        if (w->row_bytes == 0 || (c0 && skip == 0) || r0 < 0 || r0 + nr > rows || c0 < 0 ||
+            c0 + nc > cols) {
+            s_err(err, errlen, "%s: tensor '%s': slice rows %d+%d, columns %d+%d does not fit "
+                  "[%d, %d] %s blocks", m->path, name, r0, nr, c0, nc, cols, rows,
+                  fi_dtype_name(t->type));
+            return -1;
+        }
+        void **grown = realloc(m->owned, (size_t)(m->n_owned + 1) * sizeof *grown);
+        uint8_t *copy = malloc((size_t)nr * w->row_bytes);
+        if (grown) m->owned = grown;
+        if (!grown || !copy) {
+            free(copy);
+            s_err(err, errlen, "out of memory for a slice of '%s'", name);
+            return -1;
+        }
+        m->owned[m->n_owned++] = copy;
+        const uint8_t *src = (const uint8_t *)t->data + (size_t)r0 * full_row + skip;
+        for (int r = 0; r < nr; r++)
+            memcpy(copy + (size_t)r * w->row_bytes, src + (size_t)r * full_row, w->row_bytes);
+        w->data = copy;
     }
     fi_backend *be = m->be;
     if (be->ops->weight_upload && be->ops->weight_upload(be->ctx, w) != 0) {
@@ -257,6 +307,11 @@ static int s_bind_weight(fi_model *m, fi_weight *w, const char *name, int rows, 
         return -1;
     }
     return 0;
+}
+
+static int s_bind_weight(fi_model *m, fi_weight *w, const char *name, int rows, int cols,
+                         char *err, size_t errlen) {
+    return s_bind_slice(m, w, name, rows, cols, 0, 0, 0, 0, err, errlen);
 }
 
 /* Copies a 1-D norm vector of n elements into backend memory as fp32. */
@@ -296,11 +351,65 @@ static float *s_bind_vector(fi_model *m, const char *name, int n, char *err, siz
     return dev;
 }
 
+int fi_shard_plan_check(const fi_shard_plan *p, const fi_config *c, int blk, char *err,
+                        size_t errlen) {
+    int le = p->layer_end ? p->layer_end : c->n_layers;
+    if (p->layer_begin < 0 || p->layer_begin >= le || le > c->n_layers) {
+        s_err(err, errlen, "shard plan: layers [%d, %d) are not a range inside the model's %d",
+              p->layer_begin, le, c->n_layers);
+        return -1;
+    }
+    if (p->kv_head_count < 0 || p->kv_head_begin < 0 ||
+        (p->kv_head_count && p->kv_head_begin + p->kv_head_count > c->n_kv_heads)) {
+        s_err(err, errlen, "shard plan: KV heads %d+%d are not inside the model's %d",
+              p->kv_head_begin, p->kv_head_count, c->n_kv_heads);
+        return -1;
+    }
+    if (p->ffn_count < 0 || p->ffn_begin < 0 ||
+        (p->ffn_count && p->ffn_begin + p->ffn_count > c->ffn_dim)) {
+        s_err(err, errlen, "shard plan: FFN slice %d+%d is not inside the model's %d",
+              p->ffn_begin, p->ffn_count, c->ffn_dim);
+        return -1;
+    }
+    if (blk < 1) blk = 1;
+    if (p->ffn_count && (p->ffn_begin % blk || p->ffn_count % blk)) {
+        s_err(err, errlen,
+              "shard plan: FFN slice %d+%d is off the weights' quantisation block of %d "
+              "columns (ffn_down is split by columns)", p->ffn_begin, p->ffn_count, blk);
+        return -1;
+    }
+    int qcols = c->n_heads / c->n_kv_heads * c->head_dim; /* attn_output columns per KV head */
+    if (p->kv_head_count && (p->kv_head_begin * qcols) % blk) {
+        s_err(err, errlen,
+              "shard plan: KV head %d starts attn_output column %d, off the quantisation "
+              "block of %d", p->kv_head_begin, p->kv_head_begin * qcols, blk);
+        return -1;
+    }
+    return 0;
+}
+
+/* A sliced model has copied what it needs: give the mapped weight pages
+ * back (the mapping stays, for the metadata). */
+static void s_drop_mapped_weights(fi_model *m) {
+    int64_t nt = fi_gguf_n_tensors(m->gguf);
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    for (int64_t i = 0; i < nt; i++) {
+        const fi_gguf_tensor *t = fi_gguf_tensor_at(m->gguf, i);
+        uintptr_t a = (uintptr_t)t->data, e = a + (uintptr_t)t->n_bytes;
+        lo = a < lo ? a : lo;
+        hi = e > hi ? e : hi;
+    }
+    long pg = sysconf(_SC_PAGESIZE);
+    if (pg <= 0 || hi <= lo) return;
+    uintptr_t a = (lo + (uintptr_t)pg - 1) & ~((uintptr_t)pg - 1);
+    if (hi > a) (void)madvise((void *)a, hi - a, MADV_DONTNEED);
+}
+
 static fi_model *s_load(const char *path, const fi_model_opts *opts, int *on_gpu, char *err,
                         size_t errlen);
 
 fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, size_t errlen) {
-    fi_model_opts defaults = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CPU};
+    fi_model_opts defaults = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU};
     if (!opts) opts = &defaults;
     int on_gpu = 0;
     fi_model *m = s_load(path, opts, &on_gpu, err, errlen);
@@ -354,46 +463,78 @@ static fi_model *s_load(const char *path, const fi_model_opts *opts, int *on_gpu
               c->n_vocab, fi_tok_n_vocab(m->tok));
         goto fail;
     }
-    if (s_bind_weight(m, &m->tok_embd, "token_embd.weight", c->n_vocab, c->dim, err, errlen))
-        goto fail;
-    if (fi_gguf_find_tensor(m->gguf, "output.weight")) {
-        c->tied_output = 0;
-        if (s_bind_weight(m, &m->output, "output.weight", c->n_vocab, c->dim, err, errlen))
-            goto fail;
-    } else {
-        c->tied_output = 1;
-        m->output = m->tok_embd;
-    }
-    m->output_norm = s_bind_vector(m, "output_norm.weight", c->dim, err, errlen);
-    if (!m->output_norm) goto fail;
+    c->tied_output = fi_gguf_find_tensor(m->gguf, "output.weight") == NULL;
 
-    m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
+    /* the plan: checked against the model, then normalised */
+    const fi_gguf_tensor *wo0 = fi_gguf_find_tensor(m->gguf, "blk.0.attn_output.weight");
+    const fi_gguf_tensor *wd0 = fi_gguf_find_tensor(m->gguf, "blk.0.ffn_down.weight");
+    int blk = 1;
+    if (wo0 && fi_dtype_block_elems(wo0->type) > blk) blk = fi_dtype_block_elems(wo0->type);
+    if (wd0 && fi_dtype_block_elems(wd0->type) > blk) blk = fi_dtype_block_elems(wd0->type);
+    fi_shard_plan whole = {0};
+    const fi_shard_plan *pl = opts->plan ? opts->plan : &whole;
+    if (fi_shard_plan_check(pl, c, blk, err, errlen) != 0) goto fail;
+    m->plan = *pl;
+    fi_shard_plan *P = &m->plan;
+    if (P->layer_end == 0) P->layer_end = c->n_layers;
+    if (P->kv_head_count == 0) P->kv_head_begin = 0, P->kv_head_count = c->n_kv_heads;
+    if (P->ffn_count == 0) P->ffn_begin = 0, P->ffn_count = c->ffn_dim;
+    int group = c->n_heads / c->n_kv_heads;
+    m->n_local_layers = P->layer_end - P->layer_begin;
+    m->n_kv_l = P->kv_head_count;
+    m->n_heads_l = P->kv_head_count * group;
+    m->q_dim_l = m->n_heads_l * c->head_dim;
+    m->kv_dim_l = m->n_kv_l * c->head_dim;
+    m->ffn_l = P->ffn_count;
+    m->sliced = m->n_local_layers != c->n_layers || m->n_kv_l != c->n_kv_heads ||
+                m->ffn_l != c->ffn_dim || P->no_embed || P->no_output;
+
+    int need_embd = !P->no_embed || (!P->no_output && c->tied_output);
+    if (need_embd &&
+        s_bind_weight(m, &m->tok_embd, "token_embd.weight", c->n_vocab, c->dim, err, errlen))
+        goto fail;
+    if (!P->no_output) {
+        if (c->tied_output) {
+            m->output = m->tok_embd;
+        } else if (s_bind_weight(m, &m->output, "output.weight", c->n_vocab, c->dim, err,
+                                 errlen)) {
+            goto fail;
+        }
+        m->output_norm = s_bind_vector(m, "output_norm.weight", c->dim, err, errlen);
+        if (!m->output_norm) goto fail;
+    }
+
+    m->layers = calloc((size_t)m->n_local_layers, sizeof *m->layers);
     if (!m->layers) {
         s_err(err, errlen, "out of memory");
         goto fail;
     }
-    int kv_dim = c->n_kv_heads * c->head_dim;
-    for (int l = 0; l < c->n_layers; l++) {
-        layer *L = &m->layers[l];
+    int kv_dim = c->n_kv_heads * c->head_dim, hd = c->head_dim;
+    int q0 = P->kv_head_begin * group * hd, k0 = P->kv_head_begin * hd;
+    for (int i = 0; i < m->n_local_layers; i++) {
+        int l = P->layer_begin + i;
+        layer *L = &m->layers[i];
         char name[96];
-#define BIND_W(field, suffix, rows, cols)                                                  \
+#define BIND_W(field, suffix, rows, cols, r0, nr, c0, nc)                                  \
     do {                                                                                   \
         snprintf(name, sizeof name, "blk.%d." suffix ".weight", l);                        \
-        if (s_bind_weight(m, &L->field, name, rows, cols, err, errlen)) goto fail;          \
+        if (s_bind_slice(m, &L->field, name, rows, cols, r0, nr, c0, nc, err, errlen))      \
+            goto fail;                                                                     \
     } while (0)
-        BIND_W(wq, "attn_q", c->dim, c->dim);
-        BIND_W(wk, "attn_k", kv_dim, c->dim);
-        BIND_W(wv, "attn_v", kv_dim, c->dim);
-        BIND_W(wo, "attn_output", c->dim, c->dim);
-        BIND_W(w_gate, "ffn_gate", c->ffn_dim, c->dim);
-        BIND_W(w_up, "ffn_up", c->ffn_dim, c->dim);
-        BIND_W(w_down, "ffn_down", c->dim, c->ffn_dim);
+        BIND_W(wq, "attn_q", c->dim, c->dim, q0, m->q_dim_l, 0, 0);
+        BIND_W(wk, "attn_k", kv_dim, c->dim, k0, m->kv_dim_l, 0, 0);
+        BIND_W(wv, "attn_v", kv_dim, c->dim, k0, m->kv_dim_l, 0, 0);
+        BIND_W(wo, "attn_output", c->dim, c->dim, 0, 0, q0, m->q_dim_l);
+        BIND_W(w_gate, "ffn_gate", c->ffn_dim, c->dim, P->ffn_begin, m->ffn_l, 0, 0);
+        BIND_W(w_up, "ffn_up", c->ffn_dim, c->dim, P->ffn_begin, m->ffn_l, 0, 0);
+        BIND_W(w_down, "ffn_down", c->dim, c->ffn_dim, 0, 0, P->ffn_begin, m->ffn_l);
 #undef BIND_W
         snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
         if (!(L->attn_norm = s_bind_vector(m, name, c->dim, err, errlen))) goto fail;
         snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
         if (!(L->ffn_norm = s_bind_vector(m, name, c->dim, err, errlen))) goto fail;
     }
+    if (m->sliced) s_drop_mapped_weights(m);
     return m;
 fail:
     fi_model_destroy(&m);
@@ -411,7 +552,7 @@ void fi_model_destroy(fi_model **mp) {
     if (m->be) {
         const fi_backend_ops *ops = m->be->ops;
         if (m->layers) {
-            for (int l = 0; l < m->cfg.n_layers; l++) {
+            for (int l = 0; l < m->n_local_layers; l++) {
                 layer *L = &m->layers[l];
                 s_release(m, &L->wq);
                 s_release(m, &L->wk);
@@ -428,6 +569,8 @@ void fi_model_destroy(fi_model **mp) {
         s_release(m, &m->tok_embd);
         if (m->output_norm) ops->free(m->be->ctx, m->output_norm);
     }
+    for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
+    free(m->owned);
     free(m->layers);
     fi_backend_destroy(&m->be);
     fi_tok_destroy(&m->tok);
@@ -441,22 +584,279 @@ const fi_config *fi_model_config(const fi_model *m) { return &m->cfg; }
 const fi_tok *fi_model_tok(const fi_model *m) { return m->tok; }
 const fi_gguf *fi_model_gguf(const fi_model *m) { return m->gguf; }
 fi_backend *fi_model_backend(const fi_model *m) { return m->be; }
+const fi_shard_plan *fi_model_plan(const fi_model *m) { return &m->plan; }
+
+void fi_model_set_allreduce(fi_model *m, fi_allreduce_fn fn, void *user) {
+    m->allreduce = fn;
+    m->allreduce_user = user;
+}
 
 uint64_t fi_model_weight_bytes_per_token(const fi_model *m) {
     uint64_t total = 0;
-    for (int l = 0; l < m->cfg.n_layers; l++) {
+    for (int l = 0; l < m->n_local_layers; l++) {
         const layer *L = &m->layers[l];
         const fi_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++)
             total += (uint64_t)ws[i]->rows * ws[i]->row_bytes;
     }
-    total += (uint64_t)m->output.rows * m->output.row_bytes; /* the logits matrix */
-    total += m->tok_embd.row_bytes;                          /* one embedding row */
-    total += (uint64_t)(2 * m->cfg.n_layers + 1) * m->cfg.dim * sizeof(float); /* norms */
+    if (m->output_norm) /* the logits matrix */
+        total += (uint64_t)m->output.rows * m->output.row_bytes + (uint64_t)m->cfg.dim * 4;
+    if (!m->plan.no_embed) total += m->tok_embd.row_bytes; /* one embedding row */
+    total += (uint64_t)(2 * m->n_local_layers) * m->cfg.dim * sizeof(float); /* norms */
     return total;
 }
 
-/* --- sessions ---------------------------------------------------------- */
+/* --- the paged KV pool -------------------------------------------------- */
+
+size_t fi_kv_block_bytes(const fi_model *m) {
+    return (size_t)m->n_local_layers * 2 * FI_KV_BLOCK * (size_t)m->kv_dim_l * sizeof(uint16_t);
+}
+
+fi_kvpool *fi_kvpool_new(fi_model *m, int n_blocks, int max_tokens, int max_out, char *err,
+                         size_t errlen) {
+    const fi_config *c = &m->cfg;
+    if (n_blocks < 1 || max_tokens < 1 || max_tokens > (1 << 20) || max_out < 0 ||
+        max_out > max_tokens || (size_t)n_blocks * FI_KV_BLOCK > (size_t)INT32_MAX) {
+        s_err(err, errlen, "KV pool of %d blocks for %d tokens (%d with logits) is not possible",
+              n_blocks, max_tokens, max_out);
+        return NULL;
+    }
+    fi_kvpool *p = calloc(1, sizeof *p);
+    if (!p) {
+        s_err(err, errlen, "out of memory");
+        return NULL;
+    }
+    p->m = m;
+    p->n_blocks = n_blocks;
+    p->max_tokens = max_tokens;
+    p->max_out = max_out;
+    const fi_backend_ops *ops = m->be->ops;
+    void *bc = m->be->ctx;
+    size_t cache = fi_kv_block_bytes(m) / 2 * (size_t)n_blocks;
+    size_t B = (size_t)max_tokens, qw = (size_t)(m->q_dim_l > c->dim ? m->q_dim_l : c->dim);
+    p->kcache = ops->alloc(bc, cache);
+    p->vcache = ops->alloc(bc, cache);
+    p->x = ops->alloc(bc, B * c->dim * sizeof(float));
+    p->xb = ops->alloc(bc, B * qw * sizeof(float));
+    p->q = ops->alloc(bc, B * qw * sizeof(float));
+    p->k = ops->alloc(bc, B * m->kv_dim_l * sizeof(float));
+    p->v = ops->alloc(bc, B * m->kv_dim_l * sizeof(float));
+    p->hb = ops->alloc(bc, B * m->ffn_l * sizeof(float));
+    p->hb2 = ops->alloc(bc, B * m->ffn_l * sizeof(float));
+    p->logits = max_out ? ops->alloc(bc, (size_t)max_out * (size_t)c->n_vocab * sizeof(float))
+                        : NULL;
+    p->toks = ops->alloc(bc, B * sizeof(int32_t));
+    p->pos = ops->alloc(bc, B * sizeof(int32_t));
+    p->seq = ops->alloc(bc, B * sizeof(int32_t));
+    p->slot = ops->alloc(bc, B * sizeof(int32_t));
+    p->slot_host = malloc(B * sizeof(int32_t));
+    if (!p->kcache || !p->vcache || !p->x || !p->xb || !p->q || !p->k || !p->v || !p->hb ||
+        !p->hb2 || (max_out && !p->logits) || !p->toks || !p->pos || !p->seq || !p->slot ||
+        !p->slot_host) {
+        s_err(err, errlen, "out of memory for a KV pool of %d blocks (%zu MiB)", n_blocks,
+              2 * cache >> 20);
+        fi_kvpool_destroy(&p);
+        return NULL;
+    }
+    return p;
+}
+
+void fi_kvpool_destroy(fi_kvpool **pp) {
+    if (!pp || !*pp) return;
+    fi_kvpool *p = *pp;
+    const fi_backend_ops *ops = p->m->be->ops;
+    void *bc = p->m->be->ctx;
+    void *bufs[] = {p->kcache, p->vcache, p->x,    p->xb,  p->q,    p->k,      p->v,
+                    p->hb,     p->hb2,    p->logits, p->toks, p->pos, p->seq, p->slot,
+                    p->tables};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) ops->free(bc, bufs[i]);
+    free(p->slot_host);
+    free(p);
+    *pp = NULL;
+}
+
+int fi_kvpool_blocks(const fi_kvpool *p) { return p->n_blocks; }
+int fi_kvpool_max_tokens(const fi_kvpool *p) { return p->max_tokens; }
+int fi_kvpool_max_out(const fi_kvpool *p) { return p->max_out; }
+
+/* Checks a batch against the model and the pool before any work. */
+static int s_check_batch(const fi_model *m, const fi_kvpool *kv, const fi_batch *b,
+                         const float *x_in, char *err, size_t errlen) {
+    if (b->n < 1 || b->n > kv->max_tokens) {
+        s_err(err, errlen, "batch of %d tokens; this pool takes 1..%d", b->n, kv->max_tokens);
+        return -1;
+    }
+    if (b->n_out && !m->output_norm) {
+        s_err(err, errlen, "this shard's plan has no output layer, yet logits were asked for");
+        return -1;
+    }
+    if (b->n_out < 0 || b->n_out > kv->max_out) {
+        s_err(err, errlen, "batch wants %d rows of logits; this pool takes at most %d", b->n_out,
+              kv->max_out);
+        return -1;
+    }
+    if (b->n_seqs < 1 || b->max_blocks < 1 || !b->tables || !b->pos || !b->seq) {
+        s_err(err, errlen, "batch without sequences or block tables");
+        return -1;
+    }
+    if (m->plan.no_embed ? !x_in : !b->tok) {
+        s_err(err, errlen, "batch lacks its %s", m->plan.no_embed ? "input activations" : "tokens");
+        return -1;
+    }
+    for (int t = 0; t < b->n; t++) {
+        if (!m->plan.no_embed && (b->tok[t] < 0 || b->tok[t] >= m->cfg.n_vocab)) {
+            s_err(err, errlen, "token %d at index %d is outside the vocabulary of %d", b->tok[t],
+                  t, m->cfg.n_vocab);
+            return -1;
+        }
+        if (b->seq[t] < 0 || b->seq[t] >= b->n_seqs) {
+            s_err(err, errlen, "token %d names sequence %d of %d", t, b->seq[t], b->n_seqs);
+            return -1;
+        }
+        if (b->pos[t] < 0 || b->pos[t] / FI_KV_BLOCK >= b->max_blocks) {
+            s_err(err, errlen, "token %d: position %d is outside its table of %d blocks", t,
+                  b->pos[t], b->max_blocks);
+            return -1;
+        }
+        /* every block the token's attention reads must be in the pool */
+        const int32_t *tbl = b->tables + (size_t)b->seq[t] * b->max_blocks;
+        for (int i = 0; i <= b->pos[t] / FI_KV_BLOCK; i++) {
+            if (tbl[i] < 0 || tbl[i] >= kv->n_blocks) {
+                s_err(err, errlen, "sequence %d: block %d of its table is %d; the pool has %d",
+                      b->seq[t], i, tbl[i], kv->n_blocks);
+                return -1;
+            }
+        }
+    }
+    for (int i = 0; i < b->n_out; i++) {
+        if (b->out_rows[i] < 0 || b->out_rows[i] >= b->n ||
+            (i && b->out_rows[i] <= b->out_rows[i - 1])) {
+            s_err(err, errlen, "logit row %d (token %d) is not an ascending token index < %d", i,
+                  b->out_rows[i], b->n);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The layers of the plan over the batch already in kv->x (positions,
+ * sequences, slots and tables on the backend). */
+static int s_layers(fi_model *m, fi_kvpool *kv, const fi_kv_map *map, int n, char *err,
+                    size_t errlen) {
+    const fi_config *c = &m->cfg;
+    const fi_backend_ops *ops = m->be->ops;
+    void *bc = m->be->ctx;
+    int dim = c->dim, kv_dim = m->kv_dim_l;
+    size_t layer_rows = (size_t)kv->n_blocks * FI_KV_BLOCK * (size_t)kv_dim;
+    for (int l = 0; l < m->n_local_layers; l++) {
+        const layer *L = &m->layers[l];
+        /* attention */
+        ops->rmsnorm(bc, kv->xb, kv->x, L->attn_norm, n, dim, c->norm_eps);
+        ops->matmul(bc, kv->q, &L->wq, kv->xb, n);
+        ops->matmul(bc, kv->k, &L->wk, kv->xb, n);
+        ops->matmul(bc, kv->v, &L->wv, kv->xb, n);
+        ops->rope(bc, kv->q, n, m->n_heads_l, c->head_dim, kv->pos, c->rope_theta);
+        ops->rope(bc, kv->k, n, m->n_kv_l, c->head_dim, kv->pos, c->rope_theta);
+        uint16_t *kc = kv->kcache + (size_t)l * layer_rows;
+        uint16_t *vc = kv->vcache + (size_t)l * layer_rows;
+        ops->kv_store(bc, kc, kv->k, n, kv->slot, kv_dim);
+        ops->kv_store(bc, vc, kv->v, n, kv->slot, kv_dim);
+        ops->attention(bc, kv->xb, kv->q, kc, vc, n, kv->pos, map, m->n_heads_l, m->n_kv_l,
+                       c->head_dim);
+        ops->matmul(bc, kv->q, &L->wo, kv->xb, n); /* q is free again: reuse it */
+        if (m->allreduce && m->allreduce(m->allreduce_user, kv->q, (size_t)n * dim, err, errlen))
+            return -1;
+        ops->add(bc, kv->x, kv->q, (size_t)n * dim);
+        /* feed-forward (SwiGLU) */
+        ops->rmsnorm(bc, kv->xb, kv->x, L->ffn_norm, n, dim, c->norm_eps);
+        ops->matmul(bc, kv->hb, &L->w_gate, kv->xb, n);
+        ops->matmul(bc, kv->hb2, &L->w_up, kv->xb, n);
+        ops->swiglu(bc, kv->hb, kv->hb2, (size_t)n * m->ffn_l);
+        ops->matmul(bc, kv->xb, &L->w_down, kv->hb, n);
+        if (m->allreduce &&
+            m->allreduce(m->allreduce_user, kv->xb, (size_t)n * dim, err, errlen))
+            return -1;
+        ops->add(bc, kv->x, kv->xb, (size_t)n * dim);
+    }
+    return 0;
+}
+
+/* fi_model_forward; with `next` (n_out 1, logits NULL) the argmax of the
+ * row computed by the backend instead of the logits. */
+static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float *x_in,
+                     float *x_out, float *logits, int32_t *next, char *err, size_t errlen) {
+    const fi_config *c = &m->cfg;
+    const fi_backend_ops *ops = m->be->ops;
+    void *bc = m->be->ctx;
+    if (kv->m != m) {
+        s_err(err, errlen, "KV pool belongs to another model");
+        return -1;
+    }
+    if (s_check_batch(m, kv, b, x_in, err, errlen) != 0) return -1;
+    int n = b->n;
+    for (int t = 0; t < n; t++) {
+        const int32_t *tbl = b->tables + (size_t)b->seq[t] * b->max_blocks;
+        kv->slot_host[t] = tbl[b->pos[t] / FI_KV_BLOCK] * FI_KV_BLOCK + b->pos[t] % FI_KV_BLOCK;
+    }
+    size_t tables = (size_t)b->n_seqs * (size_t)b->max_blocks;
+    if (tables > kv->tables_cap) { /* grows rarely; never inside a graph */
+        if (kv->tables) ops->free(bc, kv->tables);
+        size_t cap = tables < 1024 ? 1024 : tables * 2;
+        kv->tables = ops->alloc(bc, cap * sizeof(int32_t));
+        kv->tables_cap = kv->tables ? cap : 0;
+        if (!kv->tables) {
+            s_err(err, errlen, "out of memory for block tables of %d sequences", b->n_seqs);
+            return -1;
+        }
+    }
+    fi_kv_map map = {.seq = kv->seq, .tables = kv->tables, .max_blocks = b->max_blocks,
+                     .block_size = FI_KV_BLOCK};
+    /* A decode step of one sequence (one token, its logits wanted) goes to
+     * the backend as one recorded graph where the backend can. */
+    int graph = n == 1 && b->n_out == 1 && !m->allreduce && !m->plan.no_embed && ops->graph_begin &&
+                ops->graph_begin(bc) == 0;
+    size_t ib = (size_t)n * sizeof(int32_t);
+    if ((!m->plan.no_embed && ops->to_backend(bc, kv->toks, b->tok, ib)) ||
+        ops->to_backend(bc, kv->pos, b->pos, ib) || ops->to_backend(bc, kv->seq, b->seq, ib) ||
+        ops->to_backend(bc, kv->slot, kv->slot_host, ib) ||
+        ops->to_backend(bc, kv->tables, b->tables, tables * sizeof(int32_t)) ||
+        (m->plan.no_embed &&
+         ops->to_backend(bc, kv->x, x_in, (size_t)n * c->dim * sizeof(float))))
+        goto backend_fail;
+    if (!m->plan.no_embed) ops->get_rows(bc, kv->x, &m->tok_embd, kv->toks, n);
+    if (s_layers(m, kv, &map, n, err, errlen) != 0) {
+        if (graph) (void)ops->graph_end(bc);
+        return -1;
+    }
+    if (b->n_out) {
+        for (int i = 0; i < b->n_out; i++)
+            ops->rmsnorm(bc, kv->xb + (size_t)i * c->dim, kv->x + (size_t)b->out_rows[i] * c->dim,
+                         m->output_norm, 1, c->dim, c->norm_eps);
+        ops->matmul(bc, kv->logits, &m->output, kv->xb, b->n_out);
+    }
+    if (graph && ops->graph_end(bc)) goto backend_fail;
+    size_t V = (size_t)c->n_vocab;
+    if (b->n_out && logits &&
+        ops->to_host(bc, logits, kv->logits, (size_t)b->n_out * V * sizeof(float)))
+        goto backend_fail;
+    if (next && ops->argmax(bc, next, kv->logits, (int)V)) goto backend_fail;
+    if (x_out && ops->to_host(bc, x_out, kv->x, (size_t)n * c->dim * sizeof(float)))
+        goto backend_fail;
+    if (ops->sync(bc) != 0) goto backend_fail;
+    return 0;
+backend_fail:
+    s_err(err, errlen, "backend '%s' failed during the forward pass: %s", ops->name,
+          s_backend_error(m->be));
+    return -1;
+}
+
+int fi_model_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float *x_in,
+                     float *x_out, float *logits, char *err, size_t errlen) {
+    return s_forward(m, kv, b, x_in, x_out, logits, NULL, err, errlen);
+}
+
+/* --- sessions: one sequence in a private pool --------------------------- */
 
 fi_session *fi_session_new(fi_model *m, int n_ctx, char *err, size_t errlen) {
     const fi_config *c = &m->cfg;
@@ -466,6 +866,10 @@ fi_session *fi_session_new(fi_model *m, int n_ctx, char *err, size_t errlen) {
               n_ctx, c->ctx_train);
         return NULL;
     }
+    if (m->plan.no_embed || !m->output_norm) {
+        s_err(err, errlen, "a session needs the whole pipeline; this shard's plan is one stage");
+        return NULL;
+    }
     fi_session *s = calloc(1, sizeof *s);
     if (!s) {
         s_err(err, errlen, "out of memory");
@@ -473,28 +877,21 @@ fi_session *fi_session_new(fi_model *m, int n_ctx, char *err, size_t errlen) {
     }
     s->m = m;
     s->n_ctx = n_ctx;
-    const fi_backend_ops *ops = m->be->ops;
-    void *bc = m->be->ctx;
-    size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim;
-    size_t cache = (size_t)c->n_layers * (size_t)n_ctx * kv_dim * sizeof(uint16_t);
-    size_t B = FI_MAX_BATCH;
-    s->kcache = ops->alloc(bc, cache);
-    s->vcache = ops->alloc(bc, cache);
-    s->x = ops->alloc(bc, B * c->dim * sizeof(float));
-    s->xb = ops->alloc(bc, B * c->dim * sizeof(float));
-    s->q = ops->alloc(bc, B * c->dim * sizeof(float));
-    s->k = ops->alloc(bc, B * kv_dim * sizeof(float));
-    s->v = ops->alloc(bc, B * kv_dim * sizeof(float));
-    s->hb = ops->alloc(bc, B * c->ffn_dim * sizeof(float));
-    s->hb2 = ops->alloc(bc, B * c->ffn_dim * sizeof(float));
-    s->logits = ops->alloc(bc, (size_t)FI_LOGIT_ROWS * (size_t)c->n_vocab * sizeof(float));
-    s->toks = ops->alloc(bc, B * sizeof(int32_t));
-    s->pos_buf = ops->alloc(bc, B * sizeof(int32_t));
-    s->pos_host = malloc(B * sizeof(int32_t));
-    if (!s->kcache || !s->vcache || !s->x || !s->xb || !s->q || !s->k || !s->v || !s->hb ||
-        !s->hb2 || !s->logits || !s->toks || !s->pos_buf || !s->pos_host) {
-        s_err(err, errlen, "out of memory for a session of %d tokens (%zu MiB of KV cache)",
-              n_ctx, 2 * cache >> 20);
+    int nb = (n_ctx + FI_KV_BLOCK - 1) / FI_KV_BLOCK;
+    s->table = malloc((size_t)nb * sizeof *s->table);
+    s->pos_host = malloc(FI_MAX_BATCH * sizeof(int32_t));
+    s->seq_host = calloc(FI_MAX_BATCH, sizeof(int32_t));
+    s->rows_host = malloc(FI_MAX_BATCH * sizeof(int32_t));
+    if (!s->table || !s->pos_host || !s->seq_host || !s->rows_host) {
+        s_err(err, errlen, "out of memory");
+        fi_session_destroy(&s);
+        return NULL;
+    }
+    for (int i = 0; i < nb; i++) s->table[i] = i;
+    char why[256];
+    s->kv = fi_kvpool_new(m, nb, FI_MAX_BATCH, FI_LOGIT_ROWS, why, sizeof why);
+    if (!s->kv) {
+        s_err(err, errlen, "session of %d tokens: %s", n_ctx, why);
         fi_session_destroy(&s);
         return NULL;
     }
@@ -504,13 +901,11 @@ fi_session *fi_session_new(fi_model *m, int n_ctx, char *err, size_t errlen) {
 void fi_session_destroy(fi_session **sp) {
     if (!sp || !*sp) return;
     fi_session *s = *sp;
-    const fi_backend_ops *ops = s->m->be->ops;
-    void *bc = s->m->be->ctx;
-    void *bufs[] = {s->kcache, s->vcache, s->x,      s->xb,   s->q,    s->k,
-                    s->v,      s->hb,     s->hb2,    s->logits, s->toks, s->pos_buf};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-        if (bufs[i]) ops->free(bc, bufs[i]);
+    fi_kvpool_destroy(&s->kv);
+    free(s->table);
     free(s->pos_host);
+    free(s->seq_host);
+    free(s->rows_host);
     free(s);
     *sp = NULL;
 }
@@ -524,59 +919,12 @@ void fi_session_rewind(fi_session *s, int pos) {
     if (pos < s->pos) s->pos = pos;
 }
 
-/* One forward pass over n <= FI_MAX_BATCH tokens at positions s->pos ..
- * s->pos+n-1. Leaves the final hidden states (before the output norm) in
- * s->x. */
-static int s_forward(fi_session *s, const int32_t *toks, int n) {
-    fi_model *m = s->m;
-    const fi_config *c = &m->cfg;
-    const fi_backend_ops *ops = m->be->ops;
-    void *bc = m->be->ctx;
-    int dim = c->dim, kv_dim = c->n_kv_heads * c->head_dim;
-
-    for (int t = 0; t < n; t++) s->pos_host[t] = s->pos + t;
-    if (ops->to_backend(bc, s->toks, toks, (size_t)n * sizeof(int32_t)) ||
-        ops->to_backend(bc, s->pos_buf, s->pos_host, (size_t)n * sizeof(int32_t)))
-        return -1;
-    ops->get_rows(bc, s->x, &m->tok_embd, s->toks, n);
-
-    for (int l = 0; l < c->n_layers; l++) {
-        const layer *L = &m->layers[l];
-        /* attention */
-        ops->rmsnorm(bc, s->xb, s->x, L->attn_norm, n, dim, c->norm_eps);
-        ops->matmul(bc, s->q, &L->wq, s->xb, n);
-        ops->matmul(bc, s->k, &L->wk, s->xb, n);
-        ops->matmul(bc, s->v, &L->wv, s->xb, n);
-        ops->rope(bc, s->q, n, c->n_heads, c->head_dim, s->pos_buf, c->rope_theta);
-        ops->rope(bc, s->k, n, c->n_kv_heads, c->head_dim, s->pos_buf, c->rope_theta);
-        size_t layer_off = (size_t)l * s->n_ctx * kv_dim + (size_t)s->pos * kv_dim;
-        ops->store_f16(bc, s->kcache + layer_off, s->k, (size_t)n * kv_dim);
-        ops->store_f16(bc, s->vcache + layer_off, s->v, (size_t)n * kv_dim);
-        const uint16_t *kc = s->kcache + (size_t)l * s->n_ctx * kv_dim;
-        const uint16_t *vc = s->vcache + (size_t)l * s->n_ctx * kv_dim;
-        ops->attention(bc, s->xb, s->q, kc, vc, n, s->pos_buf, c->n_heads, c->n_kv_heads,
-                       c->head_dim);
-        ops->matmul(bc, s->q, &L->wo, s->xb, n); /* q is free again: reuse it */
-        ops->add(bc, s->x, s->q, (size_t)n * dim);
-        /* feed-forward (SwiGLU) */
-        ops->rmsnorm(bc, s->xb, s->x, L->ffn_norm, n, dim, c->norm_eps);
-        ops->matmul(bc, s->hb, &L->w_gate, s->xb, n);
-        ops->matmul(bc, s->hb2, &L->w_up, s->xb, n);
-        ops->swiglu(bc, s->hb, s->hb2, (size_t)n * c->ffn_dim);
-        ops->matmul(bc, s->xb, &L->w_down, s->hb, n);
-        ops->add(bc, s->x, s->xb, (size_t)n * dim);
-    }
-    return 0;
-}
-
 /* fi_session_eval, and with `next` (then logits and all_logits are NULL)
  * the argmax of the last token's logits computed by the backend. */
 static int s_eval(fi_session *s, const int32_t *toks, int n, float *logits, float *all_logits,
                   int32_t *next, char *err, size_t errlen) {
     fi_model *m = s->m;
     const fi_config *c = &m->cfg;
-    const fi_backend_ops *ops = m->be->ops;
-    void *bc = m->be->ctx;
     if (n <= 0) {
         s_err(err, errlen, "nothing to evaluate (0 tokens)");
         return -1;
@@ -595,48 +943,36 @@ static int s_eval(fi_session *s, const int32_t *toks, int n, float *logits, floa
         }
     }
     size_t V = (size_t)c->n_vocab;
+    /* all logits: chunks of FI_LOGIT_ROWS tokens, every row out */
+    int chunk = all_logits ? FI_LOGIT_ROWS : FI_MAX_BATCH;
     for (int done = 0; done < n;) {
-        int b = n - done < FI_MAX_BATCH ? n - done : FI_MAX_BATCH;
-        /* A decode step (one token, its logits wanted) goes to the backend
-         * as one recorded graph where the backend can (see graph_begin). */
-        int graph = n == 1 && (logits || next) && !all_logits && ops->graph_begin &&
-                    ops->graph_begin(bc) == 0;
-        if (s_forward(s, toks + done, b) != 0) {
-            if (graph) (void)ops->graph_end(bc);
-            s_err(err, errlen, "backend '%s' failed during the forward pass: %s", ops->name,
-                  s_backend_error(m->be));
-            return -1;
+        int b = n - done < chunk ? n - done : chunk;
+        int last = done + b == n;
+        for (int t = 0; t < b; t++) {
+            s->pos_host[t] = s->pos + t;
+            s->rows_host[t] = t;
         }
-        s->pos += b;
-        int last_chunk = done + b == n;
+        fi_batch bt = {.n = b, .tok = toks + done, .pos = s->pos_host, .seq = s->seq_host,
+                       .n_seqs = 1, .tables = s->table,
+                       .max_blocks = (s->n_ctx + FI_KV_BLOCK - 1) / FI_KV_BLOCK,
+                       .out_rows = s->rows_host, .n_out = 0};
+        float *dst = NULL;
         if (all_logits) {
-            ops->rmsnorm(bc, s->xb, s->x, m->output_norm, b, c->dim, c->norm_eps);
-            for (int r = 0; r < b; r += FI_LOGIT_ROWS) {
-                int nr = b - r < FI_LOGIT_ROWS ? b - r : FI_LOGIT_ROWS;
-                ops->matmul(bc, s->logits, &m->output, s->xb + (size_t)r * c->dim, nr);
-                if (ops->to_host(bc, all_logits + (size_t)(done + r) * V, s->logits,
-                                 (size_t)nr * V * sizeof(float)))
-                    goto backend_fail;
-            }
-            if (last_chunk && logits)
-                memcpy(logits, all_logits + (size_t)(n - 1) * V, V * sizeof(float));
-        } else if (last_chunk && (logits || next)) {
-            const float *xl = s->x + (size_t)(b - 1) * c->dim;
-            ops->rmsnorm(bc, s->xb, xl, m->output_norm, 1, c->dim, c->norm_eps);
-            ops->matmul(bc, s->logits, &m->output, s->xb, 1);
-            if (graph && ops->graph_end(bc)) goto backend_fail;
-            if (logits && ops->to_host(bc, logits, s->logits, V * sizeof(float)))
-                goto backend_fail;
-            if (next && ops->argmax(bc, next, s->logits, (int)V)) goto backend_fail;
+            bt.n_out = b;
+            dst = all_logits + (size_t)done * V;
+        } else if (last && (logits || next)) {
+            s->rows_host[0] = b - 1;
+            bt.n_out = 1;
+            dst = logits;
         }
+        if (s_forward(m, s->kv, &bt, NULL, NULL, dst, last && !all_logits ? next : NULL, err,
+                      errlen) != 0)
+            return -1;
+        s->pos += b;
         done += b;
     }
-    if (ops->sync(bc) != 0) goto backend_fail;
+    if (all_logits && logits) memcpy(logits, all_logits + (size_t)(n - 1) * V, V * sizeof(float));
     return 0;
-backend_fail:
-    s_err(err, errlen, "backend '%s' failed reading back logits: %s", ops->name,
-          s_backend_error(m->be));
-    return -1;
 }
 
 int fi_session_eval(fi_session *s, const int32_t *toks, int n, float *logits, float *all_logits,

@@ -87,7 +87,7 @@ int fi_shard_engine_backend(const fi_shard_conf *conf, fi_shard_backend *out, ch
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    fi_model_opts mo = {conf->threads, FI_SIMD_AUTO, 0, FI_DEVICE_AUTO}; /* a GPU when present */
+    fi_model_opts mo = {.n_threads = conf->threads, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_AUTO}; /* a GPU when present */
     en->model = fi_model_load(conf->model, &mo, err, errlen);
     if (!en->model) {
         free(en);

@@ -341,6 +341,7 @@ typedef struct s_att_job {
     const float *q;             /* queries */
     const uint16_t *kc, *vc;    /* key and value caches, fp16 */
     const int32_t *pos;         /* position of each query token */
+    const fi_kv_map *map;       /* where each position's row is */
     int n, n_heads, n_kv_heads, head_dim;
     int segs;                   /* position segments per (token, kv head) */
     int seg_len;                /* positions per segment (last may be short) */
@@ -364,6 +365,9 @@ static void s_att_item(const s_att_job *j, int t, int kh, int seg) {
     if (p_end > j->pos[t] + 1)
         p_end = j->pos[t] + 1;
     float sc[S_ATT_CHUNK];
+    const int bs = j->map->block_size;
+    const int32_t *tbl = j->map->tables + (size_t)j->map->seq[t] * (size_t)j->map->max_blocks;
+    int cn;
     /* Heads of the group in sets of up to S_ATT_HEADS, each set walking
      * the positions chunk by chunk: a chunk's K/V rows come from L2 or
      * memory once and from L1 for the other heads of the set. */
@@ -381,10 +385,15 @@ static void s_att_item(const s_att_job *j, int t, int kh, int seg) {
             m[g] = -INFINITY;
             l[g] = 0.0f;
         }
-        for (int p0 = p_begin; p0 < p_end; p0 += S_ATT_CHUNK) {
-            int cn = p_end - p0 < S_ATT_CHUNK ? p_end - p0 : S_ATT_CHUNK;
-            const uint16_t *kr = j->kc + (size_t)p0 * kv_dim + (size_t)kh * hd;
-            const uint16_t *vr = j->vc + (size_t)p0 * kv_dim + (size_t)kh * hd;
+        for (int p0 = p_begin; p0 < p_end; p0 += cn) {
+            /* a chunk never crosses a block: its rows are contiguous */
+            int in_blk = p0 % bs;
+            cn = p_end - p0 < S_ATT_CHUNK ? p_end - p0 : S_ATT_CHUNK;
+            if (cn > bs - in_blk)
+                cn = bs - in_blk;
+            size_t row = (size_t)tbl[p0 / bs] * (size_t)bs + (size_t)in_blk;
+            const uint16_t *kr = j->kc + row * kv_dim + (size_t)kh * hd;
+            const uint16_t *vr = j->vc + row * kv_dim + (size_t)kh * hd;
             for (int g = 0; g < gn; g++) {
                 float cm = j->k->dots(sc, q[g], kr, kv_dim, cn, hd, scale);
                 if (cm > m[g]) {
@@ -454,11 +463,12 @@ static void s_att_merge(const s_att_job *j) {
 }
 
 static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
-                        const uint16_t *v, int n, const int32_t *pos, int n_heads, int n_kv_heads,
-                        int head_dim) {
+                        const uint16_t *v, int n, const int32_t *pos, const fi_kv_map *map,
+                        int n_heads, int n_kv_heads, int head_dim) {
     s_cpu *c = ctx;
-    assert(n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0);
-    s_att_job j = {.k = &c->k, .out = out, .q = q, .kc = k, .vc = v, .pos = pos, .n = n,
+    assert(n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0 && map->block_size > 0);
+    s_att_job j = {.k = &c->k, .out = out, .q = q, .kc = k, .vc = v, .pos = pos, .map = map,
+                   .n = n,
                    .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .segs = 1};
     int maxp = 0;
     for (int t = 0; t < n; t++)
@@ -520,6 +530,14 @@ static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
     c->k.to_f16(dst, src, n);
 }
 
+static void s_kv_store(void *ctx, uint16_t *cache, const float *src, int n, const int32_t *slot,
+                       int row) {
+    s_cpu *c = ctx;
+    for (int t = 0; t < n; t++)
+        c->k.to_f16(cache + (size_t)slot[t] * (size_t)row, src + (size_t)t * (size_t)row,
+                    (size_t)row);
+}
+
 static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
     s_ew_job j = {.k = &((s_cpu *)ctx)->k, .y = g, .x = u, .n = n, .swiglu = 1};
     s_ew(ctx, &j);
@@ -559,6 +577,7 @@ static const fi_backend_ops s_cpu_ops = {
     .rope = s_rope,
     .attention = s_attention,
     .store_f16 = s_store_f16,
+    .kv_store = s_kv_store,
     .swiglu = s_swiglu,
     .add = s_add,
 };

@@ -78,6 +78,15 @@ typedef enum fi_simd {
 
 typedef struct fi_backend fi_backend;
 
+/* Where each query token's keys and values are in a paged KV cache (see
+ * ops->attention). seq and tables are backend memory. */
+typedef struct fi_kv_map {
+    const int32_t *seq;    /* n: the sequence (row of tables) of each token */
+    const int32_t *tables; /* block ids, max_blocks per sequence */
+    int max_blocks;        /* entries per sequence in tables */
+    int block_size;        /* rows per block (> 0) */
+} fi_kv_map;
+
 /*
  * The operation table. All operations on one backend run in call order
  * (a backend may queue them; ops->sync waits for completion). Sizes are
@@ -114,17 +123,24 @@ typedef struct fi_backend_ops {
      * position pos[t]; angle = pos * theta^(-2i/head_dim). */
     void (*rope)(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
                  float theta);
-    /* Causal grouped-query attention of n query tokens against a cache of
-     * fp16 rows (IEEE half precision, stored by store_f16).
+    /* Causal grouped-query attention of n query tokens, which may belong
+     * to different sequences, against a paged cache of fp16 rows (IEEE
+     * half precision, written by kv_store or store_f16).
      * q:   n rows of n_heads*head_dim.
-     * k,v: cache rows, row p (position p) at k + p*kv_dim, kv_dim =
-     *      n_kv_heads*head_dim; query token t sees rows 0..pos[t].
+     * k,v: the cache of one layer: rows of kv_dim = n_kv_heads*head_dim
+     *      values, in blocks of map->block_size rows. Query token t belongs
+     *      to sequence s = map->seq[t] and sees its positions 0..pos[t];
+     *      position p of sequence s is row
+     *        map->tables[s*map->max_blocks + p/block_size]*block_size
+     *          + p%block_size.
+     *      (A contiguous cache is the map with one sequence whose table is
+     *      0, 1, 2, ...)
      * out: n rows of n_heads*head_dim. Query head h uses KV head
      *      h / (n_heads / n_kv_heads). Scale 1/sqrt(head_dim). */
     void (*attention)(void *ctx, float *out, const float *q, const uint16_t *k,
-                      const uint16_t *v, int n, const int32_t *pos, int n_heads, int n_kv_heads,
-                      int head_dim);
-    /* dst[i] = fp16(src[i]) for i < n, round to nearest even (KV cache). */
+                      const uint16_t *v, int n, const int32_t *pos, const fi_kv_map *map,
+                      int n_heads, int n_kv_heads, int head_dim);
+    /* dst[i] = fp16(src[i]) for i < n, round to nearest even. */
     void (*store_f16)(void *ctx, uint16_t *dst, const float *src, size_t n);
     /* g[i] = silu(g[i]) * u[i] for i < n (SwiGLU). */
     void (*swiglu)(void *ctx, float *g, const float *u, size_t n);
@@ -154,6 +170,13 @@ typedef struct fi_backend_ops {
      * the backend's error. */
     int (*graph_begin)(void *ctx);
     int (*graph_end)(void *ctx);
+
+    /* --- required again (placed last to keep the table's order) --- */
+    /* Writes n rows of `row` floats into a paged cache as fp16: row t of
+     * src goes to cache row slot[t] (slot: backend memory; rows are
+     * `row` values apart). Rounds to nearest even, as store_f16. */
+    void (*kv_store)(void *ctx, uint16_t *cache, const float *src, int n, const int32_t *slot,
+                     int row);
 } fi_backend_ops;
 
 struct fi_backend {

@@ -285,7 +285,10 @@ int main(int argc, char **argv) {
                 const int ctx = 1024, kv_dim = 3 * 64;
                 uint16_t *kc = malloc(sizeof(uint16_t) * ctx * kv_dim), *vc = malloc(sizeof(uint16_t) * ctx * kv_dim);
                 float *q = malloc(sizeof(float) * 64 * 576), *o = malloc(sizeof(float) * 64 * 576);
-                int32_t pos[64];
+                int32_t pos[64], seq[64] = {0}, tbl[1024 / 16];
+                for (int i = 0; i < ctx / 16; i++)
+                    tbl[i] = i; /* contiguous: one sequence, blocks in order */
+                fi_kv_map map = {.seq = seq, .tables = tbl, .max_blocks = ctx / 16, .block_size = 16};
                 for (int i = 0; i < ctx * kv_dim; i++) {
                     kc[i] = fi_fp32_to_fp16((float)(s_rand(&r) % 2001) * 1e-3f - 1.0f);
                     vc[i] = fi_fp32_to_fp16((float)(s_rand(&r) % 2001) * 1e-3f - 1.0f);
@@ -297,14 +300,14 @@ int main(int argc, char **argv) {
                     pos[0] = ctx - 1;
                     double t0 = s_now();
                     for (int i = 0; i < 20; i++)
-                        b->ops->attention(b->ctx, o, q, kc, vc, 1, pos, 9, 3, 64);
+                        b->ops->attention(b->ctx, o, q, kc, vc, 1, pos, &map, 9, 3, 64);
                     double dt = (s_now() - t0) / 20;
                     best1 = dt < best1 ? dt : best1;
                     for (int i = 0; i < 64; i++)
                         pos[i] = i;
                     t0 = s_now();
                     for (int i = 0; i < 20; i++)
-                        b->ops->attention(b->ctx, o, q, kc, vc, 64, pos, 9, 3, 64);
+                        b->ops->attention(b->ctx, o, q, kc, vc, 64, pos, &map, 9, 3, 64);
                     dt = (s_now() - t0) / 20;
                     best64 = dt < best64 ? dt : best64;
                 }

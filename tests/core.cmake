@@ -1,2 +1,2 @@
 # Core unit tests that also run in the sanitizer build.
-set_tests_properties(test_sampler test_textstream test_model PROPERTIES LABELS asan)
+set_tests_properties(test_sampler test_textstream test_model test_sched PROPERTIES LABELS asan)

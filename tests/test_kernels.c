@@ -867,43 +867,88 @@ static void ref_attention(double *out, const float *q, const float *k, const flo
         }
 }
 
-static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, float qscale) {
-    rng r = {17 + (uint64_t)n * 31 + (uint64_t)pos[0]};
+/* Attention over a paged cache: query token t belongs to sequence
+ * t % nseq; every sequence has its own random K/V rows for positions
+ * 0..maxp, stored in blocks placed in a shuffled pool (with unused blocks
+ * in between, poisoned) through kv_store. The reference sees each
+ * sequence's rows in order. */
+static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, float qscale,
+                          int nseq) {
+    rng r = {17 + (uint64_t)n * 31 + (uint64_t)pos[0] + (uint64_t)nseq * 7};
     int maxp = 0;
     for (int t = 0; t < n; t++)
         maxp = pos[t] > maxp ? pos[t] : maxp;
-    int kv_dim = nkv * hd, qd = nh * hd;
-    float *q = fvec(n * qd), *k = fvec((size_t)(maxp + 1) * kv_dim), *v = fvec((size_t)(maxp + 1) * kv_dim);
+    const int bsz = 16;
+    int kv_dim = nkv * hd, qd = nh * hd, np = maxp + 1;
+    int nblk = (np + bsz - 1) / bsz, pool = nseq * nblk * 2 + 1;
+    size_t nkvv = (size_t)np * kv_dim;
+    float *q = fvec(n * qd), *k = fvec(nseq * nkvv), *v = fvec(nseq * nkvv);
     float *out = fvec(n * qd);
     double *ref = malloc(n * qd * sizeof *ref);
+    float *qt = fvec(qd);
     for (int i = 0; i < n * qd; i++)
         q[i] = rng_f(&r, -1, 1) * qscale;
     /* the cache holds fp16: the reference sees the same rounded values */
-    size_t nkvv = (size_t)(maxp + 1) * kv_dim;
-    uint16_t *kh = malloc(nkvv * sizeof *kh), *vh = malloc(nkvv * sizeof *vh);
-    assert_true(kh && vh);
-    for (size_t i = 0; i < nkvv; i++) {
+    for (size_t i = 0; i < nseq * nkvv; i++) {
         k[i] = fi_fp16_to_fp32(fi_fp32_to_fp16(rng_f(&r, -1, 1)));
         v[i] = fi_fp16_to_fp32(fi_fp32_to_fp16(rng_f(&r, -1, 1)));
     }
-    ref_attention(ref, q, k, v, n, pos, nh, nkv, hd);
+    for (int t = 0; t < n; t++) {
+        int sq = t % nseq;
+        ref_attention(ref + (size_t)t * qd, q + (size_t)t * qd, k + sq * nkvv, v + sq * nkvv, 1,
+                      pos + t, nh, nkv, hd);
+    }
+    /* shuffled block ids: sequence s, block b -> perm[s*nblk + b] */
+    int32_t *perm = malloc(pool * sizeof *perm), *seq = malloc(n * sizeof *seq);
+    int32_t *slot = malloc(nseq * np * sizeof *slot);
+    for (int i = 0; i < pool; i++)
+        perm[i] = i;
+    for (int i = pool - 1; i > 0; i--) {
+        int j = (int)(rng_u32(&r) % (uint32_t)(i + 1)), tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    for (int t = 0; t < n; t++)
+        seq[t] = t % nseq;
+    for (int sq = 0; sq < nseq; sq++)
+        for (int p = 0; p < np; p++)
+            slot[sq * np + p] = perm[sq * nblk + p / bsz] * bsz + p % bsz;
+    fi_kv_map map = {.seq = seq, .tables = perm, .max_blocks = nblk, .block_size = bsz};
+    size_t cache_elems = (size_t)pool * bsz * kv_dim;
+    uint16_t *kh = malloc(cache_elems * sizeof *kh), *vh = malloc(cache_elems * sizeof *vh);
+    uint16_t *flat = malloc(nkvv * sizeof *flat);
+    assert_true(kh && vh && flat && perm && seq && slot && qt);
     for (int threads = 1; threads <= 3; threads++) {
         fi_backend *bs[S_FLAVOURS];
         int nb = make_backends(bs, threads);
         for (int bi = 0; bi < nb; bi++) {
             poison(out, n * qd);
-            memset(kh, 0xff, nkvv * sizeof *kh);
-            memset(vh, 0xff, nkvv * sizeof *vh);
-            bs[bi]->ops->store_f16(bs[bi]->ctx, kh, k, nkvv);
-            bs[bi]->ops->store_f16(bs[bi]->ctx, vh, v, nkvv);
+            memset(kh, 0xff, cache_elems * sizeof *kh); /* NaN: a stray read shows */
+            memset(vh, 0xff, cache_elems * sizeof *vh);
+            memset(flat, 0xff, nkvv * sizeof *flat);
+            bs[bi]->ops->store_f16(bs[bi]->ctx, flat, k, nkvv);
             for (size_t i = 0; i < nkvv; i++)
-                if (kh[i] != fi_fp32_to_fp16(k[i]) || vh[i] != fi_fp32_to_fp16(v[i]))
+                if (flat[i] != fi_fp32_to_fp16(k[i]))
                     fail_msg("store_f16 %s: element %zu differs", fi_cpu_backend_simd(bs[bi]), i);
-            bs[bi]->ops->attention(bs[bi]->ctx, out, q, kh, vh, n, pos, nh, nkv, hd);
+            for (int sq = 0; sq < nseq; sq++) {
+                bs[bi]->ops->kv_store(bs[bi]->ctx, kh, k + sq * nkvv, np, slot + sq * np, kv_dim);
+                bs[bi]->ops->kv_store(bs[bi]->ctx, vh, v + sq * nkvv, np, slot + sq * np, kv_dim);
+            }
+            for (int sq = 0; sq < nseq; sq++)
+                for (int p = 0; p < np; p++)
+                    for (int e = 0; e < kv_dim; e++) {
+                        size_t at = (size_t)slot[sq * np + p] * kv_dim + e;
+                        size_t from = sq * nkvv + (size_t)p * kv_dim + e;
+                        if (kh[at] != fi_fp32_to_fp16(k[from]) || vh[at] != fi_fp32_to_fp16(v[from]))
+                            fail_msg("kv_store %s: seq %d pos %d elem %d differs",
+                                     fi_cpu_backend_simd(bs[bi]), sq, p, e);
+                    }
+            bs[bi]->ops->attention(bs[bi]->ctx, out, q, kh, vh, n, pos, &map, nh, nkv, hd);
             for (int i = 0; i < n * qd; i++)
                 if (!(fabs(out[i] - ref[i]) <= 2e-5 * (1 + fabs(ref[i]))))
-                    fail_msg("attention %s %dt n=%d: out[%d] = %g, want %g", fi_cpu_backend_simd(bs[bi]),
-                             threads, n, i, (double)out[i], ref[i]);
+                    fail_msg("attention %s %dt n=%d seqs=%d: out[%d] = %g, want %g",
+                             fi_cpu_backend_simd(bs[bi]), threads, n, nseq, i, (double)out[i],
+                             ref[i]);
             fi_backend_destroy(&bs[bi]);
         }
     }
@@ -912,8 +957,13 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
     free(v);
     free(kh);
     free(vh);
+    free(flat);
     free(out);
     free(ref);
+    free(qt);
+    free(perm);
+    free(seq);
+    free(slot);
 }
 
 static void test_attention(void **state) {
@@ -927,15 +977,22 @@ static void test_attention(void **state) {
     int32_t p7[] = {3, 0, 9}; /* order need not be increasing */
     int32_t p8[] = {10, 400}; /* with 2+ threads positions are split; t0 has an empty segment */
     int32_t p9[] = {1000};
-    run_attention(p1, 1, 9, 3, 64, 1);
-    run_attention(p2, 1, 9, 3, 64, 1);
-    run_attention(p3, 5, 9, 3, 64, 1);
-    run_attention(p4, 4, 4, 2, 32, 1);
-    run_attention(p5, 1, 9, 3, 64, 8);  /* peaked scores over several chunks */
-    run_attention(p6, 3, 6, 6, 16, 20); /* no grouping, very peaked */
-    run_attention(p7, 3, 4, 1, 8, 1);   /* one kv head for all */
-    run_attention(p8, 2, 4, 1, 12, 2);  /* head_dim not a multiple of 8 */
-    run_attention(p9, 1, 9, 3, 64, 4);  /* decode, long context: segments */
+    run_attention(p1, 1, 9, 3, 64, 1, 1);
+    run_attention(p2, 1, 9, 3, 64, 1, 1);
+    run_attention(p3, 5, 9, 3, 64, 1, 1);
+    run_attention(p4, 4, 4, 2, 32, 1, 1);
+    run_attention(p5, 1, 9, 3, 64, 8, 1);  /* peaked scores over several chunks */
+    run_attention(p6, 3, 6, 6, 16, 20, 1); /* no grouping, very peaked */
+    run_attention(p7, 3, 4, 1, 8, 1, 1);   /* one kv head for all */
+    run_attention(p8, 2, 4, 1, 12, 2, 1);  /* head_dim not a multiple of 8 */
+    run_attention(p9, 1, 9, 3, 64, 4, 1);  /* decode, long context: segments */
+    /* several sequences in one call (continuous batching) */
+    int32_t q1[] = {40, 17, 0, 33};           /* 4 sequences decoding */
+    int32_t q2[] = {5, 6, 7, 8, 300, 301};    /* 2 sequences, prefill chunks */
+    int32_t q3[] = {15, 16, 31, 32, 47, 700}; /* block edges, 3 sequences */
+    run_attention(q1, 4, 9, 3, 64, 1, 4);
+    run_attention(q2, 6, 9, 3, 64, 2, 2);
+    run_attention(q3, 6, 4, 1, 12, 1, 3);
 }
 
 static void test_swiglu_add(void **state) {

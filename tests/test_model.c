@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <pthread.h>
 
 #include <cmocka.h>
 
@@ -32,7 +33,7 @@ static const char *s_write(const fi_gw_llama_opts *o) {
 
 static fi_model *s_load(const fi_gw_llama_opts *o, fi_simd simd, int threads) {
     char err[512];
-    fi_model_opts mo = {threads, simd, 0, FI_DEVICE_CPU};
+    fi_model_opts mo = {.n_threads = threads, .simd = simd, .device = FI_DEVICE_CPU};
     fi_model *m = fi_model_load(s_write(o), &mo, err, sizeof err);
     if (!m) fail_msg("load failed: %s", err);
     unlink(s_path);
@@ -420,7 +421,7 @@ static void test_device_choice(void **state) {
     fi_gw_llama_defaults(&o);
     const char *path = s_write(&o);
     char err[512] = "";
-    fi_model_opts mo = {1, FI_SIMD_AUTO, 0, FI_DEVICE_CUDA};
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CUDA};
     fi_model *m = fi_model_load(path, &mo, err, sizeof err);
     if (m) {
         assert_string_equal(fi_model_backend(m)->ops->name, "cuda");
@@ -479,6 +480,207 @@ static void test_eval_greedy(void **state) {
     fi_model_destroy(&m);
 }
 
+/* --- shard plans ------------------------------------------------------- */
+
+static fi_model *s_load_plan(const fi_gw_llama_opts *o, const fi_shard_plan *p, char *err,
+                             size_t errlen) {
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU, .plan = p};
+    fi_model *m = fi_model_load(s_write(o), &mo, err, errlen);
+    unlink(s_path);
+    return m;
+}
+
+/* n tokens of one sequence at positions 0.., logits of the last. */
+static fi_batch s_batch(const int32_t *toks, int n, int32_t *pos, int32_t *seq, int32_t *tbl,
+                        int32_t *row, int out) {
+    for (int t = 0; t < n; t++) {
+        pos[t] = t;
+        seq[t] = 0;
+    }
+    for (int i = 0; i < 8; i++) tbl[i] = 7 - i; /* blocks in any order */
+    *row = n - 1;
+    fi_batch b = {.n = n, .tok = toks, .pos = pos, .seq = seq, .n_seqs = 1, .tables = tbl,
+                  .max_blocks = 8, .out_rows = row, .n_out = out};
+    return b;
+}
+
+/* Two pipeline stages (layer 0 | layer 1): stage 0's activations fed to
+ * stage 1 give the whole model's logits. */
+static void test_plan_pipeline(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    char err[256];
+    fi_shard_plan p0 = {.layer_begin = 0, .layer_end = 1, .no_output = 1};
+    fi_shard_plan p1 = {.layer_begin = 1, .layer_end = 2, .no_embed = 1};
+    fi_model *whole = s_load_plan(&o, NULL, err, sizeof err);
+    fi_model *m0 = s_load_plan(&o, &p0, err, sizeof err);
+    fi_model *m1 = s_load_plan(&o, &p1, err, sizeof err);
+    assert_non_null(whole);
+    assert_non_null(m0);
+    assert_non_null(m1);
+    assert_true(fi_model_weight_bytes_per_token(m0) < fi_model_weight_bytes_per_token(whole));
+    const fi_config *c = fi_model_config(whole);
+    size_t V = (size_t)c->n_vocab;
+    fi_kvpool *k = fi_kvpool_new(whole, 8, 64, 1, err, sizeof err);
+    fi_kvpool *k0 = fi_kvpool_new(m0, 8, 64, 0, err, sizeof err);
+    fi_kvpool *k1 = fi_kvpool_new(m1, 8, 64, 1, err, sizeof err);
+    assert_true(k && k0 && k1);
+    int32_t toks[40], pos[40], seq[40], tbl[8], row;
+    s_tokens(toks, 40, c->n_vocab, 3);
+    float *ref = malloc(V * sizeof *ref), *got = malloc(V * sizeof *got);
+    float *x = malloc(40 * (size_t)c->dim * sizeof *x);
+    fi_batch b = s_batch(toks, 40, pos, seq, tbl, &row, 1);
+    assert_int_equal(fi_model_forward(whole, k, &b, NULL, NULL, ref, err, sizeof err), 0);
+    fi_batch b0 = b;
+    b0.n_out = 0;
+    assert_int_equal(fi_model_forward(m0, k0, &b0, NULL, x, NULL, err, sizeof err), 0);
+    assert_int_equal(fi_model_forward(m1, k1, &b, x, NULL, got, err, sizeof err), 0);
+    double d = s_max_abs_diff(got, ref, V);
+    if (!(d == 0.0)) fail_msg("pipeline logits differ by %g", d);
+    /* a stage without the output layer refuses to make logits */
+    assert_int_equal(fi_model_forward(m0, k0, &b, NULL, x, got, err, sizeof err), -1);
+    assert_non_null(strstr(err, "no output layer"));
+    /* a stage without embedding needs its input */
+    assert_int_equal(fi_model_forward(m1, k1, &b, NULL, NULL, got, err, sizeof err), -1);
+    assert_non_null(strstr(err, "input activations"));
+    fi_kvpool_destroy(&k);
+    fi_kvpool_destroy(&k0);
+    fi_kvpool_destroy(&k1);
+    fi_model_destroy(&whole);
+    fi_model_destroy(&m0);
+    fi_model_destroy(&m1);
+    free(ref);
+    free(got);
+    free(x);
+}
+
+/* Tensor parallelism in one process: two ranks in two threads, each with
+ * one KV head (and its query heads) and half the FFN; the all-reduce sums
+ * through a shared buffer between two barriers. */
+typedef struct tp_shared {
+    pthread_barrier_t bar;
+    float *part[2];
+    size_t n;
+    const fi_gw_llama_opts *o;
+    const int32_t *toks;
+    int n_toks;
+    float *logits;    /* rank 0's */
+    int rc[2];
+    char err[2][256];
+} tp_shared;
+
+typedef struct tp_rank {
+    tp_shared *sh;
+    int rank;
+    fi_model *m;
+} tp_rank;
+
+static int s_tp_allreduce(void *user, float *x, size_t n, char *err, size_t errlen) {
+    (void)err;
+    (void)errlen;
+    tp_rank *r = user;
+    tp_shared *sh = r->sh;
+    memcpy(sh->part[r->rank], x, n * sizeof *x);
+    pthread_barrier_wait(&sh->bar);
+    for (size_t i = 0; i < n; i++) x[i] = sh->part[0][i] + sh->part[1][i];
+    pthread_barrier_wait(&sh->bar);
+    return 0;
+}
+
+static void *s_tp_thread(void *arg) {
+    tp_rank *r = arg;
+    tp_shared *sh = r->sh;
+    fi_kvpool *kv = fi_kvpool_new(r->m, 8, 64, r->rank == 0, sh->err[r->rank], 256);
+    if (!kv) {
+        sh->rc[r->rank] = -1;
+        return NULL;
+    }
+    fi_model_set_allreduce(r->m, s_tp_allreduce, r);
+    int32_t pos[64], seq[64], tbl[8], row;
+    fi_batch b = s_batch(sh->toks, sh->n_toks, pos, seq, tbl, &row, r->rank == 0);
+    sh->rc[r->rank] = fi_model_forward(r->m, kv, &b, NULL, NULL, r->rank == 0 ? sh->logits : NULL,
+                                       sh->err[r->rank], 256);
+    fi_kvpool_destroy(&kv);
+    return NULL;
+}
+
+static void test_plan_tensor_parallel(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    char err[256];
+    fi_model *whole = s_load_plan(&o, NULL, err, sizeof err);
+    assert_non_null(whole);
+    const fi_config *c = fi_model_config(whole);
+    size_t V = (size_t)c->n_vocab;
+    int32_t toks[30], pos[64], seq[64], tbl[8], row;
+    s_tokens(toks, 30, c->n_vocab, 11);
+    float *ref = malloc(V * sizeof *ref);
+    fi_kvpool *k = fi_kvpool_new(whole, 8, 64, 1, err, sizeof err);
+    fi_batch b = s_batch(toks, 30, pos, seq, tbl, &row, 1);
+    assert_int_equal(fi_model_forward(whole, k, &b, NULL, NULL, ref, err, sizeof err), 0);
+
+    tp_shared sh = {.o = &o, .toks = toks, .n_toks = 30, .n = 30 * (size_t)c->dim};
+    sh.logits = malloc(V * sizeof(float));
+    sh.part[0] = malloc(sh.n * sizeof(float));
+    sh.part[1] = malloc(sh.n * sizeof(float));
+    pthread_barrier_init(&sh.bar, NULL, 2);
+    tp_rank r[2];
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) {
+        fi_shard_plan p = {.kv_head_begin = i, .kv_head_count = 1, .ffn_begin = i * 64,
+                           .ffn_count = 64, .no_output = i != 0};
+        r[i] = (tp_rank){.sh = &sh, .rank = i, .m = s_load_plan(&o, &p, err, sizeof err)};
+        if (!r[i].m) fail_msg("rank %d: %s", i, err);
+    }
+    for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, s_tp_thread, &r[i]), 0);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++)
+        if (sh.rc[i]) fail_msg("rank %d: %s", i, sh.err[i]);
+    double d = s_max_abs_diff(sh.logits, ref, V), scale = s_max_abs(ref, V);
+    /* the same products, summed in another order */
+    if (!(d <= 1e-4 * scale)) fail_msg("TP=2 logits differ by %g (scale %g)", d, scale);
+    pthread_barrier_destroy(&sh.bar);
+    for (int i = 0; i < 2; i++) fi_model_destroy(&r[i].m);
+    free(sh.part[0]);
+    free(sh.part[1]);
+    free(sh.logits);
+    free(ref);
+    fi_kvpool_destroy(&k);
+    fi_model_destroy(&whole);
+}
+
+/* Plans that cannot work are refused with the reason. */
+static void test_plan_errors(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o); /* 2 layers, 2 KV heads, ffn 128, Q8_0 (32-wide blocks) */
+    char err[256];
+    struct {
+        fi_shard_plan p;
+        const char *want;
+    } bad[] = {
+        {{.kv_head_begin = 2, .kv_head_count = 1}, "KV heads 2+1 are not inside the model's 2"},
+        {{.ffn_begin = 16, .ffn_count = 32}, "off the weights' quantisation block of 32"},
+        {{.ffn_begin = 0, .ffn_count = 48}, "off the weights' quantisation block"},
+        {{.layer_begin = 1, .layer_end = 3}, "layers [1, 3) are not a range inside"},
+        {{.layer_begin = 2, .layer_end = 2}, "not a range"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        fi_model *m = s_load_plan(&o, &bad[i].p, err, sizeof err);
+        assert_null(m);
+        if (!strstr(err, bad[i].want)) fail_msg("plan %zu: '%s' lacks '%s'", i, err, bad[i].want);
+    }
+    /* one stage cannot hold a session (it is not the whole pipeline) */
+    fi_shard_plan stage = {.layer_end = 1, .no_output = 1};
+    fi_model *m = s_load_plan(&o, &stage, err, sizeof err);
+    assert_non_null(m);
+    assert_null(fi_session_new(m, 64, err, sizeof err));
+    assert_non_null(strstr(err, "one stage"));
+    fi_model_destroy(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_eval_greedy),
@@ -493,6 +695,9 @@ int main(void) {
         cmocka_unit_test(test_generate),
         cmocka_unit_test(test_portable_matches_simd),
         cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_plan_pipeline),
+        cmocka_unit_test(test_plan_tensor_parallel),
+        cmocka_unit_test(test_plan_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

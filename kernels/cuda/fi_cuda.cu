@@ -382,7 +382,8 @@ __global__ static void k_add(float *y, const float *x, size_t n) {
  * (max, sum, o[head_dim]) goes to part[((t*H + h)*S + s) * (hd + 2)]. */
 __global__ static void __launch_bounds__(S_ATT_WARPS * 32)
 k_attention(float *out, float *part, const float *q, const uint16_t *kc, const uint16_t *vc,
-            const int32_t *pos, int n_heads, int n_kv_heads, int hd) {
+            const int32_t *pos, const int32_t *seq, const int32_t *tables, int max_blocks, int bs,
+            int n_heads, int n_kv_heads, int hd) {
     __shared__ float sq[S_ATT_MAX_HD];
     __shared__ float wm[S_ATT_WARPS], wl[S_ATT_WARPS];
     __shared__ float wo[S_ATT_WARPS][S_ATT_MAX_HD];
@@ -397,6 +398,7 @@ k_attention(float *out, float *part, const float *q, const uint16_t *kc, const u
     __syncthreads();
     float scale = 1.0f / sqrtf((float)hd); /* as the CPU computes it */
     int np = pos[t] + 1;
+    const int32_t *tbl = tables + (size_t)seq[t] * max_blocks;
     float m = -INFINITY, l = 0.0f;
     /* lane holds dims lane, lane+32, ...; fixed trip counts keep acc in
      * registers */
@@ -407,8 +409,9 @@ k_attention(float *out, float *part, const float *q, const uint16_t *kc, const u
     for (int c0 = split * S_ATT_CHUNK; c0 < np; c0 += n_split * S_ATT_CHUNK) {
         int c1 = c0 + S_ATT_CHUNK < np ? c0 + S_ATT_CHUNK : np;
         for (int p = c0 + warp; p < c1; p += S_ATT_WARPS) {
-            const uint16_t *kr = kc + (size_t)p * kv_dim + (size_t)kh * hd;
-            const uint16_t *vr = vc + (size_t)p * kv_dim + (size_t)kh * hd;
+            size_t row = (size_t)tbl[p / bs] * bs + (size_t)(p % bs);
+            const uint16_t *kr = kc + row * kv_dim + (size_t)kh * hd;
+            const uint16_t *vr = vc + row * kv_dim + (size_t)kh * hd;
             float s = 0.0f;
             for (int d = lane; d < hd; d += 32)
                 s = fmaf(sq[d], s_h2f(kr[d]), s);
@@ -915,8 +918,8 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
 }
 
 static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
-                        const uint16_t *v, int n, const int32_t *pos, int n_heads, int n_kv_heads,
-                        int head_dim) {
+                        const uint16_t *v, int n, const int32_t *pos, const fi_kv_map *map,
+                        int n_heads, int n_kv_heads, int head_dim) {
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || n <= 0)
         return;
@@ -940,8 +943,9 @@ static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k
         return;
     s_prof_begin(c);
     dim3 grid((unsigned)items, (unsigned)split);
-    k_attention<<<grid, S_ATT_WARPS * 32, 0, c->stream>>>(out, c->att_part, q, k, v, pos, n_heads,
-                                                         n_kv_heads, head_dim);
+    k_attention<<<grid, S_ATT_WARPS * 32, 0, c->stream>>>(
+        out, c->att_part, q, k, v, pos, map->seq, map->tables, map->max_blocks, map->block_size,
+        n_heads, n_kv_heads, head_dim);
     s_launched(c, "k_attention");
     if (split > 1) {
         k_attention_merge<<<(unsigned)items, head_dim >= 128 ? 128 : 64, 0, c->stream>>>(
@@ -958,6 +962,29 @@ static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
     s_prof_begin(c);
     k_store_f16<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(dst, src, n);
     s_launched(c, "k_store_f16");
+    s_prof_end(c);
+}
+
+/* One thread per element; row t of src goes to cache row slot[t]. */
+__global__ static void k_kv_store(uint16_t *cache, const float *src, int n, const int32_t *slot,
+                                  int row) {
+    size_t total = (size_t)n * row;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t t = i / row, e = i % row;
+        cache[(size_t)slot[t] * row + e] = __half_as_ushort(__float2half_rn(src[i]));
+    }
+}
+
+static void s_kv_store(void *ctx, uint16_t *cache, const float *src, int n, const int32_t *slot,
+                       int row) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0 || row <= 0)
+        return;
+    size_t total = (size_t)n * row;
+    s_prof_begin(c);
+    k_kv_store<<<s_blocks(total, S_THREADS), S_THREADS, 0, c->stream>>>(cache, src, n, slot, row);
+    s_launched(c, "k_kv_store");
     s_prof_end(c);
 }
 
@@ -1121,6 +1148,7 @@ static const fi_backend_ops s_cuda_ops = {
     /* .argmax = */ s_argmax,
     /* .graph_begin = */ s_graph_begin,
     /* .graph_end = */ s_graph_end,
+    /* .kv_store = */ s_kv_store,
 };
 
 extern "C" int fi_cuda_device_count(char *err, size_t errlen) {

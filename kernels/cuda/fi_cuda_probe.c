@@ -123,7 +123,7 @@ static int s_model(const char *path, const char *mode, model_times *mt) {
     char err[512];
     if (setenv("FEDINFER_CUDA_WEIGHTS", mode, 1))
         return -1;
-    fi_model_opts mo = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CUDA};
+    fi_model_opts mo = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CUDA};
     fi_model *m = fi_model_load(path, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fi_cuda_probe: %s\n", err);
@@ -281,7 +281,7 @@ static int s_run(const char *path) {
         return 1;
     }
     /* the model's shapes, from a CPU load (no GPU memory used) */
-    fi_model_opts mo = {1, FI_SIMD_AUTO, 0, FI_DEVICE_CPU};
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU};
     fi_model *m = fi_model_load(path, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fi_cuda_probe: %s\n", err);

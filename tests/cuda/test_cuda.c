@@ -374,8 +374,13 @@ static void test_rope(void **state) {
     free(xg);
 }
 
-static void run_attention(pair *p, rng *r, int n, int first_pos, int heads, int kv_heads, int hd) {
-    int kv_dim = kv_heads * hd, np = first_pos + n;
+/* Over a paged cache: the rows of nblk blocks; with nseq sequences, query
+ * token t belongs to t % nseq; sequence 0 reads the blocks in reverse,
+ * sequence 1 rotated by one, so the block tables are exercised. */
+static void run_attention(pair *p, rng *r, int n, int first_pos, int heads, int kv_heads, int hd,
+                          int nseq) {
+    const int bsz = 16;
+    int kv_dim = kv_heads * hd, nblk = (first_pos + n + bsz - 1) / bsz, np = nblk * bsz;
     size_t qn = (size_t)n * heads * hd, cn = (size_t)np * kv_dim;
     float *q = fvec(qn), *oc = fvec(qn), *og = fvec(qn), *tmp = fvec(cn);
     uint16_t *kc = malloc(cn * 2), *vc = malloc(cn * 2);
@@ -390,21 +395,34 @@ static void run_attention(pair *p, rng *r, int n, int first_pos, int heads, int 
         vc[i] = fi_fp32_to_fp16(tmp[i]);
     int32_t *pos = malloc((size_t)n * sizeof *pos);
     assert_non_null(pos);
-    for (int t = 0; t < n; t++)
+    int32_t *seq = malloc((size_t)n * sizeof *seq), *tbl = malloc((size_t)2 * nblk * sizeof *tbl);
+    assert_non_null(seq);
+    assert_non_null(tbl);
+    for (int t = 0; t < n; t++) {
         pos[t] = first_pos + t;
-    p->cpu->ops->attention(p->cpu->ctx, oc, q, kc, vc, n, pos, heads, kv_heads, hd);
+        seq[t] = t % nseq;
+    }
+    for (int b = 0; b < nblk; b++) {
+        tbl[b] = nblk - 1 - b;
+        tbl[nblk + b] = (b + 1) % nblk;
+    }
+    fi_kv_map hmap = {.seq = seq, .tables = tbl, .max_blocks = nblk, .block_size = bsz};
+    p->cpu->ops->attention(p->cpu->ctx, oc, q, kc, vc, n, pos, &hmap, heads, kv_heads, hd);
     float *dq = dev_from(p->gpu, q, qn * 4);
     uint16_t *dk = dev_from(p->gpu, kc, cn * 2), *dv = dev_from(p->gpu, vc, cn * 2);
     int32_t *dp = dev_from(p->gpu, pos, (size_t)n * sizeof *pos);
+    int32_t *dseq = dev_from(p->gpu, seq, (size_t)n * sizeof *seq);
+    int32_t *dtbl = dev_from(p->gpu, tbl, (size_t)2 * nblk * sizeof *tbl);
+    fi_kv_map dmap = {.seq = dseq, .tables = dtbl, .max_blocks = nblk, .block_size = bsz};
     float *dout = dev_poisoned(p->gpu, qn * 4);
-    p->gpu->ops->attention(p->gpu->ctx, dout, dq, dk, dv, n, dp, heads, kv_heads, hd);
+    p->gpu->ops->attention(p->gpu->ctx, dout, dq, dk, dv, n, dp, &dmap, heads, kv_heads, hd);
     to_host(p->gpu, og, dout, qn * 4);
     char what[96];
-    snprintf(what, sizeof what, "attention n=%d pos %d.. heads %d/%d hd %d", n, first_pos, heads,
-             kv_heads, hd);
+    snprintf(what, sizeof what, "attention n=%d pos %d.. heads %d/%d hd %d seqs %d", n, first_pos,
+             heads, kv_heads, hd, nseq);
     check(what, og, oc, qn, TOL_ATT);
-    void *bufs[] = {dq, dk, dv, dp, dout};
-    for (size_t i = 0; i < 5; i++)
+    void *bufs[] = {dq, dk, dv, dp, dout, dseq, dtbl};
+    for (size_t i = 0; i < 7; i++)
         p->gpu->ops->free(p->gpu->ctx, bufs[i]);
     free(q);
     free(oc);
@@ -413,18 +431,22 @@ static void run_attention(pair *p, rng *r, int n, int first_pos, int heads, int 
     free(kc);
     free(vc);
     free(pos);
+    free(seq);
+    free(tbl);
 }
 
 static void test_attention(void **state) {
     pair *p = *state;
     rng r = rng_for("attention");
-    run_attention(p, &r, 1, 0, 9, 3, 64);      /* first token */
-    run_attention(p, &r, 1, 130, 9, 3, 64);    /* decode, split */
-    run_attention(p, &r, 1, 4095, 9, 3, 64);   /* decode, long context */
-    run_attention(p, &r, 37, 0, 9, 3, 64);     /* prefill */
-    run_attention(p, &r, 256, 300, 9, 3, 64);  /* prefill chunk after a prompt */
-    run_attention(p, &r, 5, 77, 32, 8, 128);   /* a Llama-3-8B-like shape */
-    run_attention(p, &r, 2, 50, 4, 4, 80);     /* head_dim not a multiple of 32 */
+    run_attention(p, &r, 1, 0, 9, 3, 64, 1);      /* first token */
+    run_attention(p, &r, 1, 130, 9, 3, 64, 1);    /* decode, split */
+    run_attention(p, &r, 1, 4095, 9, 3, 64, 1);   /* decode, long context */
+    run_attention(p, &r, 37, 0, 9, 3, 64, 1);     /* prefill */
+    run_attention(p, &r, 256, 300, 9, 3, 64, 1);  /* prefill chunk after a prompt */
+    run_attention(p, &r, 5, 77, 32, 8, 128, 1);   /* a Llama-3-8B-like shape */
+    run_attention(p, &r, 2, 50, 4, 4, 80, 1);     /* head_dim not a multiple of 32 */
+    run_attention(p, &r, 8, 200, 9, 3, 64, 2);    /* two sequences in one batch */
+    run_attention(p, &r, 64, 1000, 9, 3, 64, 2);  /* batched decode-like, long */
 }
 
 static void test_store_f16(void **state) {
@@ -629,7 +651,8 @@ static void run_model(const char *path, fi_cuda_weights mode, int graphs) {
         fail_msg("setenv");
     printf("  weights %s, graphs %s\n", mode == FI_CUDA_WEIGHTS_QUANT ? "quant" : "f16",
            graphs ? "on" : "off");
-    fi_model_opts oc = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CPU}, og = {0, FI_SIMD_AUTO, 0, FI_DEVICE_CUDA};
+    fi_model_opts oc = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU},
+                  og = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CUDA};
     fi_model *mc = fi_model_load(path, &oc, err, sizeof err);
     assert_non_null(mc);
     fi_model *mg = fi_model_load(path, &og, err, sizeof err);

@@ -1,0 +1,435 @@
+/*
+ * cmd_bench_serve.c - `fedinfer bench --serve`: the scheduler under load.
+ *
+ * Three measurements, each in this one process on the same model:
+ *
+ *   concurrency  closed loop: C requests in flight (each finished one is
+ *                replaced at once) until 2*C (at least 4) have completed;
+ *                aggregate generated tokens/s, time to first token (from
+ *                submission, queueing included) and time per output token,
+ *                p50 and p99, for each C of --concurrency.
+ *   prefix       requests sharing a --shared-prefix-token document, each
+ *                with its own question, one after the other and then 4 at
+ *                a time, prefix cache on and off: time to first token.
+ *   routing      two replicas (two schedulers with small KV pools), a
+ *                stream of requests over 8 documents; the cache-aware
+ *                choice (the replica whose prefix filter holds the longest
+ *                chain of the request's block hashes, then the lighter
+ *                load) against round-robin: prefix hit rate.
+ *
+ * Prompts are real text, not random ids, so that the model's outputs (and
+ * where they stop) are what they would be in practice.
+ */
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "fi_cmd.h"
+#include "fi_sched.h"
+
+static double s_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int s_cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The q-quantile (0..1) of v[0..n), nearest rank; sorts v. */
+static double s_pct(double *v, int n, double q) {
+    if (n <= 0) return 0;
+    qsort(v, (size_t)n, sizeof *v, s_cmp);
+    int i = (int)ceil(q * n) - 1;
+    return v[i < 0 ? 0 : i >= n ? n - 1 : i];
+}
+
+/* One request's timings. */
+typedef struct req {
+    double t_submit, t_first, t_done;
+    int n_gen, done;
+    char error[160];
+} req;
+
+static int s_on_text(void *user, const char *t, size_t n) {
+    (void)t;
+    (void)n;
+    req *r = user;
+    if (r->t_first == 0) r->t_first = s_now();
+    return 0;
+}
+
+static void s_on_done(void *user, const fi_gen_result *res, const char *error) {
+    req *r = user;
+    r->t_done = s_now();
+    if (r->t_first == 0) r->t_first = r->t_done;
+    r->n_gen = res->n_generated;
+    r->done = 1;
+    if (error) snprintf(r->error, sizeof r->error, "%s", error);
+}
+
+typedef struct bench {
+    fi_model *m;
+    const fi_tok *tok;
+    int32_t *text;        /* a long run of text tokens */
+    int n_text;
+} bench;
+
+/* Tokens for request i: a window of the text starting at a place of its
+ * own (so prompts differ), n long. */
+static void s_prompt(const bench *b, int i, int32_t *out, int n) {
+    int start = (i * 37) % (b->n_text - n);
+    memcpy(out, b->text + start, (size_t)n * sizeof *out);
+}
+
+static int64_t s_submit(fi_sched *s, const int32_t *p, int n, int max_tokens, req *r,
+                        const char *tenant) {
+    char err[256];
+    fi_sched_req q = {.prompt = p, .n_prompt = n, .on_done = s_on_done, .tenant = tenant,
+                      .zone = "bench"};
+    q.gen.max_tokens = max_tokens;
+    q.gen.sampling = fi_sampler_defaults();
+    q.gen.sampling.temperature = 0; /* greedy: the same work every run */
+    q.gen.on_text = s_on_text;
+    q.gen.user = r;
+    memset(r, 0, sizeof *r);
+    r->t_submit = s_now();
+    int64_t id = fi_sched_submit(s, &q, err, sizeof err);
+    if (id < 0) fprintf(stderr, "fedinfer: submit: %s\n", err);
+    return id;
+}
+
+static int s_step_all(fi_sched *s) {
+    char err[256];
+    if (fi_sched_step(s, err, sizeof err) < 0) {
+        fprintf(stderr, "fedinfer: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+/* Closed loop at concurrency c. Prints one row. */
+static int s_concurrency(bench *b, int c, int n_prompt, int n_gen, int max_seqs,
+                         double *tput_out) {
+    char err[256];
+    fi_sched_opts so = {.max_seqs = max_seqs, .n_ctx = n_prompt + n_gen + 16,
+                        .no_prefix_cache = 1};
+    fi_sched *s = fi_sched_new(b->m, &so, err, sizeof err);
+    if (!s) {
+        fprintf(stderr, "fedinfer: %s\n", err);
+        return -1;
+    }
+    int total = 2 * c < 4 ? 4 : 2 * c, submitted = 0, rc = -1;
+    req *rs = calloc((size_t)total, sizeof *rs);
+    int32_t *p = malloc((size_t)n_prompt * sizeof *p);
+    double *ttft = calloc((size_t)total, sizeof *ttft), *tpot = calloc((size_t)total, sizeof *tpot);
+    if (!rs || !p || !ttft || !tpot) goto done;
+    double t0 = s_now();
+    while (submitted < c && submitted < total) {
+        s_prompt(b, submitted, p, n_prompt);
+        if (s_submit(s, p, n_prompt, n_gen, &rs[submitted], NULL) < 0) goto done;
+        submitted++;
+    }
+    while (fi_sched_pending(s) > 0) {
+        if (s_step_all(s)) goto done;
+        /* replace each finished request at once */
+        int in_flight = fi_sched_pending(s);
+        while (in_flight < c && submitted < total) {
+            s_prompt(b, submitted, p, n_prompt);
+            if (s_submit(s, p, n_prompt, n_gen, &rs[submitted], NULL) < 0) goto done;
+            submitted++;
+            in_flight++;
+        }
+    }
+    double wall = s_now() - t0;
+    long gen = 0;
+    int nt = 0;
+    for (int i = 0; i < total; i++) {
+        if (rs[i].error[0]) {
+            fprintf(stderr, "fedinfer: request %d failed: %s\n", i, rs[i].error);
+            goto done;
+        }
+        gen += rs[i].n_gen;
+        ttft[i] = rs[i].t_first - rs[i].t_submit;
+        if (rs[i].n_gen > 1) tpot[nt++] = (rs[i].t_done - rs[i].t_first) / (rs[i].n_gen - 1);
+    }
+    *tput_out = (double)gen / wall;
+    double t50 = s_pct(ttft, total, 0.5), t99 = s_pct(ttft, total, 0.99);
+    double p50 = s_pct(tpot, nt, 0.5), p99 = s_pct(tpot, nt, 0.99);
+    printf("  %4d  %8d  %10.1f  %8.0f  %8.0f  %8.1f  %8.1f\n", c, total, *tput_out, t50 * 1e3,
+           t99 * 1e3, p50 * 1e3, p99 * 1e3);
+    fflush(stdout);
+    rc = 0;
+done:
+    fi_sched_destroy(&s);
+    free(rs);
+    free(p);
+    free(ttft);
+    free(tpot);
+    return rc;
+}
+
+/* Requests sharing a document prefix: TTFT p50 with the cache on or off,
+ * requests one at a time (c = 1) or four at a time. */
+static int s_prefix(bench *b, int n_prefix, int n_suffix, int n_gen, int n_req, int c,
+                    int cache_on, double *ttft50, double *hit_rate) {
+    char err[256];
+    fi_sched_opts so = {.n_ctx = n_prefix + n_suffix + n_gen + 16,
+                        .no_prefix_cache = !cache_on};
+    fi_sched *s = fi_sched_new(b->m, &so, err, sizeof err);
+    if (!s) {
+        fprintf(stderr, "fedinfer: %s\n", err);
+        return -1;
+    }
+    int rc = -1, n = n_prefix + n_suffix, submitted = 0;
+    req *rs = calloc((size_t)n_req, sizeof *rs);
+    double *ttft = calloc((size_t)n_req, sizeof *ttft);
+    int32_t *p = malloc((size_t)n * sizeof *p);
+    if (!rs || !ttft || !p) goto done;
+    memcpy(p, b->text, (size_t)n_prefix * sizeof *p); /* the shared document */
+    /* the first request warms the cache and is not counted */
+    req warm;
+    s_prompt(b, 1000, p + n_prefix, n_suffix);
+    if (s_submit(s, p, n, n_gen, &warm, "acme") < 0) goto done;
+    while (fi_sched_pending(s) > 0)
+        if (s_step_all(s)) goto done;
+    fi_sched_stats st0, st1;
+    fi_sched_get_stats(s, &st0);
+    while (submitted < n_req || fi_sched_pending(s) > 0) {
+        while (submitted < n_req && fi_sched_pending(s) < c) {
+            s_prompt(b, 2000 + 7 * submitted, p + n_prefix, n_suffix); /* its own question */
+            if (s_submit(s, p, n, n_gen, &rs[submitted], "acme") < 0) goto done;
+            submitted++;
+        }
+        if (s_step_all(s)) goto done;
+    }
+    fi_sched_get_stats(s, &st1);
+    for (int i = 0; i < n_req; i++) ttft[i] = rs[i].t_first - rs[i].t_submit;
+    *ttft50 = s_pct(ttft, n_req, 0.5);
+    *hit_rate = (double)(st1.prefix_hit_tokens - st0.prefix_hit_tokens) /
+                (double)(st1.prompt_tokens - st0.prompt_tokens);
+    rc = 0;
+done:
+    fi_sched_destroy(&s);
+    free(rs);
+    free(ttft);
+    free(p);
+    return rc;
+}
+
+/* Two replicas, a stream of requests over n_docs documents: hit rate of
+ * cache-aware routing or round-robin. */
+static int s_routing(bench *b, int cache_aware, int n_docs, int n_doc_tokens, int n_req,
+                     int pool_docs, double *hit_rate, double *seconds) {
+    char err[256];
+    size_t per_doc = (size_t)(n_doc_tokens / FI_KV_BLOCK + 2) * fi_kv_block_bytes(b->m);
+    fi_sched_opts so = {.n_ctx = n_doc_tokens + 64, .kv_bytes = per_doc * (size_t)pool_docs};
+    fi_sched *rep[2] = {fi_sched_new(b->m, &so, err, sizeof err),
+                        fi_sched_new(b->m, &so, err, sizeof err)};
+    int rc = -1, n = n_doc_tokens + 16;
+    int32_t *p = malloc((size_t)n * sizeof *p);
+    uint8_t *bits = malloc(1024);
+    uint64_t h[64];
+    if (!rep[0] || !rep[1] || !p || !bits) {
+        fprintf(stderr, "fedinfer: %s\n", rep[0] && rep[1] ? "out of memory" : err);
+        goto done;
+    }
+    uint32_t seed = 12345;
+    double t0 = s_now();
+    for (int i = 0; i < n_req; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        int doc = (int)((seed >> 8) % (uint32_t)n_docs);
+        memcpy(p, b->text + doc * 97 % (b->n_text - n_doc_tokens), (size_t)n_doc_tokens * 4);
+        s_prompt(b, 3000 + i, p + n_doc_tokens, 16);
+        int pick = i % 2;
+        if (cache_aware) {
+            int nh = fi_prefix_hashes("acme", "bench", p, n, h, 64), best = -1;
+            for (int r = 0; r < 2; r++) {
+                if (fi_sched_prefix_filter(rep[r], bits, 1024)) goto done;
+                int hit = fi_prefix_filter_match(bits, 1024, h, nh);
+                if (hit > best) best = hit, pick = r; /* ties: round-robin's choice */
+                else if (hit == best && r == i % 2) pick = r;
+            }
+        }
+        req r;
+        if (s_submit(rep[pick], p, n, 1, &r, "acme") < 0) goto done;
+        while (fi_sched_pending(rep[pick]) > 0)
+            if (s_step_all(rep[pick])) goto done;
+    }
+    *seconds = s_now() - t0;
+    uint64_t hit = 0, all = 0;
+    for (int r = 0; r < 2; r++) {
+        fi_sched_stats st;
+        fi_sched_get_stats(rep[r], &st);
+        hit += st.prefix_hit_tokens;
+        all += st.prompt_tokens;
+    }
+    *hit_rate = (double)hit / (double)all;
+    rc = 0;
+done:
+    fi_sched_destroy(&rep[0]);
+    fi_sched_destroy(&rep[1]);
+    free(p);
+    free(bits);
+    return rc;
+}
+
+static void s_usage(FILE *f) {
+    fprintf(f,
+            "usage: fedinfer bench --serve [options]\n"
+            "\n"
+            "Serving benchmarks of the continuous-batching scheduler: throughput and\n"
+            "latency at several concurrencies, time to first token with a shared prefix\n"
+            "(prefix cache on and off), and the prefix hit rate of cache-aware routing\n"
+            "against round-robin over two replicas.\n"
+            "\n"
+            "options:\n"
+            "  -m, --model FILE         GGUF model (default: the set-up's model)\n"
+            "  -t, --threads N          CPU threads (default: one per core)\n"
+            "      --concurrency LIST   comma-separated (default 1,4,16,64)\n"
+            "      --prompt-tokens N    prompt length of the concurrency runs (default 64)\n"
+            "      --gen-tokens N       tokens generated per request (default 64)\n"
+            "      --shared-prefix N    shared document length (default 512)\n"
+            "      --only WHAT          concurrency, prefix or routing (default: all three)\n"
+            "      --device DEV         cpu, cuda or auto (default auto)\n"
+            "  -h, --help               this text\n");
+}
+
+int fi_cmd_bench_serve(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},         {"threads", required_argument, 0, 't'},
+        {"concurrency", required_argument, 0, 'C'},   {"prompt-tokens", required_argument, 0, 'P'},
+        {"gen-tokens", required_argument, 0, 'G'},    {"shared-prefix", required_argument, 0, 'S'},
+        {"only", required_argument, 0, 'O'},          {"device", required_argument, 0, 'D'},
+        {"serve", no_argument, 0, 'V'},               {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    const char *model = fi_default_model_path(), *only = NULL;
+    char conc[128] = "1,4,16,64";
+    long threads = 0, n_prompt = 64, n_gen = 64, n_prefix = 512;
+    fi_device device = FI_DEVICE_AUTO;
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "m:t:h", opts, NULL)) != -1) {
+        char *end;
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 't': threads = strtol(optarg, &end, 10); if (*end || threads < 1 || threads > 1024) goto bad; break;
+        case 'P': n_prompt = strtol(optarg, &end, 10); if (*end || n_prompt < 1 || n_prompt > 4096) goto bad; break;
+        case 'G': n_gen = strtol(optarg, &end, 10); if (*end || n_gen < 1 || n_gen > 4096) goto bad; break;
+        case 'S': n_prefix = strtol(optarg, &end, 10); if (*end || n_prefix < 16 || n_prefix > 4096) goto bad; break;
+        case 'C':
+            if (strlen(optarg) >= sizeof conc || strspn(optarg, "0123456789,") != strlen(optarg)) goto bad;
+            snprintf(conc, sizeof conc, "%s", optarg);
+            break;
+        case 'O':
+            if (strcmp(optarg, "concurrency") && strcmp(optarg, "prefix") && strcmp(optarg, "routing")) goto bad;
+            only = optarg;
+            break;
+        case 'D': if (fi_device_parse(optarg, &device)) goto bad; break;
+        case 'V': break;
+        case 'h': s_usage(stdout); return 0;
+        default: s_usage(stderr); return 2;
+        }
+        continue;
+    bad:
+        fprintf(stderr, "fedinfer: bench --serve: bad value '%s' for an option (see --help)\n", optarg);
+        return 2;
+    }
+    char err[512];
+    fi_model_opts mo = {.n_threads = (int)threads, .simd = FI_SIMD_AUTO, .device = device};
+    bench b = {0};
+    b.m = fi_model_load(model, &mo, err, sizeof err);
+    if (!b.m) {
+        fprintf(stderr, "fedinfer: %s\n", err);
+        return 1;
+    }
+    b.tok = fi_model_tok(b.m);
+    int status = 1;
+    const char *para[] = {
+        "Federated inference keeps regulated data where the law says it must stay, while still "
+        "letting every site use a capable language model. ",
+        "Hospitals, banks and factories each run a local engine and send work elsewhere only "
+        "when policy allows. ",
+        "A clinic in Lyon may summarise a discharge letter on its own server at night, and a "
+        "branch office in Porto may draft a reply to a customer in the morning. ",
+        "The coordinator keeps the list of sites and clusters, signs each policy version, and "
+        "records every decision in a log that cannot be rewritten without notice. ",
+        "When the network to the core is down, the edge goes on answering what it may answer "
+        "alone, and refuses at once what must be processed elsewhere. "};
+    size_t cap = 1 << 16;
+    b.text = malloc(cap * sizeof *b.text);
+    char *buf = malloc(1 << 16);
+    if (!b.text || !buf) goto done;
+    for (int i = 0; i < 200 && b.n_text < 8192; i++) { /* varied text: paragraphs in turn */
+        const char *t = para[(i * 3 + i / 5) % 5];
+        int k = fi_tok_encode(b.tok, t, strlen(t), 0, b.text + b.n_text, (int)(cap - (size_t)b.n_text));
+        if (k <= 0) break;
+        b.n_text += k;
+    }
+    free(buf);
+    if (b.n_text < 4096) {
+        fprintf(stderr, "fedinfer: could not tokenize the benchmark text\n");
+        goto done;
+    }
+    const fi_backend *be = fi_model_backend(b.m);
+    printf("model          %s\n", model);
+    if (fi_cpu_backend_simd(be))
+        printf("backend        %s, %d threads, simd %s\n", be->ops->name,
+               fi_cpu_backend_threads(be), fi_cpu_backend_simd(be));
+    else
+        printf("backend        %s\n", be->ops->name);
+
+    if (!only || !strcmp(only, "concurrency")) {
+        printf("\nconcurrency: prompts of %ld tokens, %ld generated each (greedy), closed loop\n",
+               n_prompt, n_gen);
+        printf("  conc  requests  tok/s(agg)  ttft p50  ttft p99  tpot p50  tpot p99   (ms)\n");
+        double base = 0;
+        int base_c = 0;
+        for (char *save = NULL, *tokp = strtok_r(conc, ",", &save); tokp;
+             tokp = strtok_r(NULL, ",", &save)) {
+            int cc = atoi(tokp);
+            if (cc < 1 || cc > 256) {
+                fprintf(stderr, "fedinfer: concurrency %s is not in 1..256\n", tokp);
+                goto done;
+            }
+            double tput;
+            if (s_concurrency(&b, cc, (int)n_prompt, (int)n_gen, cc < 64 ? 64 : cc, &tput)) goto done;
+            if (base == 0) base = tput, base_c = cc;
+            else printf("        -> %.2fx the aggregate throughput of concurrency %d\n", tput / base,
+                        base_c);
+        }
+    }
+    if (!only || !strcmp(only, "prefix")) {
+        printf("\nshared prefix: a %ld-token document + a 16-token question, 8 generated\n", n_prefix);
+        printf("  conc  cache  ttft p50 (ms)  prefix hit rate\n");
+        for (int cc = 1; cc <= 4; cc += 3) {
+            double on, off, hon, hoff;
+            if (s_prefix(&b, (int)n_prefix, 16, 8, 8, cc, 1, &on, &hon) ||
+                s_prefix(&b, (int)n_prefix, 16, 8, 8, cc, 0, &off, &hoff))
+                goto done;
+            printf("  %4d  on     %13.1f  %14.2f\n", cc, on * 1e3, hon);
+            printf("  %4d  off    %13.1f  %14.2f\n", cc, off * 1e3, hoff);
+            printf("        -> the prefix cache cuts time to first token %.1fx\n", off / on);
+        }
+    }
+    if (!only || !strcmp(only, "routing")) {
+        printf("\nrouting: 2 replicas, each KV pool holding ~3 documents; 48 requests over 6\n"
+               "documents of 128 tokens (+16-token question, 1 generated)\n");
+        double ca, rr, tca, trr;
+        if (s_routing(&b, 1, 6, 128, 48, 3, &ca, &tca) || s_routing(&b, 0, 6, 128, 48, 3, &rr, &trr))
+            goto done;
+        printf("  cache-aware  hit rate %.2f  (%.1f s)\n", ca, tca);
+        printf("  round-robin  hit rate %.2f  (%.1f s)\n", rr, trr);
+        printf("        -> %.2fx the hit rate, %.2fx the time\n", rr > 0 ? ca / rr : 0, tca / trr);
+    }
+    status = 0;
+done:
+    free(b.text);
+    fi_model_destroy(&b.m);
+    return status;
+}

@@ -1,0 +1,424 @@
+/*
+ * test_sched.c - the continuous-batching scheduler on tiny synthetic models
+ * (tests/support/gguf_writer.h), fast enough for the sanitizer build:
+ * batched generation equals one-at-a-time generation, prefix reuse skips
+ * prefill and changes nothing, tenants and zones never share blocks, a
+ * pool too small for the load still completes everything (preemption),
+ * cancellation, bad submissions, the prefix filter, the forward hook.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "fi_sched.h"
+#include "gguf_writer.h"
+
+static fi_model *s_model(int ctx) {
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.ctx = ctx;
+    char path[128], err[512];
+    snprintf(path, sizeof path, "/tmp/fi_test_sched_%d.gguf", (int)getpid());
+    assert_int_equal(fi_gw_tiny_llama_file(&o, path), 0);
+    fi_model_opts mo = {.n_threads = 2, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU};
+    fi_model *m = fi_model_load(path, &mo, err, sizeof err);
+    unlink(path);
+    if (!m) fail_msg("load: %s", err);
+    return m;
+}
+
+static void s_tokens(int32_t *t, int n, int vocab, uint32_t seed) {
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        t[i] = 3 + (int32_t)((seed >> 8) % (uint32_t)(vocab - 3));
+    }
+}
+
+/* What one request produced. */
+typedef struct out {
+    char text[4096];
+    size_t len;
+    int done, n_generated, n_prompt;
+    fi_stop_reason stop;
+    char error[256];
+    int cancel_after; /* cancel from on_text after this many calls */
+    int calls;
+} out;
+
+static int s_on_text(void *user, const char *t, size_t n) {
+    out *o = user;
+    if (o->len + n < sizeof o->text) {
+        memcpy(o->text + o->len, t, n);
+        o->len += n;
+    }
+    o->calls++;
+    return o->cancel_after && o->calls >= o->cancel_after;
+}
+
+static void s_on_done(void *user, const fi_gen_result *r, const char *error) {
+    out *o = user;
+    o->done++;
+    o->n_generated = r->n_generated;
+    o->n_prompt = r->n_prompt;
+    o->stop = r->stop;
+    if (error) snprintf(o->error, sizeof o->error, "%s", error);
+}
+
+static fi_gen_opts s_greedy(int max_tokens, out *o) {
+    fi_gen_opts g = {0};
+    g.max_tokens = max_tokens;
+    g.sampling = fi_sampler_defaults();
+    g.sampling.temperature = 0.0f;
+    g.on_text = s_on_text;
+    g.user = o;
+    return g;
+}
+
+/* The reference: one request alone in a session, through fi_generate. */
+static void s_solo(fi_model *m, const int32_t *p, int n, int max_tokens, out *o) {
+    char err[256];
+    memset(o, 0, sizeof *o);
+    fi_session *s = fi_session_new(m, 0, err, sizeof err);
+    assert_non_null(s);
+    fi_gen_opts g = s_greedy(max_tokens, o);
+    fi_gen_result r;
+    assert_int_equal(fi_generate(s, p, n, &g, &r, err, sizeof err), 0);
+    o->n_generated = r.n_generated;
+    o->stop = r.stop;
+    o->done = 1;
+    fi_session_destroy(&s);
+}
+
+static int64_t s_submit(fi_sched *s, const int32_t *p, int n, int max_tokens, out *o,
+                        const char *tenant, const char *zone) {
+    char err[256];
+    fi_sched_req r = {.prompt = p, .n_prompt = n, .gen = s_greedy(max_tokens, o),
+                      .on_done = s_on_done, .tenant = tenant, .zone = zone};
+    int64_t id = fi_sched_submit(s, &r, err, sizeof err);
+    if (id <= 0) fail_msg("submit: %s", err);
+    return id;
+}
+
+static void s_run(fi_sched *s) {
+    char err[256];
+    for (int i = 0; i < 100000 && fi_sched_pending(s) > 0; i++)
+        if (fi_sched_step(s, err, sizeof err) < 0) fail_msg("step: %s", err);
+    assert_int_equal(fi_sched_pending(s), 0);
+}
+
+static void s_same(const out *a, const out *b, const char *what, int i) {
+    if (a->n_generated != b->n_generated || a->stop != b->stop || a->len != b->len ||
+        memcmp(a->text, b->text, a->len))
+        fail_msg("%s: request %d differs: %d tokens (%s) vs %d (%s) of reference", what, i,
+                 a->n_generated, fi_stop_reason_name(a->stop), b->n_generated,
+                 fi_stop_reason_name(b->stop));
+}
+
+#define NP 6
+static const int s_lens[NP] = {5, 90, 17, 33, 1, 64};
+
+/* Prompts of different lengths entering at different steps, prefill in
+ * chunks, equal the same requests run one at a time. */
+static void test_batched_equals_single(void **state) {
+    (void)state;
+    fi_model *m = s_model(512);
+    int V = fi_model_config(m)->n_vocab;
+    int32_t p[NP][128];
+    out solo[NP], got[NP];
+    for (int i = 0; i < NP; i++) {
+        s_tokens(p[i], s_lens[i], V, 100 + (uint32_t)i);
+        s_solo(m, p[i], s_lens[i], 24, &solo[i]);
+        memset(&got[i], 0, sizeof got[i]);
+    }
+    char err[256];
+    fi_sched_opts so = {.max_seqs = 4, .step_tokens = 24, .n_ctx = 512};
+    fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(s);
+    int next = 0;
+    for (int step = 0; next < NP || fi_sched_pending(s); step++) {
+        if (next < NP && step % 3 == 0) {
+            s_submit(s, p[next], s_lens[next], 24, &got[next], "t", "eu");
+            next++;
+        }
+        assert_true(fi_sched_step(s, err, sizeof err) >= 0);
+        assert_true(step < 10000);
+    }
+    int total = 0;
+    size_t text = 0;
+    for (int i = 0; i < NP; i++) {
+        total += solo[i].n_generated;
+        text += solo[i].len;
+    }
+    assert_true(total > 2 * NP && text > 0); /* the comparison is about something */
+    for (int i = 0; i < NP; i++) {
+        assert_int_equal(got[i].done, 1);
+        assert_int_equal(got[i].n_prompt, s_lens[i]);
+        s_same(&got[i], &solo[i], "batched", i);
+    }
+    fi_sched_stats st;
+    fi_sched_get_stats(s, &st);
+    assert_int_equal(st.completed, NP);
+    assert_int_equal(st.running + st.queued, 0);
+    /* fewer forward passes than tokens: sequences shared steps */
+    assert_true(st.steps < st.decode_tokens);
+    assert_int_equal(st.blocks_free, st.blocks_total);
+    fi_sched_destroy(&s);
+    fi_model_destroy(&m);
+}
+
+/* A shared prefix of 6 full blocks: the second request takes them from
+ * the cache, computes only its own suffix, and answers as a cold run. */
+static void test_prefix_reuse(void **state) {
+    (void)state;
+    fi_model *m = s_model(512);
+    int V = fi_model_config(m)->n_vocab;
+    int32_t a[110], b[110];
+    s_tokens(a, 110, V, 7);
+    memcpy(b, a, 96 * sizeof *b);
+    s_tokens(b + 96, 14, V, 8);
+    char err[256];
+    fi_sched_opts so = {.n_ctx = 512};
+    fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(s);
+    out oa = {0}, ob = {0}, cold;
+    s_submit(s, a, 110, 12, &oa, "tenant-a", "eu");
+    s_run(s);
+    fi_sched_stats st0, st1;
+    fi_sched_get_stats(s, &st0);
+    assert_int_equal(st0.prefix_hit_tokens, 0);
+    assert_true(st0.blocks_cached >= 6);
+    s_submit(s, b, 110, 12, &ob, "tenant-a", "eu");
+    s_run(s);
+    fi_sched_get_stats(s, &st1);
+    assert_int_equal(st1.prefix_hit_tokens - st0.prefix_hit_tokens, 96);
+    assert_int_equal(st1.prefill_tokens - st0.prefill_tokens, 110 - 96);
+    s_solo(m, b, 110, 12, &cold);
+    s_same(&ob, &cold, "after prefix reuse", 1);
+
+    /* the same prompt again from another tenant, or another zone: no hit */
+    const char *who[][2] = {{"tenant-b", "eu"}, {"tenant-a", "us"}, {"tenant-a", "eu"}};
+    for (int i = 0; i < 3; i++) {
+        fi_sched_stats before, after;
+        fi_sched_get_stats(s, &before);
+        out o = {0};
+        s_submit(s, a, 110, 12, &o, who[i][0], who[i][1]);
+        s_run(s);
+        fi_sched_get_stats(s, &after);
+        uint64_t hit = after.prefix_hit_tokens - before.prefix_hit_tokens;
+        if (i < 2 && hit != 0)
+            fail_msg("%s/%s reused %llu cached tokens of another salt", who[i][0], who[i][1],
+                     (unsigned long long)hit);
+        if (i == 2) assert_int_equal(hit, 96 + 0); /* 110 tokens: 6 full blocks */
+        s_same(&o, &oa, "same prompt", i);
+    }
+    fi_sched_destroy(&s);
+    fi_model_destroy(&m);
+}
+
+/* A pool of 20 blocks (320 positions) and 8 requests that need 80
+ * positions each: all complete, equal to their solo runs, some
+ * preempted; none fails. */
+static void test_pool_exhaustion(void **state) {
+    (void)state;
+    fi_model *m = s_model(512);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    fi_sched_opts so = {.kv_bytes = 20 * fi_kv_block_bytes(m), .max_seqs = 8, .n_ctx = 512,
+                        .step_tokens = 64};
+    fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(s);
+    fi_sched_stats st;
+    fi_sched_get_stats(s, &st);
+    assert_int_equal(st.blocks_total, 20);
+    int32_t p[8][40];
+    out got[8], solo[8];
+    for (int i = 0; i < 8; i++) {
+        s_tokens(p[i], 40, V, 300 + (uint32_t)i);
+        memset(&got[i], 0, sizeof got[i]);
+        s_submit(s, p[i], 40, 40, &got[i], "t", "z");
+    }
+    s_run(s);
+    for (int i = 0; i < 8; i++) {
+        assert_int_equal(got[i].done, 1);
+        assert_string_equal(got[i].error, "");
+        s_solo(m, p[i], 40, 40, &solo[i]);
+        s_same(&got[i], &solo[i], "under memory pressure", i);
+    }
+    fi_sched_get_stats(s, &st);
+    assert_true(st.preemptions > 0); /* deterministic: one thread, no clocks */
+    printf("  pool of 20 blocks, 8 x 80 positions: %llu preemptions, %llu steps\n",
+           (unsigned long long)st.preemptions, (unsigned long long)st.steps);
+
+    /* a request that cannot fit the pool even alone is refused up front */
+    out big = {0};
+    int32_t longp[300];
+    s_tokens(longp, 300, V, 5);
+    fi_sched_req r = {.prompt = longp, .n_prompt = 300, .gen = s_greedy(100, &big),
+                      .on_done = s_on_done};
+    assert_int_equal(fi_sched_submit(s, &r, err, sizeof err), -1);
+    assert_non_null(strstr(err, "the pool holds 320"));
+    fi_sched_destroy(&s);
+    fi_model_destroy(&m);
+}
+
+static void test_cancel_and_errors(void **state) {
+    (void)state;
+    fi_model *m = s_model(256);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    fi_sched_opts so = {.max_seqs = 1, .n_ctx = 256};
+    fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(s);
+    int32_t p[20];
+    s_tokens(p, 20, V, 1);
+    out a = {0}, b = {0}, c = {0};
+    int64_t ia = s_submit(s, p, 20, 50, &a, NULL, NULL);
+    int64_t ib = s_submit(s, p, 20, 50, &b, NULL, NULL); /* queued: max_seqs 1 */
+    c.cancel_after = 1;                                  /* cancels from its callback */
+    s_submit(s, p, 20, 50, &c, NULL, NULL);
+    assert_true(ia > 0 && ib > ia);
+    assert_true(fi_sched_step(s, err, sizeof err) > 0);
+    assert_int_equal(fi_sched_cancel(s, ia), 0);
+    assert_int_equal(fi_sched_cancel(s, ib), 0);
+    assert_int_equal(fi_sched_cancel(s, 9999), -1);
+    s_run(s);
+    assert_int_equal(a.done, 1);
+    assert_int_equal(a.stop, FI_STOP_CANCEL);
+    assert_int_equal(b.done, 1);
+    assert_int_equal(b.stop, FI_STOP_CANCEL);
+    assert_int_equal(b.n_generated, 0);
+    assert_int_equal(c.done, 1);
+    if (c.calls > 0) assert_int_equal(c.stop, FI_STOP_CANCEL);
+
+    /* bad submissions name what is wrong */
+    out x = {0};
+    fi_sched_req r = {.prompt = p, .n_prompt = 0, .gen = s_greedy(4, &x)};
+    assert_int_equal(fi_sched_submit(s, &r, err, sizeof err), -1);
+    assert_non_null(strstr(err, "empty prompt"));
+    int32_t bad[3] = {5, V, 6};
+    r.prompt = bad;
+    r.n_prompt = 3;
+    assert_int_equal(fi_sched_submit(s, &r, err, sizeof err), -1);
+    assert_non_null(strstr(err, "index 1 is outside the vocabulary"));
+    r.prompt = p;
+    r.n_prompt = 20;
+    r.gen.max_tokens = -1;
+    assert_int_equal(fi_sched_submit(s, &r, err, sizeof err), -1);
+    assert_non_null(strstr(err, "max_tokens"));
+    int32_t huge[300] = {0};
+    r.prompt = huge;
+    r.n_prompt = 300;
+    r.gen.max_tokens = 1;
+    assert_int_equal(fi_sched_submit(s, &r, err, sizeof err), -1);
+    assert_non_null(strstr(err, "does not fit the context of 256"));
+    assert_int_equal(x.done, 0); /* refused requests never call back */
+
+    /* destroying with work pending ends it with an error */
+    out d = {0};
+    s_submit(s, p, 20, 50, &d, NULL, NULL);
+    fi_sched_destroy(&s);
+    assert_int_equal(d.done, 1);
+    assert_non_null(strstr(d.error, "shutting down"));
+    fi_model_destroy(&m);
+}
+
+/* The filter holds the chain hashes routers compute for a served prompt,
+ * and not those of another tenant. */
+static void test_prefix_filter(void **state) {
+    (void)state;
+    fi_model *m = s_model(512);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    fi_sched *s = fi_sched_new(m, NULL, err, sizeof err);
+    assert_non_null(s);
+    int32_t p[70];
+    s_tokens(p, 70, V, 77);
+    out o = {0};
+    s_submit(s, p, 70, 4, &o, "acme", "de");
+    s_run(s);
+    uint64_t h[8], other[8];
+    assert_int_equal(fi_prefix_hashes("acme", "de", p, 70, h, 8), 4);
+    assert_int_equal(fi_prefix_hashes("acme", "fr", p, 70, other, 8), 4);
+    for (int i = 0; i < 4; i++) assert_true(h[i] != other[i]);
+    uint8_t bits[1024];
+    assert_int_equal(fi_sched_prefix_filter(s, bits, 100), -1); /* not a power of two */
+    assert_int_equal(fi_sched_prefix_filter(s, bits, sizeof bits), 0);
+    assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, h, 4), 4);
+    assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, other, 4), 0);
+    fi_sched_destroy(&s);
+    fi_model_destroy(&m);
+}
+
+typedef struct hook {
+    int calls;
+    int fail_at;
+} hook;
+
+static int s_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, float *logits,
+                     char *err, size_t errlen) {
+    hook *h = user;
+    if (++h->calls == h->fail_at) {
+        snprintf(err, errlen, "rank 1 is gone");
+        return -1;
+    }
+    return fi_model_forward(m, kv, b, NULL, NULL, logits, err, errlen);
+}
+
+/* The forward hook runs every step; a failing hook ends every request with
+ * its message, and the scheduler serves again afterwards. */
+static void test_forward_hook(void **state) {
+    (void)state;
+    fi_model *m = s_model(256);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    hook h = {0};
+    fi_sched_opts so = {.forward = s_forward, .forward_user = &h, .n_ctx = 256};
+    fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(s);
+    int32_t p[30];
+    s_tokens(p, 30, V, 3);
+    out a = {0}, ref;
+    s_submit(s, p, 30, 10, &a, NULL, NULL);
+    s_run(s);
+    s_solo(m, p, 30, 10, &ref);
+    s_same(&a, &ref, "through the hook", 0);
+    assert_true(h.calls >= a.n_generated);
+
+    out b = {0}, c = {0};
+    h.fail_at = h.calls + 3;
+    s_submit(s, p, 30, 10, &b, NULL, NULL);
+    s_submit(s, p, 20, 10, &c, NULL, NULL);
+    int rc = 0;
+    for (int i = 0; i < 100 && fi_sched_pending(s); i++)
+        if ((rc = fi_sched_step(s, err, sizeof err)) < 0) break;
+    assert_int_equal(rc, -1);
+    assert_non_null(strstr(err, "rank 1 is gone"));
+    assert_int_equal(fi_sched_pending(s), 0);
+    assert_int_equal(b.done + c.done, 2);
+    assert_non_null(strstr(b.error, "rank 1 is gone"));
+    out d = {0};
+    s_submit(s, p, 30, 10, &d, NULL, NULL);
+    s_run(s);
+    s_same(&d, &ref, "after a failed step", 0);
+    fi_sched_destroy(&s);
+    fi_model_destroy(&m);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_batched_equals_single),
+        cmocka_unit_test(test_prefix_reuse),
+        cmocka_unit_test(test_pool_exhaustion),
+        cmocka_unit_test(test_cancel_and_errors),
+        cmocka_unit_test(test_prefix_filter),
+        cmocka_unit_test(test_forward_hook),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
