@@ -428,7 +428,7 @@ static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logi
         fi_gmsg_free(&m);
         x_in = g->xa;
     }
-    g->st.comm_s += s_now() - t0;
+    g->st.wait_s += s_now() - t0;
     double c0 = s_now(), comm_before = g->st.comm_s;
     float *out_logits = NULL;
     if (last && g->t == 0) {
@@ -442,7 +442,11 @@ static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logi
             out_logits = g->logits;
         }
     }
-    int rc = fi_model_forward(g->m, kv, b, x_in, last ? NULL : g->xb, out_logits, err, errlen);
+    /* Only the rank with the output makes logits; the others run the same
+     * tokens without asking for rows. */
+    fi_batch mine = *b;
+    if (g->plans[g->rank].no_output) mine.n_out = 0;
+    int rc = fi_model_forward(g->m, kv, &mine, x_in, last ? NULL : g->xb, out_logits, err, errlen);
     g->st.compute_s += (s_now() - c0) - (g->st.comm_s - comm_before);
     if (rc != 0) return -1;
     double t1 = s_now();
@@ -458,7 +462,7 @@ static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logi
     g->st.comm_s += s_now() - t1;
     return 0;
 comm_fail:
-    g->st.comm_s += s_now() - t0;
+    g->st.wait_s += s_now() - t0;
     return -1;
 }
 
@@ -499,7 +503,7 @@ int fi_group_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, 
         fi_gmsg *lm = NULL;
         int wr = fi_gcoll_wait(g->net, (g->conf.pp - 1) * g->conf.tp, FI_G_LOGITS, pass,
                                UINT32_MAX, g->deadline_ms, &lm, why, sizeof why);
-        g->st.comm_s += s_now() - t1;
+        g->st.wait_s += s_now() - t1;
         if (wr != 0) goto done;
         if (lm->len != nlog * sizeof(float)) {
             snprintf(why, sizeof why, "rank %d sent %zu bytes of logits; %zu were due", lm->from,

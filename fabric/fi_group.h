@@ -46,7 +46,9 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
+#include "fi_client.h"
 #include "fi_group_conf.h"
 #include "fi_model.h"
 
@@ -103,6 +105,18 @@ const char *fi_group_status(const fi_group *g);
 int fi_group_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, float *logits,
                      char *err, size_t errlen);
 
+/* The leader's serving loop (fi_group_serve.c): attaches m (loaded with
+ * fi_group_plan(g)), makes a scheduler whose forward hook is
+ * fi_group_forward (KV budget, batch and context limits from rc), and
+ * serves c's requests until *stop, announcing the model to the
+ * coordinator with rc->capacity while the group is available and with
+ * capacity 0 (withdrawn) while not. c should be made with capacity 0 so
+ * that nothing is routed before the group has formed. Returns 0 on stop,
+ * -1 with a message when the coordinator refused or revoked the key or
+ * the scheduler cannot be made. */
+int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_conf *rc,
+                   atomic_int *stop, char *err, size_t errlen);
+
 /* --- the other ranks ----------------------------------------------------- */
 
 /* Serves the leader's commands until *stop: Join (answered), batches (run
@@ -111,6 +125,15 @@ int fi_group_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, 
  * size or layout is not the leader's) or a socket failed. */
 int fi_group_follow(fi_group *g, atomic_int *stop, char *err, size_t errlen);
 
+/* --- the command -------------------------------------------------------- */
+
+/* `fedinfer shard --config RANKFILE [--enrol TOKEN]` for a rank file
+ * (fi_group_conf_is_rank_file): runs this rank until SIGINT/SIGTERM.
+ * Returns the exit status (0, or 1 with the reason on stderr). */
+int fi_group_cmd(const char *config, const char *token);
+/* The rank file's part of `fedinfer shard --help`. */
+void fi_group_cmd_help(FILE *f);
+
 /* --- figures ------------------------------------------------------------- */
 typedef struct fi_group_stats {
     uint64_t passes;        /* forward passes this rank took part in */
@@ -118,7 +141,11 @@ typedef struct fi_group_stats {
     uint64_t bytes_sent;    /* to the other ranks, headers included */
     uint64_t msgs_sent;
     uint64_t allreduces;    /* TP sums made */
-    double comm_s;          /* time in sends, waits and sums (not computing) */
+    double comm_s;          /* time in sends and TP sums (waits for the other TP
+                               ranks of the stage included) */
+    double wait_s;          /* time waiting for another stage's activations or
+                               logits (their computing included: the pipeline's
+                               bubble) */
     double compute_s;       /* time in this rank's fi_model_forward, sums excluded */
 } fi_group_stats;
 void fi_group_get_stats(const fi_group *g, fi_group_stats *st);

@@ -456,12 +456,12 @@ int fi_group_plan_make(const fi_group_conf *g, const fi_group_model *m,
             fi_shard_plan *p = &plans[s * tp + t];
             p->layer_begin = lb;
             p->layer_end = lb + layers[s];
-            if (tp > 1) {
-                p->kv_head_begin = kb;
-                p->kv_head_count = kv[t];
-                p->ffn_begin = fb;
-                p->ffn_count = ffn[t];
-            }
+            /* Explicit even when whole (tp = 1): the plan the model reports
+             * after loading is the same, field for field. */
+            p->kv_head_begin = kb;
+            p->kv_head_count = kv[t];
+            p->ffn_begin = fb;
+            p->ffn_count = ffn[t];
             kb += kv[t];
             fb += ffn[t];
             p->no_embed = s > 0;

@@ -126,9 +126,9 @@ static void test_pp2(void **state) {
     fi_shard_plan p[FI_GROUP_MAX_RANKS];
     s_plan(*state, 2, "tp = 1\n", &g, p);
     assert_int_equal(g.pp, 2);
-    /* tp = 1: every head and every FFN row (0 means all). */
-    s_expect(&p[0], 0, 15, 0, 0, 0, 0, 0, 1);
-    s_expect(&p[1], 15, 30, 0, 0, 0, 0, 1, 0);
+    /* tp = 1: every head and every FFN row. */
+    s_expect(&p[0], 0, 15, 0, 3, 0, 1536, 0, 1);
+    s_expect(&p[1], 15, 30, 0, 3, 0, 1536, 1, 0);
 }
 
 static void test_tp2_pp2(void **state) {
@@ -161,12 +161,12 @@ static void test_pp_weights(void **state) {
     fi_group_conf g;
     fi_shard_plan p[FI_GROUP_MAX_RANKS];
     s_plan(*state, 3, "tp = 1\npp_weights = 1,1,1\n", &g, p);
-    s_expect(&p[0], 0, 10, 0, 0, 0, 0, 0, 1);
-    s_expect(&p[1], 10, 20, 0, 0, 0, 0, 1, 1);
-    s_expect(&p[2], 20, 30, 0, 0, 0, 0, 1, 0);
+    s_expect(&p[0], 0, 10, 0, 3, 0, 1536, 0, 1);
+    s_expect(&p[1], 10, 20, 0, 3, 0, 1536, 1, 1);
+    s_expect(&p[2], 20, 30, 0, 3, 0, 1536, 1, 0);
     s_plan(*state, 2, "tp = 1\nlayer_split = 20,10\n", &g, p);
-    s_expect(&p[0], 0, 20, 0, 0, 0, 0, 0, 1);
-    s_expect(&p[1], 20, 30, 0, 0, 0, 0, 1, 0);
+    s_expect(&p[0], 0, 20, 0, 3, 0, 1536, 0, 1);
+    s_expect(&p[1], 20, 30, 0, 3, 0, 1536, 1, 0);
     s_plan(*state, 2, "tp = 1\npp_weights = 3,1\n", &g, p);
     assert_int_equal(p[0].layer_end, 23); /* 22.5 rounds to the first stage */
     s_plan(*state, 2, "kv_split = 1,2\nffn_split = 1024,512\n", &g, p);
