@@ -130,6 +130,9 @@ const fi_shard_plan *fi_group_plan(const fi_group *g) { return &g->plans[g->rank
 const uint8_t *fi_group_plan_digest_bytes(const fi_group *g) { return g->plan_digest; }
 const char *fi_group_plan_str(const fi_group *g) { return g->plan_text; }
 int fi_group_rank(const fi_group *g) { return g->rank; }
+void fi_group_set_idle(fi_group *g, void (*fn)(void *user), void *user) {
+    fi_gnet_set_idle(g->net, fn, user);
+}
 
 void fi_group_get_stats(const fi_group *g, fi_group_stats *st) {
     *st = g->st;
@@ -483,6 +486,7 @@ int fi_group_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, 
     }
     g->st.passes++;
     fi_gnet_drop_before(g->net, pass);
+    fi_gnet_mark(g->net);
     g->cur_pass = pass;
     g->op = 0;
     g->deadline_ms = fi_wire_now_ms() + FI_GROUP_PASS_TIMEOUT_MS;
@@ -638,6 +642,7 @@ static void s_on_batch(fi_group *g, const fi_gmsg *m) {
     g->op = 0;
     g->deadline_ms = fi_wire_now_ms() + FI_GROUP_PASS_TIMEOUT_MS;
     g->st.passes++;
+    fi_gnet_mark(g->net);
     if (!g->kv) {
         snprintf(why, sizeof why, "rank %d has not joined (no KV pool)", g->rank);
     } else if (s_batch_decode(m, &b, &copy, why, sizeof why) == 0 &&

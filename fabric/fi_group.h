@@ -98,6 +98,10 @@ int fi_group_available(const fi_group *g);
  * model digest ab12... differs from the leader's cd34..."), or "available". */
 const char *fi_group_status(const fi_group *g);
 
+/* Work to keep going while a pass waits for other ranks (at most every
+ * 50 ms): the leader's link to the coordinator. NULL: none. */
+void fi_group_set_idle(fi_group *g, void (*fn)(void *user), void *user);
+
 /* The scheduler's forward hook (fi_sched_opts.forward, user = the group):
  * one pass over every rank. 0, or -1 with the reason in err ("shard group
  * unavailable: ...", "rank 2 failed: ...", "rank 1 is down (link lost)

@@ -47,10 +47,20 @@ int fi_gcoll_wait(fi_gnet *n, int from, uint8_t kind, uint64_t pass, uint32_t op
             return 0;
         }
         int down = fi_gnet_first_down(n);
+        if (down < 0) down = fi_gnet_lost_since_mark(n); /* down and back: the pass is lost */
         if (down >= 0) {
             snprintf(err, errlen, "rank %d is down (link lost) while rank %d waited for %s from "
                                   "rank %d",
                      down, fi_gnet_rank(n), s_kind_name(kind), from);
+            return -1;
+        }
+        /* The leader moved on (a newer pass, or a join after a failure):
+         * this pass will never complete. */
+        const fi_gmsg *lm = fi_gnet_peek(n, 0, FI_G_BATCH);
+        if (fi_gnet_rank(n) != 0 && (fi_gnet_peek(n, 0, FI_G_JOIN) || (lm && lm->pass > pass))) {
+            snprintf(err, errlen, "the leader abandoned pass %llu (it %s)",
+                     (unsigned long long)pass, lm && lm->pass > pass ? "started a newer pass"
+                                                                     : "asks this rank to join again");
             return -1;
         }
         uint64_t now = fi_wire_now_ms();
@@ -59,6 +69,7 @@ int fi_gcoll_wait(fi_gnet *n, int from, uint8_t kind, uint64_t pass, uint32_t op
                      fi_gnet_rank(n), s_kind_name(kind), from);
             return -1;
         }
+        fi_gnet_idle(n);
         uint64_t left = deadline_ms - now;
         if (fi_gnet_pump(n, left > 50 ? 50 : (int)left, err, errlen) < 0) return -1;
     }

@@ -31,6 +31,7 @@ struct fi_gnet {
     void *mon[FI_GROUP_MAX_RANKS];          /* monitor events of each dealer */
     int up[FI_GROUP_MAX_RANKS];             /* link state (dealer handshake done) */
     unsigned serial[FI_GROUP_MAX_RANKS];    /* times each link came up */
+    int lost;                               /* first rank down since fi_gnet_mark, or -1 */
     fi_gmsg *head[FI_GROUP_MAX_RANKS];      /* inbox per sender, arrival order */
     fi_gmsg *tail[FI_GROUP_MAX_RANKS];
     int n_inbox;                            /* messages in all inboxes */
@@ -39,6 +40,9 @@ struct fi_gnet {
     pthread_t zap_th;                       /* the ZAP actor */
     int zap_started;                        /* joined on destroy */
     uint64_t bytes_sent, msgs_sent;         /* traffic counters */
+    void (*idle_fn)(void *);                /* fi_gnet_set_idle */
+    void *idle_user;
+    uint64_t idle_at_ms;                    /* when it last ran */
 };
 
 void fi_gmsg_free(fi_gmsg **mp) {
@@ -113,6 +117,7 @@ fi_gnet *fi_gnet_new(const fi_group_conf *g, int rank, const fi_keypair *kp, cha
     n->kp = *kp;
     memcpy(n->pub, g->pub, sizeof n->pub);
     n->up[rank] = 1;
+    n->lost = -1;
     fi_sockopts so;
     fi_sockopts_default(&so);
     so.heartbeat_ms = g->heartbeat_ms;
@@ -213,6 +218,19 @@ int fi_gnet_first_down(const fi_gnet *n) {
     for (int r = 0; r < n->world; r++)
         if (!n->up[r]) return r;
     return -1;
+}
+
+void fi_gnet_set_idle(fi_gnet *n, void (*fn)(void *user), void *user) {
+    n->idle_fn = fn;
+    n->idle_user = user;
+}
+
+void fi_gnet_idle(fi_gnet *n) {
+    if (!n->idle_fn) return;
+    uint64_t now = fi_wire_now_ms();
+    if (now - n->idle_at_ms < FI_GNET_IDLE_MS) return;
+    n->idle_at_ms = now;
+    n->idle_fn(n->idle_user);
 }
 
 void fi_gnet_counters(const fi_gnet *n, uint64_t *bytes_sent, uint64_t *msgs_sent) {
@@ -363,6 +381,7 @@ static int s_events(fi_gnet *n, int r) {
             changed = 1;
         } else if (ev == ZMQ_EVENT_DISCONNECTED && n->up[r]) {
             n->up[r] = 0;
+            if (n->lost < 0) n->lost = r;
             changed = 1;
         }
     }
@@ -396,6 +415,16 @@ int fi_gnet_pump(fi_gnet *n, int timeout_ms, char *err, size_t errlen) {
         }
     }
     return happened;
+}
+
+void fi_gnet_mark(fi_gnet *n) { n->lost = -1; }
+int fi_gnet_lost_since_mark(const fi_gnet *n) { return n->lost; }
+
+const fi_gmsg *fi_gnet_peek(const fi_gnet *n, int from, uint8_t kind) {
+    if (from < 0 || from >= n->world) return NULL;
+    for (const fi_gmsg *m = n->head[from]; m; m = m->next)
+        if (m->kind == kind) return m;
+    return NULL;
 }
 
 fi_gmsg *fi_gnet_take(fi_gnet *n, int from, uint8_t kind, uint64_t pass) {

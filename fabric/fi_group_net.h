@@ -72,6 +72,17 @@ unsigned fi_gnet_link_serial(const fi_gnet *n, int r);
 /* The lowest rank whose link is down, or -1 when all are up. */
 int fi_gnet_first_down(const fi_gnet *n);
 
+/* Starts watching for lost links (at the start of a pass): a link that
+ * goes down and comes back up between two pumps still counts as lost,
+ * since messages of the pass may have gone with it. */
+void fi_gnet_mark(fi_gnet *n);
+/* The first rank whose link went down since fi_gnet_mark, or -1. */
+int fi_gnet_lost_since_mark(const fi_gnet *n);
+
+/* The first waiting message from `from` of `kind`, left in place; NULL
+ * when none. */
+const fi_gmsg *fi_gnet_peek(const fi_gnet *n, int from, uint8_t kind);
+
 /* Sends one message to rank `to` (two frames: header, payload). 0, or -1
  * with a message when the link is down or the rank's queue is full. */
 FI_WIRE_MUST_CHECK int fi_gnet_send(fi_gnet *n, int to, uint8_t kind, uint64_t pass,
@@ -92,6 +103,14 @@ int fi_gnet_pump(fi_gnet *n, int timeout_ms, char *err, size_t errlen);
 /* Drops every waiting message of a pass lower than `pass` (messages with
  * pass 0 are kept): what remains of aborted passes. */
 void fi_gnet_drop_before(fi_gnet *n, uint64_t pass);
+
+/* Work that must go on while a rank waits inside a pass (the leader's
+ * heartbeats to the coordinator): fn(user) is called by fi_gnet_idle at
+ * most every FI_GNET_IDLE_MS. NULL: none. */
+#define FI_GNET_IDLE_MS 50
+void fi_gnet_set_idle(fi_gnet *n, void (*fn)(void *user), void *user);
+/* Calls the idle work when it is due (fi_gcoll_wait calls this). */
+void fi_gnet_idle(fi_gnet *n);
 
 /* Traffic counters since creation: bytes and messages sent (headers
  * included). */

@@ -29,6 +29,8 @@
 
 typedef struct s_lead s_lead;
 
+#define S_HELD 256 /* coordinator messages held while a pass runs */
+
 /* One request in the scheduler. */
 typedef struct s_req {
     char id[FI_WIRE_MAX_ID + 1]; /* the coordinator's request id */
@@ -47,6 +49,10 @@ struct s_lead {
     fi_sched *s;                 /* the scheduler (made anew after a failure) */
     s_req *open;                 /* open requests */
     unsigned gen;                /* fi_client_reconnects when last checked */
+    fi_msg *held[S_HELD];        /* messages that came during a pass (owned) */
+    int n_held;
+    int fatal;                   /* the coordinator refused or revoked us */
+    char fatal_err[256];
 };
 
 static int s_on_text(void *user, const char *text, size_t len) {
@@ -202,11 +208,39 @@ static void s_take(s_lead *L, fi_msg *m) {
     }
 }
 
+/* Runs while a pass waits for other ranks: keeps the coordinator's link
+ * alive (heartbeats both ways) and holds what arrives for after the step
+ * (the scheduler is inside fi_sched_step and must not be re-entered). */
+static void s_tick(void *user) {
+    s_lead *L = user;
+    fi_msg *m = NULL;
+    for (int k = 0; k < 64 && !L->fatal; k++) {
+        int r = fi_client_recv(L->c, 0, &m, L->fatal_err, sizeof L->fatal_err);
+        if (r < 0) L->fatal = 1;
+        if (r != 1) return;
+        if (L->n_held < S_HELD) {
+            L->held[L->n_held++] = m;
+            continue;
+        }
+        if (m->body_case == FI__ENVELOPE__BODY_INFER && m->infer->request_id)
+            s_send_error(L, m->infer->request_id, FI__ERROR_CODE__ERR_BUSY,
+                         "the group leader's queue is full");
+        fi_wire_free(&m);
+    }
+}
+
 int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_conf *rc,
                    atomic_int *stop, char *err, size_t errlen) {
-    s_lead L = {g, m, c, rc, NULL, NULL, fi_client_reconnects(c)};
+    s_lead L;
+    memset(&L, 0, sizeof L);
+    L.g = g;
+    L.m = m;
+    L.c = c;
+    L.rc = rc;
+    L.gen = fi_client_reconnects(c);
     int rc_ = -1, announced = 0, dirty = 0;
     if (fi_group_attach(g, m, err, errlen) != 0 || s_make_sched(&L, err, errlen) != 0) goto done;
+    fi_group_set_idle(g, s_tick, &L);
     (void)fi_client_set_capacity(c, 0, 0); /* nothing until every rank has joined */
     while (!atomic_load(stop)) {
         int busy = fi_sched_pending(L.s) > 0;
@@ -225,9 +259,17 @@ int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_c
             (void)fi_client_set_capacity(c, 0, (uint32_t)rc->capacity);
             announced = 1;
         }
+        for (int i = 0; i < L.n_held; i++) {
+            s_take(&L, L.held[i]);
+            fi_wire_free(&L.held[i]);
+        }
+        L.n_held = 0;
         fi_msg *msg = NULL;
         int r = fi_client_recv(c, 0, &msg, err, errlen);
-        if (r < 0) goto done; /* refused or revoked */
+        if (r < 0 || L.fatal) { /* refused or revoked */
+            if (L.fatal) snprintf(err, errlen, "%s", L.fatal_err);
+            goto done;
+        }
         if (r == 1) {
             s_take(&L, msg);
             fi_wire_free(&msg);
@@ -249,6 +291,8 @@ int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_c
     }
     rc_ = 0;
 done:
+    fi_group_set_idle(g, NULL, NULL);
+    for (int i = 0; i < L.n_held; i++) fi_wire_free(&L.held[i]);
     fi_sched_destroy(&L.s); /* ends the open requests ("shutting down") */
     while (L.open) {
         s_req *q = L.open;
