@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "fi_group_coll.h"
+#include "fi_group_nccl.h"
 #include "fi_group_net.h"
 #include "fi_wire.h"
 
@@ -52,6 +53,10 @@ struct fi_group {
     size_t xa_cap, xb_cap;                /* floats in each */
     float *logits;                        /* follower's logits (last stage, TP rank 0) */
     size_t logits_cap;
+    /* NCCL (collective = nccl): one communicator over the ranks, formed
+     * by the leader once every rank has joined, again after any rejoin */
+    fi_gnccl *nccl;
+    unsigned nccl_members[FI_GROUP_MAX_RANKS]; /* link serials it was formed with */
     /* follower */
     fi_kvpool *kv;                        /* made at Join */
     int kv_blocks, kv_tokens, kv_out;     /* its geometry */
@@ -96,6 +101,20 @@ fi_group *fi_group_new(const fi_group_conf *conf, int rank, const fi_keypair *kp
     g->mi = *model;
     memcpy(g->model_digest, model_digest, FI_GROUP_DIGEST_BYTES);
     if (fi_group_plan_make(conf, model, g->plans, err, errlen) != 0) goto fail;
+    if (conf->coll == FI_GROUP_COLL_NCCL) {
+        if (conf->pp > 1) {
+            snprintf(err, errlen, "%s: collective = nccl sums over the GPUs of one machine in one "
+                                  "stage; with %d stages use collective = zmq",
+                     conf->path, conf->pp);
+            goto fail;
+        }
+        if (!fi_gnccl_built()) {
+            snprintf(err, errlen, "%s: collective = nccl, but this build has no CUDA backend "
+                                  "(configure with -DFEDINFER_CUDA=ON)",
+                     conf->path);
+            goto fail;
+        }
+    }
     fi_group_plan_digest(conf, g->plans, g->plan_digest);
     fi_group_plan_text(conf, g->plans, g->plan_text, sizeof g->plan_text);
     if (!(g->net = fi_gnet_new(conf, rank, kp, err, errlen))) goto fail;
@@ -115,6 +134,7 @@ void fi_group_destroy(fi_group **gp) {
     if (!gp || !*gp) return;
     fi_group *g = *gp;
     if (g->m) fi_model_set_allreduce(g->m, NULL, NULL);
+    fi_gnccl_destroy(&g->nccl);
     fi_kvpool_destroy(&g->kv);
     fi_gnet_destroy(&g->net);
     free(g->acc);
@@ -148,6 +168,19 @@ static int s_allreduce(void *user, float *x, size_t n, char *err, size_t errlen)
     if (s_grow(&g->acc, &g->acc_cap, n) != 0 ||
         (!g->host_mem && s_grow(&g->hostx, &g->hostx_cap, n) != 0)) {
         snprintf(err, errlen, "rank %d: out of memory for a sum of %zu floats", g->rank, n);
+        goto done;
+    }
+    if (g->conf.coll == FI_GROUP_COLL_NCCL) {
+        fi_backend *dev = fi_model_backend(g->m);
+        if (!g->nccl) {
+            snprintf(err, errlen, "rank %d: no NCCL communicator (the group is re-forming)",
+                     g->rank);
+            goto done;
+        }
+        if (dev->ops->sync(dev->ctx) != 0 || fi_gnccl_sum(g->nccl, x, n, err, errlen) != 0)
+            goto done;
+        g->st.allreduces++;
+        rc = 0;
         goto done;
     }
     float *h = x;
@@ -190,6 +223,12 @@ int fi_group_attach(fi_group *g, fi_model *m, char *err, size_t errlen) {
     }
     const char *name = fi_model_backend(m)->ops->name;
     g->host_mem = name && !strcmp(name, "cpu");
+    if (g->conf.coll == FI_GROUP_COLL_NCCL && g->host_mem) {
+        snprintf(err, errlen, "rank %d: collective = nccl needs the model on a GPU (device = cuda)",
+                 g->rank);
+        g->m = NULL;
+        return -1;
+    }
     if (g->conf.tp > 1) fi_model_set_allreduce(m, s_allreduce, g);
     return 0;
 }
@@ -266,16 +305,28 @@ void fi_group_set_pool(fi_group *g, int n_blocks, int max_tokens, int max_out) {
     g->geom_gen++;
 }
 
+static int s_nccl_current(const fi_group *g);
+
 static int s_joined(const fi_group *g, int r) {
     return r == g->rank || (fi_gnet_up(g->net, r) && g->joined_serial[r] &&
                             g->joined_serial[r] == fi_gnet_link_serial(g->net, r) &&
                             g->joined_geom[r] == g->geom_gen);
 }
 
+/* 1 when the NCCL communicator was formed with the ranks as they are now
+ * (always 1 with the ZeroMQ collective). */
+static int s_nccl_current(const fi_group *g) {
+    if (g->conf.coll != FI_GROUP_COLL_NCCL) return 1;
+    if (!g->nccl) return 0;
+    for (int r = 0; r < g->conf.world; r++)
+        if (r != g->rank && g->nccl_members[r] != fi_gnet_link_serial(g->net, r)) return 0;
+    return 1;
+}
+
 int fi_group_available(const fi_group *g) {
     for (int r = 0; r < g->conf.world; r++)
         if (!s_joined(g, r)) return 0;
-    return g->geom_gen > 0;
+    return g->geom_gen > 0 && s_nccl_current(g);
 }
 
 const char *fi_group_status(const fi_group *g) { return g->status; }
@@ -295,6 +346,11 @@ static void s_update_status(fi_group *g) {
             snprintf(g->status, sizeof g->status, "rank %d refused: %s", r, g->refused_why[r]);
         else
             snprintf(g->status, sizeof g->status, "rank %d: joining", r);
+        return;
+    }
+    if (!s_nccl_current(g)) {
+        snprintf(g->status, sizeof g->status, "every rank joined; the NCCL communicator is not "
+                                              "formed yet");
         return;
     }
     snprintf(g->status, sizeof g->status, "available");
@@ -375,6 +431,25 @@ refused:
             g->refused_why[r]);
 }
 
+/* The leader forms the NCCL communicator over every rank: a fresh id to
+ * each, then its own rank 0, which returns once all have called in.
+ * Known limit: a rank that dies before calling in leaves the others
+ * blocked in NCCL's set-up (fi_nccl has no timeout or abort yet). */
+static int s_nccl_form(fi_group *g, char *err, size_t errlen) {
+    uint8_t id[FI_GNCCL_ID_BYTES];
+    fi_gnccl_destroy(&g->nccl);
+    if (fi_gnccl_id_new(id, err, errlen) != 0) return -1;
+    for (int r = 1; r < g->conf.world; r++)
+        if (fi_gnet_send(g->net, r, FI_G_NCCL, 0, (uint32_t)g->conf.world, id, sizeof id, err,
+                         errlen) != 0)
+            return -1;
+    if (!(g->nccl = fi_gnccl_new(id, g->conf.world, 0, 0, err, errlen))) return -1;
+    for (int r = 0; r < g->conf.world; r++) g->nccl_members[r] = fi_gnet_link_serial(g->net, r);
+    fprintf(stderr, "group %s: NCCL communicator formed over %d ranks\n", g->conf.name,
+            g->conf.world);
+    return 0;
+}
+
 int fi_group_lead_poll(fi_group *g, int timeout_ms, char *err, size_t errlen) {
     if (fi_gnet_pump(g->net, timeout_ms, err, errlen) < 0) return -1;
     fi_gmsg *m;
@@ -390,6 +465,12 @@ int fi_group_lead_poll(fi_group *g, int timeout_ms, char *err, size_t errlen) {
         if (s_joined(g, r) || !fi_gnet_up(g->net, r)) continue;
         if (g->refused_serial[r] == fi_gnet_link_serial(g->net, r)) continue;
         if (now - g->join_sent_ms[r] >= again) s_send_join(g, r);
+    }
+    if (g->conf.coll == FI_GROUP_COLL_NCCL && !s_nccl_current(g)) {
+        int all = g->geom_gen > 0;
+        for (int r = 0; r < g->conf.world; r++) all &= s_joined(g, r);
+        if (all && s_nccl_form(g, err, errlen) != 0)
+            fprintf(stderr, "group %s: NCCL: %s\n", g->conf.name, err);
     }
     int was = !strcmp(g->status, "available");
     s_update_status(g);
@@ -679,6 +760,15 @@ int fi_group_follow(fi_group *g, atomic_int *stop, char *err, size_t errlen) {
                         err);
                 return -1;
             }
+        }
+        while ((m = fi_gnet_take(g->net, 0, FI_G_NCCL, UINT64_MAX))) {
+            char e[512];
+            fi_gnccl_destroy(&g->nccl);
+            if (m->len != FI_GNCCL_ID_BYTES ||
+                !(g->nccl = fi_gnccl_new(m->data, g->conf.world, g->rank, 0, e, sizeof e)))
+                fprintf(stderr, "group %s: rank %d: NCCL: %s\n", g->conf.name, g->rank,
+                        m->len != FI_GNCCL_ID_BYTES ? "malformed id" : e);
+            fi_gmsg_free(&m);
         }
         while ((m = fi_gnet_take(g->net, 0, FI_G_BATCH, UINT64_MAX))) {
             fi_gnet_drop_before(g->net, m->pass);

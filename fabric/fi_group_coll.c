@@ -18,6 +18,7 @@ static const char *s_kind_name(uint8_t k) {
     case FI_G_ACT: return "activations";
     case FI_G_LOGITS: return "logits";
     case FI_G_FAIL: return "failure";
+    case FI_G_NCCL: return "NCCL set-up";
     default: return "unknown";
     }
 }

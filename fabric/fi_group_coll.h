@@ -31,6 +31,7 @@ enum {
     FI_G_ACT = 5,        /* stage s -> stage s+1 (same TP rank): output rows */
     FI_G_LOGITS = 6,     /* last stage's TP rank 0 -> leader: logits */
     FI_G_FAIL = 7,       /* any rank -> all: the pass failed (payload: reason) */
+    FI_G_NCCL = 8,       /* leader -> every rank: form the NCCL communicator (id) */
 };
 
 /* Waits until deadline_ms (fi_wire_now_ms clock) for the message of

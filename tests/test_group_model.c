@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "fi_group.h"
+#include "fi_group_nccl.h"
 #include "fi_sched.h"
 #include "fi_wire.h"
 
@@ -495,6 +496,35 @@ static void test_join_refusals(void **state) {
     s_rank_close(L);
 }
 
+/* collective = nccl: refused where it cannot work, with the reason. */
+static void test_nccl_refusals(void **state) {
+    fixture *f = *state;
+    fi_group_conf c;
+    char err[512];
+    s_group_file(f, "nccl-pp", 2, 1, "collective = nccl\n", &c);
+    assert_null(fi_group_new(&c, 0, &f->kp[0], &f->mi, f->digest, err, sizeof err));
+    printf("%s\n", err);
+    assert_non_null(strstr(err, "with 2 stages use collective = zmq"));
+    s_group_file(f, "nccl-tp", 2, 2, "collective = nccl\n", &c);
+    fi_group *g = fi_group_new(&c, 0, &f->kp[0], &f->mi, f->digest, err, sizeof err);
+    if (!fi_gnccl_built()) {
+        assert_null(g);
+        printf("%s\n", err);
+        assert_non_null(strstr(err, "this build has no CUDA backend"));
+        return;
+    }
+    /* A CUDA build: the collective sums device memory, so a model on the
+     * CPU is refused. (The NCCL sums themselves need GPUs: gpu-check.) */
+    assert_non_null(g);
+    fi_model_opts mo = {.n_threads = 1, .device = FI_DEVICE_CPU, .plan = fi_group_plan(g)};
+    fi_model *m = fi_model_load(FI_TEST_MODEL, &mo, err, sizeof err);
+    assert_non_null(m);
+    assert_int_equal(fi_group_attach(g, m, err, sizeof err), -1);
+    assert_non_null(strstr(err, "needs the model on a GPU"));
+    fi_group_destroy(&g);
+    fi_model_destroy(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tp2),
@@ -503,6 +533,7 @@ int main(void) {
         cmocka_unit_test(test_tp2_pp2),
         cmocka_unit_test(test_sched_tp2),
         cmocka_unit_test(test_join_refusals),
+        cmocka_unit_test(test_nccl_refusals),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
