@@ -29,3 +29,15 @@ if(TEST test_group_procs)
   endif()
   set_tests_properties(test_group_procs PROPERTIES TIMEOUT 600 RUN_SERIAL TRUE)
 endif()
+
+# On GPUs (CUDA builds): a TP=2 group with its slices on the GPUs (NCCL
+# sums with two GPUs or more, CURVE sums of device vectors with one)
+# against the CPU engine. Exits 77 (skipped) without a GPU.
+if(FEDINFER_HAVE_CUDA)
+  add_executable(group_gpu_check ${CMAKE_CURRENT_LIST_DIR}/group_gpu_check.c)
+  target_link_libraries(group_gpu_check PRIVATE ${FI_TEST_LIBS})
+  target_compile_definitions(group_gpu_check PRIVATE FI_TEST_MODEL="${FEDINFER_DEFAULT_MODEL}")
+  add_dependencies(group_gpu_check fi_cuda)
+  add_test(NAME group_gpu_check COMMAND group_gpu_check)
+  set_tests_properties(group_gpu_check PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 300 RUN_SERIAL TRUE)
+endif()

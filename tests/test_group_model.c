@@ -36,6 +36,7 @@
 
 #include "fi_group.h"
 #include "fi_group_nccl.h"
+#include "net_ports.h"
 #include "fi_sched.h"
 #include "fi_wire.h"
 
@@ -56,7 +57,8 @@ static const char *s_prompts[N_SEQ] = {
 typedef struct fixture {
     char dir[64];                 /* keys and group files */
     fi_keypair kp[4];             /* ranks' keys */
-    int port;                     /* first rank's port of the next group file */
+    int port;                     /* first rank's port of the last group file */
+    int reuse_port;               /* 1: the next group file takes the same ports */
     fi_group_model mi;            /* the model's shape */
     uint8_t digest[FI_GROUP_DIGEST_BYTES];
     fi_model *whole;              /* the single-process engine */
@@ -75,7 +77,7 @@ static int setup(void **state) {
     char err[512];
     snprintf(f->dir, sizeof f->dir, "/tmp/fi_group_model_XXXXXX");
     if (!mkdtemp(f->dir)) return -1;
-    f->port = 21000 + (int)(getpid() * 17 % 20000);
+    f->port = 0; /* each group file takes free ports (s_group_file) */
     for (int r = 0; r < 4; r++) {
         char sec[128], pub[128];
         snprintf(sec, sizeof sec, "%s/r%d.key", f->dir, r);
@@ -128,10 +130,12 @@ static void s_group_file(fixture *f, const char *name, int world, int tp, const 
     assert_non_null(fp);
     fprintf(fp, "group = %s\nworld = %d\ntp = %d\nheartbeat_ms = 100\ntimeout_ms = 1000\n%s", name,
             world, tp, extra);
+    if (!f->reuse_port) f->port = fi_test_free_ports(world);
+    f->reuse_port = 0;
+    assert_true(f->port > 0);
     for (int r = 0; r < world; r++)
         fprintf(fp, "endpoint.%d = tcp://127.0.0.1:%d\nkey.%d = r%d.pub\n", r, f->port + r, r, r);
     fclose(fp);
-    f->port += 4; /* each group its own ports: a failed test cannot block the next */
     if (fi_group_conf_load(path, out, err, sizeof err)) fail_msg("%s", err);
 }
 
@@ -447,7 +451,7 @@ static void test_join_refusals(void **state) {
     fixture *f = *state;
     fi_group_conf c, other;
     s_group_file(f, "join", 2, 2, "", &c);
-    f->port -= 4; /* the same ranks and ports, another layout */
+    f->reuse_port = 1; /* the same ranks and ports, another layout */
     s_group_file(f, "join-other", 2, 2, "tp_weights = 1,2\n", &other);
     /* Rank 1 with another layout (the same ranks, other weights). */
     s_rank ranks[2];

@@ -25,6 +25,7 @@
 #include "fi_group_coll.h"
 #include "fi_group_net.h"
 #include "fi_wire.h"
+#include "net_ports.h"
 
 #define N 3
 
@@ -48,7 +49,8 @@ static int setup(void **state) {
     snprintf(path, sizeof path, "%s/group.conf", f->dir);
     FILE *fp = fopen(path, "w");
     if (!fp) return -1;
-    int base = 20000 + (int)(getpid() * 13 % 20000);
+    int base = fi_test_free_ports(N);
+    if (base < 0) return -1;
     fprintf(fp, "group = nettest\nworld = %d\nheartbeat_ms = 50\ntimeout_ms = 400\n", N);
     for (int r = 0; r <= N; r++) {
         char sec[128], pub[128];

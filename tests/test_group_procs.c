@@ -26,6 +26,7 @@
 
 #include "fabric/harness.h"
 #include "fi_model.h"
+#include "net_ports.h"
 
 #define S_TIMEOUT_MS 1000 /* the group's timeout_ms */
 #define S_MARGIN_MS 2000  /* room for a loaded 2-core machine */
@@ -62,7 +63,7 @@ static int setup(void **state) {
         fi_keys_generate(&f->edge) ||
         h_enrol_direct(&f->h, &f->edge, FI__ROLE__ROLE_EDGE, "clinic", "eu-west"))
         return -1;
-    f->port = 23000 + (int)(getpid() * 11 % 20000);
+    if ((f->port = fi_test_free_ports(2)) < 0) return -1;
     snprintf(p, sizeof p, "%s/group.conf", f->h.dir);
     FILE *fp = fopen(p, "w");
     if (!fp) return -1;

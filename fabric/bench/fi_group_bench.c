@@ -23,7 +23,10 @@
  *              slowest TP rank included) per generated token; for PP also
  *              the time waiting for the other stage (its compute included)
  */
+#include <arpa/inet.h>
 #include <getopt.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -59,6 +62,28 @@ typedef struct s_rank {
     char err[512];
     pthread_t th;
 } s_rank;
+
+/* The first of n consecutive loopback ports free now (below the ephemeral
+ * range), or -1: group files name every rank's endpoint before any binds. */
+static int s_free_ports(int n) {
+    unsigned seed = (unsigned)getpid() ^ (unsigned)time(NULL);
+    for (int attempt = 0; attempt < 200; attempt++) {
+        int base = 20000 + (int)(rand_r(&seed) % 12000u), fds[8], k = 0, ok = 1;
+        for (; ok && k < n && k < 8; k++) {
+            struct sockaddr_in a;
+            memset(&a, 0, sizeof a);
+            a.sin_family = AF_INET;
+            a.sin_port = htons((uint16_t)(base + k));
+            a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+            fds[k] = socket(AF_INET, SOCK_STREAM, 0);
+            ok = fds[k] >= 0 && bind(fds[k], (struct sockaddr *)&a, sizeof a) == 0;
+        }
+        for (int i = 0; i < k; i++)
+            if (fds[i] >= 0) close(fds[i]);
+        if (ok) return base;
+    }
+    return -1;
+}
 
 static double s_now(void) {
     struct timespec ts;
@@ -404,7 +429,7 @@ int main(int argc, char **argv) {
     int n_layouts = o.all ? 6 : 4;
     s_fig figs[6];
     memset(figs, 0, sizeof figs);
-    int port = 24000 + (int)(getpid() * 7 % 20000);
+    int port = 0;
     printf("model %s: %d layers, dim %d, %d heads / %d KV heads, ffn %d, vocab %d\n", o.model,
            mi.n_layers, mi.dim, mi.n_heads, mi.n_kv_heads, mi.ffn_dim, mi.n_vocab);
     printf("%d thread(s) per rank, prompt %d tokens, %d decode steps, batch %d; %ld CPU(s)\n\n",
@@ -413,13 +438,13 @@ int main(int argc, char **argv) {
            "tok/s b=1", "tok/s b=B", "bytes/tok", "comm ms/tok", "wait ms/tok", "comp ms/tok");
     int ok = 0;
     for (int i = 0; i < n_layouts; i++) {
-        if (s_layout(&o, dir, port, layouts[i].world, layouts[i].tp, layouts[i].tmul, &mi, digest,
+        if ((port = s_free_ports(layouts[i].world)) < 0 ||
+            s_layout(&o, dir, port, layouts[i].world, layouts[i].tp, layouts[i].tmul, &mi, digest,
                      &figs[i])) {
             fprintf(stderr, "fi_group_bench: layout world %d tp %d failed\n", layouts[i].world,
                     layouts[i].tp);
             continue;
         }
-        port += 4;
         ok++;
         s_fig *f = &figs[i];
         printf("%-10s %5d %9.1f %10.2f %10.2f %11.0f %11.3f %11.3f %11.3f\n", f->name, f->world,
@@ -433,8 +458,8 @@ int main(int argc, char **argv) {
      * scales with their size; each rank is assumed to have its own cores
      * and memory bandwidth (one machine per rank, or one GPU per rank). */
     const s_fig *t1 = &figs[0], *t2 = &figs[2];
-    double lat = s_probe_sum(dir, port, (size_t)mi.dim, 2000);
-    double big = s_probe_sum(dir, port + 2, (size_t)1 << 18, 40); /* 1 MiB */
+    double lat = s_probe_sum(dir, s_free_ports(2), (size_t)mi.dim, 2000);
+    double big = s_probe_sum(dir, s_free_ports(2), (size_t)1 << 18, 40); /* 1 MiB */
     if (lat > 0 && big > lat && t1->tps1 > 0) {
         const double L2 = 32, D2 = 4096, V2 = 32000, scale = 50;
         double bw = (double)((1 << 18) - mi.dim) * 4 / (big - lat); /* bytes/s one way */
