@@ -16,8 +16,9 @@
  *   serving through fi_sched with the group's forward hook, the four
  *           requests at once: each text equals the one the engine's own
  *           scheduler writes (for prompts without a near tie).
- * And the join: a rank with another layout (plan digest) or another model
- * (model digest) is refused, on both sides, with both digests named.
+ * And the join: a rank with another layout (plan digest), another model
+ * (model digest) or another world size is refused, on both sides, with
+ * the digests or sizes named.
  *
  * Every figure is printed; the tolerances are stated above the checks.
  */
@@ -484,6 +485,22 @@ static void test_join_refusals(void **state) {
     pthread_join(ranks[1].th, NULL);
     assert_int_equal(ranks[1].rc, -1);
     assert_non_null(strstr(ranks[1].err, "model digest"));
+    s_rank_close(&ranks[1]);
+    /* Rank 1 with a group file of another world size (3 ranks, same ports
+     * for ranks 0 and 1). */
+    fi_group_conf wide;
+    f->reuse_port = 1;
+    s_group_file(f, "join-wide", 3, 3, "", &wide);
+    ranks[1] = (s_rank){.f = f, .conf = wide, .rank = 1};
+    memcpy(ranks[1].digest, f->digest, sizeof f->digest);
+    atomic_store(&ranks[1].stop, 0);
+    assert_int_equal(pthread_create(&ranks[1].th, NULL, s_follower, &ranks[1]), 0);
+    assert_false(s_wait_available(L->g, 8000));
+    printf("leader: %s\nrank 1: %s\n", fi_group_status(L->g), ranks[1].err);
+    pthread_join(ranks[1].th, NULL);
+    assert_int_equal(ranks[1].rc, -1);
+    assert_non_null(strstr(ranks[1].err, "the leader expects rank 1 of a world of 2"));
+    assert_non_null(strstr(fi_group_status(L->g), "rank 1 refused"));
     s_rank_close(&ranks[1]);
     /* A pass with the group unavailable fails at once with the status. */
     char err[512];
