@@ -16,6 +16,7 @@
 
 #include "fi_cmd.h"
 #include "fi_model.h"
+#include "fi_sched.h"
 
 const char *fi_default_model_path(void) {
     const char *env = getenv("FEDINFER_MODEL");
@@ -92,8 +93,16 @@ static void s_run_usage(FILE *f) {
 }
 
 typedef struct run_out {
-    int any; /* wrote something */
+    int any;            /* wrote something */
+    fi_gen_result res;  /* how it ended */
+    char error[512];    /* why it failed, or empty */
 } run_out;
+
+static void s_done(void *user, const fi_gen_result *res, const char *error) {
+    run_out *o = user;
+    o->res = *res;
+    if (error) snprintf(o->error, sizeof o->error, "%s", error);
+}
 
 static int s_print(void *user, const char *text, size_t len) {
     run_out *o = user;
@@ -228,7 +237,7 @@ int fi_cmd_run(int argc, char **argv) {
     char err[512];
     char *text = NULL;
     int32_t *ids = NULL;
-    fi_session *s = NULL;
+    fi_sched *s = NULL;
     fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .act_bits = (int)act_bits, .device = device};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
@@ -271,18 +280,28 @@ int fi_cmd_run(int argc, char **argv) {
                 n_ids, n_ctx, fi_model_config(m)->ctx_train);
         goto done;
     }
-    s = fi_session_new(m, (int)n_ctx, err, sizeof err);
+    /* the same scheduler that serves many requests, with one */
+    fi_sched_opts so = {.max_seqs = 1, .n_ctx = (int)n_ctx,
+                        .kv_bytes = fi_kv_block_bytes(m) * (size_t)(n_ctx / FI_KV_BLOCK + 1)};
+    s = fi_sched_new(m, &so, err, sizeof err);
     if (!s) {
         fprintf(stderr, "fedinfer: %s\n", err);
         goto done;
     }
     run_out out = {0};
-    fi_gen_opts go = {(int)max_tokens, sp, stops, n_stop, s_print, &out};
-    fi_gen_result res;
-    if (fi_generate(s, ids, n_ids, &go, &res, err, sizeof err) != 0) {
-        fprintf(stderr, "\nfedinfer: %s\n", err);
+    fi_sched_req rq = {.prompt = ids, .n_prompt = n_ids, .on_done = s_done,
+                       .gen = {(int)max_tokens, sp, stops, n_stop, s_print, &out}};
+    if (fi_sched_submit(s, &rq, err, sizeof err) < 0) {
+        fprintf(stderr, "fedinfer: %s\n", err);
         goto done;
     }
+    while (fi_sched_pending(s) > 0)
+        if (fi_sched_step(s, err, sizeof err) < 0) break;
+    if (out.error[0]) {
+        fprintf(stderr, "\nfedinfer: %s\n", out.error);
+        goto done;
+    }
+    const fi_gen_result res = out.res;
     if (out.any) fputc('\n', stdout);
     fflush(stdout);
     if (res.stop == FI_STOP_CONTEXT)
@@ -303,7 +322,7 @@ int fi_cmd_run(int argc, char **argv) {
 oom:
     fprintf(stderr, "fedinfer: out of memory\n");
 done:
-    fi_session_destroy(&s);
+    fi_sched_destroy(&s);
     fi_model_destroy(&m);
     free(ids);
     free(text);

@@ -51,6 +51,8 @@ typedef struct edge_job {
     char target[64];             /* the cluster chosen (routed), for the audit */
     int n_labels;                /* count of labels */
     double timeout_s;            /* whole request, from submission */
+    char tenant[64];             /* from the bearer token ("" without one) */
+    char zone[64];               /* residency zone of the cached state (the site) */
 
     /* cancellation: set by the HTTP side, or by the executor on a stop */
     atomic_int cancel;           /* nonzero: stop generating */

@@ -1,48 +1,45 @@
 /*
- * edge_local.c - the local executor: one scheduler thread that owns every
- * local session and interleaves them token by token (round robin, one
- * fi_session_eval per active session per turn), so that a long generation
- * does not hold back a short one. The CPU backend runs one forward pass at a
- * time, over its own thread pool, so this is the whole of the concurrency
- * the engine allows; a batched scheduler (one forward pass over several
- * sequences) can replace this file behind the same edge_exec table.
+ * edge_local.c - the local executor: one thread that owns the engine's
+ * continuous-batching scheduler (core/fi_sched.h). Every step is one
+ * forward pass over all running requests (one token each, plus chunks of
+ * newcomers' prompts), so concurrent requests share the weights' reads and
+ * a long prompt does not hold back the others. Prompts that share a prefix
+ * under the same tenant reuse its cached KV blocks.
  *
- * Prompts are evaluated in chunks of EDGE_PREFILL_CHUNK tokens per turn, so
- * a long prompt also takes its turns with the others.
- *
- * Admission: up to `concurrency` jobs are active, up to `queue` more wait in
- * arrival order; beyond that submit refuses (the HTTP layer answers 429).
+ * Admission: up to `concurrency` requests run in the batch, up to `queue`
+ * more wait in arrival order; beyond that submit refuses (the HTTP layer
+ * answers 429). Stop strings, UTF-8 boundaries and the output buffer are
+ * the job's (edge_job_emit); the scheduler hands it text as it is made.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "edge_impl.h"
+#include "fi_sched.h"
 
-#define EDGE_PREFILL_CHUNK 64
-
-typedef struct s_slot {
+/* One job inside the scheduler. */
+typedef struct s_run {
     edge_job *job;          /* owned reference */
-    fi_session *sess;       /* its KV cache */
-    fi_sampler *smp;        /* its sampler (RNG state) */
-    float *logits;          /* n_vocab */
-    int32_t *hist;          /* prompt + generated, for the repetition penalty */
-    int n_hist;             /* entries of hist */
-    int prefilled;          /* prompt tokens evaluated */
-    int n_gen;              /* tokens sampled */
-} s_slot;
+    int64_t id;             /* the scheduler's id */
+    int stop_hit;           /* a stop string ended it */
+    int oom;                /* edge_job_emit ran out of memory */
+    int why;                /* cancelled by us: 499, 503 or 504 (0: not) */
+    struct s_run *next;
+} s_run;
 
 typedef struct s_local {
     fi_model *model;        /* borrowed */
-    int n_ctx;              /* per session */
-    int concurrency;        /* active slots at most */
-    int queue_max;          /* waiting jobs at most */
-    pthread_t thread;       /* the scheduler */
+    int n_ctx;              /* per request */
+    int concurrency;        /* running requests at most */
+    int queue_max;          /* waiting requests at most */
+    fi_sched *sched;        /* used by the thread only */
+    pthread_t thread;
     pthread_mutex_t mu;     /* guards waiting, n_waiting, n_active, stopping */
     pthread_cond_t cv;      /* a job arrived, or stop */
-    edge_job **waiting;     /* FIFO ring of queue_max */
+    edge_job **waiting;     /* FIFO ring of queue_max + concurrency */
     int head, n_waiting;
-    int n_active;           /* mirror of the thread's count, for depth */
+    int n_active;           /* jobs in the scheduler, for depth */
     int stopping;           /* 1: accept nothing more */
     double deadline;        /* drain: cancel what runs after this (0: none) */
 } s_local;
@@ -71,150 +68,124 @@ static int s_depth(void *ctx) {
     return d;
 }
 
-static void s_slot_end(s_slot *s) {
-    fi_session_destroy(&s->sess);
-    fi_sampler_destroy(&s->smp);
-    free(s->logits);
-    free(s->hist);
-    edge_job_unref(&s->job);
-    memset(s, 0, sizeof *s);
+static int s_on_text(void *user, const char *text, size_t len) {
+    s_run *r = user;
+    int hit = edge_job_emit(r->job, text, len);
+    if (hit < 0) r->oom = 1;
+    else if (hit) r->stop_hit = 1;
+    return hit != 0; /* nonzero ends the sequence */
 }
 
-/* Prepares a slot for j; on failure the job is failed and 0 returned. */
-static int s_slot_start(s_local *l, s_slot *s, edge_job *j) {
+/* The scheduler's end of a request: the job's end. */
+static void s_on_done(void *user, const fi_gen_result *res, const char *error) {
+    s_run *r = user;
+    edge_job *j = r->job;
+    if (error) edge_job_fail(j, 500, "engine_error", error);
+    else if (r->oom) edge_job_fail(j, 500, "internal_error", "out of memory");
+    else if (r->stop_hit || res->stop == FI_STOP_EOG || res->stop == FI_STOP_STRING)
+        edge_job_finish(j, "stop", res->n_prompt, res->n_generated);
+    else if (res->stop == FI_STOP_LENGTH || res->stop == FI_STOP_CONTEXT)
+        edge_job_finish(j, "length", res->n_prompt, res->n_generated);
+    else if (r->why == 503) edge_job_fail(j, 503, "shutting_down", "the agent is stopping");
+    else if (r->why == 504) edge_job_fail(j, 504, "timeout", "the request ran past its time limit");
+    else edge_job_fail(j, 499, "cancelled", "the request was cancelled");
+    r->job = NULL; /* the thread drops its reference when it unlinks r */
+    edge_job_unref(&j);
+}
+
+/* Hands a job to the scheduler; on refusal the job fails at once. */
+static s_run *s_start(s_local *l, edge_job *j) {
     char err[256];
-    memset(s, 0, sizeof *s);
-    s->job = j;
-    int n_vocab = fi_model_config(l->model)->n_vocab;
     if (j->n_prompt <= 0 || j->n_prompt + j->max_tokens > l->n_ctx + 1) {
         snprintf(err, sizeof err, "prompt of %d tokens and max_tokens %d exceed the context of %d",
                  j->n_prompt, j->max_tokens, l->n_ctx);
         edge_job_fail(j, 400, "context_length_exceeded", err);
-        s_slot_end(s);
-        return 0;
+        edge_job_unref(&j);
+        return NULL;
     }
-    s->sess = fi_session_new(l->model, l->n_ctx, err, sizeof err);
-    s->smp = fi_sampler_new(&j->sp, n_vocab);
-    s->logits = malloc((size_t)n_vocab * sizeof(float));
-    s->hist = malloc(((size_t)j->n_prompt + (size_t)j->max_tokens + 1) * sizeof(int32_t));
-    if (!s->sess || !s->smp || !s->logits || !s->hist) {
-        edge_job_fail(j, 500, "internal_error", s->sess ? "out of memory" : err);
-        s_slot_end(s);
-        return 0;
-    }
-    memcpy(s->hist, j->prompt, (size_t)j->n_prompt * sizeof(int32_t));
-    s->n_hist = j->n_prompt;
-    return 1;
-}
-
-/* One turn of a slot: a prompt chunk, or one token. Returns 1 while the
- * slot goes on, 0 when its job ended. */
-static int s_step(s_local *l, s_slot *s) {
-    edge_job *j = s->job;
-    char err[256];
-    if (atomic_load(&j->cancel)) {
-        edge_job_fail(j, 499, "cancelled", "the request was cancelled");
-        return 0;
-    }
-    if (l->deadline > 0 && edge_now() > l->deadline) {
-        edge_job_fail(j, 503, "shutting_down", "the agent is stopping");
-        return 0;
-    }
-    if (j->timeout_s > 0 && edge_now() - j->t_submit > j->timeout_s) {
-        edge_job_fail(j, 504, "timeout", "the request ran past its time limit");
-        return 0;
-    }
-    if (s->prefilled < j->n_prompt) {
-        int n = j->n_prompt - s->prefilled;
-        if (n > EDGE_PREFILL_CHUNK) n = EDGE_PREFILL_CHUNK;
-        if (fi_session_eval(s->sess, j->prompt + s->prefilled, n, s->logits, NULL, err,
-                            sizeof err) != 0) {
-            edge_job_fail(j, 500, "engine_error", err);
-            return 0;
-        }
-        s->prefilled += n;
-        if (s->prefilled < j->n_prompt) return 1;
-    }
-    if (s->n_gen >= j->max_tokens) {
-        edge_job_finish(j, "length", j->n_prompt, s->n_gen);
-        return 0;
-    }
-    const fi_tok *tok = fi_model_tok(l->model);
-    int32_t id = fi_sampler_sample(s->smp, s->logits, s->hist, s->n_hist);
-    s->hist[s->n_hist++] = id;
-    s->n_gen++;
-    if (fi_tok_is_eog(tok, id)) {
-        edge_job_finish(j, "stop", j->n_prompt, s->n_gen);
-        return 0;
-    }
-    char piece[256];
-    int len = fi_tok_piece(tok, id, piece, sizeof piece);
-    if (len < 0 || (size_t)len > sizeof piece) len = 0; /* no text, or a giant token: skip */
-    int hit = edge_job_emit(j, piece, (size_t)len);
-    if (hit < 0) {
+    s_run *r = calloc(1, sizeof *r);
+    if (!r) {
         edge_job_fail(j, 500, "internal_error", "out of memory");
-        return 0;
+        edge_job_unref(&j);
+        return NULL;
     }
-    if (hit) {
-        edge_job_finish(j, "stop", j->n_prompt, s->n_gen);
-        return 0;
+    r->job = j;
+    fi_sched_req q = {.prompt = j->prompt, .n_prompt = j->n_prompt, .on_done = s_on_done,
+                      .tenant = j->tenant, .zone = j->zone};
+    q.gen.max_tokens = j->max_tokens;
+    q.gen.sampling = j->sp;
+    q.gen.on_text = s_on_text;
+    q.gen.user = r;
+    r->id = fi_sched_submit(l->sched, &q, err, sizeof err);
+    if (r->id < 0) {
+        edge_job_fail(j, 400, "invalid_request_error", err);
+        edge_job_unref(&j);
+        free(r);
+        return NULL;
     }
-    if (s->n_gen >= j->max_tokens || fi_session_pos(s->sess) >= fi_session_n_ctx(s->sess)) {
-        edge_job_finish(j, "length", j->n_prompt, s->n_gen);
-        return 0;
-    }
-    if (fi_session_eval(s->sess, &id, 1, s->logits, NULL, err, sizeof err) != 0) {
-        edge_job_fail(j, 500, "engine_error", err);
-        return 0;
-    }
-    return 1;
+    return r;
 }
 
-static void *s_run(void *arg) {
+static void *s_thread(void *arg) {
     s_local *l = arg;
-    s_slot *slots = calloc((size_t)l->concurrency, sizeof *slots);
-    int n_active = 0;
+    s_run *runs = NULL; /* jobs in the scheduler */
     int cap = l->queue_max + l->concurrency;
+    char err[256];
     for (;;) {
         pthread_mutex_lock(&l->mu);
-        while (n_active == 0 && l->n_waiting == 0 && !l->stopping)
-            pthread_cond_wait(&l->cv, &l->mu);
-        if (n_active == 0 && l->n_waiting == 0 && l->stopping) {
+        while (!runs && l->n_waiting == 0 && !l->stopping) pthread_cond_wait(&l->cv, &l->mu);
+        if (!runs && l->n_waiting == 0 && l->stopping) {
             pthread_mutex_unlock(&l->mu);
             break;
         }
         edge_job *admit[64];
         int n_admit = 0;
-        while (l->n_waiting > 0 && n_active + n_admit < l->concurrency && n_admit < 64) {
+        while (l->n_waiting > 0 && n_admit < 64) {
             admit[n_admit++] = l->waiting[l->head];
             l->head = (l->head + 1) % cap;
             l->n_waiting--;
         }
-        l->n_active = n_active + n_admit;
+        l->n_active += n_admit;
+        double deadline = l->deadline;
         pthread_mutex_unlock(&l->mu);
+        int refused = 0;
         for (int i = 0; i < n_admit; i++) {
-            if (!slots) {
-                edge_job_fail(admit[i], 500, "internal_error", "out of memory");
-                edge_job_unref(&admit[i]);
+            s_run *r = s_start(l, admit[i]);
+            if (!r) {
+                refused++;
                 continue;
             }
-            if (s_slot_start(l, &slots[n_active], admit[i])) n_active++;
+            r->next = runs;
+            runs = r;
         }
-        for (int i = 0; i < n_active;) {
-            if (s_step(l, &slots[i])) {
-                i++;
+        /* cancellations: the client left, the drain's deadline, timeouts */
+        double now = edge_now();
+        for (s_run *r = runs; r; r = r->next) {
+            if (!r->job || r->why) continue;
+            edge_job *j = r->job;
+            if (atomic_load(&j->cancel)) r->why = 499;
+            else if (deadline > 0 && now > deadline) r->why = 503;
+            else if (j->timeout_s > 0 && now - j->t_submit > j->timeout_s) r->why = 504;
+            if (r->why) (void)fi_sched_cancel(l->sched, r->id);
+        }
+        if (fi_sched_pending(l->sched) > 0 && fi_sched_step(l->sched, err, sizeof err) < 0)
+            fprintf(stderr, "fedinfer edge: local engine: %s\n", err); /* its jobs failed */
+        /* unlink what ended */
+        int ended = refused;
+        for (s_run **pp = &runs; *pp;) {
+            s_run *r = *pp;
+            if (r->job) {
+                pp = &r->next;
                 continue;
             }
-            s_slot_end(&slots[i]);
-            slots[i] = slots[n_active - 1];
-            memset(&slots[n_active - 1], 0, sizeof *slots);
-            n_active--;
+            *pp = r->next;
+            free(r);
+            ended++;
         }
         pthread_mutex_lock(&l->mu);
-        l->n_active = n_active;
+        l->n_active -= ended;
         pthread_mutex_unlock(&l->mu);
     }
-    free(slots);
     return NULL;
 }
 
@@ -245,6 +216,7 @@ static void s_destroy(void *ctx) {
     s_local *l = ctx;
     if (!l) return;
     s_drain(l, 0);
+    fi_sched_destroy(&l->sched);
     pthread_mutex_destroy(&l->mu);
     pthread_cond_destroy(&l->cv);
     free(l->waiting);
@@ -261,11 +233,22 @@ int edge_local_new(fi_model *model, int concurrency, int queue, int n_ctx, edge_
     l->queue_max = queue;
     l->waiting = calloc((size_t)(queue + concurrency), sizeof *l->waiting);
     if (!l->waiting) goto oom;
+    /* KV pool: every running request can hold a whole context */
+    fi_sched_opts so = {.max_seqs = concurrency, .n_ctx = n_ctx,
+                        .kv_bytes = fi_kv_block_bytes(model) * (size_t)concurrency *
+                                    (size_t)(n_ctx / FI_KV_BLOCK + 1)};
+    l->sched = fi_sched_new(model, &so, err, errlen);
+    if (!l->sched) {
+        free(l->waiting);
+        free(l);
+        return -1;
+    }
     pthread_mutex_init(&l->mu, NULL);
     pthread_cond_init(&l->cv, NULL);
-    if (pthread_create(&l->thread, NULL, s_run, l) != 0) {
+    if (pthread_create(&l->thread, NULL, s_thread, l) != 0) {
         pthread_mutex_destroy(&l->mu);
         pthread_cond_destroy(&l->cv);
+        fi_sched_destroy(&l->sched);
         snprintf(err, errlen, "cannot start the scheduler thread");
         free(l->waiting);
         free(l);

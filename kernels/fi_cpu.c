@@ -38,7 +38,7 @@
 #define S_SCRATCH_MIN ((size_t)1 << 20) /* bytes of scratch made at start */
 #define S_PAR_ELEMS 32768               /* element-wise ops: go parallel above this */
 #define S_ATT_CHUNK 64                  /* positions scored per softmax step */
-#define S_ATT_MIN_SEG 128               /* fewest positions worth a segment */
+#define S_ATT_SEG 256                   /* positions per segment (batch-invariant) */
 #define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
 
 typedef struct s_cpu {
@@ -331,10 +331,11 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
 
 /* Attention work item: token t, KV head kh, position segment seg. All the
  * query heads that share kh are done together, so each K/V row is read
- * from memory once per group. When there are fewer (token, kv head) pairs
- * than threads can use (decode), positions are split into segments whose
- * partial softmax states (max, sum, unnormalised output) are merged after
- * the parallel part, as in flash-decoding. */
+ * from memory once per group. Positions past S_ATT_SEG are split into
+ * segments of S_ATT_SEG whose partial softmax states (max, sum,
+ * unnormalised output) are merged after the parallel part, as in
+ * flash-decoding: decode at a long context keeps every thread busy, and
+ * the split never depends on the batch. */
 typedef struct s_att_job {
     const fi_cpu_kernels *k;    /* dots / wsum */
     float *out;                 /* n rows of n_heads*head_dim */
@@ -474,20 +475,25 @@ static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k
     for (int t = 0; t < n; t++)
         maxp = pos[t] > maxp ? pos[t] : maxp;
     j.seg_len = maxp + 1;
-    /* Split positions only when the (token, kv head) pairs cannot keep
-     * every thread busy and there are enough positions to share. */
-    int pairs = n * n_kv_heads;
-    if (c->n_threads > 1 && pairs < 2 * c->n_threads && maxp + 1 >= 2 * S_ATT_MIN_SEG) {
-        int segs = (2 * c->n_threads + pairs - 1) / pairs;
-        if (segs > (maxp + 1) / S_ATT_MIN_SEG)
-            segs = (maxp + 1) / S_ATT_MIN_SEG;
+    /* Positions go in fixed segments of S_ATT_SEG whatever the batch, so
+     * that a token's result does not depend on which other tokens share
+     * the call (continuous batching must equal one sequence at a time):
+     * a token at position p always has ceil((p+1)/S_ATT_SEG) segments,
+     * merged in order. Long contexts also give every thread work. */
+    if (maxp + 1 > S_ATT_SEG) {
+        int segs = (maxp + 1 + S_ATT_SEG - 1) / S_ATT_SEG;
         size_t bytes = (size_t)n * n_heads * segs * (head_dim + 2) * sizeof(float);
-        if (segs > 1 && s_reserve(c, bytes) == 0) {
-            j.segs = segs;
-            j.seg_len = (maxp + 1 + segs - 1) / segs;
-            j.part = (float *)c->scratch;
+        if (s_reserve(c, bytes) != 0) {
+            /* out of memory: make the failure visible */
+            for (size_t i = 0; i < (size_t)n * n_heads * head_dim; i++)
+                out[i] = NAN;
+            return;
         }
+        j.segs = segs;
+        j.seg_len = S_ATT_SEG;
+        j.part = (float *)c->scratch;
     }
+    int pairs = n * n_kv_heads;
     atomic_init(&j.next, 0);
     if (c->n_threads > 1 && pairs * j.segs > 1)
         fi_pool_run(c->pool, s_att_worker, &j);

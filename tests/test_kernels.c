@@ -1168,6 +1168,48 @@ static void test_pool_sleep_wake(void **state) {
     fi_pool_destroy(&p);
 }
 
+/* A token's attention result is bit-identical whether it is computed alone
+ * or with other tokens of other sequences (continuous batching relies on
+ * it), for every thread count. */
+static void test_attention_batch_invariant(void **state) {
+    (void)state;
+    const int nh = 9, nkv = 3, hd = 64, bsz = 16, nblk = 64, n = 5;
+    int32_t pos[5] = {700, 30, 300, 1000, 255}, seq[5] = {0, 1, 0, 1, 1};
+    int32_t tbl[2 * 64];
+    for (int b = 0; b < 2 * nblk; b++) tbl[b] = (b * 37) % (2 * nblk); /* a permutation */
+    size_t rows = (size_t)2 * nblk * bsz, kv_dim = (size_t)nkv * hd;
+    uint16_t *kc = malloc(rows * kv_dim * 2), *vc = malloc(rows * kv_dim * 2);
+    float *q = fvec((size_t)n * nh * hd), *all = fvec((size_t)n * nh * hd), *one = fvec((size_t)nh * hd);
+    rng r = {99};
+    for (size_t i = 0; i < rows * kv_dim; i++) {
+        kc[i] = fi_fp32_to_fp16(rng_f(&r, -1, 1));
+        vc[i] = fi_fp32_to_fp16(rng_f(&r, -1, 1));
+    }
+    for (int i = 0; i < n * nh * hd; i++) q[i] = rng_f(&r, -2, 2);
+    for (int threads = 1; threads <= 3; threads++) {
+        fi_backend *bs[S_FLAVOURS];
+        int nb = make_backends(bs, threads);
+        for (int bi = 0; bi < nb; bi++) {
+            fi_kv_map map = {.seq = seq, .tables = tbl, .max_blocks = nblk, .block_size = bsz};
+            bs[bi]->ops->attention(bs[bi]->ctx, all, q, kc, vc, n, pos, &map, nh, nkv, hd);
+            for (int t = 0; t < n; t++) {
+                fi_kv_map m1 = {.seq = seq + t, .tables = tbl, .max_blocks = nblk, .block_size = bsz};
+                bs[bi]->ops->attention(bs[bi]->ctx, one, q + (size_t)t * nh * hd, kc, vc, 1, pos + t,
+                                       &m1, nh, nkv, hd);
+                if (memcmp(one, all + (size_t)t * nh * hd, (size_t)nh * hd * sizeof(float)))
+                    fail_msg("attention %s %dt: token %d (pos %d) alone differs from batched",
+                             fi_cpu_backend_simd(bs[bi]), threads, t, pos[t]);
+            }
+            fi_backend_destroy(&bs[bi]);
+        }
+    }
+    free(kc);
+    free(vc);
+    free(q);
+    free(all);
+    free(one);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_dtype_table),
@@ -1184,6 +1226,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_attention_batch_invariant),
         cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_backend_memory),
         cmocka_unit_test(test_pool),

@@ -18,6 +18,7 @@
 #include <cmocka.h>
 
 #include "fi_sched.h"
+#include "gen_capture.h"
 #include "gguf_writer.h"
 
 static fi_model *s_model(int ctx) {
@@ -41,53 +42,14 @@ static void s_tokens(int32_t *t, int n, int vocab, uint32_t seed) {
     }
 }
 
-/* What one request produced. */
-typedef struct out {
-    char text[4096];
-    size_t len;
-    int done, n_generated, n_prompt;
-    fi_stop_reason stop;
-    char error[256];
-    int cancel_after; /* cancel from on_text after this many calls */
-    int calls;
-} out;
-
-static int s_on_text(void *user, const char *t, size_t n) {
-    out *o = user;
-    if (o->len + n < sizeof o->text) {
-        memcpy(o->text + o->len, t, n);
-        o->len += n;
-    }
-    o->calls++;
-    return o->cancel_after && o->calls >= o->cancel_after;
-}
-
-static void s_on_done(void *user, const fi_gen_result *r, const char *error) {
-    out *o = user;
-    o->done++;
-    o->n_generated = r->n_generated;
-    o->n_prompt = r->n_prompt;
-    o->stop = r->stop;
-    if (error) snprintf(o->error, sizeof o->error, "%s", error);
-}
-
-static fi_gen_opts s_greedy(int max_tokens, out *o) {
-    fi_gen_opts g = {0};
-    g.max_tokens = max_tokens;
-    g.sampling = fi_sampler_defaults();
-    g.sampling.temperature = 0.0f;
-    g.on_text = s_on_text;
-    g.user = o;
-    return g;
-}
 
 /* The reference: one request alone in a session, through fi_generate. */
-static void s_solo(fi_model *m, const int32_t *p, int n, int max_tokens, out *o) {
+static void s_solo(fi_model *m, const int32_t *p, int n, int max_tokens, fi_capture *o) {
     char err[256];
     memset(o, 0, sizeof *o);
     fi_session *s = fi_session_new(m, 0, err, sizeof err);
     assert_non_null(s);
-    fi_gen_opts g = s_greedy(max_tokens, o);
+    fi_gen_opts g = fi_capture_greedy(max_tokens, o);
     fi_gen_result r;
     assert_int_equal(fi_generate(s, p, n, &g, &r, err, sizeof err), 0);
     o->n_generated = r.n_generated;
@@ -96,11 +58,11 @@ static void s_solo(fi_model *m, const int32_t *p, int n, int max_tokens, out *o)
     fi_session_destroy(&s);
 }
 
-static int64_t s_submit(fi_sched *s, const int32_t *p, int n, int max_tokens, out *o,
+static int64_t s_submit(fi_sched *s, const int32_t *p, int n, int max_tokens, fi_capture *o,
                         const char *tenant, const char *zone) {
     char err[256];
-    fi_sched_req r = {.prompt = p, .n_prompt = n, .gen = s_greedy(max_tokens, o),
-                      .on_done = s_on_done, .tenant = tenant, .zone = zone};
+    fi_sched_req r = {.prompt = p, .n_prompt = n, .gen = fi_capture_greedy(max_tokens, o),
+                      .on_done = fi_capture_done, .tenant = tenant, .zone = zone};
     int64_t id = fi_sched_submit(s, &r, err, sizeof err);
     if (id <= 0) fail_msg("submit: %s", err);
     return id;
@@ -113,7 +75,7 @@ static void s_run(fi_sched *s) {
     assert_int_equal(fi_sched_pending(s), 0);
 }
 
-static void s_same(const out *a, const out *b, const char *what, int i) {
+static void s_same(const fi_capture *a, const fi_capture *b, const char *what, int i) {
     if (a->n_generated != b->n_generated || a->stop != b->stop || a->len != b->len ||
         memcmp(a->text, b->text, a->len))
         fail_msg("%s: request %d differs: %d tokens (%s) vs %d (%s) of reference", what, i,
@@ -131,7 +93,7 @@ static void test_batched_equals_single(void **state) {
     fi_model *m = s_model(512);
     int V = fi_model_config(m)->n_vocab;
     int32_t p[NP][128];
-    out solo[NP], got[NP];
+    fi_capture solo[NP], got[NP];
     for (int i = 0; i < NP; i++) {
         s_tokens(p[i], s_lens[i], V, 100 + (uint32_t)i);
         s_solo(m, p[i], s_lens[i], 24, &solo[i]);
@@ -187,7 +149,7 @@ static void test_prefix_reuse(void **state) {
     fi_sched_opts so = {.n_ctx = 512};
     fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
     assert_non_null(s);
-    out oa = {0}, ob = {0}, cold;
+    fi_capture oa = {0}, ob = {0}, cold;
     s_submit(s, a, 110, 12, &oa, "tenant-a", "eu");
     s_run(s);
     fi_sched_stats st0, st1;
@@ -207,7 +169,7 @@ static void test_prefix_reuse(void **state) {
     for (int i = 0; i < 3; i++) {
         fi_sched_stats before, after;
         fi_sched_get_stats(s, &before);
-        out o = {0};
+        fi_capture o = {0};
         s_submit(s, a, 110, 12, &o, who[i][0], who[i][1]);
         s_run(s);
         fi_sched_get_stats(s, &after);
@@ -238,7 +200,7 @@ static void test_pool_exhaustion(void **state) {
     fi_sched_get_stats(s, &st);
     assert_int_equal(st.blocks_total, 20);
     int32_t p[8][40];
-    out got[8], solo[8];
+    fi_capture got[8], solo[8];
     for (int i = 0; i < 8; i++) {
         s_tokens(p[i], 40, V, 300 + (uint32_t)i);
         memset(&got[i], 0, sizeof got[i]);
@@ -257,11 +219,11 @@ static void test_pool_exhaustion(void **state) {
            (unsigned long long)st.preemptions, (unsigned long long)st.steps);
 
     /* a request that cannot fit the pool even alone is refused up front */
-    out big = {0};
+    fi_capture big = {0};
     int32_t longp[300];
     s_tokens(longp, 300, V, 5);
-    fi_sched_req r = {.prompt = longp, .n_prompt = 300, .gen = s_greedy(100, &big),
-                      .on_done = s_on_done};
+    fi_sched_req r = {.prompt = longp, .n_prompt = 300, .gen = fi_capture_greedy(100, &big),
+                      .on_done = fi_capture_done};
     assert_int_equal(fi_sched_submit(s, &r, err, sizeof err), -1);
     assert_non_null(strstr(err, "the pool holds 320"));
     fi_sched_destroy(&s);
@@ -278,7 +240,7 @@ static void test_cancel_and_errors(void **state) {
     assert_non_null(s);
     int32_t p[20];
     s_tokens(p, 20, V, 1);
-    out a = {0}, b = {0}, c = {0};
+    fi_capture a = {0}, b = {0}, c = {0};
     int64_t ia = s_submit(s, p, 20, 50, &a, NULL, NULL);
     int64_t ib = s_submit(s, p, 20, 50, &b, NULL, NULL); /* queued: max_seqs 1 */
     c.cancel_after = 1;                                  /* cancels from its callback */
@@ -298,8 +260,8 @@ static void test_cancel_and_errors(void **state) {
     if (c.calls > 0) assert_int_equal(c.stop, FI_STOP_CANCEL);
 
     /* bad submissions name what is wrong */
-    out x = {0};
-    fi_sched_req r = {.prompt = p, .n_prompt = 0, .gen = s_greedy(4, &x)};
+    fi_capture x = {0};
+    fi_sched_req r = {.prompt = p, .n_prompt = 0, .gen = fi_capture_greedy(4, &x)};
     assert_int_equal(fi_sched_submit(s, &r, err, sizeof err), -1);
     assert_non_null(strstr(err, "empty prompt"));
     int32_t bad[3] = {5, V, 6};
@@ -321,7 +283,7 @@ static void test_cancel_and_errors(void **state) {
     assert_int_equal(x.done, 0); /* refused requests never call back */
 
     /* destroying with work pending ends it with an error */
-    out d = {0};
+    fi_capture d = {0};
     s_submit(s, p, 20, 50, &d, NULL, NULL);
     fi_sched_destroy(&s);
     assert_int_equal(d.done, 1);
@@ -340,7 +302,7 @@ static void test_prefix_filter(void **state) {
     assert_non_null(s);
     int32_t p[70];
     s_tokens(p, 70, V, 77);
-    out o = {0};
+    fi_capture o = {0};
     s_submit(s, p, 70, 4, &o, "acme", "de");
     s_run(s);
     uint64_t h[8], other[8];
@@ -384,14 +346,14 @@ static void test_forward_hook(void **state) {
     assert_non_null(s);
     int32_t p[30];
     s_tokens(p, 30, V, 3);
-    out a = {0}, ref;
+    fi_capture a = {0}, ref;
     s_submit(s, p, 30, 10, &a, NULL, NULL);
     s_run(s);
     s_solo(m, p, 30, 10, &ref);
     s_same(&a, &ref, "through the hook", 0);
     assert_true(h.calls >= a.n_generated);
 
-    out b = {0}, c = {0};
+    fi_capture b = {0}, c = {0};
     h.fail_at = h.calls + 3;
     s_submit(s, p, 30, 10, &b, NULL, NULL);
     s_submit(s, p, 20, 10, &c, NULL, NULL);
@@ -403,7 +365,7 @@ static void test_forward_hook(void **state) {
     assert_int_equal(fi_sched_pending(s), 0);
     assert_int_equal(b.done + c.done, 2);
     assert_non_null(strstr(b.error, "rank 1 is gone"));
-    out d = {0};
+    fi_capture d = {0};
     s_submit(s, p, 30, 10, &d, NULL, NULL);
     s_run(s);
     s_same(&d, &ref, "after a failed step", 0);

@@ -25,6 +25,8 @@
 #   6. fi_cuda_probe: cuBLASLt throughput at the model's shapes against the
 #      measured peak, prefill 2048, decode batch 1 (wall time per token
 #      against summed kernel time), 32-token steps
+#   7. fedinfer bench --serve: the scheduler at 1, 8 and 32 concurrent
+#      requests (aggregate tokens/s, TTFT and TPOT)
 # and prints a summary. Exit status 0 only when every step passed; a machine
 # without a device fails at step 2 (a GPU check that ran on no GPU is not a
 # pass).
@@ -94,6 +96,8 @@ else
 fi
 step bench 90 "$build/fedinfer" bench -m "$model" --device cuda -r 3 --prompt-tokens 512 --gen-tokens 128 --ctx 2048
 step probe 120 "$build/fi_cuda_probe" "$model"
+step serve 90 "$build/fedinfer" bench --serve -m "$model" --device cuda --only concurrency \
+    --concurrency 1,8,32 --prompt-tokens 64 --gen-tokens 64
 
 echo
 echo "--- test_cuda (parity: error / bound; model: cosine, logit diff, greedy agreement)"
@@ -112,6 +116,10 @@ sed -n '/^=== bench$/,/^=== bench:/p' "$log" | grep -v '^==='
 echo
 echo "--- probe"
 grep '^|' "$log"
+echo
+echo "--- serving: continuous batching on the GPU (decode batch 1 vs 8 vs 32)"
+sed -n '/^=== serve$/,/^=== serve:/p' "$log" | grep -v '^==='
+
 echo
 echo "--- steps"
 printf '%s' "$summary"
