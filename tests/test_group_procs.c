@@ -11,6 +11,9 @@
  *     group serves again without restarting rank 0;
  *   - a frozen rank 1 (SIGSTOP): the same, found by the heartbeat timeout;
  *     after SIGCONT it rejoins by itself;
+ *   - the leader killed mid-generation: the request ends (the coordinator
+ *     finds its worker dead); a new leader forms the group again with the
+ *     rank 1 that kept running;
  *   - a rank 1 started with another model file (one byte changed) is
  *     refused at join: it exits with status 1 naming both model digests.
  * Skipped when the model file is missing.
@@ -359,6 +362,32 @@ static void test_frozen_rank(void **state) {
     fi_client_destroy(&c);
 }
 
+/* The leader dies mid-generation: the edge's request ends (the
+ * coordinator reports the worker dead); a new leader forms the group again
+ * with the rank that kept running. */
+static void test_leader_restart(void **state) {
+    fixture *f = *state;
+    fi_client *c = s_group_up(f);
+    pid_t follower = f->pid[1];
+    s_req q;
+    s_send(c, &q, "long", "Write a long story about a dragon and a knight.", 400);
+    uint64_t until = fi_wire_now_ms() + 30000;
+    while (q.chunks < 2 && fi_wire_now_ms() < until) s_pump(c, &q, 1, 50);
+    assert_true(q.chunks >= 2);
+    uint64_t t0 = fi_wire_now_ms();
+    s_kill(f, 0, SIGKILL);
+    s_pump(c, &q, 1, 10000);
+    assert_true(q.done);
+    printf("leader killed: request ended %llu ms later: %s (%s)\n",
+           (unsigned long long)(q.end_ms - t0), q.msg, fi_wire_error_name(q.code));
+    assert_int_equal(q.code, FI__ERROR_CODE__ERR_PEER_DEAD);
+    s_spawn(f, 0, f->conf[0]);
+    assert_true(s_wait_serving(c, 60000));
+    assert_int_equal(f->pid[1], follower); /* rank 1 was not restarted */
+    assert_int_equal(kill(follower, 0), 0);
+    fi_client_destroy(&c);
+}
+
 static void test_wrong_model_refused(void **state) {
     fixture *f = *state;
     /* A copy of the model with its last byte changed: it loads, but it is
@@ -406,6 +435,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_end_to_end_and_kill, setup, teardown),
         cmocka_unit_test_setup_teardown(test_frozen_rank, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_leader_restart, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wrong_model_refused, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
