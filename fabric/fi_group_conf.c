@@ -335,9 +335,9 @@ done:
 /* --- the plan ------------------------------------------------------------ */
 
 /* Splits `total` units among n parts in proportion to w (largest
- * remainder; ties to the lower index), each part at least one unit.
- * Requires 1 <= n <= total. */
-static void s_split(int total, int n, const int *w, int *out) {
+ * remainder; ties to the higher index when ties_high, else the lower),
+ * each part at least one unit. Requires 1 <= n <= total. */
+static void s_split(int total, int n, const int *w, int *out, int ties_high) {
     long wsum = 0;
     for (int i = 0; i < n; i++) wsum += w[i];
     double q[FI_GROUP_MAX_RANKS];
@@ -349,9 +349,11 @@ static void s_split(int total, int n, const int *w, int *out) {
         sum += out[i];
     }
     while (sum < total) {
-        int best = 0;
-        for (int i = 1; i < n; i++)
-            if (q[i] - out[i] > q[best] - out[best]) best = i;
+        int best = ties_high ? n - 1 : 0;
+        for (int i = 0; i < n; i++) {
+            double d = q[i] - out[i], b = q[best] - out[best];
+            if (d > b || (d == b && (ties_high ? i > best : i < best))) best = i;
+        }
         out[best]++;
         sum++;
     }
@@ -391,7 +393,9 @@ int fi_group_plan_make(const fi_group_conf *g, const fi_group_model *m,
             return -1;
         }
     } else {
-        s_split(m->n_kv_heads, tp, g->tp_weight, kv);
+        /* An odd head goes to the last TP ranks: TP rank 0 of the last
+         * stage also computes the output matrix (the largest one). */
+        s_split(m->n_kv_heads, tp, g->tp_weight, kv, 1);
     }
     /* FFN: gate/up by output rows, down by input columns, so every share
      * must hold whole quantisation blocks of ffn_down's rows. */
@@ -429,7 +433,7 @@ int fi_group_plan_make(const fi_group_conf *g, const fi_group_model *m,
             return -1;
         }
     } else {
-        s_split(n_blocks, tp, g->tp_weight, ffn);
+        s_split(n_blocks, tp, g->tp_weight, ffn, 1);
         for (int t = 0; t < tp; t++) ffn[t] *= blk;
     }
     /* Pipeline: contiguous layer ranges. */
@@ -447,7 +451,8 @@ int fi_group_plan_make(const fi_group_conf *g, const fi_group_model *m,
             return -1;
         }
     } else {
-        s_split(m->n_layers, pp, g->pp_weight, layers);
+        /* An odd layer goes to the first stages: the last one has the output. */
+        s_split(m->n_layers, pp, g->pp_weight, layers, 0);
     }
     int lb = 0;
     for (int s = 0; s < pp; s++) {

@@ -109,9 +109,10 @@ static void test_tp2_uneven(void **state) {
     s_plan(*state, 2, "", &g, p);
     assert_int_equal(g.tp, 2);
     assert_int_equal(g.pp, 1);
-    /* 3 KV heads on 2 ranks: 2 + 1 (rank 0 takes the odd one); FFN even. */
-    s_expect(&p[0], 0, 30, 0, 2, 0, 768, 0, 0);
-    s_expect(&p[1], 0, 30, 2, 1, 768, 768, 0, 1);
+    /* 3 KV heads on 2 ranks: 1 + 2 (the odd one away from rank 0, which
+     * also has the output matrix); FFN even. */
+    s_expect(&p[0], 0, 30, 0, 1, 0, 768, 0, 0);
+    s_expect(&p[1], 0, 30, 1, 2, 768, 768, 0, 1);
 }
 
 static void test_tp3(void **state) {
@@ -136,10 +137,10 @@ static void test_tp2_pp2(void **state) {
     fi_shard_plan p[FI_GROUP_MAX_RANKS];
     s_plan(*state, 4, "tp = 2\n", &g, p);
     assert_int_equal(g.pp, 2);
-    s_expect(&p[0], 0, 15, 0, 2, 0, 768, 0, 1);
-    s_expect(&p[1], 0, 15, 2, 1, 768, 768, 0, 1);
-    s_expect(&p[2], 15, 30, 0, 2, 0, 768, 1, 0);
-    s_expect(&p[3], 15, 30, 2, 1, 768, 768, 1, 1);
+    s_expect(&p[0], 0, 15, 0, 1, 0, 768, 0, 1);
+    s_expect(&p[1], 0, 15, 1, 2, 768, 768, 0, 1);
+    s_expect(&p[2], 15, 30, 0, 1, 0, 768, 1, 0);
+    s_expect(&p[3], 15, 30, 1, 2, 768, 768, 1, 1);
     assert_int_equal(fi_group_stage(&g, 3), 1);
     assert_int_equal(fi_group_tp_rank(&g, 3), 1);
 }
@@ -169,6 +170,11 @@ static void test_pp_weights(void **state) {
     s_expect(&p[1], 20, 30, 0, 3, 0, 1536, 1, 0);
     s_plan(*state, 2, "tp = 1\npp_weights = 3,1\n", &g, p);
     assert_int_equal(p[0].layer_end, 23); /* 22.5 rounds to the first stage */
+    s_plan(*state, 4, "tp = 1\n", &g, p); /* 30 layers on 4 stages: 8 8 7 7 */
+    assert_int_equal(p[0].layer_end, 8);
+    assert_int_equal(p[1].layer_end, 16);
+    assert_int_equal(p[2].layer_end, 23);
+    assert_int_equal(p[3].layer_end - p[3].layer_begin, 7);
     s_plan(*state, 2, "kv_split = 1,2\nffn_split = 1024,512\n", &g, p);
     s_expect(&p[0], 0, 30, 0, 1, 0, 1024, 0, 0);
     s_expect(&p[1], 0, 30, 1, 2, 1024, 512, 0, 1);

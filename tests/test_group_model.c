@@ -322,6 +322,15 @@ static void s_run_layout(fixture *f, const char *name, int world, int tp) {
     printf("%s: %s\n", name, fi_group_plan_str(L->g));
     fi_group_set_pool(L->g, N_SEQ * MB, MAX_TOK, N_SEQ);
     assert_true(s_wait_available(L->g, 30000));
+    /* Each rank holds only its slices: fewer weight bytes than the whole
+     * (the followers opened their models before they could join). */
+    uint64_t whole = fi_model_weight_bytes_per_token(f->whole);
+    for (int r = 0; r < world; r++) {
+        uint64_t mine = fi_model_weight_bytes_per_token(ranks[r].m);
+        printf("%-12s rank %d reads %.1f MB of weights per token (whole model %.1f MB)\n", name,
+               r, (double)mine / 1e6, (double)whole / 1e6);
+        assert_true(mine < whole);
+    }
     int compared = s_compare(f, name, L->g, L->m);
     assert_true(compared >= N_SEQ * 4); /* a test that compares nothing proves nothing */
     f->ties_known = 1;
