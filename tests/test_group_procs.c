@@ -2,8 +2,10 @@
  * test_group_procs.c - a TP=2 shard group as real processes (`fedinfer
  * shard --config rankN.conf`, the default model) behind a coordinator, with
  * an edge sending requests over the fabric:
- *   - end to end: a request from the edge is routed to the group's leader
- *     and its greedy text equals the single-process engine's;
+ *   - end to end: a request from an edge's fabric link is routed to the
+ *     group's leader and its greedy text equals the single-process
+ *     engine's; and through the real edge agent (HTTP API, signed policy):
+ *     a completion routed to the group;
  *   - kill -9 of rank 1 while two requests are generating: both end with
  *     an error naming the lost rank within the group's timeout (plus
  *     S_MARGIN_MS for a loaded machine); the group withdraws its model (a
@@ -23,11 +25,17 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include "fabric/harness.h"
+#include "fi_bundle.h"
+#include "fi_edge.h"
 #include "fi_model.h"
 #include "net_ports.h"
 
@@ -62,9 +70,9 @@ static int setup(void **state) {
         if (fi_keys_generate(&f->rank[r]) || fi_keys_save(&f->rank[r], p, q, 0, err, sizeof err))
             return -1;
     }
-    if (h_enrol_direct(&f->h, &f->rank[0], FI__ROLE__ROLE_CLUSTER, "core1", "eu-west") ||
+    if (h_enrol_direct(&f->h, &f->rank[0], FI__ROLE__ROLE_CLUSTER, "core1", "eu-central") ||
         fi_keys_generate(&f->edge) ||
-        h_enrol_direct(&f->h, &f->edge, FI__ROLE__ROLE_EDGE, "clinic", "eu-west"))
+        h_enrol_direct(&f->h, &f->edge, FI__ROLE__ROLE_EDGE, "berlin-clinic", "eu-central"))
         return -1;
     if ((f->port = fi_test_free_ports(2)) < 0) return -1;
     snprintf(p, sizeof p, "%s/group.conf", f->h.dir);
@@ -355,6 +363,98 @@ static void test_end_to_end_and_kill(void **state) {
     fi_client_destroy(&c);
 }
 
+/* One POST to the edge agent's HTTP API on 127.0.0.1:port; the status,
+ * and head + body in out. */
+static int s_http_post(int port, const char *body, char *out, size_t cap) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) return -1;
+    char req[2048];
+    int n = snprintf(req, sizeof req, "POST /v1/completions HTTP/1.0\r\nContent-Length: %zu\r\n\r\n%s",
+                     strlen(body), body);
+    if (send(fd, req, (size_t)n, 0) != n) return -1;
+    size_t len = 0;
+    for (;;) {
+        ssize_t k = recv(fd, out + len, cap - len - 1, 0);
+        if (k <= 0) break;
+        len += (size_t)k;
+    }
+    close(fd);
+    out[len] = 0;
+    int status = 0;
+    return sscanf(out, "HTTP/1.%*d %d", &status) == 1 ? status : -1;
+}
+
+/* The real edge agent (HTTP API, signed policy, its own fabric link)
+ * routes a completion to the TP=2 group: 200, processed at the cluster,
+ * the engine's text. */
+static void test_edge_agent_to_group(void **state) {
+    fixture *f = *state;
+    char want[4096], err[768], path[700], conf[700], ekey[700], epub[700], cpub[700];
+    s_engine_text(want, sizeof want, 8);
+    fi_client *c = s_group_up(f); /* also proves the group serves */
+    fi_client_destroy(&c);
+    /* The edge's files: its key (enrolled in setup), the coordinator's
+     * public key, a signed policy that permits routing to cluster core1. */
+    const char *dir = f->h.dir;
+    snprintf(ekey, sizeof ekey, "%s/edge.key", dir);
+    snprintf(epub, sizeof epub, "%s/edge.pub", dir);
+    snprintf(cpub, sizeof cpub, "%s/coord.pub", dir);
+    assert_int_equal(fi_keys_save(&f->edge, ekey, epub, 1, err, sizeof err), 0);
+    uint8_t pk[FI_BUNDLE_PK_BYTES], sk[FI_BUNDLE_SK_BYTES];
+    assert_int_equal(fi_bundle_keygen(pk, sk), 0);
+    snprintf(path, sizeof path, "%s/sign.key", dir);
+    assert_int_equal(fi_bundle_key_save(path, sk, err, sizeof err), 0);
+    snprintf(path, sizeof path, "%s/policy", dir);
+    mkdir(path, 0700);
+    static const char *pol = "labels public, internal;\ndefault_label \"internal\";\n"
+                             "jurisdiction EU;\nregion eu-central in EU;\n"
+                             "site berlin-clinic in eu-central;\ncluster core1 in eu-central;\n"
+                             "permit \"anything in the EU\";\n";
+    char *b = NULL;
+    size_t bl = 0;
+    int64_t now = (int64_t)time(NULL);
+    assert_int_equal(fi_bundle_sign(sk, 1, now - 60, now + 3600, pol, strlen(pol), &b, &bl), 0);
+    assert_int_equal(fi_bundle_install(path, b, bl, (const uint8_t(*)[32])pk, 1, time(NULL), err,
+                                       sizeof err),
+                     FI_BUNDLE_OK);
+    free(b);
+    snprintf(conf, sizeof conf, "%s/edge.conf", dir);
+    FILE *fc = fopen(conf, "w");
+    assert_non_null(fc);
+    fprintf(fc,
+            "site = berlin-clinic\nport = 0\ndb = %s/edge.db\npolicy_dir = %s/policy\n"
+            "policy_key = %s/sign.key.pub\ncoordinator = %s\ncoordinator_key = %s\n"
+            "secret_key = %s\nshutdown_grace_s = 1\nheartbeat_ms = %d\n",
+            dir, dir, dir, f->h.ep, cpub, ekey, H_HB_MS);
+    fclose(fc);
+    fi_edge_conf ec;
+    fi_edge_conf_default(&ec);
+    if (fi_edge_conf_load(conf, &ec, err, sizeof err) != 0) fail_msg("%s", err);
+    fi_edge *e = fi_edge_new(&ec, err, sizeof err);
+    if (!e) fail_msg("%s", err);
+    char out[16384];
+    int status = 0;
+    const char *body = "{\"model\":\"smollm2\",\"prompt\":\"" S_PROMPT "\",\"max_tokens\":8,"
+                       "\"temperature\":0}";
+    for (int k = 0; k < 100; k++) { /* until the edge's own link is up */
+        status = s_http_post(fi_edge_port(e), body, out, sizeof out);
+        if (status == 200) break;
+        h_sleep_ms(100);
+    }
+    printf("edge agent -> coordinator -> TP=2 group: HTTP %d\n%s\n", status,
+           strstr(out, "\r\n\r\n") ? strstr(out, "\r\n\r\n") + 4 : out);
+    assert_int_equal(status, 200);
+    assert_non_null(strstr(out, "X-Fedinfer-Target: core1"));
+    if (!strpbrk(want, "\"\\\n")) /* the text as JSON writes it, unescaped */
+        assert_non_null(strstr(out, want));
+    fi_edge_destroy(&e);
+}
+
 static void test_frozen_rank(void **state) {
     fixture *f = *state;
     fi_client *c = s_group_up(f);
@@ -444,6 +544,7 @@ static void test_wrong_model_refused(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_end_to_end_and_kill, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_edge_agent_to_group, setup, teardown),
         cmocka_unit_test_setup_teardown(test_frozen_rank, setup, teardown),
         cmocka_unit_test_setup_teardown(test_leader_restart, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wrong_model_refused, setup, teardown),
