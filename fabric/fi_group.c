@@ -61,6 +61,7 @@ struct fi_group {
     fi_kvpool *kv;                        /* made at Join */
     int kv_blocks, kv_tokens, kv_out;     /* its geometry */
     fi_group_stats st;                    /* figures */
+    int has_idle;                         /* fi_group_set_idle gave work */
 };
 
 static double s_now(void) {
@@ -150,8 +151,12 @@ const fi_shard_plan *fi_group_plan(const fi_group *g) { return &g->plans[g->rank
 const uint8_t *fi_group_plan_digest_bytes(const fi_group *g) { return g->plan_digest; }
 const char *fi_group_plan_str(const fi_group *g) { return g->plan_text; }
 int fi_group_rank(const fi_group *g) { return g->rank; }
+static void s_install_hooks(fi_group *g);
+
 void fi_group_set_idle(fi_group *g, void (*fn)(void *user), void *user) {
     fi_gnet_set_idle(g->net, fn, user);
+    g->has_idle = fn != NULL;
+    if (g->m) s_install_hooks(g);
 }
 
 void fi_group_get_stats(const fi_group *g, fi_group_stats *st) {
@@ -207,6 +212,23 @@ done:
     return rc;
 }
 
+/* Without TP sums, a stage's pass never waits on the links, so a leader
+ * with a long pass (a big model's prefill) would not serve its idle work
+ * (the coordinator's heartbeats) for the whole pass: the same hook, called
+ * twice per layer, then only does that. (On the CPU only: a hook turns off
+ * the CUDA backend's recorded decode graphs.) */
+static int s_idle_only(void *user, float *x, size_t n, char *err, size_t errlen) {
+    (void)x, (void)n, (void)err, (void)errlen;
+    fi_gnet_idle(((fi_group *)user)->net);
+    return 0;
+}
+
+static void s_install_hooks(fi_group *g) {
+    if (g->conf.tp > 1) fi_model_set_allreduce(g->m, s_allreduce, g);
+    else if (g->has_idle && g->host_mem) fi_model_set_allreduce(g->m, s_idle_only, g);
+    else fi_model_set_allreduce(g->m, NULL, NULL);
+}
+
 int fi_group_attach(fi_group *g, fi_model *m, char *err, size_t errlen) {
     if (g->m) fi_model_set_allreduce(g->m, NULL, NULL);
     g->m = m;
@@ -229,7 +251,7 @@ int fi_group_attach(fi_group *g, fi_model *m, char *err, size_t errlen) {
         g->m = NULL;
         return -1;
     }
-    if (g->conf.tp > 1) fi_model_set_allreduce(m, s_allreduce, g);
+    s_install_hooks(g);
     return 0;
 }
 
