@@ -637,7 +637,8 @@ done:
 
 /* --- the other ranks --------------------------------------------------- */
 
-static void s_reply(fi_group *g, uint32_t status, uint32_t geom, const char *text) {
+/* Answers a Join; 0 when sent, -1 (logged) when the leader's link is down. */
+static int s_reply(fi_group *g, uint32_t status, uint32_t geom, const char *text) {
     size_t tl = text ? strlen(text) : 0;
     if (tl > 1000) tl = 1000;
     uint8_t p[S_REPLY_MIN + 1000];
@@ -654,8 +655,11 @@ static void s_reply(fi_group *g, uint32_t status, uint32_t geom, const char *tex
     uint64_t until = fi_wire_now_ms() + (uint64_t)g->conf.timeout_ms;
     while (!fi_gnet_up(g->net, 0) && fi_wire_now_ms() < until)
         if (fi_gnet_pump(g->net, 20, e, sizeof e) < 0) break;
-    if (fi_gnet_send(g->net, 0, FI_G_JOIN_REPLY, 0, geom, p, S_REPLY_MIN + tl, e, sizeof e) != 0)
+    if (fi_gnet_send(g->net, 0, FI_G_JOIN_REPLY, 0, geom, p, S_REPLY_MIN + tl, e, sizeof e) != 0) {
         fprintf(stderr, "group rank %d: cannot answer the leader's join: %s\n", g->rank, e);
+        return -1;
+    }
+    return 0;
 }
 
 /* Answers a Join. 0 when joined or asked again later, -1 when refused
@@ -713,7 +717,7 @@ static int s_on_join(fi_group *g, const fi_gmsg *m, char *err, size_t errlen) {
     if (down >= 0) {
         char t[128];
         snprintf(t, sizeof t, "not ready: no link to rank %d yet", down);
-        s_reply(g, S_REPLY_NOT_READY, m->op, t);
+        (void)s_reply(g, S_REPLY_NOT_READY, m->op, t);
         return 0;
     }
     if (!g->kv || g->kv_blocks != (int)nb || g->kv_tokens != (int)mt || g->kv_out != (int)mo) {
@@ -728,12 +732,12 @@ static int s_on_join(fi_group *g, const fi_gmsg *m, char *err, size_t errlen) {
         g->kv_tokens = (int)mt;
         g->kv_out = (int)mo;
     }
-    s_reply(g, S_REPLY_OK, m->op, NULL);
-    fprintf(stderr, "group %s: rank %d joined the leader (%s)\n", g->conf.name, g->rank,
-            g->plan_text);
+    if (s_reply(g, S_REPLY_OK, m->op, NULL) == 0) /* else the leader asks again */
+        fprintf(stderr, "group %s: rank %d joined the leader (%s)\n", g->conf.name, g->rank,
+                g->plan_text);
     return 0;
 refuse:
-    s_reply(g, S_REPLY_REFUSED, m->op, err);
+    (void)s_reply(g, S_REPLY_REFUSED, m->op, err);
     return -1;
 }
 
