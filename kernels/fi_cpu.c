@@ -624,7 +624,9 @@ static unsigned s_cpu_x86_features(void) {
 
 /* Fills k (8-bit activations and float ops) and q16 (16-bit activations)
  * with the named flavour; 0, or -1 when it is unknown, not built or not
- * supported by this processor. Every x86 flavour uses the AVX2 q16
+ * supported by this processor. The avx512vnni flavour has its own q16
+ * matmuls (fi_cpu_q16_avx512.c, with AMX-INT8 for batches where the
+ * processor and OS allow it); the other x86 flavours use the AVX2 q16
  * kernels. */
 static int s_pick_kernels(fi_cpu_kernels *k, fi_q16_kernels *q16, const char *flavour) {
     unsigned f = s_cpu_x86_features();
@@ -648,7 +650,10 @@ static int s_pick_kernels(fi_cpu_kernels *k, fi_q16_kernels *q16, const char *fl
 #if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
     if (strcmp(flavour, "avx512vnni") == 0 && (f & S_X86_AVX512)) {
         fi_cpu_kernels_avx512(k);
-        ok = 1;
+        fi_q16_kernels_avx2(q16);
+        fi_q16_kernels_avx512(q16);
+        (void)fi_q16_kernels_avx512_amx(q16); /* when the tile unit is there */
+        return 0;
     }
 #endif
 #if defined(FI_HAVE_X86) && FI_HAVE_X86

@@ -8,7 +8,13 @@
  * against an exact reference, enough to flip greedy choices whose margin is
  * well above any near tie; 16-bit activations keep the error within ~0.02
  * (measured by tests/test_golden.c) while the products stay in integer
- * SIMD (vpmaddwd: 16 products per instruction).
+ * SIMD (vpmaddwd: 16 products per instruction; vpdpwssd on 512 bits: 32;
+ * AMX-INT8 on the quants split into two bytes, fi_cpu_q16_avx512.c).
+ *
+ * Every kernel here is batch-invariant: a (row, token) result is the same
+ * bits whatever the number of tokens in the call and whatever row range
+ * it is computed in (the scheduler's batched decode equals one sequence
+ * alone). Kernels of different flavours may differ in the last bits.
  */
 #ifndef FI_CPU_Q16_IMPL_H
 #define FI_CPU_Q16_IMPL_H
@@ -41,6 +47,19 @@ void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb);
 #if defined(FI_HAVE_X86) && FI_HAVE_X86
 /* AVX2 kernels; call only after checking the processor has AVX2 and FMA. */
 void fi_q16_kernels_avx2(fi_q16_kernels *k);
+#endif
+#if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
+/* Overwrites the matmul members of k (filled by fi_q16_kernels_avx2 first:
+ * the quantiser stays) with AVX512-VNNI ones; call only after checking for
+ * AVX2, FMA, F16C, AVX512 F/BW/VL/VNNI and ZMM OS support. */
+void fi_q16_kernels_avx512(fi_q16_kernels *k);
+/* Overwrites the matmul members of k (filled by fi_q16_kernels_avx512)
+ * with ones that give tiles of 16 tokens to the AMX-INT8 tile unit, with
+ * the same results bit for bit; 0, or -1 (k unchanged) when the processor
+ * lacks AMX, the compiler did not build it, or the OS refuses this process
+ * the tile state. Asks the OS for that state (once per process). The AMX
+ * kernels use about 56 KiB of stack. */
+int fi_q16_kernels_avx512_amx(fi_q16_kernels *k);
 #endif
 
 #endif /* FI_CPU_Q16_IMPL_H */

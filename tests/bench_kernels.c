@@ -8,7 +8,9 @@
  *                avx512vnni; default all, or with BENCH_DECODE_ONLY the one
  *                FI_SIMD_AUTO picks),
  *                BENCH_ACT_BITS=8 (activations of quantised matmuls; default
- *                16, the backend's default)
+ *                16, the backend's default),
+ *                BENCH_N=64 (tokens of the batched column, 2..64; default 16:
+ *                16 sequences decoding together; 64 is close to prefill)
  *
  * Prints, per SIMD flavour and thread count: ns per matvec and GFLOP/s
  * (2 flops per weight) for the SmolLM2-135M shapes, prefill cost per token,
@@ -245,6 +247,11 @@ int main(int argc, char **argv) {
     static const char *const flavours[4] = {"portable", "avx2", "avxvnni", "avx512vnni"};
     const char *only = getenv("BENCH_SIMD");
     int act_bits = getenv("BENCH_ACT_BITS") ? atoi(getenv("BENCH_ACT_BITS")) : 16;
+    int nbatch = getenv("BENCH_N") ? atoi(getenv("BENCH_N")) : 16; /* x and y hold 64 tokens */
+    if (nbatch < 2 || nbatch > 64) {
+        fprintf(stderr, "bench_kernels: BENCH_N must be 2..64\n");
+        return 1;
+    }
     char auto_name[32];
     {
         char err[256];
@@ -273,10 +280,10 @@ int main(int argc, char **argv) {
                 double flops = 2.0 * shapes[s].rows * shapes[s].cols;
                 int iters = (int)(2e8 / flops / (simd ? 1 : 8)) + 1;
                 double t1 = s_time_matmul(b, &w, x, y, 1, iters, 5);
-                double t16 = s_time_matmul(b, &w, x, y, 16, iters / 16 + 1, 3);
-                printf("%-26s matvec %9.0f ns  %6.1f GFLOP/s | n=16 %8.0f ns/token %6.1f GFLOP/s\n",
-                       shapes[s].name, t1 * 1e9, flops / t1 / 1e9, t16 / 16 * 1e9,
-                       flops * 16 / t16 / 1e9);
+                double tn = s_time_matmul(b, &w, x, y, nbatch, iters / nbatch + 1, 3);
+                printf("%-26s matvec %9.0f ns  %6.1f GFLOP/s | n=%d %8.0f ns/token %6.1f GFLOP/s\n",
+                       shapes[s].name, t1 * 1e9, flops / t1 / 1e9, nbatch, tn / nbatch * 1e9,
+                       flops * nbatch / tn / 1e9);
                 s_release(&w);
             }
             {

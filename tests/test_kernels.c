@@ -21,6 +21,7 @@
 
 #include "fi_kernels.h"
 #include "fi_kernels_impl.h" /* fi_cpu_backend_new_flavour */
+#include "fi_cpu_q16_impl.h" /* the 16-bit-activation kernel tables */
 
 /* --- helpers -------------------------------------------------------------- */
 
@@ -467,9 +468,10 @@ static void run_matmul_case(fi_dtype t, int act_bits, int rows, int cols, const 
 }
 
 static void s_matmul_small(int bits) {
-    static const int ns[] = {1, 3, 4, 5, 17};
+    /* token counts that take every tile shape of the kernels */
+    static const int ns[] = {1, 2, 3, 4, 5, 8, 16, 17};
     for (size_t ti = 0; ti < N_TYPES; ti++) {
-        run_matmul_case(all_types[ti], bits, 37, 160, ns, 5, 1000 + ti);
+        run_matmul_case(all_types[ti], bits, 37, 160, ns, 8, 1000 + ti);
         run_matmul_case(all_types[ti], bits, 5, 64, ns, 5, 2000 + ti);
     }
     /* float types: columns that are not a multiple of the vector width */
@@ -505,37 +507,200 @@ static void test_matmul_model_shapes(void **state) {
 
 /* With 16-bit activations (the default) a token's result does not depend
  * on the batch it comes in: n tokens at once equal each token alone, bit
- * for bit, in every flavour (prefill and decode give the same logits). */
+ * for bit, in every flavour, for batches of every tile shape the kernels
+ * have (1, 2, 3, 4, 5, 8, 16, 17 tokens; a token at different places in
+ * the batch) and 1 or 2 threads (different row splits). The scheduler
+ * relies on it: batched decode gives the same logits as one sequence
+ * alone, and prefill the same as decode. */
 static void test_matmul16_batch_invariant(void **state) {
     (void)state;
     static const fi_dtype types[] = {FI_DTYPE_Q4_0, FI_DTYPE_Q4_1, FI_DTYPE_Q8_0};
+    static const int ns[] = {2, 3, 4, 5, 8, 16, 17};
+    enum { ROWS = 75, COLS = 192, NT = 20 };
     rng r = {555};
-    const int rows = 45, cols = 192, n = 9;
-    float *x = fvec((size_t)n * cols), *yb = fvec((size_t)n * rows), *y1 = fvec(rows);
-    for (int i = 0; i < n * cols; i++)
-        x[i] = rng_f(&r, -2, 2);
+    float *x = fvec((size_t)NT * COLS), *yb = fvec((size_t)NT * ROWS), *y1 = fvec((size_t)NT * ROWS);
+    for (int i = 0; i < NT * COLS; i++)
+        x[i] = rng_f(&r, -2, 2) * (i % 11 == 0 ? 4.0f : 1.0f);
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         size_t rb;
-        uint8_t *wb = make_weight(&r, types[ti], rows, cols, &rb);
-        fi_weight w = {.data = wb, .type = types[ti], .rows = rows, .cols = cols, .row_bytes = rb};
-        fi_backend *bs[S_FLAVOURS];
-        int nb = make_backends(bs, 2);
-        for (int bi = 0; bi < nb; bi++) {
-            bs[bi]->ops->matmul(bs[bi]->ctx, yb, &w, x, n);
-            for (int k = 0; k < n; k++) {
-                poison(y1, rows);
-                bs[bi]->ops->matmul(bs[bi]->ctx, y1, &w, x + (size_t)k * cols, 1);
-                if (memcmp(y1, yb + (size_t)k * rows, rows * sizeof *y1) != 0)
-                    fail_msg("%s %s: token %d alone differs from the batch of %d",
-                             fi_cpu_backend_simd(bs[bi]), fi_dtype_name(types[ti]), k, n);
+        uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
+        fi_weight w = {.data = wb, .type = types[ti], .rows = ROWS, .cols = COLS, .row_bytes = rb};
+        for (int threads = 1; threads <= 2; threads++) {
+            fi_backend *bs[S_FLAVOURS];
+            int nb = make_backends(bs, threads);
+            for (int bi = 0; bi < nb; bi++) {
+                fi_backend *b = bs[bi];
+                /* each token alone */
+                for (int k = 0; k < NT; k++) {
+                    poison(y1 + (size_t)k * ROWS, ROWS);
+                    b->ops->matmul(b->ctx, y1 + (size_t)k * ROWS, &w, x + (size_t)k * COLS, 1);
+                }
+                for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                    int n = ns[ni];
+                    /* the first n tokens, then the last n (other places) */
+                    for (int off = 0; off <= NT - n; off += NT - n) {
+                        poison(yb, (size_t)n * ROWS);
+                        b->ops->matmul(b->ctx, yb, &w, x + (size_t)off * COLS, n);
+                        for (int k = 0; k < n; k++)
+                            if (memcmp(y1 + (size_t)(off + k) * ROWS, yb + (size_t)k * ROWS,
+                                       ROWS * sizeof *yb) != 0)
+                                fail_msg("%s/%dt %s: token %d alone differs from place %d in a batch of %d",
+                                         fi_cpu_backend_simd(b), threads, fi_dtype_name(types[ti]),
+                                         off + k, k, n);
+                        if (n == NT)
+                            break;
+                    }
+                }
             }
-            fi_backend_destroy(&bs[bi]);
+            for (int bi = 0; bi < nb; bi++)
+                fi_backend_destroy(&bs[bi]);
         }
         free(wb);
     }
     free(x);
     free(yb);
     free(y1);
+}
+
+/* The 16-bit kernel tables themselves, called on row ranges that the
+ * backend's thread split never makes (single rows, ranges not starting at
+ * a multiple of 4 or 16): a (row, token) result is the same bits whatever
+ * range and token batch it is computed in. Flavour tables are reached
+ * through weak references, present when fi_kernels built them (the
+ * processor check is this test's). */
+#if defined(__x86_64__) || defined(__i386__)
+void fi_q16_kernels_avx2(fi_q16_kernels *k) __attribute__((weak));
+void fi_q16_kernels_avx512(fi_q16_kernels *k) __attribute__((weak));
+int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) __attribute__((weak));
+#endif
+
+static int q16_tables(fi_q16_kernels *out, const char **names) {
+    int n = 0;
+    fi_q16_kernels_portable(&out[n]);
+    names[n++] = "portable";
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (avx2 && fi_q16_kernels_avx2) {
+        fi_q16_kernels_avx2(&out[n]);
+        names[n++] = "avx2";
+    }
+    if (avx2 && fi_q16_kernels_avx2 && fi_q16_kernels_avx512 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni")) {
+        fi_q16_kernels_avx2(&out[n]);
+        fi_q16_kernels_avx512(&out[n]);
+        names[n++] = "avx512vnni";
+        /* the tile-unit variant, where there is one */
+        out[n] = out[n - 1];
+        if (fi_q16_kernels_avx512_amx && fi_q16_kernels_avx512_amx(&out[n]) == 0)
+            names[n++] = "avx512amx";
+    }
+#endif
+    return n;
+}
+
+static void test_q16_kernels_tiling(void **state) {
+    (void)state;
+    static const fi_dtype types[] = {FI_DTYPE_Q4_0, FI_DTYPE_Q4_1, FI_DTYPE_Q8_0};
+    static const int ns[] = {1, 2, 3, 4, 5, 8, 16, 17};
+    static const int cuts[] = {0, 1, 6, 7, 10, 23, 37}; /* row ranges [cuts[i], cuts[i+1]) */
+    enum { ROWS = 37, COLS = 160, NT = 19, NCUT = sizeof cuts / sizeof cuts[0] };
+    fi_q16_kernels tab[4];
+    const char *names[4];
+    int ntab = q16_tables(tab, names);
+    rng r = {777};
+    float *x = fvec((size_t)NT * COLS);
+    for (int i = 0; i < NT * COLS; i++)
+        x[i] = rng_f(&r, -2, 2) * (i % 5 == 0 ? 8.0f : 1.0f);
+    size_t xrow = (size_t)(COLS / 32) * sizeof(fi_block_q16x);
+    fi_block_q16x *xq = malloc(xrow * NT);
+    assert_non_null(xq);
+    fi_quantize_q16x_ref(x, xq, NT * COLS / 32);
+    float *y1 = fvec((size_t)NT * ROWS), *yb = fvec((size_t)NT * ROWS), *yp = fvec((size_t)NT * ROWS);
+    double *wd = malloc((size_t)ROWS * COLS * sizeof *wd);
+    assert_non_null(wd);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        size_t rb;
+        uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
+        for (int i = 0; i < ROWS; i++)
+            ref_dequant(types[ti], wb + i * rb, wd + (size_t)i * COLS, COLS);
+        for (int ki = 0; ki < ntab; ki++) {
+            fi_mm_fn fn = types[ti] == FI_DTYPE_Q4_0 ? tab[ki].mm_q4_0
+                        : types[ti] == FI_DTYPE_Q4_1 ? tab[ki].mm_q4_1 : tab[ki].mm_q8_0;
+            fi_mm_task t = {.w = wb, .w_stride = rb, .cols = COLS, .x_stride = xrow, .y_stride = ROWS};
+            /* each token alone, all rows in one call */
+            poison(y1, (size_t)NT * ROWS);
+            for (int k = 0; k < NT; k++) {
+                t.x = (const uint8_t *)xq + (size_t)k * xrow;
+                t.n = 1;
+                t.y = y1 + (size_t)k * ROWS;
+                fn(&t, 0, ROWS);
+            }
+            char what[96];
+            snprintf(what, sizeof what, "q16 %s kernels", names[ki]);
+            check_matmul(what, types[ti], 16, y1, wd, x, ROWS, COLS, NT);
+            /* close to the portable kernels on the same quantised x */
+            if (ki == 0)
+                memcpy(yp, y1, (size_t)NT * ROWS * sizeof *yp);
+            for (size_t i = 0; i < (size_t)NT * ROWS; i++)
+                if (!(fabs((double)y1[i] - yp[i]) <= 2e-5 * (fabs(yp[i]) + 1.0) + 1e-4))
+                    fail_msg("%s %s: %g vs portable %g at %zu", what, fi_dtype_name(types[ti]),
+                             (double)y1[i], (double)yp[i], i);
+            /* batches of n at every offset, rows in uneven ranges */
+            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                int n = ns[ni];
+                for (int off = 0; off + n <= NT; off += (n < 5 ? 3 : 2)) {
+                    poison(yb, (size_t)n * ROWS);
+                    t.x = (const uint8_t *)xq + (size_t)off * xrow;
+                    t.n = n;
+                    t.y = yb;
+                    for (int c = 0; c + 1 < NCUT; c++)
+                        fn(&t, cuts[c], cuts[c + 1]);
+                    for (int k = 0; k < n; k++)
+                        if (memcmp(y1 + (size_t)(off + k) * ROWS, yb + (size_t)k * ROWS,
+                                   ROWS * sizeof *yb) != 0)
+                            fail_msg("%s %s: token %d alone differs from place %d of %d in split rows",
+                                     what, fi_dtype_name(types[ti]), off + k, k, n);
+                }
+            }
+        }
+        free(wb);
+    }
+    /* extremes: every activation quant at +-32767 and every weight at its
+     * largest magnitude (nibble 15, Q8_0 -128): no 32-bit overflow */
+    for (int i = 0; i < NT * COLS; i++)
+        x[i] = (i / COLS) % 2 ? -3.0f : 3.0f;
+    fi_quantize_q16x_ref(x, xq, NT * COLS / 32);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        size_t rb;
+        uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
+        size_t bb = fi_dtype_block_bytes(types[ti]), qo = types[ti] == FI_DTYPE_Q4_1 ? 4 : 2;
+        for (size_t blk = 0; blk < rb * ROWS / bb; blk++)
+            memset(wb + blk * bb + qo, types[ti] == FI_DTYPE_Q8_0 ? 0x80 : 0xff, bb - qo);
+        for (int i = 0; i < ROWS; i++)
+            ref_dequant(types[ti], wb + i * rb, wd + (size_t)i * COLS, COLS);
+        for (int ki = 0; ki < ntab; ki++) {
+            fi_mm_fn fn = types[ti] == FI_DTYPE_Q4_0 ? tab[ki].mm_q4_0
+                        : types[ti] == FI_DTYPE_Q4_1 ? tab[ki].mm_q4_1 : tab[ki].mm_q8_0;
+            fi_mm_task t = {.w = wb, .w_stride = rb, .cols = COLS, .x = (const uint8_t *)xq,
+                            .x_stride = xrow, .n = NT, .y = y1, .y_stride = ROWS};
+            poison(y1, (size_t)NT * ROWS);
+            fn(&t, 0, ROWS);
+            char what[96];
+            snprintf(what, sizeof what, "q16 %s kernels, extreme values", names[ki]);
+            check_matmul(what, types[ti], 16, y1, wd, x, ROWS, COLS, NT);
+        }
+        free(wb);
+    }
+    for (int ki = 0; ki < ntab; ki++)
+        print_message("q16 kernel table tested: %s\n", names[ki]);
+    free(wd);
+    free(xq);
+    free(x);
+    free(y1);
+    free(yb);
+    free(yp);
 }
 
 static void test_act_bits_setting(void **state) {
@@ -1222,6 +1387,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_model_weights),
         cmocka_unit_test(test_act_bits_setting),
         cmocka_unit_test(test_matmul16_batch_invariant),
+        cmocka_unit_test(test_q16_kernels_tiling),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),

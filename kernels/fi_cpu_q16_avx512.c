@@ -1,0 +1,481 @@
+/*
+ * fi_cpu_q16_avx512.c - AVX512-VNNI 16-bit-activation matmul kernels (see
+ * fi_cpu_q16_impl.h), and an AMX-INT8 variant for batches. Compiled with
+ * -mavx512f -mavx512bw -mavx512vl -mavx512vnni (plus AVX2/FMA/F16C) when
+ * the compiler knows them, and entered only after fi_cpu.c has checked the
+ * processor and that the OS saves the ZMM state; the AMX functions carry
+ * their own target attributes and are chosen only after a CPUID check and
+ * the OS's grant of the tile state (fi_q16_kernels_avx512_amx).
+ *
+ * Why: the AVX2 kernel spends about three cycles per 32-element block and
+ * (row, token) on this core, most of them not on the products: every
+ * block's 8 partial sums are converted to float and scaled on their own.
+ *
+ * Sixteen rows per register: a block of sixteen rows is transposed once
+ * (row loads, two-source dword permutes, vpshufb into 16-bit pairs)
+ * so that lane r of W[c] holds row r's elements 2c and 2c+1. Sixteen
+ * vpdpwssd, each with one element pair of the token broadcast from
+ * memory, then leave lane r with row r's whole integer dot product for the
+ * block: one conversion, one multiply by d_x, one FMA by the rows' d_w
+ * and (Q4) one FMA of a * s (a = m for Q4_1, -8 d for Q4_0, the offset of
+ * the unsigned nibbles) serve sixteen (row, token) pairs, and the result
+ * needs no horizontal sum. The transposed block is reused for up to eight
+ * tokens. The products are the bound: vpdpwssd on 512 bits issues about
+ * once per cycle here (on 256 bits twice, the same 32 products), and a
+ * tile of eight tokens runs near that rate (about 180 GFLOP/s per thread
+ * on Sapphire Rapids, against 65 for the AVX2 kernel). Tiles of sixteen
+ * tokens go to the AMX tile unit where there is one (see below: about 270).
+ *
+ * No overflow: |w| <= 15 (Q4, unsigned nibbles) or 128 (Q8_0) times
+ * |x| <= 32767, 32 products per 32-bit lane: below 2^28.
+ *
+ * Batch invariance: every (row, token) result is formed by the same
+ * sequence of floating-point operations whatever the tile: per block, in
+ * the row's lane, v = float(isum) * d_x, acc = fma(v, d_w, acc), then (Q4)
+ * acc = fma(a, s, acc); y = acc. The integer sum isum is exact whatever
+ * the order of its products. Vector operations work lane by lane, so
+ * neither the other rows sharing a register (a partial group of rows
+ * repeats its last row) nor the number of tokens in the tile changes a
+ * lane's value; the one-token path is the same code with a
+ * tile of one token plus prefetches. All intrinsics: no compiler
+ * contraction can tell the shapes apart. So a token's result is the same
+ * bits alone, in a batch of any size, and on any thread split
+ * (tests/test_kernels.c checks all three).
+ */
+#include "fi_cpu_q16_impl.h"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <string.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define S_INLINE static inline __attribute__((always_inline))
+#ifndef S_RB
+#define S_RB 32       /* rows per sub-block when several tokens share a call */
+#endif
+#ifndef S_PT
+#define S_PT 8        /* tokens per tile */
+#endif
+#ifndef S_CH
+#define S_CH 4        /* dot-product chains per token and block */
+#endif
+#ifndef S_PF_GROUPS
+#define S_PF_GROUPS 2 /* one token: prefetch this many 16-row groups ahead */
+#endif
+
+enum { S_Q4_0, S_Q4_1, S_Q8_0 };
+
+/* Sixteen bytes at offset off of each of the 16 rows p[0..15], transposed
+ * by dwords: lane r of D[k] holds bytes 4k..4k+3 of row r. */
+S_INLINE void s_t16(const uint8_t *const p[16], size_t off, __m512i D[4]) {
+    __m512i Z[4]; /* Z[g] lane m: row 4g+m's 16 bytes */
+    for (int g = 0; g < 4; g++) {
+        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(const void *)(p[4 * g] + off)));
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(const void *)(p[4 * g + 1] + off)), 1);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(const void *)(p[4 * g + 2] + off)), 2);
+        Z[g] = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(const void *)(p[4 * g + 3] + off)), 3);
+    }
+    /* dword k of rows 0..7 (lanes 0..7) and k+1 (lanes 8..15); likewise
+     * rows 8..15; then halves joined */
+    const __m512i ia = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i ib = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+    __m512i P0 = _mm512_permutex2var_epi32(Z[0], ia, Z[1]), P1 = _mm512_permutex2var_epi32(Z[0], ib, Z[1]);
+    __m512i Q0 = _mm512_permutex2var_epi32(Z[2], ia, Z[3]), Q1 = _mm512_permutex2var_epi32(Z[2], ib, Z[3]);
+    D[0] = _mm512_shuffle_i64x2(P0, Q0, 0x44);
+    D[1] = _mm512_shuffle_i64x2(P0, Q0, 0xEE);
+    D[2] = _mm512_shuffle_i64x2(P1, Q1, 0x44);
+    D[3] = _mm512_shuffle_i64x2(P1, Q1, 0xEE);
+}
+
+/* Q8_0's 32 quant bytes (offset 2) of each of the 16 rows p[0..15],
+ * transposed by dwords: lane r of D[k] (k = 0..7) holds quants 4k..4k+3
+ * of row r. Two rows per 32-byte load pair, then four rows per 128-bit
+ * lane, then a 4 x 4 transpose of lanes. */
+S_INLINE void s_t16x32(const uint8_t *const p[16], __m512i D[8]) {
+    __m512i Z[8]; /* Z[g]: rows 2g and 2g+1 */
+    for (int g = 0; g < 8; g++)
+        Z[g] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(const void *)(p[2 * g] + 2))),
+            _mm256_loadu_si256((const __m256i *)(const void *)(p[2 * g + 1] + 2)), 1);
+    /* T[q] lane k: dword k (lo) or 4+k (hi) of rows 4q..4q+3 */
+    const __m512i il = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i ih = _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
+    for (int h = 0; h < 2; h++) {
+        __m512i T[4];
+        for (int q = 0; q < 4; q++)
+            T[q] = _mm512_permutex2var_epi32(Z[2 * q], h ? ih : il, Z[2 * q + 1]);
+        __m512i A01 = _mm512_shuffle_i64x2(T[0], T[1], 0x44), A23 = _mm512_shuffle_i64x2(T[2], T[3], 0x44);
+        __m512i B01 = _mm512_shuffle_i64x2(T[0], T[1], 0xEE), B23 = _mm512_shuffle_i64x2(T[2], T[3], 0xEE);
+        D[4 * h + 0] = _mm512_shuffle_i64x2(A01, A23, 0x88);
+        D[4 * h + 1] = _mm512_shuffle_i64x2(A01, A23, 0xDD);
+        D[4 * h + 2] = _mm512_shuffle_i64x2(B01, B23, 0x88);
+        D[4 * h + 3] = _mm512_shuffle_i64x2(B01, B23, 0xDD);
+    }
+}
+
+/* Block b of rows p[0..15] (block pointers) as W[c], c = 0..15: lane r
+ * holds row r's elements 2c and 2c+1 as 16-bit integers (Q4: the
+ * unsigned nibbles, c < 8 low nibbles of bytes 2c and 2c+1, c >= 8 high
+ * nibbles of bytes 2c-16 and 2c-15; Q8_0: the signed quants). */
+S_INLINE void s_w16(int kind, const uint8_t *const p[16], __m512i W[16]) {
+    /* vpshufb patterns, per dword: bytes 0,1 (e0) or 2,3 (e1) into the low
+     * (Q4) or high (Q8_0) byte of two 16-bit lanes, the other byte zero */
+    const __m512i e0 = _mm512_set4_epi32((int)0x800D800Cu, (int)0x80098008u, (int)0x80058004u, (int)0x80018000u);
+    const __m512i e1 = _mm512_set4_epi32((int)0x800F800Eu, (int)0x800B800Au, (int)0x80078006u, (int)0x80038002u);
+    const __m512i h0 = _mm512_set4_epi32((int)0x0D800C80u, (int)0x09800880u, (int)0x05800480u, (int)0x01800080u);
+    const __m512i h1 = _mm512_set4_epi32((int)0x0F800E80u, (int)0x0B800A80u, (int)0x07800680u, (int)0x03800280u);
+    __m512i D[8];
+    if (kind == S_Q8_0) {
+        /* quants 4k..4k+3 in D[k], sign-extended from the high byte */
+        s_t16x32(p, D);
+        for (int k = 0; k < 8; k++) {
+            W[2 * k] = _mm512_srai_epi16(_mm512_shuffle_epi8(D[k], h0), 8);
+            W[2 * k + 1] = _mm512_srai_epi16(_mm512_shuffle_epi8(D[k], h1), 8);
+        }
+        return;
+    }
+    s_t16(p, kind == S_Q4_1 ? 4 : 2, D);
+    const __m512i m4 = _mm512_set1_epi16(0x0f);
+    for (int k = 0; k < 4; k++) {
+        __m512i u0 = _mm512_shuffle_epi8(D[k], e0), u1 = _mm512_shuffle_epi8(D[k], e1);
+        W[2 * k] = _mm512_and_si512(u0, m4);
+        W[2 * k + 1] = _mm512_and_si512(u1, m4);
+        W[8 + 2 * k] = _mm512_srli_epi16(u0, 4);
+        W[8 + 2 * k + 1] = _mm512_srli_epi16(u1, 4);
+    }
+}
+
+/* Rows r..r+nr-1 (1 <= nr <= 16; a partial group repeats its last row)
+ * times tokens k..k+T-1 (T <= S_PT), one row per lane. pf: the one-token
+ * tile, which prefetches the groups ahead. */
+S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int T, int pf) {
+    const size_t stride = t->w_stride;
+    const uint8_t *w0 = t->w + (size_t)r * stride;
+    const int nb = t->cols / FI_QK;
+    const uint8_t *p[16];
+    int off[16];
+    for (int i = 0; i < 16; i++) {
+        off[i] = (i < nr ? i : nr - 1) * (int)stride;
+        p[i] = w0 + off[i];
+    }
+    const __m512i vidx = _mm512_loadu_si512(off);
+    const fi_block_q16x *xr[S_PT];
+    __m512 acc[S_PT];
+    for (int j = 0; j < T; j++) {
+        xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+        acc[j] = _mm512_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        if (pf) {
+            /* this step's share of the group S_PF_GROUPS ahead */
+            const char *q = (const char *)w0 + S_PF_GROUPS * 16 * stride + (size_t)b * 16 * bsz;
+            for (size_t o = 0; o < 16 * bsz; o += 64)
+                _mm_prefetch(q + o, _MM_HINT_T1);
+        }
+        /* scales: the first dword of each row's block (d; m for Q4_1) */
+        __m512i g = _mm512_i32gather_epi32(vidx, (const void *)(w0 + (size_t)b * bsz), 1);
+        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), aw = _mm512_setzero_ps();
+        if (kind == S_Q4_1)
+            aw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        else if (kind == S_Q4_0)
+            aw = _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f)); /* (q - 8) d = q d + (-8 d), exact */
+        __m512i W[16];
+        s_w16(kind, p, W);
+        for (int i = 0; i < 16; i++)
+            p[i] += bsz;
+#pragma GCC unroll 8
+        for (int j = 0; j < T; j++) {
+            const fi_block_q16x *x = xr[j] + b;
+            const int32_t *xq = (const int32_t *)(const void *)x->qs;
+            /* S_CH independent chains, so that one token's products
+             * overlap; integer sums: any order gives the same value */
+            __m512i ch[S_CH];
+            for (int c = 0; c < S_CH; c++)
+                ch[c] = _mm512_madd_epi16(W[c], _mm512_set1_epi32(xq[c])); /* dpwssd(0, ...) */
+            for (int c = S_CH; c < 16; c++)
+                ch[c % S_CH] = _mm512_dpwssd_epi32(ch[c % S_CH], W[c], _mm512_set1_epi32(xq[c]));
+            for (int c = 1; c < S_CH; c++)
+                ch[0] = _mm512_add_epi32(ch[0], ch[c]);
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(ch[0]), _mm512_set1_ps(x->d));
+            acc[j] = _mm512_fmadd_ps(v, dw, acc[j]);
+            if (kind != S_Q8_0)
+                acc[j] = _mm512_fmadd_ps(aw, _mm512_set1_ps(x->s), acc[j]);
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << nr) - 1);
+    for (int j = 0; j < T; j++)
+        _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
+}
+
+/* Tokens k..n-1 of rows r..r+nr-1 in tiles of S_PT, then 4, 2, 1 (each a
+ * compile-time size, so the tile's loops unroll). */
+S_INLINE void s_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k) {
+    for (; k + S_PT <= t->n; k += S_PT)
+        s_tile(kind, bsz, t, r, nr, k, S_PT, 0);
+    if (k + 4 <= t->n) {
+        s_tile(kind, bsz, t, r, nr, k, 4, 0);
+        k += 4;
+    }
+    if (k + 2 <= t->n) {
+        s_tile(kind, bsz, t, r, nr, k, 2, 0);
+        k += 2;
+    }
+    if (k < t->n)
+        s_tile(kind, bsz, t, r, nr, k, 1, 0);
+}
+
+/* One token: groups of 16 rows, prefetching. Several: sub-blocks of S_RB
+ * rows (their weights stay in L1 while the token tiles pass over them),
+ * groups of 16 rows times tiles of tokens. */
+S_INLINE void s_mm(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
+    if (t->n == 1) {
+        for (int r = r0; r < r1; r += 16)
+            s_tile(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, 0, 1, 1);
+        return;
+    }
+    for (int rb = r0; rb < r1; rb += S_RB) {
+        int re = rb + S_RB < r1 ? rb + S_RB : r1;
+        int k = 0;
+        for (; k + S_PT <= t->n; k += S_PT)
+            for (int r = rb; r < re; r += 16)
+                s_tile(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, S_PT, 0);
+        if (k < t->n)
+            for (int r = rb; r < re; r += 16)
+                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k);
+    }
+}
+
+#if defined(FI_HAVE_AMX) && FI_HAVE_AMX
+/* --- AMX ------------------------------------------------------------------
+ *
+ * With AMX-INT8 (Sapphire Rapids and later) the integer block sums of 16
+ * rows x 16 tokens come from the tile unit, which multiplies bytes: each
+ * activation quant is split exactly as x = 256 * hi + lo (hi = x >> 8
+ * signed, lo = x & 255 unsigned), and isum = 256 * (W . hi) + (W . lo),
+ * two tile products per block, exact in 32 bits (|isum| < 2^28 as above).
+ * The weights' block is the same 16-row dword transpose as above, which
+ * is the tile unit's B layout (four consecutive k of a column per dword).
+ * isum is then the very integer the vpdpwssd path computes, and it goes
+ * through the same floating-point steps (s_tile's: v = float(isum) * d_x,
+ * fma by d_w, fma of a * s), so the results are the same bits as the
+ * one-token path's: batch invariance holds across the two paths. */
+#define S_AMX __attribute__((target("amx-tile,amx-int8")))
+#define S_AMX_INLINE static inline __attribute__((always_inline, target("amx-tile,amx-int8")))
+#define S_AMX_NB 48 /* most blocks per row (1536 columns): the split quants live on the stack */
+
+/* LDTILECFG's 64-byte operand, palette 1. */
+typedef struct s_tilecfg {
+    uint8_t palette;     /* 1 */
+    uint8_t start_row;   /* 0 */
+    uint8_t reserved[14];
+    uint16_t colsb[16];  /* bytes per row of each tile */
+    uint8_t rows[16];    /* rows of each tile */
+} s_tilecfg;
+
+/* Tiles: 0 and 1 the sums with hi and lo (16 tokens x 16 rows, int32) of
+ * even blocks, 5 and 6 those of odd blocks; 2 and 3 the hi and lo bytes
+ * (16 tokens x 32 elements); 4 the weights (8 rows of 4 elements x 16
+ * weight rows). */
+S_AMX_INLINE void s_amx_config(void) {
+    s_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = 16;
+    c.colsb[0] = c.colsb[1] = 64;
+    c.rows[2] = c.rows[3] = 16;
+    c.colsb[2] = c.colsb[3] = 32;
+    c.rows[4] = 8;
+    c.colsb[4] = 64;
+    c.rows[5] = c.rows[6] = 16;
+    c.colsb[5] = c.colsb[6] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* Rows r..r+nr-1 (nr <= 16) times tokens k..k+15, whose quants are split
+ * in ah/al ([block][token][element]). */
+S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k,
+                             int8_t (*ah)[16][32], uint8_t (*al)[16][32]) {
+    const size_t stride = t->w_stride;
+    const uint8_t *w0 = t->w + (size_t)r * stride;
+    const int nb = t->cols / FI_QK;
+    const uint8_t *p[16];
+    int off[16];
+    for (int i = 0; i < 16; i++) {
+        off[i] = (i < nr ? i : nr - 1) * (int)stride;
+        p[i] = w0 + off[i];
+    }
+    const __m512i vidx = _mm512_loadu_si512(off);
+    const fi_block_q16x *xr[16];
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) {
+        xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+        acc[j] = _mm512_setzero_ps();
+    }
+    _Alignas(64) uint8_t bt[2][8][64];
+    _Alignas(64) int32_t cs[2][2][16][16]; /* [block & 1][hi, lo][token][row] */
+    /* software pipeline: the tile unit works on block b+1 while the
+     * vector units finish block b (two sets of sum tiles: 0, 1 and 5, 6) */
+    for (int b = -1; b < nb; b++) {
+        if (b + 1 < nb) {
+            const int bn = b + 1, sb = bn & 1;
+            __m512i D[4];
+            if (kind == S_Q8_0) {
+                __m512i D8[8];
+                s_t16x32(p, D8);
+                for (int q = 0; q < 8; q++)
+                    _mm512_store_si512(bt[sb][q], D8[q]);
+            } else {
+                const __m512i m4 = _mm512_set1_epi8(0x0f);
+                s_t16(p, kind == S_Q4_1 ? 4 : 2, D);
+                for (int q = 0; q < 4; q++) {
+                    _mm512_store_si512(bt[sb][q], _mm512_and_si512(D[q], m4));
+                    _mm512_store_si512(bt[sb][4 + q], _mm512_and_si512(_mm512_srli_epi32(D[q], 4), m4));
+                }
+            }
+            for (int i = 0; i < 16; i++)
+                p[i] += bsz;
+            _tile_loadd(2, ah[bn], 32);
+            _tile_loadd(3, al[bn], 32);
+            _tile_loadd(4, bt[sb], 64);
+            if (sb == 0) {
+                _tile_zero(0);
+                _tile_zero(1);
+                if (kind == S_Q8_0) {
+                    _tile_dpbssd(0, 2, 4);
+                    _tile_dpbusd(1, 3, 4);
+                } else {
+                    _tile_dpbsud(0, 2, 4);
+                    _tile_dpbuud(1, 3, 4);
+                }
+                _tile_stored(0, cs[0][0], 64);
+                _tile_stored(1, cs[0][1], 64);
+            } else {
+                _tile_zero(5);
+                _tile_zero(6);
+                if (kind == S_Q8_0) {
+                    _tile_dpbssd(5, 2, 4);
+                    _tile_dpbusd(6, 3, 4);
+                } else {
+                    _tile_dpbsud(5, 2, 4);
+                    _tile_dpbuud(6, 3, 4);
+                }
+                _tile_stored(5, cs[1][0], 64);
+                _tile_stored(6, cs[1][1], 64);
+            }
+        }
+        if (b < 0)
+            continue;
+        __m512i g = _mm512_i32gather_epi32(vidx, (const void *)(w0 + (size_t)b * bsz), 1);
+        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), aw = _mm512_setzero_ps();
+        if (kind == S_Q4_1)
+            aw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        else if (kind == S_Q4_0)
+            aw = _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+        for (int j = 0; j < 16; j++) {
+            const fi_block_q16x *x = xr[j] + b;
+            __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cs[b & 1][0][j]), 8),
+                                          _mm512_load_si512(cs[b & 1][1][j]));
+            /* from here exactly s_tile's steps */
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(x->d));
+            acc[j] = _mm512_fmadd_ps(v, dw, acc[j]);
+            if (kind != S_Q8_0)
+                acc[j] = _mm512_fmadd_ps(aw, _mm512_set1_ps(x->s), acc[j]);
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << nr) - 1);
+    for (int j = 0; j < 16; j++)
+        _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
+}
+
+/* Tokens in tiles of 16 through the tile unit (rows in groups of 16),
+ * the rest as s_mm's tiles; one token, or rows too long for the stack
+ * buffers, entirely as s_mm. */
+S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
+    const int nb = t->cols / FI_QK;
+    if (t->n < 16 || nb > S_AMX_NB) {
+        s_mm(kind, bsz, t, r0, r1);
+        return;
+    }
+    _Alignas(64) int8_t ah[S_AMX_NB][16][32];
+    _Alignas(64) uint8_t al[S_AMX_NB][16][32];
+    s_amx_config();
+    int k = 0;
+    for (; k + 16 <= t->n; k += 16) {
+        for (int j = 0; j < 16; j++) {
+            const fi_block_q16x *x = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+            for (int b = 0; b < nb; b++) {
+                __m512i q = _mm512_loadu_si512(x[b].qs);
+                _mm256_store_si256((__m256i *)(void *)ah[b][j], _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
+                _mm256_store_si256((__m256i *)(void *)al[b][j], _mm512_cvtepi16_epi8(q));
+            }
+        }
+        for (int r = r0; r < r1; r += 16)
+            s_amx_rows(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, k, ah, al);
+    }
+    _tile_release();
+    if (k < t->n)
+        for (int rb = r0; rb < r1; rb += S_RB) {
+            int re = rb + S_RB < r1 ? rb + S_RB : r1;
+            for (int r = rb; r < re; r += 16)
+                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k);
+        }
+}
+
+S_AMX static void s_mm_q4_0_amx(const fi_mm_task *t, int r0, int r1) {
+    s_mm_amx(S_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);
+}
+S_AMX static void s_mm_q4_1_amx(const fi_mm_task *t, int r0, int r1) {
+    s_mm_amx(S_Q4_1, sizeof(fi_block_q4_1), t, r0, r1);
+}
+S_AMX static void s_mm_q8_0_amx(const fi_mm_task *t, int r0, int r1) {
+    s_mm_amx(S_Q8_0, sizeof(fi_block_q8_0), t, r0, r1);
+}
+
+/* Whether this process may use the tile unit: the processor has AMX-TILE
+ * and AMX-INT8 and Linux grants the tile data state (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, which is per process and idempotent). */
+static int s_amx_usable(void) {
+    unsigned a, b, c, d;
+    /* CPUID.(7,0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8 (not every compiler
+     * knows them as __builtin_cpu_supports names) */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 25) & 1u))
+        return 0;
+#if defined(__linux__)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+#endif /* FI_HAVE_AMX */
+
+static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
+    s_mm(S_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);
+}
+static void s_mm_q4_1(const fi_mm_task *t, int r0, int r1) {
+    s_mm(S_Q4_1, sizeof(fi_block_q4_1), t, r0, r1);
+}
+static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
+    s_mm(S_Q8_0, sizeof(fi_block_q8_0), t, r0, r1);
+}
+
+void fi_q16_kernels_avx512(fi_q16_kernels *k) {
+    k->mm_q4_0 = s_mm_q4_0;
+    k->mm_q4_1 = s_mm_q4_1;
+    k->mm_q8_0 = s_mm_q8_0;
+}
+
+int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) {
+#if defined(FI_HAVE_AMX) && FI_HAVE_AMX
+    if (s_amx_usable()) {
+        k->mm_q4_0 = s_mm_q4_0_amx;
+        k->mm_q4_1 = s_mm_q4_1_amx;
+        k->mm_q8_0 = s_mm_q8_0_amx;
+        return 0;
+    }
+#endif
+    (void)k;
+    return -1;
+}
