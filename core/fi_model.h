@@ -42,8 +42,8 @@ typedef struct fi_model fi_model;
 /* Where the model runs. */
 typedef enum fi_device {
     FI_DEVICE_CPU = 0,   /* the CPU backend (the default of zeroed options) */
-    FI_DEVICE_CUDA = 1,  /* CUDA device 0; loading fails when there is none */
-    FI_DEVICE_AUTO = 2,  /* CUDA device 0 when present and the model loads
+    FI_DEVICE_CUDA = 1,  /* CUDA device opts->gpu; loading fails when there is none */
+    FI_DEVICE_AUTO = 2,  /* that CUDA device when present and the model loads
                             there (fits in its memory), else the CPU */
 } fi_device;
 
@@ -83,6 +83,7 @@ typedef struct fi_model_opts {
                         exact); the CUDA backend always uses fp16 */
     fi_device device; /* backend; FI_DEVICE_CPU when zeroed */
     const fi_shard_plan *plan; /* NULL: the whole model */
+    int gpu;         /* CUDA device index (ranks sharing a machine) */
 } fi_model_opts;
 
 /* Parses "cpu", "cuda" or "auto"; 0, or -1 for anything else. */

@@ -91,6 +91,10 @@ int fi_sched_cancel(fi_sched *s, int64_t id);
  * then ended with that error through on_done). */
 int fi_sched_step(fi_sched *s, char *err, size_t errlen);
 int fi_sched_pending(const fi_sched *s);
+/* Drops every cached block nobody holds (their contents are no longer to
+ * be trusted: a shard group lost a rank's KV state, say). Running
+ * sequences keep theirs. */
+void fi_sched_forget_cache(fi_sched *s);
 
 typedef struct fi_sched_stats {
     int running;              /* sequences in the batch */

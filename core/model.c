@@ -218,7 +218,7 @@ int fi_device_parse(const char *s, fi_device *out) {
 static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t errlen) {
     if (opts->device == FI_DEVICE_CUDA || opts->device == FI_DEVICE_AUTO) {
         char why[384];
-        fi_backend *be = fi_cuda_backend_open(0, why, sizeof why);
+        fi_backend *be = fi_cuda_backend_open(opts->gpu, why, sizeof why);
         if (be) return be;
         if (opts->device == FI_DEVICE_CUDA) {
             s_err(err, errlen, "no CUDA device: %s", why);

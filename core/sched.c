@@ -457,6 +457,20 @@ fi_model *fi_sched_model(const fi_sched *s) { return s->m; }
 fi_kvpool *fi_sched_kvpool(fi_sched *s) { return s->kv; }
 int fi_sched_pending(const fi_sched *s) { return s->n_running + s->n_queued; }
 
+void fi_sched_forget_cache(fi_sched *s) {
+    for (int b = 0; b < s->n_blk; b++) {
+        s_block *k = &s->blk[b];
+        if (!k->cached) continue;
+        s_table_remove(s, b);
+        k->cached = 0;
+        s->n_cached--;
+        if (k->ref == 0) {
+            s_lru_unlink(s, b);
+            s->free_stack[s->n_free++] = b;
+        }
+    }
+}
+
 void fi_sched_get_stats(const fi_sched *s, fi_sched_stats *st) {
     *st = s->st;
     st->running = s->n_running;

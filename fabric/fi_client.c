@@ -118,23 +118,32 @@ int fi_client_send(fi_client *c, const fi_msg *m) {
 static int s_send_hello(fi_client *c) {
     Fi__Hello h = FI__HELLO__INIT;
     Fi__ModelOffer offers[FI_CLIENT_MAX_MODELS], *ptrs[FI_CLIENT_MAX_MODELS];
+    size_t n = 0;
     for (int i = 0; i < c->o.n_models && i < FI_CLIENT_MAX_MODELS; i++) {
-        fi__model_offer__init(&offers[i]);
-        offers[i].name = c->o.models[i];
-        offers[i].capacity = c->o.capacity[i];
-        ptrs[i] = &offers[i];
+        if (c->o.capacity[i] == 0) continue; /* withdrawn (fi_client_set_capacity) */
+        fi__model_offer__init(&offers[n]);
+        offers[n].name = c->o.models[i];
+        offers[n].capacity = c->o.capacity[i];
+        ptrs[n] = &offers[n];
+        n++;
     }
     h.role = c->o.role;
     h.software = (char *)"fedinfer " FI_VERSION;
     h.heartbeat_ms = (uint32_t)c->o.heartbeat_ms;
     h.policy_version = c->policy_version ? c->policy_version : c->o.policy_version;
-    h.n_models = (size_t)c->o.n_models;
-    h.models = ptrs;
+    h.n_models = n;
+    h.models = n ? ptrs : NULL;
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_HELLO;
     m.hello = &h;
     c->hello_at_ms = fi_wire_now_ms();
     return fi_client_send(c, &m);
+}
+
+int fi_client_set_capacity(fi_client *c, int i, uint32_t capacity) {
+    if (i < 0 || i >= c->o.n_models) return -1;
+    c->o.capacity[i] = capacity;
+    return c->sock ? s_send_hello(c) : -1;
 }
 
 static void s_close(fi_client *c) {

@@ -106,6 +106,14 @@ typedef struct fi_cluster_load {
  * carried one; returns how many were written (<= max). */
 int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max);
 
+/* Workers: changes the capacity announced for model i (0 withdraws it:
+ * the coordinator routes no new request there, as for a worker that is
+ * not serving it) and says Hello again on the current connection; later
+ * Hellos (after a reconnection) carry it too. A shard group uses it to
+ * report itself unavailable while a rank is missing. 0, or -1 when i is
+ * not a model of the options or the Hello cannot be queued now (it is
+ * then said at the next reconnection). */
+int fi_client_set_capacity(fi_client *c, int i, uint32_t capacity);
 /* How many times the client has reconnected (a request open across a
  * reconnect is lost: the coordinator that had it may be gone). */
 unsigned fi_client_reconnects(const fi_client *c);

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "fi_fabric_cmd.h"
+#include "fi_group.h"
 #include "fi_shard.h"
 
 static atomic_int s_stop;
@@ -53,7 +54,8 @@ int fi_cmd_shard(int argc, char **argv) {
                        "  capacity, heartbeat_ms, liveness, n_ctx, threads, max_tokens\n"
                        "  kv_mb = N                    KV-cache pool in MiB (0: 256)\n"
                        "  batch = N                    sequences per forward pass (0: capacity)\n"
-                       "  prefix_cache = 0|1           reuse cached prompt prefixes (1)\n");
+                       "  prefix_cache = 0|1           reuse cached prompt prefixes (1)\n\n");
+            fi_group_cmd_help(f);
             return ch == 'h' ? 0 : 2;
         }
         }
@@ -61,6 +63,13 @@ int fi_cmd_shard(int argc, char **argv) {
     if (!config || optind != argc) {
         fprintf(stderr, "fedinfer shard: --config is required (see --help)\n");
         return 2;
+    }
+    if (fi_group_conf_is_rank_file(config)) {
+        if (echo) {
+            fprintf(stderr, "fedinfer shard: --echo serves a whole model, not a group rank\n");
+            return 2;
+        }
+        return fi_group_cmd(config, token); /* one rank of a shard group */
     }
     char err[1024];
     fi_shard_conf conf;

@@ -233,7 +233,7 @@ static int s_set_str(lx *l, char **dst) {
 
 static int s_field(lx *l, s_case *c) {
     char key[64];
-    snprintf(key, sizeof key, "%s", l->s);
+    snprintf(key, sizeof key, "%.63s", l->s); /* longer names match no field */
     unsigned kl = l->tl, kc = l->tc;
     if (l->k != 'i') {
         s_err(l, "fields: origin, labels, model, tenant, application, latency_ms, prompt_tokens, targets, expect",
@@ -243,7 +243,7 @@ static int s_field(lx *l, s_case *c) {
     s_next(l);
     if (!strcmp(key, "expect")) {
         char what[32];
-        snprintf(what, sizeof what, "%s", l->s);
+        snprintf(what, sizeof what, "%.31s", l->s);
         if (l->k != 'i') {
             s_err(l, "expect permitted = [...]; expect chosen = \"t\"; expect denied \"t\" by \"rule\"; expect score \"t\" = N;",
                   "permitted, chosen, denied or score after expect");

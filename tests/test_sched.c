@@ -180,6 +180,18 @@ static void test_prefix_reuse(void **state) {
         if (i == 2) assert_int_equal(hit, 96 + 0); /* 110 tokens: 6 full blocks */
         s_same(&o, &oa, "same prompt", i);
     }
+    /* forgetting the cache: the same prompt computes everything again */
+    fi_sched_stats f0, f1;
+    fi_sched_forget_cache(s);
+    fi_sched_get_stats(s, &f0);
+    assert_int_equal(f0.blocks_cached, 0);
+    assert_int_equal(f0.blocks_free, f0.blocks_total);
+    fi_capture of = {0};
+    s_submit(s, a, 110, 12, &of, "tenant-a", "eu");
+    s_run(s);
+    fi_sched_get_stats(s, &f1);
+    assert_int_equal(f1.prefix_hit_tokens, f0.prefix_hit_tokens);
+    s_same(&of, &oa, "after forgetting", 0);
     fi_sched_destroy(&s);
     fi_model_destroy(&m);
 }
