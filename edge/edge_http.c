@@ -522,6 +522,34 @@ static enum MHD_Result s_metrics(fi_edge *e, struct MHD_Connection *c) {
       "# TYPE fedinfer_edge_local_queue_depth gauge\n"
       "fedinfer_edge_local_queue_depth %d\n",
       e->local.ctx ? e->local.depth(e->local.ctx) : 0);
+    if (e->local.ctx && e->local.stats) {
+        fi_sched_stats st;
+        e->local.stats(e->local.ctx, &st);
+        P("# HELP fedinfer_engine_kv_blocks KV-cache blocks of the local engine, by state.\n"
+          "# TYPE fedinfer_engine_kv_blocks gauge\n"
+          "fedinfer_engine_kv_blocks{state=\"total\"} %d\n"
+          "fedinfer_engine_kv_blocks{state=\"free\"} %d\n"
+          "fedinfer_engine_kv_blocks{state=\"cached\"} %d\n",
+          st.blocks_total, st.blocks_free, st.blocks_cached);
+        P("# HELP fedinfer_engine_prompt_tokens_total Prompt tokens admitted by the local engine.\n"
+          "# TYPE fedinfer_engine_prompt_tokens_total counter\n"
+          "fedinfer_engine_prompt_tokens_total %llu\n"
+          "# HELP fedinfer_engine_prefix_hit_tokens_total Prompt tokens taken from the prefix cache.\n"
+          "# TYPE fedinfer_engine_prefix_hit_tokens_total counter\n"
+          "fedinfer_engine_prefix_hit_tokens_total %llu\n",
+          (unsigned long long)st.prompt_tokens, (unsigned long long)st.prefix_hit_tokens);
+        P("# HELP fedinfer_engine_steps_total Forward passes of the local engine.\n"
+          "# TYPE fedinfer_engine_steps_total counter\n"
+          "fedinfer_engine_steps_total %llu\n"
+          "# HELP fedinfer_engine_decode_tokens_total Tokens decoded (one per sequence per step).\n"
+          "# TYPE fedinfer_engine_decode_tokens_total counter\n"
+          "fedinfer_engine_decode_tokens_total %llu\n"
+          "# HELP fedinfer_engine_preemptions_total Sequences preempted for KV memory.\n"
+          "# TYPE fedinfer_engine_preemptions_total counter\n"
+          "fedinfer_engine_preemptions_total %llu\n",
+          (unsigned long long)st.steps, (unsigned long long)st.decode_tokens,
+          (unsigned long long)st.preemptions);
+    }
     P("# HELP fedinfer_edge_coordinator_up 1 when the coordinator is connected.\n"
       "# TYPE fedinfer_edge_coordinator_up gauge\n"
       "fedinfer_edge_coordinator_up %d\n",

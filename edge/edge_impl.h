@@ -25,6 +25,7 @@
 
 #include "fi_edge.h"
 #include "fi_model.h"
+#include "fi_sched.h"
 #include "fi_textstream.h"
 
 struct MHD_Daemon;
@@ -131,6 +132,8 @@ typedef struct edge_exec {
      * cancels the rest and joins. */
     void (*drain)(void *ctx, int grace_ms);
     void (*destroy)(void *ctx);
+    /* Optional (NULL: none): the engine scheduler's counters (local). */
+    void (*stats)(void *ctx, fi_sched_stats *st);
     void *ctx;
 } edge_exec;
 

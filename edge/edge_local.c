@@ -42,6 +42,7 @@ typedef struct s_local {
     int n_active;           /* jobs in the scheduler, for depth */
     int stopping;           /* 1: accept nothing more */
     double deadline;        /* drain: cancel what runs after this (0: none) */
+    fi_sched_stats st;      /* the scheduler's counters after the last step */
 } s_local;
 
 static int s_submit(void *ctx, edge_job *j) {
@@ -66,6 +67,13 @@ static int s_depth(void *ctx) {
     int d = l->n_waiting + l->n_active;
     pthread_mutex_unlock(&l->mu);
     return d;
+}
+
+static void s_stats(void *ctx, fi_sched_stats *st) {
+    s_local *l = ctx;
+    pthread_mutex_lock(&l->mu);
+    *st = l->st;
+    pthread_mutex_unlock(&l->mu);
 }
 
 static int s_on_text(void *user, const char *text, size_t len) {
@@ -182,8 +190,11 @@ static void *s_thread(void *arg) {
             free(r);
             ended++;
         }
+        fi_sched_stats st;
+        fi_sched_get_stats(l->sched, &st);
         pthread_mutex_lock(&l->mu);
         l->n_active -= ended;
+        l->st = st;
         pthread_mutex_unlock(&l->mu);
     }
     return NULL;
@@ -243,6 +254,7 @@ int edge_local_new(fi_model *model, int concurrency, int queue, int n_ctx, edge_
         free(l);
         return -1;
     }
+    fi_sched_get_stats(l->sched, &l->st);
     pthread_mutex_init(&l->mu, NULL);
     pthread_cond_init(&l->cv, NULL);
     if (pthread_create(&l->thread, NULL, s_thread, l) != 0) {
@@ -259,6 +271,7 @@ int edge_local_new(fi_model *model, int concurrency, int queue, int n_ctx, edge_
     out->depth = s_depth;
     out->drain = s_drain;
     out->destroy = s_destroy;
+    out->stats = s_stats;
     out->ctx = l;
     return 0;
 oom:
