@@ -821,7 +821,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     job->timeout_s = e->conf.request_timeout_s;
     /* prefix-cache salt: tenants never share cached state */
     snprintf(job->tenant, sizeof job->tenant, "%s", tenant);
-    snprintf(job->zone, sizeof job->zone, "%.63s", e->conf.site);
+    snprintf(job->zone, sizeof job->zone, "%.63s", e->conf.zone[0] ? e->conf.zone : e->conf.site);
     for (int i = 0; i < d->n_eff_labels; i++) job->labels[job->n_labels++] = strdup(d->eff_labels[i]);
     snprintf(job->target, sizeof job->target, "%s", d->names[t]);
     if (t > 0 && s_routed(e, job, r, chat, tenant, ids, n_ids) != 0) {
