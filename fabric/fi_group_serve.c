@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "fi_group.h"
 #include "fi_sched.h"
@@ -239,6 +240,7 @@ int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_c
     L.rc = rc;
     L.gen = fi_client_reconnects(c);
     int rc_ = -1, announced = 0, dirty = 0;
+    double last_load = 0;
     if (fi_group_attach(g, m, err, errlen) != 0 || s_make_sched(&L, err, errlen) != 0) goto done;
     fi_group_set_idle(g, s_tick, &L);
     (void)fi_client_set_capacity(c, 0, 0); /* nothing until every rank has joined */
@@ -287,6 +289,21 @@ int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_c
             char why[512];
             if (fi_sched_step(L.s, why, sizeof why) < 0)
                 fprintf(stderr, "group leader: step failed, its requests ended: %s\n", why);
+        }
+        /* The group's load and prefix filter ride on the heartbeats, as a
+         * single worker's do (refreshed every 100 ms at most). */
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+        if (now - last_load >= 0.1) {
+            fi_sched_stats st;
+            uint8_t filter[1024];
+            fi_sched_get_stats(L.s, &st);
+            int have = fi_sched_prefix_filter(L.s, filter, sizeof filter) == 0;
+            fi_client_set_load(c, (uint32_t)st.running, (uint32_t)st.queued,
+                               (uint32_t)st.blocks_free, (uint32_t)st.blocks_total,
+                               have ? filter : NULL, sizeof filter);
+            last_load = now;
         }
     }
     rc_ = 0;
