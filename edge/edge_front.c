@@ -14,8 +14,8 @@
  * Limits: connections waiting here are bounded by conn_limit and wait at
  * most conn_timeout_s for their head (then libmicrohttpd gets them and
  * applies its own timeout). Only the first request of a connection is
- * seen here; a later request on a kept-alive connection with an
- * unparsable Content-Length still gets libmicrohttpd's page.
+ * seen here; every response closes its connection (edge_http.c, s_send),
+ * so there is no later one.
  */
 #include <arpa/inet.h>
 #include <errno.h>

@@ -67,6 +67,10 @@ static enum MHD_Result s_send(struct MHD_Connection *c, int status, const char *
         return MHD_NO;
     }
     MHD_add_response_header(r, "Content-Type", ctype);
+    /* One request per connection: the listener checks every request's
+     * head (Content-Length) before libmicrohttpd reads it, and it sees only
+     * a connection's first request (edge_front.c). */
+    MHD_add_response_header(r, "Connection", "close");
     for (int i = 0; hdrs && hdrs[i]; i += 2) MHD_add_response_header(r, hdrs[i], hdrs[i + 1]);
     enum MHD_Result rc = MHD_queue_response(c, (unsigned)status, r);
     MHD_destroy_response(r);
@@ -883,6 +887,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         }
         MHD_add_response_header(resp, "Content-Type", "text/event-stream");
         MHD_add_response_header(resp, "Cache-Control", "no-cache");
+        MHD_add_response_header(resp, "Connection", "close"); /* see s_send */
         for (int i = 0; hdrs[i]; i += 2) MHD_add_response_header(resp, hdrs[i], hdrs[i + 1]);
         rc = MHD_queue_response(c, 200, resp);
         MHD_destroy_response(resp);

@@ -768,6 +768,32 @@ static long metric(int port, const char *name) {
     return v;
 }
 
+/* A second request on a kept-alive connection never reaches
+ * libmicrohttpd unchecked: every response closes its connection, so a
+ * pipelined request with an absurd Content-Length gets no HTML page (it
+ * gets nothing; sent on a connection of its own it gets a JSON error). */
+static void test_one_request_per_connection(void **state) {
+    (void)state;
+    const char *two = "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                      "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                      "Content-Length: 99999999999999999999999\r\n\r\n{}";
+    resp r;
+    assert_int_equal(http_raw(s_fx->port, two, strlen(two), &r), 0);
+    assert_int_equal(r.status, 200);
+    char v[64];
+    assert_true(header(&r, "Connection", v, sizeof v));
+    assert_string_equal(v, "close");
+    assert_null(strstr(r.body, "HTTP/1.")); /* no second response */
+    assert_null(strstr(r.body, "<html"));
+    resp_free(&r);
+    const char *one = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                      "Content-Length: 99999999999999999999999\r\n\r\n{}";
+    assert_int_equal(http_raw(s_fx->port, one, strlen(one), &r), 0);
+    assert_true(r.status == 400 || r.status == 413);
+    assert_non_null(strstr(r.body, "\"error\""));
+    resp_free(&r);
+}
+
 /* Two completions sharing a long prompt: the second takes the first's
  * cached KV blocks (the engine's counters on /metrics say how many). */
 static void test_prefix_reuse(void **state) {
@@ -829,6 +855,7 @@ int main(void) {
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_policy_decisions),
         cmocka_unit_test(test_prefix_reuse),
+        cmocka_unit_test(test_one_request_per_connection),
         cmocka_unit_test(test_disconnect_cancels),
         cmocka_unit_test(test_short_not_blocked),
     };
