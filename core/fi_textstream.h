@@ -27,7 +27,9 @@ int fi_textstream_push(fi_textstream *ts, const char *bytes, size_t len);
 
 /* Text that is final: returns a pointer to *len bytes (valid until the next
  * call) and consumes them. With flush, everything held back is released
- * too (the end of generation), except what follows a matched stop. */
+ * too (the end of generation), except what follows a matched stop. The
+ * text is always valid UTF-8: a malformed byte, or a sequence cut short by
+ * the flush, comes out as U+FFFD. */
 const char *fi_textstream_take(fi_textstream *ts, int flush, size_t *len);
 
 #ifdef __cplusplus

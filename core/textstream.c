@@ -5,6 +5,11 @@
  * complete stop string; if none, we hold back the longest suffix that is a
  * prefix of some stop string and any incomplete UTF-8 sequence at the end.
  * A stop string therefore always starts inside the buffer.
+ *
+ * What is released is valid UTF-8 (clients put it in JSON): a byte that
+ * does not begin a well-formed sequence (RFC 3629: no overlong forms, no
+ * surrogates, nothing above U+10FFFF), or a sequence cut short at the end
+ * of generation, is released as U+FFFD, as a decoder with "replace" does.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +25,8 @@ struct fi_textstream {
     size_t cap;       /* allocated */
     size_t out;       /* bytes at the front already taken */
     size_t stop_at;   /* offset of a matched stop, or SIZE_MAX */
+    char *rel;        /* released text, made valid UTF-8 */
+    size_t rel_cap;
 };
 
 fi_textstream *fi_textstream_new(const char *const *stop, int n_stop) {
@@ -50,6 +57,7 @@ void fi_textstream_destroy(fi_textstream **tsp) {
     free(ts->stop);
     free(ts->stop_len);
     free(ts->buf);
+    free(ts->rel);
     free(ts);
     *tsp = NULL;
 }
@@ -116,13 +124,53 @@ static size_t s_holdback(const fi_textstream *ts) {
     return hold;
 }
 
+/* Length of the well-formed UTF-8 sequence at p (n bytes available), or 0
+ * when p[0] does not begin one. */
+static size_t s_utf8_len(const unsigned char *p, size_t n) {
+    unsigned char c = p[0];
+    if (c < 0x80) return 1;
+    size_t need = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+    if (!need || need > n) return 0;
+    unsigned char lo = 0x80, hi = 0xBF; /* the second byte's range */
+    if (c == 0xE0) lo = 0xA0;
+    else if (c == 0xED) hi = 0x9F;      /* no surrogates */
+    else if (c == 0xF0) lo = 0x90;
+    else if (c == 0xF4) hi = 0x8F;      /* nothing above U+10FFFF */
+    if (p[1] < lo || p[1] > hi) return 0;
+    for (size_t i = 2; i < need; i++)
+        if ((p[i] & 0xC0) != 0x80) return 0;
+    return need;
+}
+
 const char *fi_textstream_take(fi_textstream *ts, int flush, size_t *len) {
     size_t end;
     if (ts->stop_at != (size_t)-1) end = ts->stop_at;
     else if (flush) end = ts->len;
     else end = ts->len - s_holdback(ts);
-    const char *p = ts->buf ? ts->buf + ts->out : "";
-    *len = end > ts->out ? end - ts->out : 0;
-    ts->out += *len;
-    return p;
+    *len = 0;
+    if (!ts->buf || end <= ts->out) return "";
+    size_t n = end - ts->out;
+    if (3 * n > ts->rel_cap) { /* each byte becomes at most 3 (U+FFFD) */
+        char *r = realloc(ts->rel, 3 * n);
+        if (!r) return ""; /* nothing released now; the bytes wait */
+        ts->rel = r;
+        ts->rel_cap = 3 * n;
+    }
+    const unsigned char *b = (const unsigned char *)ts->buf + ts->out;
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        size_t k = s_utf8_len(b + i, n - i);
+        if (k) {
+            memcpy(ts->rel + o, b + i, k);
+            o += k;
+            i += k;
+        } else {
+            memcpy(ts->rel + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i++;
+        }
+    }
+    ts->out = end;
+    *len = o;
+    return ts->rel;
 }

@@ -93,14 +93,45 @@ static void test_utf8_held_until_complete(void **state) {
     p = fi_textstream_take(ts, 0, &len);
     assert_int_equal(len, 3);
     assert_memory_equal(p, "\xE6\x97\xA5", 3);
-    /* an invalid byte is not held forever: flush releases it */
+    /* a sequence cut short is not held forever: flush releases U+FFFD */
     assert_int_equal(fi_textstream_push(ts, "\xF0", 1), 0);
     fi_textstream_take(ts, 0, &len);
     assert_int_equal(len, 0);
     p = fi_textstream_take(ts, 1, &len);
-    assert_int_equal(len, 1);
-    assert_memory_equal(p, "\xF0", 1);
+    assert_int_equal(len, 3);
+    assert_memory_equal(p, "\xEF\xBF\xBD", 3);
     fi_textstream_destroy(&ts);
+}
+
+/* Malformed bytes never reach the caller (clients put the text in JSON):
+ * each becomes U+FFFD; well-formed sequences around them are kept. */
+static void test_utf8_malformed_replaced(void **state) {
+    (void)state;
+    static const struct {
+        const char *in, *out;
+    } cases[] = {
+        {"a\x80" "b", "a\xEF\xBF\xBD" "b"},                     /* lone continuation */
+        {"\xC0\xAFx", "\xEF\xBF\xBD\xEF\xBF\xBDx"},             /* overlong */
+        {"\xED\xA0\x80!", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD!"}, /* a surrogate */
+        {"\xF4\x90\x80\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"}, /* > U+10FFFF */
+        {"\xC3\xA9\xC3(", "\xC3\xA9\xEF\xBF\xBD("},             /* cut by ASCII */
+        {"\xF0\x9F\x98\x80", "\xF0\x9F\x98\x80"},                /* a valid emoji */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        fi_textstream *ts = fi_textstream_new(NULL, 0);
+        assert_int_equal(fi_textstream_push(ts, cases[i].in, strlen(cases[i].in)), 0);
+        char got[64];
+        size_t n = 0, len;
+        const char *p = fi_textstream_take(ts, 0, &len);
+        memcpy(got, p, len);
+        n = len;
+        p = fi_textstream_take(ts, 1, &len);
+        memcpy(got + n, p, len);
+        n += len;
+        if (n != strlen(cases[i].out) || memcmp(got, cases[i].out, n))
+            fail_msg("case %zu: %zu bytes out, want %zu", i, n, strlen(cases[i].out));
+        fi_textstream_destroy(&ts);
+    }
 }
 
 static void test_stop_at_start_and_empty_stops(void **state) {
@@ -137,6 +168,7 @@ int main(void) {
         cmocka_unit_test(test_false_start_released),
         cmocka_unit_test(test_earliest_of_several_stops),
         cmocka_unit_test(test_utf8_held_until_complete),
+        cmocka_unit_test(test_utf8_malformed_replaced),
         cmocka_unit_test(test_stop_at_start_and_empty_stops),
         cmocka_unit_test(test_long_stream),
     };
