@@ -21,7 +21,7 @@
 
 #include <cmocka.h>
 
-#include "fabric/harness.h"
+#include "fabric/harness_edge.h"
 #include "fi_audit.h"
 #include "fi_bundle.h"
 #include "edge_impl.h"
@@ -154,48 +154,13 @@ static int s_rec_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_f
 
 static int setup(void **state) {
     fx *f = calloc(1, sizeof *f);
-    char err[768], path[512];
     assert_int_equal(h_init(&f->h), 0);
     assert_int_equal(h_start(&f->h), 0);
     fi_shard_backend rec = {.name = "recorder", .generate = s_rec_generate};
     assert_int_equal(h_worker_start_be(&f->h, &f->w, "echo-model", "core1", &rec, 4), 0);
-    /* The edge's key, enrolled; the coordinator's public key in a file. */
-    fi_keypair ek;
-    assert_int_equal(fi_keys_generate(&ek), 0);
-    assert_int_equal(h_enrol_direct(&f->h, &ek, FI__ROLE__ROLE_EDGE, "berlin-clinic", "eu-central"), 0);
-    char ekey[400], epub[400], ckey[400], cpub[400];
-    snprintf(ekey, sizeof ekey, "%s/edge.key", f->h.dir);
-    snprintf(epub, sizeof epub, "%s/edge.pub", f->h.dir);
-    snprintf(ckey, sizeof ckey, "%s/coord.key", f->h.dir);
-    snprintf(cpub, sizeof cpub, "%s/coord.pub", f->h.dir);
-    assert_int_equal(fi_keys_save(&ek, ekey, epub, 1, err, sizeof err), 0);
-    assert_int_equal(fi_keys_save(&f->h.coord, ckey, cpub, 1, err, sizeof err), 0);
-    /* The policy: v1 held on disk. */
-    assert_int_equal(fi_bundle_keygen(f->pk, f->sk), 0);
-    snprintf(path, sizeof path, "%s/sign.key", f->h.dir);
-    assert_int_equal(fi_bundle_key_save(path, f->sk, err, sizeof err), 0);
-    snprintf(path, sizeof path, "%s/policy", f->h.dir);
-    mkdir(path, 0700);
-    size_t bl;
-    char *b = sign(f->sk, 1, s_pol_v1, &bl);
-    assert_int_equal(fi_bundle_install(path, b, bl, (const uint8_t(*)[32])f->pk, 1, time(NULL),
-                                       err, sizeof err),
-                     FI_BUNDLE_OK);
-    free(b);
-    char conf[400];
-    snprintf(conf, sizeof conf, "%s/edge.conf", f->h.dir);
-    FILE *fc = fopen(conf, "w");
-    fprintf(fc,
-            "site = berlin-clinic\nport = 0\ndb = %s/edge.db\npolicy_dir = %s/policy\n"
-            "policy_key = %s/sign.key.pub\ncoordinator = %s\ncoordinator_key = %s\n"
-            "secret_key = %s\nshutdown_grace_s = 1\nheartbeat_ms = %d\nzone = EU\n",
-            f->h.dir, f->h.dir, f->h.dir, f->h.ep, cpub, ekey, H_HB_MS);
-    fclose(fc);
-    fi_edge_conf c;
-    fi_edge_conf_default(&c);
-    if (fi_edge_conf_load(conf, &c, err, sizeof err) != 0) fail_msg("%s", err);
-    f->e = fi_edge_new(&c, err, sizeof err);
-    if (!f->e) fail_msg("%s", err);
+    /* The edge: its key enrolled, policy v1 held on disk. */
+    f->e = h_edge_start(&f->h, "berlin-clinic", "eu-central", s_pol_v1, f->pk, f->sk,
+                        "zone = EU\n");
     f->port = fi_edge_port(f->e);
     *state = f;
     return 0;

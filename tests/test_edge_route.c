@@ -20,7 +20,7 @@
 
 #include <cmocka.h>
 
-#include "fabric/harness.h"
+#include "fabric/harness_edge.h"
 #include "fi_bundle.h"
 #include "fi_edge.h"
 
@@ -76,49 +76,16 @@ typedef struct fx {
 
 static int setup(void **state) {
     fx *f = calloc(1, sizeof *f);
-    char err[768], path[512];
     assert_int_equal(h_init(&f->h), 0);
     assert_int_equal(h_start(&f->h), 0);
     /* One slot, 50 ms per 4 bytes: a 400-byte prompt holds it for 5 s. */
     assert_int_equal(h_worker_start_cap(&f->h, &f->w, "smol", 50, 1), 0);
-    fi_keypair ek;
-    assert_int_equal(fi_keys_generate(&ek), 0);
-    assert_int_equal(h_enrol_direct(&f->h, &ek, FI__ROLE__ROLE_EDGE, "clinic", "eu-a"), 0);
-    char ekey[400], epub[400], ckey[400], cpub[400];
-    snprintf(ekey, sizeof ekey, "%s/edge.key", f->h.dir);
-    snprintf(epub, sizeof epub, "%s/edge.pub", f->h.dir);
-    snprintf(ckey, sizeof ckey, "%s/coord.key", f->h.dir);
-    snprintf(cpub, sizeof cpub, "%s/coord.pub", f->h.dir);
-    assert_int_equal(fi_keys_save(&ek, ekey, epub, 1, err, sizeof err), 0);
-    assert_int_equal(fi_keys_save(&f->h.coord, ckey, cpub, 1, err, sizeof err), 0);
     uint8_t pk[32], sk[64];
-    assert_int_equal(fi_bundle_keygen(pk, sk), 0);
-    snprintf(path, sizeof path, "%s/sign.key", f->h.dir);
-    assert_int_equal(fi_bundle_key_save(path, sk, err, sizeof err), 0);
-    snprintf(path, sizeof path, "%s/policy", f->h.dir);
-    mkdir(path, 0700);
-    char *b;
-    size_t bl;
-    int64_t now = (int64_t)time(NULL);
-    assert_int_equal(fi_bundle_sign(sk, 1, now - 60, now + 3600, s_policy, strlen(s_policy), &b, &bl), 0);
-    assert_int_equal(fi_bundle_install(path, b, bl, (const uint8_t(*)[32])pk, 1, now, err, sizeof err),
-                     FI_BUNDLE_OK);
-    free(b);
-    char conf[400];
-    snprintf(conf, sizeof conf, "%s/edge.conf", f->h.dir);
-    FILE *fc = fopen(conf, "w");
-    fprintf(fc,
-            "site = clinic\nport = 0\ndb = %s/edge.db\npolicy_dir = %s/policy\n"
-            "policy_key = %s/sign.key.pub\ncoordinator = %s\ncoordinator_key = %s\n"
-            "secret_key = %s\nshutdown_grace_s = 1\nheartbeat_ms = %d\nmodel = %s\n"
-            "model_name = smol\nthreads = 1\nn_ctx = 1024\nconcurrency = 1\n",
-            f->h.dir, f->h.dir, f->h.dir, f->h.ep, cpub, ekey, H_HB_MS, FI_TEST_MODEL);
-    fclose(fc);
-    fi_edge_conf c;
-    fi_edge_conf_default(&c);
-    if (fi_edge_conf_load(conf, &c, err, sizeof err) != 0) fail_msg("%s", err);
-    f->e = fi_edge_new(&c, err, sizeof err);
-    if (!f->e) fail_msg("%s", err);
+    char extra[600];
+    snprintf(extra, sizeof extra,
+             "model = %s\nmodel_name = smol\nthreads = 1\nn_ctx = 1024\nconcurrency = 1\n",
+             FI_TEST_MODEL);
+    f->e = h_edge_start(&f->h, "clinic", "eu-a", s_policy, pk, sk, extra);
     f->port = fi_edge_port(f->e);
     *state = f;
     return 0;
