@@ -24,42 +24,6 @@
 #include "fi_bundle.h"
 #include "fi_edge.h"
 
-typedef struct resp {
-    int status;
-    char head[2048];
-    char body[8192];
-} resp;
-
-static int http_post(int port, const char *body, resp *r) {
-    memset(r, 0, sizeof *r);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {0};
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons((uint16_t)port);
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) return -1;
-    char req[4096];
-    int n = snprintf(req, sizeof req,
-                     "POST /v1/completions HTTP/1.0\r\nContent-Length: %zu\r\n\r\n%s",
-                     strlen(body), body);
-    if (send(fd, req, (size_t)n, 0) != n) return -1;
-    char buf[16384];
-    size_t len = 0;
-    for (;;) {
-        ssize_t k = recv(fd, buf + len, sizeof buf - len - 1, 0);
-        if (k <= 0) break;
-        len += (size_t)k;
-    }
-    close(fd);
-    buf[len] = 0;
-    char *sep = strstr(buf, "\r\n\r\n");
-    if (!sep) return -1;
-    snprintf(r->head, sizeof r->head, "%.*s", (int)(sep - buf), buf);
-    snprintf(r->body, sizeof r->body, "%s", sep + 4);
-    sscanf(buf, "HTTP/1.%*d %d", &r->status);
-    return 0;
-}
-
 static const char *s_policy =
     "labels public;\ndefault_label \"public\";\n"
     "jurisdiction EU;\nregion eu-a in EU;\n"
@@ -112,7 +76,7 @@ static void *s_long(void *arg) {
     memset(prompt, 'x', 400);
     prompt[400] = 0;
     snprintf(body, sizeof body, "{\"model\":\"smol\",\"prompt\":\"%s\",\"max_tokens\":200}", prompt);
-    if (http_post(bg->port, body, &bg->r) != 0) bg->r.status = -1;
+    if (http_post(bg->port, NULL, body, &bg->r) != 0) bg->r.status = -1;
     return NULL;
 }
 
@@ -121,7 +85,7 @@ static void test_full_cluster_keeps_it_local(void **state) {
     resp r;
     const char *b = "{\"model\":\"smol\",\"prompt\":\"Hi\",\"max_tokens\":2,\"temperature\":0}";
     /* The policy prefers the cluster. */
-    assert_int_equal(http_post(f->port, b, &r), 0);
+    assert_int_equal(http_post(f->port, NULL, b, &r), 0);
     assert_int_equal(r.status, 200);
     assert_non_null(strstr(r.head, "X-Fedinfer-Target: core1"));
     /* A long request fills the cluster's only slot (once the edge has
@@ -156,7 +120,7 @@ static void test_full_cluster_keeps_it_local(void **state) {
         fail_msg("the long request did not reach the cluster: %d %s", bg.r.status, bg.r.head);
     }
     h_sleep_ms(4 * H_HB_MS); /* ...and its heartbeats have told the edge */
-    assert_int_equal(http_post(f->port, b, &r), 0);
+    assert_int_equal(http_post(f->port, NULL, b, &r), 0);
     assert_int_equal(r.status, 200);
     if (!strstr(r.head, "X-Fedinfer-Target: clinic")) fail_msg("while full: %s", r.head);
     pthread_join(th, NULL);
@@ -164,7 +128,7 @@ static void test_full_cluster_keeps_it_local(void **state) {
     assert_non_null(strstr(bg.r.head, "X-Fedinfer-Target: core1"));
     /* Room again: back to the cluster. */
     h_sleep_ms(8 * H_HB_MS);
-    assert_int_equal(http_post(f->port, b, &r), 0);
+    assert_int_equal(http_post(f->port, NULL, b, &r), 0);
     assert_int_equal(r.status, 200);
     assert_non_null(strstr(r.head, "X-Fedinfer-Target: core1"));
 }

@@ -8,12 +8,66 @@
 #ifndef FI_TEST_FABRIC_HARNESS_EDGE_H
 #define FI_TEST_FABRIC_HARNESS_EDGE_H
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 
 #include "harness.h"
 #include "fi_bundle.h"
 #include "fi_edge.h"
+
+/* An HTTP answer: status, head, body (truncated to the buffers). */
+typedef struct resp {
+    int status;
+    char head[2048];
+    char body[8192];
+} resp;
+
+/* Sends raw bytes (a request head and body; split: in two sends 50 ms
+ * apart at that offset, 0: at once) and reads the answer. */
+H_FN int http_raw_split(int port, const char *req, size_t split, resp *r) {
+    memset(r, 0, sizeof *r);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) return -1;
+    size_t n = strlen(req), a = split && split < n ? split : n;
+    if (send(fd, req, a, 0) != (ssize_t)a) return -1;
+    if (a < n) {
+        h_sleep_ms(50);
+        if (send(fd, req + a, n - a, 0) != (ssize_t)(n - a)) return -1;
+    }
+    char buf[16384];
+    size_t len = 0;
+    for (;;) {
+        ssize_t k = recv(fd, buf + len, sizeof buf - len - 1, 0);
+        if (k <= 0) break;
+        len += (size_t)k;
+    }
+    close(fd);
+    buf[len] = 0;
+    char *sep = strstr(buf, "\r\n\r\n");
+    if (!sep) return -1;
+    snprintf(r->head, sizeof r->head, "%.*s", (int)(sep - buf), buf);
+    snprintf(r->body, sizeof r->body, "%s", sep + 4);
+    sscanf(buf, "HTTP/1.%*d %d", &r->status);
+    return 0;
+}
+
+/* POSTs body to /v1/completions on loopback (hdr: extra header lines,
+ * each ending in CRLF, or NULL) and reads the whole answer. 0, or -1. */
+H_FN int http_post(int port, const char *hdr, const char *body, resp *r) {
+    char req[4096];
+    int n = snprintf(req, sizeof req,
+                     "POST /v1/completions HTTP/1.0\r\nContent-Length: %zu\r\n%s\r\n%s",
+                     strlen(body), hdr ? hdr : "", body);
+    if (n < 0 || (size_t)n >= sizeof req) return -1;
+    return http_raw_split(port, req, 0, r);
+}
 
 /* Enrols a fresh edge key as site/region, saves it and the coordinator's
  * key under h->dir, and installs `policy` signed as version 1 with a new
