@@ -314,32 +314,38 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
         xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
         acc[j] = _mm512_setzero_ps();
     }
-    _Alignas(64) uint8_t bt[2][8][64];
+    _Alignas(64) uint8_t bt[3][8][64];
     _Alignas(64) int32_t cs[2][2][16][16]; /* [block & 1][hi, lo][token][row] */
-    /* software pipeline: the tile unit works on block b+1 while the
-     * vector units finish block b (two sets of sum tiles: 0, 1 and 5, 6) */
-    for (int b = -1; b < nb; b++) {
-        if (b + 1 < nb) {
-            const int bn = b + 1, sb = bn & 1;
-            __m512i D[4];
+    /* Software pipeline over three blocks: the vector units lay out the
+     * weights of block b+2 (a tile load straight after the stores would
+     * wait for them to reach the cache) while the tile unit multiplies
+     * block b+1 and the vector units finish block b (two sets of sum
+     * tiles: 0, 1 and 5, 6). */
+    for (int b = -2; b < nb; b++) {
+        if (b + 2 < nb) {
+            uint8_t (*o)[64] = bt[(b + 2) % 3];
             if (kind == S_Q8_0) {
                 __m512i D8[8];
                 s_t16x32(p, D8);
                 for (int q = 0; q < 8; q++)
-                    _mm512_store_si512(bt[sb][q], D8[q]);
+                    _mm512_store_si512(o[q], D8[q]);
             } else {
                 const __m512i m4 = _mm512_set1_epi8(0x0f);
+                __m512i D[4];
                 s_t16(p, kind == S_Q4_1 ? 4 : 2, D);
                 for (int q = 0; q < 4; q++) {
-                    _mm512_store_si512(bt[sb][q], _mm512_and_si512(D[q], m4));
-                    _mm512_store_si512(bt[sb][4 + q], _mm512_and_si512(_mm512_srli_epi32(D[q], 4), m4));
+                    _mm512_store_si512(o[q], _mm512_and_si512(D[q], m4));
+                    _mm512_store_si512(o[4 + q], _mm512_and_si512(_mm512_srli_epi32(D[q], 4), m4));
                 }
             }
             for (int i = 0; i < 16; i++)
                 p[i] += bsz;
+        }
+        if (b + 1 >= 0 && b + 1 < nb) {
+            const int bn = b + 1, sb = bn & 1;
             _tile_loadd(2, ah[bn], 32);
             _tile_loadd(3, al[bn], 32);
-            _tile_loadd(4, bt[sb], 64);
+            _tile_loadd(4, bt[bn % 3], 64);
             if (sb == 0) {
                 _tile_zero(0);
                 _tile_zero(1);
@@ -368,6 +374,13 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
         }
         if (b < 0)
             continue;
+        {
+            /* the next group of rows, a share per block: the weights
+             * stream from memory while the tile unit works */
+            const char *q = (const char *)w0 + 16 * stride + (size_t)b * 16 * bsz;
+            for (size_t o = 0; o < 16 * bsz; o += 64)
+                _mm_prefetch(q + o, _MM_HINT_T0);
+        }
         __m512i g = _mm512_i32gather_epi32(vidx, (const void *)(w0 + (size_t)b * bsz), 1);
         __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), aw = _mm512_setzero_ps();
         if (kind == S_Q4_1)

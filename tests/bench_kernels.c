@@ -340,6 +340,21 @@ int main(int argc, char **argv) {
                 printf("decode-shaped matmuls: %.2f ms/token (%.1f GB/s of weights; "
                        "%.2f of the read floor)\n", best * 1e3, (double)model_bytes / best / 1e9,
                        floor_s[ti] / best);
+                /* the same step for nbatch sequences decoding together:
+                 * what continuous batching costs against one sequence */
+                double bestn = 1e30;
+                for (int rep = 0; rep < 5; rep++) {
+                    double t0 = s_now();
+                    for (int l = 0; l < 30; l++)
+                        for (int k = 0; k < 7; k++)
+                            b->ops->matmul(b->ctx, y, &layers[l].w[k], x, nbatch);
+                    b->ops->matmul(b->ctx, y, &out, x, nbatch);
+                    double dt = s_now() - t0;
+                    bestn = dt < bestn ? dt : bestn;
+                }
+                printf("decode-shaped matmuls, %d tokens: %.2f ms/step (%.2f x one token's step, "
+                       "%.1f x its tokens/s)\n", nbatch, bestn * 1e3, bestn / best,
+                       nbatch * best / bestn);
             }
             fi_backend_destroy(&b);
         }
