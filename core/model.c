@@ -742,6 +742,18 @@ static int s_check_batch(const fi_model *m, const fi_kvpool *kv, const fi_batch 
 
 /* The layers of the plan over the batch already in kv->x (positions,
  * sequences, slots and tables on the backend). */
+/* y[i] = W[i] x for i < count: in one call where the backend has matmul_n
+ * (the input quantised once, one dispatch), else one matmul each. */
+static void s_products(const fi_backend_ops *ops, void *bc, int count, float *const *y,
+                       const fi_weight *const *w, const float *x, int n) {
+    if (ops->matmul_n) {
+        ops->matmul_n(bc, count, y, w, x, n);
+        return;
+    }
+    for (int i = 0; i < count; i++)
+        ops->matmul(bc, y[i], w[i], x, n);
+}
+
 static int s_layers(fi_model *m, fi_kvpool *kv, const fi_kv_map *map, int n, char *err,
                     size_t errlen) {
     const fi_config *c = &m->cfg;
@@ -753,9 +765,9 @@ static int s_layers(fi_model *m, fi_kvpool *kv, const fi_kv_map *map, int n, cha
         const layer *L = &m->layers[l];
         /* attention */
         ops->rmsnorm(bc, kv->xb, kv->x, L->attn_norm, n, dim, c->norm_eps);
-        ops->matmul(bc, kv->q, &L->wq, kv->xb, n);
-        ops->matmul(bc, kv->k, &L->wk, kv->xb, n);
-        ops->matmul(bc, kv->v, &L->wv, kv->xb, n);
+        float *const qkv[3] = {kv->q, kv->k, kv->v};
+        const fi_weight *const wqkv[3] = {&L->wq, &L->wk, &L->wv};
+        s_products(ops, bc, 3, qkv, wqkv, kv->xb, n);
         ops->rope(bc, kv->q, n, m->n_heads_l, c->head_dim, kv->pos, c->rope_theta);
         ops->rope(bc, kv->k, n, m->n_kv_l, c->head_dim, kv->pos, c->rope_theta);
         uint16_t *kc = kv->kcache + (size_t)l * layer_rows;
@@ -770,8 +782,9 @@ static int s_layers(fi_model *m, fi_kvpool *kv, const fi_kv_map *map, int n, cha
         ops->add(bc, kv->x, kv->q, (size_t)n * dim);
         /* feed-forward (SwiGLU) */
         ops->rmsnorm(bc, kv->xb, kv->x, L->ffn_norm, n, dim, c->norm_eps);
-        ops->matmul(bc, kv->hb, &L->w_gate, kv->xb, n);
-        ops->matmul(bc, kv->hb2, &L->w_up, kv->xb, n);
+        float *const gu[2] = {kv->hb, kv->hb2};
+        const fi_weight *const wgu[2] = {&L->w_gate, &L->w_up};
+        s_products(ops, bc, 2, gu, wgu, kv->xb, n);
         ops->swiglu(bc, kv->hb, kv->hb2, (size_t)n * m->ffn_l);
         ops->matmul(bc, kv->xb, &L->w_down, kv->hb, n);
         if (m->allreduce &&

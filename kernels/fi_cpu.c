@@ -27,6 +27,7 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -102,68 +103,105 @@ static int s_reserve(s_cpu *c, size_t bytes) {
 
 /* --- matmul ------------------------------------------------------------ */
 
+#define S_MM_MAX FI_MATMUL_N_MAX /* products of one input per call (matmul_n) */
+#define S_WAIT_SPINS 4096   /* pauses before a waiting thread yields its core */
+
+/* One call: up to S_MM_MAX products of the same input, whose rows the
+ * threads claim as one range (product i owns rows [row0[i], row0[i+1])).
+ * Quantised weights need the input quantised first (and split, for the
+ * AMX kernels): with x set, the threads first quantise token rows claimed
+ * from qnext and begin on the products once qdone reaches n, so that the
+ * input is prepared once per call, in parallel, and no thread waits for a
+ * second dispatch. */
 typedef struct s_mm_job {
-    const fi_mm_task *task; /* what to compute */
-    fi_mm_fn fn;            /* kernel */
-    int rows;               /* total rows */
-    int nth;                /* threads sharing them */
-    atomic_int next;        /* first row not yet claimed */
+    const s_cpu *c;                 /* kernels */
+    int count;                      /* products */
+    fi_mm_task task[S_MM_MAX];      /* each product's task */
+    fi_mm_fn fn[S_MM_MAX];          /* and its kernel */
+    int row0[S_MM_MAX + 1];         /* first row of each product in the range */
+    int nth;                        /* threads sharing the rows */
+    atomic_int next;                /* first row not yet claimed */
+    /* the input to prepare (x NULL: nothing to prepare) */
+    const float *x;                 /* n rows of cols floats */
+    int n, cols, bits;              /* shape, activation bits (16 or 8) */
+    size_t xrow;                    /* bytes per quantised row */
+    uint8_t *xq;                    /* the quantised rows */
+    uint8_t *xs;                    /* their split tiles, or NULL */
+    atomic_int qnext, qdone;        /* rows claimed, rows finished */
 } s_mm_job;
 
+static void s_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Quantises (and splits) input row k. */
+static void s_prep_row(const s_mm_job *j, int k) {
+    const s_cpu *c = j->c;
+    const float *x = j->x + (size_t)k * j->cols;
+    uint8_t *xq = j->xq + (size_t)k * j->xrow;
+    int nb = j->cols / FI_QK;
+    if (j->bits == 8) {
+        c->k.quantize_q8x(x, (fi_block_q8x *)(void *)xq, nb);
+        return;
+    }
+    c->q16.quantize(x, (fi_block_q16x *)(void *)xq, nb);
+    if (j->xs && k < j->n / 16 * 16)
+        c->q16.split((const fi_block_q16x *)(const void *)xq, nb,
+                     j->xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb), k % 16);
+}
+
 /* Guided claims: each claim takes a 1/(2*nth) share of the rows left,
- * rounded to 16 rows (at least 16). The first claims are long contiguous
- * runs that stream well through the prefetchers; the last are short, so a
- * thread slowed by a noisy neighbour leaves little for the others to wait
- * on. */
+ * rounded to 16 rows (at least 16), never across two products. The first
+ * claims are long contiguous runs that stream well through the
+ * prefetchers; the last are short, so a thread slowed by a noisy neighbour
+ * leaves little for the others to wait on. */
 static void s_mm_worker(void *arg, int ith, int nth) {
     s_mm_job *j = arg;
+    (void)ith;
+    (void)nth;
+    if (j->x) {
+        int k;
+        while ((k = atomic_fetch_add_explicit(&j->qnext, 1, memory_order_relaxed)) < j->n) {
+            s_prep_row(j, k);
+            atomic_fetch_add_explicit(&j->qdone, 1, memory_order_release);
+        }
+        /* every row is claimed; the last few may still be in other hands */
+        for (int spins = 0; atomic_load_explicit(&j->qdone, memory_order_acquire) < j->n; spins++) {
+            if (spins < S_WAIT_SPINS) {
+                s_relax();
+            } else {
+                sched_yield();
+                spins = 0;
+            }
+        }
+    }
+    const int rows = j->row0[j->count];
     int r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
-    for (;;) {
-        if (r0 >= j->rows)
-            break;
-        int len = (j->rows - r0) / (2 * j->nth);
+    while (r0 < rows) {
+        int i = 0;
+        while (r0 >= j->row0[i + 1])
+            i++;
+        int len = (rows - r0) / (2 * j->nth);
         len = len < 16 ? 16 : (len + 15) / 16 * 16;
-        int r1 = r0 + len < j->rows ? r0 + len : j->rows;
+        int r1 = r0 + len < j->row0[i + 1] ? r0 + len : j->row0[i + 1];
         if (!atomic_compare_exchange_weak_explicit(&j->next, &r0, r1, memory_order_relaxed,
                                                    memory_order_relaxed))
             continue; /* r0 reloaded */
-        j->fn(j->task, r0, r1);
+        j->fn[i](&j->task[i], r0 - j->row0[i], r1 - j->row0[i]);
         r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
     }
 }
 
-static void s_run_rows(s_cpu *c, fi_mm_fn fn, const fi_mm_task *t, int rows) {
-    if (c->n_threads == 1 || rows < 32) {
-        fn(t, 0, rows);
-        return;
-    }
-    s_mm_job j = {.task = t, .fn = fn, .rows = rows, .nth = c->n_threads};
-    atomic_init(&j.next, 0);
-    fi_pool_run(c->pool, s_mm_worker, &j);
-}
-
-/* Quantises n activation rows for a quantised matmul: 16-bit blocks
- * (fi_block_q16x) or 8-bit ones (fi_block_q8x). */
-typedef struct s_quant_job {
-    const s_cpu *c;             /* kernels */
-    int bits;                   /* 16 or 8 */
-    const float *x;             /* n rows of cols floats */
-    uint8_t *xq;                /* n rows of xrow bytes */
-    int n, cols;                /* shape */
-    size_t xrow;                /* bytes per quantised row */
-} s_quant_job;
-
-static void s_quant_worker(void *arg, int ith, int nth) {
-    s_quant_job *j = arg;
-    int k0 = (int)((long)j->n * ith / nth), k1 = (int)((long)j->n * (ith + 1) / nth);
-    for (int k = k0; k < k1; k++) {
-        const float *x = j->x + (size_t)k * j->cols;
-        uint8_t *xq = j->xq + (size_t)k * j->xrow;
-        if (j->bits == 16)
-            j->c->q16.quantize(x, (fi_block_q16x *)(void *)xq, j->cols / FI_QK);
-        else
-            j->c->k.quantize_q8x(x, (fi_block_q8x *)(void *)xq, j->cols / FI_QK);
-    }
+static void s_mm_run(s_cpu *c, s_mm_job *j) {
+    atomic_init(&j->next, 0);
+    atomic_init(&j->qnext, 0);
+    atomic_init(&j->qdone, 0);
+    if (c->n_threads == 1 || j->row0[j->count] < 32)
+        s_mm_worker(j, 0, 1);
+    else
+        fi_pool_run(c->pool, s_mm_worker, j);
 }
 
 /* The kernel for weights of type t with activations of `bits` bits (bits is
@@ -180,46 +218,81 @@ static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t, int bits) {
     return NULL;
 }
 
-static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
+static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
+                       const float *x, int n) {
     s_cpu *c = ctx;
-    int bits = c->act_bits;
-    fi_mm_fn fn = s_mm_fn(c, w->type, bits);
-    assert(fn);
-    fi_mm_task t = {
-        .w = w->data, .w_stride = w->row_bytes, .cols = w->cols,
-        .x = (const uint8_t *)x, .x_stride = (size_t)w->cols * sizeof(float),
-        .n = n, .y = y, .y_stride = w->rows,
-    };
-    if (fi_dtype_block_elems(w->type) == 1) {
-        s_run_rows(c, fn, &t, w->rows);
+    assert(count >= 1 && count <= S_MM_MAX);
+    const int cols = w[0]->cols, bits = c->act_bits;
+    const int quant = fi_dtype_block_elems(w[0]->type) > 1;
+    for (int i = 1; i < count; i++)
+        if ((fi_dtype_block_elems(w[i]->type) > 1) != quant || w[i]->cols != cols) {
+            /* float and quantised weights, or other widths: one call each */
+            for (int m = 0; m < count; m++)
+                s_matmul_n(ctx, 1, &y[m], &w[m], x, n);
+            return;
+        }
+    s_mm_job j = {.c = c, .count = count, .nth = c->n_threads};
+    for (int i = 0; i < count; i++) {
+        j.fn[i] = s_mm_fn(c, w[i]->type, bits);
+        assert(j.fn[i]);
+        j.task[i] = (fi_mm_task){
+            .w = w[i]->data, .w_stride = w[i]->row_bytes, .cols = cols,
+            .x = (const uint8_t *)x, .x_stride = (size_t)cols * sizeof(float),
+            .n = n, .y = y[i], .y_stride = w[i]->rows,
+        };
+        j.row0[i + 1] = j.row0[i] + w[i]->rows;
+    }
+    if (!quant) {
+        s_mm_run(c, &j);
         return;
     }
-    /* Quantised weights: quantise the activations once (in groups that fit
-     * the scratch buffer), then integer dot products. */
-    size_t xrow = (size_t)(w->cols / FI_QK) * (bits == 16 ? sizeof(fi_block_q16x) : sizeof(fi_block_q8x));
+    /* Quantised weights: the activations quantised once for every product
+     * (in groups of tokens that fit the scratch), then integer dot
+     * products; for the AMX kernels also split once, in tiles of 16. */
+    const int nb = cols / FI_QK;
+    const size_t xrow = (size_t)nb * (bits == 16 ? sizeof(fi_block_q16x) : sizeof(fi_block_q8x));
+    int split = bits == 16 && c->q16.split && n >= 16;
+    size_t tile = FI_Q16_TILE_BYTES(nb);
     int group = n;
-    if (s_reserve(c, xrow * (size_t)n) != 0)
-        group = (int)(c->scratch_bytes / xrow);
+    if (s_reserve(c, s_round_up((size_t)n * xrow, S_ALIGN) + (split ? (size_t)(n / 16) * tile : 0)) != 0) {
+        /* short of memory: groups of 16 tokens at a time if they fit */
+        size_t g16 = s_round_up(16 * xrow, S_ALIGN) + tile;
+        if (split && c->scratch_bytes >= g16) {
+            group = (int)(c->scratch_bytes / g16) * 16;
+        } else {
+            split = 0;
+            group = (int)(c->scratch_bytes / xrow);
+        }
+    }
     if (group < 1) {
         /* out of memory for even one row: make the failure visible */
-        for (size_t i = 0; i < (size_t)n * (size_t)w->rows; i++)
-            y[i] = NAN;
+        for (int i = 0; i < count; i++)
+            for (size_t e = 0; e < (size_t)n * (size_t)w[i]->rows; e++)
+                y[i][e] = NAN;
         return;
     }
     for (int k0 = 0; k0 < n; k0 += group) {
         int g = n - k0 < group ? n - k0 : group;
-        s_quant_job q = {.c = c, .bits = bits, .x = x + (size_t)k0 * w->cols, .xq = c->scratch,
-                         .n = g, .cols = w->cols, .xrow = xrow};
-        if (c->n_threads > 1 && (size_t)g * (size_t)w->cols >= S_PAR_ELEMS && g > 1)
-            fi_pool_run(c->pool, s_quant_worker, &q);
-        else
-            s_quant_worker(&q, 0, 1);
-        t.x = c->scratch;
-        t.x_stride = xrow;
-        t.n = g;
-        t.y = y + (size_t)k0 * w->rows;
-        s_run_rows(c, fn, &t, w->rows);
+        j.x = x + (size_t)k0 * cols;
+        j.n = g;
+        j.cols = cols;
+        j.bits = bits;
+        j.xrow = xrow;
+        j.xq = c->scratch;
+        j.xs = split && g >= 16 ? c->scratch + s_round_up((size_t)g * xrow, S_ALIGN) : NULL;
+        for (int i = 0; i < count; i++) {
+            j.task[i].x = j.xq;
+            j.task[i].x_stride = xrow;
+            j.task[i].n = g;
+            j.task[i].y = y[i] + (size_t)k0 * w[i]->rows;
+            j.task[i].xs = j.xs;
+        }
+        s_mm_run(c, &j);
     }
+}
+
+static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
+    s_matmul_n(ctx, 1, &y, &w, x, n);
 }
 
 /* --- small ops ------------------------------------------------------------ */
@@ -584,6 +657,7 @@ static const fi_backend_ops s_cpu_ops = {
     .attention = s_attention,
     .store_f16 = s_store_f16,
     .kv_store = s_kv_store,
+    .matmul_n = s_matmul_n,
     .swiglu = s_swiglu,
     .add = s_add,
 };

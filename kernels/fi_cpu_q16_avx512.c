@@ -406,25 +406,36 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
 /* Tokens in tiles of 16 through the tile unit (rows in groups of 16),
  * the rest as s_mm's tiles; one token, or rows too long for the stack
  * buffers, entirely as s_mm. */
+/* Token j of a tile of 16 (fi_q16_kernels.split): quants split into the
+ * high byte, signed, and the low byte, unsigned, block by block. */
+static void s_split(const fi_block_q16x *x, int nb, uint8_t *tile, int j) {
+    uint8_t *hi = tile + (size_t)j * 32, *lo = hi + (size_t)nb * 16 * 32;
+    for (int b = 0; b < nb; b++) {
+        __m512i q = _mm512_loadu_si512(x[b].qs);
+        _mm256_storeu_si256((__m256i *)(void *)(hi + (size_t)b * 16 * 32),
+                            _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
+        _mm256_storeu_si256((__m256i *)(void *)(lo + (size_t)b * 16 * 32), _mm512_cvtepi16_epi8(q));
+    }
+}
+
 S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
     const int nb = t->cols / FI_QK;
     if (t->n < 16 || nb > S_AMX_NB) {
         s_mm(kind, bsz, t, r0, r1);
         return;
     }
-    _Alignas(64) int8_t ah[S_AMX_NB][16][32];
-    _Alignas(64) uint8_t al[S_AMX_NB][16][32];
+    /* the split tile: the caller's (made once per call), or our own */
+    _Alignas(64) uint8_t own[FI_Q16_TILE_BYTES(S_AMX_NB)];
     s_amx_config();
     int k = 0;
     for (; k + 16 <= t->n; k += 16) {
-        for (int j = 0; j < 16; j++) {
-            const fi_block_q16x *x = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
-            for (int b = 0; b < nb; b++) {
-                __m512i q = _mm512_loadu_si512(x[b].qs);
-                _mm256_store_si256((__m256i *)(void *)ah[b][j], _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
-                _mm256_store_si256((__m256i *)(void *)al[b][j], _mm512_cvtepi16_epi8(q));
-            }
-        }
+        const uint8_t *tile = t->xs ? t->xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb) : own;
+        if (!t->xs)
+            for (int j = 0; j < 16; j++)
+                s_split((const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride), nb,
+                        own, j);
+        int8_t (*ah)[16][32] = (int8_t (*)[16][32])(uintptr_t)tile;
+        uint8_t (*al)[16][32] = (uint8_t (*)[16][32])(uintptr_t)(tile + (size_t)nb * 16 * 32);
         for (int r = r0; r < r1; r += 16)
             s_amx_rows(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, k, ah, al);
     }
@@ -478,6 +489,7 @@ void fi_q16_kernels_avx512(fi_q16_kernels *k) {
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
+    k->split = NULL;
 }
 
 int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) {
@@ -486,6 +498,7 @@ int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) {
         k->mm_q4_0 = s_mm_q4_0_amx;
         k->mm_q4_1 = s_mm_q4_1_amx;
         k->mm_q8_0 = s_mm_q8_0_amx;
+        k->split = s_split;
         return 0;
     }
 #endif

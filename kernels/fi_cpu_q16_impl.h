@@ -39,7 +39,17 @@ typedef struct fi_q16_kernels {
     fi_mm_fn mm_q4_0;
     fi_mm_fn mm_q4_1;
     fi_mm_fn mm_q8_0;
+    /* NULL, or (the AMX kernels) writes token j (0..15) of a tile of 16
+     * tokens in the layout the kernels read from fi_mm_task.xs: each quant
+     * split into its high byte (signed) and low byte (unsigned),
+     * hi[nb][16][32] then lo[nb][16][32] (FI_Q16_TILE_BYTES(nb) bytes).
+     * Lets the caller split x once per call instead of the kernel once per
+     * range of rows. */
+    void (*split)(const fi_block_q16x *x, int nb, uint8_t *tile, int j);
 } fi_q16_kernels;
+
+/* Bytes of one split tile of 16 tokens of nb blocks (fi_q16_kernels.split). */
+#define FI_Q16_TILE_BYTES(nb) ((size_t)(nb) * 2 * 16 * 32)
 
 /* Portable kernels; also the reference for the SIMD ones. */
 void fi_q16_kernels_portable(fi_q16_kernels *k);

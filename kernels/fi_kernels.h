@@ -177,7 +177,18 @@ typedef struct fi_backend_ops {
      * `row` values apart). Rounds to nearest even, as store_f16. */
     void (*kv_store)(void *ctx, uint16_t *cache, const float *src, int n, const int32_t *slot,
                      int row);
+
+    /* --- optional again (NULL: the caller does without) --- */
+    /* Several products of one input, y[i] = W[i] x for i < count (1 to
+     * FI_MATMUL_N_MAX), each the same bits as matmul(ctx, y[i], w[i], x,
+     * n) would give; all w[i] have the same cols. Lets a backend prepare x
+     * once (quantise it) and share one dispatch among all the rows: Q, K
+     * and V, or the gate and up projections. */
+    void (*matmul_n)(void *ctx, int count, float *const *y, const fi_weight *const *w,
+                     const float *x, int n);
 } fi_backend_ops;
+
+#define FI_MATMUL_N_MAX 4 /* most products in one matmul_n call */
 
 struct fi_backend {
     const fi_backend_ops *ops;

@@ -574,6 +574,66 @@ void fi_q16_kernels_avx512(fi_q16_kernels *k) __attribute__((weak));
 int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) __attribute__((weak));
 #endif
 
+/* matmul_n (several products of one input in one call: Q, K and V; gate
+ * and up) gives each product the same bits as its own matmul call: every
+ * flavour, 1 and 2 threads, 16- and 8-bit activations, batches below, at
+ * and past the tile of 16 tokens, mixed weight types and row counts, and a
+ * float weight among quantised ones. */
+static void test_matmul_n(void **state) {
+    (void)state;
+    enum { COLS = 192, NT = 35, MAXN = 4 };
+    static const int rows[MAXN] = {75, 16, 48, 40};
+    static const fi_dtype types[MAXN] = {FI_DTYPE_Q4_1, FI_DTYPE_Q8_0, FI_DTYPE_Q4_0, FI_DTYPE_F32};
+    static const int ns[] = {1, 5, 16, 17, 35};
+    rng r = {909};
+    float *x = fvec((size_t)NT * COLS);
+    for (int i = 0; i < NT * COLS; i++)
+        x[i] = rng_f(&r, -2, 2) * (i % 7 == 0 ? 4.0f : 1.0f);
+    fi_weight w[MAXN];
+    const fi_weight *wp[MAXN];
+    float *ref[MAXN], *got[MAXN];
+    for (int i = 0; i < MAXN; i++) {
+        size_t rb;
+        uint8_t *wb = make_weight(&r, types[i], rows[i], COLS, &rb);
+        w[i] = (fi_weight){.data = wb, .type = types[i], .rows = rows[i], .cols = COLS, .row_bytes = rb};
+        wp[i] = &w[i];
+        ref[i] = fvec((size_t)NT * rows[i]);
+        got[i] = fvec((size_t)NT * rows[i]);
+    }
+    for (int threads = 1; threads <= 2; threads++)
+        for (int bits = 16; bits >= 8; bits -= 8) {
+            fi_backend *bs[S_FLAVOURS];
+            int nb = make_backends_bits(bs, threads, bits);
+            for (int bi = 0; bi < nb; bi++) {
+                fi_backend *b = bs[bi];
+                assert_non_null(b->ops->matmul_n);
+                for (int count = 1; count <= MAXN; count++)
+                    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                        int n = ns[ni];
+                        for (int i = 0; i < count; i++) {
+                            poison(ref[i], (size_t)n * rows[i]);
+                            poison(got[i], (size_t)n * rows[i]);
+                            b->ops->matmul(b->ctx, ref[i], &w[i], x, n);
+                        }
+                        b->ops->matmul_n(b->ctx, count, got, wp, x, n);
+                        for (int i = 0; i < count; i++)
+                            if (memcmp(ref[i], got[i], (size_t)n * rows[i] * sizeof(float)) != 0)
+                                fail_msg("%s/%dt %d-bit: product %d of %d (%s), %d tokens: matmul_n "
+                                         "differs from matmul", fi_cpu_backend_simd(b), threads, bits,
+                                         i, count, fi_dtype_name(types[i]), n);
+                    }
+            }
+            for (int bi = 0; bi < nb; bi++)
+                fi_backend_destroy(&bs[bi]);
+        }
+    for (int i = 0; i < MAXN; i++) {
+        free((void *)w[i].data);
+        free(ref[i]);
+        free(got[i]);
+    }
+    free(x);
+}
+
 static int q16_tables(fi_q16_kernels *out, const char **names) {
     int n = 0;
     fi_q16_kernels_portable(&out[n]);
@@ -617,6 +677,8 @@ static void test_q16_kernels_tiling(void **state) {
     fi_block_q16x *xq = malloc(xrow * NT);
     assert_non_null(xq);
     fi_quantize_q16x_ref(x, xq, NT * COLS / 32);
+    uint8_t *xs = malloc(FI_Q16_TILE_BYTES(COLS / 32) * (NT / 16));
+    assert_non_null(xs);
     float *y1 = fvec((size_t)NT * ROWS), *yb = fvec((size_t)NT * ROWS), *yp = fvec((size_t)NT * ROWS);
     double *wd = malloc((size_t)ROWS * COLS * sizeof *wd);
     assert_non_null(wd);
@@ -662,6 +724,24 @@ static void test_q16_kernels_tiling(void **state) {
                                    ROWS * sizeof *yb) != 0)
                             fail_msg("%s %s: token %d alone differs from place %d of %d in split rows",
                                      what, fi_dtype_name(types[ti]), off + k, k, n);
+                    if (!tab[ki].split || n < 16)
+                        continue;
+                    /* the same with the input split by the caller (fi_mm_task.xs) */
+                    for (int k = 0; k < n / 16 * 16; k++)
+                        tab[ki].split((const fi_block_q16x *)(const void *)((const uint8_t *)xq +
+                                                                             (size_t)(off + k) * xrow),
+                                      COLS / 32, xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(COLS / 32),
+                                      k % 16);
+                    poison(yb, (size_t)n * ROWS);
+                    t.xs = xs;
+                    for (int c = 0; c + 1 < NCUT; c++)
+                        fn(&t, cuts[c], cuts[c + 1]);
+                    t.xs = NULL;
+                    for (int k = 0; k < n; k++)
+                        if (memcmp(y1 + (size_t)(off + k) * ROWS, yb + (size_t)k * ROWS,
+                                   ROWS * sizeof *yb) != 0)
+                            fail_msg("%s %s: token %d alone differs from place %d of %d, input split by "
+                                     "the caller", what, fi_dtype_name(types[ti]), off + k, k, n);
                 }
             }
         }
@@ -697,6 +777,7 @@ static void test_q16_kernels_tiling(void **state) {
         print_message("q16 kernel table tested: %s\n", names[ki]);
     free(wd);
     free(xq);
+    free(xs);
     free(x);
     free(y1);
     free(yb);
@@ -1388,6 +1469,7 @@ int main(void) {
         cmocka_unit_test(test_act_bits_setting),
         cmocka_unit_test(test_matmul16_batch_invariant),
         cmocka_unit_test(test_q16_kernels_tiling),
+        cmocka_unit_test(test_matmul_n),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
