@@ -275,7 +275,26 @@ int fi_cmd_bench(int argc, char **argv) {
         dec[r] = (double)n_gen / (s_now() - t2);
     }
     double pre_med = s_median(pre, (int)reps), dec_med = s_median(dec, (int)reps);
-    /* the same decode with 8-bit activations, for the trade-off */
+    printf("prefill        %.1f tok/s  (%ld-token prompt, median of %ld; min %.1f max %.1f)\n",
+           pre_med, n_prompt, reps, pre[0], pre[reps - 1]);
+    printf("decode         %.1f tok/s  (%ld tokens after the prompt, median of %ld; min %.1f max %.1f)\n",
+           dec_med, n_gen, reps, dec[0], dec[reps - 1]);
+
+    /* fill the context, then read the peak RSS */
+    fi_session_rewind(s, 0);
+    double tf = s_now();
+    if (fi_session_eval(s, toks, (int)n_ctx, logits, NULL, err, sizeof err) != 0) goto eval_fail;
+    tf = s_now() - tf;
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    double rss_mib = (double)ru.ru_maxrss / 1024.0;
+    double file_mib = (double)fi_gguf_file_size(fi_model_gguf(m)) / (1 << 20);
+    printf("long prefill   %.1f tok/s  (context filled to %ld tokens)\n", (double)n_ctx / tf, n_ctx);
+    printf("peak RSS       %.1f MiB = model file %.1f MiB + %.1f MiB  (context %ld)\n", rss_mib,
+           file_mib, rss_mib - file_mib, n_ctx);
+    /* the same decode with 8-bit activations, for the trade-off; after the
+     * peak RSS, as its kernels read the weights from the file's mapping
+     * (the 16-bit ones may use the backend's packed copy) */
     fi_backend *beb = fi_model_backend(m);
     double dec8 = 0;
     if (fi_cpu_backend_set_act_bits(beb, 8) == 0) {
@@ -302,26 +321,9 @@ int fi_cmd_bench(int argc, char **argv) {
         free(d8);
         if (fi_cpu_backend_set_act_bits(beb, 16) != 0) goto done;
     }
-    printf("prefill        %.1f tok/s  (%ld-token prompt, median of %ld; min %.1f max %.1f)\n",
-           pre_med, n_prompt, reps, pre[0], pre[reps - 1]);
-    printf("decode         %.1f tok/s  (%ld tokens after the prompt, median of %ld; min %.1f max %.1f)\n",
-           dec_med, n_gen, reps, dec[0], dec[reps - 1]);
     if (dec8 > 0)
-        printf("decode 8-bit   %.1f tok/s  (same, with 8-bit activations: %.2fx; less exact)\n", dec8,
-               dec8 / dec_med);
-
-    /* fill the context, then read the peak RSS */
-    fi_session_rewind(s, 0);
-    double tf = s_now();
-    if (fi_session_eval(s, toks, (int)n_ctx, logits, NULL, err, sizeof err) != 0) goto eval_fail;
-    tf = s_now() - tf;
-    struct rusage ru;
-    getrusage(RUSAGE_SELF, &ru);
-    double rss_mib = (double)ru.ru_maxrss / 1024.0;
-    double file_mib = (double)fi_gguf_file_size(fi_model_gguf(m)) / (1 << 20);
-    printf("long prefill   %.1f tok/s  (context filled to %ld tokens)\n", (double)n_ctx / tf, n_ctx);
-    printf("peak RSS       %.1f MiB = model file %.1f MiB + %.1f MiB  (context %ld)\n", rss_mib,
-           file_mib, rss_mib - file_mib, n_ctx);
+        printf("decode 8-bit   %.1f tok/s  (the decode above with 8-bit activations: %.2fx; less "
+               "exact)\n", dec8, dec8 / dec_med);
     fi_session_destroy(&s);
 
     if (!fi_cpu_backend_simd(be)) { /* the floor below is a CPU measurement */

@@ -236,6 +236,16 @@ static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t er
     return be;
 }
 
+/* Lets the kernel drop the whole pages of the mapping in [lo, hi): read
+ * again, they come back from the file. */
+static void s_drop_pages(uintptr_t lo, uintptr_t hi) {
+    long pg = sysconf(_SC_PAGESIZE);
+    if (pg <= 0 || hi <= lo) return;
+    uintptr_t a = (lo + (uintptr_t)pg - 1) & ~((uintptr_t)pg - 1);
+    uintptr_t e = hi & ~((uintptr_t)pg - 1);
+    if (e > a) (void)madvise((void *)a, e - a, MADV_DONTNEED);
+}
+
 /* Binds rows [r0, r0+nr) and columns [c0, c0+nc) of a weight matrix (nr
  * or nc 0: all): the tensor must exist and be 2-D (rows, cols) of a type the
  * kernels support. The whole matrix is read in place from the mapping; a
@@ -306,6 +316,10 @@ static int s_bind_slice(fi_model *m, fi_weight *w, const char *name, int rows, i
               be->ops->name, name, s_backend_error(be));
         return -1;
     }
+    /* the backend has its own copy: the mapped pages need not stay (so the
+     * load never holds the model twice) */
+    if (w->dev && w->data == t->data)
+        s_drop_pages((uintptr_t)t->data, (uintptr_t)t->data + (uintptr_t)t->n_bytes);
     return 0;
 }
 
@@ -399,10 +413,7 @@ static void s_drop_mapped_weights(fi_model *m) {
         lo = a < lo ? a : lo;
         hi = e > hi ? e : hi;
     }
-    long pg = sysconf(_SC_PAGESIZE);
-    if (pg <= 0 || hi <= lo) return;
-    uintptr_t a = (lo + (uintptr_t)pg - 1) & ~((uintptr_t)pg - 1);
-    if (hi > a) (void)madvise((void *)a, hi - a, MADV_DONTNEED);
+    s_drop_pages(lo, hi);
 }
 
 static fi_model *s_load(const char *path, const fi_model_opts *opts, int *on_gpu, char *err,

@@ -236,7 +236,7 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
         j.fn[i] = s_mm_fn(c, w[i]->type, bits);
         assert(j.fn[i]);
         j.task[i] = (fi_mm_task){
-            .w = w[i]->data, .w_stride = w[i]->row_bytes, .cols = cols,
+            .w = w[i]->data, .wp = w[i]->dev, .w_stride = w[i]->row_bytes, .cols = cols,
             .x = (const uint8_t *)x, .x_stride = (size_t)cols * sizeof(float),
             .n = n, .y = y[i], .y_stride = w[i]->rows,
         };
@@ -289,6 +289,32 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
         }
         s_mm_run(c, &j);
     }
+}
+
+/* Quantised matrices get a copy in the packed layout where the kernels
+ * read one (fi_q16_kernels.pack: the AVX512 kernels): same bytes, same
+ * results, but each block's scales come in one load and its quants need
+ * no shuffling. Without memory for it the kernels read the matrix in
+ * place, as other flavours always do. */
+static int s_weight_upload(void *ctx, fi_weight *w) {
+    s_cpu *c = ctx;
+    w->dev = NULL;
+    int packable = w->type == FI_DTYPE_Q4_0 || w->type == FI_DTYPE_Q4_1 || w->type == FI_DTYPE_Q8_0;
+    if (!c->q16.pack || !packable || w->rows < 16)
+        return 0;
+    size_t bytes = (size_t)(w->rows / 16) * 16 * w->row_bytes;
+    uint8_t *p = aligned_alloc(S_ALIGN, s_round_up(bytes, S_ALIGN));
+    if (!p)
+        return 0;
+    c->q16.pack(w->type, w->data, w->row_bytes, w->rows, w->cols, p);
+    w->dev = p;
+    return 0;
+}
+
+static void s_weight_release(void *ctx, fi_weight *w) {
+    (void)ctx;
+    free(w->dev);
+    w->dev = NULL;
 }
 
 static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
@@ -647,8 +673,8 @@ static const fi_backend_ops s_cpu_ops = {
     .to_backend = s_copy,
     .to_host = s_copy,
     .copy = s_copy,
-    .weight_upload = NULL,
-    .weight_release = NULL,
+    .weight_upload = s_weight_upload,
+    .weight_release = s_weight_release,
     .sync = s_sync,
     .matmul = s_matmul,
     .get_rows = s_get_rows,

@@ -6,6 +6,7 @@
 #include "fi_cpu_q16_impl.h"
 
 #include <math.h>
+#include <string.h>
 
 void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb) {
     for (int b = 0; b < nb; b++, x += FI_QK) {
@@ -80,10 +81,32 @@ static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
     }
 }
 
+void fi_q16_pack(fi_dtype type, const uint8_t *w, size_t stride, int rows, int cols, uint8_t *out) {
+    const size_t bsz = fi_dtype_block_bytes(type);
+    const int nb = cols / FI_QK;
+    /* where a block's quants start, and how many dwords they are */
+    const size_t qs = type == FI_DTYPE_Q4_1 ? 4 : 2;
+    const int nq = type == FI_DTYPE_Q8_0 ? 8 : 4;
+    const size_t qoff = type == FI_DTYPE_Q4_1 ? 64 : 32;
+    for (int g = 0; g + 16 <= rows; g += 16)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *o = out + (size_t)g * stride + (size_t)b * 16 * bsz;
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *blk = w + (size_t)(g + r) * stride + (size_t)b * bsz;
+                memcpy(o + 2 * r, blk, 2); /* d */
+                if (type == FI_DTYPE_Q4_1)
+                    memcpy(o + 32 + 2 * r, blk + 2, 2); /* m */
+                for (int q = 0; q < nq; q++)
+                    memcpy(o + qoff + 64 * q + 4 * r, blk + qs + 4 * q, 4);
+            }
+        }
+}
+
 void fi_q16_kernels_portable(fi_q16_kernels *k) {
     k->quantize = fi_quantize_q16x_ref;
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
     k->split = NULL;
+    k->pack = NULL;
 }

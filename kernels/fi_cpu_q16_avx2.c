@@ -277,4 +277,5 @@ void fi_q16_kernels_avx2(fi_q16_kernels *k) {
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
     k->split = NULL;
+    k->pack = NULL;
 }

@@ -116,28 +116,26 @@ S_INLINE void s_t16x32(const uint8_t *const p[16], __m512i D[8]) {
     }
 }
 
-/* Block b of rows p[0..15] (block pointers) as W[c], c = 0..15: lane r
+/* A block of 16 rows, its quants transposed by dwords in D (s_quants),
+ * as W[c], c = 0..15: lane r
  * holds row r's elements 2c and 2c+1 as 16-bit integers (Q4: the
  * unsigned nibbles, c < 8 low nibbles of bytes 2c and 2c+1, c >= 8 high
  * nibbles of bytes 2c-16 and 2c-15; Q8_0: the signed quants). */
-S_INLINE void s_w16(int kind, const uint8_t *const p[16], __m512i W[16]) {
+S_INLINE void s_w16_of(int kind, const __m512i *D, __m512i W[16]) {
     /* vpshufb patterns, per dword: bytes 0,1 (e0) or 2,3 (e1) into the low
      * (Q4) or high (Q8_0) byte of two 16-bit lanes, the other byte zero */
     const __m512i e0 = _mm512_set4_epi32((int)0x800D800Cu, (int)0x80098008u, (int)0x80058004u, (int)0x80018000u);
     const __m512i e1 = _mm512_set4_epi32((int)0x800F800Eu, (int)0x800B800Au, (int)0x80078006u, (int)0x80038002u);
     const __m512i h0 = _mm512_set4_epi32((int)0x0D800C80u, (int)0x09800880u, (int)0x05800480u, (int)0x01800080u);
     const __m512i h1 = _mm512_set4_epi32((int)0x0F800E80u, (int)0x0B800A80u, (int)0x07800680u, (int)0x03800280u);
-    __m512i D[8];
     if (kind == S_Q8_0) {
         /* quants 4k..4k+3 in D[k], sign-extended from the high byte */
-        s_t16x32(p, D);
         for (int k = 0; k < 8; k++) {
             W[2 * k] = _mm512_srai_epi16(_mm512_shuffle_epi8(D[k], h0), 8);
             W[2 * k + 1] = _mm512_srai_epi16(_mm512_shuffle_epi8(D[k], h1), 8);
         }
         return;
     }
-    s_t16(p, kind == S_Q4_1 ? 4 : 2, D);
     const __m512i m4 = _mm512_set1_epi16(0x0f);
     for (int k = 0; k < 4; k++) {
         __m512i u0 = _mm512_shuffle_epi8(D[k], e0), u1 = _mm512_shuffle_epi8(D[k], e1);
@@ -147,6 +145,48 @@ S_INLINE void s_w16(int kind, const uint8_t *const p[16], __m512i W[16]) {
         W[8 + 2 * k + 1] = _mm512_srli_epi16(u1, 4);
     }
 }
+
+/* The transposed quants of a block: from the 16 rows p[0..15] in GGUF's
+ * layout (s_t16, s_t16x32), or ready in the packed layout at q. */
+S_INLINE void s_quants(int kind, const uint8_t *const p[16], const uint8_t *q, __m512i D[8]) {
+    if (q) {
+        for (int k = 0; k < (kind == S_Q8_0 ? 8 : 4); k++)
+            D[k] = _mm512_loadu_si512(q + 64 * k);
+    } else if (kind == S_Q8_0) {
+        s_t16x32(p, D);
+    } else {
+        s_t16(p, kind == S_Q4_1 ? 4 : 2, D);
+    }
+}
+
+/* Block b's scales of the 16 rows: d in dw, and in aw the offset that
+ * multiplies the token's block sum (Q4_1: m; Q4_0: -8 d; Q8_0: none), from
+ * the rows (one gather of each row's first dword) or the packed block q. */
+S_INLINE void s_scales(int kind, __m512i vidx, const uint8_t *rowblk, const uint8_t *q, __m512 *dw,
+                       __m512 *aw) {
+    if (q) {
+        *dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)q));
+        *aw = kind == S_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(q + 32)))
+                             : _mm512_setzero_ps();
+    } else {
+        __m512i g = _mm512_i32gather_epi32(vidx, (const void *)rowblk, 1);
+        *dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+        *aw = kind == S_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)))
+                             : _mm512_setzero_ps();
+    }
+    if (kind == S_Q4_0)
+        *aw = _mm512_mul_ps(*dw, _mm512_set1_ps(-8.0f)); /* (q - 8) d = q d + (-8 d), exact */
+}
+
+/* The packed layout (fi_q16_pack): each full group of 16 rows keeps its
+ * bytes, [16 r * stride, 16 (r + 1) * stride), reordered block by block:
+ * the 16 rows' d (fp16), Q4_1's 16 m, then the quants transposed by dwords
+ * as s_t16 / s_t16x32 make them. Where group rows r..r+15 are packed, or
+ * NULL (not packed, or a partial or unaligned group: GGUF's layout). */
+S_INLINE const uint8_t *s_packed(const fi_mm_task *t, int r, int nr) {
+    return t->wp && nr == 16 && r % 16 == 0 ? t->wp + (size_t)r * t->w_stride : NULL;
+}
+#define S_QOFF(kind) ((kind) == S_Q4_1 ? 64 : 32) /* quants' offset in a packed block */
 
 /* Rows r..r+nr-1 (1 <= nr <= 16; a partial group repeats its last row)
  * times tokens k..k+T-1 (T <= S_PT), one row per lane. pf: the one-token
@@ -168,22 +208,20 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
         xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
         acc[j] = _mm512_setzero_ps();
     }
+    const uint8_t *pk = s_packed(t, r, nr);
     for (int b = 0; b < nb; b++) {
         if (pf) {
             /* this step's share of the group S_PF_GROUPS ahead */
-            const char *q = (const char *)w0 + S_PF_GROUPS * 16 * stride + (size_t)b * 16 * bsz;
+            const char *q = (const char *)(pk ? pk : w0) + S_PF_GROUPS * 16 * stride + (size_t)b * 16 * bsz;
             for (size_t o = 0; o < 16 * bsz; o += 64)
                 _mm_prefetch(q + o, _MM_HINT_T1);
         }
-        /* scales: the first dword of each row's block (d; m for Q4_1) */
-        __m512i g = _mm512_i32gather_epi32(vidx, (const void *)(w0 + (size_t)b * bsz), 1);
-        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), aw = _mm512_setzero_ps();
-        if (kind == S_Q4_1)
-            aw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-        else if (kind == S_Q4_0)
-            aw = _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f)); /* (q - 8) d = q d + (-8 d), exact */
-        __m512i W[16];
-        s_w16(kind, p, W);
+        const uint8_t *pb = pk ? pk + (size_t)b * 16 * bsz : NULL;
+        __m512 dw, aw;
+        s_scales(kind, vidx, w0 + (size_t)b * bsz, pb, &dw, &aw);
+        __m512i D[8], W[16];
+        s_quants(kind, p, pb ? pb + S_QOFF(kind) : NULL, D);
+        s_w16_of(kind, D, W);
         for (int i = 0; i < 16; i++)
             p[i] += bsz;
 #pragma GCC unroll 8
@@ -314,25 +352,26 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
         xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
         acc[j] = _mm512_setzero_ps();
     }
+    const uint8_t *pk = s_packed(t, r, nr);
+    const size_t gb = 16 * bsz; /* bytes of one block of the 16 rows */
     _Alignas(64) uint8_t bt[3][8][64];
     _Alignas(64) int32_t cs[2][2][16][16]; /* [block & 1][hi, lo][token][row] */
     /* Software pipeline over three blocks: the vector units lay out the
      * weights of block b+2 (a tile load straight after the stores would
      * wait for them to reach the cache) while the tile unit multiplies
      * block b+1 and the vector units finish block b (two sets of sum
-     * tiles: 0, 1 and 5, 6). */
+     * tiles: 0, 1 and 5, 6). Packed Q8_0 quants are already the tile
+     * unit's layout and go to it straight from memory. */
     for (int b = -2; b < nb; b++) {
-        if (b + 2 < nb) {
+        if (b + 2 < nb && !(pk && kind == S_Q8_0)) {
             uint8_t (*o)[64] = bt[(b + 2) % 3];
+            __m512i D[8];
+            s_quants(kind, p, pk ? pk + (size_t)(b + 2) * gb + S_QOFF(kind) : NULL, D);
             if (kind == S_Q8_0) {
-                __m512i D8[8];
-                s_t16x32(p, D8);
                 for (int q = 0; q < 8; q++)
-                    _mm512_store_si512(o[q], D8[q]);
+                    _mm512_store_si512(o[q], D[q]);
             } else {
                 const __m512i m4 = _mm512_set1_epi8(0x0f);
-                __m512i D[4];
-                s_t16(p, kind == S_Q4_1 ? 4 : 2, D);
                 for (int q = 0; q < 4; q++) {
                     _mm512_store_si512(o[q], _mm512_and_si512(D[q], m4));
                     _mm512_store_si512(o[4 + q], _mm512_and_si512(_mm512_srli_epi32(D[q], 4), m4));
@@ -345,7 +384,10 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
             const int bn = b + 1, sb = bn & 1;
             _tile_loadd(2, ah[bn], 32);
             _tile_loadd(3, al[bn], 32);
-            _tile_loadd(4, bt[bn % 3], 64);
+            if (pk && kind == S_Q8_0)
+                _tile_loadd(4, pk + (size_t)bn * gb + S_QOFF(kind), 64);
+            else
+                _tile_loadd(4, bt[bn % 3], 64);
             if (sb == 0) {
                 _tile_zero(0);
                 _tile_zero(1);
@@ -377,16 +419,12 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
         {
             /* the next group of rows, a share per block: the weights
              * stream from memory while the tile unit works */
-            const char *q = (const char *)w0 + 16 * stride + (size_t)b * 16 * bsz;
-            for (size_t o = 0; o < 16 * bsz; o += 64)
+            const char *q = (const char *)(pk ? pk : w0) + 16 * stride + (size_t)b * gb;
+            for (size_t o = 0; o < gb; o += 64)
                 _mm_prefetch(q + o, _MM_HINT_T0);
         }
-        __m512i g = _mm512_i32gather_epi32(vidx, (const void *)(w0 + (size_t)b * bsz), 1);
-        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), aw = _mm512_setzero_ps();
-        if (kind == S_Q4_1)
-            aw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-        else if (kind == S_Q4_0)
-            aw = _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+        __m512 dw, aw;
+        s_scales(kind, vidx, w0 + (size_t)b * bsz, pk ? pk + (size_t)b * gb : NULL, &dw, &aw);
         for (int j = 0; j < 16; j++) {
             const fi_block_q16x *x = xr[j] + b;
             __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cs[b & 1][0][j]), 8),
@@ -403,9 +441,6 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
         _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
 }
 
-/* Tokens in tiles of 16 through the tile unit (rows in groups of 16),
- * the rest as s_mm's tiles; one token, or rows too long for the stack
- * buffers, entirely as s_mm. */
 /* Token j of a tile of 16 (fi_q16_kernels.split): quants split into the
  * high byte, signed, and the low byte, unsigned, block by block. */
 static void s_split(const fi_block_q16x *x, int nb, uint8_t *tile, int j) {
@@ -418,6 +453,9 @@ static void s_split(const fi_block_q16x *x, int nb, uint8_t *tile, int j) {
     }
 }
 
+/* Tokens in tiles of 16 through the tile unit (rows in groups of 16),
+ * the rest as s_mm's tiles; one token, or rows too long for the stack
+ * buffers, entirely as s_mm. */
 S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
     const int nb = t->cols / FI_QK;
     if (t->n < 16 || nb > S_AMX_NB) {
@@ -490,6 +528,7 @@ void fi_q16_kernels_avx512(fi_q16_kernels *k) {
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
     k->split = NULL;
+    k->pack = fi_q16_pack;
 }
 
 int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) {

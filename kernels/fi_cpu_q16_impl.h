@@ -46,7 +46,19 @@ typedef struct fi_q16_kernels {
      * Lets the caller split x once per call instead of the kernel once per
      * range of rows. */
     void (*split)(const fi_block_q16x *x, int nb, uint8_t *tile, int j);
+    /* NULL, or fi_q16_pack where the kernels read fi_mm_task.wp (the
+     * AVX512 ones): the backend packs each quantised matrix once. */
+    void (*pack)(fi_dtype type, const uint8_t *w, size_t stride, int rows, int cols, uint8_t *out);
 } fi_q16_kernels;
+
+/* Packs the full groups of 16 rows of a Q4_0, Q4_1 or Q8_0 matrix (rows /
+ * 16 * 16 rows of `stride` bytes) into out, which has as many bytes: group
+ * g keeps its byte range; within it, block by block, the 16 rows' d
+ * (fp16), for Q4_1 their 16 m, then their quants transposed by dwords
+ * (byte 4q+i of lane r is quant byte 4q+i of row r), which is both the
+ * AVX512 kernels' register layout and the AMX tile unit's B layout. The
+ * scales load as one vector and the quants need no shuffling. */
+void fi_q16_pack(fi_dtype type, const uint8_t *w, size_t stride, int rows, int cols, uint8_t *out);
 
 /* Bytes of one split tile of 16 tokens of nb blocks (fi_q16_kernels.split). */
 #define FI_Q16_TILE_BYTES(nb) ((size_t)(nb) * 2 * 16 * 32)

@@ -66,6 +66,9 @@ typedef struct fi_mm_task {
     int n;              /* tokens */
     float *y;           /* output, token-major */
     int y_stride;       /* floats per output row (the weight's rows) */
+    const uint8_t *wp;  /* NULL, or w's rows in the packed layout of the
+                           kernels that have one (fi_q16_kernels.pack);
+                           they still read partial groups from w */
     const uint8_t *xs;  /* NULL, or x already split for the AMX kernels:
                            fi_q16_kernels.split's layout, one tile per 16
                            tokens (the kernels split x themselves if NULL) */

@@ -110,6 +110,20 @@ typedef struct s_layer {
     fi_weight w[7]; /* q, k, v, o, gate, up, down */
 } s_layer;
 
+/* Hands w to the backend as the engine does (weight_upload, where the
+ * backend has one), and takes it back. */
+static void s_upload(fi_backend *b, fi_weight *w) {
+    if (b->ops->weight_upload && b->ops->weight_upload(b->ctx, w) != 0) {
+        fprintf(stderr, "bench_kernels: weight_upload failed\n");
+        exit(1);
+    }
+}
+
+static void s_unload(fi_backend *b, fi_weight *w) {
+    if (w->dev && b->ops->weight_release)
+        b->ops->weight_release(b->ctx, w);
+}
+
 /* One layer's products as the engine makes them: q, k, v of one input in
  * one call, o, gate and up of one input in one call, down. */
 static void s_layer_matmuls(fi_backend *b, const s_layer *L, const float *x, float *y, int n) {
@@ -296,6 +310,7 @@ int main(int argc, char **argv) {
             printf("\n== %s, %d thread(s), %d-bit activations ==\n", sname, threads[ti], act_bits);
             for (int s = 0; s < nshapes && !decode_only; s++) {
                 fi_weight w = s_weight(&r, shapes[s].t, shapes[s].rows, shapes[s].cols);
+                s_upload(b, &w);
                 double flops = 2.0 * shapes[s].rows * shapes[s].cols;
                 int iters = (int)(2e8 / flops / (simd ? 1 : 8)) + 1;
                 double t1 = s_time_matmul(b, &w, x, y, 1, iters, 5);
@@ -303,6 +318,7 @@ int main(int argc, char **argv) {
                 printf("%-26s matvec %9.0f ns  %6.1f GFLOP/s | n=%d %8.0f ns/token %6.1f GFLOP/s\n",
                        shapes[s].name, t1 * 1e9, flops / t1 / 1e9, nbatch, tn / nbatch * 1e9,
                        flops * nbatch / tn / 1e9);
+                s_unload(b, &w);
                 s_release(&w);
             }
             {
@@ -345,7 +361,13 @@ int main(int argc, char **argv) {
                 free(o);
             }
             if (simd) {
-                /* decode-shaped: 7 matmuls x 30 layers + output; best of 5 tokens */
+                /* decode-shaped: 7 matmuls x 30 layers + output; best of 5
+                 * tokens; the weights as the engine gives them to the
+                 * backend (weight_upload: a packed copy where it makes one) */
+                for (int l = 0; l < 30; l++)
+                    for (int k = 0; k < 7; k++)
+                        s_upload(b, &layers[l].w[k]);
+                s_upload(b, &out);
                 double best = 1e30;
                 for (int rep = 0; rep < 5; rep++) {
                     double t0 = s_now();
@@ -372,6 +394,10 @@ int main(int argc, char **argv) {
                 printf("decode-shaped matmuls, %d tokens: %.2f ms/step (%.2f x one token's step, "
                        "%.1f x its tokens/s)\n", nbatch, bestn * 1e3, bestn / best,
                        nbatch * best / bestn);
+                for (int l = 0; l < 30; l++)
+                    for (int k = 0; k < 7; k++)
+                        s_unload(b, &layers[l].w[k]);
+                s_unload(b, &out);
             }
             fi_backend_destroy(&b);
         }

@@ -589,14 +589,15 @@ static void test_matmul_n(void **state) {
     float *x = fvec((size_t)NT * COLS);
     for (int i = 0; i < NT * COLS; i++)
         x[i] = rng_f(&r, -2, 2) * (i % 7 == 0 ? 4.0f : 1.0f);
-    fi_weight w[MAXN];
-    const fi_weight *wp[MAXN];
+    fi_weight w[MAXN], wu[MAXN];
+    const fi_weight *wp[MAXN], *wup[MAXN];
     float *ref[MAXN], *got[MAXN];
     for (int i = 0; i < MAXN; i++) {
         size_t rb;
         uint8_t *wb = make_weight(&r, types[i], rows[i], COLS, &rb);
         w[i] = (fi_weight){.data = wb, .type = types[i], .rows = rows[i], .cols = COLS, .row_bytes = rb};
         wp[i] = &w[i];
+        wup[i] = &wu[i];
         ref[i] = fvec((size_t)NT * rows[i]);
         got[i] = fvec((size_t)NT * rows[i]);
     }
@@ -621,6 +622,25 @@ static void test_matmul_n(void **state) {
                                 fail_msg("%s/%dt %d-bit: product %d of %d (%s), %d tokens: matmul_n "
                                          "differs from matmul", fi_cpu_backend_simd(b), threads, bits,
                                          i, count, fi_dtype_name(types[i]), n);
+                        /* and from the weights as the engine hands them over
+                         * (weight_upload: a packed copy where the kernels
+                         * read one) */
+                        for (int i = 0; i < count; i++) {
+                            wu[i] = w[i];
+                            if (b->ops->weight_upload)
+                                assert_int_equal(b->ops->weight_upload(b->ctx, &wu[i]), 0);
+                            poison(got[i], (size_t)n * rows[i]);
+                        }
+                        b->ops->matmul_n(b->ctx, count, got, wup, x, n);
+                        for (int i = 0; i < count; i++) {
+                            if (memcmp(ref[i], got[i], (size_t)n * rows[i] * sizeof(float)) != 0)
+                                fail_msg("%s/%dt %d-bit: product %d of %d (%s), %d tokens: uploaded "
+                                         "weights differ", fi_cpu_backend_simd(b), threads, bits, i,
+                                         count, fi_dtype_name(types[i]), n);
+                            if (wu[i].dev)
+                                b->ops->weight_release(b->ctx, &wu[i]);
+                            assert_null(wu[i].dev);
+                        }
                     }
             }
             for (int bi = 0; bi < nb; bi++)
@@ -678,7 +698,9 @@ static void test_q16_kernels_tiling(void **state) {
     assert_non_null(xq);
     fi_quantize_q16x_ref(x, xq, NT * COLS / 32);
     uint8_t *xs = malloc(FI_Q16_TILE_BYTES(COLS / 32) * (NT / 16));
+    uint8_t *wpk = malloc(fi_dtype_row_bytes(FI_DTYPE_Q8_0, COLS) * ROWS); /* the widest type */
     assert_non_null(xs);
+    assert_non_null(wpk);
     float *y1 = fvec((size_t)NT * ROWS), *yb = fvec((size_t)NT * ROWS), *yp = fvec((size_t)NT * ROWS);
     double *wd = malloc((size_t)ROWS * COLS * sizeof *wd);
     assert_non_null(wd);
@@ -709,6 +731,8 @@ static void test_q16_kernels_tiling(void **state) {
                 if (!(fabs((double)y1[i] - yp[i]) <= 2e-5 * (fabs(yp[i]) + 1.0) + 1e-4))
                     fail_msg("%s %s: %g vs portable %g at %zu", what, fi_dtype_name(types[ti]),
                              (double)y1[i], (double)yp[i], i);
+            if (tab[ki].pack)
+                tab[ki].pack(types[ti], wb, rb, ROWS, COLS, wpk);
             /* batches of n at every offset, rows in uneven ranges */
             for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
                 int n = ns[ni];
@@ -724,6 +748,27 @@ static void test_q16_kernels_tiling(void **state) {
                                    ROWS * sizeof *yb) != 0)
                             fail_msg("%s %s: token %d alone differs from place %d of %d in split rows",
                                      what, fi_dtype_name(types[ti]), off + k, k, n);
+                    if (tab[ki].pack) {
+                        /* the same from the packed weights (two full groups
+                         * of 16 rows packed, the last 5 rows read in place),
+                         * in whole groups and in uneven row ranges */
+                        static const int pcuts[] = {0, 16, 32, 37};
+                        t.wp = wpk;
+                        for (int uneven = 0; uneven < 2; uneven++) {
+                            const int *cv = uneven ? cuts : pcuts;
+                            int ncv = uneven ? NCUT : 4;
+                            poison(yb, (size_t)n * ROWS);
+                            for (int c = 0; c + 1 < ncv; c++)
+                                fn(&t, cv[c], cv[c + 1]);
+                            for (int k = 0; k < n; k++)
+                                if (memcmp(y1 + (size_t)(off + k) * ROWS, yb + (size_t)k * ROWS,
+                                           ROWS * sizeof *yb) != 0)
+                                    fail_msg("%s %s: token %d alone differs from place %d of %d, "
+                                             "packed weights%s", what, fi_dtype_name(types[ti]),
+                                             off + k, k, n, uneven ? ", uneven row ranges" : "");
+                        }
+                        t.wp = NULL;
+                    }
                     if (!tab[ki].split || n < 16)
                         continue;
                     /* the same with the input split by the caller (fi_mm_task.xs) */
@@ -734,9 +779,11 @@ static void test_q16_kernels_tiling(void **state) {
                                       k % 16);
                     poison(yb, (size_t)n * ROWS);
                     t.xs = xs;
+                    t.wp = tab[ki].pack ? wpk : NULL;
                     for (int c = 0; c + 1 < NCUT; c++)
                         fn(&t, cuts[c], cuts[c + 1]);
                     t.xs = NULL;
+                    t.wp = NULL;
                     for (int k = 0; k < n; k++)
                         if (memcmp(y1 + (size_t)(off + k) * ROWS, yb + (size_t)k * ROWS,
                                    ROWS * sizeof *yb) != 0)
@@ -778,6 +825,7 @@ static void test_q16_kernels_tiling(void **state) {
     free(wd);
     free(xq);
     free(xs);
+    free(wpk);
     free(x);
     free(y1);
     free(yb);
