@@ -156,13 +156,6 @@ static int s_arg_int(const char *opt, const char *s, long lo, long hi, long *out
     return 0;
 }
 
-static int32_t s_argmax(const float *x, int n) {
-    int32_t b = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[b]) b = i;
-    return b;
-}
-
 int fi_cmd_bench(int argc, char **argv) {
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--serve")) return fi_cmd_bench_serve(argc, argv);
@@ -266,11 +259,11 @@ int fi_cmd_bench(int argc, char **argv) {
             goto eval_fail;
         double t1 = s_now();
         pre[r] = (double)n_prompt / (t1 - t0);
-        int32_t id = s_argmax(logits, cfg->n_vocab);
+        int32_t id = fi_argmax(logits, cfg->n_vocab);
         double t2 = s_now();
         for (long g = 0; g < n_gen; g++) {
             if (fi_session_eval(s, &id, 1, logits, NULL, err, sizeof err) != 0) goto eval_fail;
-            id = s_argmax(logits, cfg->n_vocab);
+            id = fi_argmax(logits, cfg->n_vocab);
         }
         dec[r] = (double)n_gen / (s_now() - t2);
     }
@@ -306,14 +299,14 @@ int fi_cmd_bench(int argc, char **argv) {
                 free(d8);
                 goto eval_fail;
             }
-            int32_t id = s_argmax(logits, cfg->n_vocab);
+            int32_t id = fi_argmax(logits, cfg->n_vocab);
             double t2 = s_now();
             for (long g = 0; g < n_gen; g++) {
                 if (fi_session_eval(s, &id, 1, logits, NULL, err, sizeof err) != 0) {
                     free(d8);
                     goto eval_fail;
                 }
-                id = s_argmax(logits, cfg->n_vocab);
+                id = fi_argmax(logits, cfg->n_vocab);
             }
             d8[r] = (double)n_gen / (s_now() - t2);
         }

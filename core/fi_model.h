@@ -199,6 +199,9 @@ fi_sampler_params fi_sampler_defaults(void);
 typedef struct fi_sampler fi_sampler;
 fi_sampler *fi_sampler_new(const fi_sampler_params *p, int n_vocab);
 void fi_sampler_destroy(fi_sampler **s);
+/* Greedy choice: the first index of the largest of x[0..n) (NaNs never
+ * win; 0 when all are NaN). */
+int32_t fi_argmax(const float *x, int n);
 /* Picks a token from logits (modified in place). history: the tokens so far
  * (for the repetition penalty), may be NULL when n_history is 0. */
 int32_t fi_sampler_sample(fi_sampler *s, float *logits, const int32_t *history, int n_history);

@@ -1015,12 +1015,7 @@ int fi_session_eval_greedy(fi_session *s, const int32_t *toks, int n, int32_t *n
         return -1;
     }
     int rc = s_eval(s, toks, n, logits, NULL, NULL, err, errlen);
-    if (rc == 0) {
-        int32_t b = 0;
-        for (int i = 1; i < V; i++)
-            if (logits[i] > logits[b]) b = i;
-        *next = b;
-    }
+    if (rc == 0) *next = fi_argmax(logits, V);
     free(logits);
     return rc;
 }

@@ -142,17 +142,32 @@ static void s_penalize(const fi_sampler *s, float *logits, const int32_t *hist, 
     }
 }
 
+int32_t fi_argmax(const float *x, int n) {
+    /* the maximum over eight running maxima (no chain of dependent
+     * compares through the whole vocabulary), then its first index */
+    float m[8];
+    for (int k = 0; k < 8; k++)
+        m[k] = -INFINITY;
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++)
+            m[k] = x[i + k] > m[k] ? x[i + k] : m[k];
+    float best = -INFINITY;
+    for (int k = 0; k < 8; k++)
+        best = m[k] > best ? m[k] : best;
+    for (; i < n; i++)
+        best = x[i] > best ? x[i] : best;
+    for (i = 0; i < n; i++)
+        if (x[i] == best) return i;
+    return 0;
+}
+
 int32_t fi_sampler_sample(fi_sampler *s, float *logits, const int32_t *hist, int n_hist) {
     const fi_sampler_params *p = &s->p;
     int V = s->n_vocab;
     s_penalize(s, logits, hist, n_hist);
 
-    if (!(p->temperature > 0.0f)) {
-        int32_t best = 0;
-        for (int i = 1; i < V; i++)
-            if (logits[i] > logits[best]) best = i;
-        return best;
-    }
+    if (!(p->temperature > 0.0f)) return fi_argmax(logits, V);
 
     cand *c = s->c;
     int n = 0;

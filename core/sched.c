@@ -674,9 +674,7 @@ static int s_after_logits(fi_sched *s, s_seq *q, float *logits) {
     }
     int32_t id;
     if (q->greedy) {
-        id = 0;
-        for (int i = 1; i < s->n_vocab; i++)
-            if (logits[i] > logits[id]) id = i;
+        id = fi_argmax(logits, s->n_vocab);
     } else {
         id = fi_sampler_sample(q->smp, logits, q->toks, q->n_toks);
     }

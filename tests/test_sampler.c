@@ -46,6 +46,32 @@ static void test_greedy_is_argmax(void **state) {
     assert_null(s);
 }
 
+/* fi_argmax: the first index of the maximum at every place, with ties,
+ * lengths that are not a multiple of its eight lanes, infinities and NaNs. */
+static void test_argmax(void **state) {
+    (void)state;
+    float x[37];
+    for (int n = 1; n <= 37; n++)
+        for (int at = 0; at < n; at++) {
+            for (int i = 0; i < n; i++)
+                x[i] = (float)((i * 7) % 5) - 3.0f;
+            x[at] = 5.0f;
+            assert_int_equal(fi_argmax(x, n), at);
+            if (at + 3 < n) {
+                x[at + 3] = 5.0f; /* a tie: the first wins */
+                assert_int_equal(fi_argmax(x, n), at);
+            }
+        }
+    for (int i = 0; i < 37; i++)
+        x[i] = NAN;
+    assert_int_equal(fi_argmax(x, 37), 0);
+    x[20] = -INFINITY;
+    assert_int_equal(fi_argmax(x, 37), 20);
+    x[30] = 1.0f;
+    x[0] = INFINITY;
+    assert_int_equal(fi_argmax(x, 37), 0);
+}
+
 static void test_top_k_one_is_greedy(void **state) {
     (void)state;
     fi_sampler_params p = s_off();
@@ -217,6 +243,7 @@ static void test_bad_input(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_is_argmax),
+        cmocka_unit_test(test_argmax),
         cmocka_unit_test(test_top_k_one_is_greedy),
         cmocka_unit_test(test_seed_determinism),
         cmocka_unit_test(test_temperature_one_matches_softmax),

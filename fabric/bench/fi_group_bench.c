@@ -124,13 +124,6 @@ typedef struct s_fig {
     double pre_comm_ms, pre_comp_ms; /* leader's prefill: communicating, computing */
 } s_fig;
 
-static int s_argmax(const float *x, int n) {
-    int b = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[b]) b = i;
-    return b;
-}
-
 /* Prefill one P-token prompt in each of n sequences (one pass), then
  * `steps` decode passes of one token per sequence. Returns the seconds of
  * the decode; *ttft the prefill's. */
@@ -159,7 +152,7 @@ static int s_drive(fi_group *g, fi_model *m, fi_kvpool *kv, const fi_group_model
     double t0 = s_now();
     if (fi_group_forward(g, m, kv, &b, logits, err, sizeof err)) goto fail;
     *ttft = s_now() - t0;
-    for (int i = 0; i < n; i++) next[i] = s_argmax(logits + (size_t)i * mi->n_vocab, mi->n_vocab);
+    for (int i = 0; i < n; i++) next[i] = fi_argmax(logits + (size_t)i * mi->n_vocab, mi->n_vocab);
     t0 = s_now();
     for (int s = 0; s < steps; s++) {
         for (int i = 0; i < n; i++) {
@@ -172,7 +165,7 @@ static int s_drive(fi_group *g, fi_model *m, fi_kvpool *kv, const fi_group_model
                       .max_blocks = mb, .out_rows = rows, .n_out = n};
         if (fi_group_forward(g, m, kv, &d, logits, err, sizeof err)) goto fail;
         for (int i = 0; i < n; i++)
-            next[i] = s_argmax(logits + (size_t)i * mi->n_vocab, mi->n_vocab);
+            next[i] = fi_argmax(logits + (size_t)i * mi->n_vocab, mi->n_vocab);
     }
     *decode = s_now() - t0;
     rc = 0;
