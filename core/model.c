@@ -853,15 +853,18 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
         if (graph) (void)ops->graph_end(bc);
         return -1;
     }
+    /* the logits straight into the caller's buffer where backend memory is
+     * the host's (n_out x n_vocab floats: 3 MiB for 16 sequences) */
+    float *lg = logits && ops->host_memory ? logits : kv->logits;
     if (b->n_out) {
         for (int i = 0; i < b->n_out; i++)
             ops->rmsnorm(bc, kv->xb + (size_t)i * c->dim, kv->x + (size_t)b->out_rows[i] * c->dim,
                          m->output_norm, 1, c->dim, c->norm_eps);
-        ops->matmul(bc, kv->logits, &m->output, kv->xb, b->n_out);
+        ops->matmul(bc, lg, &m->output, kv->xb, b->n_out);
     }
     if (graph && ops->graph_end(bc)) goto backend_fail;
     size_t V = (size_t)c->n_vocab;
-    if (b->n_out && logits &&
+    if (b->n_out && logits && lg != logits &&
         ops->to_host(bc, logits, kv->logits, (size_t)b->n_out * V * sizeof(float)))
         goto backend_fail;
     if (next && ops->argmax(bc, next, kv->logits, (int)V)) goto backend_fail;

@@ -684,6 +684,7 @@ static const fi_backend_ops s_cpu_ops = {
     .store_f16 = s_store_f16,
     .kv_store = s_kv_store,
     .matmul_n = s_matmul_n,
+    .host_memory = 1,
     .swiglu = s_swiglu,
     .add = s_add,
 };

@@ -186,6 +186,10 @@ typedef struct fi_backend_ops {
      * and V, or the gate and up projections. */
     void (*matmul_n)(void *ctx, int count, float *const *y, const fi_weight *const *w,
                      const float *x, int n);
+    /* 1 where backend memory is host memory (the CPU backend): operations
+     * may then write straight into the caller's buffers, such as the
+     * logits, instead of a copy through to_host. */
+    int host_memory;
 } fi_backend_ops;
 
 #define FI_MATMUL_N_MAX 4 /* most products in one matmul_n call */
