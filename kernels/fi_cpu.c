@@ -38,6 +38,7 @@
 #define S_ALIGN 64
 #define S_SCRATCH_MIN ((size_t)1 << 20) /* bytes of scratch made at start */
 #define S_PAR_ELEMS 32768               /* element-wise ops: go parallel above this */
+#define S_PAR_SWIGLU 8192               /* SwiGLU (an exp per element): above this */
 #define S_ATT_CHUNK 64                  /* positions scored per softmax step */
 #define S_ATT_SEG 256                   /* positions per segment (batch-invariant) */
 #define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
@@ -624,7 +625,7 @@ static void s_ew_worker(void *arg, int ith, int nth) {
 }
 
 static void s_ew(s_cpu *c, s_ew_job *j) {
-    if (c->n_threads > 1 && j->n >= S_PAR_ELEMS)
+    if (c->n_threads > 1 && j->n >= (j->swiglu ? S_PAR_SWIGLU : S_PAR_ELEMS))
         fi_pool_run(c->pool, s_ew_worker, j);
     else
         s_ew_worker(j, 0, 1);
