@@ -11,10 +11,11 @@
  * claimed from an atomic counter (so a thread slowed by a noisy neighbour
  * takes fewer rows; chunk edges on multiples of 16 keep every row's
  * arithmetic, and so the result, the same for any thread count);
- * attention by (token, kv head, position segment); the element-wise ops
+ * attention by (token, position segment); the element-wise ops
  * by tokens or element ranges, and only when big enough to pay for a
  * dispatch. Activations for quantised weights are quantised once per
- * matmul (to 16 bits by default, fi_cpu_q16_impl.h; to 8 bits with
+ * call, for every product of that input (matmul_n), inside the same job
+ * (to 16 bits by default, fi_cpu_q16_impl.h; to 8 bits with
  * fi_cpu_backend_set_act_bits) into a scratch buffer owned by the backend (grown on demand; when
  * growing fails the tokens are processed in groups that fit).
  *
@@ -39,7 +40,6 @@
 #define S_SCRATCH_MIN ((size_t)1 << 20) /* bytes of scratch made at start */
 #define S_PAR_ELEMS 32768               /* element-wise ops: go parallel above this */
 #define S_PAR_SWIGLU 8192               /* SwiGLU (an exp per element): above this */
-#define S_ATT_CHUNK 64                  /* positions scored per softmax step */
 #define S_ATT_SEG 256                   /* positions per segment (batch-invariant) */
 #define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
 
@@ -429,93 +429,117 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
     }
 }
 
-/* Attention work item: token t, KV head kh, position segment seg. All the
- * query heads that share kh are done together, so each K/V row is read
- * from memory once per group. Positions past S_ATT_SEG are split into
- * segments of S_ATT_SEG whose partial softmax states (max, sum,
- * unnormalised output) are merged after the parallel part, as in
+/* Attention work item: token t, position segment seg, all heads. The
+ * query heads that share a KV head are done together, so each K/V row is
+ * converted from fp16 once per group, and one item reads whole cache rows
+ * (all the KV heads), in runs of contiguous rows. Positions past S_ATT_SEG
+ * are split into segments of S_ATT_SEG whose partial softmax states (max,
+ * sum, unnormalised output) are merged after the parallel part, as in
  * flash-decoding: decode at a long context keeps every thread busy, and
  * the split never depends on the batch. */
 typedef struct s_att_job {
-    const fi_cpu_kernels *k;    /* dots / wsum */
+    const fi_cpu_kernels *k;    /* att_dots / att_wsum / exp_sum */
     float *out;                 /* n rows of n_heads*head_dim */
     const float *q;             /* queries */
     const uint16_t *kc, *vc;    /* key and value caches, fp16 */
     const int32_t *pos;         /* position of each query token */
     const fi_kv_map *map;       /* where each position's row is */
     int n, n_heads, n_kv_heads, head_dim;
-    int segs;                   /* position segments per (token, kv head) */
+    int segs;                   /* position segments per token */
     int seg_len;                /* positions per segment (last may be short) */
-    float *part;                /* segs > 1: per (t, h, seg): m, l, o[head_dim] */
+    float *part;                /* segs > 1: per (t, seg): o[n_heads][head_dim], m[n_heads], l[n_heads] */
     atomic_int next;            /* next item to claim */
 } s_att_job;
 
-/* Partial state of one (token, head, segment): m, l, then head_dim floats. */
-static float *s_att_part(const s_att_job *j, int t, int h, int seg) {
-    size_t i = ((size_t)t * j->n_heads + h) * j->segs + seg;
-    return j->part + i * (size_t)(j->head_dim + 2);
+/* Partial state of (token t, segment seg): the heads' unnormalised outputs
+ * (n_heads*head_dim floats), then their maxima and their sums. */
+static float *s_att_part(const s_att_job *j, int t, int seg) {
+    size_t i = (size_t)t * j->segs + seg;
+    return j->part + i * (size_t)j->n_heads * (size_t)(j->head_dim + 2);
 }
 
-static void s_att_item(const s_att_job *j, int t, int kh, int seg) {
-    const int hd = j->head_dim;
-    const int group = j->n_heads / j->n_kv_heads;
+/* Asks for nr whole cache rows from row on to be brought into the cache
+ * ahead of use. */
+static void s_att_prefetch(const uint16_t *c, size_t row, int nr, size_t kv_dim) {
+    const char *p = (const char *)(c + row * kv_dim);
+    for (size_t b = 0; b < (size_t)nr * kv_dim * sizeof *c; b += 64)
+        __builtin_prefetch(p + b, 0, 3);
+}
+
+/* One pass per segment and KV head: all the scores of a set of query
+ * heads (at most S_ATT_SEG per head, so they fit on the stack), one
+ * maximum and one exp pass per head, then one weighted sum; no rescaling.
+ * The rows are walked in runs that stay inside one cache block. A layer's
+ * cache is seldom in the processor's caches when attention starts (the
+ * matmuls between layers stream megabytes of weights) and attention is
+ * then bound by memory, so while the first KV head scores one run, the
+ * next run of K and this run of V are prefetched, whole rows: the other
+ * heads find them in cache. A token's operations depend only on its own
+ * position and the block size, never on the other tokens or the thread
+ * split. */
+static void s_att_item(const s_att_job *j, int t, int seg) {
+    const int hd = j->head_dim, nh = j->n_heads;
+    const int group = nh / j->n_kv_heads;
     const size_t kv_dim = (size_t)j->n_kv_heads * hd;
     const float scale = 1.0f / sqrtf((float)hd);
-    int p_begin = seg * j->seg_len;
-    int p_end = p_begin + j->seg_len;
-    if (p_end > j->pos[t] + 1)
-        p_end = j->pos[t] + 1;
-    float sc[S_ATT_CHUNK];
+    const int p_begin = seg * j->seg_len;
+    const int p_end = p_begin + j->seg_len < j->pos[t] + 1 ? p_begin + j->seg_len : j->pos[t] + 1;
     const int bs = j->map->block_size;
     const int32_t *tbl = j->map->tables + (size_t)j->map->seq[t] * (size_t)j->map->max_blocks;
-    int cn;
-    /* Heads of the group in sets of up to S_ATT_HEADS, each set walking
-     * the positions chunk by chunk: a chunk's K/V rows come from L2 or
-     * memory once and from L1 for the other heads of the set. */
-    for (int g0 = 0; g0 < group; g0 += S_ATT_HEADS) {
-        int gn = group - g0 < S_ATT_HEADS ? group - g0 : S_ATT_HEADS;
-        float m[S_ATT_HEADS], l[S_ATT_HEADS];
-        float *o[S_ATT_HEADS];
-        const float *q[S_ATT_HEADS];
-        for (int g = 0; g < gn; g++) {
-            int h = kh * group + g0 + g;
-            q[g] = j->q + (size_t)t * j->n_heads * hd + (size_t)h * hd;
-            o[g] = j->segs > 1 ? s_att_part(j, t, h, seg) + 2
-                               : j->out + (size_t)t * j->n_heads * hd + (size_t)h * hd;
-            memset(o[g], 0, (size_t)hd * sizeof(float));
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
+    float *part = j->segs > 1 ? s_att_part(j, t, seg) : NULL;
+    if (p_end <= p_begin) {
+        /* past pos[t]: an empty segment, which the merge skips */
+        assert(part);
+        for (int h = 0; h < nh; h++) {
+            part[(size_t)nh * hd + h] = -INFINITY;
+            part[(size_t)nh * (hd + 1) + h] = 0.0f;
         }
-        for (int p0 = p_begin; p0 < p_end; p0 += cn) {
-            /* a chunk never crosses a block: its rows are contiguous */
-            int in_blk = p0 % bs;
-            cn = p_end - p0 < S_ATT_CHUNK ? p_end - p0 : S_ATT_CHUNK;
-            if (cn > bs - in_blk)
-                cn = bs - in_blk;
-            size_t row = (size_t)tbl[p0 / bs] * (size_t)bs + (size_t)in_blk;
-            const uint16_t *kr = j->kc + row * kv_dim + (size_t)kh * hd;
-            const uint16_t *vr = j->vc + row * kv_dim + (size_t)kh * hd;
-            for (int g = 0; g < gn; g++) {
-                float cm = j->k->dots(sc, q[g], kr, kv_dim, cn, hd, scale);
-                if (cm > m[g]) {
-                    float r = expf(m[g] - cm); /* 0 on the first chunk */
-                    l[g] *= r;
-                    for (int d = 0; d < hd; d++)
-                        o[g][d] *= r;
-                    m[g] = cm;
+        return;
+    }
+    /* run r: rows run_row[r].. hold positions run_p[r]..run_p[r+1]-1 */
+    size_t run_row[S_ATT_SEG];
+    int run_p[S_ATT_SEG + 1], nrun = 0;
+    for (int p = p_begin; p < p_end; nrun++) {
+        run_row[nrun] = (size_t)tbl[p / bs] * (size_t)bs + (size_t)(p % bs);
+        run_p[nrun] = p;
+        p += bs - p % bs < p_end - p ? bs - p % bs : p_end - p;
+    }
+    run_p[nrun] = p_end;
+    s_att_prefetch(j->kc, run_row[0], run_p[1] - run_p[0], kv_dim);
+    float sc[S_ATT_HEADS * S_ATT_SEG];
+    for (int kh = 0; kh < j->n_kv_heads; kh++) {
+        const uint16_t *kc = j->kc + (size_t)kh * hd, *vc = j->vc + (size_t)kh * hd;
+        for (int g0 = 0; g0 < group; g0 += S_ATT_HEADS) {
+            const int gn = group - g0 < S_ATT_HEADS ? group - g0 : S_ATT_HEADS;
+            const int h0 = kh * group + g0;
+            const float *q = j->q + ((size_t)t * nh + h0) * hd;
+            float *o = part ? part + (size_t)h0 * hd : j->out + ((size_t)t * nh + h0) * hd;
+            float m[S_ATT_HEADS], l[S_ATT_HEADS];
+            for (int r = 0; r < nrun; r++) {
+                int cn = run_p[r + 1] - run_p[r];
+                if (h0 == 0) {
+                    if (r + 1 < nrun)
+                        s_att_prefetch(j->kc, run_row[r + 1], run_p[r + 2] - run_p[r + 1], kv_dim);
+                    s_att_prefetch(j->vc, run_row[r], cn, kv_dim);
                 }
-                l[g] += j->k->exp_sum(sc, cn, m[g]);
-                j->k->wsum(o[g], sc, vr, kv_dim, cn, hd);
+                j->k->att_dots(sc + (run_p[r] - p_begin), S_ATT_SEG, q, gn, kc + run_row[r] * kv_dim,
+                               kv_dim, cn, hd, scale);
             }
-        }
-        for (int g = 0; g < gn; g++) {
-            if (j->segs > 1) {
-                o[g][-2] = m[g];
-                o[g][-1] = l[g];
-            } else {
-                float il = 1.0f / l[g];
-                for (int d = 0; d < hd; d++)
-                    o[g][d] *= il;
+            for (int g = 0; g < gn; g++)
+                l[g] = j->k->exp_sum(sc + g * S_ATT_SEG, p_end - p_begin, &m[g]);
+            memset(o, 0, (size_t)gn * hd * sizeof *o);
+            for (int r = 0; r < nrun; r++)
+                j->k->att_wsum(o, sc + (run_p[r] - p_begin), S_ATT_SEG, gn, vc + run_row[r] * kv_dim,
+                               kv_dim, run_p[r + 1] - run_p[r], hd);
+            for (int g = 0; g < gn; g++) {
+                if (part) {
+                    part[(size_t)nh * hd + h0 + g] = m[g];
+                    part[(size_t)nh * (hd + 1) + h0 + g] = l[g];
+                } else {
+                    float il = 1.0f / l[g];
+                    for (int d = 0; d < hd; d++)
+                        o[(size_t)g * hd + d] *= il;
+                }
             }
         }
     }
@@ -523,39 +547,38 @@ static void s_att_item(const s_att_job *j, int t, int kh, int seg) {
 
 static void s_att_worker(void *arg, int ith, int nth) {
     s_att_job *j = arg;
-    int per_t = j->n_kv_heads * j->segs;
-    int items = j->n * per_t;
+    int items = j->n * j->segs;
     for (;;) {
         int i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (i >= items)
             break;
-        int t = i / per_t, r = i % per_t;
-        s_att_item(j, t, r / j->segs, r % j->segs);
+        s_att_item(j, i / j->segs, i % j->segs);
     }
 }
 
 /* Combines the segments' partial states into out (segs > 1). A segment
  * past pos[t] is empty (m = -inf, l = 0) and weighs nothing. */
 static void s_att_merge(const s_att_job *j) {
-    const int hd = j->head_dim;
+    const int hd = j->head_dim, nh = j->n_heads;
     for (int t = 0; t < j->n; t++)
-        for (int h = 0; h < j->n_heads; h++) {
+        for (int h = 0; h < nh; h++) {
             float m = -INFINITY;
             for (int s = 0; s < j->segs; s++) {
-                float ms = s_att_part(j, t, h, s)[0];
+                float ms = s_att_part(j, t, s)[(size_t)nh * hd + h];
                 m = ms > m ? ms : m;
             }
-            float *o = j->out + (size_t)t * j->n_heads * hd + (size_t)h * hd;
+            float *o = j->out + ((size_t)t * nh + h) * hd;
             float l = 0.0f;
             memset(o, 0, (size_t)hd * sizeof *o);
             for (int s = 0; s < j->segs; s++) {
-                const float *ps = s_att_part(j, t, h, s);
-                if (ps[1] == 0.0f)
+                const float *ps = s_att_part(j, t, s);
+                float ls = ps[(size_t)nh * (hd + 1) + h];
+                if (ls == 0.0f)
                     continue;
-                float w = expf(ps[0] - m);
-                l += w * ps[1];
+                float w = expf(ps[(size_t)nh * hd + h] - m);
+                l += w * ls;
                 for (int d = 0; d < hd; d++)
-                    o[d] += w * ps[2 + d];
+                    o[d] += w * ps[(size_t)h * hd + d];
             }
             float il = 1.0f / l;
             for (int d = 0; d < hd; d++)
@@ -593,9 +616,8 @@ static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k
         j.seg_len = S_ATT_SEG;
         j.part = (float *)c->scratch;
     }
-    int pairs = n * n_kv_heads;
     atomic_init(&j.next, 0);
-    if (c->n_threads > 1 && pairs * j.segs > 1)
+    if (c->n_threads > 1 && n * j.segs > 1)
         fi_pool_run(c->pool, s_att_worker, &j);
     else
         s_att_worker(&j, 0, 1);

@@ -145,38 +145,46 @@ static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
     s_mm_half(FI_DTYPE_BF16, t, r0, r1);
 }
 
-static float s_dots(float *s, const float *q, const uint16_t *k, size_t stride, int np, int hd,
-                    float scale) {
-    float mx = -INFINITY;
+static void s_att_dots(float *s, size_t ss, const float *q, int gn, const uint16_t *k,
+                       size_t stride, int np, int hd, float scale) {
     for (int i = 0; i < np; i++) {
         const uint16_t *kr = k + (size_t)i * stride;
-        float a[4] = {0, 0, 0, 0};
-        int d = 0;
-        for (; d + 4 <= hd; d += 4)
-            for (int u = 0; u < 4; u++)
-                a[u] += q[d + u] * fi_h2f(kr[d + u]);
-        for (; d < hd; d++)
-            a[0] += q[d] * fi_h2f(kr[d]);
-        s[i] = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
-        mx = s[i] > mx ? s[i] : mx;
+        for (int g = 0; g < gn; g++) {
+            const float *qg = q + (size_t)g * hd;
+            float a[4] = {0, 0, 0, 0};
+            int d = 0;
+            for (; d + 4 <= hd; d += 4)
+                for (int u = 0; u < 4; u++)
+                    a[u] += qg[d + u] * fi_h2f(kr[d + u]);
+            for (; d < hd; d++)
+                a[0] += qg[d] * fi_h2f(kr[d]);
+            s[g * ss + i] = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
+        }
     }
-    return mx;
 }
 
-static void s_wsum(float *o, const float *e, const uint16_t *v, size_t stride, int np, int hd) {
+static void s_att_wsum(float *o, const float *s, size_t ss, int gn, const uint16_t *v,
+                       size_t stride, int np, int hd) {
     for (int i = 0; i < np; i++) {
         const uint16_t *vr = v + (size_t)i * stride;
-        for (int d = 0; d < hd; d++)
-            o[d] += e[i] * fi_h2f(vr[d]);
+        for (int g = 0; g < gn; g++) {
+            float e = s[g * ss + i];
+            float *og = o + (size_t)g * hd;
+            for (int d = 0; d < hd; d++)
+                og[d] += e * fi_h2f(vr[d]);
+        }
     }
 }
 
-static float s_exp_sum(float *s, int n, float m) {
-    float sum = 0.0f;
+static float s_exp_sum(float *s, int n, float *m) {
+    float mx = s[0], sum = 0.0f;
+    for (int i = 1; i < n; i++)
+        mx = s[i] > mx ? s[i] : mx;
     for (int i = 0; i < n; i++) {
-        s[i] = expf(s[i] - m);
+        s[i] = expf(s[i] - mx);
         sum += s[i];
     }
+    *m = mx;
     return sum;
 }
 
@@ -199,8 +207,8 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
-    k->dots = s_dots;
-    k->wsum = s_wsum;
+    k->att_dots = s_att_dots;
+    k->att_wsum = s_att_wsum;
     k->exp_sum = s_exp_sum;
     k->swiglu = s_swiglu;
     k->to_f16 = s_to_f16;

@@ -584,48 +584,166 @@ S_INLINE __m256 s_h8(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
 }
 
-/* 8 rows at a time; their sums reduced together with hadd. */
-static float s_dots(float *s, const float *q, const uint16_t *k, size_t stride, int np, int hd,
-                    float scale) {
-    const __m128 vs = _mm_set1_ps(scale);
-    __m128 mx4 = _mm_set1_ps(-INFINITY);
-    int i = 0;
-    if ((hd & 7) == 0) {
-        /* 8 rows: 8 independent FMA chains */
-        for (; i + 8 <= np; i += 8) {
-            const uint16_t *k0 = k + (size_t)i * stride;
-            __m256 a[8];
-            for (int u = 0; u < 8; u++)
-                a[u] = _mm256_setzero_ps();
-            for (int d = 0; d < hd; d += 8) {
-                __m256 qv = _mm256_loadu_ps(q + d);
-                for (int u = 0; u < 8; u++)
-                    a[u] = _mm256_fmadd_ps(qv, s_h8(k0 + (size_t)u * stride + d), a[u]);
+/* Heads and rows at which the scores are tiled: S_AG heads x 4 rows make
+ * 12 accumulators, which with the converted row fit the 16 ymm registers. */
+#define S_AG 3
+
+/* Scores of G heads (G <= S_AG) against rows 0..nr-1 of k (1 <= nr <= 4).
+ * Rows past nr repeat the last one and are dropped, so that every row goes
+ * through the same sums whatever nr is. */
+S_INLINE void s_att_dots4(float *s, size_t ss, const float *q, const int G, const uint16_t *k,
+                          size_t stride, int nr, int hd, __m128 vs) {
+    const uint16_t *kr[4];
+    __m256 a[S_AG][4];
+    for (int r = 0; r < 4; r++) {
+        kr[r] = k + (size_t)(r < nr ? r : nr - 1) * stride;
+        for (int g = 0; g < G; g++)
+            a[g][r] = _mm256_setzero_ps();
+    }
+    for (int d = 0; d < hd; d += 8)
+        for (int r = 0; r < 4; r++) {
+            __m256 kv = s_h8(kr[r] + d);
+            for (int g = 0; g < G; g++)
+                a[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)g * hd + d), kv, a[g][r]);
+        }
+    for (int g = 0; g < G; g++) {
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+        __m128 r = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vs);
+        if (nr == 4) {
+            _mm_storeu_ps(s + g * ss, r);
+        } else {
+            float t[4];
+            _mm_storeu_ps(t, r);
+            memcpy(s + g * ss, t, (size_t)nr * sizeof(float));
+        }
+    }
+}
+
+#ifdef __AVX512F__
+/* 512-bit attention helpers (the avx512 flavour), for head_dim a multiple
+ * of 16: a K or V row of 64 values is four vcvtph2ps. */
+
+/* 16 fp16 values as floats. */
+S_INLINE __m512 s_h16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
+}
+
+/* [sum(a[0]), ..., sum(a[7])]: a transposition tree (each step adds two
+ * shuffles of a pair of registers), 25 instructions for the 8 sums. */
+S_INLINE __m256 s_hsum8x16(const __m512 a[8]) {
+    __m512 x[4];
+    for (int i = 0; i < 4; i++) /* [a(2i): 8 partial sums | a(2i+1): 8] */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    /* [a0: 4 | a1: 4 | a2: 4 | a3: 4], the same for a4..a7 */
+    __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    /* 128-bit lane k: [ak: 2, a(k+4): 2], then [ak, a(k+4), ak, a(k+4)] */
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x88), _mm512_shuffle_ps(y0, y1, 0xdd));
+    z = _mm512_add_ps(_mm512_shuffle_ps(z, z, 0x88), _mm512_shuffle_ps(z, z, 0xdd));
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, z));
+}
+
+/* Scores of G heads (G <= S_AG) against rows 0..nr-1 of k (1 <= nr <= 8),
+ * 16 values per step: 8*G accumulators, the K row and G query registers
+ * fit the 32 zmm registers. Rows past nr repeat the last one and are
+ * dropped, as in s_att_dots4. */
+S_INLINE void s_att_dots8_512(float *s, size_t ss, const float *q, const int G, const uint16_t *k,
+                              size_t stride, int nr, int hd, __m256 vs) {
+    const uint16_t *kr[8];
+    __m512 a[S_AG][8];
+    for (int r = 0; r < 8; r++) {
+        kr[r] = k + (size_t)(r < nr ? r : nr - 1) * stride;
+        for (int g = 0; g < G; g++)
+            a[g][r] = _mm512_setzero_ps();
+    }
+    for (int d = 0; d < hd; d += 16) {
+        __m512 qv[S_AG];
+        for (int g = 0; g < G; g++)
+            qv[g] = _mm512_loadu_ps(q + (size_t)g * hd + d);
+        for (int r = 0; r < 8; r++) {
+            __m512 kv = s_h16(kr[r] + d);
+            for (int g = 0; g < G; g++)
+                a[g][r] = _mm512_fmadd_ps(qv[g], kv, a[g][r]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        _mm256_mask_storeu_ps(s + g * ss, (__mmask8)((1u << nr) - 1u), _mm256_mul_ps(s_hsum8x16(a[g]), vs));
+}
+
+/* Columns [0, 16*C) of G heads: G*C accumulators over all the rows. */
+S_INLINE void s_att_wsum_512(float *o, const float *s, size_t ss, const int G, const int C,
+                             const uint16_t *v, size_t stride, int np, int hd) {
+    __m512 a[S_AG][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++)
+            a[g][c] = _mm512_loadu_ps(o + (size_t)g * hd + 16 * c);
+    for (int i = 0; i < np; i++) {
+        const uint16_t *vr = v + (size_t)i * stride;
+        __m512 vv[4];
+        for (int c = 0; c < C; c++)
+            vv[c] = s_h16(vr + 16 * c);
+        for (int g = 0; g < G; g++) {
+            __m512 w = _mm512_set1_ps(s[g * ss + i]);
+            for (int c = 0; c < C; c++)
+                a[g][c] = _mm512_fmadd_ps(w, vv[c], a[g][c]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++)
+            _mm512_storeu_ps(o + (size_t)g * hd + 16 * c, a[g][c]);
+}
+
+#endif
+
+/* Heads in sets of S_AG, rows in tiles of 4, each K row converted once
+ * per set. */
+static void s_att_dots(float *s, size_t ss, const float *q, int gn, const uint16_t *k,
+                       size_t stride, int np, int hd, float scale) {
+    if (hd & 7) {
+        for (int i = 0; i < np; i++)
+            for (int g = 0; g < gn; g++) {
+                float a = 0.0f;
+                for (int d = 0; d < hd; d++)
+                    a += q[(size_t)g * hd + d] * fi_h2f(k[(size_t)i * stride + d]);
+                s[g * ss + i] = a * scale;
             }
-            for (int u = 0; u < 8; u += 4) {
-                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[u], a[u + 1]), _mm256_hadd_ps(a[u + 2], a[u + 3]));
-                __m128 r = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vs);
-                mx4 = _mm_max_ps(mx4, r);
-                _mm_storeu_ps(s + i + u, r);
+        return;
+    }
+#ifdef __AVX512F__
+    if ((hd & 15) == 0) {
+        const __m256 vs = _mm256_set1_ps(scale);
+        for (int g0 = 0; g0 < gn; g0 += S_AG) {
+            const float *qg = q + (size_t)g0 * hd;
+            float *sg = s + g0 * ss;
+            for (int i = 0; i < np; i += 8) {
+                int nr = np - i < 8 ? np - i : 8;
+                const uint16_t *ki = k + (size_t)i * stride;
+                switch (gn - g0) {
+                case 1: s_att_dots8_512(sg + i, ss, qg, 1, ki, stride, nr, hd, vs); break;
+                case 2: s_att_dots8_512(sg + i, ss, qg, 2, ki, stride, nr, hd, vs); break;
+                default: s_att_dots8_512(sg + i, ss, qg, 3, ki, stride, nr, hd, vs); break;
+                }
+            }
+        }
+        return;
+    }
+#endif
+    const __m128 vs = _mm_set1_ps(scale);
+    for (int g0 = 0; g0 < gn; g0 += S_AG) {
+        const float *qg = q + (size_t)g0 * hd;
+        float *sg = s + g0 * ss;
+        for (int i = 0; i < np; i += 4) {
+            int nr = np - i < 4 ? np - i : 4;
+            const uint16_t *ki = k + (size_t)i * stride;
+            switch (gn - g0) {
+            case 1: s_att_dots4(sg + i, ss, qg, 1, ki, stride, nr, hd, vs); break;
+            case 2: s_att_dots4(sg + i, ss, qg, 2, ki, stride, nr, hd, vs); break;
+            default: s_att_dots4(sg + i, ss, qg, 3, ki, stride, nr, hd, vs); break;
             }
         }
     }
-    mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));
-    mx4 = _mm_max_ss(mx4, _mm_movehdup_ps(mx4));
-    float mx = _mm_cvtss_f32(mx4);
-    for (; i < np; i++) {
-        const uint16_t *kr = k + (size_t)i * stride;
-        __m256 a0 = _mm256_setzero_ps();
-        int d = 0;
-        for (; d + 8 <= hd; d += 8)
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), s_h8(kr + d), a0);
-        float r = s_hsum(a0);
-        for (; d < hd; d++)
-            r += q[d] * fi_h2f(kr[d]);
-        s[i] = r * scale;
-        mx = s[i] > mx ? s[i] : mx;
-    }
-    return mx;
 }
 
 /* exp(x) (Cephes polynomial, about 1 ulp) for x in [-87.33, 88]; x is
@@ -646,60 +764,144 @@ S_INLINE __m256 s_exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-static float s_exp_sum(float *s, int n, float m) {
-    __m256 vm = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
+#ifdef __AVX512F__
+/* s_exp8 on 16 lanes. */
+S_INLINE __m512 s_exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33f)), _mm512_set1_ps(88.0f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+static float s_exp_sum(float *s, int n, float *m) {
+    const int full = n & ~15;
+    const __mmask16 tail = (__mmask16)((1u << (n - full)) - 1u);
+    __m512 vm = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + full);
+    for (int i = 0; i < full; i += 16)
+        vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
+    *m = _mm512_reduce_max_ps(vm);
+    vm = _mm512_set1_ps(*m);
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < full; i += 16) {
+        __m512 e = s_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+        _mm512_storeu_ps(s + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (tail) {
+        __m512 e = s_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), vm));
+        _mm512_mask_storeu_ps(s + full, tail, e);
+        acc = _mm512_mask_add_ps(acc, tail, acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+/* The last n % 8 elements go through masked loads and stores, so that no
+ * value is rounded through a scalar path (and no store is forwarded to a
+ * wider load). */
+static float s_exp_sum(float *s, int n, float *m) {
+    const int full = n & ~7;
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - full), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 vm = _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + full, tail), _mm256_castsi256_ps(tail));
+    for (int i = 0; i < full; i += 8)
+        vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    *m = _mm_cvtss_f32(m4);
+    vm = _mm256_broadcastss_ps(m4);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < full; i += 8) {
         __m256 e = s_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
         _mm256_storeu_ps(s + i, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float sum = s_hsum(acc);
-    if (i < n) {
-        float tmp[8] = {0};
-        int r = n - i;
-        memcpy(tmp, s + i, (size_t)r * sizeof(float));
-        __m256 e = s_exp8(_mm256_sub_ps(_mm256_loadu_ps(tmp), vm));
-        _mm256_storeu_ps(tmp, e);
-        for (int j = 0; j < r; j++) {
-            s[i + j] = tmp[j];
-            sum += tmp[j];
+    if (full < n) {
+        __m256 e = s_exp8(_mm256_sub_ps(_mm256_maskload_ps(s + full, tail), vm));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(tail));
+        _mm256_maskstore_ps(s + full, tail, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    return s_hsum(acc);
+}
+#endif
+
+/* Columns [0, 8*C) of G heads (o and v already offset to the first one):
+ * 2*G accumulators held over all the rows. */
+S_INLINE void s_att_wsum_cols(float *o, const float *s, size_t ss, const int G, const int C,
+                              const uint16_t *v, size_t stride, int np, int hd) {
+    __m256 a[S_AG][2];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++)
+            a[g][c] = _mm256_loadu_ps(o + (size_t)g * hd + 8 * c);
+    for (int i = 0; i < np; i++) {
+        const uint16_t *vr = v + (size_t)i * stride;
+        __m256 vv[2];
+        for (int c = 0; c < C; c++)
+            vv[c] = s_h8(vr + 8 * c);
+        for (int g = 0; g < G; g++) {
+            __m256 w = _mm256_broadcast_ss(s + g * ss + i);
+            for (int c = 0; c < C; c++)
+                a[g][c] = _mm256_fmadd_ps(w, vv[c], a[g][c]);
         }
     }
-    return sum;
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++)
+            _mm256_storeu_ps(o + (size_t)g * hd + 8 * c, a[g][c]);
 }
 
-/* o += sum_i e[i] * v_i, 64 columns at a time held in registers (eight
- * independent FMA chains), then 8 at a time. */
-static void s_wsum(float *o, const float *e, const uint16_t *v, size_t stride, int np, int hd) {
-    int d = 0;
-    for (; d + 64 <= hd; d += 64) {
-        __m256 acc[8];
-        for (int u = 0; u < 8; u++)
-            acc[u] = _mm256_loadu_ps(o + d + 8 * u);
-        for (int i = 0; i < np; i++) {
-            const uint16_t *vr = v + (size_t)i * stride + d;
-            __m256 w = _mm256_broadcast_ss(e + i);
-            for (int u = 0; u < 8; u++)
-                acc[u] = _mm256_fmadd_ps(w, s_h8(vr + 8 * u), acc[u]);
-        }
-        for (int u = 0; u < 8; u++)
-            _mm256_storeu_ps(o + d + 8 * u, acc[u]);
-    }
-    for (; d + 8 <= hd; d += 8) {
-        __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 2 <= np; i += 2) {
-            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), s_h8(v + (size_t)i * stride + d), o0);
-            o1 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i + 1), s_h8(v + (size_t)(i + 1) * stride + d), o1);
-        }
-        if (i < np)
-            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i), s_h8(v + (size_t)i * stride + d), o0);
-        _mm256_storeu_ps(o + d, _mm256_add_ps(o0, o1));
-    }
-    for (; d < hd; d++)
+/* Heads in sets of S_AG, columns 16 at a time (then 8), each V row
+ * converted once per set and column range. */
+static void s_att_wsum(float *o, const float *s, size_t ss, int gn, const uint16_t *v,
+                       size_t stride, int np, int hd) {
+    if (hd & 7) {
         for (int i = 0; i < np; i++)
-            o[d] += e[i] * fi_h2f(v[(size_t)i * stride + d]);
+            for (int g = 0; g < gn; g++)
+                for (int d = 0; d < hd; d++)
+                    o[(size_t)g * hd + d] += s[g * ss + i] * fi_h2f(v[(size_t)i * stride + d]);
+        return;
+    }
+    for (int g0 = 0; g0 < gn; g0 += S_AG) {
+        int G = gn - g0 < S_AG ? gn - g0 : S_AG;
+        float *og = o + (size_t)g0 * hd;
+        const float *sg = s + g0 * ss;
+        int d = 0;
+#ifdef __AVX512F__
+        for (; d + 64 <= hd; d += 64)
+            switch (G) {
+            case 1: s_att_wsum_512(og + d, sg, ss, 1, 4, v + d, stride, np, hd); break;
+            case 2: s_att_wsum_512(og + d, sg, ss, 2, 4, v + d, stride, np, hd); break;
+            default: s_att_wsum_512(og + d, sg, ss, 3, 4, v + d, stride, np, hd); break;
+            }
+        for (; d + 16 <= hd; d += 16)
+            switch (G) {
+            case 1: s_att_wsum_512(og + d, sg, ss, 1, 1, v + d, stride, np, hd); break;
+            case 2: s_att_wsum_512(og + d, sg, ss, 2, 1, v + d, stride, np, hd); break;
+            default: s_att_wsum_512(og + d, sg, ss, 3, 1, v + d, stride, np, hd); break;
+            }
+#endif
+        for (; d < hd; d += 16) {
+            int C = hd - d >= 16 ? 2 : 1;
+            switch (G * 2 + C - 1) {
+            case 2: s_att_wsum_cols(og + d, sg, ss, 1, 1, v + d, stride, np, hd); break;
+            case 3: s_att_wsum_cols(og + d, sg, ss, 1, 2, v + d, stride, np, hd); break;
+            case 4: s_att_wsum_cols(og + d, sg, ss, 2, 1, v + d, stride, np, hd); break;
+            case 5: s_att_wsum_cols(og + d, sg, ss, 2, 2, v + d, stride, np, hd); break;
+            case 6: s_att_wsum_cols(og + d, sg, ss, 3, 1, v + d, stride, np, hd); break;
+            default: s_att_wsum_cols(og + d, sg, ss, 3, 2, v + d, stride, np, hd); break;
+            }
+        }
+    }
 }
 
 static void s_swiglu(float *g, const float *u, size_t n) {
@@ -734,8 +936,8 @@ static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
-    k->dots = s_dots;
-    k->wsum = s_wsum;
+    k->att_dots = s_att_dots;
+    k->att_wsum = s_att_wsum;
     k->exp_sum = s_exp_sum;
     k->swiglu = s_swiglu;
     k->to_f16 = s_to_f16;

@@ -88,14 +88,22 @@ typedef struct fi_cpu_kernels {
     fi_mm_fn mm_q4_0;                                          /* quantised weights */
     fi_mm_fn mm_q4_1;
     fi_mm_fn mm_q8_0;
-    /* Attention helpers over np >= 1 fp16 cache rows of length hd spaced
-     * `stride` elements: s[i] = scale * dot(q, k + i*stride), returning
-     * max s[i]; o[d] += sum_i e[i] * v[i*stride + d]. */
-    float (*dots)(float *s, const float *q, const uint16_t *k, size_t stride, int np, int hd,
-                  float scale);
-    void (*wsum)(float *o, const float *e, const uint16_t *v, size_t stride, int np, int hd);
-    /* s[i] = exp(s[i] - m) for i < n (s[i] <= m); returns their sum. */
-    float (*exp_sum)(float *s, int n, float m);
+    /* Attention helpers for gn query heads that share one KV head, over
+     * np >= 1 fp16 cache rows of length hd spaced `stride` elements.
+     * Head g's query is q + g*hd and its scores or weights are s + g*ss.
+     * att_dots: s[g*ss + i] = scale * dot(q + g*hd, k + i*stride).
+     * att_wsum: o[g*hd + d] += sum_i s[g*ss + i] * v[i*stride + d].
+     * Each row is converted from fp16 once for all gn heads. A score
+     * depends only on its row and query, never on np or the other rows,
+     * and att_wsum adds the rows in order (callers rely on both for batch
+     * invariance). */
+    void (*att_dots)(float *s, size_t ss, const float *q, int gn, const uint16_t *k,
+                     size_t stride, int np, int hd, float scale);
+    void (*att_wsum)(float *o, const float *s, size_t ss, int gn, const uint16_t *v,
+                     size_t stride, int np, int hd);
+    /* *m = max s[i]; s[i] = exp(s[i] - *m) for i < n (n >= 1); returns
+     * their sum. */
+    float (*exp_sum)(float *s, int n, float *m);
     /* g[i] = silu(g[i]) * u[i] for i < n. */
     void (*swiglu)(float *g, const float *u, size_t n);
     /* fp32 -> fp16, round to nearest even (stores into the KV cache). */
