@@ -121,14 +121,16 @@ typedef struct s_mm_job {
     fi_mm_fn fn[S_MM_MAX];          /* and its kernel */
     int row0[S_MM_MAX + 1];         /* first row of each product in the range */
     int nth;                        /* threads sharing the rows */
-    atomic_int next;                /* first row not yet claimed */
     /* the input to prepare (x NULL: nothing to prepare) */
     const float *x;                 /* n rows of cols floats */
     int n, cols, bits;              /* shape, activation bits (16 or 8) */
     size_t xrow;                    /* bytes per quantised row */
     uint8_t *xq;                    /* the quantised rows */
     uint8_t *xs;                    /* their split tiles, or NULL */
-    atomic_int qnext, qdone;        /* rows claimed, rows finished */
+    /* the counters threads write, each on its own line */
+    _Alignas(S_ALIGN) atomic_int qnext;  /* rows claimed */
+    _Alignas(S_ALIGN) atomic_int qdone;  /* rows finished */
+    _Alignas(S_ALIGN) atomic_int next;   /* first product row not yet claimed */
 } s_mm_job;
 
 static void s_relax(void) {
@@ -163,10 +165,15 @@ static void s_mm_worker(void *arg, int ith, int nth) {
     (void)ith;
     (void)nth;
     if (j->x) {
+        /* rows in runs of a quarter of a thread's share: few locked
+         * updates of the shared counters, still balanced */
+        const int run = j->n / (4 * j->nth) > 1 ? j->n / (4 * j->nth) : 1;
         int k;
-        while ((k = atomic_fetch_add_explicit(&j->qnext, 1, memory_order_relaxed)) < j->n) {
-            s_prep_row(j, k);
-            atomic_fetch_add_explicit(&j->qdone, 1, memory_order_release);
+        while ((k = atomic_fetch_add_explicit(&j->qnext, run, memory_order_relaxed)) < j->n) {
+            int e = k + run < j->n ? k + run : j->n;
+            for (int i = k; i < e; i++)
+                s_prep_row(j, i);
+            atomic_fetch_add_explicit(&j->qdone, e - k, memory_order_release);
         }
         /* every row is claimed; the last few may still be in other hands */
         for (int spins = 0; atomic_load_explicit(&j->qdone, memory_order_acquire) < j->n; spins++) {
