@@ -29,6 +29,7 @@
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -43,6 +44,17 @@
 #define S_ATT_SEG 256                   /* positions per segment (batch-invariant) */
 #define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
 
+/* Memory for packed weights, handed out in order from chunks of huge
+ * pages: a decode step streams every weight once, and on 4 KiB pages the
+ * page walks of ~85 MB a step show. Freed with the backend. */
+#define S_CHUNK_BYTES ((size_t)32 << 20)
+#define S_HUGE ((size_t)2 << 20)
+typedef struct s_chunk {
+    struct s_chunk *next;   /* older chunk */
+    uint8_t *base;          /* S_HUGE aligned */
+    size_t size, used;      /* bytes, bytes handed out */
+} s_chunk;
+
 typedef struct s_cpu {
     fi_pool *pool;          /* workers, caller is worker 0 */
     int n_threads;          /* pool size */
@@ -51,6 +63,7 @@ typedef struct s_cpu {
     int act_bits;           /* activations of quantised matmuls: 16 or 8 */
     uint8_t *scratch;       /* quantised activations, S_ALIGN aligned */
     size_t scratch_bytes;   /* its size */
+    s_chunk *packed;        /* the packed weights' memory (weight_upload) */
     float *rope_tab;        /* [rope_rows][rope_half] (cos, sin) pairs */
     int rope_rows;          /* positions covered, 0: empty */
     int rope_half;          /* head_dim / 2 it was made for */
@@ -304,14 +317,44 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
  * results, but each block's scales come in one load and its quants need
  * no shuffling. Without memory for it the kernels read the matrix in
  * place, as other flavours always do. */
+/* bytes (S_ALIGN aligned) from the packed chunks, or NULL. */
+static uint8_t *s_packed_alloc(s_cpu *c, size_t bytes) {
+    bytes = s_round_up(bytes, S_ALIGN);
+    s_chunk *k = c->packed;
+    if (!k || k->size - k->used < bytes) {
+        size_t size = s_round_up(bytes > S_CHUNK_BYTES ? bytes : S_CHUNK_BYTES, S_HUGE);
+        k = calloc(1, sizeof *k);
+        uint8_t *base = k ? aligned_alloc(S_HUGE, size) : NULL;
+        if (!base) {
+            free(k);
+            return NULL;
+        }
+#if defined(MADV_HUGEPAGE)
+        (void)madvise(base, size, MADV_HUGEPAGE); /* a hint: fine if refused */
+#endif
+        k->base = base;
+        k->size = size;
+        k->next = c->packed;
+        c->packed = k;
+    }
+    uint8_t *p = k->base + k->used;
+    k->used += bytes;
+    return p;
+}
+
+/* Quantised matrices get a copy in the packed layout where the kernels
+ * read one (fi_q16_kernels.pack: the AVX512 kernels): same bytes, same
+ * results, but each block's scales come in one load and its quants need
+ * no shuffling. Without memory for it the kernels read the matrix in
+ * place, as other flavours always do. The copies live until the backend
+ * is destroyed (weights are uploaded once, at load). */
 static int s_weight_upload(void *ctx, fi_weight *w) {
     s_cpu *c = ctx;
     w->dev = NULL;
     int packable = w->type == FI_DTYPE_Q4_0 || w->type == FI_DTYPE_Q4_1 || w->type == FI_DTYPE_Q8_0;
     if (!c->q16.pack || !packable || w->rows < 16)
         return 0;
-    size_t bytes = (size_t)(w->rows / 16) * 16 * w->row_bytes;
-    uint8_t *p = aligned_alloc(S_ALIGN, s_round_up(bytes, S_ALIGN));
+    uint8_t *p = s_packed_alloc(c, (size_t)(w->rows / 16) * 16 * w->row_bytes);
     if (!p)
         return 0;
     c->q16.pack(w->type, w->data, w->row_bytes, w->rows, w->cols, p);
@@ -321,8 +364,7 @@ static int s_weight_upload(void *ctx, fi_weight *w) {
 
 static void s_weight_release(void *ctx, fi_weight *w) {
     (void)ctx;
-    free(w->dev);
-    w->dev = NULL;
+    w->dev = NULL; /* its chunk goes with the backend */
 }
 
 static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
@@ -689,6 +731,12 @@ static void s_destroy(void *ctx) {
     s_cpu *c = ctx;
     if (!c)
         return;
+    while (c->packed) {
+        s_chunk *k = c->packed;
+        c->packed = k->next;
+        free(k->base);
+        free(k);
+    }
     fi_pool_destroy(&c->pool);
     free(c->scratch);
     free(c->rope_tab);
