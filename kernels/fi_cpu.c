@@ -172,7 +172,7 @@ static void s_prep_row(const s_mm_job *j, int k) {
         return;
     }
     c->q16.quantize(x, (fi_block_q16x *)(void *)xq, nb);
-    if (j->xs && k < j->n / 16 * 16)
+    if (j->xs)
         c->q16.split((const fi_block_q16x *)(const void *)xq, nb,
                      j->xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb), k % 16);
 }
@@ -281,10 +281,10 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
      * products; for the AMX kernels also split once, in tiles of 16. */
     const int nb = cols / FI_QK;
     const size_t xrow = (size_t)nb * (bits == 16 ? sizeof(fi_block_q16x) : sizeof(fi_block_q8x));
-    int split = bits == 16 && c->q16.split && n >= 16;
+    int split = bits == 16 && c->q16.split && n >= FI_Q16_AMX_MIN;
     size_t tile = FI_Q16_TILE_BYTES(nb);
     int group = n;
-    if (s_reserve(c, s_round_up((size_t)n * xrow, S_ALIGN) + (split ? (size_t)(n / 16) * tile : 0)) != 0) {
+    if (s_reserve(c, s_round_up((size_t)n * xrow, S_ALIGN) + (split ? (size_t)((n + 15) / 16) * tile : 0)) != 0) {
         /* short of memory: groups of 16 tokens at a time if they fit */
         size_t g16 = s_round_up(16 * xrow, S_ALIGN) + tile;
         if (split && c->scratch_bytes >= g16) {
@@ -309,7 +309,7 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
         j.bits = bits;
         j.xrow = xrow;
         j.xq = c->scratch;
-        j.xs = split && g >= 16 ? c->scratch + s_round_up((size_t)g * xrow, S_ALIGN) : NULL;
+        j.xs = split && g >= FI_Q16_AMX_MIN ? c->scratch + s_round_up((size_t)g * xrow, S_ALIGN) : NULL;
         for (int i = 0; i < count; i++) {
             j.task[i].x = j.xq;
             j.task[i].x_stride = xrow;

@@ -313,28 +313,28 @@ typedef struct s_tilecfg {
     uint8_t rows[16];    /* rows of each tile */
 } s_tilecfg;
 
-/* Tiles: 0 and 1 the sums with hi and lo (16 tokens x 16 rows, int32) of
- * even blocks, 5 and 6 those of odd blocks; 2 and 3 the hi and lo bytes
- * (16 tokens x 32 elements); 4 the weights (8 rows of 4 elements x 16
- * weight rows). */
-S_AMX_INLINE void s_amx_config(void) {
+/* Tiles, for T tokens (1..16): 0 and 1 the sums with hi and lo (T tokens
+ * x 16 rows, int32) of even blocks, 5 and 6 those of odd blocks; 2 and 3
+ * the hi and lo bytes (T tokens x 32 elements); 4 the weights (8 rows of
+ * 4 elements x 16 weight rows). */
+S_AMX_INLINE void s_amx_config(int T) {
     s_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = c.rows[1] = 16;
+    c.rows[0] = c.rows[1] = (uint8_t)T;
     c.colsb[0] = c.colsb[1] = 64;
-    c.rows[2] = c.rows[3] = 16;
+    c.rows[2] = c.rows[3] = (uint8_t)T;
     c.colsb[2] = c.colsb[3] = 32;
     c.rows[4] = 8;
     c.colsb[4] = 64;
-    c.rows[5] = c.rows[6] = 16;
+    c.rows[5] = c.rows[6] = (uint8_t)T;
     c.colsb[5] = c.colsb[6] = 64;
     _tile_loadconfig(&c);
 }
 
-/* Rows r..r+nr-1 (nr <= 16) times tokens k..k+15, whose quants are split
- * in ah/al ([block][token][element]). */
-S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k,
+/* Rows r..r+nr-1 (nr <= 16) times tokens k..k+T-1 (T <= 16, the tile
+ * configuration's), whose quants are split in ah/al ([block][token][element]). */
+S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int T,
                              int8_t (*ah)[16][32], uint8_t (*al)[16][32]) {
     const size_t stride = t->w_stride;
     const uint8_t *w0 = t->w + (size_t)r * stride;
@@ -348,7 +348,7 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
     const __m512i vidx = _mm512_loadu_si512(off);
     const fi_block_q16x *xr[16];
     __m512 acc[16];
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < T; j++) {
         xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
         acc[j] = _mm512_setzero_ps();
     }
@@ -425,7 +425,7 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
         }
         __m512 dw, aw;
         s_scales(kind, vidx, w0 + (size_t)b * bsz, pk ? pk + (size_t)b * gb : NULL, &dw, &aw);
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < T; j++) {
             const fi_block_q16x *x = xr[j] + b;
             __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cs[b & 1][0][j]), 8),
                                           _mm512_load_si512(cs[b & 1][1][j]));
@@ -437,7 +437,7 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
         }
     }
     const __mmask16 m = (__mmask16)((1u << nr) - 1);
-    for (int j = 0; j < 16; j++)
+    for (int j = 0; j < T; j++)
         _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
 }
 
@@ -453,29 +453,42 @@ static void s_split(const fi_block_q16x *x, int nb, uint8_t *tile, int j) {
     }
 }
 
-/* Tokens in tiles of 16 through the tile unit (rows in groups of 16),
- * the rest as s_mm's tiles; one token, or rows too long for the stack
- * buffers, entirely as s_mm. */
+/* Tokens in tiles of 16 through the tile unit (rows in groups of 16), a
+ * last tile of at least FI_Q16_AMX_MIN tokens too, fewer as s_mm's tiles;
+ * too few tokens, or rows too long for the stack buffer, entirely as s_mm.
+ * T is a constant for full tiles, so their loops unroll. */
+S_AMX_INLINE void s_amx_tile(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1, int k, int T,
+                             uint8_t *own) {
+    const int nb = t->cols / FI_QK;
+    const uint8_t *tile = t->xs ? t->xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb) : own;
+    if (!t->xs)
+        for (int j = 0; j < T; j++)
+            s_split((const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride), nb, own, j);
+    int8_t (*ah)[16][32] = (int8_t (*)[16][32])(uintptr_t)tile;
+    uint8_t (*al)[16][32] = (uint8_t (*)[16][32])(uintptr_t)(tile + (size_t)nb * 16 * 32);
+    for (int r = r0; r < r1; r += 16)
+        s_amx_rows(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, k, T, ah, al);
+}
+
 S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
     const int nb = t->cols / FI_QK;
-    if (t->n < 16 || nb > S_AMX_NB) {
+    if (t->n < FI_Q16_AMX_MIN || nb > S_AMX_NB) {
         s_mm(kind, bsz, t, r0, r1);
         return;
     }
     /* the split tile: the caller's (made once per call), or our own */
     _Alignas(64) uint8_t own[FI_Q16_TILE_BYTES(S_AMX_NB)];
-    s_amx_config();
     int k = 0;
-    for (; k + 16 <= t->n; k += 16) {
-        const uint8_t *tile = t->xs ? t->xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb) : own;
-        if (!t->xs)
-            for (int j = 0; j < 16; j++)
-                s_split((const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride), nb,
-                        own, j);
-        int8_t (*ah)[16][32] = (int8_t (*)[16][32])(uintptr_t)tile;
-        uint8_t (*al)[16][32] = (uint8_t (*)[16][32])(uintptr_t)(tile + (size_t)nb * 16 * 32);
-        for (int r = r0; r < r1; r += 16)
-            s_amx_rows(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, k, ah, al);
+    if (t->n >= 16) {
+        s_amx_config(16);
+        for (; k + 16 <= t->n; k += 16)
+            s_amx_tile(kind, bsz, t, r0, r1, k, 16, own);
+    }
+    int rest = t->n - k;
+    if (rest >= FI_Q16_AMX_MIN) {
+        s_amx_config(rest);
+        s_amx_tile(kind, bsz, t, r0, r1, k, rest, own);
+        k = t->n;
     }
     _tile_release();
     if (k < t->n)

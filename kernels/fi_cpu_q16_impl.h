@@ -60,6 +60,12 @@ typedef struct fi_q16_kernels {
  * scales load as one vector and the quants need no shuffling. */
 void fi_q16_pack(fi_dtype type, const uint8_t *w, size_t stride, int rows, int cols, uint8_t *out);
 
+/* The AMX kernels give the tile unit tiles of 16 tokens, and a last tile
+ * of at least this many; fewer tokens go to the vector kernels. */
+#ifndef FI_Q16_AMX_MIN
+#define FI_Q16_AMX_MIN 4
+#endif
+
 /* Bytes of one split tile of 16 tokens of nb blocks (fi_q16_kernels.split). */
 #define FI_Q16_TILE_BYTES(nb) ((size_t)(nb) * 2 * 16 * 32)
 

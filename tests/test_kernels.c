@@ -508,14 +508,14 @@ static void test_matmul_model_shapes(void **state) {
 /* With 16-bit activations (the default) a token's result does not depend
  * on the batch it comes in: n tokens at once equal each token alone, bit
  * for bit, in every flavour, for batches of every tile shape the kernels
- * have (1, 2, 3, 4, 5, 8, 16, 17 tokens; a token at different places in
+ * have (2 to 20 tokens: the vector tiles, full and partial AMX tiles; a token at different places in
  * the batch) and 1 or 2 threads (different row splits). The scheduler
  * relies on it: batched decode gives the same logits as one sequence
  * alone, and prefill the same as decode. */
 static void test_matmul16_batch_invariant(void **state) {
     (void)state;
     static const fi_dtype types[] = {FI_DTYPE_Q4_0, FI_DTYPE_Q4_1, FI_DTYPE_Q8_0};
-    static const int ns[] = {2, 3, 4, 5, 8, 16, 17};
+    static const int ns[] = {2, 3, 4, 5, 7, 8, 15, 16, 17, 20};
     enum { ROWS = 75, COLS = 192, NT = 20 };
     rng r = {555};
     float *x = fvec((size_t)NT * COLS), *yb = fvec((size_t)NT * ROWS), *y1 = fvec((size_t)NT * ROWS);
@@ -683,7 +683,7 @@ static int q16_tables(fi_q16_kernels *out, const char **names) {
 static void test_q16_kernels_tiling(void **state) {
     (void)state;
     static const fi_dtype types[] = {FI_DTYPE_Q4_0, FI_DTYPE_Q4_1, FI_DTYPE_Q8_0};
-    static const int ns[] = {1, 2, 3, 4, 5, 8, 16, 17};
+    static const int ns[] = {1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 19};
     static const int cuts[] = {0, 1, 6, 7, 10, 23, 37}; /* row ranges [cuts[i], cuts[i+1]) */
     enum { ROWS = 37, COLS = 160, NT = 19, NCUT = sizeof cuts / sizeof cuts[0] };
     fi_q16_kernels tab[4];
@@ -697,7 +697,7 @@ static void test_q16_kernels_tiling(void **state) {
     fi_block_q16x *xq = malloc(xrow * NT);
     assert_non_null(xq);
     fi_quantize_q16x_ref(x, xq, NT * COLS / 32);
-    uint8_t *xs = malloc(FI_Q16_TILE_BYTES(COLS / 32) * (NT / 16));
+    uint8_t *xs = malloc(FI_Q16_TILE_BYTES(COLS / 32) * ((NT + 15) / 16));
     uint8_t *wpk = malloc(fi_dtype_row_bytes(FI_DTYPE_Q8_0, COLS) * ROWS); /* the widest type */
     assert_non_null(xs);
     assert_non_null(wpk);
@@ -769,10 +769,10 @@ static void test_q16_kernels_tiling(void **state) {
                         }
                         t.wp = NULL;
                     }
-                    if (!tab[ki].split || n < 16)
+                    if (!tab[ki].split || n < FI_Q16_AMX_MIN)
                         continue;
                     /* the same with the input split by the caller (fi_mm_task.xs) */
-                    for (int k = 0; k < n / 16 * 16; k++)
+                    for (int k = 0; k < n; k++)
                         tab[ki].split((const fi_block_q16x *)(const void *)((const uint8_t *)xq +
                                                                              (size_t)(off + k) * xrow),
                                       COLS / 32, xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(COLS / 32),
