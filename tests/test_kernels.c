@@ -508,8 +508,9 @@ static void test_matmul_model_shapes(void **state) {
 /* With 16-bit activations (the default) a token's result does not depend
  * on the batch it comes in: n tokens at once equal each token alone, bit
  * for bit, in every flavour, for batches of every tile shape the kernels
- * have (2 to 20 tokens: the vector tiles, full and partial AMX tiles; a token at different places in
- * the batch) and 1 or 2 threads (different row splits). The scheduler
+ * have (2 to 20 tokens: vector tiles, full and partial AMX tiles; a token
+ * at different places in the batch) and 1 or 2 threads (different row
+ * splits). The scheduler
  * relies on it: batched decode gives the same logits as one sequence
  * alone, and prefill the same as decode. */
 static void test_matmul16_batch_invariant(void **state) {
