@@ -115,7 +115,7 @@ static int s_step_all(fi_sched *s) {
 
 /* Closed loop at concurrency c. Prints one row. */
 static int s_concurrency(bench *b, int c, int n_prompt, int n_gen, int max_seqs,
-                         double *tput_out) {
+                         double *tput_out, double *dec_out) {
     char err[256];
     fi_sched_opts so = {.max_seqs = max_seqs, .n_ctx = n_prompt + n_gen + 16,
                         .no_prefix_cache = 1};
@@ -159,10 +159,16 @@ static int s_concurrency(bench *b, int c, int n_prompt, int n_gen, int max_seqs,
         if (rs[i].n_gen > 1) tpot[nt++] = (rs[i].t_done - rs[i].t_first) / (rs[i].n_gen - 1);
     }
     *tput_out = (double)gen / wall;
+    /* decode throughput: c streams, each a token per mean time per token
+     * after its first (prefill excluded) */
+    double mean = 0;
+    for (int i = 0; i < nt; i++)
+        mean += tpot[i] / nt;
+    *dec_out = mean > 0 ? c / mean : 0;
     double t50 = s_pct(ttft, total, 0.5), t99 = s_pct(ttft, total, 0.99);
     double p50 = s_pct(tpot, nt, 0.5), p99 = s_pct(tpot, nt, 0.99);
-    printf("  %4d  %8d  %10.1f  %8.0f  %8.0f  %8.1f  %8.1f\n", c, total, *tput_out, t50 * 1e3,
-           t99 * 1e3, p50 * 1e3, p99 * 1e3);
+    printf("  %4d  %8d  %10.1f  %10.1f  %8.0f  %8.0f  %8.1f  %8.1f\n", c, total, *tput_out, *dec_out,
+           t50 * 1e3, t99 * 1e3, p50 * 1e3, p99 * 1e3);
     fflush(stdout);
     rc = 0;
 done:
@@ -286,7 +292,9 @@ static void s_usage(FILE *f) {
             "Serving benchmarks of the continuous-batching scheduler: throughput and\n"
             "latency at several concurrencies, time to first token with a shared prefix\n"
             "(prefix cache on and off), and the prefix hit rate of cache-aware routing\n"
-            "against round-robin over two replicas.\n"
+            "against round-robin over two replicas. Throughput twice: tok/s(agg), the\n"
+            "tokens generated over the wall time (prefills included), and tok/s(dec),\n"
+            "the concurrency over the mean time per output token (decode alone).\n"
             "\n"
             "options:\n"
             "  -m, --model FILE         GGUF model (default: the set-up's model)\n"
@@ -387,8 +395,8 @@ int fi_cmd_bench_serve(int argc, char **argv) {
     if (!only || !strcmp(only, "concurrency")) {
         printf("\nconcurrency: prompts of %ld tokens, %ld generated each (greedy), closed loop\n",
                n_prompt, n_gen);
-        printf("  conc  requests  tok/s(agg)  ttft p50  ttft p99  tpot p50  tpot p99   (ms)\n");
-        double base = 0;
+        printf("  conc  requests  tok/s(agg)  tok/s(dec)  ttft p50  ttft p99  tpot p50  tpot p99   (ms)\n");
+        double base = 0, base_dec = 0;
         int base_c = 0;
         for (char *save = NULL, *tokp = strtok_r(conc, ",", &save); tokp;
              tokp = strtok_r(NULL, ",", &save)) {
@@ -397,11 +405,14 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                 fprintf(stderr, "fedinfer: concurrency %s is not in 1..256\n", tokp);
                 goto done;
             }
-            double tput;
-            if (s_concurrency(&b, cc, (int)n_prompt, (int)n_gen, cc < 64 ? 64 : cc, &tput)) goto done;
-            if (base == 0) base = tput, base_c = cc;
-            else printf("        -> %.2fx the aggregate throughput of concurrency %d\n", tput / base,
-                        base_c);
+            double tput, dec;
+            if (s_concurrency(&b, cc, (int)n_prompt, (int)n_gen, cc < 64 ? 64 : cc, &tput, &dec))
+                goto done;
+            if (base == 0)
+                base = tput, base_dec = dec, base_c = cc;
+            else
+                printf("        -> %.2fx the aggregate throughput of concurrency %d (decode alone: "
+                       "%.2fx)\n", tput / base, base_c, base_dec > 0 ? dec / base_dec : 0);
         }
     }
     if (!only || !strcmp(only, "prefix")) {
