@@ -1149,6 +1149,8 @@ static const fi_backend_ops s_cuda_ops = {
     /* .graph_begin = */ s_graph_begin,
     /* .graph_end = */ s_graph_end,
     /* .kv_store = */ s_kv_store,
+    /* .matmul_n = */ NULL, /* one cuBLASLt call per product */
+    /* .host_memory = */ 0,
 };
 
 extern "C" int fi_cuda_device_count(char *err, size_t errlen) {
