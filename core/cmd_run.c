@@ -86,7 +86,8 @@ static void s_run_usage(FILE *f) {
             "      --device DEV        cpu, cuda or auto: CUDA device 0 when present, else\n"
             "                          the CPU (default auto)\n"
             "      --act-bits N        activation precision in quantised products: 16\n"
-            "                          (default, matches an exact computation) or 8 (faster)\n"
+            "                          (default, matches an exact computation) or 8 (as\n"
+            "                          llama.cpp; faster only without the AVX512 paths)\n"
             "      --stats             print timings and token counts to stderr\n"
             "  -h, --help              this text\n",
             FI_DEFAULT_MODEL);
