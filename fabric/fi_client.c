@@ -147,7 +147,7 @@ int fi_client_set_capacity(fi_client *c, int i, uint32_t capacity) {
 }
 
 static void s_close(fi_client *c) {
-    if (c->sock) zmq_close(c->sock);
+    fi_sock_close_monitored(c->sock);
     if (c->mon) zmq_close(c->mon);
     c->sock = c->mon = NULL;
     c->ready = 0;
@@ -573,7 +573,7 @@ int fi_client_enrol(const fi_client_opts *o, const char *enrol_endpoint, const c
         goto done;
     }
 done:
-    if (s) zmq_close(s);
+    fi_sock_close_monitored(s);
     if (mon) zmq_close(mon);
     if (ctx) zmq_ctx_term(ctx);
     return rc;

@@ -1286,8 +1286,8 @@ fail:
 void fi_coord_destroy(fi_coord **cp) {
     if (!cp || !*cp) return;
     fi_coord *c = *cp;
-    if (c->router) zmq_close(c->router);
-    if (c->enrol) zmq_close(c->enrol);
+    fi_sock_close_monitored(c->router);
+    fi_sock_close_monitored(c->enrol);
     if (c->zap) zmq_close(c->zap);
     for (int i = 0; i < 2; i++)
         if (c->mon[i]) zmq_close(c->mon[i]);

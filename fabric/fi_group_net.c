@@ -192,10 +192,7 @@ void fi_gnet_destroy(fi_gnet **np) {
             n->head[r] = m->next;
             fi_gmsg_free(&m);
         }
-        if (n->dealer[r]) {
-            zmq_socket_monitor(n->dealer[r], NULL, 0);
-            zmq_close(n->dealer[r]);
-        }
+        fi_sock_close_monitored(n->dealer[r]);
         if (n->mon[r]) zmq_close(n->mon[r]);
     }
     if (n->router) zmq_close(n->router);

@@ -184,3 +184,9 @@ int fi_zap_handle(void *zap, fi_zap_fn fn, void *user) {
         answered++;
     }
 }
+
+void fi_sock_close_monitored(void *s) {
+    if (!s) return;
+    (void)zmq_socket_monitor(s, NULL, 0);
+    zmq_close(s);
+}

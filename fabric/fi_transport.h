@@ -60,6 +60,14 @@ FI_WIRE_MUST_CHECK int fi_sock_client(void *s, const fi_keypair *kp,
                                       const uint8_t server_pub[FI_KEYS_BYTES],
                                       const fi_sockopts *o, char *err, size_t errlen);
 
+/* Closes a socket that has a monitor (zmq_socket_monitor), stopping the
+ * monitor first. libzmq's I/O thread sends monitor events blocking: once
+ * the reading PAIR is closed, the closing socket's last event (its
+ * disconnection, emitted after zmq_close returns) blocks that thread for
+ * good, and with it every socket of the context and zmq_ctx_term. NULL is
+ * ignored. */
+void fi_sock_close_monitored(void *s);
+
 /* --- ZAP --------------------------------------------------------------- */
 
 /* Decides on one handshake: domain, the client's key, its address.
