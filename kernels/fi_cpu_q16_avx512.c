@@ -332,6 +332,24 @@ S_AMX_INLINE void s_amx_config(int T) {
     _tile_loadconfig(&c);
 }
 
+/* One block's products: the hi and lo bytes (tiles 2, 3) times the
+ * weights (tile 4) into the sum tiles H and L (tile numbers are
+ * immediates), stored to out[0] and out[1]. */
+#define S_AMX_PRODUCTS(kind, H, L, out) \
+    do {                                 \
+        _tile_zero(H);                   \
+        _tile_zero(L);                   \
+        if ((kind) == S_Q8_0) {          \
+            _tile_dpbssd(H, 2, 4);       \
+            _tile_dpbusd(L, 3, 4);       \
+        } else {                         \
+            _tile_dpbsud(H, 2, 4);       \
+            _tile_dpbuud(L, 3, 4);       \
+        }                                \
+        _tile_stored(H, (out)[0], 64);   \
+        _tile_stored(L, (out)[1], 64);   \
+    } while (0)
+
 /* Rows r..r+nr-1 (nr <= 16) times tokens k..k+T-1 (T <= 16, the tile
  * configuration's), whose quants are split in ah/al ([block][token][element]). */
 S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int T,
@@ -388,31 +406,10 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
                 _tile_loadd(4, pk + (size_t)bn * gb + S_QOFF(kind), 64);
             else
                 _tile_loadd(4, bt[bn % 3], 64);
-            if (sb == 0) {
-                _tile_zero(0);
-                _tile_zero(1);
-                if (kind == S_Q8_0) {
-                    _tile_dpbssd(0, 2, 4);
-                    _tile_dpbusd(1, 3, 4);
-                } else {
-                    _tile_dpbsud(0, 2, 4);
-                    _tile_dpbuud(1, 3, 4);
-                }
-                _tile_stored(0, cs[0][0], 64);
-                _tile_stored(1, cs[0][1], 64);
-            } else {
-                _tile_zero(5);
-                _tile_zero(6);
-                if (kind == S_Q8_0) {
-                    _tile_dpbssd(5, 2, 4);
-                    _tile_dpbusd(6, 3, 4);
-                } else {
-                    _tile_dpbsud(5, 2, 4);
-                    _tile_dpbuud(6, 3, 4);
-                }
-                _tile_stored(5, cs[1][0], 64);
-                _tile_stored(6, cs[1][1], 64);
-            }
+            if (sb == 0)
+                S_AMX_PRODUCTS(kind, 0, 1, cs[0]);
+            else
+                S_AMX_PRODUCTS(kind, 5, 6, cs[1]);
         }
         if (b < 0)
             continue;
