@@ -250,19 +250,21 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
 
 /* Tokens k..n-1 of rows r..r+nr-1 in tiles of S_PT, then 4, 2, 1 (each a
  * compile-time size, so the tile's loops unroll). */
-S_INLINE void s_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k) {
-    for (; k + S_PT <= t->n; k += S_PT)
-        s_tile(kind, bsz, t, r, nr, k, S_PT, 0);
+S_INLINE void s_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int pf) {
+    for (; k + S_PT <= t->n; k += S_PT, pf = 0)
+        s_tile(kind, bsz, t, r, nr, k, S_PT, pf);
     if (k + 4 <= t->n) {
-        s_tile(kind, bsz, t, r, nr, k, 4, 0);
+        s_tile(kind, bsz, t, r, nr, k, 4, pf);
         k += 4;
+        pf = 0;
     }
     if (k + 2 <= t->n) {
-        s_tile(kind, bsz, t, r, nr, k, 2, 0);
+        s_tile(kind, bsz, t, r, nr, k, 2, pf);
         k += 2;
+        pf = 0;
     }
     if (k < t->n)
-        s_tile(kind, bsz, t, r, nr, k, 1, 0);
+        s_tile(kind, bsz, t, r, nr, k, 1, pf);
 }
 
 /* One token: groups of 16 rows, prefetching. Several: sub-blocks of S_RB
@@ -274,15 +276,16 @@ S_INLINE void s_mm(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
             s_tile(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, 0, 1, 1);
         return;
     }
+    /* the first pass over a sub-block prefetches the rows ahead */
     for (int rb = r0; rb < r1; rb += S_RB) {
         int re = rb + S_RB < r1 ? rb + S_RB : r1;
         int k = 0;
         for (; k + S_PT <= t->n; k += S_PT)
             for (int r = rb; r < re; r += 16)
-                s_tile(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, S_PT, 0);
+                s_tile(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, S_PT, k == 0);
         if (k < t->n)
             for (int r = rb; r < re; r += 16)
-                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k);
+                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, k == 0);
     }
 }
 
@@ -492,7 +495,7 @@ S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, in
         for (int rb = r0; rb < r1; rb += S_RB) {
             int re = rb + S_RB < r1 ? rb + S_RB : r1;
             for (int r = rb; r < re; r += 16)
-                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k);
+                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, 0);
         }
 }
 
