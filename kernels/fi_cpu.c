@@ -41,6 +41,7 @@
 #define S_SCRATCH_MIN ((size_t)1 << 20) /* bytes of scratch made at start */
 #define S_PAR_ELEMS 32768               /* element-wise ops: go parallel above this */
 #define S_PAR_SWIGLU 8192               /* SwiGLU (an exp per element): above this */
+#define S_PAR_ROWS 4096                 /* RMSNorm and RoPE (rows of work): above this */
 #define S_ATT_SEG 256                   /* positions per segment (batch-invariant) */
 #define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
 
@@ -403,11 +404,18 @@ static void s_norm_worker(void *arg, int ith, int nth) {
     for (int t = t0; t < t1; t++) {
         const float *x = j->x + (size_t)t * j->dim;
         float *y = j->y + (size_t)t * j->dim;
-        double ss = 0.0;
-        for (int i = 0; i < j->dim; i++)
+        /* eight partial sums: no chain of dependent additions through the
+         * row (the same order whatever n, so a row's result is too) */
+        double p[8] = {0};
+        int i = 0;
+        for (; i + 8 <= j->dim; i += 8)
+            for (int k = 0; k < 8; k++)
+                p[k] += (double)x[i + k] * x[i + k];
+        double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+        for (; i < j->dim; i++)
             ss += (double)x[i] * x[i];
         float scale = (float)(1.0 / sqrt(ss / j->dim + j->eps));
-        for (int i = 0; i < j->dim; i++)
+        for (i = 0; i < j->dim; i++)
             y[i] = x[i] * scale * j->g[i];
     }
 }
@@ -416,7 +424,7 @@ static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n
                       float eps) {
     s_cpu *c = ctx;
     s_norm_job j = {.y = y, .x = x, .g = g, .n = n, .dim = dim, .eps = eps};
-    if (c->n_threads > 1 && n > 1 && (size_t)n * dim >= S_PAR_ELEMS)
+    if (c->n_threads > 1 && n > 1 && (size_t)n * dim >= S_PAR_ROWS)
         fi_pool_run(c->pool, s_norm_worker, &j);
     else
         s_norm_worker(&j, 0, 1);
@@ -458,17 +466,23 @@ static int s_rope_table(s_cpu *c, int need, int head_dim, float theta) {
     return 0;
 }
 
-static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
-                   float theta) {
-    s_cpu *c = ctx;
-    int half = head_dim / 2;
-    int maxp = 0;
-    for (int t = 0; t < n; t++)
-        maxp = pos[t] > maxp ? pos[t] : maxp;
-    int use_tab = s_rope_table(c, maxp + 1, head_dim, theta) == 0;
-    for (int t = 0; t < n; t++) {
-        float *row = x + (size_t)t * n_heads * head_dim;
-        const float *tab = use_tab ? c->rope_tab + (size_t)pos[t] * half * 2 : NULL;
+typedef struct s_rope_job {
+    float *x;                   /* n rows of n_heads * head_dim */
+    const int32_t *pos;         /* each row's position */
+    const float *tab;           /* the rope table, or NULL */
+    int n, n_heads, head_dim;   /* shape */
+    float theta;                /* base */
+} s_rope_job;
+
+static void s_rope_worker(void *arg, int ith, int nth) {
+    const s_rope_job *j = arg;
+    const int half = j->head_dim / 2, n_heads = j->n_heads, head_dim = j->head_dim;
+    const int32_t *pos = j->pos;
+    const float theta = j->theta;
+    int t0 = (int)((long)j->n * ith / nth), t1 = (int)((long)j->n * (ith + 1) / nth);
+    for (int t = t0; t < t1; t++) {
+        float *row = j->x + (size_t)t * n_heads * head_dim;
+        const float *tab = j->tab ? j->tab + (size_t)pos[t] * half * 2 : NULL;
         for (int i = 0; i < half; i++) {
             float cs, sn;
             if (tab) {
@@ -485,6 +499,21 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
             }
         }
     }
+}
+
+static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
+                   float theta) {
+    s_cpu *c = ctx;
+    int maxp = 0;
+    for (int t = 0; t < n; t++)
+        maxp = pos[t] > maxp ? pos[t] : maxp;
+    s_rope_job j = {.x = x, .pos = pos, .n = n, .n_heads = n_heads, .head_dim = head_dim,
+                    .theta = theta};
+    j.tab = s_rope_table(c, maxp + 1, head_dim, theta) == 0 ? c->rope_tab : NULL;
+    if (c->n_threads > 1 && n > 1 && (size_t)n * n_heads * head_dim >= S_PAR_ROWS)
+        fi_pool_run(c->pool, s_rope_worker, &j);
+    else
+        s_rope_worker(&j, 0, 1);
 }
 
 /* Attention work item: token t, position segment seg, all heads. The
