@@ -1,6 +1,6 @@
-# kernels: the unit test runs under the sanitizers too (tests/run.sh runs
+# kernels: the unit tests run under the sanitizers too (tests/run.sh runs
 # every test labelled asan in the clang ASan/UBSan build).
-set_tests_properties(test_kernels PROPERTIES LABELS asan)
+set_tests_properties(test_kernels test_attention_paged PROPERTIES LABELS asan)
 
 # Micro-benchmark of the CPU kernels and the pool (a program, not a test):
 #   ./build/tests/bench_kernels [threads...]
