@@ -24,7 +24,16 @@
  * once per cycle here (on 256 bits twice, the same 32 products), and a
  * tile of eight tokens runs near that rate (about 180 GFLOP/s per thread
  * on Sapphire Rapids, against 65 for the AVX2 kernel). Tiles of sixteen
- * tokens go to the AMX tile unit where there is one (see below: about 270).
+ * tokens, and a last tile of FI_Q16_AMX_MIN or more, go to the AMX tile
+ * unit where there is one (see below: about 270).
+ *
+ * Packed weights: where the backend made a packed copy (fi_q16_pack,
+ * fi_mm_task.wp) a full group of 16 rows is read from it: the block's 16
+ * d (and m) are one vector load instead of a gather, and its quants are
+ * already the dword transpose, four (Q4) or eight (Q8_0) loads instead of
+ * sixteen loads and a permute network; the same bytes, so the same
+ * results. Partial groups are read in GGUF's layout. The weights stream
+ * from memory: each tile prefetches the group of rows ahead.
  *
  * No overflow: |w| <= 15 (Q4, unsigned nibbles) or 128 (Q8_0) times
  * |x| <= 32767, 32 products per 32-bit lane: below 2^28.
