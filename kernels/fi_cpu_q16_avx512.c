@@ -197,6 +197,18 @@ S_INLINE const uint8_t *s_packed(const fi_mm_task *t, int r, int nr) {
 }
 #define S_QOFF(kind) ((kind) == S_Q4_1 ? 64 : 32) /* quants' offset in a packed block */
 
+/* The 16 lanes' rows of a group starting at w0 (a partial group of nr
+ * rows repeats its last row): their pointers in p, and their byte offsets
+ * as a vector (for gathers of the rows' scales). */
+S_INLINE __m512i s_rows(const uint8_t *w0, size_t stride, int nr, const uint8_t *p[16]) {
+    int off[16];
+    for (int i = 0; i < 16; i++) {
+        off[i] = (i < nr ? i : nr - 1) * (int)stride;
+        p[i] = w0 + off[i];
+    }
+    return _mm512_loadu_si512(off);
+}
+
 /* Rows r..r+nr-1 (1 <= nr <= 16; a partial group repeats its last row)
  * times tokens k..k+T-1 (T <= S_PT), one row per lane. pf: the one-token
  * tile, which prefetches the groups ahead. */
@@ -205,12 +217,7 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
     const uint8_t *w0 = t->w + (size_t)r * stride;
     const int nb = t->cols / FI_QK;
     const uint8_t *p[16];
-    int off[16];
-    for (int i = 0; i < 16; i++) {
-        off[i] = (i < nr ? i : nr - 1) * (int)stride;
-        p[i] = w0 + off[i];
-    }
-    const __m512i vidx = _mm512_loadu_si512(off);
+    const __m512i vidx = s_rows(w0, stride, nr, p);
     const fi_block_q16x *xr[S_PT];
     __m512 acc[S_PT];
     for (int j = 0; j < T; j++) {
@@ -370,12 +377,7 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
     const uint8_t *w0 = t->w + (size_t)r * stride;
     const int nb = t->cols / FI_QK;
     const uint8_t *p[16];
-    int off[16];
-    for (int i = 0; i < 16; i++) {
-        off[i] = (i < nr ? i : nr - 1) * (int)stride;
-        p[i] = w0 + off[i];
-    }
-    const __m512i vidx = _mm512_loadu_si512(off);
+    const __m512i vidx = s_rows(w0, stride, nr, p);
     const fi_block_q16x *xr[16];
     __m512 acc[16];
     for (int j = 0; j < T; j++) {
