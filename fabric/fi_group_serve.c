@@ -59,20 +59,10 @@ struct s_lead {
 static int s_on_text(void *user, const char *text, size_t len) {
     s_req *q = user;
     if (q->lost) return 1;
-    char *t = malloc(len + 1);
-    if (!t) return 1;
-    memcpy(t, text, len);
-    t[len] = 0;
-    Fi__TokenChunk ch = FI__TOKEN_CHUNK__INIT;
-    ch.request_id = q->id;
-    ch.index = q->index++;
-    ch.text = t;
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_CHUNK;
-    m.chunk = &ch;
-    int rc = fi_client_send(q->L->c, &m);
-    free(t);
-    return rc != 0; /* our queue to the coordinator is full: stop this one */
+    size_t n = 0;
+    uint8_t *buf = fi_wire_chunk(q->id, q->index++, text, len, &n);
+    /* a full queue to the coordinator (or no memory) stops this one */
+    return fi_client_send_encoded(q->L->c, buf, &n) != 0;
 }
 
 static void s_unlink(s_lead *L, s_req *q) {

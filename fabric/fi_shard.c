@@ -120,31 +120,27 @@ typedef struct s_gen {
     uint32_t index;             /* next chunk's index */
 } s_gen;
 
-static void s_gen_forward(s_gen *g, const fi_msg *m) {
-    size_t len = 0;
-    uint8_t *buf = fi_wire_encode(m, &len);
+/* Passes an encoded message (buf, freed here; NULL: out of memory) to the loop. */
+static void s_gen_send(s_gen *g, uint8_t *buf, size_t len) {
     if (!buf) return;
     zmq_send(g->pipe, "m", 1, ZMQ_SNDMORE);
     zmq_send(g->pipe, buf, len, 0);
     free(buf);
 }
 
+static void s_gen_forward(s_gen *g, const fi_msg *m) {
+    size_t len = 0;
+    uint8_t *buf = fi_wire_encode(m, &len);
+    s_gen_send(g, buf, len);
+}
+
 static int s_gen_emit(void *user, const char *text, size_t len) {
     s_gen *g = user;
     if (atomic_load(&g->cancel)) return 1;
-    char *t = malloc(len + 1);
-    if (!t) return 1;
-    memcpy(t, text, len);
-    t[len] = 0;
-    Fi__TokenChunk ch = FI__TOKEN_CHUNK__INIT;
-    ch.request_id = (char *)g->id;
-    ch.index = g->index++;
-    ch.text = t;
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_CHUNK;
-    m.chunk = &ch;
-    s_gen_forward(g, &m);
-    free(t);
+    size_t n = 0;
+    uint8_t *buf = fi_wire_chunk(g->id, g->index++, text, len, &n);
+    if (!buf) return 1;
+    s_gen_send(g, buf, n);
     return 0;
 }
 

@@ -52,24 +52,24 @@ struct s_bgen {
     uint64_t report_ms;          /* when load was last sent */
 };
 
-static void s_forward(s_bgen *g, const fi_msg *m) {
-    size_t len = 0;
-    uint8_t *buf = fi_wire_encode(m, &len);
+/* Passes an encoded message (buf, freed here; NULL: out of memory) to the loop. */
+static void s_send(s_bgen *g, uint8_t *buf, size_t len) {
     if (!buf) return;
     zmq_send(g->pipe, "m", 1, ZMQ_SNDMORE);
     zmq_send(g->pipe, buf, len, 0);
     free(buf);
 }
 
+static void s_forward(s_bgen *g, const fi_msg *m) {
+    size_t len = 0;
+    uint8_t *buf = fi_wire_encode(m, &len);
+    s_send(g, buf, len);
+}
+
 static void s_error(s_bgen *g, const char *id, Fi__ErrorCode code, const char *msg) {
-    Fi__Error e = FI__ERROR__INIT;
-    e.request_id = (char *)id;
-    e.code = code;
-    e.message = (char *)msg;
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_ERROR;
-    m.error = &e;
-    s_forward(g, &m);
+    size_t len = 0;
+    uint8_t *buf = fi_wire_error(id, code, msg, &len);
+    s_send(g, buf, len);
 }
 
 static void s_ended(s_bgen *g, const char *id) {
@@ -80,19 +80,10 @@ static void s_ended(s_bgen *g, const char *id) {
 static int s_emit(void *user, const char *text, size_t len) {
     s_slot *sl = user;
     if (sl->cancelled) return 1;
-    char *t = malloc(len + 1);
-    if (!t) return 1;
-    memcpy(t, text, len);
-    t[len] = 0;
-    Fi__TokenChunk ch = FI__TOKEN_CHUNK__INIT;
-    ch.request_id = sl->id;
-    ch.index = sl->index++;
-    ch.text = t;
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_CHUNK;
-    m.chunk = &ch;
-    s_forward(sl->g, &m);
-    free(t);
+    size_t n = 0;
+    uint8_t *buf = fi_wire_chunk(sl->id, sl->index++, text, len, &n);
+    if (!buf) return 1;
+    s_send(sl->g, buf, n);
     return 0;
 }
 

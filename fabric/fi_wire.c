@@ -203,6 +203,24 @@ uint8_t *fi_wire_ack(const char *ref, size_t *len) {
     return fi_wire_encode(&m, len);
 }
 
+uint8_t *fi_wire_chunk(const char *request_id, uint32_t index, const char *text, size_t n,
+                       size_t *len) {
+    char *t = malloc(n + 1); /* protobuf-c strings end in NUL */
+    if (!t) return NULL;
+    memcpy(t, text, n);
+    t[n] = 0;
+    Fi__TokenChunk ch = FI__TOKEN_CHUNK__INIT;
+    ch.request_id = (char *)(request_id ? request_id : "");
+    ch.index = index;
+    ch.text = t;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_CHUNK;
+    m.chunk = &ch;
+    uint8_t *buf = fi_wire_encode(&m, len);
+    free(t);
+    return buf;
+}
+
 uint64_t fi_wire_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

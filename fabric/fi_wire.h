@@ -73,6 +73,10 @@ Fi__Role fi_wire_role_parse(const char *s);
 uint8_t *fi_wire_error(const char *request_id, Fi__ErrorCode code, const char *message, size_t *len);
 uint8_t *fi_wire_heartbeat(uint64_t sent_ms, size_t *len);
 uint8_t *fi_wire_ack(const char *ref, size_t *len);
+/* A TokenChunk of request_id: piece `index` of the reply, text[0..n) (not
+ * NUL-terminated; copied). */
+uint8_t *fi_wire_chunk(const char *request_id, uint32_t index, const char *text, size_t n,
+                       size_t *len);
 
 /* Monotonic clock, milliseconds. */
 uint64_t fi_wire_now_ms(void);

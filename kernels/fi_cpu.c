@@ -305,7 +305,10 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
     int split = bits == 16 && c->q16.split && n >= FI_Q16_AMX_MIN;
     size_t tile = FI_Q16_TILE_BYTES(nb);
     int group = n;
-    if (s_reserve(c, s_round_up((size_t)n * xrow, S_ALIGN) + (split ? (size_t)((n + 15) / 16) * tile : 0)) != 0) {
+    /* the whole input, quantised (and split) */
+    const size_t one =
+        s_round_up((size_t)n * xrow, S_ALIGN) + (split ? (size_t)((n + 15) / 16) * tile : 0);
+    if (s_reserve(c, one) != 0) {
         /* short of memory: groups of 16 tokens at a time if they fit */
         size_t g16 = s_round_up(16 * xrow, S_ALIGN) + tile;
         if (split && c->scratch_bytes >= g16) {
@@ -325,7 +328,6 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
     /* A few tokens (decoding): every thread prepares the whole input for
      * itself. Sharing 16 rows between two cores and waiting for the last
      * one took 6.3 us a call against 2.5 us for one thread alone. */
-    size_t one = s_round_up((size_t)n * xrow, S_ALIGN) + (split ? (size_t)((n + 15) / 16) * tile : 0);
     int own = c->n_threads > 1 && n <= S_OWN_PREP && j.row0[count] >= 32 && group == n &&
               s_reserve(c, one * (size_t)c->n_threads) == 0;
     for (int k0 = 0; k0 < n; k0 += group) {
