@@ -290,6 +290,7 @@ int fi_cmd_bench(int argc, char **argv) {
      * (the 16-bit ones may use the backend's packed copy) */
     fi_backend *beb = fi_model_backend(m);
     double dec8 = 0;
+    const int bits0 = fi_cpu_backend_act_bits(beb);
     if (fi_cpu_backend_set_act_bits(beb, 8) == 0) {
         double *d8 = calloc((size_t)reps, sizeof(double));
         if (!d8) goto done;
@@ -312,7 +313,7 @@ int fi_cmd_bench(int argc, char **argv) {
         }
         dec8 = s_median(d8, (int)reps);
         free(d8);
-        if (fi_cpu_backend_set_act_bits(beb, 16) != 0) goto done;
+        if (fi_cpu_backend_set_act_bits(beb, bits0) != 0) goto done;
     }
     if (dec8 > 0)
         printf("decode 8-bit   %.1f tok/s  (the decode above with 8-bit activations: %.2fx; less "

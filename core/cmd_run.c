@@ -85,9 +85,11 @@ static void s_run_usage(FILE *f) {
             "      --simd MODE         auto, portable or avx2 (default auto)\n"
             "      --device DEV        cpu, cuda or auto: CUDA device 0 when present, else\n"
             "                          the CPU (default auto)\n"
-            "      --act-bits N        activation precision in quantised products: 16\n"
-            "                          (default, matches an exact computation) or 8 (as\n"
-            "                          llama.cpp; faster only without the AVX512 paths)\n"
+            "      --act-bits N        activation precision in quantised products: 12\n"
+            "                          (default: logits within ~0.2 of an exact\n"
+            "                          computation), 16 (within ~0.02; slower batches on\n"
+            "                          AMX) or 8 (as llama.cpp; up to ~1; faster only\n"
+            "                          without the AVX512 paths)\n"
             "      --stats             print timings and token counts to stderr\n"
             "  -h, --help              this text\n",
             FI_DEFAULT_MODEL);
@@ -150,7 +152,7 @@ int fi_cmd_run(int argc, char **argv) {
         {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *system = NULL;
     int raw = 0, stats = 0, seed_given = 0;
-    long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 16, v;
+    long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 12, v;
     fi_simd simd = FI_SIMD_AUTO;
     fi_device device = FI_DEVICE_AUTO;
     fi_sampler_params sp = fi_sampler_defaults();
@@ -198,8 +200,8 @@ int fi_cmd_run(int argc, char **argv) {
             }
             break;
         case 'z': stats = 1; break;
-        case 'B': if (s_parse_int("--act-bits", optarg, 8, 16, &act_bits) || (act_bits != 8 && act_bits != 16)) {
-                      fprintf(stderr, "fedinfer: --act-bits must be 8 or 16\n");
+        case 'B': if (s_parse_int("--act-bits", optarg, 8, 16, &act_bits) || act_bits % 4 != 0) {
+                      fprintf(stderr, "fedinfer: --act-bits must be 8, 12 or 16\n");
                       return 2;
                   }
                   break;

@@ -230,7 +230,7 @@ static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t er
     }
     fi_backend *be = fi_cpu_backend_new(opts->n_threads, opts->simd, err, errlen);
     if (be && opts->act_bits && fi_cpu_backend_set_act_bits(be, opts->act_bits) != 0) {
-        s_err(err, errlen, "activation precision must be 8 or 16 bits, not %d", opts->act_bits);
+        s_err(err, errlen, "activation precision must be 8, 12 or 16 bits, not %d", opts->act_bits);
         fi_backend_destroy(&be);
     }
     return be;

@@ -14,10 +14,11 @@
  * attention by (token, position segment); the element-wise ops
  * by tokens or element ranges, and only when big enough to pay for a
  * dispatch. Activations for quantised weights are quantised once per
- * call, for every product of that input (matmul_n), inside the same job
- * (to 16 bits by default, fi_cpu_q16_impl.h; to 8 bits with
- * fi_cpu_backend_set_act_bits) into a scratch buffer owned by the backend (grown on demand; when
- * growing fails the tokens are processed in groups that fit).
+ * call, for every product of that input (matmul_n), inside the same job,
+ * into a scratch buffer owned by the backend (grown on demand; when
+ * growing fails the tokens are processed in groups that fit): to 16-bit
+ * quants, below 12 bits for Q4 weights by default (fi_cpu_q16_impl.h), or
+ * to 8 bits (fi_cpu_backend_set_act_bits).
  *
  * Not thread-safe: one thread drives a backend, as the engine does.
  */
@@ -61,7 +62,7 @@ typedef struct s_cpu {
     int n_threads;          /* pool size */
     fi_cpu_kernels k;       /* the chosen kernels */
     fi_q16_kernels q16;     /* the chosen 16-bit-activation kernels */
-    int act_bits;           /* activations of quantised matmuls: 16 or 8 */
+    int act_bits;           /* activations of quantised matmuls: 12, 16 or 8 */
     uint8_t *scratch;       /* quantised activations, S_ALIGN aligned */
     size_t scratch_bytes;   /* its size */
     s_chunk *packed;        /* the packed weights' memory (weight_upload) */
@@ -147,7 +148,8 @@ typedef struct s_mm_job {
     int nth;                        /* threads sharing the rows */
     /* the input to prepare (x NULL: nothing to prepare) */
     const float *x;                 /* n rows of cols floats */
-    int n, cols, bits;              /* shape, activation bits (16 or 8) */
+    int n, cols, bits;              /* shape, activation bits (12, 16 or 8) */
+    int qmax;                       /* 12 and 16: the quants' bound (fi_q16_qmax) */
     size_t xrow;                    /* bytes per quantised row */
     uint8_t *xq;                    /* the quantised rows */
     uint8_t *xs;                    /* their split tiles, or NULL */
@@ -176,10 +178,10 @@ static void s_prep_row(const s_mm_job *j, int k, uint8_t *xq, uint8_t *xs) {
         c->k.quantize_q8x(x, (fi_block_q8x *)(void *)q, nb);
         return;
     }
-    c->q16.quantize(x, (fi_block_q16x *)(void *)q, nb);
+    c->q16.quantize(x, (fi_block_q16x *)(void *)q, nb, j->qmax);
     if (xs)
         c->q16.split((const fi_block_q16x *)(const void *)q, nb,
-                     xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb), k % 16);
+                     xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb), k % 16, j->qmax);
 }
 
 /* Guided claims: each claim takes a 1/(2*nth) share of the rows left,
@@ -255,16 +257,17 @@ static void s_mm_run(s_cpu *c, s_mm_job *j) {
         fi_pool_run(c->pool, s_mm_worker, j);
 }
 
-/* The kernel for weights of type t with activations of `bits` bits (bits is
- * ignored for float weights, which take float activations). */
+/* The kernel for weights of type t with activations of `bits` bits (12
+ * and 16 share the 16-bit kernels; bits is ignored for float weights,
+ * which take float activations). */
 static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t, int bits) {
     switch (t) {
     case FI_DTYPE_F32: return c->k.mm_f32;
     case FI_DTYPE_F16: return c->k.mm_f16;
     case FI_DTYPE_BF16: return c->k.mm_bf16;
-    case FI_DTYPE_Q4_0: return bits == 16 ? c->q16.mm_q4_0 : c->k.mm_q4_0;
-    case FI_DTYPE_Q4_1: return bits == 16 ? c->q16.mm_q4_1 : c->k.mm_q4_1;
-    case FI_DTYPE_Q8_0: return bits == 16 ? c->q16.mm_q8_0 : c->k.mm_q8_0;
+    case FI_DTYPE_Q4_0: return bits != 8 ? c->q16.mm_q4_0 : c->k.mm_q4_0;
+    case FI_DTYPE_Q4_1: return bits != 8 ? c->q16.mm_q4_1 : c->k.mm_q4_1;
+    case FI_DTYPE_Q8_0: return bits != 8 ? c->q16.mm_q8_0 : c->k.mm_q8_0;
     }
     return NULL;
 }
@@ -274,10 +277,12 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
     s_cpu *c = ctx;
     assert(count >= 1 && count <= S_MM_MAX);
     const int cols = w[0]->cols, bits = c->act_bits;
-    const int quant = fi_dtype_block_elems(w[0]->type) > 1;
+    const int quant = fi_dtype_block_elems(w[0]->type) > 1, qmax = fi_q16_qmax(w[0]->type, bits);
     for (int i = 1; i < count; i++)
-        if ((fi_dtype_block_elems(w[i]->type) > 1) != quant || w[i]->cols != cols) {
-            /* float and quantised weights, or other widths: one call each */
+        if ((fi_dtype_block_elems(w[i]->type) > 1) != quant || w[i]->cols != cols ||
+            fi_q16_qmax(w[i]->type, bits) != qmax) {
+            /* float and quantised weights, other widths, or weights that
+             * take their inputs in other ranges: one call each */
             for (int m = 0; m < count; m++)
                 s_matmul_n(ctx, 1, &y[m], &w[m], x, n);
             return;
@@ -289,7 +294,7 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
         j.task[i] = (fi_mm_task){
             .w = w[i]->data, .wp = w[i]->dev, .w_stride = w[i]->row_bytes, .cols = cols,
             .x = (const uint8_t *)x, .x_stride = (size_t)cols * sizeof(float),
-            .n = n, .y = y[i], .y_stride = w[i]->rows,
+            .n = n, .y = y[i], .y_stride = w[i]->rows, .qmax = qmax,
         };
         j.row0[i + 1] = j.row0[i] + w[i]->rows;
     }
@@ -301,8 +306,10 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
      * (in groups of tokens that fit the scratch), then integer dot
      * products; for the AMX kernels also split once, in tiles of 16. */
     const int nb = cols / FI_QK;
-    const size_t xrow = (size_t)nb * (bits == 16 ? sizeof(fi_block_q16x) : sizeof(fi_block_q8x));
-    int split = bits == 16 && c->q16.split && n >= FI_Q16_AMX_MIN;
+    const size_t xrow = (size_t)nb * (bits != 8 ? sizeof(fi_block_q16x) : sizeof(fi_block_q8x));
+    int split = bits != 8 && c->q16.split && n >= FI_Q16_AMX_MIN;
+    for (int i = 0; i < count; i++)
+        split = split && fi_q16_tiles(w[i]->type, qmax);
     size_t tile = FI_Q16_TILE_BYTES(nb);
     int group = n;
     /* the whole input, quantised (and split) */
@@ -336,6 +343,7 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
         j.n = g;
         j.cols = cols;
         j.bits = bits;
+        j.qmax = qmax;
         j.xrow = xrow;
         j.xq = c->scratch;
         j.xs_off = s_round_up((size_t)g * xrow, S_ALIGN);
@@ -934,7 +942,7 @@ fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char 
         s_err(err, errlen, "cpu backend: out of memory");
         goto fail;
     }
-    c->act_bits = 16;
+    c->act_bits = 12;
     if (s_pick_kernels(&c->k, &c->q16, flavour) != 0) {
         s_err(err, errlen, "cpu backend: kernels '%s' not built or not supported by this processor",
                  flavour);
@@ -987,7 +995,7 @@ const char *fi_cpu_backend_simd(const fi_backend *b) {
 }
 
 int fi_cpu_backend_set_act_bits(fi_backend *b, int bits) {
-    if (!b || b->ops != &s_cpu_ops || (bits != 8 && bits != 16))
+    if (!b || b->ops != &s_cpu_ops || (bits != 8 && bits != 12 && bits != 16))
         return -1;
     ((s_cpu *)b->ctx)->act_bits = bits;
     return 0;

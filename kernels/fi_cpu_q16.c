@@ -8,7 +8,8 @@
 #include <math.h>
 #include <string.h>
 
-void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb) {
+void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb, int qmax) {
+    const float fq = (float)qmax;
     for (int b = 0; b < nb; b++, x += FI_QK) {
         float amax = 0.0f, s = 0.0f;
         for (int i = 0; i < FI_QK; i++) {
@@ -16,7 +17,7 @@ void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb) {
             amax = a > amax ? a : amax;
             s += x[i];
         }
-        float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        float d = amax / fq, id = amax > 0.0f ? fq / amax : 0.0f;
         y[b].d = d;
         y[b].s = s;
         for (int i = 0; i < FI_QK; i++)

@@ -31,7 +31,8 @@ static inline float s_hmax(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static void s_quantize(const float *x, fi_block_q16x *y, int nb) {
+static void s_quantize(const float *x, fi_block_q16x *y, int nb, int qmax) {
+    const float fq = (float)qmax;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++, x += FI_QK) {
         __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
@@ -39,8 +40,8 @@ static void s_quantize(const float *x, fi_block_q16x *y, int nb) {
         __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
         float amax = s_hmax(mx);
-        float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        y[b].d = amax / 32767.0f;
+        float id = amax > 0.0f ? fq / amax : 0.0f;
+        y[b].d = amax / fq;
         y[b].s = s_hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
         __m256 vid = _mm256_set1_ps(id);
         __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid));

@@ -332,47 +332,51 @@ typedef struct s_tilecfg {
     uint8_t rows[16];    /* rows of each tile */
 } s_tilecfg;
 
-/* Tiles, for T tokens (1..16): 0 and 1 the sums with hi and lo (T tokens
- * x 16 rows, int32) of even blocks, 5 and 6 those of odd blocks; 2 and 3
- * the hi and lo bytes (T tokens x 32 elements); 4 the weights (8 rows of
- * 4 elements x 16 weight rows). */
-S_AMX_INLINE void s_amx_config(int T) {
+/* Tiles, for T tokens (1..16) of a product of this kind. Q4: 2 the split
+ * input [h | l] (T tokens x 64 bytes), 4 the weights [16 q ; q] (16 rows of
+ * 4 elements x 16 weight rows), 0 the sums of even blocks and 5 those of
+ * odd ones (T tokens x 16 rows, int32). Q8_0: 2 and 3 the high and low
+ * bytes (T tokens x 32), 4 the weights (8 rows of 4 elements x 16 weight
+ * rows), 0 and 1 the sums with each of even blocks, 5 and 6 of odd ones. */
+S_AMX_INLINE void s_amx_config(int kind, int T) {
     s_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = c.rows[1] = (uint8_t)T;
-    c.colsb[0] = c.colsb[1] = 64;
+    c.rows[0] = c.rows[1] = c.rows[5] = c.rows[6] = (uint8_t)T;
+    c.colsb[0] = c.colsb[1] = c.colsb[5] = c.colsb[6] = 64;
     c.rows[2] = c.rows[3] = (uint8_t)T;
-    c.colsb[2] = c.colsb[3] = 32;
-    c.rows[4] = 8;
+    c.colsb[2] = c.colsb[3] = kind == S_Q8_0 ? 32 : 64;
+    c.rows[4] = kind == S_Q8_0 ? 8 : 16;
     c.colsb[4] = 64;
-    c.rows[5] = c.rows[6] = (uint8_t)T;
-    c.colsb[5] = c.colsb[6] = 64;
     _tile_loadconfig(&c);
 }
 
-/* One block's products: the hi and lo bytes (tiles 2, 3) times the
- * weights (tile 4) into the sum tiles H and L (tile numbers are
- * immediates), stored to out[0] and out[1]. */
-#define S_AMX_PRODUCTS(kind, H, L, out) \
-    do {                                 \
-        _tile_zero(H);                   \
-        _tile_zero(L);                   \
-        if ((kind) == S_Q8_0) {          \
-            _tile_dpbssd(H, 2, 4);       \
-            _tile_dpbusd(L, 3, 4);       \
-        } else {                         \
-            _tile_dpbsud(H, 2, 4);       \
-            _tile_dpbuud(L, 3, 4);       \
-        }                                \
-        _tile_stored(H, (out)[0], 64);   \
-        _tile_stored(L, (out)[1], 64);   \
+/* One block's products: the input (tile 2, Q8_0 also 3) times the weights
+ * (tile 4) into the sum tiles H (and L) (tile numbers are immediates). */
+#define S_AMX_PRODUCTS(kind, H, L)  \
+    do {                            \
+        _tile_zero(H);              \
+        if ((kind) == S_Q8_0) {     \
+            _tile_zero(L);          \
+            _tile_dpbssd(H, 2, 4);  \
+            _tile_dpbusd(L, 3, 4);  \
+        } else {                    \
+            _tile_dpbsud(H, 2, 4);  \
+        }                           \
+    } while (0)
+
+/* The sum tiles H (and L) stored to out[0] (and out[1]). */
+#define S_AMX_STORE(kind, H, L, out)         \
+    do {                                     \
+        _tile_stored(H, (out)[0], 64);       \
+        if ((kind) == S_Q8_0)                \
+            _tile_stored(L, (out)[1], 64);   \
     } while (0)
 
 /* Rows r..r+nr-1 (nr <= 16) times tokens k..k+T-1 (T <= 16, the tile
- * configuration's), whose quants are split in ah/al ([block][token][element]). */
+ * configuration's), whose quants are split in xt ([block][token][64]). */
 S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int T,
-                             int8_t (*ah)[16][32], uint8_t (*al)[16][32]) {
+                             const uint8_t (*xt)[16][64]) {
     const size_t stride = t->w_stride;
     const uint8_t *w0 = t->w + (size_t)r * stride;
     const int nb = t->cols / FI_QK;
@@ -386,15 +390,18 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
     }
     const uint8_t *pk = s_packed(t, r, nr);
     const size_t gb = 16 * bsz; /* bytes of one block of the 16 rows */
-    _Alignas(64) uint8_t bt[3][8][64];
+    _Alignas(64) uint8_t bt[3][16][64];
     _Alignas(64) int32_t cs[2][2][16][16]; /* [block & 1][hi, lo][token][row] */
-    /* Software pipeline over three blocks: the vector units lay out the
-     * weights of block b+2 (a tile load straight after the stores would
-     * wait for them to reach the cache) while the tile unit multiplies
-     * block b+1 and the vector units finish block b (two sets of sum
-     * tiles: 0, 1 and 5, 6). Packed Q8_0 quants are already the tile
-     * unit's layout and go to it straight from memory. */
-    for (int b = -2; b < nb; b++) {
+    /* Software pipeline over four blocks: in step b the vector units lay
+     * out the weights of block b+2 (a tile load straight after the stores
+     * would wait for them to reach the cache), the tile unit starts on the
+     * products of block b+1, the sums of block b (whose products began a
+     * step ago, so the store need not wait for them) are stored, and the
+     * vector units finish block b-1 (stored a step ago). Two sets of sum
+     * tiles (0, 1 and 5, 6) and of stored sums alternate. Packed Q8_0
+     * quants are already the tile unit's layout and go to it straight
+     * from memory. */
+    for (int b = -2; b <= nb; b++) {
         if (b + 2 < nb && !(pk && kind == S_Q8_0)) {
             uint8_t (*o)[64] = bt[(b + 2) % 3];
             __m512i D[8];
@@ -403,43 +410,57 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
                 for (int q = 0; q < 8; q++)
                     _mm512_store_si512(o[q], D[q]);
             } else {
-                const __m512i m4 = _mm512_set1_epi8(0x0f);
+                /* [16 q ; q]: byte i of a block holds elements i (low
+                 * nibble) and i + 16 (high) */
+                const __m512i m4 = _mm512_set1_epi8(0x0f), h4 = _mm512_set1_epi8((char)0xf0);
                 for (int q = 0; q < 4; q++) {
-                    _mm512_store_si512(o[q], _mm512_and_si512(D[q], m4));
-                    _mm512_store_si512(o[4 + q], _mm512_and_si512(_mm512_srli_epi32(D[q], 4), m4));
+                    _mm512_store_si512(o[q], _mm512_and_si512(_mm512_slli_epi32(D[q], 4), h4));
+                    _mm512_store_si512(o[4 + q], _mm512_and_si512(D[q], h4));
+                    _mm512_store_si512(o[8 + q], _mm512_and_si512(D[q], m4));
+                    _mm512_store_si512(o[12 + q], _mm512_and_si512(_mm512_srli_epi32(D[q], 4), m4));
                 }
             }
-            for (int i = 0; i < 16; i++)
-                p[i] += bsz;
+            if (!pk)
+                for (int i = 0; i < 16; i++)
+                    p[i] += bsz;
         }
         if (b + 1 >= 0 && b + 1 < nb) {
             const int bn = b + 1, sb = bn & 1;
-            _tile_loadd(2, ah[bn], 32);
-            _tile_loadd(3, al[bn], 32);
+            _tile_loadd(2, xt[bn], 64);
+            if (kind == S_Q8_0)
+                _tile_loadd(3, &xt[bn][0][32], 64);
             if (pk && kind == S_Q8_0)
                 _tile_loadd(4, pk + (size_t)bn * gb + S_QOFF(kind), 64);
             else
                 _tile_loadd(4, bt[bn % 3], 64);
             if (sb == 0)
-                S_AMX_PRODUCTS(kind, 0, 1, cs[0]);
+                S_AMX_PRODUCTS(kind, 0, 1);
             else
-                S_AMX_PRODUCTS(kind, 5, 6, cs[1]);
+                S_AMX_PRODUCTS(kind, 5, 6);
         }
-        if (b < 0)
+        if (b >= 0 && b < nb) {
+            if ((b & 1) == 0)
+                S_AMX_STORE(kind, 0, 1, cs[0]);
+            else
+                S_AMX_STORE(kind, 5, 6, cs[1]);
+        }
+        if (b < 1)
             continue;
+        const int e = b - 1; /* the block finished in this step */
         {
             /* the next group of rows, a share per block: the weights
              * stream from memory while the tile unit works */
-            const char *q = (const char *)(pk ? pk : w0) + 16 * stride + (size_t)b * gb;
+            const char *q = (const char *)(pk ? pk : w0) + 16 * stride + (size_t)e * gb;
             for (size_t o = 0; o < gb; o += 64)
                 _mm_prefetch(q + o, _MM_HINT_T0);
         }
         __m512 dw, aw;
-        s_scales(kind, vidx, w0 + (size_t)b * bsz, pk ? pk + (size_t)b * gb : NULL, &dw, &aw);
+        s_scales(kind, vidx, w0 + (size_t)e * bsz, pk ? pk + (size_t)e * gb : NULL, &dw, &aw);
         for (int j = 0; j < T; j++) {
-            const fi_block_q16x *x = xr[j] + b;
-            __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cs[b & 1][0][j]), 8),
-                                          _mm512_load_si512(cs[b & 1][1][j]));
+            const fi_block_q16x *x = xr[j] + e;
+            __m512i is = _mm512_load_si512(cs[e & 1][0][j]);
+            if (kind == S_Q8_0)
+                is = _mm512_add_epi32(_mm512_slli_epi32(is, 8), _mm512_load_si512(cs[e & 1][1][j]));
             /* from here exactly s_tile's steps */
             __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(x->d));
             acc[j] = _mm512_fmadd_ps(v, dw, acc[j]);
@@ -452,15 +473,23 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
         _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
 }
 
-/* Token j of a tile of 16 (fi_q16_kernels.split): quants split into the
- * high byte, signed, and the low byte, unsigned, block by block. */
-static void s_split(const fi_block_q16x *x, int nb, uint8_t *tile, int j) {
-    uint8_t *hi = tile + (size_t)j * 32, *lo = hi + (size_t)nb * 16 * 32;
-    for (int b = 0; b < nb; b++) {
-        __m512i q = _mm512_loadu_si512(x[b].qs);
-        _mm256_storeu_si256((__m256i *)(void *)(hi + (size_t)b * 16 * 32),
-                            _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
-        _mm256_storeu_si256((__m256i *)(void *)(lo + (size_t)b * 16 * 32), _mm512_cvtepi16_epi8(q));
+/* Token j of a tile of 16 (fi_q16_kernels.split), block by block: Q4
+ * (|x| <= FI_Q16_QMAX_Q4) x = 16 h + l, h = (x + 8) >> 4 and l in [-8, 7],
+ * both signed; otherwise x = 256 h + l, h = x >> 8 signed, l = x & 255
+ * unsigned. h in bytes 0..31 of the token's 64, l in 32..63. */
+static void s_split(const fi_block_q16x *x, int nb, uint8_t *tile, int j, int qmax) {
+    uint8_t *o = tile + (size_t)j * 64;
+    for (int b = 0; b < nb; b++, o += 16 * 64) {
+        __m512i q = _mm512_loadu_si512(x[b].qs), h, l;
+        if (qmax <= FI_Q16_QMAX_Q4) {
+            h = _mm512_srai_epi16(_mm512_add_epi16(q, _mm512_set1_epi16(8)), 4);
+            l = _mm512_sub_epi16(q, _mm512_slli_epi16(h, 4));
+        } else {
+            h = _mm512_srai_epi16(q, 8);
+            l = q;
+        }
+        _mm256_storeu_si256((__m256i *)(void *)o, _mm512_cvtepi16_epi8(h));
+        _mm256_storeu_si256((__m256i *)(void *)(o + 32), _mm512_cvtepi16_epi8(l));
     }
 }
 
@@ -474,16 +503,17 @@ S_AMX_INLINE void s_amx_tile(int kind, size_t bsz, const fi_mm_task *t, int r0, 
     const uint8_t *tile = t->xs ? t->xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb) : own;
     if (!t->xs)
         for (int j = 0; j < T; j++)
-            s_split((const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride), nb, own, j);
-    int8_t (*ah)[16][32] = (int8_t (*)[16][32])(uintptr_t)tile;
-    uint8_t (*al)[16][32] = (uint8_t (*)[16][32])(uintptr_t)(tile + (size_t)nb * 16 * 32);
+            s_split((const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride), nb, own, j,
+                    kind == S_Q8_0 ? FI_Q16_QMAX : FI_Q16_QMAX_Q4);
+    const uint8_t (*xt)[16][64] = (const uint8_t (*)[16][64])(const void *)tile;
     for (int r = r0; r < r1; r += 16)
-        s_amx_rows(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, k, T, ah, al);
+        s_amx_rows(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, k, T, xt);
 }
 
 S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
     const int nb = t->cols / FI_QK;
-    if (t->n < FI_Q16_AMX_MIN || nb > S_AMX_NB) {
+    const fi_dtype type = kind == S_Q8_0 ? FI_DTYPE_Q8_0 : FI_DTYPE_Q4_0; /* Q4_0 stands for both Q4 */
+    if (t->n < FI_Q16_AMX_MIN || nb > S_AMX_NB || !fi_q16_tiles(type, t->qmax)) {
         s_mm(kind, bsz, t, r0, r1);
         return;
     }
@@ -491,13 +521,13 @@ S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, in
     _Alignas(64) uint8_t own[FI_Q16_TILE_BYTES(S_AMX_NB)];
     int k = 0;
     if (t->n >= 16) {
-        s_amx_config(16);
+        s_amx_config(kind, 16);
         for (; k + 16 <= t->n; k += 16)
             s_amx_tile(kind, bsz, t, r0, r1, k, 16, own);
     }
     int rest = t->n - k;
     if (rest >= FI_Q16_AMX_MIN) {
-        s_amx_config(rest);
+        s_amx_config(kind, rest);
         s_amx_tile(kind, bsz, t, r0, r1, k, rest, own);
         k = t->n;
     }

@@ -22,7 +22,7 @@
 #include "fi_kernels_impl.h"
 
 /* One 32-element block of an activation row: x[i] ~= qs[i] * d with
- * |qs[i]| <= 32767, and s the exact float sum of the block's x (Q4_1's
+ * |qs[i]| <= qmax (fi_q16_qmax: 32767 or 2039), and s the exact float sum of the block's x (Q4_1's
  * minimum and Q4_0's offset multiply it). 72 bytes. */
 typedef struct fi_block_q16x {
     float d;              /* scale */
@@ -32,20 +32,47 @@ typedef struct fi_block_q16x {
 
 _Static_assert(sizeof(fi_block_q16x) == 72, "q16x block is 72 bytes");
 
+/* The bound of the activation quants (fi_mm_task.qmax), by weight type and
+ * the backend's activation precision (fi_cpu_backend_set_act_bits). 16:
+ * 32767 for every type. 12, the default: Q8_0 weights still take 32767,
+ * Q4 weights (nibbles 0..15) take 2039, a little under 12 bits, so that
+ * x = 16 h + l with h in [-128, 127] and l in [-8, 7] are both bytes and
+ * the tile unit forms x . q in one product of [h | l] with [16 q ; q]
+ * (16 q <= 240 is still a byte; fi_cpu_q16_avx512.c), instead of two.
+ * Every kernel computes the same exact integer sums whatever the bound;
+ * it only sets how finely x is resolved. On the default model
+ * (tests/test_golden.c, against the float64 reference) the logits stay
+ * within 0.17 (median 0.07) at 12, 0.02 at 16, and move by up to ~1.0
+ * with 8-bit activations. */
+#define FI_Q16_QMAX 32767
+#define FI_Q16_QMAX_Q4 2039
+static inline int fi_q16_qmax(fi_dtype t, int act_bits) {
+    return act_bits == 12 && (t == FI_DTYPE_Q4_0 || t == FI_DTYPE_Q4_1) ? FI_Q16_QMAX_Q4 : FI_Q16_QMAX;
+}
+
+/* Whether the AMX kernels give a product of weights of type t, with x
+ * quantised within qmax, to the tile unit (and read fi_mm_task.xs): Q8_0
+ * at any bound, Q4 only within FI_Q16_QMAX_Q4 (one byte product per block;
+ * wider Q4 inputs go to the vector kernels). */
+static inline int fi_q16_tiles(fi_dtype t, int qmax) {
+    return t == FI_DTYPE_Q8_0 || qmax <= FI_Q16_QMAX_Q4;
+}
+
 /* The 16-bit-activation kernels of one SIMD flavour. The matmul functions
  * take an fi_mm_task whose x holds fi_block_q16x rows. */
 typedef struct fi_q16_kernels {
-    void (*quantize)(const float *x, fi_block_q16x *y, int nb);
+    void (*quantize)(const float *x, fi_block_q16x *y, int nb, int qmax); /* |qs| <= qmax */
     fi_mm_fn mm_q4_0;
     fi_mm_fn mm_q4_1;
     fi_mm_fn mm_q8_0;
     /* NULL, or (the AMX kernels) writes token j (0..15) of a tile of 16
      * tokens in the layout the kernels read from fi_mm_task.xs: each quant
-     * split into its high byte (signed) and low byte (unsigned),
-     * hi[nb][16][32] then lo[nb][16][32] (FI_Q16_TILE_BYTES(nb) bytes).
-     * Lets the caller split x once per call instead of the kernel once per
-     * range of rows. */
-    void (*split)(const fi_block_q16x *x, int nb, uint8_t *tile, int j);
+     * split into two bytes h and l, [nb][16][64] with token j's h in bytes
+     * 0..31 of its row and l in 32..63 (FI_Q16_TILE_BYTES(nb) bytes); qmax
+     * is the bound x was quantised with, and chooses the split (see
+     * fi_cpu_q16_avx512.c). Lets the caller split x once per call instead
+     * of the kernel once per range of rows. */
+    void (*split)(const fi_block_q16x *x, int nb, uint8_t *tile, int j, int qmax);
     /* NULL, or fi_q16_pack where the kernels read fi_mm_task.wp (the
      * AVX512 ones): the backend packs each quantised matrix once. */
     void (*pack)(fi_dtype type, const uint8_t *w, size_t stride, int rows, int cols, uint8_t *out);
@@ -73,7 +100,7 @@ void fi_q16_pack(fi_dtype type, const uint8_t *w, size_t stride, int rows, int c
 
 /* Portable kernels; also the reference for the SIMD ones. */
 void fi_q16_kernels_portable(fi_q16_kernels *k);
-void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb);
+void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb, int qmax);
 #if defined(FI_HAVE_X86) && FI_HAVE_X86
 /* AVX2 kernels; call only after checking the processor has AVX2 and FMA. */
 void fi_q16_kernels_avx2(fi_q16_kernels *k);

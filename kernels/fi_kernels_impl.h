@@ -72,6 +72,8 @@ typedef struct fi_mm_task {
     const uint8_t *xs;  /* NULL, or x already split for the AMX kernels:
                            fi_q16_kernels.split's layout, one tile per 16
                            tokens (the kernels split x themselves if NULL) */
+    int qmax;           /* 16-bit activations (fi_block_q16x): the bound x
+                           was quantised with (fi_q16_qmax) */
 } fi_mm_task;
 
 /* Computes rows [r0, r1) of task t for all its tokens. */

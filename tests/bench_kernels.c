@@ -8,7 +8,7 @@
  *                avx512vnni; default all, or with BENCH_DECODE_ONLY the one
  *                FI_SIMD_AUTO picks),
  *                BENCH_ACT_BITS=8 (activations of quantised matmuls; default
- *                16, the backend's default),
+ *                12, the backend's default; or 16),
  *                BENCH_N=64 (tokens of the batched column, 2..64; default 16:
  *                16 sequences decoding together; 64 is close to prefill)
  *
@@ -279,7 +279,7 @@ int main(int argc, char **argv) {
     /* every flavour built and supported here; BENCH_SIMD picks one */
     static const char *const flavours[4] = {"portable", "avx2", "avxvnni", "avx512vnni"};
     const char *only = getenv("BENCH_SIMD");
-    int act_bits = getenv("BENCH_ACT_BITS") ? atoi(getenv("BENCH_ACT_BITS")) : 16;
+    int act_bits = getenv("BENCH_ACT_BITS") ? atoi(getenv("BENCH_ACT_BITS")) : 12;
     int nbatch = getenv("BENCH_N") ? atoi(getenv("BENCH_N")) : 16; /* x and y hold 64 tokens */
     if (nbatch < 2 || nbatch > 64) {
         fprintf(stderr, "bench_kernels: BENCH_N must be 2..64\n");

@@ -204,7 +204,7 @@ int main(int argc, char **argv) {
         rc = o;
         goto done;
     }
-    fi_model_opts ro = {.n_threads = 0, .device = FI_DEVICE_CPU};
+    fi_model_opts ro = {.n_threads = 0, .act_bits = 16, .device = FI_DEVICE_CPU}; /* most exact */
     if (!(ref = fi_model_load(model, &ro, err, sizeof err))) goto fail;
     const fi_config *c = fi_model_config(ref);
     const int V = c->n_vocab;

@@ -167,7 +167,7 @@ static int make_backends_bits(fi_backend **out, int n_threads, int act_bits) {
         if (b) {
             assert_string_equal(fi_cpu_backend_simd(b), names[i]);
             assert_int_equal(fi_cpu_backend_threads(b), n_threads);
-            assert_int_equal(fi_cpu_backend_act_bits(b), 16); /* the default */
+            assert_int_equal(fi_cpu_backend_act_bits(b), 12); /* the default */
             assert_int_equal(fi_cpu_backend_set_act_bits(b, act_bits), 0);
             out[n++] = b;
         } else {
@@ -188,9 +188,10 @@ static int make_backends_bits(fi_backend **out, int n_threads, int act_bits) {
     return n;
 }
 
-/* The same with the default 16-bit activations. */
+/* The same with the default activations (12: 16-bit quants, within 2039
+ * for Q4 weights). */
 static int make_backends(fi_backend **out, int n_threads) {
-    return make_backends_bits(out, n_threads, 16);
+    return make_backends_bits(out, n_threads, 12);
 }
 
 /* --- dtypes and conversions --------------------------------------------- */
@@ -377,7 +378,8 @@ static void test_dequantize(void **state) {
 
 /* Checks y (n x rows) against double references; for quantised weights
  * the tolerance is the bound of activation rounding: each x[i] moves by at
- * most half its block's step, amax/127 (8 bits) or amax/32767 (16 bits). */
+ * most half its block's step, amax/127 (8 bits) or amax/qmax (12 and 16
+ * bits: fi_q16_qmax, 2039 for Q4 at 12 bits, else 32767). */
 static void check_matmul(const char *what, fi_dtype t, int act_bits, const float *y,
                          const double *wd, const float *x, int rows, int cols, int n) {
     int quant = fi_dtype_block_elems(t) == 32;
@@ -394,7 +396,7 @@ static void check_matmul(const char *what, fi_dtype t, int act_bits, const float
                 for (int c = b; c < e; c++) {
                     ref += wr[c] * xk[c];
                     mag += fabs(wr[c] * xk[c]);
-                    qerr += fabs(wr[c]) * amax / (act_bits == 16 ? 65534.0 : 254.0);
+                    qerr += fabs(wr[c]) * amax / (act_bits != 8 ? 2.0 * fi_q16_qmax(t, act_bits) : 254.0);
                 }
             }
             double tol = 1e-5 * mag + 1e-6 + (quant ? 1.01 * qerr + 1e-5 * mag : 0.0);
@@ -492,20 +494,22 @@ static void s_matmul_model_shapes(int bits) {
     run_matmul_case(FI_DTYPE_Q4_1, bits, 32, 1536, big, 1, 4005);
 }
 
-/* Both activation precisions: 16 bits (the default) and 8. */
+/* Every activation precision: 12 (the default), 16 and 8. */
 static void test_matmul_small(void **state) {
     (void)state;
+    s_matmul_small(12);
     s_matmul_small(16);
     s_matmul_small(8);
 }
 
 static void test_matmul_model_shapes(void **state) {
     (void)state;
+    s_matmul_model_shapes(12);
     s_matmul_model_shapes(16);
     s_matmul_model_shapes(8);
 }
 
-/* With 16-bit activations (the default) a token's result does not depend
+/* With 16-bit quants (act_bits 12, the default, here) a token's result does not depend
  * on the batch it comes in: n tokens at once equal each token alone, bit
  * for bit, in every flavour, for batches of every tile shape the kernels
  * have (2 to 20 tokens: vector tiles, full and partial AMX tiles; a token
@@ -603,7 +607,7 @@ static void test_matmul_n(void **state) {
         got[i] = fvec((size_t)NT * rows[i]);
     }
     for (int threads = 1; threads <= 2; threads++)
-        for (int bits = 16; bits >= 8; bits -= 8) {
+        for (int bits = 16; bits >= 8; bits -= 4) {
             fi_backend *bs[S_FLAVOURS];
             int nb = make_backends_bits(bs, threads, bits);
             for (int bi = 0; bi < nb; bi++) {
@@ -681,8 +685,10 @@ static int q16_tables(fi_q16_kernels *out, const char **names) {
     return n;
 }
 
-static void test_q16_kernels_tiling(void **state) {
-    (void)state;
+/* The 16-bit-activation kernels at act_bits 12 or 16 (the quants' bound,
+ * fi_q16_qmax), every flavour against the portable one and against itself
+ * on other tilings. */
+static void run_q16_tiling(int act_bits) {
     static const fi_dtype types[] = {FI_DTYPE_Q4_0, FI_DTYPE_Q4_1, FI_DTYPE_Q8_0};
     static const int ns[] = {1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 19};
     static const int cuts[] = {0, 1, 6, 7, 10, 23, 37}; /* row ranges [cuts[i], cuts[i+1]) */
@@ -697,7 +703,6 @@ static void test_q16_kernels_tiling(void **state) {
     size_t xrow = (size_t)(COLS / 32) * sizeof(fi_block_q16x);
     fi_block_q16x *xq = malloc(xrow * NT);
     assert_non_null(xq);
-    fi_quantize_q16x_ref(x, xq, NT * COLS / 32);
     uint8_t *xs = malloc(FI_Q16_TILE_BYTES(COLS / 32) * ((NT + 15) / 16));
     uint8_t *wpk = malloc(fi_dtype_row_bytes(FI_DTYPE_Q8_0, COLS) * ROWS); /* the widest type */
     assert_non_null(xs);
@@ -710,10 +715,12 @@ static void test_q16_kernels_tiling(void **state) {
         uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
         for (int i = 0; i < ROWS; i++)
             ref_dequant(types[ti], wb + i * rb, wd + (size_t)i * COLS, COLS);
+        fi_quantize_q16x_ref(x, xq, NT * COLS / 32, fi_q16_qmax(types[ti], act_bits));
         for (int ki = 0; ki < ntab; ki++) {
             fi_mm_fn fn = types[ti] == FI_DTYPE_Q4_0 ? tab[ki].mm_q4_0
                         : types[ti] == FI_DTYPE_Q4_1 ? tab[ki].mm_q4_1 : tab[ki].mm_q8_0;
-            fi_mm_task t = {.w = wb, .w_stride = rb, .cols = COLS, .x_stride = xrow, .y_stride = ROWS};
+            fi_mm_task t = {.w = wb, .w_stride = rb, .cols = COLS, .x_stride = xrow, .y_stride = ROWS,
+                            .qmax = fi_q16_qmax(types[ti], act_bits)};
             /* each token alone, all rows in one call */
             poison(y1, (size_t)NT * ROWS);
             for (int k = 0; k < NT; k++) {
@@ -723,8 +730,8 @@ static void test_q16_kernels_tiling(void **state) {
                 fn(&t, 0, ROWS);
             }
             char what[96];
-            snprintf(what, sizeof what, "q16 %s kernels", names[ki]);
-            check_matmul(what, types[ti], 16, y1, wd, x, ROWS, COLS, NT);
+            snprintf(what, sizeof what, "q16 %s kernels, %d-bit", names[ki], act_bits);
+            check_matmul(what, types[ti], act_bits, y1, wd, x, ROWS, COLS, NT);
             /* close to the portable kernels on the same quantised x */
             if (ki == 0)
                 memcpy(yp, y1, (size_t)NT * ROWS * sizeof *yp);
@@ -777,7 +784,7 @@ static void test_q16_kernels_tiling(void **state) {
                         tab[ki].split((const fi_block_q16x *)(const void *)((const uint8_t *)xq +
                                                                              (size_t)(off + k) * xrow),
                                       COLS / 32, xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(COLS / 32),
-                                      k % 16);
+                                      k % 16, fi_q16_qmax(types[ti], act_bits));
                     poison(yb, (size_t)n * ROWS);
                     t.xs = xs;
                     t.wp = tab[ki].pack ? wpk : NULL;
@@ -795,12 +802,13 @@ static void test_q16_kernels_tiling(void **state) {
         }
         free(wb);
     }
-    /* extremes: every activation quant at +-32767 and every weight at its
-     * largest magnitude (nibble 15, Q8_0 -128): no 32-bit overflow */
+    /* extremes: every activation quant at +-qmax and every weight at its
+     * largest magnitude (nibble 15, Q8_0 -128): no 32-bit overflow, and
+     * the split of the input for the tile unit holds its ends */
     for (int i = 0; i < NT * COLS; i++)
         x[i] = (i / COLS) % 2 ? -3.0f : 3.0f;
-    fi_quantize_q16x_ref(x, xq, NT * COLS / 32);
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        fi_quantize_q16x_ref(x, xq, NT * COLS / 32, fi_q16_qmax(types[ti], act_bits));
         size_t rb;
         uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
         size_t bb = fi_dtype_block_bytes(types[ti]), qo = types[ti] == FI_DTYPE_Q4_1 ? 4 : 2;
@@ -812,12 +820,13 @@ static void test_q16_kernels_tiling(void **state) {
             fi_mm_fn fn = types[ti] == FI_DTYPE_Q4_0 ? tab[ki].mm_q4_0
                         : types[ti] == FI_DTYPE_Q4_1 ? tab[ki].mm_q4_1 : tab[ki].mm_q8_0;
             fi_mm_task t = {.w = wb, .w_stride = rb, .cols = COLS, .x = (const uint8_t *)xq,
-                            .x_stride = xrow, .n = NT, .y = y1, .y_stride = ROWS};
+                            .x_stride = xrow, .n = NT, .y = y1, .y_stride = ROWS,
+                            .qmax = fi_q16_qmax(types[ti], act_bits)};
             poison(y1, (size_t)NT * ROWS);
             fn(&t, 0, ROWS);
             char what[96];
-            snprintf(what, sizeof what, "q16 %s kernels, extreme values", names[ki]);
-            check_matmul(what, types[ti], 16, y1, wd, x, ROWS, COLS, NT);
+            snprintf(what, sizeof what, "q16 %s kernels, %d-bit, extreme values", names[ki], act_bits);
+            check_matmul(what, types[ti], act_bits, y1, wd, x, ROWS, COLS, NT);
         }
         free(wb);
     }
@@ -833,12 +842,25 @@ static void test_q16_kernels_tiling(void **state) {
     free(yp);
 }
 
+static void test_q16_kernels_tiling(void **state) {
+    (void)state;
+    run_q16_tiling(12);
+}
+
+static void test_q16_kernels_tiling_16(void **state) {
+    (void)state;
+    run_q16_tiling(16);
+}
+
 static void test_act_bits_setting(void **state) {
     (void)state;
     char err[128];
     fi_backend *b = fi_cpu_backend_new(1, FI_SIMD_AUTO, err, sizeof err);
     assert_non_null(b);
-    assert_int_equal(fi_cpu_backend_set_act_bits(b, 12), -1);
+    assert_int_equal(fi_cpu_backend_act_bits(b), 12);
+    assert_int_equal(fi_cpu_backend_set_act_bits(b, 10), -1);
+    assert_int_equal(fi_cpu_backend_act_bits(b), 12);
+    assert_int_equal(fi_cpu_backend_set_act_bits(b, 16), 0);
     assert_int_equal(fi_cpu_backend_act_bits(b), 16);
     assert_int_equal(fi_cpu_backend_set_act_bits(b, 8), 0);
     assert_int_equal(fi_cpu_backend_act_bits(b), 8);
@@ -984,7 +1006,7 @@ static void test_matmul_model_weights(void **state) {
         /* rmsnorm-scaled activations with a few outliers, as in the model */
         for (int i = 0; i < n * nc; i++)
             x[i] = rng_f(&r, -1, 1) * (rng_u32(&r) % 64 == 0 ? 20.0f : 1.0f);
-        for (int bits = 16; bits >= 8; bits -= 8) {
+        for (int bits = 16; bits >= 8; bits -= 4) {
             fi_backend *bs[S_FLAVOURS];
             int nb = make_backends_bits(bs, 2, bits);
             for (int bi = 0; bi < nb; bi++) {
@@ -1518,6 +1540,7 @@ int main(void) {
         cmocka_unit_test(test_act_bits_setting),
         cmocka_unit_test(test_matmul16_batch_invariant),
         cmocka_unit_test(test_q16_kernels_tiling),
+        cmocka_unit_test(test_q16_kernels_tiling_16),
         cmocka_unit_test(test_matmul_n),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),

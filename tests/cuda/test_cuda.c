@@ -91,6 +91,9 @@ static int setup_mode(void **state, fi_cuda_weights mode) {
         return -1;
     p->cpu = fi_cpu_backend_new(0, FI_SIMD_AUTO, err, sizeof err);
     p->gpu = fi_cuda_backend_new(0, err, sizeof err);
+    /* the reference at its most exact: 16-bit quants for every product */
+    if (p->cpu && fi_cpu_backend_set_act_bits(p->cpu, 16) != 0)
+        fi_backend_destroy(&p->cpu);
     if (!p->cpu || !p->gpu) {
         fprintf(stderr, "backend: %s\n", err);
         fi_backend_destroy(&p->cpu);
@@ -651,7 +654,7 @@ static void run_model(const char *path, fi_cuda_weights mode, int graphs) {
         fail_msg("setenv");
     printf("  weights %s, graphs %s\n", mode == FI_CUDA_WEIGHTS_QUANT ? "quant" : "f16",
            graphs ? "on" : "off");
-    fi_model_opts oc = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU},
+    fi_model_opts oc = {.simd = FI_SIMD_AUTO, .act_bits = 16, .device = FI_DEVICE_CPU},
                   og = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CUDA};
     fi_model *mc = fi_model_load(path, &oc, err, sizeof err);
     assert_non_null(mc);
