@@ -765,6 +765,24 @@ static void s_products(const fi_backend_ops *ops, void *bc, int count, float *co
         ops->matmul(bc, y[i], w[i], x, n);
 }
 
+/* A residual connection: x += W in, through y. The products summed over
+ * the ranks of a tensor-parallel group first (allreduce), else in one call
+ * where the backend has matmul_add. */
+static int s_residual(fi_model *m, float *x, float *y, const fi_weight *w, const float *in, int n,
+                      char *err, size_t errlen) {
+    const fi_backend_ops *ops = m->be->ops;
+    void *bc = m->be->ctx;
+    if (!m->allreduce && ops->matmul_add) {
+        ops->matmul_add(bc, x, y, w, in, n);
+        return 0;
+    }
+    ops->matmul(bc, y, w, in, n);
+    if (m->allreduce && m->allreduce(m->allreduce_user, y, (size_t)n * m->cfg.dim, err, errlen))
+        return -1;
+    ops->add(bc, x, y, (size_t)n * m->cfg.dim);
+    return 0;
+}
+
 static int s_layers(fi_model *m, fi_kvpool *kv, const fi_kv_map *map, int n, char *err,
                     size_t errlen) {
     const fi_config *c = &m->cfg;
@@ -787,21 +805,15 @@ static int s_layers(fi_model *m, fi_kvpool *kv, const fi_kv_map *map, int n, cha
         ops->kv_store(bc, vc, kv->v, n, kv->slot, kv_dim);
         ops->attention(bc, kv->xb, kv->q, kc, vc, n, kv->pos, map, m->n_heads_l, m->n_kv_l,
                        c->head_dim);
-        ops->matmul(bc, kv->q, &L->wo, kv->xb, n); /* q is free again: reuse it */
-        if (m->allreduce && m->allreduce(m->allreduce_user, kv->q, (size_t)n * dim, err, errlen))
-            return -1;
-        ops->add(bc, kv->x, kv->q, (size_t)n * dim);
+        /* q is free again: reuse it */
+        if (s_residual(m, kv->x, kv->q, &L->wo, kv->xb, n, err, errlen) != 0) return -1;
         /* feed-forward (SwiGLU) */
         ops->rmsnorm(bc, kv->xb, kv->x, L->ffn_norm, n, dim, c->norm_eps);
         float *const gu[2] = {kv->hb, kv->hb2};
         const fi_weight *const wgu[2] = {&L->w_gate, &L->w_up};
         s_products(ops, bc, 2, gu, wgu, kv->xb, n);
         ops->swiglu(bc, kv->hb, kv->hb2, (size_t)n * m->ffn_l);
-        ops->matmul(bc, kv->xb, &L->w_down, kv->hb, n);
-        if (m->allreduce &&
-            m->allreduce(m->allreduce_user, kv->xb, (size_t)n * dim, err, errlen))
-            return -1;
-        ops->add(bc, kv->x, kv->xb, (size_t)n * dim);
+        if (s_residual(m, kv->x, kv->xb, &L->w_down, kv->hb, n, err, errlen) != 0) return -1;
     }
     return 0;
 }

@@ -145,6 +145,7 @@ typedef struct s_mm_job {
     fi_mm_task task[S_MM_MAX];      /* each product's task */
     fi_mm_fn fn[S_MM_MAX];          /* and its kernel */
     int row0[S_MM_MAX + 1];         /* first row of each product in the range */
+    float *acc;                     /* NULL, or (one product) rows to add y to */
     int nth;                        /* threads sharing the rows */
     /* the input to prepare (x NULL: nothing to prepare) */
     const float *x;                 /* n rows of cols floats */
@@ -182,6 +183,17 @@ static void s_prep_row(const s_mm_job *j, int k, uint8_t *xq, uint8_t *xs) {
     if (xs)
         c->q16.split((const fi_block_q16x *)(const void *)q, nb,
                      xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb), k % 16, j->qmax);
+}
+
+/* acc[t][r] += y[t][r] for t < n, r0 <= r < r1 (rows `stride` apart):
+ * matmul_add's sum, by the thread that just wrote those rows of y. */
+static void s_acc_rows(float *acc, const float *y, int n, int stride, int r0, int r1) {
+    for (int t = 0; t < n; t++) {
+        float *a = acc + (size_t)t * stride;
+        const float *b = y + (size_t)t * stride;
+        for (int r = r0; r < r1; r++)
+            a[r] += b[r];
+    }
 }
 
 /* Guided claims: each claim takes a 1/(2*nth) share of the rows left,
@@ -243,6 +255,8 @@ static void s_mm_worker(void *arg, int ith, int nth) {
                                                    memory_order_relaxed))
             continue; /* r0 reloaded */
         j->fn[i](&task[i], r0 - j->row0[i], r1 - j->row0[i]);
+        if (j->acc)
+            s_acc_rows(j->acc, task[0].y, task[0].n, task[0].y_stride, r0, r1);
         r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
     }
 }
@@ -272,9 +286,9 @@ static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t, int bits) {
     return NULL;
 }
 
-static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
-                       const float *x, int n) {
-    s_cpu *c = ctx;
+/* The products of matmul_n, and with acc (count 1) matmul_add's sum. */
+static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *const *w,
+                       const float *x, int n, float *acc) {
     assert(count >= 1 && count <= S_MM_MAX);
     const int cols = w[0]->cols, bits = c->act_bits;
     const int quant = fi_dtype_block_elems(w[0]->type) > 1, qmax = fi_q16_qmax(w[0]->type, bits);
@@ -284,10 +298,11 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
             /* float and quantised weights, other widths, or weights that
              * take their inputs in other ranges: one call each */
             for (int m = 0; m < count; m++)
-                s_matmul_n(ctx, 1, &y[m], &w[m], x, n);
+                s_products(c, 1, &y[m], &w[m], x, n, NULL);
             return;
         }
-    s_mm_job j = {.c = c, .count = count, .nth = c->n_threads};
+    assert(!acc || count == 1);
+    s_mm_job j = {.c = c, .count = count, .nth = c->n_threads, .acc = acc};
     for (int i = 0; i < count; i++) {
         j.fn[i] = s_mm_fn(c, w[i]->type, bits);
         assert(j.fn[i]);
@@ -330,6 +345,8 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
         for (int i = 0; i < count; i++)
             for (size_t e = 0; e < (size_t)n * (size_t)w[i]->rows; e++)
                 y[i][e] = NAN;
+        if (acc)
+            s_acc_rows(acc, y[0], n, w[0]->rows, 0, w[0]->rows);
         return;
     }
     /* A few tokens (decoding): every thread prepares the whole input for
@@ -356,6 +373,7 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
             j.task[i].y = y[i] + (size_t)k0 * w[i]->rows;
             j.task[i].xs = j.xs;
         }
+        j.acc = acc ? acc + (size_t)k0 * w[0]->rows : NULL;
         s_mm_run(c, &j);
     }
 }
@@ -415,8 +433,17 @@ static void s_weight_release(void *ctx, fi_weight *w) {
     w->dev = NULL; /* its chunk goes with the backend */
 }
 
+static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
+                       const float *x, int n) {
+    s_products(ctx, count, y, w, x, n, NULL);
+}
+
+static void s_matmul_add(void *ctx, float *acc, float *y, const fi_weight *w, const float *x, int n) {
+    s_products(ctx, 1, &y, &w, x, n, acc);
+}
+
 static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
-    s_matmul_n(ctx, 1, &y, &w, x, n);
+    s_products(ctx, 1, &y, &w, x, n, NULL);
 }
 
 /* --- small ops ------------------------------------------------------------ */
@@ -670,14 +697,33 @@ static void s_att_item(const s_att_job *j, int t, int seg) {
     }
 }
 
+/* Prefetches the keys and values of the first run of item (t, seg): the
+ * next item a thread will take, while it works on the one before. */
+static void s_att_prefetch_item(const s_att_job *j, int t, int seg) {
+    const int p = seg * j->seg_len, bs = j->map->block_size;
+    if (p > j->pos[t])
+        return;
+    const int32_t *tbl = j->map->tables + (size_t)j->map->seq[t] * (size_t)j->map->max_blocks;
+    const int np = bs - p % bs < j->pos[t] + 1 - p ? bs - p % bs : j->pos[t] + 1 - p;
+    const size_t row = (size_t)tbl[p / bs] * (size_t)bs + (size_t)(p % bs);
+    const size_t kv_dim = (size_t)j->n_kv_heads * j->head_dim;
+    s_att_prefetch(j->kc, row, np, kv_dim);
+    s_att_prefetch(j->vc, row, np, kv_dim);
+}
+
+/* Items in claim order; each thread claims its next item before working
+ * on the current one, so that the next one's first rows are on their way
+ * (the first rows of an item are otherwise a wait on memory). */
 static void s_att_worker(void *arg, int ith, int nth) {
     s_att_job *j = arg;
     int items = j->n * j->segs;
-    for (;;) {
-        int i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (i >= items)
-            break;
+    int i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+    while (i < items) {
+        int next = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (next < items)
+            s_att_prefetch_item(j, next / j->segs, next % j->segs);
         s_att_item(j, i / j->segs, i % j->segs);
+        i = next;
     }
 }
 
@@ -839,6 +885,7 @@ static const fi_backend_ops s_cpu_ops = {
     .kv_store = s_kv_store,
     .matmul_n = s_matmul_n,
     .host_memory = 1,
+    .matmul_add = s_matmul_add,
     .swiglu = s_swiglu,
     .add = s_add,
 };

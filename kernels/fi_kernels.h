@@ -190,6 +190,12 @@ typedef struct fi_backend_ops {
      * may then write straight into the caller's buffers, such as the
      * logits, instead of a copy through to_host. */
     int host_memory;
+    /* Optional (NULL: matmul, then add): acc += W x, through y (n x
+     * w->rows floats, left holding W x), the same bits as matmul(ctx, y, w,
+     * x, n) then add(ctx, acc, y, n * w->rows); in one dispatch, each
+     * thread adding the rows it just computed (the residual connections
+     * after the attention output and the down projection). */
+    void (*matmul_add)(void *ctx, float *acc, float *y, const fi_weight *w, const float *x, int n);
 } fi_backend_ops;
 
 #define FI_MATMUL_N_MAX 4 /* most products in one matmul_n call */

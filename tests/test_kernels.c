@@ -659,6 +659,69 @@ static void test_matmul_n(void **state) {
     free(x);
 }
 
+/* matmul_add (acc += W x through y) gives the same bits as matmul then
+ * add, in y and in acc: every flavour, activation precision and thread
+ * count, batches of every tile shape, weights as given and as uploaded
+ * (packed). */
+static void test_matmul_add(void **state) {
+    (void)state;
+    enum { COLS = 96, ROWS = 80, NT = 35 };
+    static const fi_dtype types[] = {FI_DTYPE_Q4_1, FI_DTYPE_Q8_0, FI_DTYPE_F32};
+    static const int ns[] = {1, 5, 16, 17, 35};
+    rng r = {4242};
+    float *x = fvec((size_t)NT * COLS), *acc0 = fvec((size_t)NT * ROWS);
+    float *want = fvec((size_t)NT * ROWS), *ywant = fvec((size_t)NT * ROWS);
+    float *got = fvec((size_t)NT * ROWS), *ygot = fvec((size_t)NT * ROWS);
+    for (int i = 0; i < NT * COLS; i++)
+        x[i] = rng_f(&r, -2, 2);
+    for (int i = 0; i < NT * ROWS; i++)
+        acc0[i] = rng_f(&r, -3, 3);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        size_t rb;
+        uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
+        fi_weight w = {.data = wb, .type = types[ti], .rows = ROWS, .cols = COLS, .row_bytes = rb};
+        for (int threads = 1; threads <= 2; threads++)
+            for (int bits = 16; bits >= 8; bits -= 4) {
+                fi_backend *bs[S_FLAVOURS];
+                int nb = make_backends_bits(bs, threads, bits);
+                for (int bi = 0; bi < nb; bi++) {
+                    fi_backend *b = bs[bi];
+                    assert_non_null(b->ops->matmul_add);
+                    fi_weight wu = w;
+                    if (b->ops->weight_upload)
+                        assert_int_equal(b->ops->weight_upload(b->ctx, &wu), 0);
+                    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                        const int n = ns[ni];
+                        const size_t ny = (size_t)n * ROWS;
+                        memcpy(want, acc0, ny * sizeof *want);
+                        b->ops->matmul(b->ctx, ywant, &w, x, n);
+                        b->ops->add(b->ctx, want, ywant, ny);
+                        for (int up = 0; up < 2; up++) {
+                            memcpy(got, acc0, ny * sizeof *got);
+                            poison(ygot, ny);
+                            b->ops->matmul_add(b->ctx, got, ygot, up ? &wu : &w, x, n);
+                            if (memcmp(got, want, ny * sizeof *got) != 0 ||
+                                memcmp(ygot, ywant, ny * sizeof *ygot) != 0)
+                                fail_msg("%s/%dt %d-bit %s, %d tokens%s: matmul_add differs from "
+                                         "matmul then add", fi_cpu_backend_simd(b), threads, bits,
+                                         fi_dtype_name(types[ti]), n, up ? ", uploaded" : "");
+                        }
+                    }
+                    if (wu.dev)
+                        b->ops->weight_release(b->ctx, &wu);
+                    fi_backend_destroy(&bs[bi]);
+                }
+            }
+        free(wb);
+    }
+    free(x);
+    free(acc0);
+    free(want);
+    free(ywant);
+    free(got);
+    free(ygot);
+}
+
 static int q16_tables(fi_q16_kernels *out, const char **names) {
     int n = 0;
     fi_q16_kernels_portable(&out[n]);
@@ -1542,6 +1605,7 @@ int main(void) {
         cmocka_unit_test(test_q16_kernels_tiling),
         cmocka_unit_test(test_q16_kernels_tiling_16),
         cmocka_unit_test(test_matmul_n),
+        cmocka_unit_test(test_matmul_add),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),

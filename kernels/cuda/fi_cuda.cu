@@ -1151,6 +1151,7 @@ static const fi_backend_ops s_cuda_ops = {
     /* .kv_store = */ s_kv_store,
     /* .matmul_n = */ NULL, /* one cuBLASLt call per product */
     /* .host_memory = */ 0,
+    /* .matmul_add = */ NULL, /* matmul, then add */
 };
 
 extern "C" int fi_cuda_device_count(char *err, size_t errlen) {
