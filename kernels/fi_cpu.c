@@ -456,6 +456,7 @@ static void s_get_rows(void *ctx, float *y, const fi_weight *w, const int32_t *t
 }
 
 typedef struct s_norm_job {
+    const fi_cpu_kernels *k;
     float *y;           /* output rows */
     const float *x;     /* input rows (may alias y) */
     const float *g;     /* gain, dim */
@@ -466,29 +467,14 @@ typedef struct s_norm_job {
 static void s_norm_worker(void *arg, int ith, int nth) {
     s_norm_job *j = arg;
     int t0 = (int)((long)j->n * ith / nth), t1 = (int)((long)j->n * (ith + 1) / nth);
-    for (int t = t0; t < t1; t++) {
-        const float *x = j->x + (size_t)t * j->dim;
-        float *y = j->y + (size_t)t * j->dim;
-        /* eight partial sums: no chain of dependent additions through the
-         * row (the same order whatever n, so a row's result is too) */
-        double p[8] = {0};
-        int i = 0;
-        for (; i + 8 <= j->dim; i += 8)
-            for (int k = 0; k < 8; k++)
-                p[k] += (double)x[i + k] * x[i + k];
-        double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-        for (; i < j->dim; i++)
-            ss += (double)x[i] * x[i];
-        float scale = (float)(1.0 / sqrt(ss / j->dim + j->eps));
-        for (i = 0; i < j->dim; i++)
-            y[i] = x[i] * scale * j->g[i];
-    }
+    for (int t = t0; t < t1; t++)
+        j->k->rmsnorm(j->y + (size_t)t * j->dim, j->x + (size_t)t * j->dim, j->g, j->dim, j->eps);
 }
 
 static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n, int dim,
                       float eps) {
     s_cpu *c = ctx;
-    s_norm_job j = {.y = y, .x = x, .g = g, .n = n, .dim = dim, .eps = eps};
+    s_norm_job j = {.k = &c->k, .y = y, .x = x, .g = g, .n = n, .dim = dim, .eps = eps};
     if (c->n_threads > 1 && n > 1 && (size_t)n * dim >= S_PAR_ROWS)
         fi_pool_run(c->pool, s_norm_worker, &j);
     else

@@ -188,6 +188,20 @@ static float s_exp_sum(float *s, int n, float *m) {
     return sum;
 }
 
+static void s_rmsnorm(float *y, const float *x, const float *g, int dim, float eps) {
+    double p[8] = {0};
+    int i = 0;
+    for (; i + 8 <= dim; i += 8)
+        for (int k = 0; k < 8; k++)
+            p[k] += (double)x[i + k] * x[i + k];
+    double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    for (; i < dim; i++)
+        ss += (double)x[i] * x[i];
+    float scale = (float)(1.0 / sqrt(ss / dim + eps));
+    for (i = 0; i < dim; i++)
+        y[i] = x[i] * scale * g[i];
+}
+
 static void s_swiglu(float *g, const float *u, size_t n) {
     for (size_t i = 0; i < n; i++)
         g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -210,6 +224,7 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->att_dots = s_att_dots;
     k->att_wsum = s_att_wsum;
     k->exp_sum = s_exp_sum;
+    k->rmsnorm = s_rmsnorm;
     k->swiglu = s_swiglu;
     k->to_f16 = s_to_f16;
 }

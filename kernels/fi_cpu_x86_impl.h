@@ -904,6 +904,40 @@ static void s_att_wsum(float *o, const float *s, size_t ss, int gn, const uint16
     }
 }
 
+/* The squares are exact in double, so lane k of the vector sums is the
+ * portable code's p[k], bit for bit, whatever the width. */
+static void s_rmsnorm(float *y, const float *x, const float *g, int dim, float eps) {
+    double p[8];
+    int i = 0;
+#ifdef __AVX512F__
+    __m512d acc = _mm512_setzero_pd();
+    for (; i + 8 <= dim; i += 8) {
+        __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(v, v));
+    }
+    _mm512_storeu_pd(p, acc);
+#else
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    for (; i + 8 <= dim; i += 8) {
+        __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(x + i)), b = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+        lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+        hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+    }
+    _mm256_storeu_pd(p, lo);
+    _mm256_storeu_pd(p + 4, hi);
+#endif
+    double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    for (; i < dim; i++)
+        ss += (double)x[i] * x[i];
+    const float scale = (float)(1.0 / sqrt(ss / dim + eps));
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (i = 0; i + 8 <= dim; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs),
+                                              _mm256_loadu_ps(g + i)));
+    for (; i < dim; i++)
+        y[i] = x[i] * scale * g[i];
+}
+
 static void s_swiglu(float *g, const float *u, size_t n) {
     const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
     size_t i = 0;
@@ -939,6 +973,7 @@ static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->att_dots = s_att_dots;
     k->att_wsum = s_att_wsum;
     k->exp_sum = s_exp_sum;
+    k->rmsnorm = s_rmsnorm;
     k->swiglu = s_swiglu;
     k->to_f16 = s_to_f16;
 }

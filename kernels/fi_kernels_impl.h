@@ -106,6 +106,11 @@ typedef struct fi_cpu_kernels {
     /* *m = max s[i]; s[i] = exp(s[i] - *m) for i < n (n >= 1); returns
      * their sum. */
     float (*exp_sum)(float *s, int n, float *m);
+    /* y[i] = x[i] * scale * g[i] for i < dim, scale = 1 / sqrt(ss / dim +
+     * eps): ss the sum of x[i]^2 in double, as eight partial sums (element
+     * i into sum i % 8, in order) added pairwise, then the dim % 8 last
+     * elements in order. Every flavour gives the same bits. y may be x. */
+    void (*rmsnorm)(float *y, const float *x, const float *g, int dim, float eps);
     /* g[i] = silu(g[i]) * u[i] for i < n. */
     void (*swiglu)(float *g, const float *u, size_t n);
     /* fp32 -> fp16, round to nearest even (stores into the KV cache). */
