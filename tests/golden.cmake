@@ -8,4 +8,12 @@ if(TARGET test_golden)
     TIMEOUT 300
     LABELS "golden;model"
     REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL};${CMAKE_CURRENT_LIST_DIR}/golden/golden.txt;${CMAKE_CURRENT_LIST_DIR}/golden/logits_full.txt")
+  # the same with 16-bit activation quants everywhere, held to the tighter
+  # tolerances of the engine's most exact mode
+  add_test(NAME test_golden_16 COMMAND test_golden)
+  set_tests_properties(test_golden_16 PROPERTIES
+    ENVIRONMENT "FI_GOLDEN_ACT_BITS=16"
+    TIMEOUT 300
+    LABELS "golden;model"
+    REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL};${CMAKE_CURRENT_LIST_DIR}/golden/golden.txt;${CMAKE_CURRENT_LIST_DIR}/golden/logits_full.txt")
 endif()

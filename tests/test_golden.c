@@ -7,18 +7,23 @@
  *   tokenize  fi_tok_encode(parse_special=1) gives the reference ids.
  *   logits    the prompt evaluated in one fi_session_eval with all_logits:
  *             at the stored positions, cosine similarity >= 0.999 against
- *             the reference on a fixed 256-id subset, and the engine's top-5
- *             agrees with the reference's (the order may differ only
- *             between ids whose reference logits are within 0.05).
+ *             the reference on a fixed 256-id subset, no logit there
+ *             further than MAX_DIFF from the reference's, and the engine's
+ *             top-5 agrees with the reference's (the order may differ only
+ *             between ids whose reference logits are within NEAR_TIE).
  *   greedy    32 tokens by argmax over fi_session_eval logits, one token per
- *             call: equal to the reference token for token up to the first
- *             step whose reference top-2 gap is < 0.05 (a near tie, which
- *             float32 rounding may legitimately flip); the stored decode
+ *             call: equal to the reference token for token; the tokens may
+ *             part only at a step whose reference top-2 gap is < NEAR_TIE
+ *             (a near tie, which the engine's rounding may legitimately
+ *             flip), and are compared no further after that; the stored decode
  *             steps get the same logit checks while the engine's tokens
  *             still equal the reference's. fi_generate with greedy sampling
  *             must then produce the same text as the manual loop.
  * And the one full logit row of logits_full.txt: cosine >= 0.999 over the
  * whole vocabulary, same argmax.
+ *
+ * MAX_DIFF and NEAR_TIE follow the activation precision (below); ctest
+ * runs the default (test_golden) and 16 bits (test_golden_16).
  *
  * Every check prints its numbers; a test collects all its failures and
  * fails once at the end, so one run reports everything that is off.
@@ -48,7 +53,17 @@
 #define GOLDEN_FILE FI_TEST_DIR "/golden/golden.txt"
 #define FULL_FILE FI_TEST_DIR "/golden/logits_full.txt"
 
-#define NEAR_TIE 0.05     /* reference logits closer than this may swap */
+/* The engine's logits differ from the reference's by its rounding: with
+ * 16-bit activation quants (FI_GOLDEN_ACT_BITS=16) by up to ~0.02 on the
+ * default model, with the default precision (Q4 products' inputs within
+ * 2039) by up to ~0.17. Per precision, MAX_DIFF bounds that difference on
+ * the checked ids, and reference logits closer than NEAR_TIE (about twice
+ * the largest difference seen) may legitimately swap. */
+#define MAX_DIFF_16 0.05
+#define NEAR_TIE_16 0.05
+#define MAX_DIFF_12 0.25
+#define NEAR_TIE_12 0.35
+#define NEAR_TIE G.near_tie
 #define COS_MIN 0.999     /* cosine similarity floor */
 #define MIN_COMPARED 8    /* greedy steps a prompt must compare (unless a near tie) */
 #define TOP_CHECK 5       /* engine top-k checked against the reference */
@@ -96,6 +111,8 @@ typedef struct gstate {
     float *full;
     fi_model *m;
     int n_vocab;
+    double max_diff; /* MAX_DIFF_* of the activation precision */
+    double near_tie; /* NEAR_TIE_* of the activation precision */
 } gstate;
 
 static gstate G;
@@ -476,9 +493,9 @@ static int check_row(const gprompt *p, const grec *r, const float *row, const ch
     if (r->n_sub) {
         double md, rd;
         double c = cosine(row, G.subset, r->sub, r->n_sub, &md, &rd);
-        int ok = c >= COS_MIN;
-        say("  %s: subset cosine %.6f (min %.3f) max|d| %.4f rms %.4f%s\n", tag, c, COS_MIN, md,
-            rd, ok ? "" : "  FAIL");
+        int ok = c >= COS_MIN && md <= G.max_diff;
+        say("  %s: subset cosine %.6f (min %.3f) max|d| %.4f (max %.2f) rms %.4f%s\n", tag, c,
+            COS_MIN, md, G.max_diff, rd, ok ? "" : "  FAIL");
         fails += !ok;
     }
     if (r->n_top) {
@@ -539,14 +556,17 @@ static int group_setup(void **state) {
         return -1;
     }
     G.n_vocab = fi_model_config(G.m)->n_vocab;
+    G.max_diff = fi_cpu_backend_act_bits(fi_model_backend(G.m)) == 16 ? MAX_DIFF_16 : MAX_DIFF_12;
+    G.near_tie = fi_cpu_backend_act_bits(fi_model_backend(G.m)) == 16 ? NEAR_TIE_16 : NEAR_TIE_12;
     for (int i = 0; i < G.n_subset; i++)
         if (G.subset[i] >= G.n_vocab) {
             say("golden subset id %d >= n_vocab %d\n", G.subset[i], G.n_vocab);
             return -1;
         }
-    say("golden: %d prompts, subset of %d ids, full row of %d (%s p%d); model %s; %d thread(s), act_bits %d\n",
+    say("golden: %d prompts, subset of %d ids, full row of %d (%s p%d); model %s; %d thread(s), "
+        "act_bits %d (max |d| %.2f, near tie %.2f)\n",
         G.n_prompts, G.n_subset, G.full_n, G.full_prompt, G.full_pos, FI_TEST_MODEL, o.n_threads,
-        o.act_bits);
+        fi_cpu_backend_act_bits(fi_model_backend(G.m)), G.max_diff, G.near_tie);
     (void)state;
     return 0;
 }
@@ -698,14 +718,16 @@ static void test_greedy(void **state) {
             fails += check_row(p, r, row, "decode");
         eng[i] = argmax(row, G.n_vocab);
         eng_gap[i] = gap2(row, G.n_vocab);
-        if (compared < 0) {
+        /* compared until the tokens part: at a reference near tie the
+         * engine's rounding may legitimately choose the other token */
+        if (compared < 0 && eng[i] != p->gen[i]) {
             if (p->gap[i] < NEAR_TIE) {
                 compared = i;
                 why = "reference near tie";
-                say("  %s: step %d: reference top-2 gap %.4f < %.2f: stop comparing (engine %d, "
-                    "reference %d)\n",
+                say("  %s: step %d: tokens part at a reference top-2 gap %.4f < %.2f: stop "
+                    "comparing (engine %d, reference %d)\n",
                     p->name, i, p->gap[i], NEAR_TIE, eng[i], p->gen[i]);
-            } else if (eng[i] != p->gen[i]) {
+            } else {
                 compared = i;
                 why = "MISMATCH";
                 say("  %s: FAIL step %d: engine token %d, reference %d (reference gap %.4f; "
