@@ -42,7 +42,8 @@
 #define S_SCRATCH_MIN ((size_t)1 << 20) /* bytes of scratch made at start */
 #define S_PAR_ELEMS 32768               /* element-wise ops: go parallel above this */
 #define S_PAR_SWIGLU 8192               /* SwiGLU (an exp per element): above this */
-#define S_PAR_ROWS 4096                 /* RMSNorm and RoPE (rows of work): above this */
+#define S_PAR_ROWS 32768                /* RMSNorm and RoPE (elements): above this; below,
+                                           a dispatch costs more than the vector work */
 #define S_ATT_SEG 256                   /* positions per segment (batch-invariant) */
 #define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
 
@@ -690,9 +691,9 @@ static void s_att_prefetch_item(const s_att_job *j, int t, int seg) {
     if (p > j->pos[t])
         return;
     const int32_t *tbl = j->map->tables + (size_t)j->map->seq[t] * (size_t)j->map->max_blocks;
+    const size_t kv_dim = (size_t)j->n_kv_heads * j->head_dim;
     const int np = bs - p % bs < j->pos[t] + 1 - p ? bs - p % bs : j->pos[t] + 1 - p;
     const size_t row = (size_t)tbl[p / bs] * (size_t)bs + (size_t)(p % bs);
-    const size_t kv_dim = (size_t)j->n_kv_heads * j->head_dim;
     s_att_prefetch(j->kc, row, np, kv_dim);
     s_att_prefetch(j->vc, row, np, kv_dim);
 }

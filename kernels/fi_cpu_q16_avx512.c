@@ -663,10 +663,12 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
         const int e = b - 1; /* the block finished in this step */
         {
             /* the next group of rows, a share per block: the weights
-             * stream from memory while the tile unit works */
+             * stream from memory while the tile unit works. Into L2 (T1):
+             * decode-shaped products of 16 tokens measured ~3% faster
+             * than with T0 (bench_kernels, 2 threads). */
             const char *q = (const char *)(pk ? pk : w0) + 16 * stride + (size_t)e * gb;
             for (size_t o = 0; o < gb; o += 64)
-                _mm_prefetch(q + o, _MM_HINT_T0);
+                _mm_prefetch(q + o, _MM_HINT_T1);
         }
         __m512 dw, aw;
         s_scales(kind, vidx, w0 + (size_t)e * bsz, pk ? pk + (size_t)e * gb : NULL, &dw, &aw);

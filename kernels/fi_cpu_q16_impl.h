@@ -106,8 +106,10 @@ void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb, int qmax);
 void fi_q16_kernels_avx2(fi_q16_kernels *k);
 #endif
 #if defined(FI_HAVE_AVX512) && FI_HAVE_AVX512
-/* Overwrites the matmul members of k (filled by fi_q16_kernels_avx2 first:
- * the quantiser stays) with AVX512-VNNI ones; call only after checking for
+/* Overwrites the matmul members of k (filled by fi_q16_kernels_avx2 first)
+ * with AVX512-VNNI ones, and the quantiser too where the processor has
+ * AVX512DQ (checked inside; the AVX2 one stays otherwise, the same bits);
+ * call only after checking for
  * AVX2, FMA, F16C, AVX512 F/BW/VL/VNNI and ZMM OS support. */
 void fi_q16_kernels_avx512(fi_q16_kernels *k);
 /* Overwrites the matmul members of k (filled by fi_q16_kernels_avx512)
