@@ -938,6 +938,21 @@ static void s_rmsnorm(float *y, const float *x, const float *g, int dim, float e
         y[i] = x[i] * scale * g[i];
 }
 
+#ifdef __AVX512F__
+/* 16 lanes, and the last few elements through the same vector code (a
+ * masked load and store): every element is computed alike wherever a
+ * thread's share begins. */
+static void s_swiglu(float *g, const float *u, size_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (size_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+        __m512 e = s_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)); /* exp(-x) */
+        __m512 y = _mm512_div_ps(x, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(g + i, m, _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+}
+#else
 static void s_swiglu(float *g, const float *u, size_t n) {
     const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
     size_t i = 0;
@@ -950,6 +965,7 @@ static void s_swiglu(float *g, const float *u, size_t n) {
     for (; i < n; i++)
         g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
+#endif
 
 static void s_to_f16(uint16_t *dst, const float *src, size_t n) {
     size_t i = 0;

@@ -1476,8 +1476,8 @@ static void test_attention(void **state) {
 static void test_swiglu_add(void **state) {
     (void)state;
     rng r = {23};
-    size_t sizes[] = {1, 1536, 40000};
-    for (size_t si = 0; si < 3; si++) {
+    size_t sizes[] = {1, 33, 1007, 1536, 40000}; /* tails of every kind */
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
         size_t n = sizes[si];
         float *g = fvec(n), *u = fvec(n), *y = fvec(n);
         for (size_t i = 0; i < n; i++) {
