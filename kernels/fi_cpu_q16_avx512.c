@@ -37,7 +37,8 @@
  * from memory: each tile prefetches the group of rows ahead.
  *
  * No overflow: |w| <= 15 (Q4, unsigned nibbles) or 128 (Q8_0) times
- * |x| <= 32767, 32 products per 32-bit lane: below 2^28.
+ * |x| <= 32767 (fi_q16_qmax: Q4 inputs are within 2039 by default), 32
+ * products per 32-bit lane: below 2^28.
  *
  * Batch invariance: every (row, token) result is formed by the same
  * sequence of floating-point operations whatever the tile: per block, in
@@ -523,10 +524,17 @@ S_DQ static void s_quantize(const float *x, fi_block_q16x *y, int nb, int qmax) 
 /* --- AMX ------------------------------------------------------------------
  *
  * With AMX-INT8 (Sapphire Rapids and later) the integer block sums of 16
- * rows x 16 tokens come from the tile unit, which multiplies bytes: each
- * activation quant is split exactly as x = 256 * hi + lo (hi = x >> 8
- * signed, lo = x & 255 unsigned), and isum = 256 * (W . hi) + (W . lo),
- * two tile products per block, exact in 32 bits (|isum| < 2^28 as above).
+ * rows x 16 tokens come from the tile unit, which multiplies bytes, so
+ * each activation quant is split exactly into two bytes (s_split):
+ *   Q4 (inputs within FI_Q16_QMAX_Q4 = 2039): x = 16 h + l, h = (x + 8)
+ *     >> 4 in [-128, 127] and l in [-8, 7], both signed; the weights'
+ *     nibbles q (0..15) are laid out as [16 q ; q] (16 q <= 240 is an
+ *     unsigned byte), and one product of [h | l] (64 bytes) with them
+ *     gives isum = sum (16 h + l) q, exact.
+ *   Q8_0: x = 256 hi + lo (hi = x >> 8 signed, lo = x & 255 unsigned);
+ *     isum = 256 (W . hi) + (W . lo), two products per block.
+ * Both exact in 32 bits (|isum| < 2^28 as above). Q4 inputs quantised
+ * with the full 16 bits (act_bits 16) go to the vector kernels instead.
  * The weights' block is the same 16-row dword transpose as above, which
  * is the tile unit's B layout (four consecutive k of a column per dword).
  * isum is then the very integer the vpdpwssd path computes, and it goes
