@@ -6,10 +6,12 @@
  * Why 16 bits: quantising activations to 8 bits per element (as the
  * fi_block_q8x path does) moves the default model's logits by up to ~1.0
  * against an exact reference, enough to flip greedy choices whose margin is
- * well above any near tie; 16-bit activations keep the error within ~0.02
- * (measured by tests/test_golden.c) while the products stay in integer
- * SIMD (vpmaddwd: 16 products per instruction; vpdpwssd on 512 bits: 32;
- * AMX-INT8 on the quants split into two bytes, fi_cpu_q16_avx512.c).
+ * well above any near tie; 16-bit quants keep the error within ~0.02, and
+ * the default bound of 2039 for Q4 products' inputs (fi_q16_qmax: one tile
+ * product per block) within ~0.17 (measured by tests/test_golden.c), while
+ * the products stay in integer SIMD (vpmaddwd: 16 products per
+ * instruction; vpdpwssd on 512 bits: 32; AMX-INT8 on the quants split into
+ * two bytes, fi_cpu_q16_avx512.c).
  *
  * Every kernel here is batch-invariant: a (row, token) result is the same
  * bits whatever the number of tokens in the call and whatever row range
