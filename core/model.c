@@ -848,11 +848,12 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
     }
     fi_kv_map map = {.seq = kv->seq, .tables = kv->tables, .max_blocks = b->max_blocks,
                      .block_size = FI_KV_BLOCK};
-    /* A decode step of one sequence (one token, its logits wanted) goes to
-     * the backend as one recorded graph where the backend can. */
-    int graph = n == 1 && b->n_out == 1 && !m->allreduce && !m->plan.no_embed && ops->graph_begin &&
-                ops->graph_begin(bc) == 0;
+    /* A decode step (every token's logits wanted: one token of each of n
+     * sequences) goes to the backend as one recorded graph, one per batch
+     * size, where the backend can. */
     size_t ib = (size_t)n * sizeof(int32_t);
+    int graph = n == b->n_out && !m->allreduce && !m->plan.no_embed && ops->graph_begin &&
+                ops->graph_begin(bc, n, 4 * ib + tables * sizeof(int32_t)) == 0;
     if ((!m->plan.no_embed && ops->to_backend(bc, kv->toks, b->tok, ib)) ||
         ops->to_backend(bc, kv->pos, b->pos, ib) || ops->to_backend(bc, kv->seq, b->seq, ib) ||
         ops->to_backend(bc, kv->slot, kv->slot_host, ib) ||

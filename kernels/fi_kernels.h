@@ -163,12 +163,18 @@ typedef struct fi_backend_ops {
      * small kernels would otherwise cost a launch each. In between, only
      * operations and to_backend (a few KiB in all: token ids, positions)
      * may be called; not to_host, sync, argmax, alloc, free or weight
-     * calls. graph_begin returns 0, or -1 when the backend will not record
-     * now (graphs turned off, profiling): the caller then simply goes on
-     * without. After a 0 from graph_begin, graph_end must follow, on error
-     * paths too; it launches the recorded work and returns 0, or -1 with
-     * the backend's error. */
-    int (*graph_begin)(void *ctx);
+     * calls. key names the shape of the work (the engine passes the
+     * number of tokens of the step): the backend keeps one graph per key
+     * and updates it in place for the next step of that key; upload is the
+     * bytes the caller will pass to to_backend in between. graph_begin
+     * returns 0, or -1 when the backend will not record now (graphs turned
+     * off, profiling, a key out of its range, more upload than it stages,
+     * or the first step of a key, which runs directly so that the buffers
+     * that work needs exist before a capture, which may not allocate): the
+     * caller then simply goes on without. After a 0 from graph_begin,
+     * graph_end must follow, on error paths too; it launches the recorded
+     * work and returns 0, or -1 with the backend's error. */
+    int (*graph_begin)(void *ctx, int key, size_t upload);
     int (*graph_end)(void *ctx);
 
     /* --- required again (placed last to keep the table's order) --- */

@@ -24,10 +24,13 @@
  *
  * Graphs: between graph_begin and graph_end the stream is captured
  * (cudaStreamBeginCapture) instead of run; graph_end turns the capture into
- * a graph and launches it. The engine does this for every decode step, and
- * each step's graph differs from the last only in kernel parameters (the
- * KV-cache row written), so the executable graph is updated in place
- * (cudaGraphExecUpdate) rather than instantiated again. While capturing,
+ * a graph and launches it. The engine does this for every decode step,
+ * keyed by its batch size; a step's graph differs from the last one of its
+ * key only in kernel parameters (the KV-cache rows written), so each key's
+ * executable graph is updated in place (cudaGraphExecUpdate) rather than
+ * instantiated again. The first step of a key runs directly instead, which
+ * grows the scratch buffers that batch size needs (a capture may not
+ * allocate), and cuBLASLt's choices for its shapes are then cached. While capturing,
  * to_backend copies the host bytes into a pinned staging buffer at once and
  * captures a copy from there (a copy from pageable memory cannot be
  * captured); the next capture waits for the previous launch before it
@@ -59,6 +62,8 @@
 #define S_PROF_PAIRS 4096                    /* event pairs kept before a flush */
 #define S_QK 32                              /* elements per quantised block */
 #define S_STAGE_BYTES ((size_t)64 << 10)     /* pinned staging while capturing */
+#define S_GRAPH_KEYS 64                      /* graphs kept: keys (batch sizes) 1..64 */
+#define S_STAGE_SLACK (16 * 16)              /* alignment of up to 16 staged copies */
 #define S_XH_MIN ((size_t)1 << 18)           /* fp16 activations made at start */
 
 /* One cached cuBLASLt plan. */
@@ -104,7 +109,9 @@ typedef struct s_cuda {
     double kernel_ms;            /* summed event time since last read */
     int graphs;                  /* graph_begin may capture */
     int capturing;               /* between graph_begin and graph_end */
-    cudaGraphExec_t exec;        /* the last step's executable graph */
+    cudaGraphExec_t exec[S_GRAPH_KEYS + 1]; /* by key: the last step's executable graph */
+    uint8_t key_seen[S_GRAPH_KEYS + 1]; /* a step of this key has run directly */
+    int key;                     /* the key being captured */
     cudaEvent_t graph_done;      /* recorded after each graph launch */
     int graph_launched;          /* graph_done has been recorded */
     uint8_t *stage;              /* S_STAGE_BYTES pinned, for to_backend */
@@ -1027,10 +1034,15 @@ static int s_argmax(void *ctx, int32_t *out, const float *x, int n) {
 
 /* --- graphs ------------------------------------------------------------ */
 
-static int s_graph_begin(void *ctx) {
+static int s_graph_begin(void *ctx, int key, size_t upload) {
     s_cuda *c = (s_cuda *)ctx;
-    if (!c->graphs || c->profile || c->capturing || !s_enter(c))
+    if (!c->graphs || c->profile || c->capturing || key < 1 || key > S_GRAPH_KEYS ||
+        upload > S_STAGE_BYTES - S_STAGE_SLACK || !s_enter(c))
         return -1;
+    if (!c->key_seen[key]) {
+        c->key_seen[key] = 1; /* this step directly: see the header */
+        return -1;
+    }
     /* the previous graph may still read the staging buffer */
     if (c->graph_launched &&
         !s_ok(c, cudaEventSynchronize(c->graph_done), "cudaEventSynchronize (graph)"))
@@ -1040,6 +1052,7 @@ static int s_graph_begin(void *ctx) {
         return -1;
     c->stage_used = 0;
     c->capturing = 1;
+    c->key = key;
     return 0;
 }
 
@@ -1058,24 +1071,25 @@ static int s_graph_end(void *ctx) {
             (void)cudaGraphDestroy(g);
         return -1;
     }
-    if (c->exec) {
+    cudaGraphExec_t *ex = &c->exec[c->key];
+    if (*ex) {
         cudaGraphExecUpdateResultInfo info;
-        if (cudaGraphExecUpdate(c->exec, g, &info) != cudaSuccess) {
+        if (cudaGraphExecUpdate(*ex, g, &info) != cudaSuccess) {
             (void)cudaGetLastError(); /* not an error: the shape changed */
-            (void)cudaGraphExecDestroy(c->exec);
-            c->exec = NULL;
+            (void)cudaGraphExecDestroy(*ex);
+            *ex = NULL;
         }
     }
-    if (!c->exec) {
-        if (!s_ok(c, cudaGraphInstantiate(&c->exec, g, 0), "cudaGraphInstantiate")) {
-            c->exec = NULL;
+    if (!*ex) {
+        if (!s_ok(c, cudaGraphInstantiate(ex, g, 0), "cudaGraphInstantiate")) {
+            *ex = NULL;
             (void)cudaGraphDestroy(g);
             return -1;
         }
         c->n_instantiated++;
     }
     (void)cudaGraphDestroy(g);
-    if (!s_ok(c, cudaGraphLaunch(c->exec, c->stream), "cudaGraphLaunch") ||
+    if (!s_ok(c, cudaGraphLaunch(*ex, c->stream), "cudaGraphLaunch") ||
         !s_ok(c, cudaEventRecord(c->graph_done, c->stream), "cudaEventRecord (graph)"))
         return -1;
     c->graph_launched = 1;
@@ -1098,8 +1112,9 @@ static void s_destroy(void *ctx) {
     }
     if (c->stream)
         (void)cudaStreamSynchronize(c->stream);
-    if (c->exec)
-        (void)cudaGraphExecDestroy(c->exec);
+    for (int k = 0; k <= S_GRAPH_KEYS; k++)
+        if (c->exec[k])
+            (void)cudaGraphExecDestroy(c->exec[k]);
     if (c->graph_done)
         (void)cudaEventDestroy(c->graph_done);
     if (c->stage)

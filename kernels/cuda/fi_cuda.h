@@ -68,12 +68,14 @@ const char *fi_cuda_backend_device_name(const fi_backend *b);
 FI_MUST_CHECK int fi_cuda_backend_set_weights(fi_backend *b, fi_cuda_weights mode);
 fi_cuda_weights fi_cuda_backend_weights(const fi_backend *b);
 
-/* Decode steps as CUDA graphs (ops->graph_begin / graph_end): on unless
- * the environment variable FEDINFER_CUDA_GRAPHS is "0" at creation.
+/* Decode steps as CUDA graphs (ops->graph_begin / graph_end), one per
+ * batch size from 1 to 64, the first step of each size run directly: on
+ * unless the environment variable FEDINFER_CUDA_GRAPHS is "0" at creation.
  * 0, or -1 when b is not a CUDA backend. */
 FI_MUST_CHECK int fi_cuda_backend_set_graphs(fi_backend *b, int on);
 /* Graphs launched since creation, and how many of them had to be
- * instantiated (the others updated the previous one in place). */
+ * instantiated (the others updated the previous one of their key in
+ * place). */
 void fi_cuda_backend_graph_stats(const fi_backend *b, long *launched, long *instantiated);
 
 /* Kernel timing with CUDA events, for the benchmark: while on, every

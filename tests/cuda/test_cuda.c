@@ -555,7 +555,9 @@ static void test_error_reported(void **state) {
 }
 
 /* Recorded steps give the same results as direct calls, with new inputs
- * each time (the second and later graphs update the first in place). */
+ * each time: the first step of a key runs directly (graph_begin -1), the
+ * next is instantiated, later ones update it in place, and each key keeps
+ * its own graph (key 2 in between does not cost key 1 a new one). */
 static void test_graph(void **state) {
     pair *p = *state;
     fi_backend *g = p->gpu;
@@ -566,7 +568,9 @@ static void test_graph(void **state) {
     float *dx = g->ops->alloc(g->ctx, n * 4), *dy = g->ops->alloc(g->ctx, n * 4);
     assert_non_null(dx);
     assert_non_null(dy);
-    for (int step = 0; step < 4; step++) {
+    static const int keys[] = {1, 1, 1, 2, 2, 1, 2, 1};
+    const int direct[] = {1, 0, 0, 1, 0, 0, 0, 0}; /* the first step of each key */
+    for (int step = 0; step < 8; step++) {
         fill(&r, x, n, -1, 1);
         fill(&r, y, n, -1, 1);
         for (size_t i = 0; i < n; i++)
@@ -574,22 +578,30 @@ static void test_graph(void **state) {
         p->cpu->ops->add(p->cpu->ctx, want, x, n);
         p->cpu->ops->swiglu(p->cpu->ctx, want, x, n);
         assert_int_equal(g->ops->to_backend(g->ctx, dy, y, n * 4), 0); /* outside */
-        assert_int_equal(g->ops->graph_begin(g->ctx), 0);
-        assert_int_equal(g->ops->to_backend(g->ctx, dx, x, n * 4), 0); /* staged */
+        int rec = g->ops->graph_begin(g->ctx, keys[step], n * 4) == 0;
+        assert_int_equal(rec, !direct[step]);
+        assert_int_equal(g->ops->to_backend(g->ctx, dx, x, n * 4), 0); /* staged when recording */
         memset(x, 0, n * 4); /* the staged copy must not read x later */
         g->ops->add(g->ctx, dy, dx, n);
         g->ops->swiglu(g->ctx, dy, dx, n);
-        assert_int_equal(g->ops->graph_end(g->ctx), 0);
+        if (rec)
+            assert_int_equal(g->ops->graph_end(g->ctx), 0);
         to_host(g, got, dy, n * 4);
         check("graph step: add, swiglu", got, want, n, TOL_F32);
     }
     long launched, inst;
     fi_cuda_backend_graph_stats(g, &launched, &inst);
     printf("  graphs: %ld launched, %ld instantiated\n", launched, inst);
-    assert_int_equal(launched, 4);
-    assert_int_equal(inst, 1);
+    assert_int_equal(launched, 6);
+    assert_int_equal(inst, 2);
+    /* declined without a failure: more upload than is staged, a key out of
+     * range, graphs off */
+    assert_int_equal(g->ops->graph_begin(g->ctx, 1, (size_t)1 << 20), -1);
+    assert_int_equal(g->ops->graph_begin(g->ctx, 0, 16), -1);
+    assert_int_equal(g->ops->graph_begin(g->ctx, 65, 16), -1);
     assert_int_equal(fi_cuda_backend_set_graphs(g, 0), 0);
-    assert_int_equal(g->ops->graph_begin(g->ctx), -1); /* off: the caller goes on without */
+    assert_int_equal(g->ops->graph_begin(g->ctx, 1, 16), -1); /* off: the caller goes on without */
+    assert_int_equal(g->ops->sync(g->ctx), 0);
     g->ops->free(g->ctx, dx);
     g->ops->free(g->ctx, dy);
     free(x);
@@ -605,7 +617,8 @@ static void test_graph_misuse(void **state) {
     fi_backend *g = p->gpu;
     float *d = g->ops->alloc(g->ctx, 64), h[16];
     assert_non_null(d);
-    assert_int_equal(g->ops->graph_begin(g->ctx), 0);
+    assert_int_equal(g->ops->graph_begin(g->ctx, 7, 0), -1); /* the first step of key 7 */
+    assert_int_equal(g->ops->graph_begin(g->ctx, 7, 0), 0);
     assert_int_equal(g->ops->to_host(g->ctx, h, d, sizeof h), -1);
     assert_int_equal(g->ops->graph_end(g->ctx), -1);
     printf("  error: %s\n", g->ops->last_error(g->ctx));
