@@ -194,6 +194,24 @@ static int make_backends(fi_backend **out, int n_threads) {
     return make_backends_bits(out, n_threads, 12);
 }
 
+/* Every flavour with 1 and 2 threads at every activation precision (16,
+ * 12 and 8 bits); out holds S_ALL_BACKENDS. Returns how many were made. */
+#define S_ALL_BACKENDS (S_FLAVOURS * 2 * 3)
+static int make_backends_all(fi_backend **out) {
+    int n = 0;
+    for (int threads = 1; threads <= 2; threads++)
+        for (int bits = 16; bits >= 8; bits -= 4)
+            n += make_backends_bits(out + n, threads, bits);
+    return n;
+}
+
+/* "avx2/2t 12-bit": a backend's flavour, threads and precision. */
+static const char *backend_tag(const fi_backend *b, char *buf, size_t len) {
+    snprintf(buf, len, "%s/%dt %d-bit", fi_cpu_backend_simd(b), fi_cpu_backend_threads(b),
+             fi_cpu_backend_act_bits(b));
+    return buf;
+}
+
 /* --- dtypes and conversions --------------------------------------------- */
 
 static void test_dtype_table(void **state) {
@@ -606,51 +624,47 @@ static void test_matmul_n(void **state) {
         ref[i] = fvec((size_t)NT * rows[i]);
         got[i] = fvec((size_t)NT * rows[i]);
     }
-    for (int threads = 1; threads <= 2; threads++)
-        for (int bits = 16; bits >= 8; bits -= 4) {
-            fi_backend *bs[S_FLAVOURS];
-            int nb = make_backends_bits(bs, threads, bits);
-            for (int bi = 0; bi < nb; bi++) {
-                fi_backend *b = bs[bi];
-                assert_non_null(b->ops->matmul_n);
-                for (int count = 1; count <= MAXN; count++)
-                    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
-                        int n = ns[ni];
-                        for (int i = 0; i < count; i++) {
-                            poison(ref[i], (size_t)n * rows[i]);
-                            poison(got[i], (size_t)n * rows[i]);
-                            b->ops->matmul(b->ctx, ref[i], &w[i], x, n);
-                        }
-                        b->ops->matmul_n(b->ctx, count, got, wp, x, n);
-                        for (int i = 0; i < count; i++)
-                            if (memcmp(ref[i], got[i], (size_t)n * rows[i] * sizeof(float)) != 0)
-                                fail_msg("%s/%dt %d-bit: product %d of %d (%s), %d tokens: matmul_n "
-                                         "differs from matmul", fi_cpu_backend_simd(b), threads, bits,
-                                         i, count, fi_dtype_name(types[i]), n);
-                        /* and from the weights as the engine hands them over
-                         * (weight_upload: a packed copy where the kernels
-                         * read one) */
-                        for (int i = 0; i < count; i++) {
-                            wu[i] = w[i];
-                            if (b->ops->weight_upload)
-                                assert_int_equal(b->ops->weight_upload(b->ctx, &wu[i]), 0);
-                            poison(got[i], (size_t)n * rows[i]);
-                        }
-                        b->ops->matmul_n(b->ctx, count, got, wup, x, n);
-                        for (int i = 0; i < count; i++) {
-                            if (memcmp(ref[i], got[i], (size_t)n * rows[i] * sizeof(float)) != 0)
-                                fail_msg("%s/%dt %d-bit: product %d of %d (%s), %d tokens: uploaded "
-                                         "weights differ", fi_cpu_backend_simd(b), threads, bits, i,
-                                         count, fi_dtype_name(types[i]), n);
-                            if (wu[i].dev)
-                                b->ops->weight_release(b->ctx, &wu[i]);
-                            assert_null(wu[i].dev);
-                        }
-                    }
+    fi_backend *bs[S_ALL_BACKENDS];
+    int nb = make_backends_all(bs);
+    for (int bi = 0; bi < nb; bi++) {
+        fi_backend *b = bs[bi];
+        char tag[64];
+        assert_non_null(b->ops->matmul_n);
+        for (int count = 1; count <= MAXN; count++)
+            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                int n = ns[ni];
+                for (int i = 0; i < count; i++) {
+                    poison(ref[i], (size_t)n * rows[i]);
+                    poison(got[i], (size_t)n * rows[i]);
+                    b->ops->matmul(b->ctx, ref[i], &w[i], x, n);
+                }
+                b->ops->matmul_n(b->ctx, count, got, wp, x, n);
+                for (int i = 0; i < count; i++)
+                    if (memcmp(ref[i], got[i], (size_t)n * rows[i] * sizeof(float)) != 0)
+                        fail_msg("%s: product %d of %d (%s), %d tokens: matmul_n differs from "
+                                 "matmul", backend_tag(b, tag, sizeof tag), i, count,
+                                 fi_dtype_name(types[i]), n);
+                /* and from the weights as the engine hands them over
+                 * (weight_upload: a packed copy where the kernels read one) */
+                for (int i = 0; i < count; i++) {
+                    wu[i] = w[i];
+                    if (b->ops->weight_upload)
+                        assert_int_equal(b->ops->weight_upload(b->ctx, &wu[i]), 0);
+                    poison(got[i], (size_t)n * rows[i]);
+                }
+                b->ops->matmul_n(b->ctx, count, got, wup, x, n);
+                for (int i = 0; i < count; i++) {
+                    if (memcmp(ref[i], got[i], (size_t)n * rows[i] * sizeof(float)) != 0)
+                        fail_msg("%s: product %d of %d (%s), %d tokens: uploaded weights differ",
+                                 backend_tag(b, tag, sizeof tag), i, count,
+                                 fi_dtype_name(types[i]), n);
+                    if (wu[i].dev)
+                        b->ops->weight_release(b->ctx, &wu[i]);
+                    assert_null(wu[i].dev);
+                }
             }
-            for (int bi = 0; bi < nb; bi++)
-                fi_backend_destroy(&bs[bi]);
-        }
+        fi_backend_destroy(&bs[bi]);
+    }
     for (int i = 0; i < MAXN; i++) {
         free((void *)w[i].data);
         free(ref[i]);
@@ -676,44 +690,43 @@ static void test_matmul_add(void **state) {
         x[i] = rng_f(&r, -2, 2);
     for (int i = 0; i < NT * ROWS; i++)
         acc0[i] = rng_f(&r, -3, 3);
+    fi_backend *bs[S_ALL_BACKENDS];
+    int nb = make_backends_all(bs);
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         size_t rb;
         uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
         fi_weight w = {.data = wb, .type = types[ti], .rows = ROWS, .cols = COLS, .row_bytes = rb};
-        for (int threads = 1; threads <= 2; threads++)
-            for (int bits = 16; bits >= 8; bits -= 4) {
-                fi_backend *bs[S_FLAVOURS];
-                int nb = make_backends_bits(bs, threads, bits);
-                for (int bi = 0; bi < nb; bi++) {
-                    fi_backend *b = bs[bi];
-                    assert_non_null(b->ops->matmul_add);
-                    fi_weight wu = w;
-                    if (b->ops->weight_upload)
-                        assert_int_equal(b->ops->weight_upload(b->ctx, &wu), 0);
-                    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
-                        const int n = ns[ni];
-                        const size_t ny = (size_t)n * ROWS;
-                        memcpy(want, acc0, ny * sizeof *want);
-                        b->ops->matmul(b->ctx, ywant, &w, x, n);
-                        b->ops->add(b->ctx, want, ywant, ny);
-                        for (int up = 0; up < 2; up++) {
-                            memcpy(got, acc0, ny * sizeof *got);
-                            poison(ygot, ny);
-                            b->ops->matmul_add(b->ctx, got, ygot, up ? &wu : &w, x, n);
-                            if (memcmp(got, want, ny * sizeof *got) != 0 ||
-                                memcmp(ygot, ywant, ny * sizeof *ygot) != 0)
-                                fail_msg("%s/%dt %d-bit %s, %d tokens%s: matmul_add differs from "
-                                         "matmul then add", fi_cpu_backend_simd(b), threads, bits,
-                                         fi_dtype_name(types[ti]), n, up ? ", uploaded" : "");
-                        }
-                    }
-                    if (wu.dev)
-                        b->ops->weight_release(b->ctx, &wu);
-                    fi_backend_destroy(&bs[bi]);
+        for (int bi = 0; bi < nb; bi++) {
+            fi_backend *b = bs[bi];
+            char tag[64];
+            assert_non_null(b->ops->matmul_add);
+            fi_weight wu = w;
+            if (b->ops->weight_upload)
+                assert_int_equal(b->ops->weight_upload(b->ctx, &wu), 0);
+            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                const int n = ns[ni];
+                const size_t ny = (size_t)n * ROWS;
+                memcpy(want, acc0, ny * sizeof *want);
+                b->ops->matmul(b->ctx, ywant, &w, x, n);
+                b->ops->add(b->ctx, want, ywant, ny);
+                for (int up = 0; up < 2; up++) {
+                    memcpy(got, acc0, ny * sizeof *got);
+                    poison(ygot, ny);
+                    b->ops->matmul_add(b->ctx, got, ygot, up ? &wu : &w, x, n);
+                    if (memcmp(got, want, ny * sizeof *got) != 0 ||
+                        memcmp(ygot, ywant, ny * sizeof *ygot) != 0)
+                        fail_msg("%s %s, %d tokens%s: matmul_add differs from matmul then add",
+                                 backend_tag(b, tag, sizeof tag), fi_dtype_name(types[ti]), n,
+                                 up ? ", uploaded" : "");
                 }
             }
+            if (wu.dev)
+                b->ops->weight_release(b->ctx, &wu);
+        }
         free(wb);
     }
+    for (int bi = 0; bi < nb; bi++)
+        fi_backend_destroy(&bs[bi]);
     free(x);
     free(acc0);
     free(want);
