@@ -68,7 +68,8 @@ void edge_policy_reload(edge_policy *p) {
     if (st == FI_BUNDLE_OK)
         snprintf(p->status, sizeof p->status, "policy version %llu", (unsigned long long)version);
     else
-        snprintf(p->status, sizeof p->status, "no valid policy (%s%s%s): on-site processing only",
+        /* a status line: the loader's message cut to fit */
+        snprintf(p->status, sizeof p->status, "no valid policy (%s%s%.150s): on-site processing only",
                  p->dir[0] ? fi_bundle_status_str(st) : "none configured", err[0] ? ": " : "", err);
     pthread_rwlock_unlock(&p->lk);
     s_log("%s", p->status);

@@ -132,7 +132,8 @@ int fi_group_cmd(const char *config, const char *token) {
     o.heartbeat_ms = rc.heartbeat_ms;
     o.liveness = rc.liveness;
     o.n_models = 1;
-    snprintf(o.models[0], sizeof o.models[0], "%s", rc.model_name);
+    /* checked to fit above; the precision says so to the compiler too */
+    snprintf(o.models[0], sizeof o.models[0], "%.*s", (int)sizeof o.models[0] - 1, rc.model_name);
     o.capacity[0] = 0; /* announced when every rank has joined */
     o.kp = kp;
     if (fi_keys_load_public(rc.coordinator_key, o.server_pub, err, sizeof err) != 0) {

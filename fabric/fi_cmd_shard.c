@@ -89,7 +89,8 @@ int fi_cmd_shard(int argc, char **argv) {
     o.heartbeat_ms = conf.heartbeat_ms;
     o.liveness = conf.liveness;
     o.n_models = 1;
-    snprintf(o.models[0], sizeof o.models[0], "%s", conf.model_name);
+    /* checked to fit above; the precision says so to the compiler too */
+    snprintf(o.models[0], sizeof o.models[0], "%.*s", (int)sizeof o.models[0] - 1, conf.model_name);
     o.capacity[0] = (uint32_t)conf.capacity;
     if (fi_keys_load_public(conf.coordinator_key, o.server_pub, err, sizeof err) != 0 ||
         fi_keys_load_secret(conf.secret_key, &o.kp, err, sizeof err) != 0) {
