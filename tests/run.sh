@@ -3,6 +3,8 @@
 #   1. gcc, Release: every test (ctest)
 #   2. clang with AddressSanitizer + UndefinedBehaviorSanitizer: every test
 #      labelled "asan" (parsers of outside input, malformed-file corpora)
+#   3. gcc, Debug with the sanitizers: built only, so that a warning that
+#      gcc gives there and not at -O3 (format truncation) fails here too
 set -euo pipefail
 cd "$(dirname "$0")/.."
 examples/setup.sh
@@ -16,3 +18,7 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang \
       -DFEDINFER_SANITIZE=ON -DFEDINFER_CUDA=OFF >/dev/null
 cmake --build build-asan -j"$JOBS"
 ctest --test-dir build-asan --output-on-failure -j"$JOBS" -L asan
+
+cmake -S . -B build-gcc-debug -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=gcc \
+      -DFEDINFER_SANITIZE=ON -DFEDINFER_CUDA=OFF >/dev/null
+cmake --build build-gcc-debug -j"$JOBS"
