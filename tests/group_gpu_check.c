@@ -29,6 +29,7 @@
 #include "fi_group.h"
 #include "fi_wire.h"
 #include "net_ports.h"
+#include "logit_rank.h"
 
 #define N_SEQ 4
 #define N_STEPS 16
@@ -91,20 +92,6 @@ static int s_rank_open(const char *dir, const char *model, int rank, fi_group **
 fail:
     fprintf(stderr, "group_gpu_check: rank %d: %s\n", rank, err);
     return 1;
-}
-
-static int s_argmax(const float *x, int n, float *gap) {
-    int b = 0, s = -1;
-    for (int i = 1; i < n; i++) {
-        if (x[i] > x[b]) {
-            s = b;
-            b = i;
-        } else if (s < 0 || x[i] > x[s]) {
-            s = i;
-        }
-    }
-    if (gap) *gap = x[b] - x[s];
-    return b;
 }
 
 typedef struct s_run {
@@ -245,8 +232,8 @@ int main(int argc, char **argv) {
         for (int i = 0; i < N_SEQ; i++) {
             float gap;
             const float *ra = A.logits + (size_t)i * V, *rb = B.logits + (size_t)i * V;
-            A.next[i] = s_argmax(ra, V, &gap);
-            B.next[i] = s_argmax(rb, V, NULL);
+            A.next[i] = logit_argmax_gap(ra, V, &gap);
+            B.next[i] = logit_argmax_gap(rb, V, NULL);
             if (!alive[i]) continue;
             double d = 0;
             for (int v = 0; v < V; v++) {

@@ -40,6 +40,7 @@
 #include "net_ports.h"
 #include "fi_sched.h"
 #include "fi_wire.h"
+#include "logit_rank.h"
 
 #define N_SEQ 4
 #define N_STEPS 16
@@ -226,20 +227,6 @@ typedef struct s_run {
     float *logits;                 /* N_SEQ rows */
 } s_run;
 
-static int s_argmax(const float *x, int n, float *gap) {
-    int best = 0, second = -1;
-    for (int i = 1; i < n; i++) {
-        if (x[i] > x[best]) {
-            second = best;
-            best = i;
-        } else if (second < 0 || x[i] > x[second]) {
-            second = i;
-        }
-    }
-    if (gap) *gap = x[best] - x[second];
-    return best;
-}
-
 /* The prefill batch (step 0) or a decode batch (one token per sequence). */
 static fi_batch s_batch(fixture *f, s_run *R, int step) {
     int n = 0;
@@ -286,8 +273,8 @@ static int s_compare(fixture *f, const char *what, fi_group *g, fi_model *lm) {
         for (int i = 0; i < N_SEQ; i++) {
             const float *ra = A.logits + (size_t)i * V, *rb = B.logits + (size_t)i * V;
             float gap;
-            A.next[i] = s_argmax(ra, V, &gap);
-            B.next[i] = s_argmax(rb, V, NULL);
+            A.next[i] = logit_argmax_gap(ra, V, &gap);
+            B.next[i] = logit_argmax_gap(rb, V, NULL);
             if (!alive[i]) continue;
             double d = 0;
             for (int v = 0; v < V; v++) d = fmax(d, fabs((double)ra[v] - rb[v]));
