@@ -519,6 +519,7 @@ static int s_rope_table(s_cpu *c, int need, int head_dim, float theta) {
 }
 
 typedef struct s_rope_job {
+    const fi_cpu_kernels *k;    /* rope kernel */
     float *x;                   /* n rows of n_heads * head_dim */
     const int32_t *pos;         /* each row's position */
     const float *tab;           /* the rope table, or NULL */
@@ -534,15 +535,14 @@ static void s_rope_worker(void *arg, int ith, int nth) {
     int t0 = (int)((long)j->n * ith / nth), t1 = (int)((long)j->n * (ith + 1) / nth);
     for (int t = t0; t < t1; t++) {
         float *row = j->x + (size_t)t * n_heads * head_dim;
-        const float *tab = j->tab ? j->tab + (size_t)pos[t] * half * 2 : NULL;
+        if (j->tab) {
+            j->k->rope(row, n_heads, head_dim, j->tab + (size_t)pos[t] * half * 2);
+            continue;
+        }
+        /* no table (out of memory for it): the angles here */
         for (int i = 0; i < half; i++) {
             float cs, sn;
-            if (tab) {
-                cs = tab[2 * i];
-                sn = tab[2 * i + 1];
-            } else {
-                s_rope_angle(pos[t], i, head_dim, theta, &cs, &sn);
-            }
+            s_rope_angle(pos[t], i, head_dim, theta, &cs, &sn);
             for (int h = 0; h < n_heads; h++) {
                 float *p = row + (size_t)h * head_dim + 2 * i;
                 float a = p[0], b = p[1];
@@ -559,7 +559,7 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
     int maxp = 0;
     for (int t = 0; t < n; t++)
         maxp = pos[t] > maxp ? pos[t] : maxp;
-    s_rope_job j = {.x = x, .pos = pos, .n = n, .n_heads = n_heads, .head_dim = head_dim,
+    s_rope_job j = {.k = &c->k, .x = x, .pos = pos, .n = n, .n_heads = n_heads, .head_dim = head_dim,
                     .theta = theta};
     j.tab = s_rope_table(c, maxp + 1, head_dim, theta) == 0 ? c->rope_tab : NULL;
     if (c->n_threads > 1 && n > 1 && (size_t)n * n_heads * head_dim >= S_PAR_ROWS)

@@ -212,6 +212,17 @@ static void s_to_f16(uint16_t *dst, const float *src, size_t n) {
         dst[i] = fi_fp32_to_fp16(src[i]);
 }
 
+static void s_rope(float *row, int n_heads, int head_dim, const float *tab) {
+    for (int h = 0; h < n_heads; h++) {
+        float *p = row + (size_t)h * head_dim;
+        for (int i = 0; i < head_dim; i += 2) {
+            float a = p[i], b = p[i + 1], c = tab[i], s = tab[i + 1];
+            p[i] = a * c - b * s;
+            p[i + 1] = a * s + b * c;
+        }
+    }
+}
+
 void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->name = "portable";
     k->quantize_q8x = fi_quantize_q8x_ref;
@@ -227,4 +238,5 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->rmsnorm = s_rmsnorm;
     k->swiglu = s_swiglu;
     k->to_f16 = s_to_f16;
+    k->rope = s_rope;
 }

@@ -976,6 +976,48 @@ static void s_to_f16(uint16_t *dst, const float *src, size_t n) {
         dst[i] = fi_fp32_to_fp16(src[i]);
 }
 
+/* One head's pairs 2i, 2i + 1 from i0 / 2 on, one by one (the tails). */
+S_INLINE void s_rope_pairs(float *p, int i0, int head_dim, const float *tab) {
+    for (int i = i0; i < head_dim; i += 2) {
+        float a = p[i], b = p[i + 1], c = tab[i], s = tab[i + 1];
+        p[i] = a * c - b * s;
+        p[i + 1] = a * s + b * c;
+    }
+}
+
+#ifdef __AVX512F__
+/* Eight pairs a step: x = (a0, b0, a1, b1, ..), the table row (c0, s0,
+ * ..); x * (c0, c0, ..) + (b0, a0, ..) * (-s0, s0, ..). */
+static void s_rope(float *row, int n_heads, int head_dim, const float *tab) {
+    const __m512 sign = _mm512_setr_ps(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1);
+    for (int h = 0; h < n_heads; h++) {
+        float *p = row + (size_t)h * head_dim;
+        int i = 0;
+        for (; i + 16 <= head_dim; i += 16) {
+            __m512 x = _mm512_loadu_ps(p + i), t = _mm512_loadu_ps(tab + i);
+            __m512 sw = _mm512_mul_ps(_mm512_permute_ps(x, 0xb1), _mm512_mul_ps(_mm512_movehdup_ps(t), sign));
+            _mm512_storeu_ps(p + i, _mm512_fmadd_ps(x, _mm512_moveldup_ps(t), sw));
+        }
+        s_rope_pairs(p, i, head_dim, tab);
+    }
+}
+#else
+/* Four pairs a step, as the 512-bit version. */
+static void s_rope(float *row, int n_heads, int head_dim, const float *tab) {
+    const __m256 sign = _mm256_setr_ps(-1, 1, -1, 1, -1, 1, -1, 1);
+    for (int h = 0; h < n_heads; h++) {
+        float *p = row + (size_t)h * head_dim;
+        int i = 0;
+        for (; i + 8 <= head_dim; i += 8) {
+            __m256 x = _mm256_loadu_ps(p + i), t = _mm256_loadu_ps(tab + i);
+            __m256 sw = _mm256_mul_ps(_mm256_permute_ps(x, 0xb1), _mm256_mul_ps(_mm256_movehdup_ps(t), sign));
+            _mm256_storeu_ps(p + i, _mm256_fmadd_ps(x, _mm256_moveldup_ps(t), sw));
+        }
+        s_rope_pairs(p, i, head_dim, tab);
+    }
+}
+#endif
+
 /* Fills k with this flavour's kernels under `name`. */
 static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->name = name;
@@ -992,4 +1034,5 @@ static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->rmsnorm = s_rmsnorm;
     k->swiglu = s_swiglu;
     k->to_f16 = s_to_f16;
+    k->rope = s_rope;
 }

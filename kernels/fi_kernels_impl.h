@@ -115,6 +115,11 @@ typedef struct fi_cpu_kernels {
     void (*swiglu)(float *g, const float *u, size_t n);
     /* fp32 -> fp16, round to nearest even (stores into the KV cache). */
     void (*to_f16)(uint16_t *dst, const float *src, size_t n);
+    /* Rotary embedding of one token's n_heads heads (head_dim apart, even)
+     * by the angle table row tab: pair i of each head, (a, b) at 2i and
+     * 2i + 1, becomes (a c - b s, a s + b c) with (c, s) = tab[2i], tab[2i
+     * + 1]. A pair's result depends only on its values and tab. */
+    void (*rope)(float *row, int n_heads, int head_dim, const float *tab);
 } fi_cpu_kernels;
 
 /* Fills k with the portable kernels. Cannot fail. */

@@ -1286,6 +1286,8 @@ static void test_rope(void **state) {
         {64, 500000.0f, {3, 2, 1, 0}},
         {32, 10000.0f, {9000, 5, 0, 77}},
         {64, 10000.0f, {12, 0, 4000, 4001}},
+        {40, 10000.0f, {7, 300, 0, 1}}, /* vector steps and a tail of pairs */
+        {6, 10000.0f, {2, 1, 0, 99}},   /* the tail alone */
     };
     int n = 4, nh = 3;
     float *x = fvec(n * nh * 64), *y = fvec(n * nh * 64);
