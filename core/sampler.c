@@ -9,7 +9,6 @@
  */
 #include <math.h>
 #if defined(__SSE__)
-#include <xmmintrin.h>
 #endif
 #include <stdlib.h>
 #include <string.h>
@@ -146,37 +145,7 @@ static void s_penalize(const fi_sampler *s, float *logits, const int32_t *hist, 
 }
 
 int32_t fi_argmax(const float *x, int n) {
-    /* the maximum over running maxima (no chain of dependent compares
-     * through the whole vocabulary), then its first index; NaNs never win
-     * (maxps returns its second operand, the running maximum, for one) */
-    float best = -INFINITY;
-    int i = 0;
-#if defined(__SSE__)
-    __m128 m0 = _mm_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
-    for (; i + 16 <= n; i += 16) {
-        m0 = _mm_max_ps(_mm_loadu_ps(x + i), m0);
-        m1 = _mm_max_ps(_mm_loadu_ps(x + i + 4), m1);
-        m2 = _mm_max_ps(_mm_loadu_ps(x + i + 8), m2);
-        m3 = _mm_max_ps(_mm_loadu_ps(x + i + 12), m3);
-    }
-    float m[4];
-    _mm_storeu_ps(m, _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3)));
-    for (int k = 0; k < 4; k++)
-        best = m[k] > best ? m[k] : best;
-#endif
-    for (; i < n; i++)
-        best = x[i] > best ? x[i] : best;
-    i = 0;
-#if defined(__SSE__)
-    const __m128 vb = _mm_set1_ps(best);
-    for (; i + 4 <= n; i += 4) {
-        int hit = _mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + i), vb));
-        if (hit) return i + __builtin_ctz((unsigned)hit);
-    }
-#endif
-    for (; i < n; i++)
-        if (x[i] == best) return i;
-    return 0;
+    return fi_argmax_f32(x, n);
 }
 
 int32_t fi_sampler_sample(fi_sampler *s, float *logits, const int32_t *hist, int n_hist) {

@@ -90,6 +90,7 @@ struct fi_sched {
     uint64_t next_order;
     /* one step's batch, host */
     int32_t *b_tok, *b_pos, *b_seq, *b_rows, *b_tables;
+    int32_t *b_argmax;       /* each logit row's argmax (fi_batch.argmax), or -1 */
     s_seq **b_seqs;          /* sequences in the batch */
     int *b_count;            /* tokens each contributes */
     float *logits;           /* max_seqs rows */
@@ -397,12 +398,13 @@ fi_sched *fi_sched_new(fi_model *m, const fi_sched_opts *o, char *err, size_t er
     s->b_pos = malloc((size_t)S * sizeof(int32_t));
     s->b_seq = malloc((size_t)S * sizeof(int32_t));
     s->b_rows = malloc((size_t)N * sizeof(int32_t));
+    s->b_argmax = malloc((size_t)N * sizeof(int32_t));
     s->b_tables = malloc((size_t)N * (size_t)s->max_blocks * sizeof(int32_t));
     s->b_seqs = malloc((size_t)N * sizeof *s->b_seqs);
     s->b_count = malloc((size_t)N * sizeof *s->b_count);
     s->logits = malloc((size_t)N * (size_t)s->n_vocab * sizeof(float));
     if (!s->blk || !s->free_stack || !s->table || !s->b_tok || !s->b_pos || !s->b_seq ||
-        !s->b_rows || !s->b_tables || !s->b_seqs || !s->b_count || !s->logits) {
+        !s->b_rows || !s->b_argmax || !s->b_tables || !s->b_seqs || !s->b_count || !s->logits) {
         s_err(err, errlen, "out of memory for the scheduler");
         fi_sched_destroy(&s);
         return NULL;
@@ -445,6 +447,7 @@ void fi_sched_destroy(fi_sched **sp) {
     free(s->b_pos);
     free(s->b_seq);
     free(s->b_rows);
+    free(s->b_argmax);
     free(s->b_tables);
     free(s->b_seqs);
     free(s->b_count);
@@ -665,7 +668,7 @@ static void s_retire(fi_sched *s, s_seq *q, fi_stop_reason why, const char *erro
 
 /* After its logits: the next token of q. 1 when q goes on, 0 when it was
  * retired, -1 on failure (q retired with the error). */
-static int s_after_logits(fi_sched *s, s_seq *q, float *logits) {
+static int s_after_logits(fi_sched *s, s_seq *q, float *logits, int32_t argmax) {
     const fi_tok *tok = fi_model_tok(s->m);
     if (q->t_first == 0) q->t_first = s_now();
     if (q->n_generated >= q->max_tokens) {
@@ -674,7 +677,8 @@ static int s_after_logits(fi_sched *s, s_seq *q, float *logits) {
     }
     int32_t id;
     if (q->greedy) {
-        id = fi_argmax(logits, s->n_vocab);
+        /* the forward pass's argmax of the row, where it gave one */
+        id = argmax >= 0 ? argmax : fi_argmax(logits, s->n_vocab);
     } else {
         id = fi_sampler_sample(q->smp, logits, q->toks, q->n_toks);
     }
@@ -755,9 +759,11 @@ int fi_sched_step(fi_sched *s, char *err, size_t errlen) {
         }
     }
     /* rows must ascend: they do, tokens were appended in order */
+    for (int i = 0; i < n_out; i++)
+        s->b_argmax[i] = -1; /* a pass that gives none leaves them */
     fi_batch b = {.n = n, .tok = s->b_tok, .pos = s->b_pos, .seq = s->b_seq, .n_seqs = ns,
                   .tables = s->b_tables, .max_blocks = s->max_blocks, .out_rows = s->b_rows,
-                  .n_out = n_out};
+                  .n_out = n_out, .argmax = s->b_argmax};
     int rc = s->o.forward
                  ? s->o.forward(s->o.forward_user, s->m, s->kv, &b, s->logits, err, errlen)
                  : fi_model_forward(s->m, s->kv, &b, NULL, NULL, s->logits, err, errlen);
@@ -773,8 +779,10 @@ int fi_sched_step(fi_sched *s, char *err, size_t errlen) {
         s_seq *q = s->b_seqs[i];
         q->n_done += s->b_count[i];
         s_seq_register(s, q);
-        if (q->n_done == q->n_toks)
-            (void)s_after_logits(s, q, s->logits + (size_t)row++ * s->n_vocab);
+        if (q->n_done == q->n_toks) {
+            (void)s_after_logits(s, q, s->logits + (size_t)row * s->n_vocab, s->b_argmax[row]);
+            row++;
+        }
     }
     return fi_sched_pending(s);
 }

@@ -311,6 +311,7 @@ static int s_batch_decode(const fi_gmsg *m, fi_batch *b, void **copy, char *err,
     b->max_blocks = (int)mb;
     b->out_rows = w + 3 * n + (size_t)ns * mb;
     b->n_out = (int)no;
+    b->argmax = NULL;
     return 0;
 bad:
     snprintf(err, errlen, "rank %d sent a malformed batch (%zu bytes)", m->from, m->len);

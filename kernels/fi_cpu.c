@@ -66,6 +66,8 @@ typedef struct s_cpu {
     int act_bits;           /* activations of quantised matmuls: 12, 16 or 8 */
     uint8_t *scratch;       /* quantised activations, S_ALIGN aligned */
     size_t scratch_bytes;   /* its size */
+    _Atomic uint64_t *amax; /* matmul_argmax's keys, one per token */
+    size_t amax_bytes;      /* its size */
     s_chunk *packed;        /* the packed weights' memory (weight_upload) */
     float *rope_tab;        /* [rope_rows][rope_half] (cos, sin) pairs */
     int rope_rows;          /* positions covered, 0: empty */
@@ -112,19 +114,25 @@ static int s_sync(void *ctx) {
     return 0;
 }
 
-/* Makes the scratch at least `bytes` long; 0 on success, -1 (old scratch
- * kept) when memory runs out. */
-static int s_reserve(s_cpu *c, size_t bytes) {
-    if (bytes <= c->scratch_bytes)
+/* Makes the buffer *buf (of *size bytes, S_ALIGN aligned) at least
+ * `bytes` long; 0 on success, -1 (old buffer kept) when memory runs out.
+ * The contents are not kept. */
+static int s_reserve_at(uint8_t **buf, size_t *size, size_t bytes) {
+    if (bytes <= *size)
         return 0;
     size_t n = s_round_up(bytes + bytes / 4, S_ALIGN);
     uint8_t *p = aligned_alloc(S_ALIGN, n);
     if (!p)
         return -1;
-    free(c->scratch);
-    c->scratch = p;
-    c->scratch_bytes = n;
+    free(*buf);
+    *buf = p;
+    *size = n;
     return 0;
+}
+
+/* The scratch, at least `bytes` long. */
+static int s_reserve(s_cpu *c, size_t bytes) {
+    return s_reserve_at(&c->scratch, &c->scratch_bytes, bytes);
 }
 
 /* --- matmul ------------------------------------------------------------ */
@@ -147,6 +155,7 @@ typedef struct s_mm_job {
     fi_mm_fn fn[S_MM_MAX];          /* and its kernel */
     int row0[S_MM_MAX + 1];         /* first row of each product in the range */
     float *acc;                     /* NULL, or (one product) rows to add y to */
+    _Atomic uint64_t *amax;         /* NULL, or (one product) each token's argmax key */
     int nth;                        /* threads sharing the rows */
     /* the input to prepare (x NULL: nothing to prepare) */
     const float *x;                 /* n rows of cols floats */
@@ -194,6 +203,35 @@ static void s_acc_rows(float *acc, const float *y, int n, int stride, int r0, in
         const float *b = y + (size_t)t * stride;
         for (int r = r0; r < r1; r++)
             a[r] += b[r];
+    }
+}
+
+/* matmul_argmax's result as one number per token, which each thread
+ * raises with the best of the rows it made: the value's bits in an order
+ * that compares as the floats do (-0 as 0), then the index complemented,
+ * so that the first index wins a tie. 0 stands for no value yet (or only
+ * NaNs, which never win). */
+static uint64_t s_amax_key(float v, int32_t i) {
+    uint32_t u;
+    if (v == 0.0f)
+        v = 0.0f; /* -0 */
+    memcpy(&u, &v, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((uint64_t)u << 32) | (uint32_t)~(uint32_t)i;
+}
+
+/* Raises amax[t] with the best of y[t][r0..r1) for t < n (rows `stride`
+ * apart), as fi_argmax_f32 picks it: the rows this thread just made. */
+static void s_amax_rows(_Atomic uint64_t *amax, const float *y, int n, int stride, int r0, int r1) {
+    for (int t = 0; t < n; t++) {
+        const float *row = y + (size_t)t * stride;
+        int32_t i = r0 + fi_argmax_f32(row + r0, r1 - r0);
+        if (isnan(row[i]))
+            continue; /* NaNs only */
+        uint64_t k = s_amax_key(row[i], i), cur = atomic_load_explicit(&amax[t], memory_order_relaxed);
+        while (k > cur && !atomic_compare_exchange_weak_explicit(&amax[t], &cur, k, memory_order_relaxed,
+                                                                 memory_order_relaxed))
+            ; /* cur reloaded */
     }
 }
 
@@ -258,6 +296,8 @@ static void s_mm_worker(void *arg, int ith, int nth) {
         j->fn[i](&task[i], r0 - j->row0[i], r1 - j->row0[i]);
         if (j->acc)
             s_acc_rows(j->acc, task[0].y, task[0].n, task[0].y_stride, r0, r1);
+        if (j->amax)
+            s_amax_rows(j->amax, task[0].y, task[0].n, task[0].y_stride, r0, r1);
         r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
     }
 }
@@ -287,9 +327,10 @@ static fi_mm_fn s_mm_fn(const s_cpu *c, fi_dtype t, int bits) {
     return NULL;
 }
 
-/* The products of matmul_n, and with acc (count 1) matmul_add's sum. */
+/* The products of matmul_n; with acc (count 1) matmul_add's sum, with
+ * amax (count 1) matmul_argmax's keys (s_amax_key, zeroed by the caller). */
 static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *const *w,
-                       const float *x, int n, float *acc) {
+                       const float *x, int n, float *acc, _Atomic uint64_t *amax) {
     assert(count >= 1 && count <= S_MM_MAX);
     const int cols = w[0]->cols, bits = c->act_bits;
     const int quant = fi_dtype_block_elems(w[0]->type) > 1, qmax = fi_q16_qmax(w[0]->type, bits);
@@ -299,11 +340,11 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
             /* float and quantised weights, other widths, or weights that
              * take their inputs in other ranges: one call each */
             for (int m = 0; m < count; m++)
-                s_products(c, 1, &y[m], &w[m], x, n, NULL);
+                s_products(c, 1, &y[m], &w[m], x, n, NULL, NULL);
             return;
         }
-    assert(!acc || count == 1);
-    s_mm_job j = {.c = c, .count = count, .nth = c->n_threads, .acc = acc};
+    assert((!acc && !amax) || count == 1);
+    s_mm_job j = {.c = c, .count = count, .nth = c->n_threads, .acc = acc, .amax = amax};
     for (int i = 0; i < count; i++) {
         j.fn[i] = s_mm_fn(c, w[i]->type, bits);
         assert(j.fn[i]);
@@ -348,6 +389,8 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
                 y[i][e] = NAN;
         if (acc)
             s_acc_rows(acc, y[0], n, w[0]->rows, 0, w[0]->rows);
+        if (amax)
+            s_amax_rows(amax, y[0], n, w[0]->rows, 0, w[0]->rows);
         return;
     }
     /* A few tokens (decoding): every thread prepares the whole input for
@@ -375,6 +418,7 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
             j.task[i].xs = j.xs;
         }
         j.acc = acc ? acc + (size_t)k0 * w[0]->rows : NULL;
+        j.amax = amax ? amax + k0 : NULL;
         s_mm_run(c, &j);
     }
 }
@@ -436,15 +480,34 @@ static void s_weight_release(void *ctx, fi_weight *w) {
 
 static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
                        const float *x, int n) {
-    s_products(ctx, count, y, w, x, n, NULL);
+    s_products(ctx, count, y, w, x, n, NULL, NULL);
 }
 
 static void s_matmul_add(void *ctx, float *acc, float *y, const fi_weight *w, const float *x, int n) {
-    s_products(ctx, 1, &y, &w, x, n, acc);
+    s_products(ctx, 1, &y, &w, x, n, acc, NULL);
 }
 
 static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
-    s_products(ctx, 1, &y, &w, x, n, NULL);
+    s_products(ctx, 1, &y, &w, x, n, NULL, NULL);
+}
+
+static void s_matmul_argmax(void *ctx, float *y, int32_t *idx, const fi_weight *w, const float *x,
+                            int n) {
+    s_cpu *c = ctx;
+    if (s_reserve_at((uint8_t **)&c->amax, &c->amax_bytes, (size_t)n * sizeof *c->amax) != 0) {
+        /* out of memory for the keys: a pass over the rows after */
+        s_products(c, 1, &y, &w, x, n, NULL, NULL);
+        for (int t = 0; t < n; t++)
+            idx[t] = fi_argmax_f32(y + (size_t)t * w->rows, w->rows);
+        return;
+    }
+    for (int t = 0; t < n; t++)
+        atomic_init(&c->amax[t], 0);
+    s_products(c, 1, &y, &w, x, n, NULL, c->amax);
+    for (int t = 0; t < n; t++) {
+        uint64_t k = atomic_load_explicit(&c->amax[t], memory_order_relaxed);
+        idx[t] = k ? (int32_t)~(uint32_t)k : 0;
+    }
 }
 
 /* --- small ops ------------------------------------------------------------ */
@@ -848,6 +911,7 @@ static void s_destroy(void *ctx) {
     }
     fi_pool_destroy(&c->pool);
     free(c->scratch);
+    free((void *)c->amax);
     free(c->rope_tab);
     free(c);
 }
@@ -873,6 +937,7 @@ static const fi_backend_ops s_cpu_ops = {
     .matmul_n = s_matmul_n,
     .host_memory = 1,
     .matmul_add = s_matmul_add,
+    .matmul_argmax = s_matmul_argmax,
     .swiglu = s_swiglu,
     .add = s_add,
 };

@@ -1,6 +1,7 @@
 /*
- * fi_dtype.c - element types: sizes, names, fp16/bf16 conversions and the
- * reference dequantisers for the GGML block layouts (see fi_kernels_impl.h).
+ * fi_dtype.c - element types: sizes, names, fp16/bf16 conversions, the
+ * reference dequantisers for the GGML block layouts (see fi_kernels_impl.h)
+ * and the argmax of a float row (greedy decoding).
  *
  * Everything here is portable C and is the reference the SIMD kernels and
  * the tests are checked against.
@@ -8,6 +9,9 @@
 #include "fi_kernels_impl.h"
 
 #include <math.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 int fi_dtype_supported(uint32_t id) {
     switch (id) {
@@ -200,4 +204,40 @@ void fi_quantize_q8x_ref(const float *x, fi_block_q8x *y, int nb) {
         y[i].d = amax / 127.0f;
         y[i].s = y[i].d * (float)sum;
     }
+}
+
+/* --- argmax --------------------------------------------------------------- */
+
+int32_t fi_argmax_f32(const float *x, int n) {
+    /* the maximum over running maxima (no chain of dependent compares
+     * through the whole vocabulary), then its first index; NaNs never win
+     * (maxps returns its second operand, the running maximum, for one) */
+    float best = -INFINITY;
+    int i = 0;
+#if defined(__SSE__)
+    __m128 m0 = _mm_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    for (; i + 16 <= n; i += 16) {
+        m0 = _mm_max_ps(_mm_loadu_ps(x + i), m0);
+        m1 = _mm_max_ps(_mm_loadu_ps(x + i + 4), m1);
+        m2 = _mm_max_ps(_mm_loadu_ps(x + i + 8), m2);
+        m3 = _mm_max_ps(_mm_loadu_ps(x + i + 12), m3);
+    }
+    float m[4];
+    _mm_storeu_ps(m, _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3)));
+    for (int k = 0; k < 4; k++)
+        best = m[k] > best ? m[k] : best;
+#endif
+    for (; i < n; i++)
+        best = x[i] > best ? x[i] : best;
+    i = 0;
+#if defined(__SSE__)
+    const __m128 vb = _mm_set1_ps(best);
+    for (; i + 4 <= n; i += 4) {
+        int hit = _mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + i), vb));
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+#endif
+    for (; i < n; i++)
+        if (x[i] == best) return i;
+    return 0;
 }

@@ -202,6 +202,11 @@ typedef struct fi_backend_ops {
      * thread adding the rows it just computed (the residual connections
      * after the attention output and the down projection). */
     void (*matmul_add)(void *ctx, float *acc, float *y, const fi_weight *w, const float *x, int n);
+    /* Optional (NULL: matmul, then fi_argmax_f32 of each row): matmul, and
+     * idx[t] = fi_argmax_f32(y + t * w->rows, w->rows) for t < n (idx:
+     * host memory), found by the threads that make the rows while they are
+     * in their caches (greedy decoding: no second pass over the logits). */
+    void (*matmul_argmax)(void *ctx, float *y, int32_t *idx, const fi_weight *w, const float *x, int n);
 } fi_backend_ops;
 
 #define FI_MATMUL_N_MAX 4 /* most products in one matmul_n call */
@@ -259,6 +264,9 @@ void fi_pool_run(fi_pool *p, fi_pool_fn fn, void *arg);
 /* --- reference helpers (portable C, used by tests and by other backends) */
 /* Dequantises n elements (a multiple of the block size) of type t. */
 void fi_dequantize_row(fi_dtype t, const void *src, float *dst, int64_t n);
+/* The index of the largest of x[0..n): the first on ties (-0 equals 0),
+ * NaNs never win, 0 when all are NaN. */
+int32_t fi_argmax_f32(const float *x, int n);
 /* fp16 / bf16 conversions. */
 float fi_fp16_to_fp32(uint16_t h);
 uint16_t fi_fp32_to_fp16(float f);

@@ -735,6 +735,71 @@ static void test_matmul_add(void **state) {
     free(ygot);
 }
 
+/* matmul_argmax: the same rows as matmul, and each row's argmax as
+ * fi_argmax_f32 finds it, on every backend, thread count and precision.
+ * The weight rows repeat with a period of 37, so every maximum is tied
+ * further on, often in another thread's claim: the first must win. A
+ * token of zeros gives rows of zeros: index 0. */
+static void test_matmul_argmax(void **state) {
+    (void)state;
+    enum { COLS = 96, ROWS = 400, NT = 35, PERIOD = 37 };
+    static const fi_dtype types[] = {FI_DTYPE_Q4_1, FI_DTYPE_Q8_0, FI_DTYPE_F32};
+    static const int ns[] = {1, 5, 16, 17, 35};
+    rng r = {4343};
+    float *x = fvec((size_t)NT * COLS), *ywant = fvec((size_t)NT * ROWS), *ygot = fvec((size_t)NT * ROWS);
+    int32_t idx[NT];
+    for (int i = 0; i < NT * COLS; i++)
+        x[i] = rng_f(&r, -2, 2);
+    for (int i = 0; i < COLS; i++)
+        x[3 * COLS + i] = 0.0f; /* token 3 */
+    fi_backend *bs[S_ALL_BACKENDS];
+    int nb = make_backends_all(bs);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        size_t rb;
+        uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
+        for (int row = PERIOD; row < ROWS; row++)
+            memcpy(wb + (size_t)row * rb, wb + (size_t)(row % PERIOD) * rb, rb);
+        fi_weight w = {.data = wb, .type = types[ti], .rows = ROWS, .cols = COLS, .row_bytes = rb};
+        for (int bi = 0; bi < nb; bi++) {
+            fi_backend *b = bs[bi];
+            char tag[64];
+            assert_non_null(b->ops->matmul_argmax);
+            fi_weight wu = w;
+            if (b->ops->weight_upload)
+                assert_int_equal(b->ops->weight_upload(b->ctx, &wu), 0);
+            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                const int n = ns[ni];
+                b->ops->matmul(b->ctx, ywant, &wu, x, n);
+                poison(ygot, (size_t)n * ROWS);
+                for (int t = 0; t < n; t++)
+                    idx[t] = -7;
+                b->ops->matmul_argmax(b->ctx, ygot, idx, &wu, x, n);
+                if (memcmp(ygot, ywant, (size_t)n * ROWS * sizeof *ygot) != 0)
+                    fail_msg("%s %s, %d tokens: matmul_argmax's rows differ from matmul's",
+                             backend_tag(b, tag, sizeof tag), fi_dtype_name(types[ti]), n);
+                for (int t = 0; t < n; t++) {
+                    int32_t want = fi_argmax_f32(ywant + (size_t)t * ROWS, ROWS);
+                    if (idx[t] != want)
+                        fail_msg("%s %s, %d tokens: token %d argmax %d, want %d",
+                                 backend_tag(b, tag, sizeof tag), fi_dtype_name(types[ti]), n, t,
+                                 idx[t], want);
+                    assert_true(want < PERIOD);
+                    if (t == 3)
+                        assert_int_equal(idx[t], 0);
+                }
+            }
+            if (wu.dev)
+                b->ops->weight_release(b->ctx, &wu);
+        }
+        free(wb);
+    }
+    for (int bi = 0; bi < nb; bi++)
+        fi_backend_destroy(&bs[bi]);
+    free(x);
+    free(ywant);
+    free(ygot);
+}
+
 static int q16_tables(fi_q16_kernels *out, const char **names) {
     int n = 0;
     fi_q16_kernels_portable(&out[n]);
@@ -1720,6 +1785,7 @@ int main(void) {
         cmocka_unit_test(test_q16_quantize),
         cmocka_unit_test(test_matmul_n),
         cmocka_unit_test(test_matmul_add),
+        cmocka_unit_test(test_matmul_argmax),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
