@@ -179,11 +179,13 @@ static void s_prof_begin(s_cuda *c) {
         return;
     if (c->n_pairs == S_PROF_PAIRS)
         s_prof_flush(c);
+    if (c->n_pairs == S_PROF_PAIRS)
+        return; /* the flush failed (and failed the backend): no free pair */
     s_ok(c, cudaEventRecord(c->ev[2 * c->n_pairs], c->stream), "cudaEventRecord");
 }
 
 static void s_prof_end(s_cuda *c) {
-    if (!c->profile)
+    if (!c->profile || c->n_pairs == S_PROF_PAIRS)
         return;
     if (s_ok(c, cudaEventRecord(c->ev[2 * c->n_pairs + 1], c->stream), "cudaEventRecord"))
         c->n_pairs++;
