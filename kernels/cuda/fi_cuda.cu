@@ -750,6 +750,9 @@ fail:
 
 static void s_weight_release(void *ctx, fi_weight *w) {
     s_cuda *c = (s_cuda *)ctx;
+    /* cudaFree would invalidate the capture (and fail): refuse, as s_free does */
+    if (!s_not_capturing(c, "weight_release"))
+        return;
     (void)cudaSetDevice(c->device);
     s_weight_free((s_cweight *)w->dev);
     w->dev = NULL;
