@@ -1172,6 +1172,7 @@ static const fi_backend_ops s_cuda_ops = {
     /* .matmul_n = */ NULL, /* one cuBLASLt call per product */
     /* .host_memory = */ 0,
     /* .matmul_add = */ NULL, /* matmul, then add */
+    /* .matmul_argmax = */ NULL, /* matmul, then the engine's argmax of the host logits */
 };
 
 extern "C" int fi_cuda_device_count(char *err, size_t errlen) {
