@@ -222,10 +222,11 @@ static uint64_t s_amax_key(float v, int32_t i) {
 
 /* Raises amax[t] with the best of y[t][r0..r1) for t < n (rows `stride`
  * apart), as fi_argmax_f32 picks it: the rows this thread just made. */
-static void s_amax_rows(_Atomic uint64_t *amax, const float *y, int n, int stride, int r0, int r1) {
+static void s_amax_rows(const s_cpu *c, _Atomic uint64_t *amax, const float *y, int n, int stride,
+                        int r0, int r1) {
     for (int t = 0; t < n; t++) {
         const float *row = y + (size_t)t * stride;
-        int32_t i = r0 + fi_argmax_f32(row + r0, r1 - r0);
+        int32_t i = r0 + c->k.argmax(row + r0, r1 - r0);
         if (isnan(row[i]))
             continue; /* NaNs only */
         uint64_t k = s_amax_key(row[i], i), cur = atomic_load_explicit(&amax[t], memory_order_relaxed);
@@ -297,7 +298,7 @@ static void s_mm_worker(void *arg, int ith, int nth) {
         if (j->acc)
             s_acc_rows(j->acc, task[0].y, task[0].n, task[0].y_stride, r0, r1);
         if (j->amax)
-            s_amax_rows(j->amax, task[0].y, task[0].n, task[0].y_stride, r0, r1);
+            s_amax_rows(j->c, j->amax, task[0].y, task[0].n, task[0].y_stride, r0, r1);
         r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
     }
 }
@@ -390,7 +391,7 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
         if (acc)
             s_acc_rows(acc, y[0], n, w[0]->rows, 0, w[0]->rows);
         if (amax)
-            s_amax_rows(amax, y[0], n, w[0]->rows, 0, w[0]->rows);
+            s_amax_rows(c, amax, y[0], n, w[0]->rows, 0, w[0]->rows);
         return;
     }
     /* A few tokens (decoding): every thread prepares the whole input for

@@ -239,4 +239,5 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->swiglu = s_swiglu;
     k->to_f16 = s_to_f16;
     k->rope = s_rope;
+    k->argmax = fi_argmax_f32;
 }

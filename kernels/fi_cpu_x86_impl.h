@@ -1018,6 +1018,36 @@ static void s_rope(float *row, int n_heads, int head_dim, const float *tab) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* fi_argmax_f32 on 64 lanes: the maximum (maxps keeps the running maximum
+ * against a NaN, as there), then the first index holding it. */
+static int32_t s_argmax(const float *x, int n) {
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    int i = 0;
+    for (; i + 64 <= n; i += 64) {
+        m0 = _mm512_max_ps(_mm512_loadu_ps(x + i), m0);
+        m1 = _mm512_max_ps(_mm512_loadu_ps(x + i + 16), m1);
+        m2 = _mm512_max_ps(_mm512_loadu_ps(x + i + 32), m2);
+        m3 = _mm512_max_ps(_mm512_loadu_ps(x + i + 48), m3);
+    }
+    float best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+    for (; i < n; i++)
+        best = x[i] > best ? x[i] : best;
+    const __m512 vb = _mm512_set1_ps(best);
+    for (i = 0; i + 16 <= n; i += 16) {
+        __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vb, _CMP_EQ_OQ);
+        if (hit)
+            return i + __builtin_ctz((unsigned)hit);
+    }
+    for (; i < n; i++)
+        if (x[i] == best)
+            return i;
+    return 0;
+}
+#else
+#define s_argmax fi_argmax_f32
+#endif
+
 /* Fills k with this flavour's kernels under `name`. */
 static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->name = name;
@@ -1035,4 +1065,5 @@ static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->swiglu = s_swiglu;
     k->to_f16 = s_to_f16;
     k->rope = s_rope;
+    k->argmax = s_argmax;
 }

@@ -120,6 +120,8 @@ typedef struct fi_cpu_kernels {
      * 2i + 1, becomes (a c - b s, a s + b c) with (c, s) = tab[2i], tab[2i
      * + 1]. A pair's result depends only on its values and tab. */
     void (*rope)(float *row, int n_heads, int head_dim, const float *tab);
+    /* fi_argmax_f32(x, n): the same index (the rows of matmul_argmax). */
+    int32_t (*argmax)(const float *x, int n);
 } fi_cpu_kernels;
 
 /* Fills k with the portable kernels. Cannot fail. */

@@ -739,7 +739,8 @@ static void test_matmul_add(void **state) {
  * fi_argmax_f32 finds it, on every backend, thread count and precision.
  * The weight rows repeat with a period of 37, so every maximum is tied
  * further on, often in another thread's claim: the first must win. A
- * token of zeros gives rows of zeros: index 0. */
+ * token of zeros gives rows of zeros (of both signs): index 0. Float
+ * weights add rows of NaNs and of infinities. */
 static void test_matmul_argmax(void **state) {
     (void)state;
     enum { COLS = 96, ROWS = 400, NT = 35, PERIOD = 37 };
@@ -757,6 +758,14 @@ static void test_matmul_argmax(void **state) {
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         size_t rb;
         uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
+        if (types[ti] == FI_DTYPE_F32) {
+            /* row 5 all NaN (never wins), row 10 an infinity at column 0
+             * (+inf or -inf by the sign of x[t][0]; NaN for the zero token) */
+            float *w5 = (float *)(void *)(wb + 5 * rb), *w10 = (float *)(void *)(wb + 10 * rb);
+            for (int c = 0; c < COLS; c++)
+                w5[c] = NAN;
+            w10[0] = INFINITY;
+        }
         for (int row = PERIOD; row < ROWS; row++)
             memcpy(wb + (size_t)row * rb, wb + (size_t)(row % PERIOD) * rb, rb);
         fi_weight w = {.data = wb, .type = types[ti], .rows = ROWS, .cols = COLS, .row_bytes = rb};
@@ -786,6 +795,8 @@ static void test_matmul_argmax(void **state) {
                     assert_true(want < PERIOD);
                     if (t == 3)
                         assert_int_equal(idx[t], 0);
+                    else if (types[ti] == FI_DTYPE_F32 && x[(size_t)t * COLS] > 0)
+                        assert_int_equal(idx[t], 10);
                 }
             }
             if (wu.dev)
