@@ -182,8 +182,14 @@ static int s_allreduce(void *user, float *x, size_t n, char *err, size_t errlen)
                      g->rank);
             goto done;
         }
-        if (dev->ops->sync(dev->ctx) != 0 || fi_gnccl_sum(g->nccl, x, n, err, errlen) != 0)
+        if (dev->ops->sync(dev->ctx) != 0)
             goto done;
+        if (fi_gnccl_sum(g->nccl, x, n, err, errlen) != 0) {
+            /* an aborted communicator is no use again: the leader forms a
+             * new one before the next pass (s_nccl_current) */
+            fi_gnccl_destroy(&g->nccl);
+            goto done;
+        }
         g->st.allreduces++;
         rc = 0;
         goto done;
@@ -457,7 +463,8 @@ refused:
 /* The leader forms the NCCL communicator over every rank: a fresh id to
  * each, then its own rank 0, which returns once all have called in.
  * Known limit: a rank that dies before calling in leaves the others
- * blocked in NCCL's set-up (fi_nccl has no timeout or abort yet). */
+ * blocked in NCCL's set-up (fi_nccl aborts a stuck reduction, not a stuck
+ * set-up). */
 static int s_nccl_form(fi_group *g, char *err, size_t errlen) {
     uint8_t id[FI_GNCCL_ID_BYTES];
     fi_gnccl_destroy(&g->nccl);

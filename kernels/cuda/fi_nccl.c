@@ -1,23 +1,28 @@
 /*
  * fi_nccl.c - NCCL all-reduce (see fi_nccl.h). One ncclComm_t and one CUDA
  * stream per local rank; a reduction is a group of ncclAllReduce calls (one
- * per local rank) followed by a wait on every stream.
+ * per local rank) followed by a wait on every stream. The wait polls the
+ * stream and NCCL's asynchronous error, so that a lost rank or a reduction
+ * that never ends aborts the communicators instead of hanging the process.
  */
 #include "fi_nccl.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 _Static_assert(sizeof(ncclUniqueId) == FI_NCCL_ID_BYTES, "FI_NCCL_ID_BYTES is ncclUniqueId's size");
 
 struct fi_nccl {
     int n;                  /* local ranks */
     int *dev;               /* (n) CUDA device of each local rank */
-    ncclComm_t *comm;       /* (n) communicators */
+    ncclComm_t *comm;       /* (n) communicators (NULL once aborted) */
     cudaStream_t *stream;   /* (n) streams the reductions run on */
+    char aborted[160];      /* why the communicators were aborted, or "" */
 };
 
 static int s_cuda(cudaError_t e, const char *what, char *err, size_t errlen) {
@@ -146,7 +151,58 @@ int fi_nccl_local_ranks(const fi_nccl *x) {
     return x ? x->n : 0;
 }
 
+static long s_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long)ts.tv_sec * 1000L + ts.tv_nsec / 1000000L;
+}
+
+/* Aborts every communicator (a reduction in flight on a lost rank would
+ * otherwise never end) and keeps the reason for later calls. */
+static void s_abort(fi_nccl *x, const char *why) {
+    snprintf(x->aborted, sizeof x->aborted, "%s", why && *why ? why : "an earlier failure");
+    for (int i = 0; i < x->n; i++)
+        if (x->comm[i]) {
+            (void)ncclCommAbort(x->comm[i]);
+            x->comm[i] = NULL;
+        }
+}
+
+/* Waits for local rank i's reduction: the stream polled, and between polls
+ * NCCL's asynchronous error (where a lost peer or a network failure shows,
+ * while the stream just waits), until deadline (ms). 0, or -1 with why. */
+static int s_wait(fi_nccl *x, int i, long deadline, char *err, size_t errlen) {
+    for (unsigned spins = 0;; spins++) {
+        cudaError_t e = cudaStreamQuery(x->stream[i]);
+        if (e == cudaSuccess)
+            return 0;
+        if (e != cudaErrorNotReady)
+            return s_cuda(e, "cudaStreamQuery (all-reduce)", err, errlen);
+        ncclResult_t a = ncclSuccess;
+        if (s_nccl(ncclCommGetAsyncError(x->comm[i], &a), "ncclCommGetAsyncError", err, errlen))
+            return -1;
+        if (a != ncclSuccess && a != ncclInProgress) {
+            snprintf(err, errlen, "nccl: all-reduce failed on local rank %d: %s", i,
+                     ncclGetErrorString(a));
+            return -1;
+        }
+        if ((spins & 1023u) == 1023u) {
+            if (s_now_ms() > deadline) {
+                snprintf(err, errlen,
+                         "nccl: all-reduce on local rank %d unfinished after %d ms (a rank lost?)",
+                         i, FI_NCCL_WAIT_MS);
+                return -1;
+            }
+            sched_yield();
+        }
+    }
+}
+
 int fi_nccl_allreduce_sum(fi_nccl *x, float *const *bufs, size_t count, char *err, size_t errlen) {
+    if (x->aborted[0]) {
+        snprintf(err, errlen, "nccl: the communicator was aborted (%s); make a new one", x->aborted);
+        return -1;
+    }
     if (s_nccl(ncclGroupStart(), "ncclGroupStart", err, errlen))
         return -1;
     int rc = 0;
@@ -160,11 +216,13 @@ int fi_nccl_allreduce_sum(fi_nccl *x, float *const *bufs, size_t count, char *er
     /* the group must be closed even after a failure */
     if (s_nccl(ncclGroupEnd(), "ncclGroupEnd", rc ? NULL : err, rc ? 0 : errlen))
         rc = -1;
+    const long deadline = s_now_ms() + FI_NCCL_WAIT_MS;
     for (int i = 0; i < x->n && !rc; i++) {
         if (s_cuda(cudaSetDevice(x->dev[i]), "cudaSetDevice", err, errlen) ||
-            s_cuda(cudaStreamSynchronize(x->stream[i]), "cudaStreamSynchronize (all-reduce)", err,
-                   errlen))
+            s_wait(x, i, deadline, err, errlen)) {
             rc = -1;
+            s_abort(x, err);
+        }
     }
     return rc;
 }

@@ -28,6 +28,7 @@ extern "C" {
 #endif
 
 #define FI_NCCL_ID_BYTES 128 /* size of an ncclUniqueId */
+#define FI_NCCL_WAIT_MS 60000 /* longest wait for one all-reduce (under the group's pass timeout) */
 
 typedef struct fi_nccl fi_nccl;
 
@@ -49,7 +50,10 @@ int fi_nccl_local_ranks(const fi_nccl *x);
 
 /* In place: every buf[i] (count floats on the device of local rank i, one
  * per local rank) becomes the element-wise sum over all ranks. Waits for
- * completion. 0, or -1 with the message in err. */
+ * completion. 0, or -1 with the message in err. A reduction that NCCL
+ * reports failed (a rank lost, a network error) or that has not finished
+ * within FI_NCCL_WAIT_MS aborts the communicator: this call and every
+ * later one fail with the reason, and the caller makes a new one. */
 FI_MUST_CHECK int fi_nccl_allreduce_sum(fi_nccl *x, float *const *bufs, size_t count, char *err,
                                         size_t errlen);
 
