@@ -50,7 +50,6 @@
 #define COS_MIN 0.999   /* logits cosine similarity floor */
 #define LOGIT_TOL 0.25  /* top-1 logit difference allowed */
 #define GREEDY_STEPS 24 /* decoded tokens compared per prompt */
-#define ENGINE_TIE 1e-3 /* GPU against itself: logits this close may swap */
 
 /* --- helpers ------------------------------------------------------------ */
 
@@ -718,10 +717,13 @@ static void run_model(const char *path, fi_cuda_weights mode, int graphs) {
             double gap, gapg;
             int32_t tc = argmax2(lc, V, &gap), tg = argmax2(lg, V, &gapg);
             /* same device, same kernels: equal, except that the first step's
-             * logits came from a differently shaped product (a near tie) */
+             * logits came from a differently shaped product: all n rows of
+             * the output against the last one only, which in quant mode is
+             * another kernel (fp16 GEMM against the block-reading one), so
+             * a near tie of the fp16 products' size (NEAR_TIE) */
             if (t2 != tg) {
                 printf("  eval_greedy picked %d, logits %d (gap %.2g)\n", t2, tg, gapg);
-                assert_true(step == 0 && gapg < ENGINE_TIE);
+                assert_true(step == 0 && gapg < NEAR_TIE);
                 t2 = tg;
             }
             snprintf(what, sizeof what, "prompt %zu, step %d", k, step);
