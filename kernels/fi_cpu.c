@@ -66,7 +66,7 @@ typedef struct s_cpu {
     int act_bits;           /* activations of quantised matmuls: 12, 16 or 8 */
     uint8_t *scratch;       /* quantised activations, S_ALIGN aligned */
     size_t scratch_bytes;   /* its size */
-    _Atomic uint64_t *amax; /* matmul_argmax's keys, one per token */
+    uint8_t *amax;          /* matmul_argmax's keys, one _Atomic uint64_t per token */
     size_t amax_bytes;      /* its size */
     s_chunk *packed;        /* the packed weights' memory (weight_upload) */
     float *rope_tab;        /* [rope_rows][rope_half] (cos, sin) pairs */
@@ -495,18 +495,19 @@ static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, in
 static void s_matmul_argmax(void *ctx, float *y, int32_t *idx, const fi_weight *w, const float *x,
                             int n) {
     s_cpu *c = ctx;
-    if (s_reserve_at((uint8_t **)&c->amax, &c->amax_bytes, (size_t)n * sizeof *c->amax) != 0) {
+    if (s_reserve_at(&c->amax, &c->amax_bytes, (size_t)n * sizeof(_Atomic uint64_t)) != 0) {
         /* out of memory for the keys: a pass over the rows after */
         s_products(c, 1, &y, &w, x, n, NULL, NULL);
         for (int t = 0; t < n; t++)
             idx[t] = fi_argmax_f32(y + (size_t)t * w->rows, w->rows);
         return;
     }
+    _Atomic uint64_t *keys = (_Atomic uint64_t *)(void *)c->amax;
     for (int t = 0; t < n; t++)
-        atomic_init(&c->amax[t], 0);
-    s_products(c, 1, &y, &w, x, n, NULL, c->amax);
+        atomic_init(&keys[t], 0);
+    s_products(c, 1, &y, &w, x, n, NULL, keys);
     for (int t = 0; t < n; t++) {
-        uint64_t k = atomic_load_explicit(&c->amax[t], memory_order_relaxed);
+        uint64_t k = atomic_load_explicit(&keys[t], memory_order_relaxed);
         idx[t] = k ? (int32_t)~(uint32_t)k : 0;
     }
 }
@@ -912,7 +913,7 @@ static void s_destroy(void *ctx) {
     }
     fi_pool_destroy(&c->pool);
     free(c->scratch);
-    free((void *)c->amax);
+    free(c->amax);
     free(c->rope_tab);
     free(c);
 }
