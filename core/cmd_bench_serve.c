@@ -5,9 +5,10 @@
  *
  *   concurrency  closed loop: C requests in flight (each finished one is
  *                replaced at once) until 2*C (at least 4) have completed;
- *                aggregate generated tokens/s, time to first token (from
- *                submission, queueing included) and time per output token,
- *                p50 and p99, for each C of --concurrency.
+ *                aggregate generated tokens/s (three ways: s_concurrency),
+ *                time to first token (from submission, queueing included)
+ *                and time per output token, p50 and p99, for each C of
+ *                --concurrency.
  *   prefix       requests sharing a --shared-prefix-token document, each
  *                with its own question, one after the other and then 4 at
  *                a time, prefix cache on and off: time to first token.
@@ -113,9 +114,13 @@ static int s_step_all(fi_sched *s) {
     return 0;
 }
 
-/* Closed loop at concurrency c. Prints one row. */
+/* Closed loop at concurrency c. Prints one row. Three throughputs: agg
+ * (generated tokens over the wall time), dec (c streams, each a token per
+ * mean time per token: the steps that also carry newcomers' prompt chunks
+ * slow it), and step (decode tokens over the time of the steps that carry
+ * only decode tokens: the engine's decode rate at the batch it runs). */
 static int s_concurrency(bench *b, int c, int n_prompt, int n_gen, int max_seqs,
-                         double *tput_out, double *dec_out) {
+                         double *tput_out, double *dec_out, double *step_out) {
     char err[256];
     fi_sched_opts so = {.max_seqs = max_seqs, .n_ctx = n_prompt + n_gen + 16,
                         .no_prefix_cache = 1};
@@ -135,8 +140,18 @@ static int s_concurrency(bench *b, int c, int n_prompt, int n_gen, int max_seqs,
         if (s_submit(s, p, n_prompt, n_gen, &rs[submitted], NULL) < 0) goto done;
         submitted++;
     }
+    double dec_s = 0;
+    uint64_t dec_tok = 0;
     while (fi_sched_pending(s) > 0) {
+        fi_sched_stats a, z;
+        fi_sched_get_stats(s, &a);
+        double ts = s_now();
         if (s_step_all(s)) goto done;
+        fi_sched_get_stats(s, &z);
+        if (z.prefill_tokens == a.prefill_tokens && z.decode_tokens > a.decode_tokens) {
+            dec_s += s_now() - ts;
+            dec_tok += z.decode_tokens - a.decode_tokens;
+        }
         /* replace each finished request at once */
         int in_flight = fi_sched_pending(s);
         while (in_flight < c && submitted < total) {
@@ -165,10 +180,11 @@ static int s_concurrency(bench *b, int c, int n_prompt, int n_gen, int max_seqs,
     for (int i = 0; i < nt; i++)
         mean += tpot[i] / nt;
     *dec_out = mean > 0 ? c / mean : 0;
+    *step_out = dec_s > 0 ? (double)dec_tok / dec_s : 0;
     double t50 = s_pct(ttft, total, 0.5), t99 = s_pct(ttft, total, 0.99);
     double p50 = s_pct(tpot, nt, 0.5), p99 = s_pct(tpot, nt, 0.99);
-    printf("  %4d  %8d  %10.1f  %10.1f  %8.0f  %8.0f  %8.1f  %8.1f\n", c, total, *tput_out, *dec_out,
-           t50 * 1e3, t99 * 1e3, p50 * 1e3, p99 * 1e3);
+    printf("  %4d  %8d  %10.1f  %10.1f  %11.1f  %8.0f  %8.0f  %8.1f  %8.1f\n", c, total, *tput_out,
+           *dec_out, *step_out, t50 * 1e3, t99 * 1e3, p50 * 1e3, p99 * 1e3);
     fflush(stdout);
     rc = 0;
 done:
@@ -292,9 +308,11 @@ static void s_usage(FILE *f) {
             "Serving benchmarks of the continuous-batching scheduler: throughput and\n"
             "latency at several concurrencies, time to first token with a shared prefix\n"
             "(prefix cache on and off), and the prefix hit rate of cache-aware routing\n"
-            "against round-robin over two replicas. Throughput twice: tok/s(agg), the\n"
-            "tokens generated over the wall time (prefills included), and tok/s(dec),\n"
-            "the concurrency over the mean time per output token (decode alone).\n"
+            "against round-robin over two replicas. Throughput three ways: tok/s(agg),\n"
+            "the tokens generated over the wall time (prefills included); tok/s(dec),\n"
+            "the concurrency over the mean time per output token (decode alone, but\n"
+            "slowed by steps that also carry newcomers' prompt chunks); tok/s(step),\n"
+            "the decode tokens over the time of the steps that carry nothing else.\n"
             "\n"
             "options:\n"
             "  -m, --model FILE         GGUF model (default: the set-up's model)\n"
@@ -395,8 +413,9 @@ int fi_cmd_bench_serve(int argc, char **argv) {
     if (!only || !strcmp(only, "concurrency")) {
         printf("\nconcurrency: prompts of %ld tokens, %ld generated each (greedy), closed loop\n",
                n_prompt, n_gen);
-        printf("  conc  requests  tok/s(agg)  tok/s(dec)  ttft p50  ttft p99  tpot p50  tpot p99   (ms)\n");
-        double base = 0, base_dec = 0;
+        printf("  conc  requests  tok/s(agg)  tok/s(dec)  tok/s(step)  ttft p50  ttft p99  tpot p50  "
+               "tpot p99   (ms)\n");
+        double base = 0, base_dec = 0, base_step = 0;
         int base_c = 0;
         for (char *save = NULL, *tokp = strtok_r(conc, ",", &save); tokp;
              tokp = strtok_r(NULL, ",", &save)) {
@@ -405,14 +424,16 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                 fprintf(stderr, "fedinfer: concurrency %s is not in 1..256\n", tokp);
                 goto done;
             }
-            double tput, dec;
-            if (s_concurrency(&b, cc, (int)n_prompt, (int)n_gen, cc < 64 ? 64 : cc, &tput, &dec))
+            double tput, dec, step;
+            if (s_concurrency(&b, cc, (int)n_prompt, (int)n_gen, cc < 64 ? 64 : cc, &tput, &dec,
+                              &step))
                 goto done;
             if (base == 0)
-                base = tput, base_dec = dec, base_c = cc;
+                base = tput, base_dec = dec, base_step = step, base_c = cc;
             else
                 printf("        -> %.2fx the aggregate throughput of concurrency %d (decode alone: "
-                       "%.2fx)\n", tput / base, base_c, base_dec > 0 ? dec / base_dec : 0);
+                       "%.2fx; decode-only steps: %.2fx)\n", tput / base, base_c,
+                       base_dec > 0 ? dec / base_dec : 0, base_step > 0 ? step / base_step : 0);
         }
     }
     if (!only || !strcmp(only, "prefix")) {
