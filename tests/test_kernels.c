@@ -212,6 +212,21 @@ static const char *backend_tag(const fi_backend *b, char *buf, size_t len) {
     return buf;
 }
 
+/* w as the engine hands it to backend b (weight_upload: a packed copy
+ * where the kernels read one), and its release. */
+static fi_weight upload(fi_backend *b, const fi_weight *w) {
+    fi_weight wu = *w;
+    if (b->ops->weight_upload)
+        assert_int_equal(b->ops->weight_upload(b->ctx, &wu), 0);
+    return wu;
+}
+
+static void release(fi_backend *b, fi_weight *wu) {
+    if (wu->dev)
+        b->ops->weight_release(b->ctx, wu);
+    assert_null(wu->dev);
+}
+
 /* --- dtypes and conversions --------------------------------------------- */
 
 static void test_dtype_table(void **state) {
@@ -647,9 +662,7 @@ static void test_matmul_n(void **state) {
                 /* and from the weights as the engine hands them over
                  * (weight_upload: a packed copy where the kernels read one) */
                 for (int i = 0; i < count; i++) {
-                    wu[i] = w[i];
-                    if (b->ops->weight_upload)
-                        assert_int_equal(b->ops->weight_upload(b->ctx, &wu[i]), 0);
+                    wu[i] = upload(b, &w[i]);
                     poison(got[i], (size_t)n * rows[i]);
                 }
                 b->ops->matmul_n(b->ctx, count, got, wup, x, n);
@@ -658,9 +671,7 @@ static void test_matmul_n(void **state) {
                         fail_msg("%s: product %d of %d (%s), %d tokens: uploaded weights differ",
                                  backend_tag(b, tag, sizeof tag), i, count,
                                  fi_dtype_name(types[i]), n);
-                    if (wu[i].dev)
-                        b->ops->weight_release(b->ctx, &wu[i]);
-                    assert_null(wu[i].dev);
+                    release(b, &wu[i]);
                 }
             }
         fi_backend_destroy(&bs[bi]);
@@ -700,9 +711,7 @@ static void test_matmul_add(void **state) {
             fi_backend *b = bs[bi];
             char tag[64];
             assert_non_null(b->ops->matmul_add);
-            fi_weight wu = w;
-            if (b->ops->weight_upload)
-                assert_int_equal(b->ops->weight_upload(b->ctx, &wu), 0);
+            fi_weight wu = upload(b, &w);
             for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
                 const int n = ns[ni];
                 const size_t ny = (size_t)n * ROWS;
@@ -720,8 +729,7 @@ static void test_matmul_add(void **state) {
                                  up ? ", uploaded" : "");
                 }
             }
-            if (wu.dev)
-                b->ops->weight_release(b->ctx, &wu);
+            release(b, &wu);
         }
         free(wb);
     }
@@ -773,9 +781,7 @@ static void test_matmul_argmax(void **state) {
             fi_backend *b = bs[bi];
             char tag[64];
             assert_non_null(b->ops->matmul_argmax);
-            fi_weight wu = w;
-            if (b->ops->weight_upload)
-                assert_int_equal(b->ops->weight_upload(b->ctx, &wu), 0);
+            fi_weight wu = upload(b, &w);
             for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
                 const int n = ns[ni];
                 b->ops->matmul(b->ctx, ywant, &wu, x, n);
@@ -799,8 +805,7 @@ static void test_matmul_argmax(void **state) {
                         assert_int_equal(idx[t], 10);
                 }
             }
-            if (wu.dev)
-                b->ops->weight_release(b->ctx, &wu);
+            release(b, &wu);
         }
         free(wb);
     }
