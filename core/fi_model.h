@@ -144,9 +144,9 @@ typedef struct fi_batch {
     int max_blocks;
     const int32_t *out_rows; /* tokens whose logits are wanted, ascending */
     int n_out;             /* 0..fi_kvpool_max_out */
-    int32_t *argmax;       /* NULL, or n_out entries (host) that the pass fills with
-                              fi_argmax of each logit row: found as the rows are made
-                              where the backend can (no second pass over them) */
+    int32_t *argmax;       /* NULL, or n_out entries (host): where the backend finds
+                              each logit row's argmax (fi_argmax) as it makes the rows,
+                              the pass writes them there; else it leaves them as they are */
 } fi_batch;
 
 /* Runs the batch through the model's plan: from the token embeddings (or,

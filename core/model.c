@@ -871,28 +871,22 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
     /* the logits straight into the caller's buffer where backend memory is
      * the host's (n_out x n_vocab floats: 3 MiB for 16 sequences) */
     float *lg = logits && ops->host_memory ? logits : kv->logits;
-    /* each row's argmax found with the rows where the backend can, else
-     * below from the host's copy */
-    int amax_done = 0;
+    /* each row's argmax found with the rows where the backend can (else
+     * b->argmax is left as it is: the caller looks where it needs one) */
     if (b->n_out) {
         for (int i = 0; i < b->n_out; i++)
             ops->rmsnorm(bc, kv->xb + (size_t)i * c->dim, kv->x + (size_t)b->out_rows[i] * c->dim,
                          m->output_norm, 1, c->dim, c->norm_eps);
-        if (b->argmax && logits && ops->matmul_argmax && ops->host_memory) {
+        if (b->argmax && logits && ops->matmul_argmax && ops->host_memory)
             ops->matmul_argmax(bc, lg, b->argmax, &m->output, kv->xb, b->n_out);
-            amax_done = 1;
-        } else {
+        else
             ops->matmul(bc, lg, &m->output, kv->xb, b->n_out);
-        }
     }
     if (graph && ops->graph_end(bc)) goto backend_fail;
     size_t V = (size_t)c->n_vocab;
     if (b->n_out && logits && lg != logits &&
         ops->to_host(bc, logits, kv->logits, (size_t)b->n_out * V * sizeof(float)))
         goto backend_fail;
-    if (b->argmax && logits && !amax_done)
-        for (int i = 0; i < b->n_out; i++)
-            b->argmax[i] = fi_argmax_f32(logits + (size_t)i * V, (int)V);
     if (next && ops->argmax(bc, next, kv->logits, (int)V)) goto backend_fail;
     if (x_out && ops->to_host(bc, x_out, kv->x, (size_t)n * c->dim * sizeof(float)))
         goto backend_fail;
