@@ -58,6 +58,11 @@ typedef struct s_chunk {
     size_t size, used;      /* bytes, bytes handed out */
 } s_chunk;
 
+/* One thread's range of items (see "per-thread ranges"). */
+typedef struct s_range {
+    _Alignas(S_ALIGN) _Atomic uint64_t v; /* first << 32 | end of what is left */
+} s_range;
+
 typedef struct s_cpu {
     fi_pool *pool;          /* workers, caller is worker 0 */
     int n_threads;          /* pool size */
@@ -73,6 +78,9 @@ typedef struct s_cpu {
     int rope_rows;          /* positions covered, 0: empty */
     int rope_half;          /* head_dim / 2 it was made for */
     float rope_theta;       /* theta it was made for */
+    s_range *rows_rg;       /* per-thread ranges (n_threads each): matmul rows, */
+    s_range *toks_rg;       /* token rows of the input a matmul prepares, */
+    s_range *att_rg;        /* attention items */
 } s_cpu;
 
 static const fi_backend_ops s_cpu_ops;
@@ -135,18 +143,93 @@ static int s_reserve(s_cpu *c, size_t bytes) {
     return s_reserve_at(&c->scratch, &c->scratch_bytes, bytes);
 }
 
+/* --- per-thread ranges -------------------------------------------------
+ *
+ * Items [0, n) (token rows, weight rows, attention items) split into one
+ * contiguous range per thread, at multiples of `align`. Thread ith takes
+ * pieces from the front of its own range (a quarter of what is left, at
+ * least `align`); once it is spent, it takes the back half of the largest
+ * range left. The pool runs index 0 on the caller and, with nothing
+ * amiss, each other index on the same worker call after call, so a thread
+ * works on the same items in every call: the token rows it normalised are
+ * the ones it quantises and attends for, and its weight rows are one run
+ * that the prefetchers follow. A slow or absent thread's items are still
+ * done, by whoever comes first. */
+/* Where range i of nth begins: i n / nth rounded to a multiple of align
+ * (n for i = nth). */
+static int s_range_at(int n, int i, int nth, int align) {
+    if (i >= nth)
+        return n;
+    long p = ((long)n * i / nth + align / 2) / align * align;
+    return p < n ? (int)p : n;
+}
+
+static void s_ranges_init(s_range *g, int nth, int n, int align) {
+    assert(nth >= 1 && n >= 0 && align >= 1);
+    for (int i = 0; i < nth; i++) {
+        uint32_t a = (uint32_t)s_range_at(n, i, nth, align), b = (uint32_t)s_range_at(n, i + 1, nth, align);
+        atomic_store_explicit(&g[i].v, (uint64_t)a << 32 | b, memory_order_relaxed);
+    }
+}
+
+/* Thread ith's next piece [*a, *b); 0 when no items are left. */
+static int s_ranges_next(s_range *g, int ith, int nth, int align, int *a, int *b) {
+    uint64_t v = atomic_load_explicit(&g[ith].v, memory_order_relaxed);
+    for (;;) {
+        int lo = (int)(v >> 32), hi = (int)(uint32_t)v;
+        if (lo >= hi)
+            break;
+        int len = ((hi - lo) / 4 + align - 1) / align * align;
+        int end = lo + (len > align ? len : align);
+        end = end < hi ? end : hi;
+        if (atomic_compare_exchange_weak_explicit(&g[ith].v, &v, (uint64_t)end << 32 | (uint32_t)hi,
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+            *a = lo;
+            *b = end;
+            return 1;
+        }
+    }
+    for (;;) {
+        int best = -1, most = 0;
+        uint64_t bv = 0;
+        for (int i = 0; i < nth; i++) {
+            uint64_t w = atomic_load_explicit(&g[i].v, memory_order_relaxed);
+            int left = (int)(uint32_t)w - (int)(w >> 32);
+            if (left > most) {
+                most = left;
+                best = i;
+                bv = w;
+            }
+        }
+        if (best < 0)
+            return 0;
+        int lo = (int)(bv >> 32), hi = (int)(uint32_t)bv;
+        int start = (hi - (most + 1) / 2) / align * align;
+        start = start > lo ? start : lo;
+        if (atomic_compare_exchange_weak_explicit(&g[best].v, &bv, (uint64_t)lo << 32 | (uint32_t)start,
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+            *a = start;
+            *b = hi;
+            return 1;
+        }
+    }
+}
+
 /* --- matmul ------------------------------------------------------------ */
 
 #define S_MM_MAX FI_MATMUL_N_MAX /* products of one input per call (matmul_n) */
 #define S_WAIT_SPINS 4096   /* pauses before a waiting thread yields its core */
-#define S_OWN_PREP 32       /* up to this many tokens each thread prepares the input */
+#define S_OWN_PREP 8        /* below this many tokens each thread prepares the whole input */
 
 /* One call: up to S_MM_MAX products of the same input, whose rows the
- * threads claim as one range (product i owns rows [row0[i], row0[i+1])).
- * Quantised weights need the input quantised first (and split, for the
- * AMX kernels): with x set, the threads first quantise token rows claimed
- * from qnext and begin on the products once qdone reaches n, so that the
- * input is prepared once per call, in parallel, and no thread waits for a
+ * threads claim as one range through per-thread ranges (see above).
+ * Product i owns rows [row0[i], row0[i] + nrows[i]), and row0[i+1] is that
+ * end rounded up to 16, so that every claim (multiples of 16) begins at a
+ * multiple of 16 of its product, as in a call of its own. Quantised weights need the input
+ * quantised first (and split, for the AMX kernels): with x set, the
+ * threads first quantise token rows (their own range of tokens, then any
+ * left) and begin on the products once qdone reaches n, so that the input
+ * is prepared once per call, in parallel, and no thread waits for a
  * second dispatch. */
 typedef struct s_mm_job {
     const s_cpu *c;                 /* kernels */
@@ -154,9 +237,10 @@ typedef struct s_mm_job {
     fi_mm_task task[S_MM_MAX];      /* each product's task */
     fi_mm_fn fn[S_MM_MAX];          /* and its kernel */
     int row0[S_MM_MAX + 1];         /* first row of each product in the range */
+    int nrows[S_MM_MAX];            /* and its rows */
     float *acc;                     /* NULL, or (one product) rows to add y to */
     _Atomic uint64_t *amax;         /* NULL, or (one product) each token's argmax key */
-    int nth;                        /* threads sharing the rows */
+    s_range *rows;                  /* their ranges of rows */
     /* the input to prepare (x NULL: nothing to prepare) */
     const float *x;                 /* n rows of cols floats */
     int n, cols, bits;              /* shape, activation bits (12, 16 or 8) */
@@ -167,10 +251,10 @@ typedef struct s_mm_job {
     size_t xs_off;                  /* xs - xq */
     size_t own;                     /* > 0: each thread prepares the whole input
                                        itself, at xq + slot * own (see s_matmul_n) */
+    s_range *toks;                  /* else the threads' ranges of token rows */
     /* the counters threads write, each on its own line */
-    _Alignas(S_ALIGN) atomic_int qnext;  /* rows claimed (shared), slots taken (own) */
+    _Alignas(S_ALIGN) atomic_int qnext;  /* slots taken (own) */
     _Alignas(S_ALIGN) atomic_int qdone;  /* rows finished */
-    _Alignas(S_ALIGN) atomic_int next;   /* first product row not yet claimed */
 } s_mm_job;
 
 static void s_relax(void) {
@@ -236,17 +320,27 @@ static void s_amax_rows(const s_cpu *c, _Atomic uint64_t *amax, const float *y, 
     }
 }
 
-/* Guided claims: each claim takes a 1/(2*nth) share of the rows left,
- * rounded to 16 rows (at least 16), never across two products. The first
- * claims are long contiguous runs that stream well through the
- * prefetchers; the last are short, so a thread slowed by a noisy neighbour
- * leaves little for the others to wait on. */
+/* Rows [r0, r1) of the job's range, product by product, each with
+ * matmul_add's sum or matmul_argmax's keys. */
+static void s_mm_rows(const s_mm_job *j, const fi_mm_task *task, int r0, int r1) {
+    for (int i = 0; i < j->count; i++) {
+        int e = j->row0[i] + j->nrows[i];
+        int a = r0 > j->row0[i] ? r0 : j->row0[i], b = r1 < e ? r1 : e;
+        if (a >= b)
+            continue;
+        j->fn[i](&task[i], a - j->row0[i], b - j->row0[i]);
+        if (j->acc)
+            s_acc_rows(j->acc, task[0].y, task[0].n, task[0].y_stride, a, b);
+        if (j->amax)
+            s_amax_rows(j->c, j->amax, task[0].y, task[0].n, task[0].y_stride, a, b);
+    }
+}
+
 static void s_mm_worker(void *arg, int ith, int nth) {
     s_mm_job *j = arg;
-    (void)ith;
-    (void)nth;
     const fi_mm_task *task = j->task;
     fi_mm_task mine[S_MM_MAX];
+    int a, b;
     if (j->x && j->own) {
         /* a few tokens: the whole input prepared by this thread, for it
          * alone (cheaper than sharing the rows between cores and waiting
@@ -262,15 +356,10 @@ static void s_mm_worker(void *arg, int ith, int nth) {
         }
         task = mine;
     } else if (j->x) {
-        /* rows in runs of a quarter of a thread's share: few locked
-         * updates of the shared counters, still balanced */
-        const int run = j->n / (4 * j->nth) > 1 ? j->n / (4 * j->nth) : 1;
-        int k;
-        while ((k = atomic_fetch_add_explicit(&j->qnext, run, memory_order_relaxed)) < j->n) {
-            int e = k + run < j->n ? k + run : j->n;
-            for (int i = k; i < e; i++)
-                s_prep_row(j, i, j->xq, j->xs);
-            atomic_fetch_add_explicit(&j->qdone, e - k, memory_order_release);
+        while (s_ranges_next(j->toks, ith, nth, 1, &a, &b)) {
+            for (int k = a; k < b; k++)
+                s_prep_row(j, k, j->xq, j->xs);
+            atomic_fetch_add_explicit(&j->qdone, b - a, memory_order_release);
         }
         /* every row is claimed; the last few may still be in other hands */
         for (int spins = 0; atomic_load_explicit(&j->qdone, memory_order_acquire) < j->n; spins++) {
@@ -282,32 +371,20 @@ static void s_mm_worker(void *arg, int ith, int nth) {
             }
         }
     }
-    const int rows = j->row0[j->count];
-    int r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
-    while (r0 < rows) {
-        int i = 0;
-        while (r0 >= j->row0[i + 1])
-            i++;
-        int len = (rows - r0) / (2 * j->nth);
-        len = len < 16 ? 16 : (len + 15) / 16 * 16;
-        int r1 = r0 + len < j->row0[i + 1] ? r0 + len : j->row0[i + 1];
-        if (!atomic_compare_exchange_weak_explicit(&j->next, &r0, r1, memory_order_relaxed,
-                                                   memory_order_relaxed))
-            continue; /* r0 reloaded */
-        j->fn[i](&task[i], r0 - j->row0[i], r1 - j->row0[i]);
-        if (j->acc)
-            s_acc_rows(j->acc, task[0].y, task[0].n, task[0].y_stride, r0, r1);
-        if (j->amax)
-            s_amax_rows(j->c, j->amax, task[0].y, task[0].n, task[0].y_stride, r0, r1);
-        r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
-    }
+    while (s_ranges_next(j->rows, ith, nth, 16, &a, &b))
+        s_mm_rows(j, task, a, b);
 }
 
 static void s_mm_run(s_cpu *c, s_mm_job *j) {
-    atomic_init(&j->next, 0);
     atomic_init(&j->qnext, 0);
     atomic_init(&j->qdone, 0);
-    if (c->n_threads == 1 || j->row0[j->count] < 32)
+    int nth = c->n_threads == 1 || j->row0[j->count] < 32 ? 1 : c->n_threads;
+    j->rows = c->rows_rg;
+    j->toks = c->toks_rg;
+    s_ranges_init(j->rows, nth, j->row0[j->count], 16);
+    if (j->x && !j->own)
+        s_ranges_init(j->toks, nth, j->n, 1);
+    if (nth == 1)
         s_mm_worker(j, 0, 1);
     else
         fi_pool_run(c->pool, s_mm_worker, j);
@@ -345,7 +422,7 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
             return;
         }
     assert((!acc && !amax) || count == 1);
-    s_mm_job j = {.c = c, .count = count, .nth = c->n_threads, .acc = acc, .amax = amax};
+    s_mm_job j = {.c = c, .count = count, .acc = acc, .amax = amax};
     for (int i = 0; i < count; i++) {
         j.fn[i] = s_mm_fn(c, w[i]->type, bits);
         assert(j.fn[i]);
@@ -354,7 +431,8 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
             .x = (const uint8_t *)x, .x_stride = (size_t)cols * sizeof(float),
             .n = n, .y = y[i], .y_stride = w[i]->rows, .qmax = qmax,
         };
-        j.row0[i + 1] = j.row0[i] + w[i]->rows;
+        j.nrows[i] = w[i]->rows;
+        j.row0[i + 1] = j.row0[i] + (w[i]->rows + 15) / 16 * 16;
     }
     if (!quant) {
         s_mm_run(c, &j);
@@ -394,10 +472,12 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
             s_amax_rows(c, amax, y[0], n, w[0]->rows, 0, w[0]->rows);
         return;
     }
-    /* A few tokens (decoding): every thread prepares the whole input for
-     * itself. Sharing 16 rows between two cores and waiting for the last
-     * one took 6.3 us a call against 2.5 us for one thread alone. */
-    int own = c->n_threads > 1 && n <= S_OWN_PREP && j.row0[count] >= 32 && group == n &&
+    /* A few tokens: every thread prepares the whole input for itself,
+     * rather than wait for rows that another core made. From S_OWN_PREP
+     * tokens on, each prepares its own range of tokens, whose rows it
+     * normalised or attended for: 16 tokens of 576 columns took 5.0 us a
+     * call with each of two threads preparing all 16, against 2.7 us. */
+    int own = c->n_threads > 1 && n < S_OWN_PREP && j.row0[count] >= 32 && group == n &&
               s_reserve(c, one * (size_t)c->n_threads) == 0;
     for (int k0 = 0; k0 < n; k0 += group) {
         int g = n - k0 < group ? n - k0 : group;
@@ -541,7 +621,10 @@ static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n
                       float eps) {
     s_cpu *c = ctx;
     s_norm_job j = {.k = &c->k, .y = y, .x = x, .g = g, .n = n, .dim = dim, .eps = eps};
-    if (c->n_threads > 1 && n > 1 && (size_t)n * dim >= S_PAR_ROWS)
+    /* in parallel from S_OWN_PREP tokens, with the same split by tokens
+     * as the next product's input (s_range_at, align 1), so each thread
+     * quantises rows it normalised */
+    if (c->n_threads > 1 && n > 1 && ((size_t)n * dim >= S_PAR_ROWS || n >= S_OWN_PREP))
         fi_pool_run(c->pool, s_norm_worker, &j);
     else
         s_norm_worker(&j, 0, 1);
@@ -652,7 +735,7 @@ typedef struct s_att_job {
     int segs;                   /* position segments per token */
     int seg_len;                /* positions per segment (last may be short) */
     float *part;                /* segs > 1: per (t, seg): o[n_heads][head_dim], m[n_heads], l[n_heads] */
-    atomic_int next;            /* next item to claim */
+    s_range *rg;                /* the threads' ranges of items */
 } s_att_job;
 
 /* Partial state of (token t, segment seg): the heads' unnormalised outputs
@@ -763,20 +846,20 @@ static void s_att_prefetch_item(const s_att_job *j, int t, int seg) {
     s_att_prefetch(j->vc, row, np, kv_dim);
 }
 
-/* Items in claim order; each thread claims its next item before working
- * on the current one, so that the next one's first rows are on their way
- * (the first rows of an item are otherwise a wait on memory). */
+/* Items (t, seg) numbered t segs + seg, from the thread's range (so the
+ * tokens it attends for are those whose rows it normalised and will
+ * quantise); the next item's first rows are prefetched while it works on
+ * the current one (the first rows of an item are otherwise a wait on
+ * memory). */
 static void s_att_worker(void *arg, int ith, int nth) {
     s_att_job *j = arg;
-    int items = j->n * j->segs;
-    int i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-    while (i < items) {
-        int next = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (next < items)
-            s_att_prefetch_item(j, next / j->segs, next % j->segs);
-        s_att_item(j, i / j->segs, i % j->segs);
-        i = next;
-    }
+    int a, b;
+    while (s_ranges_next(j->rg, ith, nth, 1, &a, &b))
+        for (int i = a; i < b; i++) {
+            if (i + 1 < b)
+                s_att_prefetch_item(j, (i + 1) / j->segs, (i + 1) % j->segs);
+            s_att_item(j, i / j->segs, i % j->segs);
+        }
 }
 
 /* Combines the segments' partial states into out (segs > 1). A segment
@@ -839,8 +922,10 @@ static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k
         j.seg_len = S_ATT_SEG;
         j.part = (float *)c->scratch;
     }
-    atomic_init(&j.next, 0);
-    if (c->n_threads > 1 && n * j.segs > 1)
+    int nth = c->n_threads > 1 && n * j.segs > 1 ? c->n_threads : 1;
+    j.rg = c->att_rg;
+    s_ranges_init(j.rg, nth, n * j.segs, 1);
+    if (nth > 1)
         fi_pool_run(c->pool, s_att_worker, &j);
     else
         s_att_worker(&j, 0, 1);
@@ -915,6 +1000,9 @@ static void s_destroy(void *ctx) {
     free(c->scratch);
     free(c->amax);
     free(c->rope_tab);
+    free(c->rows_rg);
+    free(c->toks_rg);
+    free(c->att_rg);
     free(c);
 }
 
@@ -1052,7 +1140,11 @@ fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char 
     c->scratch = aligned_alloc(S_ALIGN, S_SCRATCH_MIN);
     c->scratch_bytes = S_SCRATCH_MIN;
     c->pool = fi_pool_new(n_threads);
-    if (!c->scratch || !c->pool) {
+    size_t rg = s_round_up((size_t)n_threads * sizeof(s_range), S_ALIGN);
+    c->rows_rg = aligned_alloc(S_ALIGN, rg);
+    c->toks_rg = aligned_alloc(S_ALIGN, rg);
+    c->att_rg = aligned_alloc(S_ALIGN, rg);
+    if (!c->scratch || !c->pool || !c->rows_rg || !c->toks_rg || !c->att_rg) {
         s_err(err, errlen, "cpu backend: cannot start %d threads or allocate scratch", n_threads);
         goto fail;
     }

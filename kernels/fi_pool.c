@@ -7,13 +7,17 @@
  *
  *   - `slot` packs the job generation (high 32 bits) and the next unclaimed
  *     index (low 32 bits). The caller writes (fn, arg), zeroes `done` and
- *     publishes slot = (gen+1) << 32. Every pool thread, the caller
- *     included, claims indices with a compare-and-swap on slot and runs
- *     fn(arg, ith, nth) for each index it wins; so each ith in [0, nth)
- *     runs exactly once, normally ith 0 on the caller and one index per
- *     worker, but a worker that is asleep or preempted simply gets nothing
- *     and its share is done by whoever comes first. Kernels that split
- *     their work by ith (or claim chunks from a counter) are oblivious.
+ *     publishes slot = (gen+1) << 32 | 1: index 0 is the caller's, which
+ *     runs it at once. Every pool thread, the caller included once it is
+ *     done with 0, claims the other indices with a compare-and-swap on
+ *     slot and runs fn(arg, ith, nth) for each index it wins; so each ith
+ *     in [0, nth) runs exactly once, normally ith 0 on the caller and one
+ *     index per worker, but a worker that is asleep or preempted simply
+ *     gets nothing and its share is done by whoever comes first. Kernels
+ *     that split their work by ith (or claim chunks from a counter) are
+ *     oblivious. Index 0 never moves to a worker (with two threads both
+ *     indices stay where they are, call after call), so work split by ith
+ *     tends to stay on the core whose caches hold its data.
  *   - A thread reads fn and arg only after winning an index of that
  *     generation, and the caller returns only when `done` reaches nth, so
  *     a late worker can never see a finished job's (stack) argument.
@@ -237,12 +241,14 @@ void fi_pool_run(fi_pool *p, fi_pool_fn fn, void *arg) {
     p->fn = fn;
     p->arg = arg;
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
-    atomic_store(&p->slot, (uint64_t)gen << 32); /* seq_cst: publishes the above */
+    atomic_store(&p->slot, (uint64_t)gen << 32 | 1u); /* seq_cst: publishes the above */
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv_work);
         pthread_mutex_unlock(&p->mu);
     }
+    fn(arg, 0, p->n);
+    atomic_fetch_add(&p->done, 1); /* no signal: the caller is the one who waits */
     s_work(p);
 
     s_spin sp = {0, 0};

@@ -13,6 +13,7 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1655,7 +1656,9 @@ static void test_backend_memory(void **state) {
 typedef struct pool_probe {
     atomic_int count[8];    /* runs seen per worker index */
     atomic_int bad_nth;     /* calls with the wrong nth */
+    atomic_int moved0;      /* index 0 run by a thread other than the caller */
     int nth;                /* expected */
+    pthread_t caller;       /* the thread that calls fi_pool_run */
 } pool_probe;
 
 static void pool_fn(void *arg, int ith, int nth) {
@@ -1664,6 +1667,8 @@ static void pool_fn(void *arg, int ith, int nth) {
         atomic_fetch_add(&pp->bad_nth, 1);
     else
         atomic_fetch_add(&pp->count[ith], 1);
+    if (ith == 0 && !pthread_equal(pthread_self(), pp->caller))
+        atomic_fetch_add(&pp->moved0, 1);
 }
 
 static void test_pool(void **state) {
@@ -1672,13 +1677,15 @@ static void test_pool(void **state) {
         fi_pool *p = fi_pool_new(nt);
         assert_non_null(p);
         assert_int_equal(fi_pool_threads(p), nt);
-        pool_probe pr = {.nth = nt};
+        pool_probe pr = {.nth = nt, .caller = pthread_self()};
         const int runs = nt <= 2 ? 20000 : 2000; /* 3-4 threads oversubscribe 2 cores */
         for (int i = 0; i < runs; i++)
             fi_pool_run(p, pool_fn, &pr);
         for (int i = 0; i < nt; i++)
             assert_int_equal(atomic_load(&pr.count[i]), runs);
         assert_int_equal(atomic_load(&pr.bad_nth), 0);
+        /* index 0 is the caller's, every time (work split by ith stays put) */
+        assert_int_equal(atomic_load(&pr.moved0), 0);
         fi_pool_destroy(&p);
         assert_null(p);
         fi_pool_destroy(&p);
