@@ -370,22 +370,26 @@ static void s_mm_worker(void *arg, int ith, int nth) {
         }
         task = mine;
     } else if (j->x) {
+        /* one locked add per thread: the other may be polling the line */
+        int done = 0;
         while (s_ranges_next(j->toks, ith, nth, 1, &a, &b)) {
             for (int k = a; k < b; k++)
                 s_prep_row(j, k, j->xq, j->xs);
-            atomic_fetch_add_explicit(&j->qdone, b - a, memory_order_release);
+            done += b - a;
         }
+        atomic_fetch_add_explicit(&j->qdone, done, memory_order_release);
         /* every row is claimed; the last few may still be in other hands */
         s_wait_for(&j->qdone, j->n);
     }
+    int made = 0;
     while (s_ranges_next(j->rows, ith, nth, 16, &a, &b)) {
         s_mm_rows(j, task, a, b);
-        if (j->acc_by_tokens)
-            atomic_fetch_add_explicit(&j->rdone, b - a, memory_order_release);
+        made += b - a;
     }
     if (j->acc_by_tokens) {
         /* the sum by the thread whose tokens these are (it normalises them
          * next), once every row of y is made */
+        atomic_fetch_add_explicit(&j->rdone, made, memory_order_release);
         s_wait_for(&j->rdone, j->row0[1]);
         int t0 = s_range_at(j->n, ith, nth, 1), t1 = s_range_at(j->n, ith + 1, nth, 1);
         s_acc_rows(j->acc + (size_t)t0 * task[0].y_stride, task[0].y + (size_t)t0 * task[0].y_stride, t1 - t0,
