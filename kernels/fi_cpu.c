@@ -155,6 +155,7 @@ static int s_reserve(s_cpu *c, size_t bytes) {
  * the ones it quantises and attends for, and its weight rows are one run
  * that the prefetchers follow. A slow or absent thread's items are still
  * done, by whoever comes first. */
+
 /* Where range i of nth begins: i n / nth rounded to a multiple of align
  * (n for i = nth). */
 static int s_range_at(int n, int i, int nth, int align) {
@@ -225,12 +226,12 @@ static int s_ranges_next(s_range *g, int ith, int nth, int align, int *a, int *b
  * threads claim as one range through per-thread ranges (see above).
  * Product i owns rows [row0[i], row0[i] + nrows[i]), and row0[i+1] is that
  * end rounded up to 16, so that every claim (multiples of 16) begins at a
- * multiple of 16 of its product, as in a call of its own. Quantised weights need the input
- * quantised first (and split, for the AMX kernels): with x set, the
- * threads first quantise token rows (their own range of tokens, then any
- * left) and begin on the products once qdone reaches n, so that the input
- * is prepared once per call, in parallel, and no thread waits for a
- * second dispatch. */
+ * multiple of 16 of its product, as in a call of its own. Quantised
+ * weights need the input quantised first (and split, for the AMX kernels):
+ * with x set, the threads first quantise token rows (their own range of
+ * tokens, then any left) and begin on the products once qdone reaches n,
+ * so that the input is prepared once per call, in parallel, and no thread
+ * waits for a second dispatch. */
 typedef struct s_mm_job {
     const s_cpu *c;                 /* kernels */
     int count;                      /* products */

@@ -257,8 +257,10 @@ typedef void (*fi_pool_fn)(void *arg, int ith, int nth);
 fi_pool *fi_pool_new(int n_threads);
 void fi_pool_destroy(fi_pool **p);
 int fi_pool_threads(const fi_pool *p);
-/* Runs fn(arg, ith, nth) on every worker, ith in [0, nth), and returns when
- * all have finished. Not reentrant: one job at a time per pool. */
+/* Runs fn(arg, ith, nth) for every ith in [0, nth), each once, and returns
+ * when all have finished: index 0 always on the caller, the others
+ * normally one per worker (a late worker's index is run by whoever comes
+ * first). Not reentrant: one job at a time per pool. */
 void fi_pool_run(fi_pool *p, fi_pool_fn fn, void *arg);
 
 /* --- reference helpers (portable C, used by tests and by other backends) */
