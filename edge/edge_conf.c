@@ -40,7 +40,6 @@ const fi_conf_key fi_edge_conf_keys[] = {
     S(enrol_endpoint, 0),
     S(region, 0),
     S(clusters, 0),
-    S(zone, 0),
     I(heartbeat_ms, 50, 60000),
     {NULL, FI_CONF_STR, 0, 0, 0, 0},
 };

@@ -659,7 +659,7 @@ static int s_routed(fi_edge *e, edge_job *job, const s_req *r, int chat, const c
         if (!(w->stop[i] = strdup(r->stop[i]))) return -1;
     snprintf(w->user, sizeof w->user, "%s", r->user ? r->user : "");
     snprintf(w->tenant, sizeof w->tenant, "%s", tenant ? tenant : "");
-    snprintf(w->zone, sizeof w->zone, "%.63s", e->conf.zone);
+    snprintf(w->zone, sizeof w->zone, "%s", job->zone);
     if (ids && n_ids >= FI_KV_BLOCK && !strcmp(r->model, e->conf.model_name)) {
         int max = n_ids / FI_KV_BLOCK < EDGE_MAX_HASHES ? n_ids / FI_KV_BLOCK : EDGE_MAX_HASHES;
         if (!(w->hashes = malloc((size_t)max * sizeof *w->hashes))) return -1;
@@ -825,7 +825,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     job->timeout_s = e->conf.request_timeout_s;
     /* prefix-cache salt: tenants never share cached state */
     snprintf(job->tenant, sizeof job->tenant, "%s", tenant);
-    snprintf(job->zone, sizeof job->zone, "%.63s", e->conf.zone[0] ? e->conf.zone : e->conf.site);
+    snprintf(job->zone, sizeof job->zone, "%s", d->zone);
     for (int i = 0; i < d->n_eff_labels; i++) job->labels[job->n_labels++] = strdup(d->eff_labels[i]);
     snprintf(job->target, sizeof job->target, "%s", d->names[t]);
     if (t > 0 && s_routed(e, job, r, chat, tenant, ids, n_ids) != 0) {

@@ -72,7 +72,7 @@ typedef struct edge_job {
     int n_labels;                /* count of labels */
     double timeout_s;            /* whole request, from submission */
     char tenant[64];             /* from the bearer token ("" without one) */
-    char zone[64];               /* residency zone of the cached state (the site) */
+    char zone[64];               /* residency zone of the cached state (edge_decision.zone) */
 
     /* cancellation: set by the HTTP side, or by the executor on a stop */
     atomic_int cancel;           /* nonzero: stop generating */
@@ -183,6 +183,9 @@ typedef struct edge_decision {
     char labels_buf[EDGE_MAX_LABELS][64];
     int bad_labels;                /* a label unknown to the policy */
     int fallback;                  /* no valid policy: site only */
+    char zone[64];                 /* residency zone: the site's innermost jurisdiction in
+                                      the policy (the site itself without one); salts the
+                                      prefix cache, here and at the clusters */
 } edge_decision;
 
 /* Decides req (origin is forced to the site) for the site and every cluster

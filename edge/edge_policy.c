@@ -156,6 +156,8 @@ void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, con
     const fi_policy *pol = p->pol;
     int64_t now = (int64_t)time(NULL);
     int current = pol && fi_policy_current(pol, now);
+    const char *zone = current ? fi_policy_jurisdiction(pol, p->site) : NULL;
+    snprintf(d->zone, sizeof d->zone, "%.63s", zone ? zone : p->site);
     if (current) {
         snprintf(d->version, sizeof d->version, "%llu", (unsigned long long)p->version);
         fi_policy_digest_hex(pol, d->digest);

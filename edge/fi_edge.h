@@ -52,8 +52,6 @@ typedef struct fi_edge_conf {
     char region[FI_CONF_STR_MAX];          /* for --enrol */
     char clusters[FI_CONF_STR_MAX];        /* comma-separated; "" : every cluster of the policy */
     int heartbeat_ms;                      /* fabric heartbeat; match the coordinator's */
-    char zone[FI_CONF_STR_MAX];            /* residency zone (the site's jurisdiction in the
-                                              policy): prefix-cache salt of routed requests */
 } fi_edge_conf;
 
 /* Defaults for every optional key. */

@@ -551,8 +551,10 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     r->edge = e->serial;
     r->worker = w->serial;
     r->started_ms = fi_wire_now_ms();
-    /* The worker sees the coordinator's id and the origin known from the
-     * edge's key, whatever the edge wrote. */
+    /* The worker sees the coordinator's id, the origin known from the
+     * edge's key and the residency zone of that origin in the policy that
+     * permitted it (else the origin site itself), whatever the edge wrote:
+     * the worker salts its prefix cache with it. */
     char cid[32];
     snprintf(cid, sizeof cid, "c%llu", (unsigned long long)r->id);
     Fi__Origin origin = FI__ORIGIN__INIT;
@@ -561,6 +563,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     Fi__InferRequest fwd = *rq;
     fwd.request_id = cid;
     fwd.origin = &origin;
+    fwd.zone = cands[pick].v.zone[0] ? cands[pick].v.zone : e->rec.site;
     /* What only the router needs stays here: the end user's id, the hashes. */
     fwd.user = (char *)"";
     fwd.n_prefix_hashes = 0;

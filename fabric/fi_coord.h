@@ -33,6 +33,8 @@ typedef struct fi_coord_verdict {
     int64_t score;          /* sum of the matching prefer rules (permitted only) */
     char rules[256];        /* deciding rule ids, comma-separated */
     char digest[65];        /* SHA-256 of the deciding policy, hex; "" when none */
+    char zone[64];          /* the origin's residency zone: its innermost jurisdiction in
+                               that policy ("" when none: the origin site stands for it) */
 } fi_coord_verdict;
 
 /* The seam for policy/: called for every routed inference request with the

@@ -154,6 +154,8 @@ static int s_decide(const s_loaded *L, int64_t now, const Fi__InferRequest *req,
             snprintf(out->rules, sizeof out->rules, "%s",
                      why ? "no valid policy at the coordinator" : "default deny");
         if (pol) fi_policy_digest_hex(pol, out->digest);
+        const char *zone = pol ? fi_policy_jurisdiction(pol, origin->site) : NULL;
+        snprintf(out->zone, sizeof out->zone, "%.63s", zone ? zone : "");
     }
     if (!v.permitted) {
         char ex[256];

@@ -168,8 +168,10 @@ static void s_submit(s_lead *L, const Fi__InferRequest *rq) {
     r.gen.on_text = s_on_text;
     r.gen.user = q;
     r.on_done = s_on_done;
-    r.tenant = rq->origin && rq->origin->site ? rq->origin->site : NULL;
-    r.zone = rq->origin && rq->origin->region ? rq->origin->region : NULL;
+    /* the prefix-cache salt: the application's tenant (from the edge) and
+     * the origin's residency zone (set by the coordinator) */
+    r.tenant = rq->tenant;
+    r.zone = rq->zone;
     q->sid = fi_sched_submit(L->s, &r, err, sizeof err);
     if (q->sid < 0) goto bad;
     q->next = L->open;

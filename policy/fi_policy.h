@@ -123,6 +123,10 @@ int fi_policy_target_find(const fi_policy *self, const char *name);
 size_t fi_policy_site_count(const fi_policy *self);
 /* The i-th declared site (also a target; see fi_policy_target_find). */
 const char *fi_policy_site_name(const fi_policy *self, size_t i);
+/* The innermost jurisdiction that holds the site, cluster, region or
+ * jurisdiction `name` (a jurisdiction holds itself): the residency zone
+ * that salts cached state. NULL when the policy declares no such name. */
+const char *fi_policy_jurisdiction(const fi_policy *self, const char *name);
 size_t fi_policy_label_count(const fi_policy *self);
 const char *fi_policy_label_name(const fi_policy *self, size_t i);
 /* Label index by name, or -1. */

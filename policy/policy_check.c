@@ -876,6 +876,14 @@ const char *fi_policy_site_name(const fi_policy *self, size_t i) {
     return i < self->n_sites ? p_str(self, self->ents[self->sites[i]].name) : NULL;
 }
 
+const char *fi_policy_jurisdiction(const fi_policy *self, const char *name) {
+    uint32_t s = name ? p_lookup(self, name) : SYM_UNKNOWN;
+    if (s >= self->n_syms) return NULL;
+    int32_t e = self->sym_ent[s];
+    if (e < 0 || self->ents[e].jur < 0) return NULL;
+    return p_str(self, self->ents[self->ents[e].jur].name);
+}
+
 size_t fi_policy_label_count(const fi_policy *self) { return self->n_labels; }
 
 const char *fi_policy_label_name(const fi_policy *self, size_t i) {

@@ -120,6 +120,10 @@ static int check(const char *origin, const char *target, const char *label, char
     assert_int_equal(okc, ok);
     assert_string_equal(vc.rules, v.rules);
     assert_string_equal(vc.digest, v.digest);
+    /* the origin's residency zone, which the worker salts its cache with:
+     * berlin-clinic (the only origin ever permitted here) is in EU */
+    assert_string_equal(vc.zone, v.zone);
+    if (ok) assert_string_equal(v.zone, "EU");
     assert_string_equal(rc2, reason);
     return ok;
 }

@@ -123,8 +123,7 @@ static int setup(void **state) {
     fi_shard_backend rec = {.name = "recorder", .generate = s_rec_generate};
     assert_int_equal(h_worker_start_be(&f->h, &f->w, "echo-model", "core1", &rec, 4), 0);
     /* The edge: its key enrolled, policy v1 held on disk. */
-    f->e = h_edge_start(&f->h, "berlin-clinic", "eu-central", s_pol_v1, f->pk, f->sk,
-                        "zone = EU\n");
+    f->e = h_edge_start(&f->h, "berlin-clinic", "eu-central", s_pol_v1, f->pk, f->sk, "");
     f->port = fi_edge_port(f->e);
     *state = f;
     return 0;
@@ -213,7 +212,11 @@ static void test_routed_chat_fields(void **state) {
     assert_int_equal(sn.n_stop, 1);
     assert_string_equal(sn.stop0, "zzz");
     assert_string_equal(sn.user, ""); /* the end user's id stays at the coordinator */
-    assert_string_equal(sn.zone, "EU");
+    /* The edge salts with its policy's jurisdiction of the site (EU); the
+     * coordinator, which here holds no policy, sends the origin site
+     * instead, whatever the edge wrote: the worker never takes an edge's
+     * word for its zone. */
+    assert_string_equal(sn.zone, "berlin-clinic");
     assert_int_equal(sn.n_hashes, 0); /* this edge has no model: no tokenizer */
     /* The user reached the coordinator: a second turn of alice's
      * conversation goes where the first went, and its record says so. */

@@ -88,8 +88,8 @@ static void test_engine_through_fabric(void **state) {
     rq.prompt = (char *)"What is the capital of France? Answer in one word.";
     rq.max_tokens = 16;
     rq.temperature = 0; /* greedy */
-    rq.tenant = (char *)"oncology"; /* the prefix cache's salt */
-    rq.zone = (char *)"EU";
+    rq.tenant = (char *)"oncology"; /* the prefix cache's salt, with the zone: */
+    rq.zone = (char *)"EU"; /* which the coordinator (no policy here) replaces by the origin site */
     int rc = -1;
     for (int i = 0; i < 50 && rc != 0; i++) { /* until the worker has said Hello */
         memset(&t, 0, sizeof t);
@@ -206,8 +206,10 @@ static void test_engine_through_fabric(void **state) {
     }
     /* The blocks the worker cached are found under the hashes an edge
      * computes for the same chat (edge_http.c: the chat template, encoded
-     * with its special tokens, fi_prefix_hashes with tenant and zone), and
-     * not under another tenant's. */
+     * with its special tokens, fi_prefix_hashes with tenant and zone) with
+     * the zone the coordinator sent (the origin site, as it holds no
+     * policy), and not under another tenant's, nor under the zone the
+     * client wrote. */
     uint8_t bits[FI_SHARD_FILTER_BYTES];
     assert_int_equal(w.be.prefix_filter(w.be.ctx, bits, sizeof bits), 0);
     int n_ids = 0;
@@ -219,10 +221,12 @@ static void test_engine_through_fabric(void **state) {
                                        &n_ids, err, sizeof err);
     assert_non_null(toks);
     uint64_t hs[64];
-    int nh = fi_prefix_hashes("oncology", "EU", toks, n_ids, hs, 64);
+    int nh = fi_prefix_hashes("oncology", "clinic-7", toks, n_ids, hs, 64);
     assert_true(nh >= 2);
     assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), nh);
-    nh = fi_prefix_hashes("radiology", "EU", toks, n_ids, hs, 64);
+    nh = fi_prefix_hashes("radiology", "clinic-7", toks, n_ids, hs, 64);
+    assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), 0);
+    nh = fi_prefix_hashes("oncology", "EU", toks, n_ids, hs, 64);
     assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), 0);
     free(toks);
     fi_model_destroy(&edge_model);

@@ -566,6 +566,15 @@ static void test_accessors(void **state) {
     assert_string_equal(fi_policy_default_label(p), "internal");
     assert_int_equal(fi_policy_label_find(p, "phi"), 3);
     assert_int_equal(fi_policy_label_find(p, "s-de"), -1);
+    /* the innermost jurisdiction: the residency zone of cached state */
+    assert_string_equal(fi_policy_jurisdiction(p, "s-de"), "BY");
+    assert_string_equal(fi_policy_jurisdiction(p, "c-de"), "BY");
+    assert_string_equal(fi_policy_jurisdiction(p, "s-fr"), "FR");
+    assert_string_equal(fi_policy_jurisdiction(p, "us-r"), "US");
+    assert_string_equal(fi_policy_jurisdiction(p, "DE"), "DE");
+    assert_null(fi_policy_jurisdiction(p, "nowhere"));
+    assert_null(fi_policy_jurisdiction(p, "phi")); /* a label, not a place */
+    assert_null(fi_policy_jurisdiction(p, NULL));
     char hex[65];
     fi_policy_digest_hex(p, hex);
     assert_int_equal(strlen(hex), 64);
