@@ -855,7 +855,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     pthread_mutex_unlock(&job->mu);
     const char *const hdrs[] = {"X-Fedinfer-Target", d->names[t], "X-Fedinfer-Policy", d->version,
                                 "X-Request-Id", id, "X-Fedinfer-Rules", d->rules[t],
-                                "X-Fedinfer-Labels", d->labels, NULL};
+                                "X-Fedinfer-Labels", d->labels, "X-Fedinfer-Zone", d->zone, NULL};
     if (!done && !r->stream) {
         atomic_store(&job->cancel, 1);
         rc = s_error(e, c, 504, "timeout", NULL, hdrs, "the request ran past its time limit");

@@ -199,6 +199,7 @@ static void test_routed_chat_fields(void **state) {
     assert_int_equal(http_chat(f->port, b, &r), 0);
     assert_int_equal(r.status, 200);
     assert_true(has(&r, "X-Fedinfer-Target: core1"));
+    assert_true(has(&r, "X-Fedinfer-Zone: EU")); /* the policy's jurisdiction of the site */
     assert_true(has(&r, "echo: second question"));
     pthread_mutex_lock(&s_seen.mu);
     seen sn = s_seen;
