@@ -43,7 +43,9 @@
 #define S_PAR_ELEMS 32768               /* element-wise ops: go parallel above this */
 #define S_PAR_SWIGLU 8192               /* SwiGLU (an exp per element): above this */
 #define S_PAR_ROWS 32768                /* RMSNorm and RoPE (elements): above this; below,
-                                           a dispatch costs more than the vector work */
+                                           a dispatch costs more than the vector work
+                                           (RMSNorm also from S_OWN_PREP tokens, for
+                                           the split by tokens; see s_rmsnorm) */
 #define S_ATT_SEG 256                   /* positions per segment (batch-invariant) */
 #define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
 
