@@ -8,7 +8,9 @@
  *                aggregate generated tokens/s (three ways: s_concurrency),
  *                time to first token (from submission, queueing included)
  *                and time per output token, p50 and p99, for each C of
- *                --concurrency.
+ *                --concurrency; with --reps, each ratio to the first
+ *                concurrency is taken within one repetition (odd ones run
+ *                the list backwards) and the median printed.
  *   prefix       requests sharing a --shared-prefix-token document, each
  *                with its own question, one after the other and then 4 at
  *                a time, prefix cache on and off: time to first token.
@@ -30,6 +32,9 @@
 
 #include "fi_cmd.h"
 #include "fi_sched.h"
+
+#define S_MAX_CONC 16 /* concurrencies in one --concurrency list */
+#define S_MAX_REPS 15 /* --reps */
 
 static double s_now(void) {
     struct timespec ts;
@@ -322,6 +327,10 @@ static void s_usage(FILE *f) {
             "      --gen-tokens N       tokens generated per request (default 64)\n"
             "      --shared-prefix N    shared document length (default 512)\n"
             "      --only WHAT          concurrency, prefix or routing (default: all three)\n"
+            "  -r, --reps N             repeat the concurrency runs N times (1..15, default 1),\n"
+            "                           every other time in reverse order; each ratio to the\n"
+            "                           first concurrency is taken within one repetition, and\n"
+            "                           its median and range are printed\n"
             "      --device DEV         cpu, cuda or auto (default auto)\n"
             "  -h, --help               this text\n");
 }
@@ -333,20 +342,22 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         {"gen-tokens", required_argument, 0, 'G'},    {"shared-prefix", required_argument, 0, 'S'},
         {"only", required_argument, 0, 'O'},          {"device", required_argument, 0, 'D'},
         {"serve", no_argument, 0, 'V'},               {"help", no_argument, 0, 'h'},
+        {"reps", required_argument, 0, 'r'},
         {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *only = NULL;
     char conc[128] = "1,4,16,64";
-    long threads = 0, n_prompt = 64, n_gen = 64, n_prefix = 512;
+    long threads = 0, n_prompt = 64, n_gen = 64, n_prefix = 512, reps = 1;
     fi_device device = FI_DEVICE_AUTO;
     int c;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "m:t:h", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "m:t:r:h", opts, NULL)) != -1) {
         char *end;
         switch (c) {
         case 'm': model = optarg; break;
         case 't': threads = strtol(optarg, &end, 10); if (*end || threads < 1 || threads > 1024) goto bad; break;
         case 'P': n_prompt = strtol(optarg, &end, 10); if (*end || n_prompt < 1 || n_prompt > 4096) goto bad; break;
         case 'G': n_gen = strtol(optarg, &end, 10); if (*end || n_gen < 1 || n_gen > 4096) goto bad; break;
+        case 'r': reps = strtol(optarg, &end, 10); if (*end || reps < 1 || reps > S_MAX_REPS) goto bad; break;
         case 'S': n_prefix = strtol(optarg, &end, 10); if (*end || n_prefix < 16 || n_prefix > 4096) goto bad; break;
         case 'C':
             if (strlen(optarg) >= sizeof conc || strspn(optarg, "0123456789,") != strlen(optarg)) goto bad;
@@ -411,30 +422,64 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         printf("backend        %s\n", be->ops->name);
 
     if (!only || !strcmp(only, "concurrency")) {
-        printf("\nconcurrency: prompts of %ld tokens, %ld generated each (greedy), closed loop\n",
-               n_prompt, n_gen);
-        printf("  conc  requests  tok/s(agg)  tok/s(dec)  tok/s(step)  ttft p50  ttft p99  tpot p50  "
-               "tpot p99   (ms)\n");
-        double base = 0, base_dec = 0, base_step = 0;
-        int base_c = 0;
+        int cl[S_MAX_CONC], ncl = 0;
         for (char *save = NULL, *tokp = strtok_r(conc, ",", &save); tokp;
              tokp = strtok_r(NULL, ",", &save)) {
             int cc = atoi(tokp);
-            if (cc < 1 || cc > 256) {
-                fprintf(stderr, "fedinfer: concurrency %s is not in 1..256\n", tokp);
+            if (cc < 1 || cc > 256 || ncl == S_MAX_CONC) {
+                fprintf(stderr, "fedinfer: concurrency %s: each must be in 1..256, at most %d of them\n",
+                        tokp, S_MAX_CONC);
                 goto done;
             }
-            double tput, dec, step;
-            if (s_concurrency(&b, cc, (int)n_prompt, (int)n_gen, cc < 64 ? 64 : cc, &tput, &dec,
-                              &step))
-                goto done;
-            if (base == 0)
-                base = tput, base_dec = dec, base_step = step, base_c = cc;
-            else
-                printf("        -> %.2fx the aggregate throughput of concurrency %d (decode alone: "
-                       "%.2fx; decode-only steps: %.2fx)\n", tput / base, base_c,
-                       base_dec > 0 ? dec / base_dec : 0, base_step > 0 ? step / base_step : 0);
+            cl[ncl++] = cc;
         }
+        printf("\nconcurrency: prompts of %ld tokens, %ld generated each (greedy), closed loop\n",
+               n_prompt, n_gen);
+        /* [rep][i][agg, dec, step] */
+        double (*v)[S_MAX_CONC][3] = calloc((size_t)reps, sizeof *v);
+        if (!v) goto done;
+        for (int r = 0; r < reps; r++) {
+            if (reps > 1)
+                printf("rep %d of %ld (%s order)\n", r + 1, reps, r % 2 ? "reverse" : "list");
+            printf("  conc  requests  tok/s(agg)  tok/s(dec)  tok/s(step)  ttft p50  ttft p99  tpot p50  "
+                   "tpot p99   (ms)\n");
+            for (int k = 0; k < ncl; k++) {
+                /* odd repetitions in reverse order: a machine that drifts
+                 * faster or slower favours neither end of the list */
+                int i = r % 2 ? ncl - 1 - k : k;
+                if (s_concurrency(&b, cl[i], (int)n_prompt, (int)n_gen, cl[i] < 64 ? 64 : cl[i],
+                                  &v[r][i][0], &v[r][i][1], &v[r][i][2])) {
+                    free(v);
+                    goto done;
+                }
+            }
+        }
+        /* each throughput against the first concurrency's in the same
+         * repetition; medians over the repetitions */
+        for (int i = 1; i < ncl; i++) {
+            double q[3][S_MAX_REPS], med[3], lo[3], hi[3];
+            for (int m = 0; m < 3; m++) {
+                for (int r = 0; r < reps; r++)
+                    q[m][r] = v[r][0][m] > 0 ? v[r][i][m] / v[r][0][m] : 0;
+                lo[m] = hi[m] = q[m][0];
+                for (int r = 1; r < reps; r++) {
+                    lo[m] = q[m][r] < lo[m] ? q[m][r] : lo[m];
+                    hi[m] = q[m][r] > hi[m] ? q[m][r] : hi[m];
+                }
+                med[m] = s_pct(q[m], (int)reps, 0.5);
+            }
+            if (reps == 1)
+                printf("        -> concurrency %d: %.2fx the aggregate throughput of concurrency %d "
+                       "(decode alone: %.2fx; decode-only steps: %.2fx)\n",
+                       cl[i], med[0], cl[0], med[1], med[2]);
+            else
+                printf("        -> concurrency %d against %d, median of %ld [range]: aggregate "
+                       "%.2fx [%.2f-%.2f], decode alone %.2fx [%.2f-%.2f], decode-only steps "
+                       "%.2fx [%.2f-%.2f]\n",
+                       cl[i], cl[0], reps, med[0], lo[0], hi[0], med[1], lo[1], hi[1], med[2], lo[2],
+                       hi[2]);
+        }
+        free(v);
     }
     if (!only || !strcmp(only, "prefix")) {
         printf("\nshared prefix: a %ld-token document + a 16-token question, 8 generated\n", n_prefix);
