@@ -56,6 +56,13 @@ static double s_pct(double *v, int n, double q) {
 }
 
 /* One request's timings. */
+/* The median of v[0..n) (the mean of the middle two for even n); sorts v. */
+static double s_median(double *v, int n) {
+    if (n <= 0) return 0;
+    qsort(v, (size_t)n, sizeof *v, s_cmp);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
 typedef struct req {
     double t_submit, t_first, t_done;
     int n_gen, done;
@@ -377,6 +384,20 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         fprintf(stderr, "fedinfer: bench --serve: bad value '%s' for an option (see --help)\n", optarg);
         return 2;
     }
+    int cl[S_MAX_CONC], ncl = 0;
+    for (char *save = NULL, *tokp = strtok_r(conc, ",", &save); tokp; tokp = strtok_r(NULL, ",", &save)) {
+        int cc = atoi(tokp);
+        if (cc < 1 || cc > 256 || ncl == S_MAX_CONC) {
+            fprintf(stderr, "fedinfer: bench --serve: concurrency %s: each must be in 1..256, at most %d of them\n",
+                    tokp, S_MAX_CONC);
+            return 2;
+        }
+        cl[ncl++] = cc;
+    }
+    if (ncl == 0) {
+        fprintf(stderr, "fedinfer: bench --serve: --concurrency lists no concurrency\n");
+        return 2;
+    }
     char err[512];
     fi_model_opts mo = {.n_threads = (int)threads, .simd = FI_SIMD_AUTO, .device = device};
     bench b = {0};
@@ -422,17 +443,6 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         printf("backend        %s\n", be->ops->name);
 
     if (!only || !strcmp(only, "concurrency")) {
-        int cl[S_MAX_CONC], ncl = 0;
-        for (char *save = NULL, *tokp = strtok_r(conc, ",", &save); tokp;
-             tokp = strtok_r(NULL, ",", &save)) {
-            int cc = atoi(tokp);
-            if (cc < 1 || cc > 256 || ncl == S_MAX_CONC) {
-                fprintf(stderr, "fedinfer: concurrency %s: each must be in 1..256, at most %d of them\n",
-                        tokp, S_MAX_CONC);
-                goto done;
-            }
-            cl[ncl++] = cc;
-        }
         printf("\nconcurrency: prompts of %ld tokens, %ld generated each (greedy), closed loop\n",
                n_prompt, n_gen);
         /* [rep][i][agg, dec, step] */
@@ -466,7 +476,7 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                     lo[m] = q[m][r] < lo[m] ? q[m][r] : lo[m];
                     hi[m] = q[m][r] > hi[m] ? q[m][r] : hi[m];
                 }
-                med[m] = s_pct(q[m], (int)reps, 0.5);
+                med[m] = s_median(q[m], (int)reps);
             }
             if (reps == 1)
                 printf("        -> concurrency %d: %.2fx the aggregate throughput of concurrency %d "
