@@ -118,13 +118,16 @@ void fi_sched_get_stats(const fi_sched *s, fi_sched_stats *st);
  * token sequence, exactly as the scheduler keys its cache: out[i] covers
  * blocks 0..i. Returns how many were written (<= max). A router holding the
  * model's tokenizer hashes a request's prompt and asks which replica holds
- * the longest chain. */
+ * the longest chain; it hashes all but the prompt's last token, as the
+ * scheduler always computes that one (it needs its logits) and so never
+ * takes a block that holds it from the cache. */
 int fi_prefix_hashes(const char *tenant, const char *zone, const int32_t *toks, int n,
                      uint64_t *out, int max);
 
 /* A compact summary of the cached chains: a Bloom filter (3 probes) of the
  * hashes of every cached block, nbytes long (a power of two, 64..65536).
- * Returns 0, or -1 for a bad size. */
+ * Returns 0, or -1 for a bad size. With a bad size, fi_prefix_filter_add
+ * does nothing and fi_prefix_filter_has and _match find nothing. */
 int fi_sched_prefix_filter(const fi_sched *s, uint8_t *bits, size_t nbytes);
 void fi_prefix_filter_add(uint8_t *bits, size_t nbytes, uint64_t h);
 int fi_prefix_filter_has(const uint8_t *bits, size_t nbytes, uint64_t h);

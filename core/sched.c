@@ -65,11 +65,14 @@ typedef struct s_seq {
     void *user;
     double t_admit, t_first;
     int prompt_seen;         /* prefix-hit and prompt counters taken */
+    int decoding;            /* its next token to compute is a newly sampled one (a
+                                decode token); 0 for the prompt and for a recompute */
     struct s_seq *next;      /* queue or running list */
 } s_seq;
 
 struct fi_sched {
     fi_model *m;
+    int closing;             /* fi_sched_destroy has begun: no submissions */
     fi_kvpool *kv;
     fi_sched_opts o;
     int n_ctx, max_blocks, n_vocab;
@@ -159,6 +162,7 @@ static int s_filter_size_ok(size_t nbytes) {
 }
 
 void fi_prefix_filter_add(uint8_t *bits, size_t nbytes, uint64_t h) {
+    if (!s_filter_size_ok(nbytes)) return;
     uint64_t nb = (uint64_t)nbytes * 8, h2 = (h * 0x9E3779B97F4A7C15ull) | 1;
     for (int i = 0; i < 3; i++) {
         uint64_t b = (h + (uint64_t)i * h2) & (nb - 1);
@@ -167,6 +171,7 @@ void fi_prefix_filter_add(uint8_t *bits, size_t nbytes, uint64_t h) {
 }
 
 int fi_prefix_filter_has(const uint8_t *bits, size_t nbytes, uint64_t h) {
+    if (!s_filter_size_ok(nbytes)) return 0;
     uint64_t nb = (uint64_t)nbytes * 8, h2 = (h * 0x9E3779B97F4A7C15ull) | 1;
     for (int i = 0; i < 3; i++) {
         uint64_t b = (h + (uint64_t)i * h2) & (nb - 1);
@@ -297,6 +302,7 @@ static void s_seq_release_blocks(fi_sched *s, s_seq *q) {
     for (int i = 0; i < q->n_blocks; i++) s_release_block(s, q->table[i]);
     q->n_blocks = 0;
     q->n_done = 0;
+    q->decoding = 0; /* what it had is computed again, as prompt */
     q->n_hashed = 0;
     memcpy(q->chain, q->salt, S_HASH);
 }
@@ -374,9 +380,9 @@ fi_sched *fi_sched_new(fi_model *m, const fi_sched_opts *o, char *err, size_t er
     size_t most = (size_t)s->max_blocks * (size_t)s->o.max_seqs;
     if (want > most) want = most;
     if (want > (1u << 24)) want = 1u << 24;
-    if (want < 2) {
-        s_err(err, errlen, "KV budget of %zu bytes holds %zu blocks of %zu bytes; at least 2 needed",
-              s->o.kv_bytes, want, per);
+    if (want < 1) {
+        s_err(err, errlen, "KV budget of %zu bytes is less than one block of %zu bytes",
+              s->o.kv_bytes, per);
         fi_sched_destroy(&s);
         return NULL;
     }
@@ -420,24 +426,25 @@ fi_sched *fi_sched_new(fi_model *m, const fi_sched_opts *o, char *err, size_t er
     return s;
 }
 
+/* Ends every request with error. The lists are taken off the scheduler
+ * first: a request that an on_done submits (a client's retry) waits for
+ * the next step instead of being failed by this pass's error, or looping. */
 static void s_fail_all(fi_sched *s, const char *error) {
-    while (s->running) {
-        s_seq *q = s->running;
-        s->running = q->next;
-        s->n_running--;
-        s_seq_finish(s, q, FI_STOP_CANCEL, error);
-    }
-    while (s->queue) {
-        s_seq *q = s->queue;
-        s->queue = q->next;
-        s->n_queued--;
-        s_seq_finish(s, q, FI_STOP_CANCEL, error);
-    }
+    s_seq *l[2] = {s->running, s->queue};
+    s->running = s->queue = NULL;
+    s->n_running = s->n_queued = 0;
+    for (int i = 0; i < 2; i++)
+        while (l[i]) {
+            s_seq *q = l[i];
+            l[i] = q->next;
+            s_seq_finish(s, q, FI_STOP_CANCEL, error);
+        }
 }
 
 void fi_sched_destroy(fi_sched **sp) {
     if (!sp || !*sp) return;
     fi_sched *s = *sp;
+    s->closing = 1;
     s_fail_all(s, "the scheduler is shutting down");
     fi_kvpool_destroy(&s->kv);
     free(s->blk);
@@ -487,6 +494,10 @@ void fi_sched_get_stats(const fi_sched *s, fi_sched_stats *st) {
 
 int64_t fi_sched_submit(fi_sched *s, const fi_sched_req *r, char *err, size_t errlen) {
     const fi_gen_opts *g = &r->gen;
+    if (s->closing) {
+        s_err(err, errlen, "the scheduler is shutting down");
+        return -1;
+    }
     if (!r->prompt || r->n_prompt <= 0) {
         s_err(err, errlen, "empty prompt");
         return -1;
@@ -710,6 +721,7 @@ static int s_after_logits(fi_sched *s, s_seq *q, float *logits, int32_t argmax) 
         return 0;
     }
     q->toks[q->n_toks++] = id; /* computed at the next step */
+    q->decoding = 1;
     return 1;
 }
 
@@ -754,7 +766,8 @@ int fi_sched_step(fi_sched *s, char *err, size_t errlen) {
             if (take == pending) s->b_rows[n_out++] = n - 1;
             s->b_seqs[ns] = q;
             s->b_count[ns++] = take;
-            if (decoding) s->st.decode_tokens++;
+            /* a prompt's (or recompute's) one last token is prefill too */
+            if (decoding && q->decoding) s->st.decode_tokens++;
             else s->st.prefill_tokens += (uint64_t)take;
         }
     }

@@ -4,7 +4,9 @@
  * batched generation equals one-at-a-time generation, prefix reuse skips
  * prefill and changes nothing, tenants and zones never share blocks, a
  * pool too small for the load still completes everything (preemption),
- * cancellation, bad submissions, the prefix filter, the forward hook.
+ * cancellation, bad submissions, the prefix filter, the forward hook, a
+ * retry submitted from on_done, the prefill and decode counters, a pool of
+ * one block, and the blocks a router expects against those reused.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -385,6 +387,158 @@ static void test_forward_hook(void **state) {
     fi_model_destroy(&m);
 }
 
+/* A client's retry: on_done resubmits a request that failed. */
+typedef struct retry {
+    fi_sched *s;
+    const int32_t *p;
+    int n, dones, resubmitted, refused;
+    char refusal[160];
+} retry;
+
+static void s_retry_done(void *user, const fi_gen_result *r, const char *error) {
+    retry *t = user;
+    (void)r;
+    t->dones++;
+    if (!error || t->dones > 100) return;
+    char err[160];
+    fi_sched_req q = {.prompt = t->p, .n_prompt = t->n, .on_done = s_retry_done};
+    q.gen.user = t;
+    q.gen.max_tokens = 4;
+    q.gen.sampling = fi_sampler_defaults();
+    q.gen.sampling.temperature = 0;
+    if (fi_sched_submit(t->s, &q, err, sizeof err) > 0) {
+        t->resubmitted++;
+    } else {
+        t->refused++;
+        snprintf(t->refusal, sizeof t->refusal, "%s", err);
+    }
+}
+
+/* A request that on_done submits while a failed pass ends everything
+ * waits for the next step (it took no part in the failed pass); one
+ * submitted while the scheduler is destroyed is refused, not lost. */
+static void test_resubmit_from_on_done(void **state) {
+    (void)state;
+    fi_model *m = s_model(128);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    hook h = {.fail_at = 1};
+    fi_sched_opts so = {.forward = s_forward, .forward_user = &h, .n_ctx = 128};
+    int32_t p[20];
+    s_tokens(p, 20, V, 11);
+    retry t = {.p = p, .n = 20};
+    t.s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(t.s);
+    fi_sched_req q = {.prompt = p, .n_prompt = 20, .on_done = s_retry_done};
+    q.gen.user = &t;
+    q.gen.max_tokens = 4;
+    q.gen.sampling = fi_sampler_defaults();
+    q.gen.sampling.temperature = 0;
+    assert_true(fi_sched_submit(t.s, &q, err, sizeof err) > 0);
+    assert_int_equal(fi_sched_step(t.s, err, sizeof err), -1); /* the hook fails the first pass */
+    assert_int_equal(t.dones, 1);
+    assert_int_equal(t.resubmitted, 1);
+    assert_int_equal(fi_sched_pending(t.s), 1); /* the retry, not yet run */
+    s_run(t.s);                                  /* and it completes */
+    assert_int_equal(t.dones, 2);
+    assert_int_equal(t.resubmitted, 1);
+    /* during destroy: the pending request ends with an error, its retry is refused */
+    h.fail_at = -1;
+    assert_true(fi_sched_submit(t.s, &q, err, sizeof err) > 0);
+    fi_sched_destroy(&t.s);
+    assert_int_equal(t.dones, 3);
+    assert_int_equal(t.refused, 1);
+    assert_non_null(strstr(t.refusal, "shutting down"));
+    fi_model_destroy(&m);
+}
+
+/* The counters: a prompt's tokens are prefill however they are chunked
+ * (also a last chunk of one token, a one-token prompt, or the one token a
+ * prefix hit leaves); only newly sampled tokens count as decode. And a
+ * pool of a single block is a valid configuration. */
+static void test_counters_and_small_pool(void **state) {
+    (void)state;
+    fi_model *m = s_model(128);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    fi_sched_opts so = {.n_ctx = 128, .step_tokens = 16, .max_seqs = 4};
+    fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(s);
+    int32_t p[64];
+    s_tokens(p, 64, V, 5);
+    static const struct {
+        int off, n, max_tokens;
+        uint64_t prefill, decode, hit;
+    } c[] = {
+        {0, 1, 0, 1, 0, 0},    /* a one-token prompt */
+        {1, 33, 0, 33, 0, 0},  /* chunks of 16, 16 and 1 */
+        {1, 17, 0, 1, 0, 16},  /* 16 of 17 from the cache */
+        {40, 20, 3, 20, 2, 0}, /* 3 generated: the last is never computed */
+    };
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+        fi_sched_stats a, z;
+        fi_capture o = {0};
+        fi_sched_get_stats(s, &a);
+        s_submit(s, p + c[i].off, c[i].n, c[i].max_tokens, &o, NULL, NULL);
+        s_run(s);
+        fi_sched_get_stats(s, &z);
+        assert_int_equal(o.n_generated, c[i].max_tokens);
+        assert_int_equal(z.prefix_hit_tokens - a.prefix_hit_tokens, c[i].hit);
+        assert_int_equal(z.prefill_tokens - a.prefill_tokens, c[i].prefill);
+        assert_int_equal(z.decode_tokens - a.decode_tokens, c[i].decode);
+    }
+    fi_sched_destroy(&s);
+    /* n_ctx 16 with one sequence: one block, enough */
+    fi_sched_opts one = {.n_ctx = 16, .max_seqs = 1};
+    s = fi_sched_new(m, &one, err, sizeof err);
+    if (!s) fail_msg("one block: %s", err);
+    fi_capture o = {0}, ref;
+    s_submit(s, p, 10, 6, &o, NULL, NULL);
+    s_run(s);
+    s_solo(m, p, 10, 6, &ref);
+    s_same(&o, &ref, "a one-block pool", 0);
+    fi_sched_destroy(&s);
+    fi_model_destroy(&m);
+}
+
+/* A router that hashes all but a prompt's last token (fi_prefix_hashes)
+ * expects exactly the blocks the scheduler then takes from its cache, for
+ * prompts of a whole number of blocks too (the last token is always
+ * computed, so its block is not taken). */
+static void test_router_expects_what_is_reused(void **state) {
+    (void)state;
+    fi_model *m = s_model(256);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    fi_sched_opts so = {.n_ctx = 256};
+    fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(s);
+    int32_t p[64];
+    s_tokens(p, 64, V, 21);
+    static uint8_t bits[1024];
+    for (int n = 16; n <= 64; n += 8) {
+        fi_capture a = {0}, b = {0};
+        fi_sched_forget_cache(s);
+        s_submit(s, p, n, 1, &a, "t", "z");
+        s_run(s);
+        uint64_t h[8];
+        int nh = fi_prefix_hashes("t", "z", p, n - 1, h, 8);
+        assert_int_equal(fi_sched_prefix_filter(s, bits, sizeof bits), 0);
+        int expect = fi_prefix_filter_match(bits, sizeof bits, h, nh);
+        fi_sched_stats st0, st1;
+        fi_sched_get_stats(s, &st0);
+        s_submit(s, p, n, 1, &b, "t", "z");
+        s_run(s);
+        fi_sched_get_stats(s, &st1);
+        if ((int)(st1.prefix_hit_tokens - st0.prefix_hit_tokens) != expect * FI_KV_BLOCK)
+            fail_msg("prompt of %d: the router expects %d blocks, the scheduler reused %d tokens", n,
+                     expect, (int)(st1.prefix_hit_tokens - st0.prefix_hit_tokens));
+        assert_int_equal(expect, (n - 1) / FI_KV_BLOCK);
+    }
+    fi_sched_destroy(&s);
+    fi_model_destroy(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batched_equals_single),
@@ -393,6 +547,9 @@ int main(void) {
         cmocka_unit_test(test_cancel_and_errors),
         cmocka_unit_test(test_prefix_filter),
         cmocka_unit_test(test_forward_hook),
+        cmocka_unit_test(test_resubmit_from_on_done),
+        cmocka_unit_test(test_counters_and_small_pool),
+        cmocka_unit_test(test_router_expects_what_is_reused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
