@@ -275,9 +275,10 @@ typedef struct edge_cluster_load {
 /* The routed executor (edge_remote.c): a fabric client on its own thread. */
 int edge_remote_new(fi_edge *e, edge_exec *out, char *err, size_t errlen);
 /* What the coordinator's heartbeats last said about cluster's load for
- * model: 1 with *out filled; 0 when it serves the model nowhere there
- * (the coordinator reported other clusters, not this one); -1 when
- * nothing is known (no report for a few heartbeats, or none yet). */
+ * model: 1 with *out filled; 0 when no live worker there serves the
+ * model (a recent heartbeat left it out: it lists every cluster with a
+ * live worker); -1 when nothing is known (no heartbeat for a few
+ * periods, or none yet). */
 int edge_remote_cluster_load(fi_edge *e, const char *cluster, const char *model,
                              edge_cluster_load *out);
 struct fi_client_opts;

@@ -18,6 +18,7 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <limits.h>
 #include <string.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -59,6 +60,7 @@ typedef struct s_remote {
     /* clusters' load from the coordinator's heartbeats, under mu */
     fi_cluster_load loads[FI_CLIENT_MAX_LOADS];
     int n_loads;
+    uint64_t loads_ms;          /* when the heartbeat that carried them came (0: none) */
 } s_remote;
 
 static void s_wake(s_remote *r) {
@@ -376,10 +378,12 @@ static void *s_run(void *arg) {
             r->said_version = held;
         }
         fi_cluster_load loads[FI_CLIENT_MAX_LOADS];
-        int n_loads = fi_client_cluster_loads(r->client, loads, FI_CLIENT_MAX_LOADS);
+        uint64_t heard = 0;
+        int n_loads = fi_client_cluster_loads(r->client, loads, FI_CLIENT_MAX_LOADS, &heard);
         pthread_mutex_lock(&r->mu);
         memcpy(r->loads, loads, (size_t)n_loads * sizeof *loads);
         r->n_loads = n_loads;
+        r->loads_ms = heard;
         pthread_mutex_unlock(&r->mu);
         int online = fi_client_ready(r->client);
         atomic_store(&r->online, online);
@@ -459,6 +463,12 @@ static void s_destroy(void *ctx) {
     free(r);
 }
 
+/* A reported count as an int (the coordinator's sums saturate at
+ * UINT32_MAX, which must read as huge, not negative). */
+static int s_clamp_int(uint32_t v) {
+    return v > (uint32_t)INT_MAX ? INT_MAX : (int)v;
+}
+
 int edge_remote_cluster_load(fi_edge *e, const char *cluster, const char *model,
                              edge_cluster_load *out) {
     s_remote *r = e->remote.ctx;
@@ -467,15 +477,18 @@ int edge_remote_cluster_load(fi_edge *e, const char *cluster, const char *model,
     int rc = -1;
     uint64_t now = fi_wire_now_ms(), fresh = 5u * (uint64_t)e->conf.heartbeat_ms;
     pthread_mutex_lock(&r->mu);
-    for (int i = 0; i < r->n_loads; i++) {
-        const fi_cluster_load *l = &r->loads[i];
-        if (now - l->received_ms > fresh) continue; /* stale: say nothing */
-        if (rc < 0) rc = 0;
-        if (strcmp(l->cluster, cluster) || strcmp(l->model, model)) continue;
-        out->workers = (int)l->workers;
-        out->capacity = (int)l->capacity;
-        out->busy = (int)(l->queued > l->in_flight ? l->queued : l->in_flight);
-        rc = 1;
+    /* a recent heartbeat lists every cluster with a live worker: one it
+     * leaves out has none; an old one (or none) says nothing */
+    if (r->loads_ms && now - r->loads_ms <= fresh) {
+        rc = 0;
+        for (int i = 0; i < r->n_loads; i++) {
+            const fi_cluster_load *l = &r->loads[i];
+            if (strcmp(l->cluster, cluster) || strcmp(l->model, model)) continue;
+            out->workers = s_clamp_int(l->workers);
+            out->capacity = s_clamp_int(l->capacity);
+            out->busy = s_clamp_int(l->queued > l->in_flight ? l->queued : l->in_flight);
+            rc = 1;
+        }
     }
     pthread_mutex_unlock(&r->mu);
     return rc;

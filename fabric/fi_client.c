@@ -39,6 +39,7 @@ struct fi_client {
     uint64_t load_sent_ms;  /* when the load was last sent */
     fi_cluster_load loads[FI_CLIENT_MAX_LOADS]; /* edges: clusters' load, last heard */
     int n_loads;
+    uint64_t loads_ms;              /* when the last heartbeat (and its loads) came */
 };
 
 void fi_client_set_load(fi_client *c, uint32_t running, uint32_t queued, uint32_t kv_free,
@@ -60,16 +61,19 @@ void fi_client_set_load(fi_client *c, uint32_t running, uint32_t queued, uint32_
     c->have_load = 1;
 }
 
-int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max) {
+int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max, uint64_t *heard_ms) {
     int n = c->n_loads < max ? c->n_loads : max;
     memcpy(out, c->loads, (size_t)n * sizeof *out);
+    *heard_ms = c->loads_ms;
     return n;
 }
 
-/* Keeps what the coordinator's heartbeat says about the clusters. */
+/* Keeps what the coordinator's heartbeat says about the clusters: every
+ * heartbeat carries all the live ones, so one without rows means none is
+ * live (the old rows must not outlive their workers). */
 static void s_take_loads(fi_client *c, const Fi__Heartbeat *h) {
-    if (!h->n_clusters) return;
     c->n_loads = 0;
+    c->loads_ms = fi_wire_now_ms();
     for (size_t i = 0; i < h->n_clusters && c->n_loads < FI_CLIENT_MAX_LOADS; i++) {
         const Fi__ClusterLoad *l = h->clusters[i];
         if (!l->cluster || !l->model) continue;
@@ -80,7 +84,6 @@ static void s_take_loads(fi_client *c, const Fi__Heartbeat *h) {
         o->capacity = l->capacity;
         o->in_flight = l->in_flight;
         o->queued = l->queued;
-        o->received_ms = fi_wire_now_ms();
     }
 }
 

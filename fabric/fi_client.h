@@ -91,7 +91,10 @@ void fi_client_set_policy_version(fi_client *c, uint64_t version);
 void fi_client_set_load(fi_client *c, uint32_t running, uint32_t queued, uint32_t kv_free,
                         uint32_t kv_total, const uint8_t *filter, size_t filter_len);
 
-#define FI_CLIENT_MAX_LOADS 32
+/* (cluster, model) rows kept from a heartbeat: as many as the coordinator
+ * sends (the first 64; a fleet with more pairs has the rest read as not
+ * live, which keeps requests local rather than routing them blind). */
+#define FI_CLIENT_MAX_LOADS 64
 /* One cluster's load for one model, as the coordinator last said. */
 typedef struct fi_cluster_load {
     char cluster[64];       /* the policy's cluster (the workers' site) */
@@ -100,11 +103,12 @@ typedef struct fi_cluster_load {
     uint32_t capacity;      /* their capacity, summed */
     uint32_t in_flight;     /* requests open on them */
     uint32_t queued;        /* waiting at the workers, reported */
-    uint64_t received_ms;   /* when it was heard (fi_wire_now_ms) */
 } fi_cluster_load;
-/* Edges: the clusters' load from the coordinator's last heartbeat that
- * carried one; returns how many were written (<= max). */
-int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max);
+/* Edges: the clusters' load from the coordinator's last heartbeat (which
+ * lists every cluster with a live worker: none listed, none live);
+ * returns how many were written (<= max), with when that heartbeat was
+ * heard in *heard_ms (fi_wire_now_ms; 0: none yet). */
+int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max, uint64_t *heard_ms);
 
 /* Workers: changes the capacity announced for model i (0 withdraws it:
  * the coordinator routes no new request there, as for a worker that is

@@ -430,6 +430,45 @@ static void test_capacity_and_cancel(void **state) {
     fi_client_destroy(&edge);
 }
 
+/* Receives on the edge for ms (heartbeats carry the clusters' load). */
+static void s_listen(fi_client *edge, int ms) {
+    uint64_t end = fi_wire_now_ms() + (uint64_t)ms;
+    while (fi_wire_now_ms() < end) {
+        fi_msg *m = NULL;
+        char err[128];
+        (void)fi_client_recv(edge, 10, &m, err, sizeof err);
+        fi_wire_free(&m);
+    }
+}
+
+/* The edge's view of the clusters follows the workers: a model's row
+ * comes with its worker and goes with it, also when it was the last
+ * worker (a heartbeat without rows says none is live, and the edge must
+ * not keep routing to a cluster with nobody there). */
+static void test_edge_view_follows_workers(void **state) {
+    harness *h = *state;
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s6", "r1"), 0);
+    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(edge);
+    fi_cluster_load L[FI_CLIENT_MAX_LOADS];
+    uint64_t heard = 0;
+    h_worker w;
+    assert_int_equal(h_worker_start_cap(h, &w, "solo", 0, 2), 0);
+    s_listen(edge, 3 * H_HB_MS);
+    assert_int_equal(fi_client_cluster_loads(edge, L, FI_CLIENT_MAX_LOADS, &heard), 1);
+    assert_string_equal(L[0].model, "solo");
+    assert_int_equal(L[0].workers, 1);
+    assert_int_equal(L[0].capacity, 2);
+    h_worker_stop(&w);
+    /* the coordinator notices within its liveness, then tells the edges */
+    s_listen(edge, (H_LIVENESS + 3) * H_HB_MS);
+    assert_int_equal(fi_client_cluster_loads(edge, L, FI_CLIENT_MAX_LOADS, &heard), 0);
+    assert_true(heard > 0 && fi_wire_now_ms() - heard <= 3 * H_HB_MS);
+    fi_client_destroy(&edge);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_every_message_type, setup, teardown),
@@ -438,6 +477,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_revoked_client_told, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
