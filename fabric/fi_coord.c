@@ -254,15 +254,19 @@ static void s_fail_requests_of(fi_coord *c, const s_peer *p, const char *why) {
     }
 }
 
+static void s_tell_edges(fi_coord *c);
+
 /* Removes p from routing; its requests end (see s_fail_requests_of). Logs
- * why unless quiet. */
+ * why unless quiet. A cluster worker's going is told to the edges at once. */
 static void s_peer_remove(fi_coord *c, s_peer *p, const char *why, int quiet) {
     if (!quiet)
         s_log("peer %s (%s %s) removed: %s", p->rec.fpr, fi_wire_role_name(p->rec.role),
               p->rec.site[0] ? p->rec.site : "-", why);
     s_fail_requests_of(c, p, why);
     free(p->filter);
+    int worker = p->rec.role == FI__ROLE__ROLE_CLUSTER && p->hello;
     *p = c->peers[--c->n_peers];
+    if (worker) s_tell_edges(c);
 }
 
 /* Finds or registers the peer behind a routing id; the identity is the
@@ -364,6 +368,7 @@ static void s_on_hello(fi_coord *c, s_peer *p, const Fi__Hello *h) {
               p->rec.region[0] ? p->rec.region : "-", replaced ? "reconnected" : "connected",
               p->addr, p->n_models);
     p->hello = 1;
+    if (p->rec.role == FI__ROLE__ROLE_CLUSTER) s_tell_edges(c); /* a worker came, or its models changed */
     Fi__Hello r = FI__HELLO__INIT;
     r.role = FI__ROLE__ROLE_COORDINATOR;
     r.software = (char *)"fedinfer " FI_VERSION;
@@ -416,42 +421,49 @@ static void s_audit_route(fi_coord *c, const s_peer *e, const Fi__InferRequest *
         s_log("audit: cannot record the routing of %s: out of memory", rq->request_id);
 }
 
-/* A live worker serving the request's model with room for it, and what
- * the policy and the router need to know about it. */
+/* A permitted live worker serving the request's model with room for it,
+ * and what the router and the audit need to know about it. */
 typedef struct s_cand {
     s_peer *w;                 /* the worker */
     fi_route_cand rc;          /* its routing inputs */
     fi_coord_verdict v;        /* the policy's verdict on its cluster */
 } s_cand;
 
-/* Fills cands with the live workers serving model that have room, of
- * cluster only when it is not empty; *serving tells whether some live
- * worker (of it) serves the model at all. Returns the count. */
-static int s_candidates(fi_coord *c, const char *model, const char *cluster, s_cand *cands,
-                        int *serving) {
-    int n = 0;
-    *serving = 0;
-    for (size_t i = 0; i < c->n_peers && n < S_MAX_CANDS; i++) {
-        s_peer *w = &c->peers[i];
-        if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
-        if (cluster && cluster[0] && strcmp(w->rec.site, cluster)) continue;
-        for (int k = 0; k < w->n_models; k++) {
-            if (strcmp(w->models[k].name, model)) continue;
-            *serving = 1;
-            if (w->in_flight >= w->models[k].capacity) continue;
-            s_cand *cd = &cands[n++];
-            memset(cd, 0, sizeof *cd);
-            cd->w = w;
-            cd->rc.in_flight = w->in_flight;
-            cd->rc.capacity = w->models[k].capacity;
-            cd->rc.running = w->running;
-            cd->rc.queued = w->queued;
-            cd->rc.filter = w->filter;
-            cd->rc.filter_len = w->filter_len;
-            break;
+/* One request's policy verdicts, one per cluster (workers of a site share
+ * it): the first S_MAX_SITES sites are remembered, later ones asked again. */
+#define S_MAX_SITES 64
+typedef struct s_verdicts {
+    int n;
+    const char *site[S_MAX_SITES];
+    int ok[S_MAX_SITES];
+    fi_coord_verdict v[S_MAX_SITES];
+    char first_reason[256]; /* the first denial's reason */
+} s_verdicts;
+
+/* Whether the policy permits worker w for request rq from edge e; its
+ * verdict in *v. */
+static int s_permits(fi_coord *c, s_verdicts *vs, const Fi__InferRequest *rq, const s_peer *e,
+                     const s_peer *w, fi_coord_verdict *v) {
+    for (int i = 0; i < vs->n; i++)
+        if (!strcmp(vs->site[i], w->rec.site)) {
+            *v = vs->v[i];
+            return vs->ok[i];
         }
+    memset(v, 0, sizeof *v);
+    int ok = 1;
+    if (c->o.policy) {
+        char reason[256] = "denied by policy";
+        ok = c->o.policy(c->o.policy_user, rq, &e->rec, &w->rec, v, reason, sizeof reason);
+        if (!ok && !vs->first_reason[0])
+            snprintf(vs->first_reason, sizeof vs->first_reason, "%s", reason);
     }
-    return n;
+    if (vs->n < S_MAX_SITES) {
+        vs->site[vs->n] = w->rec.site;
+        vs->ok[vs->n] = ok;
+        vs->v[vs->n] = *v;
+        vs->n++;
+    }
+    return ok;
 }
 
 static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
@@ -472,61 +484,76 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
                      "too many requests in flight from this peer");
         return;
     }
-    int serving = 0;
+    /* The residency policy first: a worker is a candidate only once the
+     * policy, asked with the origin of the edge's key, permits its
+     * cluster; the router's scores never see the others. The permitted
+     * ones with room are ranked S_MAX_CANDS at a time, each round's
+     * winner kept first for the next (the order is total and the first
+     * wins a tie, so this is the pick over all of them). */
+    s_verdicts vs;
+    memset(&vs, 0, sizeof vs);
     s_cand cands[S_MAX_CANDS];
-    int n = s_candidates(c, rq->model, rq->cluster, cands, &serving);
-    if (n == 0) {
-        char msg[200], where[80] = "";
-        if (rq->cluster && rq->cluster[0])
-            snprintf(where, sizeof where, " in cluster '%.64s'", rq->cluster);
-        snprintf(msg, sizeof msg, serving ? "every worker serving model '%.64s'%s is at capacity"
-                                          : "no live worker serves model '%.64s'%s", rq->model, where);
-        s_send_error(c, c->router, e->rid, e->rid_len, rid,
-                     serving ? FI__ERROR_CODE__ERR_BUSY : FI__ERROR_CODE__ERR_NO_WORKER, msg);
-        return;
-    }
-    /* The residency policy first: the permitted set is fixed here, with
-     * the origin of the edge's key, before any score is looked at. One
-     * check per cluster (workers of one site share the verdict). */
-    char reason[256] = "denied by policy", first_reason[256] = "";
-    int ok[S_MAX_CANDS];
-    for (int i = 0; i < n; i++) {
-        int same = -1;
-        for (int j = 0; j < i && same < 0; j++)
-            if (!strcmp(cands[j].w->rec.site, cands[i].w->rec.site)) same = j;
-        ok[i] = 1;
-        if (same >= 0) {
-            ok[i] = ok[same];
-            cands[i].v = cands[same].v;
-        } else if (c->o.policy) {
-            ok[i] = c->o.policy(c->o.policy_user, rq, &e->rec, &cands[i].w->rec, &cands[i].v,
-                                reason, sizeof reason);
-            if (!ok[i] && !first_reason[0]) snprintf(first_reason, sizeof first_reason, "%s", reason);
-        }
-    }
-    /* The permitted set: nothing below looks at a denied worker. */
-    int permitted = 0;
-    for (int i = 0; i < n; i++) {
-        if (!ok[i]) continue;
-        cands[i].rc.pref = cands[i].v.score;
-        cands[permitted++] = cands[i];
-    }
-    if (permitted == 0) {
-        s_audit_route(c, e, rq, "deny", "", first_reason, cands[0].v.digest);
-        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_UNAUTHORISED,
-                     first_reason);
-        return;
-    }
-    /* Only now the router's order among the permitted ones. */
+    fi_route_cand rcs[S_MAX_CANDS];
+    int n = 0, permitted_full = 0, denied = 0;
     uint64_t conv = s_conv_key(e, rq);
     s_affinity *aff = conv ? &c->affinity[conv % S_AFFINITY] : NULL;
-    fi_route_cand rcs[S_MAX_CANDS];
-    for (int i = 0; i < permitted; i++) {
-        rcs[i] = cands[i].rc;
-        rcs[i].affinity = aff && aff->key == conv && aff->worker == cands[i].w->serial;
+    for (size_t i = 0; i < c->n_peers; i++) {
+        s_peer *w = &c->peers[i];
+        if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
+        if (rq->cluster && rq->cluster[0] && strcmp(w->rec.site, rq->cluster)) continue;
+        int k = 0;
+        while (k < w->n_models && strcmp(w->models[k].name, rq->model)) k++;
+        if (k == w->n_models) continue;
+        fi_coord_verdict v;
+        if (!s_permits(c, &vs, rq, e, w, &v)) {
+            denied++;
+            continue;
+        }
+        if (w->in_flight >= w->models[k].capacity) {
+            permitted_full++;
+            continue;
+        }
+        if (n == S_MAX_CANDS) {
+            int best = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, NULL);
+            cands[0] = cands[best];
+            rcs[0] = rcs[best];
+            n = 1;
+        }
+        s_cand *cd = &cands[n];
+        cd->w = w;
+        cd->v = v;
+        memset(&cd->rc, 0, sizeof cd->rc);
+        cd->rc.in_flight = w->in_flight;
+        cd->rc.capacity = w->models[k].capacity;
+        cd->rc.running = w->running;
+        cd->rc.queued = w->queued;
+        cd->rc.filter = w->filter;
+        cd->rc.filter_len = w->filter_len;
+        cd->rc.pref = v.score;
+        cd->rc.affinity = aff && aff->key == conv && aff->worker == w->serial;
+        rcs[n++] = cd->rc;
+    }
+    if (n == 0) {
+        char msg[256], where[80] = "";
+        if (rq->cluster && rq->cluster[0])
+            snprintf(where, sizeof where, " in cluster '%.64s'", rq->cluster);
+        if (permitted_full) {
+            snprintf(msg, sizeof msg, "every permitted worker serving model '%.64s'%s is at capacity",
+                     rq->model, where);
+            s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY, msg);
+        } else if (denied) {
+            fi_coord_verdict v0 = vs.n ? vs.v[0] : (fi_coord_verdict){0};
+            s_audit_route(c, e, rq, "deny", "", vs.first_reason, v0.digest);
+            s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_UNAUTHORISED,
+                         vs.first_reason);
+        } else {
+            snprintf(msg, sizeof msg, "no live worker serves model '%.64s'%s", rq->model, where);
+            s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_NO_WORKER, msg);
+        }
+        return;
     }
     int hit = 0;
-    int pick = fi_route_pick(rcs, permitted, rq->prefix_hashes, (int)rq->n_prefix_hashes, &hit);
+    int pick = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, &hit);
     s_peer *w = cands[pick].w;
     char rules[512];
     snprintf(rules, sizeof rules, "%s%sworker %s; prefix hit %d of %zu blocks; load %.2f%s",
@@ -896,32 +923,51 @@ static void s_on_apptok(fi_coord *c, s_peer *op, const Fi__AppTokenRequest *rq) 
     else free(buf);
 }
 
-/* A worker's reported load and prefix filter (a power of two of 64..65536
- * bytes, else dropped with a log line). */
-static void s_take_load(fi_coord *c, s_peer *w, const Fi__WorkerLoad *l) {
-    w->running = l->running;
-    w->queued = l->queued;
-    w->kv_free = l->kv_blocks_free;
-    w->kv_total = l->kv_blocks_total;
+/* A worker's reported load and prefix filter. A report with a count
+ * beyond S_MAX_REPORTED, more free KV blocks than blocks, or a filter
+ * that is not a power of two of 64..65536 bytes is dropped with a log line
+ * naming the field; the worker then claims no cached prefix (its old
+ * filter goes too), so a bad report never keeps an old cache score alive. */
+#define S_MAX_REPORTED (1u << 30)
+static void s_take_load(s_peer *w, const Fi__WorkerLoad *l) {
     size_t n = l->prefix_filter.len;
+    const char *bad = l->running > S_MAX_REPORTED               ? "running"
+                      : l->queued > S_MAX_REPORTED              ? "queued"
+                      : l->kv_blocks_total > S_MAX_REPORTED     ? "kv_blocks_total"
+                      : l->kv_blocks_free > l->kv_blocks_total  ? "kv_blocks_free (above kv_blocks_total)"
+                      : n && (n < 64 || n > 65536 || (n & (n - 1))) ? "prefix_filter (not a power of two of 64..65536 bytes)"
+                                                                : NULL;
+    if (bad) {
+        s_log("peer %s: load report dropped: bad %s", w->rec.fpr, bad);
+        n = 0;
+    } else {
+        w->running = l->running;
+        w->queued = l->queued;
+        w->kv_free = l->kv_blocks_free;
+        w->kv_total = l->kv_blocks_total;
+    }
+    if (n && n != w->filter_len) {
+        uint8_t *f = realloc(w->filter, n);
+        if (!f) {
+            s_log("peer %s: prefix filter dropped: out of memory", w->rec.fpr);
+            n = 0;
+        } else {
+            w->filter = f;
+            w->filter_len = n;
+        }
+    }
     if (n == 0) {
         free(w->filter);
         w->filter = NULL;
         w->filter_len = 0;
         return;
     }
-    if (n < 64 || n > 65536 || (n & (n - 1))) {
-        s_log("peer %s: prefix filter of %zu bytes ignored (a power of two of 64..65536)",
-              w->rec.fpr, n);
-        return;
-    }
-    if (n != w->filter_len) {
-        uint8_t *f = realloc(w->filter, n);
-        if (!f) return;
-        w->filter = f;
-        w->filter_len = n;
-    }
     memcpy(w->filter, l->prefix_filter.data, n);
+}
+
+/* a + b, at most UINT32_MAX (the rows' sums of reported counts) */
+static uint32_t s_sat_add(uint32_t a, uint32_t b) {
+    return a > UINT32_MAX - b ? UINT32_MAX : a + b;
 }
 
 /* The load of each (cluster, model) for the edges' routers, encoded as a
@@ -946,11 +992,11 @@ static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, size_t *len) {
                 n++;
             }
             rows[j].workers++;
-            rows[j].capacity += w->models[k].capacity;
-            rows[j].in_flight += w->in_flight;
-            rows[j].queued += w->queued;
-            rows[j].kv_blocks_free += w->kv_free;
-            rows[j].kv_blocks_total += w->kv_total;
+            rows[j].capacity = s_sat_add(rows[j].capacity, w->models[k].capacity);
+            rows[j].in_flight = s_sat_add(rows[j].in_flight, w->in_flight);
+            rows[j].queued = s_sat_add(rows[j].queued, w->queued);
+            rows[j].kv_blocks_free = s_sat_add(rows[j].kv_blocks_free, w->kv_free);
+            rows[j].kv_blocks_total = s_sat_add(rows[j].kv_blocks_total, w->kv_total);
         }
     }
     if (!n) return NULL;
@@ -1028,7 +1074,7 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
         break;
     case FI__ENVELOPE__BODY_HEARTBEAT:
         if (p->rec.role == FI__ROLE__ROLE_CLUSTER && m->heartbeat->load)
-            s_take_load(c, p, m->heartbeat->load);
+            s_take_load(p, m->heartbeat->load);
         break;
     case FI__ENVELOPE__BODY_INFER: s_on_infer(c, p, m->infer); break;
     case FI__ENVELOPE__BODY_CANCEL: s_on_cancel(c, p, m->cancel); break;
@@ -1180,6 +1226,24 @@ static void s_monitor(fi_coord *c, void *mon) {
     }
 }
 
+/* Every edge's heartbeat: the load of each (cluster, model) with a live
+ * worker, all of them (none listed: none live), which the edges' routers
+ * go by. */
+static void s_tell_edges(fi_coord *c) {
+    uint64_t now = fi_wire_now_ms();
+    size_t len = 0;
+    uint8_t *beat = s_cluster_loads(c, now, &len);
+    if (!beat) beat = fi_wire_heartbeat(now, &len);
+    if (!beat) return;
+    for (size_t i = 0; i < c->n_peers; i++) {
+        const s_peer *p = &c->peers[i];
+        if (p->rec.role != FI__ROLE__ROLE_EDGE) continue;
+        if (zmq_send(c->router, p->rid, p->rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0)
+            (void)zmq_send(c->router, beat, len, ZMQ_DONTWAIT);
+    }
+    free(beat);
+}
+
 static void s_tick(fi_coord *c) {
     uint64_t now = fi_wire_now_ms();
     if (c->failed_handshakes) {
@@ -1189,8 +1253,6 @@ static void s_tick(fi_coord *c) {
         c->failed_handshakes = 0;
     }
     uint64_t dead_after = (uint64_t)c->o.heartbeat_ms * (uint64_t)c->o.liveness;
-    size_t loads_len = 0;
-    uint8_t *loads = s_cluster_loads(c, now, &loads_len);
     for (size_t i = 0; i < c->n_peers;) {
         s_peer *p = &c->peers[i];
         if (now - p->last_ms > dead_after) {
@@ -1201,16 +1263,11 @@ static void s_tick(fi_coord *c) {
             continue;
         }
         size_t len = 0;
-        if (p->rec.role == FI__ROLE__ROLE_EDGE && loads) {
-            /* Edges get the clusters' load with their heartbeat. */
-            if (zmq_send(c->router, p->rid, p->rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0)
-                (void)zmq_send(c->router, loads, loads_len, ZMQ_DONTWAIT);
-        } else {
+        if (p->rec.role != FI__ROLE__ROLE_EDGE)
             (void)s_send(c, c->router, p->rid, p->rid_len, fi_wire_heartbeat(now, &len), &len);
-        }
         i++;
     }
-    free(loads);
+    s_tell_edges(c);
     c->next_beat_ms = now + (uint64_t)c->o.heartbeat_ms;
 }
 

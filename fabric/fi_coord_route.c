@@ -7,7 +7,7 @@
 #include "fi_sched.h"
 
 double fi_route_load(const fi_route_cand *c) {
-    uint32_t busy = c->running + c->queued;
+    uint64_t busy = (uint64_t)c->running + c->queued; /* reported counts: no wrap */
     if (busy < c->in_flight) busy = c->in_flight;
     return c->capacity ? (double)busy / (double)c->capacity : 1e9;
 }

@@ -8,6 +8,9 @@
  * and keeps a Bloom filter (fi_prefix_filter_add) of the prefix hashes of
  * the prompts it served, hashing the prompt's bytes as tokens. The product
  * worker reports fi_sched_prefix_filter instead; the router cannot tell.
+ * Raw workers (fi_clients reporting what a test says) check that a bad
+ * load report takes a worker's cache claim away and that denied workers,
+ * however many, never hide a permitted one.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -242,6 +245,125 @@ static void test_forbidden_holder_never_chosen(void **state) {
     assert_true(chk.records >= 12);
 }
 
+/* --- raw workers: a fi_client that reports what a test tells it to ---- */
+
+/* A cluster worker of site serving model (capacity cap), connected. */
+static fi_client *s_raw_worker(fx *f, const char *site, const char *model, int cap) {
+    fi_keypair kp;
+    char err[256];
+    assert_int_equal(fi_keys_generate(&kp), 0);
+    assert_int_equal(h_enrol_direct(&f->h, &kp, FI__ROLE__ROLE_CLUSTER, site, "r"), 0);
+    fi_client_opts o;
+    h_client_opts(&f->h, &o, &kp, FI__ROLE__ROLE_CLUSTER);
+    o.n_models = 1;
+    snprintf(o.models[0], sizeof o.models[0], "%s", model);
+    o.capacity[0] = (uint32_t)cap;
+    fi_client *c = fi_client_new(&o, err, sizeof err);
+    assert_non_null(c);
+    assert_int_equal(fi_client_wait_ready(c, 5000, err, sizeof err), 0);
+    return c;
+}
+
+/* Polls the edge and the raw workers for ms; returns the index of the
+ * worker an Infer reached (-1: none), and in *code the code of an error
+ * the edge got for request id (earlier tests' requests end too). */
+static int s_pump(fx *f, fi_client **w, int nw, int ms, const char *id, int *code) {
+    int got = -1;
+    uint64_t end = fi_wire_now_ms() + (uint64_t)ms;
+    while (fi_wire_now_ms() < end) {
+        char err[128];
+        for (int i = 0; i < nw; i++) {
+            fi_msg *m = NULL;
+            if (w[i] && fi_client_recv(w[i], 0, &m, err, sizeof err) == 1 &&
+                m->body_case == FI__ENVELOPE__BODY_INFER)
+                got = i;
+            fi_wire_free(&m);
+        }
+        fi_msg *m = NULL;
+        if (fi_client_recv(f->edge, 5, &m, err, sizeof err) == 1 && m->body_case == FI__ENVELOPE__BODY_ERROR &&
+            id && m->error->request_id && !strcmp(m->error->request_id, id))
+            *code = m->error->code;
+        fi_wire_free(&m);
+    }
+    return got;
+}
+
+/* Sends an Infer for model with h (nh hashes) and one label (NULL: none). */
+static void s_send_infer(fx *f, const char *id, const char *model, const uint64_t *h, int nh,
+                         const char *label) {
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    char *labels[1] = {(char *)label};
+    rq.request_id = (char *)id;
+    rq.model = (char *)model;
+    rq.prompt = (char *)"x";
+    rq.tenant = (char *)"tenant";
+    rq.prefix_hashes = (uint64_t *)h;
+    rq.n_prefix_hashes = (size_t)nh;
+    rq.labels = label ? labels : NULL;
+    rq.n_labels = label ? 1 : 0;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_INFER;
+    m.infer = &rq;
+    assert_int_equal(fi_client_send(f->edge, &m), 0);
+}
+
+/* A load report the coordinator rejects (a filter of a bad size, a count
+ * out of range) takes the worker's cache claim away: an old filter never
+ * outlives it. */
+static void test_bad_report_drops_old_filter(void **state) {
+    fx *f = *state;
+    fi_client *w[2] = {s_raw_worker(f, "core1", "mA", 8), s_raw_worker(f, "core1", "mA", 8)};
+    uint64_t h[8];
+    int32_t toks[128];
+    for (int i = 0; i < 128; i++) toks[i] = 7 + i;
+    int nh = fi_prefix_hashes("tenant", "EU", toks, 128, h, 8);
+    uint8_t bits[1024] = {0};
+    for (int i = 0; i < nh; i++) fi_prefix_filter_add(bits, sizeof bits, h[i]);
+    /* worker 0 holds the prefix but is busy (6 of 8); worker 1 idle */
+    fi_client_set_load(w[0], 6, 0, 0, 0, bits, sizeof bits);
+    fi_client_set_load(w[1], 0, 0, 0, 0, NULL, 0);
+    (void)s_pump(f, w, 2, 5 * H_HB_MS, NULL, NULL);
+    s_send_infer(f, "bad-1", "mA", h, nh, NULL);
+    assert_int_equal(s_pump(f, w, 2, 3 * H_HB_MS, NULL, NULL), 0);
+    /* the same filter, sent as 100 bytes (not a power of two) */
+    fi_client_set_load(w[0], 6, 0, 0, 0, bits, 100);
+    (void)s_pump(f, w, 2, 5 * H_HB_MS, NULL, NULL);
+    s_send_infer(f, "bad-2", "mA", h, nh, NULL);
+    assert_int_equal(s_pump(f, w, 2, 3 * H_HB_MS, NULL, NULL), 1);
+    /* a good filter again, then a count out of range */
+    fi_client_set_load(w[0], 6, 0, 0, 0, bits, sizeof bits);
+    (void)s_pump(f, w, 2, 5 * H_HB_MS, NULL, NULL);
+    s_send_infer(f, "bad-3", "mA", h, nh, NULL);
+    assert_int_equal(s_pump(f, w, 2, 3 * H_HB_MS, NULL, NULL), 0);
+    fi_client_set_load(w[0], 6, 0, 5, 4, bits, sizeof bits); /* more free blocks than blocks */
+    (void)s_pump(f, w, 2, 5 * H_HB_MS, NULL, NULL);
+    s_send_infer(f, "bad-4", "mA", h, nh, NULL);
+    assert_int_equal(s_pump(f, w, 2, 3 * H_HB_MS, NULL, NULL), 1);
+    for (int i = 0; i < 2; i++) fi_client_destroy(&w[i]);
+}
+
+/* Workers the policy denies never crowd out a permitted one, however
+ * many: 64 denied (eu-b, for a "pinned" request) connect first, then one
+ * permitted; the request goes to it. And when only denied ones have room
+ * while the permitted one is full, the answer is "busy", not "denied". */
+static void test_denied_workers_hide_nothing(void **state) {
+    fx *f = *state;
+    enum { NB = 64 };
+    fi_client *w[NB + 1];
+    for (int i = 0; i < NB; i++) w[i] = s_raw_worker(f, "core2", "mB", 4);
+    w[NB] = s_raw_worker(f, "core1", "mB", 1);
+    (void)s_pump(f, w, NB + 1, 2 * H_HB_MS, NULL, NULL);
+    int code = -1;
+    s_send_infer(f, "deny-1", "mB", NULL, 0, "pinned");
+    assert_int_equal(s_pump(f, w, NB + 1, 5 * H_HB_MS, "deny-1", &code), NB);
+    assert_int_equal(code, -1);
+    /* the permitted one is now full (capacity 1, its request still open) */
+    s_send_infer(f, "deny-2", "mB", NULL, 0, "pinned");
+    assert_int_equal(s_pump(f, w, NB + 1, 5 * H_HB_MS, "deny-2", &code), -1);
+    assert_int_equal(code, FI__ERROR_CODE__ERR_BUSY);
+    for (int i = 0; i <= NB; i++) fi_client_destroy(&w[i]);
+}
+
 /* The order among permitted workers (fi_coord_route.h), on its own. */
 static void test_route_order(void **state) {
     (void)state;
@@ -279,6 +401,23 @@ static void test_route_order(void **state) {
     assert_int_equal(hit, 0);
     /* Nothing to choose from. */
     assert_int_equal(fi_route_pick(c, 0, h, 4, &hit), -1);
+    /* Reported counts cannot wrap: a huge queue is a huge load. */
+    memset(c, 0, sizeof c);
+    c[0].capacity = c[1].capacity = 8;
+    c[0].running = UINT32_MAX;
+    c[0].queued = 1;
+    c[1].running = 1;
+    assert_true(fi_route_load(&c[0]) > 1e8);
+    assert_int_equal(fi_route_pick(c, 2, NULL, 0, NULL), 1);
+    /* Filters of a bad size hold nothing and take nothing. */
+    uint8_t odd[96] = {0};
+    fi_prefix_filter_add(odd, sizeof odd, h[0]);
+    for (size_t i = 0; i < sizeof odd; i++) assert_int_equal(odd[i], 0);
+    memset(odd, 0xff, sizeof odd);
+    assert_int_equal(fi_prefix_filter_has(odd, sizeof odd, h[0]), 0);
+    assert_int_equal(fi_prefix_filter_match(odd, sizeof odd, h, 4), 0);
+    fi_prefix_filter_add(NULL, 0, h[0]); /* size 0: no write */
+    assert_int_equal(fi_prefix_filter_has(NULL, 0, h[0]), 0);
 }
 
 int main(void) {
@@ -286,6 +425,8 @@ int main(void) {
         cmocka_unit_test(test_route_order),
         cmocka_unit_test(test_prefix_goes_to_holder),
         cmocka_unit_test(test_forbidden_holder_never_chosen),
+        cmocka_unit_test(test_bad_report_drops_old_filter),
+        cmocka_unit_test(test_denied_workers_hide_nothing),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
