@@ -282,7 +282,7 @@ static int s_routing(bench *b, int cache_aware, int n_docs, int n_doc_tokens, in
         s_prompt(b, 3000 + i, p + n_doc_tokens, 16);
         int pick = i % 2;
         if (cache_aware) {
-            int nh = fi_prefix_hashes("acme", "bench", p, n, h, 64), best = -1;
+            int nh = fi_prefix_hashes("acme", "bench", p, n - 1, h, 64), best = -1; /* reusable blocks */
             for (int r = 0; r < 2; r++) {
                 if (fi_sched_prefix_filter(rep[r], bits, 1024)) goto done;
                 int hit = fi_prefix_filter_match(bits, 1024, h, nh);

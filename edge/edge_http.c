@@ -660,10 +660,13 @@ static int s_routed(fi_edge *e, edge_job *job, const s_req *r, int chat, const c
     snprintf(w->user, sizeof w->user, "%s", r->user ? r->user : "");
     snprintf(w->tenant, sizeof w->tenant, "%s", tenant ? tenant : "");
     snprintf(w->zone, sizeof w->zone, "%s", job->zone);
-    if (ids && n_ids >= FI_KV_BLOCK && !strcmp(r->model, e->conf.model_name)) {
-        int max = n_ids / FI_KV_BLOCK < EDGE_MAX_HASHES ? n_ids / FI_KV_BLOCK : EDGE_MAX_HASHES;
+    /* the blocks a worker could reuse: all but the last prompt token's
+     * (fi_prefix_hashes) */
+    if (ids && n_ids > FI_KV_BLOCK && !strcmp(r->model, e->conf.model_name)) {
+        int full = (n_ids - 1) / FI_KV_BLOCK;
+        int max = full < EDGE_MAX_HASHES ? full : EDGE_MAX_HASHES;
         if (!(w->hashes = malloc((size_t)max * sizeof *w->hashes))) return -1;
-        w->n_hashes = fi_prefix_hashes(w->tenant, w->zone, ids, n_ids, w->hashes, max);
+        w->n_hashes = fi_prefix_hashes(w->tenant, w->zone, ids, n_ids - 1, w->hashes, max);
     }
     return 0;
 }
