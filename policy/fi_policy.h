@@ -106,8 +106,14 @@ const uint8_t *fi_policy_digest(const fi_policy *self);
 /* The digest as 64 lowercase hex characters plus NUL into hex[65]. */
 void fi_policy_digest_hex(const fi_policy *self, char hex[65]);
 
-/* Expiry from the `expires` statement: Unix seconds, or 0 when none. */
+/* Expiry: Unix seconds, or 0 when none. From the `expires` statement,
+ * or earlier where fi_policy_expire_by set it. */
 int64_t fi_policy_expires(const fi_policy *self);
+/* Makes the policy expire at `at` (Unix seconds, > 0) if it would not
+ * expire sooner: a policy from a signed bundle stops at the bundle's
+ * not-after (fi_bundle_load), so a holder that keeps it past then falls
+ * back (fail closed) instead of enforcing it for good. */
+void fi_policy_expire_by(fi_policy *self, int64_t at);
 /* True when the policy may be enforced at time now (Unix seconds): it has
  * no expiry or now is before it. An edge whose policy is not current uses
  * fi_policy_fallback(). */

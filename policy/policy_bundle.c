@@ -384,6 +384,8 @@ fi_bundle_status fi_bundle_load(const char *dir, const uint8_t (*trusted)[FI_BUN
         snprintf(err, cap, "held bundle in %s: policy does not validate; fail closed", dir);
         return FI_BUNDLE_BAD_POLICY;
     }
+    /* enforced no later than the bundle's not-after, however long it is held */
+    fi_policy_expire_by(*pol, bi.not_after);
     if (!fi_policy_current(*pol, now)) {
         fi_policy_destroy(pol);
         snprintf(err, cap, "held bundle in %s: its policy has expired; fail closed", dir);

@@ -390,6 +390,14 @@ static void s_resolve_attr(checker *ck, p_node *n, bool for_has) {
     n->type = VT_ERR;
 }
 
+/* Whether a node of this op is a value (literal, attribute, `target`)
+ * rather than a condition: only values are compared with == and !=, and
+ * only conditions stand where true or false is wanted. */
+static bool s_is_value(uint8_t op) {
+    return op == OP_TRUE || op == OP_FALSE || op == OP_NUM || op == OP_STR || op == OP_SET ||
+           op == OP_ATTR || op == OP_TARGET;
+}
+
 static uint8_t s_type(checker *ck, uint32_t ni);
 
 static const char *s_op_text(uint8_t op) {
@@ -433,6 +441,12 @@ static uint8_t s_type(checker *ck, uint32_t ni) {
     case OP_AND:
     case OP_OR: {
         const p_node *bad = ta != VT_BOOL ? A : tb != VT_BOOL ? B : NULL;
+        if (!bad && (A->op == OP_ATTR || (B && B->op == OP_ATTR))) {
+            const p_node *at = A->op == OP_ATTR ? A : B;
+            s_err(ck, at->line, at->col, "compare it, e.g. target.secure == true",
+                  "a true/false attribute is a value, not a condition%s%s%s", "", "", "");
+            return n->type = VT_ERR;
+        }
         if (bad) {
             char msg[160];
             snprintf(msg, sizeof msg, "type mismatch: the operand of `%s` must be a condition, found %s",
@@ -444,6 +458,12 @@ static uint8_t s_type(checker *ck, uint32_t ni) {
     }
     case OP_EQ:
     case OP_NE: {
+        if (!s_is_value(A->op) || !s_is_value(B->op)) {
+            const p_node *c = !s_is_value(A->op) ? A : B;
+            s_err(ck, c->line, c->col, "use the condition itself, or `not` it",
+                  "`%s` compares values, not conditions%s%s", s_op_text(n->op), "", "");
+            return n->type = VT_ERR;
+        }
         bool sa = ta == VT_STR || ta == VT_LOC, sb = tb == VT_STR || tb == VT_LOC;
         if (!(ta == tb || (sa && sb))) {
             s_mismatch(ck, n, "both sides of == and != have the same type", ta, tb);
@@ -734,6 +754,12 @@ int p_check_and_compile(fi_policy *pol, fi_diags *d) {
             }
         if (ru->cond == NODE_NONE) continue;
         uint8_t t = s_type(&ck, ru->cond);
+        if (t == VT_BOOL && pol->nodes[ru->cond].op == OP_ATTR) {
+            const p_node *c = &pol->nodes[ru->cond];
+            s_err(&ck, c->line, c->col, "compare it, e.g. target.secure == true",
+                  "a true/false attribute is a value, not a condition%s%s%s", "", "", "");
+            continue;
+        }
         if (t != VT_BOOL && t != VT_ERR) {
             const p_node *c = &pol->nodes[ru->cond];
             char msg[160];
@@ -847,6 +873,10 @@ void fi_policy_digest_hex(const fi_policy *self, char hex[65]) {
 }
 
 int64_t fi_policy_expires(const fi_policy *self) { return self->expires; }
+
+void fi_policy_expire_by(fi_policy *self, int64_t at) {
+    if (self && at > 0 && (self->expires == 0 || at < self->expires)) self->expires = at;
+}
 
 bool fi_policy_current(const fi_policy *self, int64_t now) {
     return self && (self->expires == 0 || now < self->expires);

@@ -193,6 +193,28 @@ static void test_edge_keeps_last_valid(void **state) {
     /* a newer valid bundle repairs it; when it expires the edge fails closed */
     assert_int_equal(s_install(f, b4, l4, NOW, err, sizeof err), FI_BUNDLE_OK);
     assert_int_equal(fi_bundle_load(f->dir, trusted, 1, NOW + 5, &pol, &ver, err, sizeof err), FI_BUNDLE_OK);
+    /* the policy held from it stops at the bundle's not-after too, however
+     * long the edge keeps it without reloading (offline): then only the
+     * origin site is permitted */
+    assert_true(fi_policy_current(pol, NOW + 5));
+    assert_int_equal(fi_policy_expires(pol), NOW + 10);
+    assert_false(fi_policy_current(pol, NOW + 10));
+    {
+        const char *names[] = {"s", "elsewhere"};
+        fi_target_kind kinds[] = {FI_TARGET_SITE, FI_TARGET_CLUSTER};
+        const char *labels[] = {"public"};
+        fi_request rq = {0};
+        rq.origin_site = "s";
+        rq.labels = labels;
+        rq.n_labels = 1;
+        rq.latency_ms = rq.prompt_tokens = -1;
+        fi_verdict v[2];
+        fi_policy_decide_names(pol, NOW + 5, &rq, names, kinds, 2, v);
+        assert_true(v[0].permitted);
+        fi_policy_decide_names(pol, NOW + 365 * 86400, &rq, names, kinds, 2, v);
+        assert_true(v[0].permitted);  /* the origin site */
+        assert_false(v[1].permitted); /* nothing else */
+    }
     fi_policy_destroy(&pol);
     assert_int_equal(fi_bundle_load(f->dir, trusted, 1, NOW + 10, &pol, &ver, err, sizeof err), FI_BUNDLE_EXPIRED);
     assert_null(pol);

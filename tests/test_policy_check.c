@@ -72,6 +72,45 @@ static void s_expect_clean(const char *rules) {
 
 static void test_errors(void **state) {
     (void)state;
+    /* a true/false attribute is compared, not used as a condition (it
+     * would otherwise never evaluate), and == compares values only */
+    {
+        const char *secure = "permit \"ok\" when target.secure == true;\n";
+        char src[8192];
+        snprintf(src, sizeof src, "%s%s%s", TOPO, "cluster c-sec in de-r { secure = true; }\n", secure);
+        fi_diags *d = fi_diags_new();
+        fi_policy *p = fi_policy_parse(src, strlen(src), d);
+        assert_non_null(p);
+        const char *names[] = {"c-sec", "c-de"};
+        fi_target_kind kinds[] = {FI_TARGET_CLUSTER, FI_TARGET_CLUSTER};
+        const char *labels[] = {"public"};
+        fi_request rq = {0};
+        rq.origin_site = "s-de";
+        rq.labels = labels;
+        rq.n_labels = 1;
+        rq.latency_ms = rq.prompt_tokens = -1;
+        fi_verdict v[2];
+        fi_policy_decide_names(p, 0, &rq, names, kinds, 2, v);
+        assert_true(v[0].permitted);
+        assert_false(v[1].permitted);
+        fi_policy_destroy(&p);
+        fi_diags_destroy(&d);
+    }
+    s_expect_error("permit \"x\" when target.secure;\n", "unknown attribute"); /* not on these clusters */
+    {
+        static const char *const bad[] = {
+            "permit \"x\" when target.sec;\n",
+            "forbid \"x\" when not target.sec;\n",
+            "permit \"x\" when target.sec and target within \"EU\";\n",
+        };
+        for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+            char rules[512];
+            snprintf(rules, sizeof rules, "cluster c-sec in de-r { sec = true; }\n%s", bad[i]);
+            s_expect_error(rules, "a true/false attribute is a value, not a condition");
+        }
+    }
+    s_expect_error("permit \"x\" when (target within \"EU\") == true;\n", "`==` compares values, not conditions");
+    s_expect_error("permit \"x\" when true != (\"pii\" in request.labels);\n", "`!=` compares values, not conditions");
     /* unknown attribute and entity */
     s_expect_error("permit \"x\" when target.price < 3;\n", "unknown attribute target.price");
     s_expect_error("permit \"x\" when request.origin == \"s-de\";\n", "unknown attribute request.origin");
