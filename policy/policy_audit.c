@@ -356,6 +356,27 @@ int fi_audit_log_decision(fi_audit *self, const fi_policy *pol, const fi_request
     return fi_audit_append(self, &r, err, cap);
 }
 
+/* The column of the row at st that is not stored as the log writes it
+ * (INTEGER, or TEXT without a NUL byte), or NULL: the chain hashes the
+ * values as read back, so an edit that changes only a column's type, or
+ * hides bytes behind a NUL, would otherwise keep the hash. Call before
+ * any other column accessor (they convert). */
+static const char *s_stored_as_written(sqlite3_stmt *st) {
+    static const char *const names[] = {"seq", "time", "request_id", "tenant", "application", "origin",
+                                        "labels", "model", "latency_ms", "prompt_tokens", "decision",
+                                        "target", "rules", "policy_digest", "prev_hash", "hash"};
+    for (int i = 0; i < 16; i++) {
+        int integer = i == 0 || i == 1 || i == 8 || i == 9;
+        if (sqlite3_column_type(st, i) != (integer ? SQLITE_INTEGER : SQLITE_TEXT)) return names[i];
+    }
+    for (int i = 0; i < 16; i++) {
+        if (i == 0 || i == 1 || i == 8 || i == 9) continue;
+        const char *t = (const char *)sqlite3_column_text(st, i);
+        if (!t || (size_t)sqlite3_column_bytes(st, i) != strlen(t)) return names[i];
+    }
+    return NULL;
+}
+
 static void s_read(sqlite3_stmt *st, fi_audit_record *r, const char **prev) {
     memset(r, 0, sizeof *r);
     r->seq = sqlite3_column_int64(st, 0);
@@ -424,8 +445,17 @@ int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) 
     while ((r = sqlite3_step(st)) == SQLITE_ROW) {
         fi_audit_record rec;
         const char *prev;
+        const char *odd = s_stored_as_written(st);
         s_read(st, &rec, &prev);
         out->records++;
+        if (odd) {
+            snprintf(out->what, sizeof out->what,
+                     "record %lld was edited: its %s is not stored as the log writes it (type or NUL byte)",
+                     (long long)rec.seq, odd);
+            out->bad_seq = rec.seq;
+            broken = 1;
+            break;
+        }
         char h[65];
         if (rec.seq != expect_seq) {
             snprintf(out->what, sizeof out->what,

@@ -123,6 +123,32 @@ static void test_edit_detected(void **state) {
     assert_string_equal(ck.what, "record 4 was edited: its content does not match its hash");
 }
 
+/* Edits that leave the values the chain hashes as they were read back: a
+ * NUL byte hiding the rest of a text (the record no longer matches its
+ * request id), a number stored as text or as a real. */
+static void test_type_and_nul_edits_detected(void **state) {
+    static const struct {
+        const char *sql, *what;
+    } e[] = {
+        {"UPDATE audit SET request_id = request_id || char(0) || 'hidden' WHERE seq=2",
+         "record 2 was edited: its request_id is not stored as the log writes it (type or NUL byte)"},
+        {"UPDATE audit SET time = CAST(time AS TEXT) || ' tampered' WHERE seq=2",
+         "record 2 was edited: its time is not stored as the log writes it (type or NUL byte)"},
+        {"UPDATE audit SET prompt_tokens = -1.75 WHERE seq=3",
+         "record 3 was edited: its prompt_tokens is not stored as the log writes it (type or NUL byte)"},
+    };
+    fx *f = *state;
+    for (size_t i = 0; i < sizeof e / sizeof e[0]; i++) {
+        unlink(f->path);
+        s_fill(f, 4);
+        assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+        assert_int_equal(s_sql(f, e[i].sql), SQLITE_OK);
+        fi_audit_check ck;
+        assert_int_equal(s_verify(f, &ck), 1);
+        assert_string_equal(ck.what, e[i].what);
+    }
+}
+
 static void test_edit_with_rehash_detected(void **state) {
     fx *f = *state;
     s_fill(f, 6);
@@ -297,6 +323,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_intact, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_triggers_refuse, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_edit_detected, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_type_and_nul_edits_detected, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_edit_with_rehash_detected, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_remove_detected, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_remove_and_renumber_detected, s_setup, s_teardown),
