@@ -168,7 +168,13 @@ static int s_apply(int argc, char **argv) {
     }
     int64_t na = a.val[1] ? fi_policy_cmd_time(a.val[1]) : 0;
     if (na < 0) {
-        fprintf(stderr, "fedctl policy apply: bad time '%s'\n", a.val[1]);
+        fprintf(stderr, "fedctl policy apply: bad time '%s' (YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ or Unix seconds)\n",
+                a.val[1]);
+        return 2;
+    }
+    if (a.val[1] && na <= (int64_t)time(NULL)) {
+        /* 0 on the wire means "the default validity": a past time must not become it */
+        fprintf(stderr, "fedctl policy apply: --not-after '%s' is not in the future\n", a.val[1]);
         return 2;
     }
     size_t len;

@@ -82,7 +82,14 @@ int64_t fi_policy_cmd_time(const char *s) {
     tm.tm_hour = h;
     tm.tm_min = m;
     tm.tm_sec = sec;
-    return (int64_t)timegm(&tm);
+    time_t t = timegm(&tm);
+    /* a date that does not exist (2030-02-31, 25:00) is refused, not
+     * carried into the next month or day */
+    struct tm back;
+    if (t == (time_t)-1 || !gmtime_r(&t, &back) || back.tm_year != Y - 1900 || back.tm_mon != M - 1 ||
+        back.tm_mday != D || back.tm_hour != h || back.tm_min != m || back.tm_sec != sec)
+        return -1;
+    return (int64_t)t;
 }
 
 void fi_fmt_utc(int64_t t, char *buf, size_t cap) {

@@ -64,6 +64,11 @@ grep -q "+ opens  phi from berlin-clinic to fra-gpu-1" out.txt || fail "diff: fl
 grep -q "0 audited request(s) replayed" out.txt || fail "diff: replay"
 "$FEDCTL" policy apply v2.policy -m "phi in the EU" > out.txt 2>err.txt || fail "apply v2"
 grep -q "as version 2" out.txt || fail "apply v2 output"
+# A not-after in the past (0 included) or a date that does not exist is refused, not signed for 30 days.
+for t in 0 1970-01-01 2020-01-01 2030-02-31 2030-01-01T25:00:00Z; do
+  if "$FEDCTL" policy apply v2.policy -m "x" --not-after "$t" > out.txt 2>err.txt; then fail "--not-after $t accepted"; fi
+  grep -q -e "not in the future" -e "bad time" err.txt || fail "--not-after $t: no message"
+done
 "$FEDCTL" policy rollback 1 -m "too wide" > out.txt 2>err.txt || fail "rollback"
 grep -q "restored the content of version 1 as version 3" out.txt || fail "rollback output"
 "$FEDCTL" policy history > out.txt 2>err.txt || fail "history"
