@@ -61,8 +61,10 @@ static void s_drop(edge_front *f, int i) {
 
 /* Answers a refused head with a JSON error and closes the connection. */
 static void s_refuse(edge_front *f, int fd, size_t head_len, int status, const char *code,
-                     const char *msg) {
-    char *body = NULL;
+                     const char *msg_in) {
+    char *body = NULL, msg[512];
+    snprintf(msg, sizeof msg, "%s", msg_in);
+    edge_text_clean(msg); /* it may quote the client's bytes */
     json_t *o = json_pack("{s:{s:s,s:s,s:n,s:s}}", "error", "message", msg, "type",
                           "invalid_request_error", "param", "code", code);
     if (o) body = json_dumps(o, JSON_COMPACT);

@@ -16,6 +16,7 @@
 #include <jansson.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +29,7 @@
 
 #define EDGE_MAX_DEPTH 32       /* JSON nesting we accept */
 #define EDGE_MAX_MESSAGES 256   /* chat messages per request */
+#define EDGE_MAX_PARTS 64       /* text parts of one message's content */
 
 /* Per-connection state (MHD's con_cls). */
 typedef struct s_conn {
@@ -53,8 +55,15 @@ typedef struct s_req {
     char labels_buf[EDGE_MAX_LABELS][64];
     fi_chat_msg msgs[EDGE_MAX_MESSAGES];
     int n_msgs;
+    char *joined[EDGE_MAX_MESSAGES];   /* owned: a content of several text parts, joined */
     const char *prompt;                /* completions */
 } s_req;
+
+static void s_req_free(s_req *r) {
+    if (!r) return;
+    for (int i = 0; i < EDGE_MAX_MESSAGES; i++) free(r->joined[i]);
+    free(r);
+}
 
 /* ------------------------------------------------------------ responses */
 
@@ -79,8 +88,10 @@ static enum MHD_Result s_send(struct MHD_Connection *c, int status, const char *
 
 static enum MHD_Result s_json(struct MHD_Connection *c, int status, json_t *j,
                               const char *const *hdrs) {
-    char *body = json_dumps(j, JSON_COMPACT);
+    char *body = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
+    if (!body) /* out of memory: still an answer, not a dropped connection */
+        body = strdup("{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"code\":\"internal_error\"}}");
     if (!body) return MHD_NO;
     return s_send(c, status, "application/json", body, hdrs);
 }
@@ -121,8 +132,18 @@ static enum MHD_Result s_error(fi_edge *e, struct MHD_Connection *c, int status,
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    edge_text_clean(msg); /* it may quote the client's bytes, or be cut inside a character */
     if (e) s_count_status(e, status);
     return s_json(c, status, s_err_obj(status, code, param, msg), hdrs);
+}
+
+/* Whether the client has closed its end of the connection (a client that
+ * only shuts down its sending side reads the same; HTTP clients do not). */
+static int s_peer_gone(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci || ci->connect_fd < 0) return 0;
+    struct pollfd p = {.fd = ci->connect_fd, .events = POLLRDHUP};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
 /* ------------------------------------------------------------- parsing */
@@ -185,7 +206,32 @@ static int s_add_labels(s_req *r, const char *s, char *msg, size_t mlen) {
         }
         p = *q ? q + 1 : q;
     }
+    /* "a," ends in an empty label too */
+    const char *t = s + strlen(s);
+    while (t > s && (t[-1] == ' ' || t[-1] == '\t')) t--;
+    if (t > s && t[-1] == ',') {
+        snprintf(msg, mlen, "empty label in '%.100s'", s);
+        return -1;
+    }
     return 0;
+}
+
+/* X-Data-Class headers, each added to r's labels (s_add_labels); bad: 1
+ * with msg set at the first one refused. */
+typedef struct s_xdc {
+    s_req *r;
+    char *msg;
+    size_t mlen;
+    int bad;
+} s_xdc;
+
+static enum MHD_Result s_xdc_each(void *cls, enum MHD_ValueKind kind, const char *key, const char *value) {
+    s_xdc *x = cls;
+    (void)kind;
+    if (!key || strcasecmp(key, "X-Data-Class")) return MHD_YES;
+    if (s_add_labels(x->r, value ? value : "", x->msg, x->mlen) == 0) return MHD_YES;
+    x->bad = 1;
+    return MHD_NO;
 }
 
 /* Fills r from the JSON object. Returns 0, or an HTTP status with code,
@@ -315,17 +361,48 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
             const char *text = NULL;
             if (json_is_string(content)) {
                 text = json_string_value(content);
-            } else if (json_is_array(content) && json_array_size(content) == 1 &&
-                       json_is_string(json_object_get(json_array_get(content, 0), "text"))) {
-                text = json_string_value(json_object_get(json_array_get(content, 0), "text"));
+                if (strlen(text) != json_string_length(content))
+                    BAD("messages", "messages[%zu].content holds a NUL character", i);
+            } else if (json_is_array(content) && json_array_size(content) >= 1 &&
+                       json_array_size(content) <= EDGE_MAX_PARTS) {
+                /* text parts, as the OpenAI API sends them, joined by newlines */
+                size_t np = json_array_size(content), total = 0;
+                for (size_t k = 0; k < np; k++) {
+                    json_t *part = json_array_get(content, k);
+                    json_t *type = json_object_get(part, "type"), *t = json_object_get(part, "text");
+                    if (!json_is_object(part) || !json_is_string(type))
+                        BAD("messages", "messages[%zu].content[%zu] must be an object with a string 'type'", i, k);
+                    if (strcmp(json_string_value(type), "text") || !json_is_string(t))
+                        BAD("messages", "messages[%zu].content[%zu]: only text parts ({\"type\": \"text\", \"text\": ...}) are served, not '%.32s'",
+                            i, k, json_string_value(type));
+                    if (strlen(json_string_value(t)) != json_string_length(t))
+                        BAD("messages", "messages[%zu].content[%zu].text holds a NUL character", i, k);
+                    total += json_string_length(t) + 1;
+                }
+                if (np == 1) {
+                    text = json_string_value(json_object_get(json_array_get(content, 0), "text"));
+                } else {
+                    char *j = malloc(total);
+                    if (!j) {
+                        *code = "internal_error";
+                        snprintf(msg, mlen, "out of memory");
+                        return 500;
+                    }
+                    size_t at = 0;
+                    for (size_t k = 0; k < np; k++) {
+                        json_t *t = json_object_get(json_array_get(content, k), "text");
+                        if (k) j[at++] = '\n';
+                        memcpy(j + at, json_string_value(t), json_string_length(t));
+                        at += json_string_length(t);
+                    }
+                    j[at] = 0;
+                    r->joined[r->n_msgs] = j;
+                    text = j;
+                }
             } else {
-                BAD("messages", "messages[%zu].content must be a string", i);
+                BAD("messages", "messages[%zu].content must be a string or an array of 1 to %d text parts", i,
+                    EDGE_MAX_PARTS);
             }
-            if (strlen(text) != json_string_length(json_is_string(content)
-                                                       ? content
-                                                       : json_object_get(json_array_get(content, 0),
-                                                                         "text")))
-                BAD("messages", "messages[%zu].content holds a NUL character", i);
             r->msgs[r->n_msgs].role = !strcmp(rs, "developer") ? "system" : rs;
             r->msgs[r->n_msgs].content = text;
             r->n_msgs++;
@@ -714,8 +791,11 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         rc = s_error(e, c, st, code, param, NULL, "%s", msg);
         goto done;
     }
-    const char *xdc = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Data-Class");
-    if (xdc && s_add_labels(r, xdc, msg, sizeof msg)) {
+    /* every X-Data-Class header: repeated, they are one list (a proxy's
+     * label beside the application's must not be lost) */
+    s_xdc x = {.r = r, .msg = msg, .mlen = sizeof msg};
+    MHD_get_connection_values(c, MHD_HEADER_KIND, s_xdc_each, &x);
+    if (x.bad) {
         rc = s_error(e, c, 400, "bad_label", "X-Data-Class", NULL, "%s", msg);
         goto done;
     }
@@ -847,15 +927,31 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     /* Wait for the first text (or the end), so that an early failure gets
      * its own status rather than a stream that ends in an error. */
     pthread_mutex_lock(&job->mu);
+    int gone = 0;
     while (!job->done && (!r->stream || job->out_len == 0)) {
-        struct timespec ts;
+        struct timespec ts; /* a tenth of a second: the client's leaving is seen soon */
         clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += 1;
+        ts.tv_nsec += 100 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
         pthread_cond_timedwait(&job->cv, &job->mu, &ts);
         if (edge_now() - job->t_submit > job->timeout_s + 5) break;
+        if (!job->done && s_peer_gone(c)) {
+            gone = 1;
+            break;
+        }
     }
     int done = job->done;
     pthread_mutex_unlock(&job->mu);
+    if (gone) {
+        /* the client left before its answer: its work stops, its slot frees */
+        atomic_store(&job->cancel, 1);
+        atomic_fetch_add(&e->m.cancelled, 1);
+        rc = MHD_NO;
+        goto done;
+    }
     const char *const hdrs[] = {"X-Fedinfer-Target", d->names[t], "X-Fedinfer-Policy", d->version,
                                 "X-Request-Id", id, "X-Fedinfer-Rules", d->rules[t],
                                 "X-Fedinfer-Labels", d->labels, "X-Fedinfer-Zone", d->zone, NULL};
@@ -917,7 +1013,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     rc = s_json(c, 200, o, hdrs);
 done:
     if (job) edge_job_unref(&job);
-    free(r);
+    s_req_free(r);
     free(d);
     json_decref(root);
     return rc;
@@ -995,7 +1091,9 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
     int known = !strcmp(url, "/v1/chat/completions") || !strcmp(url, "/v1/completions") ||
                 !strcmp(url, "/v1/models") || !strcmp(url, "/metrics") || !strcmp(url, "/healthz");
     if (known) {
-        static const char *const allow[] = {"Allow", "GET, POST", NULL};
+        static const char *const allow_post[] = {"Allow", "POST", NULL};
+        static const char *const allow_get[] = {"Allow", "GET, HEAD", NULL};
+        const char *const *allow = strstr(url, "completions") ? allow_post : allow_get;
         return s_error(NULL, c, 405, "method_not_allowed", NULL, allow, "%s is not allowed on %s",
                        method, url);
     }

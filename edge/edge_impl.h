@@ -222,7 +222,7 @@ typedef struct edge_metrics {
     atomic_long busy;            /* 429 */
     atomic_long unavailable;     /* 503 */
     atomic_long failed;          /* 5xx other than 503 */
-    atomic_long cancelled;       /* streams whose client left before the end */
+    atomic_long cancelled;       /* requests whose client left before the end */
     atomic_long tokens;          /* completion tokens */
     atomic_long ttft_bucket[8];  /* time to first token, cumulative le buckets */
     atomic_long ttft_count;
@@ -253,6 +253,10 @@ struct sockaddr_in;
 edge_front *edge_front_start(fi_edge *e, const struct sockaddr_in *sa, int *port, char *err,
                              size_t errlen);
 void edge_front_stop(edge_front **f);
+/* Makes s valid UTF-8 in place: every byte that does not belong to a
+ * well-formed sequence (a client's bytes quoted in an error, a message cut
+ * inside a character) becomes '?'. JSON answers need valid UTF-8. */
+void edge_text_clean(char *s);
 /* The check on a complete request head (h, n bytes up to its blank line):
  * 0 when it may go on; 400 (a Content-Length that is not a number, or two
  * that differ) or 413 (one over 2^64-1) with an OpenAI error code and a

@@ -438,6 +438,27 @@ static void test_bad_input(void **state) {
         {"/v1/chat/completions", "X-Data-Class: PHI;DROP\r\n",
          "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", 400,
          "bad_label"},
+        /* a trailing comma is an empty label too */
+        {"/v1/chat/completions", "X-Data-Class: public,\r\n",
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", 400,
+         "bad_label"},
+        /* the client's bytes quoted in an error are made valid UTF-8: still a JSON answer */
+        {"/v1/chat/completions", "X-Data-Class: \xff\xfe\r\n",
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", 400,
+         "bad_label"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"a\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9"
+         "\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\",\"content\":\"hi\"}]}",
+         400, "invalid_value"},
+        {"/%ff", NULL, "", 404, "not_found"},
+        /* content parts: text only */
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":"
+         "[{\"type\":\"image_url\",\"image_url\":{\"url\":\"x\"}}]}]}",
+         400, "invalid_value"},
+        {"/v1/chat/completions", NULL,
+         "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"text\":\"hi\"}]}]}",
+         400, "invalid_value"},
         {"/v1/chat/completions", "X-Data-Class: nosuchlabel\r\n",
          "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", 400,
          "bad_label"},
@@ -454,6 +475,25 @@ static void test_bad_input(void **state) {
         assert_string_equal(error_code(&r), cases[i].code);
         resp_free(&r);
     }
+    /* Content as several text parts, joined: served. */
+    const char *parts = "{\"model\":\"smollm2-135m\",\"max_tokens\":2,\"temperature\":0,\"messages\":[{\"role\":"
+                        "\"user\",\"content\":[{\"type\":\"text\",\"text\":\"hello\"},{\"type\":\"text\","
+                        "\"text\":\"there\"}]}]}";
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, parts, &r), 0);
+    if (r.status != 200) fail_msg("text parts: %d %s", r.status, r.body);
+    resp_free(&r);
+    /* 405 says which methods are allowed there. */
+    char allow[64];
+    assert_int_equal(http(s_fx->port, "GET", "/v1/chat/completions", NULL, NULL, &r), 0);
+    assert_int_equal(r.status, 405);
+    header(&r, "Allow", allow, sizeof allow);
+    assert_string_equal(allow, "POST");
+    resp_free(&r);
+    assert_int_equal(http(s_fx->port, "POST", "/healthz", NULL, "{}", &r), 0);
+    assert_int_equal(r.status, 405);
+    header(&r, "Allow", allow, sizeof allow);
+    assert_string_equal(allow, "GET, HEAD");
+    resp_free(&r);
     /* Invalid UTF-8, deep nesting, a huge body and Content-Length, too
      * many tokens. */
     const char *bad_utf8 = "{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\","
@@ -534,6 +574,13 @@ static void test_policy_decisions(void **state) {
     json_decref(j);
     header(&r, "X-Fedinfer-Policy", h, sizeof h);
     assert_string_equal(h, "1");
+    resp_free(&r);
+    /* Repeated headers are one list: the second one's label counts. */
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions",
+                          "X-Data-Class: public\r\nX-Data-Class: secret\r\n", b, &r),
+                     0);
+    assert_int_equal(r.status, 403);
+    assert_string_equal(error_code(&r), "policy_denied");
     resp_free(&r);
     /* The same label through the body. */
     const char *b2 = "{\"model\":\"smollm2-135m\",\"max_tokens\":2,\"data_class\":[\"secret\"],"
@@ -849,6 +896,56 @@ static void test_disconnect_cancels(void **state) {
     assert_true(ok);
 }
 
+/* A client that leaves before a non-streamed answer cancels its work too
+ * (the handler checks the connection while it waits): one slot, held by a
+ * stream; a second request waits in the queue, its client leaves, and it
+ * never runs. */
+static int s_connect_send(int port, const char *path, const char *body) {
+    char req[512];
+    int n = snprintf(req, sizeof req, "POST %s HTTP/1.0\r\nContent-Length: %zu\r\n\r\n%s", path,
+                     strlen(body), body);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    assert_int_equal(send(fd, req, (size_t)n, 0), n);
+    return fd;
+}
+
+static void test_disconnect_cancels_unstreamed(void **state) {
+    (void)state;
+    fx *f = fx_start(1, 1, 1);
+    const char *held = "{\"model\":\"smollm2-135m\",\"prompt\":\"1, 2, 3,\",\"temperature\":0,"
+                       "\"max_tokens\":64,\"stream\":true}";
+    const char *left = "{\"model\":\"smollm2-135m\",\"prompt\":\"4, 5, 6,\",\"temperature\":0,"
+                       "\"max_tokens\":64}";
+    long before = metric(f->port, "fedinfer_edge_responses_total{outcome=\"cancelled\"}");
+    long tokens0 = metric(f->port, "fedinfer_engine_decode_tokens_total");
+    int a = s_connect_send(f->port, "/v1/completions", held);
+    char buf[512];
+    assert_true(recv(a, buf, sizeof buf, 0) > 0); /* running: the slot is taken */
+    int b = s_connect_send(f->port, "/v1/completions", left);
+    usleep(20 * 1000);
+    close(b);
+    int ok = 0;
+    for (int i = 0; i < 150 && !ok; i++) {
+        usleep(20 * 1000);
+        ok = metric(f->port, "fedinfer_edge_responses_total{outcome=\"cancelled\"}") == before + 1;
+    }
+    assert_true(ok);
+    /* the stream goes on to its end; the request that left never runs */
+    while (recv(a, buf, sizeof buf, 0) > 0) {
+    }
+    close(a);
+    for (int i = 0; i < 100 && metric(f->port, "fedinfer_edge_local_queue_depth") != 0; i++) usleep(20 * 1000);
+    assert_int_equal(metric(f->port, "fedinfer_edge_local_queue_depth"), 0);
+    long generated = metric(f->port, "fedinfer_engine_decode_tokens_total") - tokens0;
+    if (generated > 64) fail_msg("%ld tokens decoded: the request whose client left ran", generated);
+    fx_stop(f);
+}
+
 int main(void) {
     const struct CMUnitTest api[] = {
         cmocka_unit_test(test_chat),
@@ -864,6 +961,7 @@ int main(void) {
         cmocka_unit_test(test_conf_errors),
         cmocka_unit_test(test_fail_closed),
         cmocka_unit_test(test_queue_full),
+        cmocka_unit_test(test_disconnect_cancels_unstreamed),
         cmocka_unit_test(test_concurrent_streams),
     };
     int rc = cmocka_run_group_tests_name("edge_api", api, setup_shared, teardown_shared);
