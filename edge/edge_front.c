@@ -11,9 +11,10 @@
  * untouched to libmicrohttpd (MHD_add_connection), which then reads the
  * same bytes as if it had accepted it.
  *
- * Limits: connections waiting here are bounded by conn_limit and wait at
- * most conn_timeout_s for their head (then libmicrohttpd gets them and
- * applies its own timeout). Only the first request of a connection is
+ * Limits: connections waiting here are bounded by conn_limit, and by
+ * per_ip_limit for each client address, and wait at most conn_timeout_s
+ * for their head (then libmicrohttpd gets them and applies its own
+ * timeout and per_ip_limit). Only the first request of a connection is
  * seen here; every response closes its connection (edge_http.c, s_send),
  * so there is no later one.
  */
@@ -92,6 +93,26 @@ static void s_refuse(edge_front *f, int fd, size_t head_len, int status, const c
     close(fd);
     free(body);
     atomic_fetch_add(&f->e->m.rejected, 1);
+}
+
+/* Whether two peers are the same client address (ports aside). */
+static int s_same_host(const struct sockaddr_storage *a, const struct sockaddr_storage *b) {
+    if (a->ss_family != b->ss_family) return 0;
+    if (a->ss_family == AF_INET)
+        return !memcmp(&((const struct sockaddr_in *)a)->sin_addr, &((const struct sockaddr_in *)b)->sin_addr,
+                       sizeof(struct in_addr));
+    if (a->ss_family == AF_INET6)
+        return !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr,
+                       &((const struct sockaddr_in6 *)b)->sin6_addr, sizeof(struct in6_addr));
+    return 0;
+}
+
+/* Connections from sa's address waiting here (libmicrohttpd applies
+ * per_ip_limit only to those it holds). */
+static int s_waiting_from(const edge_front *f, const struct sockaddr_storage *sa) {
+    int k = 0;
+    for (int i = 0; i < f->n; i++) k += s_same_host(&f->p[i].sa, sa);
+    return k;
 }
 
 /* Looks at a waiting connection: 1 when it left the waiting set. */
@@ -174,7 +195,10 @@ static void *s_main(void *arg) {
             if (fd < 0) break;
             const union MHD_DaemonInfo *di =
                 MHD_get_daemon_info(f->e->httpd, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
-            if (f->n + (di ? (int)di->num_connections : 0) >= limit) {
+            if (f->n + (di ? (int)di->num_connections : 0) >= limit ||
+                (f->e->conf.per_ip_limit > 0 && s_waiting_from(f, &sa) >= f->e->conf.per_ip_limit)) {
+                /* full, or this address holds its share of the waiting
+                 * places (one client must not crowd the others out) */
                 close(fd);
                 continue;
             }

@@ -896,6 +896,40 @@ static void test_disconnect_cancels(void **state) {
     assert_true(ok);
 }
 
+/* One address cannot take every place: 300 idle connections from
+ * 127.0.0.1 (over conn_limit, 256) leave 127.0.0.2 served at once, as
+ * only per_ip_limit (64) of them wait for their head. */
+static void test_one_address_cannot_crowd_out(void **state) {
+    (void)state;
+    enum { N = 300 };
+    int idle[N];
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)s_fx->port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    for (int i = 0; i < N; i++) {
+        idle[i] = socket(AF_INET, SOCK_STREAM, 0);
+        assert_true(idle[i] >= 0);
+        (void)connect(idle[i], (struct sockaddr *)&sa, sizeof sa);
+    }
+    usleep(100 * 1000);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in me = {0};
+    me.sin_family = AF_INET;
+    me.sin_addr.s_addr = htonl(0x7f000002); /* 127.0.0.2 */
+    assert_int_equal(bind(fd, (struct sockaddr *)&me, sizeof me), 0);
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    const char *req = "GET /healthz HTTP/1.0\r\n\r\n";
+    assert_int_equal(send(fd, req, strlen(req), 0), (ssize_t)strlen(req));
+    struct timeval tv = {.tv_sec = 5};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char buf[256] = "";
+    ssize_t k = recv(fd, buf, sizeof buf - 1, 0);
+    if (k <= 0 || !strstr(buf, " 200 ")) fail_msg("another address was not served: %zd '%.60s'", k, buf);
+    close(fd);
+    for (int i = 0; i < N; i++) close(idle[i]);
+}
+
 /* A client that leaves before a non-streamed answer cancels its work too
  * (the handler checks the connection while it waits): one slot, held by a
  * stream; a second request waits in the queue, its client leaves, and it
@@ -955,6 +989,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_reuse),
         cmocka_unit_test(test_one_request_per_connection),
         cmocka_unit_test(test_disconnect_cancels),
+        cmocka_unit_test(test_one_address_cannot_crowd_out),
         cmocka_unit_test(test_short_not_blocked),
     };
     const struct CMUnitTest alone[] = {
