@@ -11,6 +11,10 @@
  * untouched to libmicrohttpd (MHD_add_connection), which then reads the
  * same bytes as if it had accepted it.
  *
+ * A head longer than half of conn_memory (at most 64 KiB) is refused
+ * here with a JSON 431. Not seen here: a body's chunked encoding, which
+ * libmicrohttpd checks (a malformed one gets its HTML 400).
+ *
  * Limits: connections waiting here are bounded by conn_limit, and by
  * per_ip_limit for each client address, and wait at most conn_timeout_s
  * for their head (then libmicrohttpd gets them and applies its own
@@ -34,7 +38,7 @@
 
 #include "edge_impl.h"
 
-#define S_PEEK 8192     /* bytes of a request head we look at, at most */
+#define S_PEEK_MIN 8192 /* bytes of a request head we look at, at least (conn_memory / 2) */
 #define S_RECHECK_MS 10 /* a head that arrives in pieces is looked at again after */
 #define S_RCVBUF (128 * 1024) /* kernel receive buffer per connection, bytes */
 
@@ -54,6 +58,8 @@ struct edge_front {
     pthread_t th;
     s_pend *p;           /* waiting connections */
     int n, cap;
+    char *peek;          /* the head being looked at: a request head may be this long */
+    size_t peek_len;
 };
 
 static void s_drop(edge_front *f, int i) {
@@ -85,7 +91,10 @@ static void s_refuse(edge_front *f, int fd, size_t head_len, int status, const c
     int hl = snprintf(head, sizeof head,
                       "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
                       "Connection: close\r\n\r\n",
-                      status, status == 413 ? "Content Too Large" : "Bad Request",
+                      status,
+                      status == 413   ? "Content Too Large"
+                      : status == 431 ? "Request Header Fields Too Large"
+                                      : "Bad Request",
                       body ? strlen(body) : 0);
     if (send(fd, head, (size_t)hl, MSG_NOSIGNAL) == hl && body)
         (void)send(fd, body, strlen(body), MSG_NOSIGNAL);
@@ -118,8 +127,8 @@ static int s_waiting_from(const edge_front *f, const struct sockaddr_storage *sa
 /* Looks at a waiting connection: 1 when it left the waiting set. */
 static int s_look(edge_front *f, int i, double now) {
     s_pend *p = &f->p[i];
-    char buf[S_PEEK];
-    ssize_t k = recv(p->fd, buf, sizeof buf, MSG_PEEK | MSG_DONTWAIT);
+    char *buf = f->peek;
+    ssize_t k = recv(p->fd, buf, f->peek_len, MSG_PEEK | MSG_DONTWAIT);
     if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
         close(p->fd); /* gone before saying anything */
         s_drop(f, i);
@@ -141,9 +150,17 @@ static int s_look(edge_front *f, int i, double now) {
             return 1;
         }
     }
-    if (eoh || n == sizeof buf || now >= p->deadline) {
-        /* A good head, one too long for us to judge, or a slow client:
-         * libmicrohttpd's (it closes the socket itself on failure). */
+    if (!eoh && n == f->peek_len) {
+        /* longer than a head may be: answered here, as JSON */
+        char msg[128];
+        snprintf(msg, sizeof msg, "the request head exceeds %zu bytes", f->peek_len);
+        s_refuse(f, p->fd, n, 431, "request_header_too_large", msg);
+        s_drop(f, i);
+        return 1;
+    }
+    if (eoh || now >= p->deadline) {
+        /* A good head, or a slow client: libmicrohttpd's (it closes the
+         * socket itself on failure). */
         (void)MHD_add_connection(f->e->httpd, p->fd, (const struct sockaddr *)&p->sa, p->sl);
         s_drop(f, i);
         return 1;
@@ -235,6 +252,13 @@ edge_front *edge_front_start(fi_edge *e, const struct sockaddr_in *sa, int *port
         return NULL;
     }
     f->e = e;
+    f->peek_len = (size_t)e->conf.conn_memory / 2 > S_PEEK_MIN ? (size_t)e->conf.conn_memory / 2 : S_PEEK_MIN;
+    if (f->peek_len > S_RCVBUF / 2) f->peek_len = S_RCVBUF / 2; /* what the kernel holds for us to see */
+    if (!(f->peek = malloc(f->peek_len))) {
+        free(f);
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
     f->wake[0] = f->wake[1] = -1;
     /* A bounded receive buffer (inherited by accepted sockets; set before
      * listen so that the window is negotiated with it): a client cannot
@@ -264,6 +288,7 @@ fail:
     if (f->lfd >= 0) close(f->lfd);
     if (f->wake[0] >= 0) close(f->wake[0]);
     if (f->wake[1] >= 0) close(f->wake[1]);
+    free(f->peek);
     free(f);
     return NULL;
 }
@@ -279,5 +304,6 @@ void edge_front_stop(edge_front **fp) {
     close(f->wake[0]);
     close(f->wake[1]);
     free(f->p);
+    free(f->peek);
     free(f);
 }

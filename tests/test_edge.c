@@ -519,6 +519,32 @@ static void test_bad_input(void **state) {
     assert_string_equal(error_code(&r), "body_too_large");
     resp_free(&r);
     free(big);
+    /* Long heads: a bad Content-Length behind 9000 bytes of headers is
+     * still caught; a head over half of conn_memory gets a JSON 431. */
+    {
+        size_t pad = 9000;
+        char *h = malloc(pad + 200);
+        int k = snprintf(h, pad + 200, "POST /v1/chat/completions HTTP/1.0\r\nX-Pad: ");
+        memset(h + k, 'a', pad);
+        snprintf(h + k + pad, 200, "\r\nContent-Length: abc\r\n\r\n");
+        assert_int_equal(http_raw(s_fx->port, h, strlen(h), &r), 0);
+        assert_int_equal(r.status, 400);
+        json_t *jj = json_loads(r.body, 0, NULL); /* JSON, not libmicrohttpd's HTML */
+        assert_non_null(jj);
+        json_decref(jj);
+        resp_free(&r);
+        free(h);
+        pad = 70000;
+        h = malloc(pad + 200);
+        k = snprintf(h, pad + 200, "GET /healthz HTTP/1.0\r\nX-Pad: ");
+        memset(h + k, 'a', pad);
+        snprintf(h + k + pad, 200, "\r\n\r\n");
+        assert_int_equal(http_raw(s_fx->port, h, strlen(h), &r), 0);
+        assert_int_equal(r.status, 431);
+        assert_string_equal(error_code(&r), "request_header_too_large");
+        resp_free(&r);
+        free(h);
+    }
     const char *huge_cl = "POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 99999999999\r\n\r\n{}";
     assert_int_equal(http_raw(s_fx->port, huge_cl, strlen(huge_cl), &r), 0);
     assert_int_equal(r.status, 413);
