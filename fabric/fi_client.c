@@ -371,15 +371,20 @@ int fi_client_recv_or(fi_client *c, int timeout_ms, void *other, fi_msg **out, c
                 c->ready = 1;
                 fi_wire_free(&m);
                 return 0; /* lets fi_client_wait_ready see it at once */
-            case FI__ENVELOPE__BODY_ERROR:
-                if (m->error->code == FI__ERROR_CODE__ERR_NOT_REGISTERED) {
+            case FI__ENVELOPE__BODY_ERROR: {
+                /* about the connection only when it names no request (as the
+                 * coordinator sends them); one about a request is the
+                 * request's */
+                int conn = !m->error->request_id || !m->error->request_id[0];
+                if (conn && m->error->code == FI__ERROR_CODE__ERR_NOT_REGISTERED) {
                     c->ready = 0;
                     (void)s_send_hello(c);
                     fi_wire_free(&m);
                     continue;
                 }
-                if (m->error->code == FI__ERROR_CODE__ERR_REVOKED) c->revoked = 1;
+                if (conn && m->error->code == FI__ERROR_CODE__ERR_REVOKED) c->revoked = 1;
                 break;
+            }
             default: break;
             }
             *out = m;

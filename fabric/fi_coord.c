@@ -301,6 +301,7 @@ static s_peer *s_peer_for(fi_coord *c, const void *rid, size_t rid_len, const ch
             s_log("dropped a message from a key not in the store (from %s)", addr);
             return NULL;
         }
+        if (p->rec.revoked) return NULL; /* not registered again by a message sent before its cut */
         c->n_peers++;
         p->serial = ++c->next_serial;
         memcpy(p->rid, rid, rid_len);
@@ -629,6 +630,17 @@ static void s_on_worker_reply(fi_coord *c, s_peer *w, fi_msg *m) {
     if (!r || r->worker != w->serial) return; /* cancelled or ended: late replies are dropped */
     s_peer *e = s_peer_by_serial(c, r->edge);
     int last = m->body_case != FI__ENVELOPE__BODY_CHUNK;
+    if (m->body_case == FI__ENVELOPE__BODY_ERROR) {
+        /* A worker speaks for its request only: a code about the edge's
+         * own connection or key (revoked, not registered, ...) from it
+         * would make the edge act on its connection; it becomes an engine
+         * error. */
+        Fi__ErrorCode k = m->error->code;
+        if (k != FI__ERROR_CODE__ERR_ENGINE && k != FI__ERROR_CODE__ERR_CANCELLED &&
+            k != FI__ERROR_CODE__ERR_BUSY && k != FI__ERROR_CODE__ERR_BAD_REQUEST &&
+            k != FI__ERROR_CODE__ERR_INTERNAL)
+            m->error->code = FI__ERROR_CODE__ERR_ENGINE;
+    }
     char *saved = *idp;
     *idp = r->edge_rid;
     int rc = e ? s_send_msg(c, c->router, e->rid, e->rid_len, m) : -1;
@@ -869,10 +881,29 @@ static void s_on_ship(fi_coord *c, s_peer *p, const fi_msg *m) {
 
 /* An edge that says Hello gets the active policy bundle when it holds an
  * older one. */
+/* Sends edge p the newest policy bundle above the version it holds: the
+ * newest of the versions stored and signed here (fi_ship) and of the
+ * bundles operators pushed signed (PolicyBundle), as the policy re-check
+ * chooses; so an edge that was away when one was pushed gets it too. */
 static void s_push_active(fi_coord *c, s_peer *p, uint64_t held) {
-    size_t len = 0;
-    uint8_t *buf = fi_ship_active_bundle(c->ship, held, &len);
-    if (buf) (void)s_send(c, c->router, p->rid, p->rid_len, buf, &len);
+    uint64_t pv = 0;
+    void *blob = NULL;
+    size_t blen = 0, len = 0;
+    int pushed = fi_store_bundle_newest(c->st, &pv, &blob, &blen) == 1 && pv > held;
+    uint8_t *buf = fi_ship_active_bundle(c->ship, pushed ? pv : held, &len);
+    if (buf) {
+        (void)s_send(c, c->router, p->rid, p->rid_len, buf, &len);
+    } else if (pushed) {
+        Fi__PolicyBundle b = FI__POLICY_BUNDLE__INIT;
+        b.version = pv;
+        b.bundle.data = blob;
+        b.bundle.len = blen;
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_POLICY_BUNDLE;
+        m.policy_bundle = &b;
+        (void)s_send_msg(c, c->router, p->rid, p->rid_len, &m);
+    }
+    free(blob);
 }
 
 typedef struct s_site_scan {
@@ -1020,8 +1051,7 @@ static int s_allowed(Fi__Role role, fi_msg_type t) {
     case FI__ENVELOPE__BODY_CHUNK:
     case FI__ENVELOPE__BODY_FINAL:
     case FI__ENVELOPE__BODY_ERROR: return role == FI__ROLE__ROLE_CLUSTER;
-    case FI__ENVELOPE__BODY_AUDIT_UPLOAD:
-        return role == FI__ROLE__ROLE_EDGE || role == FI__ROLE__ROLE_CLUSTER;
+    case FI__ENVELOPE__BODY_AUDIT_UPLOAD: return role == FI__ROLE__ROLE_EDGE; /* records of its own site */
     case FI__ENVELOPE__BODY_POLICY_APPLY:
     case FI__ENVELOPE__BODY_POLICY_ROLLBACK:
     case FI__ENVELOPE__BODY_POLICY_HISTORY_REQUEST:

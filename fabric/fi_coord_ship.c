@@ -622,8 +622,7 @@ static uint8_t *s_audit_upload(fi_ship *s, const fi_peer_rec *from, const Fi__Au
     }
     size_t taken = 0;
     char err[512];
-    int r = fi_audit_ingest(s->au, from->fpr, from->role == FI__ROLE__ROLE_EDGE ? from->site : NULL, recs, n, &taken,
-                            err, sizeof err);
+    int r = fi_audit_ingest(s->au, from->fpr, from->site, recs, n, &taken, err, sizeof err);
     if (r < 0) {
         s_log("audit batch %s from %s: %s", bid, from->fpr, err);
         out = s_error(FI__ERROR_CODE__ERR_INTERNAL, "cannot store the audit batch", len);
@@ -678,8 +677,8 @@ static uint8_t *s_handle(fi_ship *s, const fi_peer_rec *from, const fi_msg *m, f
                          size_t *len) {
     int op = from->role == FI__ROLE__ROLE_OPERATOR;
     if (m->body_case == FI__ENVELOPE__BODY_AUDIT_UPLOAD) {
-        if (from->role != FI__ROLE__ROLE_EDGE && from->role != FI__ROLE__ROLE_CLUSTER)
-            return s_error(FI__ERROR_CODE__ERR_UNAUTHORISED, "only edges and clusters upload audit batches", len);
+        if (from->role != FI__ROLE__ROLE_EDGE)
+            return s_error(FI__ERROR_CODE__ERR_UNAUTHORISED, "only edges upload audit batches (of their own site)", len);
         return s_audit_upload(s, from, m->audit_upload, len);
     }
     /* The role is the one enrolled with the sender's key (fi_coord checks

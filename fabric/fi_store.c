@@ -272,6 +272,27 @@ int fi_store_bundle_put(fi_store *st, uint64_t version, const void *blob, size_t
                             (int64_t)time(NULL)), NULL, 0);
 }
 
+int fi_store_bundle_newest(fi_store *st, uint64_t *version, void **blob, size_t *len) {
+    *blob = NULL;
+    *len = 0;
+    sqlite3_stmt *q = s_prep(st, "SELECT version, blob FROM bundles ORDER BY version DESC, id DESC LIMIT 1", "");
+    if (!q) return -1;
+    int rc = sqlite3_step(q), res = rc == SQLITE_ROW ? 1 : rc == SQLITE_DONE ? 0 : -1;
+    if (res == 1) {
+        int n = sqlite3_column_bytes(q, 1);
+        const void *p = sqlite3_column_blob(q, 1);
+        *version = (uint64_t)sqlite3_column_int64(q, 0);
+        if (n <= 0 || !p || !(*blob = malloc((size_t)n))) {
+            res = -1;
+        } else {
+            memcpy(*blob, p, (size_t)n);
+            *len = (size_t)n;
+        }
+    }
+    sqlite3_finalize(q);
+    return res;
+}
+
 int fi_store_audit_put(fi_store *st, const char *from_fpr, const char *batch_id,
                        uint64_t first_seq, uint64_t count, const void *blob, size_t len) {
     /* A batch sent again after a lost ack is kept once. */

@@ -72,6 +72,10 @@ FI_WIRE_MUST_CHECK int fi_store_enrol(fi_store *st, const char *token_hash, Fi__
 /* Keeps an opaque signed policy bundle / an audit batch. */
 FI_WIRE_MUST_CHECK int fi_store_bundle_put(fi_store *st, uint64_t version, const void *blob,
                                            size_t len, const char *from_fpr);
+/* The newest bundle kept by fi_store_bundle_put (the highest version, the
+ * last received on a tie): 1 with *version and a malloc'd copy in *blob
+ * (*len bytes), 0 when there is none, -1 on a database error. */
+FI_WIRE_MUST_CHECK int fi_store_bundle_newest(fi_store *st, uint64_t *version, void **blob, size_t *len);
 FI_WIRE_MUST_CHECK int fi_store_audit_put(fi_store *st, const char *from_fpr, const char *batch_id,
                                           uint64_t first_seq, uint64_t count, const void *blob,
                                           size_t len);

@@ -469,6 +469,141 @@ static void test_edge_view_follows_workers(void **state) {
     fi_client_destroy(&edge);
 }
 
+/* A worker answers a request with a code about the edge's connection
+ * (revoked): it is the request's error only, as an engine error, and the
+ * edge stays connected and served. */
+static fi_keypair s_rogue_key;
+static atomic_int s_rogue_stop;
+static harness *s_rogue_h;
+
+static void *s_rogue(void *arg) {
+    (void)arg;
+    fi_client_opts o;
+    char err[256];
+    h_client_opts(s_rogue_h, &o, &s_rogue_key, FI__ROLE__ROLE_CLUSTER);
+    o.n_models = 1;
+    snprintf(o.models[0], sizeof o.models[0], "rogue");
+    o.capacity[0] = 4;
+    fi_client *c = fi_client_new(&o, err, sizeof err);
+    if (!c || fi_client_wait_ready(c, 3000, err, sizeof err) != 0) return NULL;
+    while (!atomic_load(&s_rogue_stop)) {
+        fi_msg *m = NULL;
+        if (fi_client_recv(c, 50, &m, err, sizeof err) == 1 && m->body_case == FI__ENVELOPE__BODY_INFER) {
+            size_t len = 0;
+            uint8_t *buf = fi_wire_error(m->infer->request_id, FI__ERROR_CODE__ERR_REVOKED, "this key was revoked", &len);
+            if (fi_client_send_encoded(c, buf, &len) != 0) fprintf(stderr, "rogue: cannot answer\n");
+        }
+        fi_wire_free(&m);
+    }
+    fi_client_destroy(&c);
+    return NULL;
+}
+
+static void test_worker_cannot_disconnect_edge(void **state) {
+    harness *h = *state;
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(fi_keys_generate(&s_rogue_key), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s7", "r1"), 0);
+    assert_int_equal(h_enrol_direct(h, &s_rogue_key, FI__ROLE__ROLE_CLUSTER, "core-r", "r1"), 0);
+    s_rogue_h = h;
+    atomic_store(&s_rogue_stop, 0);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, s_rogue, NULL), 0);
+    h_sleep_ms(300);
+    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(edge);
+    h_text t;
+    fi_client_result res;
+    assert_int_equal(h_infer(edge, "r1", "rogue", "hello", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_ENGINE);
+    atomic_store(&s_rogue_stop, 1);
+    pthread_join(th, NULL);
+    h_worker w;
+    assert_int_equal(h_worker_start(h, &w, "honest", 0), 0);
+    assert_int_equal(h_infer(edge, "r2", "honest", "ok", &t, &res), 0);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_UNSPECIFIED);
+    assert_string_equal(t.buf, "echo: ok");
+    h_worker_stop(&w);
+    fi_client_destroy(&edge);
+}
+
+/* Uploads a batch of two records of origin "s8" from c; the reply's type. */
+static int s_upload(fi_client *c, const char *bid, char *why, size_t wlen) {
+    char last[65];
+    char *batch = h_audit_batch("s8", 1, 2, "", last);
+    Fi__AuditUpload au = FI__AUDIT_UPLOAD__INIT;
+    au.batch_id = (char *)bid;
+    au.first_seq = 1;
+    au.count = 2;
+    au.batch.data = (uint8_t *)batch;
+    au.batch.len = strlen(batch);
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_AUDIT_UPLOAD;
+    m.audit_upload = &au;
+    fi_msg *r = NULL;
+    char err[256];
+    int got = fi_client_call(c, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err) == 1 ? (int)r->body_case : -1;
+    snprintf(why, wlen, "%s", got == FI__ENVELOPE__BODY_ERROR ? r->error->message : got < 0 ? err : "");
+    fi_wire_free(&r);
+    free(batch);
+    return got;
+}
+
+/* Audit records come from the edges of their own site only: a cluster
+ * worker cannot plant records under an edge's site. */
+static void test_only_edges_upload_their_site(void **state) {
+    harness *h = *state;
+    fi_keypair wk, ek;
+    char why[256];
+    assert_int_equal(fi_keys_generate(&wk), 0);
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &wk, FI__ROLE__ROLE_CLUSTER, "core-a", "r1"), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s8", "r1"), 0);
+    fi_client *w = h_client(h, &wk, FI__ROLE__ROLE_CLUSTER);
+    fi_client *e = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(w);
+    assert_non_null(e);
+    assert_int_not_equal(s_upload(w, "b1", why, sizeof why), FI__ENVELOPE__BODY_ACK);
+    assert_int_equal(s_upload(e, "b1", why, sizeof why), FI__ENVELOPE__BODY_ACK);
+    fi_client_destroy(&w);
+    fi_client_destroy(&e);
+}
+
+/* A bundle an operator pushed reaches an edge that says Hello later too. */
+static void test_pushed_bundle_reaches_late_edge(void **state) {
+    harness *h = *state;
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s9", "r1"), 0);
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    Fi__PolicyBundle b = FI__POLICY_BUNDLE__INIT;
+    b.version = 7;
+    b.bundle.data = (uint8_t *)"signed-bundle-bytes";
+    b.bundle.len = 19;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_POLICY_BUNDLE;
+    m.policy_bundle = &b;
+    fi_msg *r = NULL;
+    char err[256];
+    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
+    fi_wire_free(&r);
+    fi_client *e = h_client(h, &ek, FI__ROLE__ROLE_EDGE); /* Hello after the push */
+    assert_non_null(e);
+    int got = 0;
+    for (int i = 0; i < 20 && !got; i++) {
+        fi_msg *x = NULL;
+        if (fi_client_recv(e, 50, &x, err, sizeof err) == 1 && x->body_case == FI__ENVELOPE__BODY_POLICY_BUNDLE)
+            got = x->policy_bundle->version == 7 && x->policy_bundle->bundle.len == 19;
+        fi_wire_free(&x);
+    }
+    assert_true(got);
+    fi_client_destroy(&e);
+    fi_client_destroy(&op);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_every_message_type, setup, teardown),
@@ -478,6 +613,9 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_worker_cannot_disconnect_edge, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_only_edges_upload_their_site, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_pushed_bundle_reaches_late_edge, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
