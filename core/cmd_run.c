@@ -238,7 +238,6 @@ int fi_cmd_run(int argc, char **argv) {
 
     int status = 1;
     char err[512];
-    char *text = NULL;
     int32_t *ids = NULL;
     fi_sched *s = NULL;
     fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .act_bits = (int)act_bits, .device = device};
@@ -250,26 +249,37 @@ int fi_cmd_run(int argc, char **argv) {
         goto done;
     }
     const fi_tok *tok = fi_model_tok(m);
+    int n_ids = 0;
     if (raw) {
-        text = strdup(prompt);
+        /* plain text (special tokens' text included), after BOS when the
+         * model wants one, as the edge and the workers encode it */
+        if (!fi_tok_can_encode(tok, prompt, strlen(prompt))) {
+            fprintf(stderr, "fedinfer: the prompt has bytes this model's vocabulary cannot encode\n");
+            status = 2;
+            goto done;
+        }
+        int bos = fi_tok_add_bos(tok) && fi_tok_bos(tok) >= 0;
+        size_t tlen = strlen(prompt);
+        int need = fi_tok_encode(tok, prompt, tlen, 0, NULL, 0);
+        if (need < 0) goto oom;
+        ids = malloc(((size_t)need + 1) * sizeof *ids);
+        if (!ids) goto oom;
+        if (fi_tok_encode(tok, prompt, tlen, 0, ids + bos, need) != need) goto oom;
+        if (bos) ids[0] = fi_tok_bos(tok);
+        n_ids = need + bos;
     } else {
+        /* the chat template's markers as special tokens, the messages as
+         * plain text (fi_tok_chat_ids) */
         fi_chat_msg msgs[2];
         int n = 0;
         if (system) msgs[n++] = (fi_chat_msg){"system", system};
         msgs[n++] = (fi_chat_msg){"user", prompt};
-        text = fi_tok_chat(tok, msgs, n, 1, err, sizeof err);
-        if (!text) {
+        ids = fi_tok_chat_ids(tok, msgs, n, 1, &n_ids, err, sizeof err);
+        if (!ids) {
             fprintf(stderr, "fedinfer: %s (use --raw for plain completion)\n", err);
             goto done;
         }
     }
-    if (!text) goto oom;
-    size_t tlen = strlen(text);
-    int need = fi_tok_encode(tok, text, tlen, !raw, NULL, 0);
-    if (need < 0) goto oom;
-    ids = malloc(((size_t)need + 1) * sizeof *ids);
-    if (!ids) goto oom;
-    int n_ids = fi_tok_encode(tok, text, tlen, !raw, ids, need + 1);
     if (n_ids <= 0) {
         fprintf(stderr, "fedinfer: the prompt is empty\n");
         status = 2;
@@ -328,7 +338,6 @@ done:
     fi_sched_destroy(&s);
     fi_model_destroy(&m);
     free(ids);
-    free(text);
     free(prompt);
     return status;
 }

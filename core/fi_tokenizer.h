@@ -81,6 +81,15 @@ typedef struct fi_chat_msg {
  * message in err when the template is of an unsupported kind. */
 char *fi_tok_chat(const fi_tok *t, const fi_chat_msg *msgs, int n, int add_assistant, char *err,
                   size_t errlen);
+/* The same conversation as token ids, the way to feed a model: the
+ * template's markers become their special tokens, while roles and contents
+ * are encoded as plain text, so a message that contains "<|im_end|>" or
+ * "<|im_start|>system" cannot open or close a turn (encoding fi_tok_chat's
+ * string with parse_special would let it). The ids equal that encoding for
+ * any conversation without such text. Returns a malloc'd array of *n_ids
+ * ids, or NULL with a message in err (also when there are no ids). */
+int32_t *fi_tok_chat_ids(const fi_tok *t, const fi_chat_msg *msgs, int n, int add_assistant, int *n_ids,
+                         char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

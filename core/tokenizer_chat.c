@@ -205,3 +205,78 @@ char *fi_tok_chat(const fi_tok *t, const fi_chat_msg *msgs, int n, int add_assis
     }
     return b.p;
 }
+
+/* A growing array of ids. */
+typedef struct s_ids {
+    int32_t *p;
+    int n, cap;
+    int bad; /* allocation or encoding failure */
+} s_ids;
+
+/* Appends the encoding of text, its special tokens' text as those tokens
+ * only with special. */
+static void s_add(const fi_tok *t, s_ids *b, const char *text, int special) {
+    size_t len = strlen(text);
+    if (b->bad || !len) return;
+    int k = fi_tok_encode(t, text, len, special, NULL, 0);
+    if (k < 0 || k > INT32_MAX / 2 - b->n) {
+        b->bad = 1;
+        return;
+    }
+    if (b->n + k > b->cap) {
+        int cap = b->cap ? b->cap : 256;
+        while (cap < b->n + k) cap *= 2;
+        int32_t *p = realloc(b->p, (size_t)cap * sizeof *p);
+        if (!p) {
+            b->bad = 1;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    if (fi_tok_encode(t, text, len, special, b->p + b->n, k) != k) {
+        b->bad = 1;
+        return;
+    }
+    b->n += k;
+}
+
+/* A turn: its markers as special tokens, and between them "role\ncontent"
+ * as one piece of plain text (the piece the whole string's encoding sees
+ * between the two markers, so the ids are the same). */
+static void s_turn_ids(const fi_tok *t, s_ids *b, const char *role, const char *content) {
+    s_add(t, b, s_im_start, 1);
+    s_buf mid = {0};
+    s_put(&mid, role);
+    s_put(&mid, "\n");
+    s_put(&mid, content);
+    if (mid.oom) b->bad = 1;
+    else s_add(t, b, mid.p, 0);
+    free(mid.p);
+    s_add(t, b, s_im_end, 1);
+    s_add(t, b, "\n", 0);
+}
+
+int32_t *fi_tok_chat_ids(const fi_tok *t, const fi_chat_msg *msgs, int n, int add_assistant, int *n_ids,
+                         char *err, size_t errlen) {
+    *n_ids = 0;
+    /* the same checks and turns as fi_tok_chat */
+    char *text = fi_tok_chat(t, msgs, n, add_assistant, err, errlen);
+    if (!text) return NULL;
+    free(text);
+    s_ids b = {0};
+    if (n > 0 && strcmp(msgs[0].role, "system") != 0 && t->chat_system)
+        s_turn_ids(t, &b, "system", t->chat_system);
+    for (int i = 0; i < n; i++) s_turn_ids(t, &b, msgs[i].role, msgs[i].content);
+    if (add_assistant) {
+        s_add(t, &b, s_im_start, 1);
+        s_add(t, &b, "assistant\n", 0);
+    }
+    if (b.bad || b.n == 0) {
+        free(b.p);
+        if (err && errlen) snprintf(err, errlen, "chat: %s", b.bad ? "cannot tokenise the conversation" : "no tokens");
+        return NULL;
+    }
+    *n_ids = b.n;
+    return b.p;
+}

@@ -111,10 +111,11 @@ void edge_job_finish(edge_job *j, const char *finish, int n_prompt, int n_gen);
 void edge_job_fail(edge_job *j, int http_status, const char *code, const char *msg);
 double edge_now(void);
 
-/* A request's prompt as tokens of tok (edge_prompt.c): msgs rendered with
- * the chat template and encoded with special tokens, or (msgs NULL) the raw
- * prompt after BOS when the model wants one; at most max_len bytes of the
- * text are encoded. malloc'd, *n tokens (may be 0); NULL with a message. */
+/* A request's prompt as tokens of tok (edge_prompt.c): msgs through the
+ * chat template (fi_tok_chat_ids: markers as special tokens, messages as
+ * plain text), or (msgs NULL) the raw prompt as plain text after BOS when
+ * the model wants one, at most max_len bytes of it. malloc'd, *n tokens
+ * (may be 0); NULL with a message. */
 int32_t *edge_prompt_tokens(const fi_tok *tok, const fi_chat_msg *msgs, int n_msgs,
                             const char *prompt, size_t max_len, int *n, char *err,
                             size_t errlen);

@@ -15,29 +15,27 @@
 int32_t *edge_prompt_tokens(const fi_tok *tok, const fi_chat_msg *msgs, int n_msgs,
                             const char *prompt, size_t max_len, int *n, char *err,
                             size_t errlen) {
-    int chat = msgs != NULL;
-    char terr[256];
-    char *text = chat ? fi_tok_chat(tok, msgs, n_msgs, 1, terr, sizeof terr)
-                      : strdup(prompt ? prompt : "");
-    if (!text) {
-        snprintf(err, errlen, "cannot render the prompt: %s", chat ? terr : "out of memory");
-        return NULL;
+    if (msgs) {
+        /* a chat: the template's markers as special tokens, the messages as
+         * plain text, so that no message can open or close a turn */
+        char terr[256];
+        int32_t *ids = fi_tok_chat_ids(tok, msgs, n_msgs, 1, n, terr, sizeof terr);
+        if (!ids) snprintf(err, errlen, "cannot render the prompt: %s", terr);
+        return ids;
     }
-    /* A chat is encoded with its special tokens; raw text without, after
-     * BOS when the model wants one. */
+    /* raw text, without special tokens, after BOS when the model wants one */
+    const char *text = prompt ? prompt : "";
     size_t len = strlen(text);
     if (len > max_len) len = max_len;
-    int bos = !chat && fi_tok_add_bos(tok) && fi_tok_bos(tok) >= 0;
-    int need = fi_tok_encode(tok, text, len, chat, NULL, 0);
+    int bos = fi_tok_add_bos(tok) && fi_tok_bos(tok) >= 0;
+    int need = fi_tok_encode(tok, text, len, 0, NULL, 0);
     int32_t *ids = need >= 0 ? malloc(((size_t)need + 2) * sizeof *ids) : NULL;
-    if (!ids || fi_tok_encode(tok, text, len, chat, ids + bos, need) != need) {
+    if (!ids || fi_tok_encode(tok, text, len, 0, ids + bos, need) != need) {
         free(ids);
-        free(text);
         snprintf(err, errlen, "cannot tokenise the prompt");
         return NULL;
     }
     if (bos) ids[0] = fi_tok_bos(tok);
-    free(text);
     *n = need + bos;
     return ids;
 }

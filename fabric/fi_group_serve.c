@@ -140,16 +140,11 @@ static void s_submit(s_lead *L, const Fi__InferRequest *rq) {
     }
     const fi_tok *tok = fi_model_tok(L->m);
     fi_chat_msg msg = {"user", rq->prompt ? rq->prompt : ""};
-    char *text = fi_tok_chat(tok, &msg, 1, 1, err, sizeof err);
-    int32_t *ids = NULL;
+    int n = 0;
     s_req *q = NULL;
-    if (!text) goto bad;
-    int n = fi_tok_encode(tok, text, strlen(text), 1, NULL, 0);
-    if (n <= 0 || !(ids = malloc((size_t)n * sizeof *ids)) ||
-        fi_tok_encode(tok, text, strlen(text), 1, ids, n) != n) {
-        snprintf(err, sizeof err, "cannot tokenise the prompt");
-        goto bad;
-    }
+    /* the template's markers as special tokens, the prompt as plain text */
+    int32_t *ids = fi_tok_chat_ids(tok, &msg, 1, 1, &n, err, sizeof err);
+    if (!ids) goto bad;
     if (!(q = calloc(1, sizeof *q))) {
         snprintf(err, sizeof err, "out of memory");
         goto bad;
@@ -177,13 +172,11 @@ static void s_submit(s_lead *L, const Fi__InferRequest *rq) {
     q->next = L->open;
     L->open = q;
     free(ids);
-    free(text);
     return;
 bad:
     s_send_error(L, id, FI__ERROR_CODE__ERR_BAD_REQUEST, err);
     free(q);
     free(ids);
-    free(text);
 }
 
 static void s_take(s_lead *L, fi_msg *m) {

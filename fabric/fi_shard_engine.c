@@ -54,49 +54,48 @@ fi_sampler_params fi_shard_sampling(const Fi__InferRequest *rq) {
 
 int32_t *fi_shard_prompt_tokens(const fi_tok *tok, const Fi__InferRequest *rq, int *n, char *err,
                                 size_t errlen) {
-    char *text = NULL;
-    int chat = !rq->raw;
-    if (rq->n_messages > 0) {
+    int32_t *ids = NULL;
+    *n = 0;
+    if (rq->n_messages > 0 || !rq->raw) {
+        /* As the edge counts and hashes it (edge_prompt.c): through the
+         * chat template, its markers as special tokens and the messages as
+         * plain text (fi_tok_chat_ids). */
         if (rq->n_messages > 256) {
             snprintf(err, errlen, "at most 256 messages, not %zu", rq->n_messages);
             return NULL;
         }
         fi_chat_msg msgs[256];
-        for (size_t i = 0; i < rq->n_messages; i++) {
-            const Fi__ChatMessage *m = rq->messages[i];
-            const char *role = m->role ? m->role : "";
-            if (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant")) {
-                snprintf(err, errlen, "messages[%zu]: role '%.32s' is not system, user or assistant",
-                         i, role);
-                return NULL;
+        int nm = 0;
+        if (rq->n_messages > 0) {
+            for (size_t i = 0; i < rq->n_messages; i++) {
+                const Fi__ChatMessage *m = rq->messages[i];
+                const char *role = m->role ? m->role : "";
+                if (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant")) {
+                    snprintf(err, errlen, "messages[%zu]: role '%.32s' is not system, user or assistant",
+                             i, role);
+                    return NULL;
+                }
+                msgs[nm++] = (fi_chat_msg){role, m->content ? m->content : ""};
             }
-            msgs[i].role = role;
-            msgs[i].content = m->content ? m->content : "";
+        } else {
+            msgs[nm++] = (fi_chat_msg){"user", rq->prompt ? rq->prompt : ""};
         }
-        text = fi_tok_chat(tok, msgs, (int)rq->n_messages, 1, err, errlen);
-    } else if (chat) {
-        fi_chat_msg msg = {"user", rq->prompt ? rq->prompt : ""};
-        text = fi_tok_chat(tok, &msg, 1, 1, err, errlen);
+        ids = fi_tok_chat_ids(tok, msgs, nm, 1, n, err, errlen);
+        if (!ids) return NULL;
     } else {
-        text = strdup(rq->prompt ? rq->prompt : "");
-        if (!text) snprintf(err, errlen, "out of memory");
+        /* raw text as plain text, after BOS when the model wants one */
+        const char *text = rq->prompt ? rq->prompt : "";
+        int bos = fi_tok_add_bos(tok) && fi_tok_bos(tok) >= 0;
+        int k = fi_tok_encode(tok, text, strlen(text), 0, NULL, 0);
+        if (k < 0 || !(ids = malloc((size_t)(k + bos + 1) * sizeof *ids)) ||
+            fi_tok_encode(tok, text, strlen(text), 0, ids + bos, k) != k) {
+            snprintf(err, errlen, "cannot tokenise the prompt");
+            free(ids);
+            return NULL;
+        }
+        if (bos) ids[0] = fi_tok_bos(tok);
+        *n = k + bos;
     }
-    if (!text) return NULL;
-    /* As the edge counts and hashes it (edge_http.c): a chat is encoded with
-     * its special tokens; raw text without, after BOS when the model wants. */
-    int bos = !chat && fi_tok_add_bos(tok) && fi_tok_bos(tok) >= 0;
-    int32_t *ids = NULL;
-    int k = fi_tok_encode(tok, text, strlen(text), chat, NULL, 0);
-    if (k < 0 || !(ids = malloc((size_t)(k + bos + 1) * sizeof *ids)) ||
-        fi_tok_encode(tok, text, strlen(text), chat, ids + bos, k) != k) {
-        snprintf(err, errlen, "cannot tokenise the prompt");
-        free(ids);
-        free(text);
-        return NULL;
-    }
-    if (bos) ids[0] = fi_tok_bos(tok);
-    free(text);
-    *n = k + bos;
     if (*n == 0) {
         snprintf(err, errlen, "the prompt is empty");
         free(ids);
