@@ -227,10 +227,11 @@ int fi_cmd_bench(int argc, char **argv) {
         "still letting every site use a capable language model. Hospitals, banks and "
         "factories each run a local engine and send work elsewhere only when policy allows. ";
     int nt = fi_tok_encode(tok, text, strlen(text), 0, toks, (int)n_ctx);
-    if (nt <= 0 || nt > n_ctx) {
+    if (nt <= 0) {
         fprintf(stderr, "fedinfer: could not tokenize the benchmark text\n");
         goto done;
     }
+    if (nt > n_ctx) nt = (int)n_ctx; /* a context shorter than the text: its start */
     for (long i = nt; i < n_ctx; i++) toks[i] = toks[i % nt];
 
     s = fi_session_new(m, (int)n_ctx, err, sizeof err);
@@ -250,7 +251,7 @@ int fi_cmd_bench(int argc, char **argv) {
 
     /* warm-up: page in the weights, settle the clocks */
     fi_session_rewind(s, 0);
-    if (fi_session_eval(s, toks, 16, logits, NULL, err, sizeof err) != 0) goto eval_fail;
+    if (fi_session_eval(s, toks, n_ctx < 16 ? (int)n_ctx : 16, logits, NULL, err, sizeof err) != 0) goto eval_fail;
 
     for (long r = 0; r < reps; r++) {
         fi_session_rewind(s, 0);

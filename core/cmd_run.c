@@ -4,6 +4,7 @@
  * run streams a reply to stdout as it is generated; diagnostics and
  * statistics go to stderr so that stdout holds only the model's text.
  */
+#include <ctype.h>
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -168,14 +169,20 @@ int fi_cmd_run(int argc, char **argv) {
         case 'n': if (s_parse_int("--max-tokens", optarg, 0, 1 << 20, &max_tokens)) return 2; break;
         case 'T': if (s_parse_float("--temp", optarg, 0, 100, &sp.temperature)) return 2; break;
         case 'k': if (s_parse_int("--top-k", optarg, 0, INT_MAX, &v)) return 2; sp.top_k = (int)v; break;
-        case 'p': if (s_parse_float("--top-p", optarg, 0, 1, &sp.top_p)) return 2; break;
+        case 'p':
+            if (s_parse_float("--top-p", optarg, 0, 1, &sp.top_p)) return 2;
+            if (sp.top_p <= 0) { /* 0 read as "off" by the sampler; the API refuses it too */
+                fprintf(stderr, "fedinfer: --top-p must be above 0 and at most 1 (1 is off), not '%s'\n", optarg);
+                return 2;
+            }
+            break;
         case 'M': if (s_parse_float("--min-p", optarg, 0, 1, &sp.min_p)) return 2; break;
         case 'R': if (s_parse_float("--repeat-penalty", optarg, 0.01, 100, &sp.repeat_penalty)) return 2; break;
         case 's': {
             char *end;
             errno = 0;
             unsigned long long u = strtoull(optarg, &end, 10);
-            if (errno || end == optarg || *end || optarg[0] == '-') {
+            if (errno || end == optarg || *end || !isdigit((unsigned char)optarg[0])) {
                 fprintf(stderr, "fedinfer: --seed expects an unsigned integer, not '%s'\n", optarg);
                 return 2;
             }
@@ -391,8 +398,9 @@ int fi_cmd_inspect(int argc, char **argv) {
     for (int64_t i = 0; i < fi_gguf_n_kv(g); i++) {
         const fi_gguf_kv *kv = fi_gguf_kv_at(g, i);
         fi_gguf_kv_format(kv, val, sizeof val);
-        printf("  %-42.*s %-8s %s\n", (int)(kv->key.len > 200 ? 200 : kv->key.len), kv->key.ptr,
-               fi_gguf_type_name(kv->type), val);
+        char key[256];
+        fi_gguf_name_format(kv->key, 200, key, sizeof key); /* no raw escapes from the file */
+        printf("  %-42s %-8s %s\n", key, fi_gguf_type_name(kv->type), val);
     }
     uint64_t total = 0, elems = 0;
     int64_t counts[64] = {0};
@@ -415,8 +423,9 @@ int fi_cmd_inspect(int argc, char **argv) {
             for (uint32_t d = 1; d < t->n_dims && o < (int)sizeof shape; d++)
                 o += snprintf(shape + o, sizeof shape - (size_t)o, ", %" PRId64, t->ne[d]);
             if (o < (int)sizeof shape) snprintf(shape + o, sizeof shape - (size_t)o, "]");
-            printf("  %-32.*s %-6s %-24s %12" PRIu64 " %12" PRIu64 "\n",
-                   (int)(t->name.len > 64 ? 64 : t->name.len), t->name.ptr, fi_dtype_name(t->type),
+            char name[96];
+            fi_gguf_name_format(t->name, 64, name, sizeof name);
+            printf("  %-32s %-6s %-24s %12" PRIu64 " %12" PRIu64 "\n", name, fi_dtype_name(t->type),
                    shape, t->offset, t->n_bytes);
         }
     }

@@ -117,6 +117,10 @@ FI_MUST_CHECK int fi_gguf_arr_f32(const fi_gguf_kv *kv, uint64_t i, float *out);
 const char *fi_gguf_type_name(fi_gguf_type t);
 /* Writes a short rendering of a value (arrays abbreviated) into buf. */
 void fi_gguf_kv_format(const fi_gguf_kv *kv, char *buf, size_t cap);
+/* A name from the file (a key, a tensor's name) as printable text: control
+ * bytes (a crafted file's terminal escapes) become '?', at most max bytes
+ * of it, then "...". */
+void fi_gguf_name_format(fi_str s, size_t max, char *buf, size_t cap);
 
 int64_t fi_gguf_n_tensors(const fi_gguf *g);
 const fi_gguf_tensor *fi_gguf_tensor_at(const fi_gguf *g, int64_t i);

@@ -25,7 +25,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define FI_GGUF_DEFAULT_ALIGNMENT 32u
@@ -56,6 +58,7 @@ struct fi_gguf {
     uint64_t kv_slots;       /* power of two */
     int64_t *tensor_index;   /* hash slots: tensor index + 1, 0 = empty */
     uint64_t tensor_slots;   /* power of two */
+    uint64_t hash_seed;      /* random per open: a file cannot choose colliding names */
 };
 
 /* --- element types --------------------------------------------------- */
@@ -147,12 +150,14 @@ typedef struct s_rd {
     char where[224];     /* "kv 3 'general.name'", "" for the header */
 } s_rd;
 
-/* Copies at most ~80 bytes of s into buf as printable text. */
-static void s_printable(fi_str s, char *buf, size_t cap)
+/* Contract in fi_gguf.h. */
+void fi_gguf_name_format(fi_str s, size_t max, char *buf, size_t cap)
 {
     size_t n = 0;
     uint64_t i;
-    for (i = 0; i < s.len && n + 4 < cap && i < 80; i++) {
+    if (!cap)
+        return;
+    for (i = 0; i < s.len && n + 4 < cap && i < max; i++) {
         unsigned char c = (unsigned char)s.ptr[i];
         buf[n++] = (c < 0x20 || c == 0x7f) ? '?' : (char)c;
     }
@@ -161,6 +166,12 @@ static void s_printable(fi_str s, char *buf, size_t cap)
         n += 3;
     }
     buf[n] = '\0';
+}
+
+/* Copies at most ~80 bytes of s into buf as printable text. */
+static void s_printable(fi_str s, char *buf, size_t cap)
+{
+    fi_gguf_name_format(s, 80, buf, cap);
 }
 
 static void s_where(s_rd *r, const char *what, int64_t idx, const fi_str *name)
@@ -389,14 +400,35 @@ static int s_value(s_rd *r, fi_gguf_kv *kv)
 
 /* --- hash index ---------------------------------------------------------- */
 
-static uint64_t s_hash(const char *p, uint64_t n)
+/* FNV-1a from a seeded start, then mixed (murmur3's finaliser): the
+ * index uses the low bits, which in plain FNV-1a depend only on the low
+ * bits of every step, so a crafted file could make all its names collide
+ * and every lookup scan them all. With a random seed per open and the
+ * mix, it cannot choose collisions. */
+static uint64_t s_hash(const fi_gguf *g, const char *p, uint64_t n)
 {
-    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    uint64_t h = 1469598103934665603ull ^ g->hash_seed;
     for (uint64_t i = 0; i < n; i++) {
         h ^= (unsigned char)p[i];
         h *= 1099511628211ull;
     }
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 33;
     return h;
+}
+
+/* A random seed for s_hash (getrandom; failing that, addresses and time). */
+static uint64_t s_seed(const void *g)
+{
+    uint64_t v = 0;
+    if (getrandom(&v, sizeof v, GRND_NONBLOCK) == (ssize_t)sizeof v)
+        return v;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)(uintptr_t)g ^ ((uint64_t)ts.tv_nsec << 20) ^ (uint64_t)ts.tv_sec;
 }
 
 static int s_str_same(fi_str a, fi_str b)
@@ -433,7 +465,7 @@ static int s_index_build(const fi_gguf *g, int64_t n, s_name_fn name_of, int64_t
     *dup = -1;
     for (int64_t i = 0; i < n; i++) {
         fi_str s = name_of(g, i);
-        uint64_t h = s_hash(s.ptr, s.len) & (cap - 1);
+        uint64_t h = s_hash(g, s.ptr, s.len) & (cap - 1);
         while (slots[h]) {
             if (s_str_same(name_of(g, slots[h] - 1), s)) {
                 *dup = i;
@@ -453,7 +485,7 @@ static int64_t s_index_find(const fi_gguf *g, const int64_t *slots, uint64_t cap
     if (!slots || !c)
         return -1;
     size_t n = strlen(c);
-    uint64_t h = s_hash(c, n) & (cap - 1);
+    uint64_t h = s_hash(g, c, n) & (cap - 1);
     while (slots[h]) {
         if (fi_str_eq(name_of(g, slots[h] - 1), c))
             return slots[h] - 1;
@@ -634,6 +666,7 @@ static fi_gguf *s_open(const uint8_t *base, size_t size, int mapped, const char 
     g->base = base;
     g->size = size;
     g->mapped = mapped;
+    g->hash_seed = s_seed(g);
     g->alignment = FI_GGUF_DEFAULT_ALIGNMENT;
     if (s_parse(g, &r) < 0) {
         fi_gguf_close(&g);

@@ -415,6 +415,19 @@ static int s_load_merges(fi_tok *t, const fi_gguf *g, char *err, size_t errlen) 
 /* Special tokens matched in the text before pre-tokenizing: control tokens
  * (only with parse_special) and user-defined ones (always), longest first
  * so that a scan takes the longest match at a position. */
+/* A special token's text length and id, for sorting. */
+typedef struct s_len_id {
+    size_t len;
+    int32_t id;
+} s_len_id;
+
+static int s_len_id_cmp(const void *a, const void *b) {
+    const s_len_id *x = a, *y = b;
+    if (x->len != y->len)
+        return x->len > y->len ? -1 : 1; /* longest first */
+    return (x->id > y->id) - (x->id < y->id);
+}
+
 static int s_build_specials(fi_tok *t, char *err, size_t errlen) {
     int32_t n = 0;
     for (int32_t i = 0; i < t->n_vocab; i++)
@@ -426,24 +439,29 @@ static int s_build_specials(fi_tok *t, char *err, size_t errlen) {
         s_err(err, errlen, "tokenizer: out of memory");
         return -1;
     }
+    /* longest first, ids ascending within a length: sorted as (length,
+     * id) pairs, O(n log n) however many special tokens a file declares */
+    s_len_id *li = malloc(((size_t)n + 1) * sizeof *li);
+    if (!li) {
+        s_err(err, errlen, "tokenizer: out of memory");
+        return -1;
+    }
     t->n_special = 0;
     for (int32_t i = 0; i < t->n_vocab; i++) {
         if ((t->type[i] != TT_CONTROL && t->type[i] != TT_USER_DEFINED) ||
             t->text_off[i + 1] - t->text_off[i] <= 1)
             continue;
-        /* insertion by length, longest first, ids ascending within a length */
-        size_t len = t->text_off[i + 1] - t->text_off[i];
-        int32_t k = t->n_special++;
-        while (k > 0 && t->text_off[t->special[k - 1] + 1] - t->text_off[t->special[k - 1]] < len) {
-            t->special[k] = t->special[k - 1];
-            k--;
-        }
-        t->special[k] = i;
+        li[t->n_special].len = t->text_off[i + 1] - t->text_off[i];
+        li[t->n_special++].id = i;
         unsigned char c0 = (unsigned char)t->text[t->text_off[i]];
         t->special_first[c0 >> 3] |= (uint8_t)(1u << (c0 & 7));
         if (t->type[i] == TT_USER_DEFINED)
             t->has_user_defined = 1;
     }
+    qsort(li, (size_t)t->n_special, sizeof *li, s_len_id_cmp);
+    for (int32_t k = 0; k < t->n_special; k++)
+        t->special[k] = li[k].id;
+    free(li);
     return 0;
 }
 

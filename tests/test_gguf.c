@@ -229,6 +229,22 @@ static void test_open_missing(void **state)
     fi_gguf_close(&g);
 }
 
+/* Names from a file printed for people: no control bytes get through (a
+ * crafted key could otherwise retitle or clear the terminal of `inspect`). */
+static void test_name_format(void **state)
+{
+    (void)state;
+    const char raw[] = "general.\x1b]0;pwned\a\x1b[2J";
+    fi_str s = {raw, sizeof raw - 1};
+    char out[64];
+    fi_gguf_name_format(s, 200, out, sizeof out);
+    for (const char *p = out; *p; p++)
+        assert_true((unsigned char)*p >= 0x20 && *p != 0x7f);
+    assert_string_equal(out, "general.?]0;pwned??[2J");
+    fi_gguf_name_format(s, 4, out, sizeof out);
+    assert_string_equal(out, "gene...");
+}
+
 /* --- synthetic round trip -------------------------------------------------- */
 
 static void test_roundtrip_types(void **state)
@@ -1215,6 +1231,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_model_facts, s_model_setup, s_model_teardown),
         cmocka_unit_test(test_open_missing),
+        cmocka_unit_test(test_name_format),
         cmocka_unit_test(test_roundtrip_types),
         cmocka_unit_test(test_roundtrip_tensors),
         cmocka_unit_test(test_file_roundtrip),
