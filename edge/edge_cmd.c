@@ -51,6 +51,22 @@ static void s_usage(FILE *f) {
             "  clusters                    comma-separated clusters to consider (default all)\n");
 }
 
+/* A tenant or application name: 1..63 of [A-Za-z0-9._-], as the
+ * coordinator takes them (fedctl token add); anything else would end up
+ * in the audit log and the prefix-cache salt. */
+static int s_name_ok(const char *s) {
+    size_t n = s ? strlen(s) : 0;
+    if (n == 0 || n > 63) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char ch = s[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||
+              ch == '_' || ch == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+
 static int s_token(int argc, char **argv) {
     static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
                                          {"tenant", required_argument, NULL, 't'},
@@ -78,8 +94,9 @@ static int s_token(int argc, char **argv) {
         return config ? 1 : 2;
     }
     if (!strcmp(verb, "add")) {
-        if (!tenant || !app || !tenant[0] || !app[0] || strlen(tenant) > 63 || strlen(app) > 63) {
-            fprintf(stderr, "fedinfer edge token add: --tenant and --app (1..63 bytes) are required\n");
+        if (!s_name_ok(tenant) || !s_name_ok(app)) {
+            fprintf(stderr, "fedinfer edge token add: --tenant and --app (1..63 of [A-Za-z0-9._-], as "
+                            "fedctl token add takes them) are required\n");
             return 2;
         }
         char tok[64];

@@ -37,6 +37,7 @@
 #include <unistd.h>
 
 #include "edge_impl.h"
+#include "fi_audit.h"
 
 #define S_PEEK_MIN 8192 /* bytes of a request head we look at, at least (conn_memory / 2) */
 #define S_RECHECK_MS 10 /* a head that arrives in pieces is looked at again after */
@@ -71,7 +72,7 @@ static void s_refuse(edge_front *f, int fd, size_t head_len, int status, const c
                      const char *msg_in) {
     char *body = NULL, msg[512];
     snprintf(msg, sizeof msg, "%s", msg_in);
-    edge_text_clean(msg); /* it may quote the client's bytes */
+    fi_text_clean(msg); /* it may quote the client's bytes */
     json_t *o = json_pack("{s:{s:s,s:s,s:n,s:s}}", "error", "message", msg, "type",
                           "invalid_request_error", "param", "code", code);
     if (o) body = json_dumps(o, JSON_COMPACT);

@@ -62,31 +62,3 @@ int edge_front_check_head(const char *h, size_t n, long max_body, char *code, si
 }
 
 
-/* Length of the well-formed UTF-8 sequence at s (1..4), or 0. */
-static int s_utf8_len(const unsigned char *s) {
-    unsigned c = s[0];
-    if (c < 0x80) return 1;
-    int n = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
-    if (!n) return 0;
-    /* the second byte's narrower ranges: no overlong forms, no surrogates,
-     * nothing past U+10FFFF */
-    unsigned lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
-    unsigned hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
-    if (s[1] < lo || s[1] > hi) return 0;
-    for (int i = 2; i < n; i++)
-        if ((s[i] & 0xC0) != 0x80) return 0;
-    return n;
-}
-
-/* Contract in edge_impl.h. */
-void edge_text_clean(char *s) {
-    unsigned char *p = (unsigned char *)s;
-    while (*p) {
-        int n = s_utf8_len(p);
-        if (n) {
-            p += n;
-        } else {
-            *p++ = '?';
-        }
-    }
-}

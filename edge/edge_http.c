@@ -25,6 +25,7 @@
 #include <time.h>
 
 #include "edge_impl.h"
+#include "fi_audit.h"
 #include "fi_sched.h"
 
 #define EDGE_MAX_DEPTH 32       /* JSON nesting we accept */
@@ -132,7 +133,7 @@ static enum MHD_Result s_error(fi_edge *e, struct MHD_Connection *c, int status,
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    edge_text_clean(msg); /* it may quote the client's bytes, or be cut inside a character */
+    fi_text_clean(msg); /* it may quote the client's bytes, or be cut inside a character */
     if (e) s_count_status(e, status);
     return s_json(c, status, s_err_obj(status, code, param, msg), hdrs);
 }

@@ -254,10 +254,6 @@ struct sockaddr_in;
 edge_front *edge_front_start(fi_edge *e, const struct sockaddr_in *sa, int *port, char *err,
                              size_t errlen);
 void edge_front_stop(edge_front **f);
-/* Makes s valid UTF-8 in place: every byte that does not belong to a
- * well-formed sequence (a client's bytes quoted in an error, a message cut
- * inside a character) becomes '?'. JSON answers need valid UTF-8. */
-void edge_text_clean(char *s);
 /* The check on a complete request head (h, n bytes up to its blank line):
  * 0 when it may go on; 400 (a Content-Length that is not a number, or two
  * that differ) or 413 (one over 2^64-1) with an OpenAI error code and a

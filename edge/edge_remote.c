@@ -215,7 +215,8 @@ static void s_on_error(s_remote *r, const Fi__Error *er) {
     const char *msg = er->message ? er->message : "";
     if (i < 0) {
         if (r->upload_id[0] && (!er->request_id || !er->request_id[0]))
-            r->upload_id[0] = 0; /* our upload was refused: retried later */
+            r->upload_at = fi_wire_now_ms(); /* our upload was refused: the same batch again after
+                                                EDGE_AUDIT_RETRY_MS, not at once */
         fprintf(stderr, "edge: fabric: coordinator error (%s): %s\n",
                 fi_wire_error_name(er->code), msg);
         return;

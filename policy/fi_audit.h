@@ -47,6 +47,13 @@ typedef struct fi_audit_record {
     char hash[65];             /* this record's chain hash, hex (set by append, read back) */
 } fi_audit_record;
 
+/* Makes s valid UTF-8 in place: every byte that does not belong to a
+ * well-formed sequence (bytes a client or a file supplied, a text cut
+ * inside a character) becomes '?'. Every text field of an appended record
+ * goes through it (records travel as JSON); the edge cleans the text of its
+ * JSON errors with it too. */
+void fi_text_clean(char *s);
+
 /* Opens (creating if needed) the log at path. NULL with a message in err. */
 fi_audit *fi_audit_open(const char *path, char *err, size_t cap) FI_WUR;
 void fi_audit_destroy(fi_audit **self_p);

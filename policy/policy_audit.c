@@ -61,6 +61,35 @@ void fi_audit_destroy(fi_audit **self_p) {
     *self_p = NULL;
 }
 
+/* Length of the well-formed UTF-8 sequence at s (1..4), or 0. */
+static int s_utf8_len(const unsigned char *s) {
+    unsigned c = s[0];
+    if (c < 0x80) return 1;
+    int n = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+    if (!n) return 0;
+    /* the second byte's narrower ranges: no overlong forms, no surrogates,
+     * nothing past U+10FFFF */
+    unsigned lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
+    unsigned hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
+    if (s[1] < lo || s[1] > hi) return 0;
+    for (int i = 2; i < n; i++)
+        if ((s[i] & 0xC0) != 0x80) return 0;
+    return n;
+}
+
+/* Contract in fi_audit.h. */
+void fi_text_clean(char *s) {
+    unsigned char *p = (unsigned char *)s;
+    while (*p) {
+        int n = s_utf8_len(p);
+        if (n) {
+            p += n;
+        } else {
+            *p++ = '?';
+        }
+    }
+}
+
 static void s_put(crypto_hash_sha256_state *h, const char *s) {
     if (!s) s = "";
     uint32_t n = (uint32_t)strlen(s);
@@ -123,6 +152,7 @@ void fi_audit_chain_hash(const char *prev_hex, const fi_audit_record *rec, char 
 static int s_append_tx(fi_audit *self, fi_audit_record *rec) {
     sqlite3_stmt *st = NULL;
     char prev[65] = "";
+    char *own[10] = {0}; /* the record's texts, cleaned (below) */
     if (sqlite3_prepare_v2(self->db, "SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1", -1, &st, NULL) !=
         SQLITE_OK)
         goto dberr_tx;
@@ -137,16 +167,20 @@ static int s_append_tx(fi_audit *self, fi_audit_record *rec) {
     sqlite3_finalize(st);
     st = NULL;
     fi_audit_record c = *rec;
-    c.request_id = s_nz(c.request_id);
-    c.tenant = s_nz(c.tenant);
-    c.application = s_nz(c.application);
-    c.origin = s_nz(c.origin);
-    c.labels = s_nz(c.labels);
-    c.model = s_nz(c.model);
-    c.decision = s_nz(c.decision);
-    c.target = s_nz(c.target);
-    c.rules = s_nz(c.rules);
-    c.policy_digest = s_nz(c.policy_digest);
+    /* every text as valid UTF-8 (fi_text_clean), chained and stored so:
+     * a record that JSON cannot carry would stall its source's uploads */
+    const char **f[] = {&c.request_id, &c.tenant, &c.application, &c.origin, &c.labels,
+                        &c.model, &c.decision, &c.target, &c.rules, &c.policy_digest};
+    _Static_assert(sizeof f / sizeof f[0] == sizeof own / sizeof own[0], "one copy per text");
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        *f[i] = s_nz(*f[i]);
+        if (!(own[i] = strdup(*f[i]))) {
+            for (size_t k = 0; k < i; k++) free(own[k]);
+            return -1;
+        }
+        fi_text_clean(own[i]);
+        *f[i] = own[i];
+    }
     s_chain(prev, &c, rec->hash);
     if (sqlite3_prepare_v2(self->db, "INSERT INTO audit(" COLS ") VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", -1, &st,
                            NULL) != SQLITE_OK)
@@ -161,9 +195,11 @@ static int s_append_tx(fi_audit *self, fi_audit_record *rec) {
     for (int i = 0; i < 6; i++) sqlite3_bind_text(st, 11 + i, t[i], -1, SQLITE_TRANSIENT);
     if (sqlite3_step(st) != SQLITE_DONE) goto dberr_tx;
     sqlite3_finalize(st);
+    for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) free(own[i]);
     return 0;
 dberr_tx:
     sqlite3_finalize(st);
+    for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) free(own[i]);
     return -1;
 }
 

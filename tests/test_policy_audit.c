@@ -90,6 +90,24 @@ static int s_verify(const fx *f, fi_audit_check *ck) {
     return r;
 }
 
+/* The first record's column col, as stored (malloc'd). */
+static int s_first_field(const fx *f, const char *col, char **out) {
+    sqlite3 *db;
+    assert_int_equal(sqlite3_open(f->path, &db), SQLITE_OK);
+    char sql[128];
+    snprintf(sql, sizeof sql, "SELECT %s FROM audit WHERE seq = 1", col);
+    sqlite3_stmt *st = NULL;
+    int rc = -1;
+    *out = NULL;
+    if (sqlite3_prepare_v2(db, sql, -1, &st, NULL) == SQLITE_OK && sqlite3_step(st) == SQLITE_ROW) {
+        *out = strdup((const char *)sqlite3_column_text(st, 0));
+        rc = 0;
+    }
+    sqlite3_finalize(st);
+    sqlite3_close(db);
+    return rc;
+}
+
 static const char *UNGUARD = "DROP TRIGGER audit_no_update; DROP TRIGGER audit_no_delete;";
 
 static void test_intact(void **state) {
@@ -147,6 +165,37 @@ static void test_type_and_nul_edits_detected(void **state) {
         assert_int_equal(s_verify(f, &ck), 1);
         assert_string_equal(ck.what, e[i].what);
     }
+}
+
+/* A record's texts are stored as valid UTF-8 (a rule name cut inside a
+ * character, a client's bytes): they travel as JSON to the coordinator,
+ * and one that could not would stall every upload after it. */
+static void test_texts_valid_utf8(void **state) {
+    fx *f = *state;
+    char err[300];
+    fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_record r = {0};
+    r.time = 1800000000000LL;
+    r.request_id = "req-\xff";
+    r.tenant = "onkologie-\xe4";
+    r.rules = "a,b,c\xc3"; /* cut inside "\xc3\xa9" */
+    r.decision = "permit";
+    r.target = "caf\xc3\xa9";
+    assert_int_equal(fi_audit_append(a, &r, err, sizeof err), 0);
+    fi_audit_destroy(&a);
+    char *got = NULL;
+    assert_int_equal(s_first_field(f, "rules", &got), 0);
+    assert_string_equal(got, "a,b,c?");
+    free(got);
+    assert_int_equal(s_first_field(f, "tenant", &got), 0);
+    assert_string_equal(got, "onkologie-?");
+    free(got);
+    assert_int_equal(s_first_field(f, "target", &got), 0);
+    assert_string_equal(got, "caf\xc3\xa9"); /* valid text is kept */
+    free(got);
+    fi_audit_check ck;
+    assert_int_equal(s_verify(f, &ck), 0);
 }
 
 static void test_edit_with_rehash_detected(void **state) {
@@ -324,6 +373,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_triggers_refuse, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_edit_detected, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_type_and_nul_edits_detected, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_texts_valid_utf8, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_edit_with_rehash_detected, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_remove_detected, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_remove_and_renumber_detected, s_setup, s_teardown),

@@ -3,7 +3,7 @@
  * head's Content-Length headers (edge/edge_head.c), which reads bytes
  * straight from the network before libmicrohttpd does: any bytes must be
  * judged (0, 400 or 413 with a code and a message), never read past the
- * buffer, crash or hang. Also edge_text_clean, which makes a client's
+ * buffer, crash or hang. Also fi_text_clean, which makes a client's
  * bytes quoted in an error valid UTF-8: its output must be, and as long.
  *
  *   fuzz_http_head -max_total_time=10
@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "edge_impl.h"
+#include "fi_audit.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -28,7 +29,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memcpy(t, data, size);
     t[size] = 0;
     size_t n = strlen(t);
-    edge_text_clean(t);
+    fi_text_clean(t);
     if (strlen(t) != n) abort();
     for (size_t i = 0; i < n;) { /* every sequence well formed */
         unsigned char c = (unsigned char)t[i];
