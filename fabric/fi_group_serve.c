@@ -26,6 +26,7 @@
 
 #include "fi_group.h"
 #include "fi_sched.h"
+#include "fi_shard.h"
 #include "fi_wire.h"
 
 typedef struct s_lead s_lead;
@@ -138,12 +139,12 @@ static void s_submit(s_lead *L, const Fi__InferRequest *rq) {
         s_send_error(L, id, FI__ERROR_CODE__ERR_BUSY, err);
         return;
     }
-    const fi_tok *tok = fi_model_tok(L->m);
-    fi_chat_msg msg = {"user", rq->prompt ? rq->prompt : ""};
     int n = 0;
     s_req *q = NULL;
-    /* the template's markers as special tokens, the prompt as plain text */
-    int32_t *ids = fi_tok_chat_ids(tok, &msg, 1, 1, &n, err, sizeof err);
+    /* the request as a single worker takes it (fi_shard_engine.c): its
+     * messages or prompt, raw or through the chat template, its sampling
+     * and stop strings */
+    int32_t *ids = fi_shard_prompt_tokens(fi_model_tok(L->m), rq, &n, err, sizeof err);
     if (!ids) goto bad;
     if (!(q = calloc(1, sizeof *q))) {
         snprintf(err, sizeof err, "out of memory");
@@ -157,9 +158,9 @@ static void s_submit(s_lead *L, const Fi__InferRequest *rq) {
     r.n_prompt = n;
     int cap = L->rc->max_tokens;
     r.gen.max_tokens = rq->max_tokens && (int)rq->max_tokens < cap ? (int)rq->max_tokens : cap;
-    r.gen.sampling = fi_sampler_defaults();
-    r.gen.sampling.temperature = rq->temperature; /* 0 (the wire default): greedy */
-    r.gen.sampling.seed = rq->seed;
+    r.gen.sampling = fi_shard_sampling(rq);
+    r.gen.stop = (const char *const *)rq->stop;
+    r.gen.n_stop = rq->n_stop < 4 ? (int)rq->n_stop : 4;
     r.gen.on_text = s_on_text;
     r.gen.user = q;
     r.on_done = s_on_done;

@@ -190,6 +190,31 @@ static void s_send(fi_client *c, s_req *q, const char *id, const char *prompt, i
     assert_int_equal(fi_client_send(c, &m), 0);
 }
 
+/* As the edge sends a chat: the conversation in messages, no prompt; one
+ * stop string (NULL: none). */
+static void s_send_chat(fi_client *c, s_req *q, const char *id, const char *user, int max_tokens,
+                        const char *stop) {
+    memset(q, 0, sizeof *q);
+    snprintf(q->id, sizeof q->id, "%s", id);
+    Fi__ChatMessage msg = FI__CHAT_MESSAGE__INIT, *msgs[1] = {&msg};
+    msg.role = (char *)"user";
+    msg.content = (char *)user;
+    char *stops[1] = {(char *)stop};
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = q->id;
+    rq.model = (char *)"smollm2";
+    rq.prompt = (char *)"";
+    rq.messages = msgs;
+    rq.n_messages = 1;
+    rq.stop = stop ? stops : NULL;
+    rq.n_stop = stop ? 1 : 0;
+    rq.max_tokens = (uint32_t)max_tokens;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_INFER;
+    m.infer = &rq;
+    assert_int_equal(fi_client_send(c, &m), 0);
+}
+
 /* Takes the edge's messages for up to ms into qs. */
 static void s_pump(fi_client *c, s_req *qs, int n, int ms) {
     char err[256];
@@ -342,6 +367,21 @@ static void test_end_to_end_and_kill(void **state) {
            (int)q.len, q.text, want);
     assert_int_equal(q.len, strlen(want));
     assert_memory_equal(q.text, want, q.len);
+    /* The conversation as the edge sends a chat (messages, no prompt), and
+     * a stop string: the group takes them as a single worker does. */
+    s_send_chat(c, &q, "chat", S_PROMPT, 8, NULL);
+    s_pump(c, &q, 1, 30000);
+    assert_true(q.done);
+    if (q.code) fail_msg("chat: %s", q.msg);
+    if (q.len != strlen(want) || memcmp(q.text, want, q.len))
+        fail_msg("chat through messages: \"%.*s\", the engine: \"%s\"", (int)q.len, q.text, want);
+    const char *sp = strchr(want + 1, ' ');
+    assert_non_null(sp);
+    s_send_chat(c, &q, "stop", S_PROMPT, 8, " ");
+    s_pump(c, &q, 1, 30000);
+    assert_true(q.done);
+    if (q.len != (size_t)(sp - want) || memcmp(q.text, want, q.len))
+        fail_msg("stop \" \": \"%.*s\", wanted \"%.*s\"", (int)q.len, q.text, (int)(sp - want), want);
     pid_t leader = f->pid[0];
     s_fault(f, c, SIGKILL, "kill -9");
     waitpid(f->pid[1], NULL, 0);
@@ -365,7 +405,7 @@ static void test_end_to_end_and_kill(void **state) {
 
 /* One POST to the edge agent's HTTP API on 127.0.0.1:port; the status,
  * and head + body in out. */
-static int s_http_post(int port, const char *body, char *out, size_t cap) {
+static int s_http_post(int port, const char *path, const char *body, char *out, size_t cap) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sa;
     memset(&sa, 0, sizeof sa);
@@ -374,7 +414,7 @@ static int s_http_post(int port, const char *body, char *out, size_t cap) {
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) return -1;
     char req[2048];
-    int n = snprintf(req, sizeof req, "POST /v1/completions HTTP/1.0\r\nContent-Length: %zu\r\n\r\n%s",
+    int n = snprintf(req, sizeof req, "POST %s HTTP/1.0\r\nContent-Length: %zu\r\n\r\n%s", path,
                      strlen(body), body);
     if (send(fd, req, (size_t)n, 0) != n) return -1;
     size_t len = 0;
@@ -390,7 +430,7 @@ static int s_http_post(int port, const char *body, char *out, size_t cap) {
 }
 
 /* The real edge agent (HTTP API, signed policy, its own fabric link)
- * routes a completion to the TP=2 group: 200, processed at the cluster,
+ * routes a chat completion to the TP=2 group: 200, processed at the cluster,
  * the engine's text. */
 static void test_edge_agent_to_group(void **state) {
     fixture *f = *state;
@@ -439,10 +479,12 @@ static void test_edge_agent_to_group(void **state) {
     if (!e) fail_msg("%s", err);
     char out[16384];
     int status = 0;
-    const char *body = "{\"model\":\"smollm2\",\"prompt\":\"" S_PROMPT "\",\"max_tokens\":8,"
-                       "\"temperature\":0}";
+    /* a chat, as OpenAI clients send one: the group renders it as the
+     * single-process engine does */
+    const char *body = "{\"model\":\"smollm2\",\"messages\":[{\"role\":\"user\",\"content\":\"" S_PROMPT
+                       "\"}],\"max_tokens\":8,\"temperature\":0}";
     for (int k = 0; k < 100; k++) { /* until the edge's own link is up */
-        status = s_http_post(fi_edge_port(e), body, out, sizeof out);
+        status = s_http_post(fi_edge_port(e), "/v1/chat/completions", body, out, sizeof out);
         if (status == 200) break;
         h_sleep_ms(100);
     }
