@@ -43,8 +43,14 @@ int fi_cmd_keygen(int argc, char **argv) {
         return 2;
     }
     char sec[1024], pub[1024], err[512], fpr[FI_KEYS_FPR_LEN];
-    snprintf(sec, sizeof sec, "%s.key", argv[optind]);
-    snprintf(pub, sizeof pub, "%s.pub", argv[optind]);
+    const char *name = argv[optind];
+    size_t base = strlen(name);
+    if (!base || name[base - 1] == '/' || snprintf(sec, sizeof sec, "%s.key", name) >= (int)sizeof sec ||
+        snprintf(pub, sizeof pub, "%s.pub", name) >= (int)sizeof pub) {
+        fprintf(stderr, "fedinfer keygen: NAME must be a file name of at most %zu bytes, not '%.64s%s'\n",
+                sizeof sec - 5, name, base > 64 ? "..." : "");
+        return 2;
+    }
     fi_keypair kp;
     if (fi_keys_generate(&kp) != 0) {
         fprintf(stderr, "fedinfer keygen: libsodium failed to initialise\n");

@@ -53,23 +53,41 @@ void fi_keys_token_hash(const char *token, char out[65]) {
     sodium_bin2hex(out, 65, h, sizeof h);
 }
 
-/* Writes text to path with the given mode; exclusive unless force. */
+/* Writes text to path with the given mode: exclusive, or (force) into a
+ * new file beside it that is then renamed over it. An existing file is
+ * never opened for writing: a link there (symbolic or hard), or a reader
+ * that opened the old file, never gets the new secret. */
 static int s_write_file(const char *path, const char *text, mode_t mode, int force, char *err,
                         size_t errlen) {
-    int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (force ? O_TRUNC : O_EXCL);
-    int fd = open(path, flags, mode);
+    char tmp[4200];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp-XXXXXX", path) >= (int)sizeof tmp) {
+        snprintf(err, errlen, "%s: path too long", path);
+        return -1;
+    }
+    int fd = -1;
+    if (force) {
+        fd = mkstemp(tmp); /* O_EXCL, 0600 */
+    } else {
+        fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+    }
+    const char *where = force ? tmp : path;
     if (fd < 0) {
-        snprintf(err, errlen, "%s: %s%s", path, strerror(errno),
+        snprintf(err, errlen, "%s: %s%s", where, strerror(errno),
                  errno == EEXIST ? " (use --force to overwrite)" : "");
         return -1;
     }
     size_t n = strlen(text);
     int rc = 0;
     if (fchmod(fd, mode) != 0 || write(fd, text, n) != (ssize_t)n || fsync(fd) != 0) {
-        snprintf(err, errlen, "%s: write failed: %s", path, strerror(errno));
+        snprintf(err, errlen, "%s: write failed: %s", where, strerror(errno));
         rc = -1;
     }
     close(fd);
+    if (force && rc == 0 && rename(tmp, path) != 0) {
+        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        rc = -1;
+    }
+    if (force && rc != 0) unlink(tmp);
     return rc;
 }
 
@@ -83,19 +101,30 @@ int fi_keys_save(const fi_keypair *kp, const char *sec_path, const char *pub_pat
     snprintf(text, sizeof text,
              "# fedinfer CURVE secret key (keep private), fingerprint %s\n"
              "public = %s\nsecret = %s\n", fpr, pz, sz);
+    if (!strcmp(sec_path, pub_path)) {
+        snprintf(err, errlen, "%s: the secret and public key files must differ", sec_path);
+        sodium_memzero(text, sizeof text);
+        sodium_memzero(sz, sizeof sz);
+        return -1;
+    }
     int rc = s_write_file(sec_path, text, 0600, force, err, errlen);
     sodium_memzero(text, sizeof text);
     sodium_memzero(sz, sizeof sz);
     if (rc != 0) return -1;
     snprintf(text, sizeof text, "# fedinfer CURVE public key, fingerprint %s\npublic = %s\n", fpr,
              pz);
-    return s_write_file(pub_path, text, 0644, force, err, errlen);
+    if (s_write_file(pub_path, text, 0644, force, err, errlen) != 0) {
+        if (!force) unlink(sec_path); /* no secret without its public half (a forced pair keeps the new secret) */
+        return -1;
+    }
+    return 0;
 }
 
 /* Reads `public = ` and `secret = ` lines; the other may be absent. */
 static int s_read_keys(const char *path, char *pub_z, char *sec_z, char *err, size_t errlen,
                        int want_private) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* non-blocking: a FIFO at the path is refused below, not waited on */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         snprintf(err, errlen, "%s: %s", path, strerror(errno));
         return -1;
@@ -114,6 +143,12 @@ static int s_read_keys(const char *path, char *pub_z, char *sec_z, char *err, si
         return -1;
     }
     char buf[1024];
+    if (st.st_size >= (off_t)sizeof buf) {
+        snprintf(err, errlen, "%s: %lld bytes; a key file is under %zu", path, (long long)st.st_size,
+                 sizeof buf);
+        close(fd);
+        return -1;
+    }
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
     if (n < 0) {
@@ -121,6 +156,11 @@ static int s_read_keys(const char *path, char *pub_z, char *sec_z, char *err, si
         return -1;
     }
     buf[n] = 0;
+    if ((size_t)n != strlen(buf)) {
+        snprintf(err, errlen, "%s: holds a NUL byte", path);
+        sodium_memzero(buf, sizeof buf);
+        return -1;
+    }
     pub_z[0] = sec_z[0] = 0;
     int lineno = 0;
     for (char *line = strtok(buf, "\n"); line; line = strtok(NULL, "\n")) {
@@ -129,9 +169,11 @@ static int s_read_keys(const char *path, char *pub_z, char *sec_z, char *err, si
         char *dst = NULL;
         if (!strncmp(line, "public = ", 9)) dst = pub_z;
         else if (!strncmp(line, "secret = ", 9)) dst = sec_z;
-        if (!dst || strlen(line + 9) != FI_KEYS_Z85_LEN - 1) {
-            snprintf(err, errlen, "%s: line %d is not a key line", path, lineno);
+        if (!dst || strlen(line + 9) != FI_KEYS_Z85_LEN - 1 || dst[0]) {
+            snprintf(err, errlen, "%s: line %d is %s", path, lineno,
+                     dst && dst[0] ? "a second key line of its kind" : "not a key line");
             sodium_memzero(buf, sizeof buf);
+            sodium_memzero(sec_z, FI_KEYS_Z85_LEN);
             return -1;
         }
         memcpy(dst, line + 9, FI_KEYS_Z85_LEN);

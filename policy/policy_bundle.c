@@ -83,13 +83,18 @@ int fi_bundle_key_save(const char *path, const uint8_t sk[FI_BUNDLE_SK_BYTES], c
 
 /* Reads at most cap-1 bytes of a small file into buf, NUL-terminated. */
 static int s_read_small(const char *path, char *buf, size_t cap, struct stat *st, char *err, size_t ecap) {
-    int fd = open(path, O_RDONLY);
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC); /* a FIFO is refused, not waited on */
     if (fd < 0) {
         snprintf(err, ecap, "cannot open %s: %s", path, strerror(errno));
         return -1;
     }
     if (fstat(fd, st)) {
         snprintf(err, ecap, "cannot stat %s: %s", path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    if (!S_ISREG(st->st_mode)) {
+        snprintf(err, ecap, "%s is not a regular file", path);
         close(fd);
         return -1;
     }

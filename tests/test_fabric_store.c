@@ -96,6 +96,37 @@ static void test_keys(void **state) {
     assert_int_equal(strncmp(t1, "fit_", 4), 0);
     fi_keys_token_hash(t1, h1);
     assert_null(strstr(h1, t1 + 4));
+    /* --force writes a new file and renames it over the old one: a link
+     * there keeps pointing at what it pointed at, and never gets the secret */
+    char target[160], lnk[160], lpub[160];
+    snprintf(target, sizeof target, "%s/target", d->path);
+    snprintf(lnk, sizeof lnk, "%s/l.key", d->path);
+    snprintf(lpub, sizeof lpub, "%s/l.pub", d->path);
+    f = fopen(target, "w");
+    fputs("old\n", f);
+    fclose(f);
+    assert_int_equal(symlink(target, lnk), 0);
+    assert_int_equal(fi_keys_save(&kp, lnk, lpub, 1, err, sizeof err), 0);
+    char line[16] = "";
+    f = fopen(target, "r");
+    assert_non_null(fgets(line, sizeof line, f));
+    fclose(f);
+    assert_string_equal(line, "old\n");
+    assert_int_equal(lstat(lnk, &st), 0);
+    assert_true(S_ISREG(st.st_mode) && (st.st_mode & 0777) == 0600);
+    /* the same path twice, a FIFO (refused, not waited on), a second key line */
+    assert_int_equal(fi_keys_save(&kp, sec, sec, 1, err, sizeof err), -1);
+    char fifo[160];
+    snprintf(fifo, sizeof fifo, "%s/fifo.key", d->path);
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    assert_int_equal(fi_keys_load_secret(fifo, &back, err, sizeof err), -1);
+    assert_non_null(strstr(err, "not a regular file"));
+    f = fopen(sec, "w");
+    fprintf(f, "secret = %s\nsecret = %s\n", z2, z2);
+    fclose(f);
+    assert_int_equal(chmod(sec, 0600), 0);
+    assert_int_equal(fi_keys_load_secret(sec, &back, err, sizeof err), -1);
+    assert_non_null(strstr(err, "second key line"));
     fi_keys_wipe(&kp);
     uint8_t zero[sizeof kp] = {0};
     assert_memory_equal(&kp, zero, sizeof kp);
