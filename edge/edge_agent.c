@@ -16,6 +16,8 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
         return NULL;
     }
     e->conf = *c;
+    e->lim = (edge_limits){c->max_tokens, c->default_max_tokens, c->max_body, c->request_timeout_s};
+    pthread_rwlock_init(&e->lim_lk, NULL);
     atomic_init(&e->next_id, 1);
     if (c->model[0]) {
         fi_model_opts mo = {.n_threads = c->threads, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_AUTO};
@@ -44,6 +46,13 @@ fail:
 
 int fi_edge_port(const fi_edge *e) { return e->port; }
 
+edge_limits edge_limits_now(fi_edge *e) {
+    pthread_rwlock_rdlock(&e->lim_lk);
+    edge_limits l = e->lim;
+    pthread_rwlock_unlock(&e->lim_lk);
+    return l;
+}
+
 void fi_edge_reload(fi_edge *e, const char *path) {
     fi_edge_conf nc;
     char err[768];
@@ -53,10 +62,9 @@ void fi_edge_reload(fi_edge *e, const char *path) {
     } else if (path) {
         /* Limits take effect for new requests; what is bound to sockets,
          * threads and files needs a restart. */
-        e->conf.max_tokens = nc.max_tokens;
-        e->conf.default_max_tokens = nc.default_max_tokens;
-        e->conf.max_body = nc.max_body;
-        e->conf.request_timeout_s = nc.request_timeout_s;
+        pthread_rwlock_wrlock(&e->lim_lk);
+        e->lim = (edge_limits){nc.max_tokens, nc.default_max_tokens, nc.max_body, nc.request_timeout_s};
+        pthread_rwlock_unlock(&e->lim_lk);
         if (strcmp(nc.site, e->conf.site) || strcmp(nc.model, e->conf.model) ||
             nc.port != e->conf.port || strcmp(nc.coordinator, e->conf.coordinator) ||
             nc.concurrency != e->conf.concurrency || nc.auth != e->conf.auth)
@@ -82,5 +90,6 @@ void fi_edge_destroy(fi_edge **ep) {
     edge_auth_close(&e->tokens);
     edge_policy_destroy(&e->policy);
     fi_model_destroy(&e->model);
+    pthread_rwlock_destroy(&e->lim_lk);
     free(e);
 }

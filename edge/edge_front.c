@@ -143,7 +143,7 @@ static int s_look(edge_front *f, int i, double now) {
         if (!memcmp(buf + j, "\n\n", 2)) eoh = buf + j + 2;
     if (eoh) {
         char code[40], msg[256];
-        int st = edge_front_check_head(buf, (size_t)(eoh - buf), f->e->conf.max_body, code,
+        int st = edge_front_check_head(buf, (size_t)(eoh - buf), edge_limits_now(f->e).max_body, code,
                                        sizeof code, msg, sizeof msg);
         if (st) {
             s_refuse(f, p->fd, (size_t)(eoh - buf), st, code, msg);

@@ -239,7 +239,7 @@ static enum MHD_Result s_xdc_each(void *cls, enum MHD_ValueKind kind, const char
  * param and message. */
 static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const char **param,
                    char *msg, size_t mlen) {
-    const fi_edge_conf *cf = &e->conf;
+    const edge_limits lim = edge_limits_now(e); /* this request's */
     *code = "invalid_value";
     *param = NULL;
     if (!json_is_object(root)) {
@@ -261,14 +261,14 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
     v = json_object_get(root, "stream");
     if (v && !json_is_null(v) && !json_is_boolean(v)) BAD("stream", "'stream' must be a boolean");
     r->stream = json_is_true(v);
-    r->max_tokens = cf->default_max_tokens;
+    r->max_tokens = lim.default_max_tokens;
     v = json_object_get(root, "max_completion_tokens");
     if (!v || json_is_null(v)) v = json_object_get(root, "max_tokens");
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v)) BAD("max_tokens", "'max_tokens' must be an integer");
         json_int_t n = json_integer_value(v);
-        if (n < 1 || n > cf->max_tokens)
-            BAD("max_tokens", "'max_tokens' must be between 1 and %d on this agent", cf->max_tokens);
+        if (n < 1 || n > lim.max_tokens)
+            BAD("max_tokens", "'max_tokens' must be between 1 and %d on this agent", lim.max_tokens);
         r->max_tokens = (int)n;
     }
     r->sp = fi_sampler_defaults();
@@ -750,6 +750,7 @@ static int s_routed(fi_edge *e, edge_job *job, const s_req *r, int chat, const c
 }
 
 static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn, int chat) {
+    const edge_limits lim = edge_limits_now(e); /* this request's */
     atomic_fetch_add(&e->m.requests, 1);
     if (atomic_load(&e->stopping))
         return s_error(e, c, 503, "shutting_down", NULL, NULL, "the agent is stopping");
@@ -766,7 +767,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     }
     if (cn->too_big)
         return s_error(e, c, 413, "body_too_large", NULL, NULL, "the body exceeds %d bytes",
-                       e->conf.max_body);
+                       lim.max_body);
     if (!cn->len) return s_error(e, c, 400, "invalid_json", NULL, NULL, "the body is empty");
     if (!s_depth_ok(cn->body, cn->len, EDGE_MAX_DEPTH))
         return s_error(e, c, 400, "invalid_json", NULL, NULL, "JSON nested deeper than %d levels",
@@ -814,7 +815,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     if (e->model) {
         char terr[256];
         ids = edge_prompt_tokens(fi_model_tok(e->model), chat ? r->msgs : NULL, r->n_msgs,
-                                 r->prompt, (size_t)e->conf.max_body * 2, &n_ids, terr,
+                                 r->prompt, (size_t)lim.max_body * 2, &n_ids, terr,
                                  sizeof terr);
         if (!ids) {
             rc = s_error(e, c, 500, "internal_error", NULL, NULL, "%s", terr);
@@ -906,7 +907,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     job->n_prompt = n_ids;
     job->sp = r->sp;
     job->max_tokens = r->max_tokens;
-    job->timeout_s = e->conf.request_timeout_s;
+    job->timeout_s = lim.request_timeout_s;
     /* prefix-cache salt: tenants never share cached state */
     snprintf(job->tenant, sizeof job->tenant, "%s", tenant);
     snprintf(job->zone, sizeof job->zone, "%s", d->zone);
@@ -918,6 +919,11 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     }
     edge_exec *ex = t == 0 ? &e->local : &e->remote;
     if (ex->submit(ex->ctx, job) != 0) {
+        if (atomic_load(&e->stopping)) {
+            /* stopping began while this request was being decided */
+            rc = s_error(e, c, 503, "shutting_down", NULL, NULL, "the agent is stopping");
+            goto done;
+        }
         const char *const hdr[] = {"Retry-After", "1", "X-Fedinfer-Policy", d->version,
                                    "X-Fedinfer-Target", d->names[t], NULL};
         rc = s_error(e, c, 429, "rate_limit_exceeded", NULL, hdr,
@@ -1027,6 +1033,7 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
     (void)version;
     s_conn *cn = *con_cls;
     int post = !strcmp(method, "POST");
+    const edge_limits lim = edge_limits_now(e);
     if (!cn) {
         cn = calloc(1, sizeof *cn);
         if (!cn) return MHD_NO;
@@ -1038,9 +1045,9 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
             if (cl) {
                 char *end;
                 unsigned long long n = strtoull(cl, &end, 10);
-                if (n > (unsigned long long)e->conf.max_body)
+                if (n > (unsigned long long)lim.max_body)
                     return s_error(e, c, 413, "body_too_large", NULL, NULL,
-                                   "the body of %s bytes exceeds %d bytes", cl, e->conf.max_body);
+                                   "the body of %s bytes exceeds %d bytes", cl, lim.max_body);
             }
         }
         return MHD_YES;
@@ -1052,9 +1059,9 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
             /* Discarding an oversized body: answered at its end, but a body
              * that goes on past four times the limit is cut off. */
             cn->discarded += n;
-            return cn->discarded > 4 * (size_t)e->conf.max_body ? MHD_NO : MHD_YES;
+            return cn->discarded > 4 * (size_t)lim.max_body ? MHD_NO : MHD_YES;
         }
-        if (cn->len + n > (size_t)e->conf.max_body) {
+        if (cn->len + n > (size_t)lim.max_body) {
             cn->too_big = 1;
             cn->discarded = cn->len + n;
             free(cn->body);
@@ -1076,7 +1083,7 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
     }
     if (cn->too_big)
         return s_error(e, c, 413, "body_too_large", NULL, NULL, "the body exceeds %d bytes",
-                       e->conf.max_body);
+                       lim.max_body);
     if (post && !strcmp(url, "/v1/chat/completions")) return s_infer(e, c, cn, 1);
     if (post && !strcmp(url, "/v1/completions")) return s_infer(e, c, cn, 0);
     int get = !strcmp(method, "GET") || !strcmp(method, "HEAD");

@@ -230,8 +230,16 @@ typedef struct edge_metrics {
     atomic_long ttft_sum_us;
 } edge_metrics;
 
+/* The limits a reload (SIGHUP) may change, taken as one snapshot per
+ * request (edge_limits_now): no request sees half of an old set. */
+typedef struct edge_limits {
+    int max_tokens, default_max_tokens, max_body, request_timeout_s;
+} edge_limits;
+
 struct fi_edge {
-    fi_edge_conf conf;            /* as loaded; limits may change on reload */
+    fi_edge_conf conf;            /* as loaded (its limits: see lim) */
+    pthread_rwlock_t lim_lk;      /* guards lim */
+    edge_limits lim;              /* the limits in force */
     fi_model *model;              /* local model, NULL when none */
     edge_exec local;              /* local executor (ctx NULL when no model) */
     edge_exec remote;             /* fabric executor (ctx NULL when offline only) */
@@ -260,6 +268,9 @@ void edge_front_stop(edge_front **f);
  * message. */
 int edge_front_check_head(const char *h, size_t n, long max_body, char *code, size_t clen,
                           char *msg, size_t mlen);
+
+/* The limits in force now (edge_agent.c). */
+edge_limits edge_limits_now(fi_edge *e);
 
 /* HTTP server (edge_http.c). */
 int edge_http_start(fi_edge *e, char *err, size_t errlen);

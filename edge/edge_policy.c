@@ -35,6 +35,7 @@ struct edge_policy {
     uint8_t trusted[1][FI_BUNDLE_PK_BYTES]; /* the signer we accept */
     int have_key;                    /* trusted is loaded */
     pthread_rwlock_t lk;             /* guards pol, version, status */
+    pthread_mutex_t rmu;             /* one reload at a time (SIGHUP, a pushed bundle) */
     fi_policy *pol;                  /* enforced policy, NULL: fallback */
     uint64_t version;                /* its bundle version */
     char status[256];                /* why there is none, for logs and headers */
@@ -56,8 +57,11 @@ static void s_log(const char *fmt, ...) {
 void edge_policy_reload(edge_policy *p) {
     fi_policy *pol = NULL;
     uint64_t version = 0;
-    char err[256] = "";
+    char err[256] = "", status[sizeof p->status];
     fi_bundle_status st = FI_BUNDLE_NONE;
+    /* load and swap as one step: a SIGHUP reload that read the disk before
+     * a pushed bundle was installed must not swap in after it */
+    pthread_mutex_lock(&p->rmu);
     if (p->dir[0] && p->have_key)
         st = fi_bundle_load(p->dir, (const uint8_t(*)[FI_BUNDLE_PK_BYTES])p->trusted, 1,
                             (int64_t)time(NULL), &pol, &version, err, sizeof err);
@@ -71,8 +75,10 @@ void edge_policy_reload(edge_policy *p) {
         /* a status line: the loader's message cut to fit */
         snprintf(p->status, sizeof p->status, "no valid policy (%s%s%.150s): on-site processing only",
                  p->dir[0] ? fi_bundle_status_str(st) : "none configured", err[0] ? ": " : "", err);
+    memcpy(status, p->status, sizeof status);
     pthread_rwlock_unlock(&p->lk);
-    s_log("%s", p->status);
+    pthread_mutex_unlock(&p->rmu);
+    s_log("%s", status);
 }
 
 edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db, const char *site,
@@ -83,6 +89,7 @@ edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db
         return NULL;
     }
     pthread_rwlock_init(&p->lk, NULL);
+    pthread_mutex_init(&p->rmu, NULL);
     pthread_mutex_init(&p->amu, NULL);
     snprintf(p->dir, sizeof p->dir, "%s", dir ? dir : "");
     snprintf(p->site, sizeof p->site, "%s", site);
@@ -124,6 +131,7 @@ void edge_policy_destroy(edge_policy **pp) {
     fi_audit_destroy(&p->audit);
     if (p->db) sqlite3_close(p->db);
     pthread_rwlock_destroy(&p->lk);
+    pthread_mutex_destroy(&p->rmu);
     pthread_mutex_destroy(&p->amu);
     free(p);
 }

@@ -278,15 +278,9 @@ static void s_dispatch(s_remote *r, fi_msg *m) {
         if (i < 0) return;
         const char *sr = m->final->stop_reason ? m->final->stop_reason : "";
         edge_job *j = r->open[i].job;
-        pthread_mutex_lock(&j->mu);
-        int done = j->done;
-        pthread_mutex_unlock(&j->mu);
-        if (done) { /* ended by a stop string: fill in the usage */
-            pthread_mutex_lock(&j->mu);
-            j->n_prompt_tokens = (int)m->final->n_prompt;
-            j->n_completion_tokens = (int)m->final->n_generated;
-            pthread_mutex_unlock(&j->mu);
-        }
+        /* (a job a stop string ended is done already: finish leaves it as it
+         * is, since its answer may be on its way to the client; its usage
+         * then reads 0) */
         edge_job_finish(j, !strcmp(sr, "length") ? "length" : "stop", (int)m->final->n_prompt,
                         (int)m->final->n_generated);
         s_close_open(r, i);
