@@ -74,8 +74,13 @@ static int s_token(int argc, char **argv) {
                                          {NULL, 0, NULL, 0}};
     const char *config = NULL, *tenant = NULL, *app = NULL;
     int ch;
-    if (argc < 2) {
-        s_usage(stderr);
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            s_usage(stdout);
+            return 0;
+        }
+    if (argc < 2 || (strcmp(argv[1], "add") && strcmp(argv[1], "revoke"))) {
+        fprintf(stderr, "fedinfer edge token: expected add or revoke (see --help)\n");
         return 2;
     }
     const char *verb = argv[1];
@@ -84,7 +89,10 @@ static int s_token(int argc, char **argv) {
         if (ch == 'c') config = optarg;
         else if (ch == 't') tenant = optarg;
         else if (ch == 'a') app = optarg;
-        else return 2;
+        else {
+            fprintf(stderr, "fedinfer edge token: see --help\n");
+            return 2;
+        }
     }
     fi_edge_conf c;
     char err[768];
@@ -94,6 +102,10 @@ static int s_token(int argc, char **argv) {
         return config ? 1 : 2;
     }
     if (!strcmp(verb, "add")) {
+        if (optind != argc - 1) {
+            fprintf(stderr, "fedinfer edge token add: unexpected argument '%s'\n", argv[optind + 1]);
+            return 2;
+        }
         if (!s_name_ok(tenant) || !s_name_ok(app)) {
             fprintf(stderr, "fedinfer edge token add: --tenant and --app (1..63 of [A-Za-z0-9._-], as "
                             "fedctl token add takes them) are required\n");
@@ -138,7 +150,8 @@ int fi_cmd_edge(int argc, char **argv) {
         }
     }
     if (!config || optind != argc) {
-        fprintf(stderr, "fedinfer edge: --config is required (see --help)\n");
+        fprintf(stderr, "fedinfer edge: %s (see --help)\n",
+                !config ? "--config is required" : "unexpected argument");
         return 2;
     }
     fi_edge_conf c;

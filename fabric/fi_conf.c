@@ -25,16 +25,22 @@ int fi_conf_load(const char *path, const fi_conf_key *keys, void *dst, char *err
         return -1;
     }
     int seen[S_MAX_KEYS] = {0};
-    char line[FI_CONF_STR_MAX + 128];
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t got;
     int lineno = 0, rc = -1;
-    while (fgets(line, sizeof line, f)) {
+    while ((got = getline(&line, &cap, f)) != -1) {
         lineno++;
-        if (!strchr(line, '\n') && !feof(f)) {
-            snprintf(err, errlen, "%s:%d: line too long", path, lineno);
+        if ((size_t)got != strlen(line)) { /* the rest of the line would be dropped unseen */
+            snprintf(err, errlen, "%s:%d: NUL byte", path, lineno);
             goto done;
         }
         char *s = s_trim(line);
         if (!*s || *s == '#') continue;
+        if ((size_t)got > FI_CONF_STR_MAX + 128) {
+            snprintf(err, errlen, "%s:%d: line too long", path, lineno);
+            goto done;
+        }
         char *eq = strchr(s, '=');
         if (!eq) {
             snprintf(err, errlen, "%s:%d: expected 'key = value'", path, lineno);
@@ -81,6 +87,7 @@ int fi_conf_load(const char *path, const fi_conf_key *keys, void *dst, char *err
         }
     rc = 0;
 done:
+    free(line);
     fclose(f);
     return rc;
 }

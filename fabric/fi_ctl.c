@@ -11,6 +11,7 @@
  *   secret_key = /home/op/.fedinfer/op.key
  */
 #include <getopt.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -179,7 +180,16 @@ int fi_ctl_enrol(int argc, char **argv) {
         case 'r': role = optarg; break;
         case 's': site = optarg; break;
         case 'g': region = optarg; break;
-        case 't': ttl = strtol(optarg, NULL, 10); break;
+        case 't': {
+            char *end;
+            errno = 0;
+            ttl = strtol(optarg, &end, 10);
+            if (errno || end == optarg || *end) {
+                fprintf(stderr, "fedctl enrol: --ttl expects seconds, not '%s'\n", optarg);
+                return 2;
+            }
+            break;
+        }
         default:
             fprintf(ch == 'h' ? stdout : stderr,
                     "usage: fedctl enrol --role edge|cluster|operator [--site S --region R]\n"

@@ -174,6 +174,22 @@ static void test_conf(void **state) {
     assert_non_null(strstr(err, "required key 'name'"));
     assert_int_equal(s_conf(d->path, "name\n", &c, err, sizeof err), -1);
     assert_non_null(strstr(err, ":1: expected"));
+    /* a NUL byte is named (what follows it would be dropped unseen), and a
+     * long comment is no long line */
+    {
+        char path[128];
+        snprintf(path, sizeof path, "%s/c.conf", d->path);
+        FILE *f = fopen(path, "w");
+        fwrite("name = x\nn = 3\0garbage\n", 1, 23, f);
+        fclose(f);
+        assert_int_equal(fi_conf_load(path, s_keys, &c, err, sizeof err), -1);
+        assert_non_null(strstr(err, "c.conf:2: NUL byte"));
+        char big[3000] = "# ";
+        memset(big + 2, 'x', 2000);
+        strcpy(big + 2002, "\nname = y\n");
+        assert_int_equal(s_conf(d->path, big, &c, err, sizeof err), 0);
+        assert_string_equal(c.name, "y");
+    }
     assert_int_equal(s_conf(d->path, "name =\n", &c, err, sizeof err), -1);
 }
 
