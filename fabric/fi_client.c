@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sodium.h>
 #include <string.h>
 #include <zmq.h>
 
@@ -506,9 +507,31 @@ int fi_client_infer(fi_client *c, const Fi__InferRequest *rq, fi_client_text_fn 
     }
 }
 
+static int s_enrol(const fi_client_opts *o, const char *enrol_endpoint, const char *token,
+                                Fi__Role role, const char *site, const char *region, int timeout_ms,
+                                char fpr[FI_KEYS_FPR_LEN], char *err, size_t errlen);
+
 int fi_client_enrol(const fi_client_opts *o, const char *enrol_endpoint, const char *token,
                     Fi__Role role, const char *site, const char *region, int timeout_ms,
                     char fpr[FI_KEYS_FPR_LEN], char *err, size_t errlen) {
+    char line[256];
+    if (token && !strcmp(token, "-")) {
+        if (!fgets(line, sizeof line, stdin)) {
+            snprintf(err, errlen, "--enrol -: no token on standard input");
+            return -1;
+        }
+        size_t n = strlen(line);
+        while (n && (line[n - 1] == '\n' || line[n - 1] == '\r' || line[n - 1] == ' ')) line[--n] = 0;
+        token = line;
+    }
+    int rc = s_enrol(o, enrol_endpoint, token, role, site, region, timeout_ms, fpr, err, errlen);
+    sodium_memzero(line, sizeof line);
+    return rc;
+}
+
+static int s_enrol(const fi_client_opts *o, const char *enrol_endpoint, const char *token,
+                                Fi__Role role, const char *site, const char *region, int timeout_ms,
+                                char fpr[FI_KEYS_FPR_LEN], char *err, size_t errlen) {
     int rc = -1;
     void *ctx = zmq_ctx_new(), *s = NULL, *mon = NULL;
     fi_sockopts so;

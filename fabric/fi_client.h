@@ -148,7 +148,9 @@ int fi_client_infer(fi_client *c, const Fi__InferRequest *rq, fi_client_text_fn 
 
 /* Enrols o->kp: connects to the enrolment endpoint, presents token with
  * role, site and region, and waits for the answer. Returns 0 with the
- * fingerprint recorded in fpr, or -1 with a message. */
+ * fingerprint recorded in fpr, or -1 with a message. A token of "-" is
+ * read from the first line of standard input (so that it never appears in
+ * the process list, where every local user can read a command line). */
 int fi_client_enrol(const fi_client_opts *o, const char *enrol_endpoint, const char *token,
                     Fi__Role role, const char *site, const char *region, int timeout_ms,
                     char fpr[FI_KEYS_FPR_LEN], char *err, size_t errlen);

@@ -43,7 +43,9 @@ int fi_cmd_shard(int argc, char **argv) {
             FILE *f = ch == 'h' ? stdout : stderr;
             fprintf(f, "usage: fedinfer shard --config FILE [--enrol TOKEN] [--echo]\n\n"
                        "Serves a model to the coordinator as a cluster worker, through one\n"
-                       "continuous-batching scheduler with a paged KV cache and prefix reuse.\n\n"
+                       "continuous-batching scheduler with a paged KV cache and prefix reuse.\n"
+                       "--enrol - reads the one-time token from standard input (a command line\n"
+                       "is visible to every local user).\n\n"
                        "Configuration (key = value lines; unknown keys are errors):\n"
                        "  coordinator = ENDPOINT       tcp://coordinator:7700 (required)\n"
                        "  coordinator_key = FILE       the coordinator's public key (required)\n"

@@ -61,11 +61,15 @@ class Fleet:
         with open(os.path.join(self.dir, name), "w") as f:
             f.write(text)
 
-    def start(self, name, argv, env=None):
+    def start(self, name, argv, env=None, stdin_text=None):
         log = open(os.path.join(self.dir, name + ".log"), "w")
-        self.procs[name] = (subprocess.Popen(argv, cwd=self.dir, stdout=log, stderr=log,
-                                             env=dict(os.environ, **(env or {})),
-                                             preexec_fn=die_with_parent), log)
+        p = subprocess.Popen(argv, cwd=self.dir, stdout=log, stderr=log,
+                             stdin=subprocess.PIPE if stdin_text is not None else None,
+                             env=dict(os.environ, **(env or {})), preexec_fn=die_with_parent)
+        if stdin_text is not None:
+            p.stdin.write(stdin_text.encode())
+            p.stdin.close()
+        self.procs[name] = (p, log)
 
     def log(self, name):
         with open(os.path.join(self.dir, name + ".log")) as f:
@@ -88,7 +92,9 @@ class Fleet:
                    f"coordinator = tcp://127.0.0.1:{self.fabric}\ncoordinator_key = {d}/coord.pub\n"
                    f"secret_key = {d}/{site}.key\nenrol_endpoint = tcp://127.0.0.1:{self.enrol}\n"
                    f"shutdown_grace_s = 3\n{extra}")
-        self.start(site, [FEDINFER, "edge", "--config", f"{d}/{site}.conf", "--enrol", tok])
+        # the one-time token on standard input, not on the command line
+        self.start(site, [FEDINFER, "edge", "--config", f"{d}/{site}.conf", "--enrol", "-"],
+                   stdin_text=tok + "\n")
         self.edges[site] = f"http://127.0.0.1:{port}"
         return self.edges[site]
 
