@@ -430,6 +430,17 @@ static void test_capacity_and_cancel(void **state) {
     fi_client_destroy(&edge);
 }
 
+/* A new edge key of site, enrolled and connected. */
+static fi_client *s_new_edge(harness *h, const char *site) {
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, site, "r1"), 0);
+    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(edge);
+    fi_keys_wipe(&ek);
+    return edge;
+}
+
 /* Receives on the edge for ms (heartbeats carry the clusters' load). */
 static void s_listen(fi_client *edge, int ms) {
     uint64_t end = fi_wire_now_ms() + (uint64_t)ms;
@@ -447,11 +458,7 @@ static void s_listen(fi_client *edge, int ms) {
  * not keep routing to a cluster with nobody there). */
 static void test_edge_view_follows_workers(void **state) {
     harness *h = *state;
-    fi_keypair ek;
-    assert_int_equal(fi_keys_generate(&ek), 0);
-    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s6", "r1"), 0);
-    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
-    assert_non_null(edge);
+    fi_client *edge = s_new_edge(h, "s6");
     fi_cluster_load L[FI_CLIENT_MAX_LOADS];
     uint64_t heard = 0;
     h_worker w;
@@ -501,18 +508,14 @@ static void *s_rogue(void *arg) {
 
 static void test_worker_cannot_disconnect_edge(void **state) {
     harness *h = *state;
-    fi_keypair ek;
-    assert_int_equal(fi_keys_generate(&ek), 0);
     assert_int_equal(fi_keys_generate(&s_rogue_key), 0);
-    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s7", "r1"), 0);
     assert_int_equal(h_enrol_direct(h, &s_rogue_key, FI__ROLE__ROLE_CLUSTER, "core-r", "r1"), 0);
     s_rogue_h = h;
     atomic_store(&s_rogue_stop, 0);
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, s_rogue, NULL), 0);
     h_sleep_ms(300);
-    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
-    assert_non_null(edge);
+    fi_client *edge = s_new_edge(h, "s7");
     h_text t;
     fi_client_result res;
     assert_int_equal(h_infer(edge, "r1", "rogue", "hello", &t, &res), 0);
