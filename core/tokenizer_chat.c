@@ -160,33 +160,41 @@ static void s_turn(s_buf *b, const char *role, const char *content) {
     s_put(b, "\n");
 }
 
-char *fi_tok_chat(const fi_tok *t, const fi_chat_msg *msgs, int n, int add_assistant, char *err,
-                  size_t errlen) {
+/* Whether the model's template and the messages can be rendered; 0, or
+ * -1 with a message in err. */
+static int s_chat_ok(const fi_tok *t, const fi_chat_msg *msgs, int n, char *err, size_t errlen) {
     if (t->chat_kind == FI_TOK_CHAT_NONE) {
         if (err && errlen)
             snprintf(err, errlen, "chat template not supported: the model has no "
                                   "tokenizer.chat_template");
-        return NULL;
+        return -1;
     }
     if (t->chat_kind != FI_TOK_CHAT_CHATML) {
         if (err && errlen)
             snprintf(err, errlen, "chat template not supported: not ChatML (no <|im_start|>): \"%s\"",
                      t->chat_head);
-        return NULL;
+        return -1;
     }
     if (n < 0 || (n > 0 && !msgs)) {
         if (err && errlen)
             snprintf(err, errlen, "chat: %d messages", n);
-        return NULL;
+        return -1;
     }
     for (int i = 0; i < n; i++) {
         if (!msgs[i].role || !msgs[i].content) {
             if (err && errlen)
                 snprintf(err, errlen, "chat: message %d has no %s", i,
                          msgs[i].role ? "content" : "role");
-            return NULL;
+            return -1;
         }
     }
+    return 0;
+}
+
+char *fi_tok_chat(const fi_tok *t, const fi_chat_msg *msgs, int n, int add_assistant, char *err,
+                  size_t errlen) {
+    if (s_chat_ok(t, msgs, n, err, errlen) != 0)
+        return NULL;
     s_buf b = {0};
     s_put(&b, "");
     if (n > 0 && strcmp(msgs[0].role, "system") != 0 && t->chat_system)
@@ -261,9 +269,8 @@ int32_t *fi_tok_chat_ids(const fi_tok *t, const fi_chat_msg *msgs, int n, int ad
                          char *err, size_t errlen) {
     *n_ids = 0;
     /* the same checks and turns as fi_tok_chat */
-    char *text = fi_tok_chat(t, msgs, n, add_assistant, err, errlen);
-    if (!text) return NULL;
-    free(text);
+    if (s_chat_ok(t, msgs, n, err, errlen) != 0)
+        return NULL;
     s_ids b = {0};
     if (n > 0 && strcmp(msgs[0].role, "system") != 0 && t->chat_system)
         s_turn_ids(t, &b, "system", t->chat_system);
