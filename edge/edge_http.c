@@ -27,6 +27,7 @@
 #include "edge_impl.h"
 #include "fi_audit.h"
 #include "fi_sched.h"
+#include "fi_wire.h"
 
 #define EDGE_MAX_DEPTH 32       /* JSON nesting we accept */
 #define EDGE_MAX_MESSAGES 256   /* chat messages per request */
@@ -710,8 +711,8 @@ static int s_route(fi_edge *e, const edge_decision *d, const char *model, int *u
  * renders them with its model's template) or the raw prompt, the sampling
  * and stop strings, the user for conversation affinity, and the prefix
  * hashes of the prompt when this edge's model is the one asked for (same
- * tokenizer as the workers serving it), salted with the tenant and the
- * residency zone. 0, or -1 when out of memory. */
+ * tokenizer as the workers serving it), salted with the tenant (qualified
+ * with the site) and the residency zone. 0, or -1 when out of memory. */
 static int s_routed(fi_edge *e, edge_job *job, const s_req *r, int chat, const char *tenant,
                     const int32_t *ids, int n_ids) {
     edge_routed *w = calloc(1, sizeof *w);
@@ -743,8 +744,13 @@ static int s_routed(fi_edge *e, edge_job *job, const s_req *r, int chat, const c
     if (ids && n_ids > FI_KV_BLOCK && !strcmp(r->model, e->conf.model_name)) {
         int full = (n_ids - 1) / FI_KV_BLOCK;
         int max = full < EDGE_MAX_HASHES ? full : EDGE_MAX_HASHES;
-        if (!(w->hashes = malloc((size_t)max * sizeof *w->hashes))) return -1;
-        w->n_hashes = fi_prefix_hashes(w->tenant, w->zone, ids, n_ids - 1, w->hashes, max);
+        /* salted as the coordinator has the worker salt: the tenant
+         * qualified with this site */
+        char salt[FI_WIRE_CACHE_TENANT_MAX];
+        if (fi_wire_cache_tenant(e->conf.site, w->tenant, salt) == 0) {
+            if (!(w->hashes = malloc((size_t)max * sizeof *w->hashes))) return -1;
+            w->n_hashes = fi_prefix_hashes(salt, w->zone, ids, n_ids - 1, w->hashes, max);
+        }
     }
     return 0;
 }

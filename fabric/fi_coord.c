@@ -480,6 +480,12 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
                      "at most 512 prefix hashes, 256 messages and 4 stop strings");
         return;
     }
+    char tenant[FI_WIRE_CACHE_TENANT_MAX];
+    if (fi_wire_cache_tenant(e->rec.site, rq->tenant, tenant) != 0) {
+        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BAD_REQUEST,
+                     "tenant: at most 63 bytes");
+        return;
+    }
     if (e->in_flight >= (uint32_t)c->o.max_in_flight) {
         s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY,
                      "too many requests in flight from this peer");
@@ -580,9 +586,11 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     r->worker = w->serial;
     r->started_ms = fi_wire_now_ms();
     /* The worker sees the coordinator's id, the origin known from the
-     * edge's key and the residency zone of that origin in the policy that
-     * permitted it (else the origin site itself), whatever the edge wrote:
-     * the worker salts its prefix cache with it. */
+     * edge's key, the residency zone of that origin in the policy that
+     * permitted it (else the origin site itself) and the tenant qualified
+     * with the origin site (fi_wire_cache_tenant), whatever the edge wrote:
+     * the worker salts its prefix cache with the last two, so no two sites
+     * or zones share cached state. */
     char cid[32];
     snprintf(cid, sizeof cid, "c%llu", (unsigned long long)r->id);
     Fi__Origin origin = FI__ORIGIN__INIT;
@@ -592,6 +600,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     fwd.request_id = cid;
     fwd.origin = &origin;
     fwd.zone = cands[pick].v.zone[0] ? cands[pick].v.zone : e->rec.site;
+    fwd.tenant = tenant;
     /* What only the router needs stays here: the end user's id, the hashes. */
     fwd.user = (char *)"";
     fwd.n_prefix_hashes = 0;

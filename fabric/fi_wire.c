@@ -221,6 +221,14 @@ uint8_t *fi_wire_chunk(const char *request_id, uint32_t index, const char *text,
     return buf;
 }
 
+int fi_wire_cache_tenant(const char *site, const char *tenant, char out[FI_WIRE_CACHE_TENANT_MAX]) {
+    size_t ns = site ? strlen(site) : 0, nt = tenant ? strlen(tenant) : 0;
+    out[0] = '\0';
+    if (ns > FI_WIRE_MAX_NAME || nt > FI_WIRE_MAX_NAME) return -1;
+    snprintf(out, FI_WIRE_CACHE_TENANT_MAX, "%zu:%s/%s", ns, ns ? site : "", nt ? tenant : "");
+    return 0;
+}
+
 uint64_t fi_wire_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

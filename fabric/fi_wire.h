@@ -78,6 +78,17 @@ uint8_t *fi_wire_ack(const char *ref, size_t *len);
 uint8_t *fi_wire_chunk(const char *request_id, uint32_t index, const char *text, size_t n,
                        size_t *len);
 
+/* The tenant a worker salts its prefix cache with for a routed request
+ * (fi_sched_req.tenant): the origin site, from the edge's key, and the
+ * tenant the edge named, as "<bytes of site>:<site>/<tenant>". The
+ * coordinator forwards this instead of the edge's tenant, so that two
+ * sites never share cached state, even under one tenant name; the edge
+ * hashes its prompts (fi_prefix_hashes) with the same. 0, or -1 when a
+ * name is longer than FI_WIRE_MAX_NAME bytes (out is then ""). */
+#define FI_WIRE_MAX_NAME 63
+#define FI_WIRE_CACHE_TENANT_MAX (2 * FI_WIRE_MAX_NAME + 8)
+int fi_wire_cache_tenant(const char *site, const char *tenant, char out[FI_WIRE_CACHE_TENANT_MAX]);
+
 /* Monotonic clock, milliseconds. */
 uint64_t fi_wire_now_ms(void);
 

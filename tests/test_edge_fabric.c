@@ -218,6 +218,8 @@ static void test_routed_chat_fields(void **state) {
      * instead, whatever the edge wrote: the worker never takes an edge's
      * word for its zone. */
     assert_string_equal(sn.zone, "berlin-clinic");
+    /* and the tenant (none here: no tokens) qualified with the site */
+    assert_string_equal(sn.tenant, "13:berlin-clinic/");
     assert_int_equal(sn.n_hashes, 0); /* this edge has no model: no tokenizer */
     /* The user reached the coordinator: a second turn of alice's
      * conversation goes where the first went, and its record says so. */

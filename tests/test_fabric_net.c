@@ -607,6 +607,63 @@ static void test_pushed_bundle_reaches_late_edge(void **state) {
     fi_client_destroy(&op);
 }
 
+/* A backend that answers with the prefix-cache tenant it was given. */
+static int s_tenant_gen(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit, void *eu,
+                        fi_shard_gen *out, char *err, size_t errlen) {
+    (void)ctx, (void)err, (void)errlen;
+    memset(out, 0, sizeof *out);
+    snprintf(out->stop, sizeof out->stop, "eog");
+    const char *t = rq->tenant ? rq->tenant : "";
+    return emit(eu, t, strlen(t)) ? 0 : 0;
+}
+
+/* Asks c for model "salt" with tenant; the reply's text into t. */
+static void s_ask_tenant(fi_client *c, const char *id, const char *tenant, h_text *t,
+                         fi_client_result *res) {
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)id;
+    rq.model = (char *)"salt";
+    rq.prompt = (char *)"the same prompt";
+    rq.tenant = (char *)tenant;
+    memset(t, 0, sizeof *t);
+    char err[256];
+    assert_int_equal(fi_client_infer(c, &rq, h_on_text, t, 5000, res, err, sizeof err), 0);
+}
+
+/* Two sites that name the same tenant never share a worker's cached
+ * prefixes: the coordinator qualifies the tenant with the site of the
+ * edge's key, whatever the edge wrote; a tenant name it cannot carry is
+ * refused, not cut. */
+static void test_sites_never_share_cache_salt(void **state) {
+    harness *h = *state;
+    fi_shard_backend be = {.name = "salt", .generate = s_tenant_gen};
+    h_worker w;
+    assert_int_equal(h_worker_start_be(h, &w, "salt", NULL, &be, 4), 0);
+    fi_client *a = s_new_edge(h, "s10a"), *b = s_new_edge(h, "s10b");
+    h_text ta, tb;
+    fi_client_result res;
+    s_ask_tenant(a, "a1", "acme", &ta, &res);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_UNSPECIFIED);
+    s_ask_tenant(b, "b1", "acme", &tb, &res);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_UNSPECIFIED);
+    assert_string_equal(ta.buf, "4:s10a/acme");
+    assert_string_equal(tb.buf, "4:s10b/acme");
+    /* an edge cannot pass for another site by writing its qualified name */
+    s_ask_tenant(b, "b2", "4:s10a/acme", &tb, &res);
+    assert_string_not_equal(tb.buf, "4:s10a/acme");
+    char salt[FI_WIRE_CACHE_TENANT_MAX];
+    assert_int_equal(fi_wire_cache_tenant("s10a", "acme", salt), 0);
+    assert_string_equal(salt, ta.buf);
+    char big[65];
+    memset(big, 't', 64);
+    big[64] = '\0';
+    s_ask_tenant(a, "a2", big, &ta, &res);
+    assert_int_equal(res.error, FI__ERROR_CODE__ERR_BAD_REQUEST);
+    h_worker_stop(&w);
+    fi_client_destroy(&a);
+    fi_client_destroy(&b);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_every_message_type, setup, teardown),
@@ -619,6 +676,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_worker_cannot_disconnect_edge, setup, teardown),
         cmocka_unit_test_setup_teardown(test_only_edges_upload_their_site, setup, teardown),
         cmocka_unit_test_setup_teardown(test_pushed_bundle_reaches_late_edge, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_sites_never_share_cache_salt, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -29,12 +29,13 @@ typedef struct s_replica {
     uint8_t bits[FI_SHARD_FILTER_BYTES];  /* prompts served so far */
 } s_replica;
 
-/* The prompt's bytes as tokens, hashed as the edge hashes tokens. */
-static int s_hashes(const char *p, uint64_t *h, int max) {
+/* The prompt's bytes as tokens, hashed with the salt (tenant, zone) as
+ * the engine hashes its blocks. */
+static int s_hashes(const char *tenant, const char *zone, const char *p, uint64_t *h, int max) {
     int32_t toks[2048];
     int n = 0;
     for (; p[n] && n < 2048; n++) toks[n] = (uint8_t)p[n];
-    return fi_prefix_hashes("tenant", "EU", toks, n, h, max);
+    return fi_prefix_hashes(tenant, zone, toks, n, h, max);
 }
 
 static int s_gen(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit, void *eu,
@@ -43,8 +44,9 @@ static int s_gen(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit, v
     (void)err, (void)errlen;
     memset(out, 0, sizeof *out);
     snprintf(out->stop, sizeof out->stop, "eog");
+    /* salted with what the worker is told, as the engine salts */
     uint64_t h[128];
-    int n = s_hashes(rq->prompt, h, 128);
+    int n = s_hashes(rq->tenant, rq->zone, rq->prompt, h, 128);
     pthread_mutex_lock(&r->mu);
     for (int i = 0; i < n; i++) fi_prefix_filter_add(r->bits, sizeof r->bits, h[i]);
     pthread_mutex_unlock(&r->mu);
@@ -133,8 +135,11 @@ static int teardown(void **state) {
  * that answered (0, 1) or -1 with the error code in *code. */
 static int s_ask_in(fx *f, const char *id, const char *prompt, const char *label,
                     const char *cluster, int *code) {
+    /* hashed as the edge hashes: the tenant qualified with its site */
+    char salt[FI_WIRE_CACHE_TENANT_MAX];
+    assert_int_equal(fi_wire_cache_tenant("clinic", "tenant", salt), 0);
     uint64_t h[128];
-    int n = s_hashes(prompt, h, 128);
+    int n = s_hashes(salt, "EU", prompt, h, 128);
     Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
     rq.request_id = (char *)id;
     rq.model = (char *)"m";
@@ -180,15 +185,16 @@ static void test_prefix_goes_to_holder(void **state) {
         memset(s_prompt[k], 'a' + k, 512);
         s_prompt[k][512] = 0;
     }
-    /* The first request of a prompt goes somewhere; its replica then holds
-     * the prefix and every later request with it goes there. */
-    int holder = s_ask(f, "p0", s_prompt[0], NULL, &code);
-    assert_true(holder == 0 || holder == 1);
+    /* On a full tie (nothing cached, both idle) core1 wins. The edge puts
+     * prompt 0 on core2, which then holds its prefix: every later request
+     * with it goes there, on the cache score alone. */
+    assert_int_equal(s_ask(f, "p1", s_prompt[1], NULL, &code), 0);
+    assert_int_equal(s_ask_in(f, "p0", s_prompt[0], NULL, "core2", &code), 1);
     s_beats(f);
     for (int i = 0; i < 6; i++) {
         char id[16];
         snprintf(id, sizeof id, "p0-%d", i);
-        assert_int_equal(s_ask(f, id, s_prompt[0], NULL, &code), holder);
+        assert_int_equal(s_ask(f, id, s_prompt[0], NULL, &code), 1);
     }
 }
 

@@ -206,12 +206,34 @@ static void test_names(void **state) {
     assert_string_equal(fi_wire_role_name(FI__ROLE__ROLE_OPERATOR), "operator");
 }
 
+/* The routed prefix-cache tenant: unambiguous, and refused when a name
+ * is too long rather than cut (two long names would then meet). */
+static void test_cache_tenant(void **state) {
+    (void)state;
+    char a[FI_WIRE_CACHE_TENANT_MAX], b[FI_WIRE_CACHE_TENANT_MAX];
+    assert_int_equal(fi_wire_cache_tenant("ab", "c/d", a), 0);
+    assert_string_equal(a, "2:ab/c/d");
+    assert_int_equal(fi_wire_cache_tenant("ab/c", "d", b), 0);
+    assert_string_equal(b, "4:ab/c/d");
+    assert_int_equal(fi_wire_cache_tenant("site", NULL, a), 0);
+    assert_string_equal(a, "4:site/");
+    char n63[64], n64[65];
+    memset(n63, 'x', 63), n63[63] = '\0';
+    memset(n64, 'x', 64), n64[64] = '\0';
+    assert_int_equal(fi_wire_cache_tenant(n63, n63, a), 0);
+    assert_int_equal(strlen(a), 3 + 63 + 1 + 63);
+    assert_int_equal(fi_wire_cache_tenant(n64, "t", a), -1);
+    assert_string_equal(a, "");
+    assert_int_equal(fi_wire_cache_tenant("s", n64, a), -1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_type_roundtrips),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_chunk),
         cmocka_unit_test(test_names),
+        cmocka_unit_test(test_cache_tenant),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
