@@ -142,6 +142,15 @@ static int s_read_keys(const char *path, char *pub_z, char *sec_z, char *err, si
         close(fd);
         return -1;
     }
+    /* another user who owns it could swap the key under us */
+    if (want_private && st.st_uid != geteuid() && st.st_uid != 0) {
+        snprintf(err, errlen,
+                 "%s: secret key file belongs to uid %u, not to this user (uid %u); "
+                 "refusing it (chown it to the user that runs fedinfer)",
+                 path, (unsigned)st.st_uid, (unsigned)geteuid());
+        close(fd);
+        return -1;
+    }
     char buf[1024];
     if (st.st_size >= (off_t)sizeof buf) {
         snprintf(err, errlen, "%s: %lld bytes; a key file is under %zu", path, (long long)st.st_size,

@@ -118,6 +118,10 @@ int fi_bundle_key_load(const char *path, uint8_t sk[FI_BUNDLE_SK_BYTES], char *e
     if (st.st_mode & 077) {
         snprintf(err, cap, "secret key %s is readable by others (mode %03o); chmod 600 it", path,
                  (unsigned)(st.st_mode & 0777));
+    } else if (st.st_uid != geteuid() && st.st_uid != 0) {
+        /* another user who owns it could swap the key under us */
+        snprintf(err, cap, "secret key %s belongs to uid %u, not to this user (uid %u); chown it",
+                 path, (unsigned)st.st_uid, (unsigned)geteuid());
     } else if (sodium_hex2bin(sk, FI_BUNDLE_SK_BYTES, buf, strlen(buf), NULL, &n, NULL) || n != FI_BUNDLE_SK_BYTES) {
         snprintf(err, cap, "%s is not a secret key file: expected %d hex characters", path, 2 * FI_BUNDLE_SK_BYTES);
     } else {

@@ -154,6 +154,28 @@ static int s_conf(const char *dir, const char *text, s_cfg *c, char *err, size_t
     return fi_conf_load(path, s_keys, c, err, errlen);
 }
 
+/* A secret key file owned by another user is refused: its owner could
+ * swap the key. Only root can give a file away, so elsewhere this skips. */
+static void test_key_owner(void **state) {
+    s_dir *d = *state;
+    if (geteuid() != 0) skip();
+    char sec[128], pub[128], err[512];
+    snprintf(sec, sizeof sec, "%s/o.key", d->path);
+    snprintf(pub, sizeof pub, "%s/o.pub", d->path);
+    fi_keypair kp, back;
+    assert_int_equal(fi_keys_generate(&kp), 0);
+    assert_int_equal(fi_keys_save(&kp, sec, pub, 0, err, sizeof err), 0);
+    assert_int_equal(chown(sec, 12345, (gid_t)-1), 0);
+    assert_int_equal(fi_keys_load_secret(sec, &back, err, sizeof err), -1);
+    assert_non_null(strstr(err, "belongs to uid 12345"));
+    assert_int_equal(chown(sec, 0, (gid_t)-1), 0);
+    assert_int_equal(fi_keys_load_secret(sec, &back, err, sizeof err), 0);
+    /* a public key may belong to anyone */
+    assert_int_equal(chown(pub, 12345, (gid_t)-1), 0);
+    uint8_t p2[FI_KEYS_BYTES];
+    assert_int_equal(fi_keys_load_public(pub, p2, err, sizeof err), 0);
+}
+
 static void test_conf(void **state) {
     s_dir *d = *state;
     s_cfg c;
@@ -272,6 +294,7 @@ static void test_store(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_keys, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_key_owner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_conf, setup, teardown),
         cmocka_unit_test_setup_teardown(test_store, setup, teardown),
     };

@@ -273,6 +273,22 @@ static void test_keys(void **state) {
     assert_int_equal(fi_bundle_pub_load(path, pk, err, sizeof err), -1); /* a secret key is not a public key */
 }
 
+/* A signing key owned by another user is refused (only root can give a
+ * file away, so elsewhere this skips). */
+static void test_key_owner(void **state) {
+    fx *f = *state;
+    if (geteuid() != 0) skip();
+    char path[512], err[400];
+    snprintf(path, sizeof path, "%s/owned.key", f->dir);
+    assert_int_equal(fi_bundle_key_save(path, f->sk, err, sizeof err), 0);
+    assert_int_equal(chown(path, 12345, (gid_t)-1), 0);
+    uint8_t sk[FI_BUNDLE_SK_BYTES];
+    assert_int_equal(fi_bundle_key_load(path, sk, err, sizeof err), -1);
+    assert_non_null(strstr(err, "belongs to uid 12345"));
+    assert_int_equal(chown(path, 0, (gid_t)-1), 0);
+    assert_int_equal(fi_bundle_key_load(path, sk, err, sizeof err), 0);
+}
+
 static int s_count(const fi_pstore_version *v, void *arg) {
     fi_pstore_version *last = arg;
     *last = *v;
@@ -343,6 +359,7 @@ int main(void) {
         cmocka_unit_test(test_edge_keeps_last_valid),
         cmocka_unit_test(test_policy_expiry_fails_closed),
         cmocka_unit_test(test_keys),
+        cmocka_unit_test(test_key_owner),
         cmocka_unit_test(test_store),
     };
     return cmocka_run_group_tests(tests, s_setup, s_teardown);
