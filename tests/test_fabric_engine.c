@@ -206,10 +206,11 @@ static void test_engine_through_fabric(void **state) {
     }
     /* The blocks the worker cached are found under the hashes an edge
      * computes for the same chat (edge_http.c: the chat template, encoded
-     * with its special tokens, fi_prefix_hashes with tenant and zone) with
-     * the zone the coordinator sent (the origin site, as it holds no
-     * policy), and not under another tenant's, nor under the zone the
-     * client wrote. */
+     * with its special tokens, fi_prefix_hashes with the tenant qualified
+     * with the site, fi_wire_cache_tenant, and the zone) with the zone the
+     * coordinator sent (the origin site, as it holds no policy), and not
+     * under another tenant's, nor under the tenant alone, nor under the
+     * zone the client wrote. */
     uint8_t bits[FI_SHARD_FILTER_BYTES];
     assert_int_equal(w.be.prefix_filter(w.be.ctx, bits, sizeof bits), 0);
     int n_ids = 0;
@@ -221,12 +222,17 @@ static void test_engine_through_fabric(void **state) {
                                        &n_ids, err, sizeof err);
     assert_non_null(toks);
     uint64_t hs[64];
-    int nh = fi_prefix_hashes("oncology", "clinic-7", toks, n_ids, hs, 64);
+    char onc[FI_WIRE_CACHE_TENANT_MAX], rad[FI_WIRE_CACHE_TENANT_MAX];
+    assert_int_equal(fi_wire_cache_tenant("clinic-7", "oncology", onc), 0);
+    assert_int_equal(fi_wire_cache_tenant("clinic-7", "radiology", rad), 0);
+    int nh = fi_prefix_hashes(onc, "clinic-7", toks, n_ids, hs, 64);
     assert_true(nh >= 2);
     assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), nh);
-    nh = fi_prefix_hashes("radiology", "clinic-7", toks, n_ids, hs, 64);
+    nh = fi_prefix_hashes(rad, "clinic-7", toks, n_ids, hs, 64);
     assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), 0);
-    nh = fi_prefix_hashes("oncology", "EU", toks, n_ids, hs, 64);
+    nh = fi_prefix_hashes("oncology", "clinic-7", toks, n_ids, hs, 64);
+    assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), 0);
+    nh = fi_prefix_hashes(onc, "EU", toks, n_ids, hs, 64);
     assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), 0);
     free(toks);
     fi_model_destroy(&edge_model);
