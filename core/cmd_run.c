@@ -71,6 +71,7 @@ static void s_run_usage(FILE *f) {
             "options:\n"
             "  -m, --model FILE        GGUF model (default: $FEDINFER_MODEL or\n"
             "                          %s)\n"
+            "      --model-sha256 HEX  refuse a model file whose SHA-256 is not HEX\n"
             "      --raw               plain completion: no chat template\n"
             "      --system TEXT       system message (chat mode)\n"
             "  -n, --max-tokens N      tokens to generate at most (default 256)\n"
@@ -150,8 +151,9 @@ int fi_cmd_run(int argc, char **argv) {
         {"ctx", required_argument, 0, 'c'},     {"simd", required_argument, 0, 'I'},
         {"stats", no_argument, 0, 'z'},         {"help", no_argument, 0, 'h'},
         {"act-bits", required_argument, 0, 'B'}, {"device", required_argument, 0, 'D'},
+        {"model-sha256", required_argument, 0, 'H'},
         {0, 0, 0, 0}};
-    const char *model = fi_default_model_path(), *system = NULL;
+    const char *model = fi_default_model_path(), *system = NULL, *sha256 = NULL;
     int raw = 0, stats = 0, seed_given = 0;
     long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 12, v;
     fi_simd simd = FI_SIMD_AUTO;
@@ -164,6 +166,7 @@ int fi_cmd_run(int argc, char **argv) {
     while ((c = getopt_long(argc, argv, "m:n:t:c:h", opts, NULL)) != -1) {
         switch (c) {
         case 'm': model = optarg; break;
+        case 'H': sha256 = optarg; break;
         case 'r': raw = 1; break;
         case 'S': system = optarg; break;
         case 'n': if (s_parse_int("--max-tokens", optarg, 0, 1 << 20, &max_tokens)) return 2; break;
@@ -247,7 +250,8 @@ int fi_cmd_run(int argc, char **argv) {
     char err[512];
     int32_t *ids = NULL;
     fi_sched *s = NULL;
-    fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .act_bits = (int)act_bits, .device = device};
+    fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .act_bits = (int)act_bits,
+                        .device = device, .sha256 = sha256};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);
@@ -390,6 +394,9 @@ int fi_cmd_inspect(int argc, char **argv) {
     }
     printf("file        %s\n", path);
     printf("size        %zu bytes\n", fi_gguf_file_size(g));
+    char sha[65];
+    fi_gguf_sha256(g, sha);
+    printf("sha256      %s\n", sha);
     printf("version     %u\n", fi_gguf_version(g));
     printf("alignment   %u\n", fi_gguf_alignment(g));
     printf("data at     %" PRIu64 "\n", fi_gguf_data_offset(g));

@@ -84,6 +84,10 @@ fi_gguf *fi_gguf_open_memory(const void *buf, size_t len, const char *name, char
 /* Unmaps and frees; sets *g to NULL. Safe on NULL. */
 void fi_gguf_close(fi_gguf **g);
 
+/* The SHA-256 of the whole file, as read through the handle, in 64
+ * lower-case hex digits: what a deployment pins (model_sha256). */
+void fi_gguf_sha256(const fi_gguf *g, char hex[65]);
+
 uint32_t fi_gguf_version(const fi_gguf *g);
 size_t fi_gguf_file_size(const fi_gguf *g);
 uint32_t fi_gguf_alignment(const fi_gguf *g);

@@ -86,12 +86,16 @@ typedef struct fi_model_opts {
     fi_device device; /* backend; FI_DEVICE_CPU when zeroed */
     const fi_shard_plan *plan; /* NULL: the whole model */
     int gpu;         /* CUDA device index (ranks sharing a machine) */
+    const char *sha256; /* the file's expected SHA-256 (64 hex digits, either
+                           case), as a deployment pins it (model_sha256);
+                           NULL or "": not checked */
 } fi_model_opts;
 
 /* Parses "cpu", "cuda" or "auto"; 0, or -1 for anything else. */
 FI_MUST_CHECK int fi_device_parse(const char *s, fi_device *out);
 
-/* Loads a model: opens the GGUF, checks every tensor's presence, type and
+/* Loads a model: opens the GGUF, checks its SHA-256 against opts->sha256
+ * when given, checks every tensor's presence, type and
  * shape against the configuration, builds the tokenizer and a backend
  * (opts->device; a NULL opts means the CPU). NULL with a message in err on
  * any failure; with FI_DEVICE_CUDA and no usable device the message is

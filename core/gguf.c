@@ -30,6 +30,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
 #define FI_GGUF_DEFAULT_ALIGNMENT 32u
 #define FI_GGUF_MAX_KEY_LEN 65535u /* the specification's limit on keys */
 #define FI_GGUF_MAX_NEST 8         /* deeper arrays of arrays are refused */
@@ -960,6 +962,12 @@ void fi_gguf_close(fi_gguf **gp)
 /* --- accessors ----------------------------------------------------------- */
 
 uint32_t fi_gguf_version(const fi_gguf *g) { return g->version; }
+void fi_gguf_sha256(const fi_gguf *g, char hex[65]) {
+    uint8_t h[crypto_hash_sha256_BYTES];
+    crypto_hash_sha256(h, g->base, g->size);
+    sodium_bin2hex(hex, 65, h, sizeof h);
+}
+
 size_t fi_gguf_file_size(const fi_gguf *g) { return g->size; }
 uint32_t fi_gguf_alignment(const fi_gguf *g) { return g->alignment; }
 uint64_t fi_gguf_data_offset(const fi_gguf *g) { return g->data_offset; }

@@ -12,12 +12,14 @@
  * The KV cache is stored in fp16 (half the memory of fp32; a 2048-token
  * context of the default model takes 45 MiB instead of 90).
  */
+#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -434,6 +436,29 @@ fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, 
     return m;
 }
 
+/* 0 when the file's SHA-256 is want (64 hex digits, either case), else -1
+ * with a message naming both. The bytes hashed are the ones mapped, so
+ * the weights used are the weights checked. */
+static int s_check_sha256(const fi_gguf *g, const char *path, const char *want, char *err,
+                          size_t errlen) {
+    size_t n = strlen(want);
+    int hex = n == 64;
+    for (size_t i = 0; hex && i < n; i++) hex = isxdigit((unsigned char)want[i]) != 0;
+    if (!hex) {
+        s_err(err, errlen, "the model's pinned SHA-256 (model_sha256) must be 64 hexadecimal "
+              "digits; got %zu characters%s", n, n == 64 ? ", not all hexadecimal" : "");
+        return -1;
+    }
+    char got[65];
+    fi_gguf_sha256(g, got);
+    if (strcasecmp(got, want) != 0) {
+        s_err(err, errlen, "%s: SHA-256 is %s, but the deployment pins %s (model_sha256): "
+              "not the model it names", path, got, want);
+        return -1;
+    }
+    return 0;
+}
+
 /* fi_model_load on the backend opts names; *on_gpu is set when that
  * backend turned out not to be the CPU. */
 static fi_model *s_load(const char *path, const fi_model_opts *opts, int *on_gpu, char *err,
@@ -450,6 +475,8 @@ static fi_model *s_load(const char *path, const fi_model_opts *opts, int *on_gpu
     }
     m->gguf = fi_gguf_open(path, err, errlen);
     if (!m->gguf) goto fail;
+    if (opts->sha256 && opts->sha256[0] && s_check_sha256(m->gguf, path, opts->sha256, err, errlen))
+        goto fail;
     if (s_read_config(m, err, errlen) != 0) goto fail;
     m->tok = fi_tok_new(m->gguf, err, errlen);
     if (!m->tok) goto fail;

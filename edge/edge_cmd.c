@@ -39,6 +39,7 @@ static void s_usage(FILE *f) {
             "  site = NAME                 this site, as the policy names it (required)\n"
             "  listen, port                HTTP address (127.0.0.1:8080)\n"
             "  model, model_name           local GGUF model and the name requests use\n"
+            "  model_sha256                the model file's SHA-256; another file is refused\n"
             "  threads, n_ctx              engine threads, context per session\n"
             "  concurrency, queue          local sessions at once, and waiting beyond (429)\n"
             "  max_body, max_tokens, default_max_tokens, request_timeout_s\n"

@@ -17,6 +17,7 @@ const fi_conf_key fi_edge_conf_keys[] = {
     I(port, 0, 65535),
     S(model, 0),
     S(model_name, 0),
+    S(model_sha256, 0),
     I(threads, 0, 256),
     I(n_ctx, 64, 32768),
     I(concurrency, 1, 64),

@@ -27,6 +27,7 @@ typedef struct fi_edge_conf {
     char listen[FI_CONF_STR_MAX];          /* address to bind, default 127.0.0.1 */
     int port;                              /* HTTP port (0: any free port) */
     char model[FI_CONF_STR_MAX];           /* local GGUF model ("" : none, route only) */
+    char model_sha256[FI_CONF_STR_MAX];    /* its expected SHA-256 ("": not checked) */
     char model_name[FI_CONF_STR_MAX];      /* name requests use for it */
     int threads;                           /* engine threads (0: one per core) */
     int n_ctx;                             /* context per local session, tokens */

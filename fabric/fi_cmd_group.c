@@ -36,6 +36,7 @@ void fi_group_cmd_help(FILE *f) {
             "  rank = N                     this process's rank; 0 leads (required)\n"
             "  secret_key = FILE            this rank's secret key, key.N's pair (required, 0600)\n"
             "  model = FILE                 GGUF model, the same file on every rank (required)\n"
+            "  model_sha256 = HEX           its SHA-256: another file is refused at start\n"
             "  threads = N, device = cpu|cuda|auto\n"
             "  rank 0: coordinator, coordinator_key, model_name (required); capacity,\n"
             "          heartbeat_ms, liveness, max_tokens, n_ctx, kv_mib, max_seqs,\n"
@@ -98,6 +99,7 @@ int fi_group_cmd(const char *config, const char *token) {
     mo.simd = FI_SIMD_AUTO;
     mo.device = dev;
     mo.plan = fi_group_plan(g);
+    mo.sha256 = rc.model_sha256;
     if (!(m = fi_model_load(rc.model, &mo, err, sizeof err))) {
         fprintf(stderr, "fedinfer shard: %s: %s\n", rc.model, err);
         goto done;

@@ -52,6 +52,8 @@ int fi_cmd_shard(int argc, char **argv) {
                        "  secret_key = FILE            this worker's secret key (required, 0600)\n"
                        "  model = FILE                 GGUF model (required)\n"
                        "  model_name = NAME            name requests use (required)\n"
+                       "  model_sha256 = HEX           the model file's SHA-256: another file is\n"
+                       "                               refused at start\n"
                        "  enrol_endpoint, site, region  for --enrol\n"
                        "  capacity, heartbeat_ms, liveness, n_ctx, threads, max_tokens\n"
                        "  kv_mb = N                    KV-cache pool in MiB (0: 256)\n"

@@ -92,6 +92,7 @@ typedef struct fi_group_rank_conf {
     int rank;                         /* this process's rank */
     char secret_key[FI_CONF_STR_MAX]; /* this rank's secret key file */
     char model[FI_CONF_STR_MAX];      /* GGUF path */
+    char model_sha256[FI_CONF_STR_MAX]; /* its expected SHA-256 ("": not checked) */
     int threads;                      /* CPU threads, 0: all */
     char device[FI_CONF_STR_MAX];     /* cpu, cuda, auto (default cpu) */
     /* rank 0 only */

@@ -19,6 +19,7 @@ const fi_conf_key fi_shard_conf_keys[] = {
     {"secret_key", FI_CONF_STR, S_OFF(secret_key), 1, 0, 0},
     {"model", FI_CONF_STR, S_OFF(model), 1, 0, 0},
     {"model_name", FI_CONF_STR, S_OFF(model_name), 1, 0, 0},
+    {"model_sha256", FI_CONF_STR, S_OFF(model_sha256), 0, 0, 0},
     {"site", FI_CONF_STR, S_OFF(site), 0, 0, 0},
     {"region", FI_CONF_STR, S_OFF(region), 0, 0, 0},
     {"capacity", FI_CONF_INT, S_OFF(capacity), 0, 1, 1024},

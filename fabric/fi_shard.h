@@ -108,6 +108,7 @@ typedef struct fi_shard_conf {
     char coordinator_key[FI_CONF_STR_MAX]; /* the coordinator's public key file */
     char secret_key[FI_CONF_STR_MAX];      /* our secret key file */
     char model[FI_CONF_STR_MAX];           /* GGUF path */
+    char model_sha256[FI_CONF_STR_MAX];    /* its expected SHA-256 ("": not checked) */
     char model_name[FI_CONF_STR_MAX];      /* name requests ask for */
     char site[FI_CONF_STR_MAX];            /* for --enrol */
     char region[FI_CONF_STR_MAX];          /* for --enrol */

@@ -24,6 +24,8 @@ if(CMAKE_C_COMPILER_ID STREQUAL "Clang")
                                                ${PROJECT_SOURCE_DIR}/kernels)
   target_compile_options(fuzz_gguf PRIVATE -fsanitize=fuzzer,address -fno-omit-frame-pointer)
   target_link_options(fuzz_gguf PRIVATE -fsanitize=fuzzer,address)
+  pkg_check_modules(FI_GGUF_SODIUM REQUIRED IMPORTED_TARGET libsodium) # fi_gguf_sha256
+  target_link_libraries(fuzz_gguf PRIVATE PkgConfig::FI_GGUF_SODIUM)
 
   add_executable(fuzz_gguf_seeds ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz_gguf_seeds.c)
   target_link_libraries(fuzz_gguf_seeds PRIVATE fi_test_support)

@@ -313,6 +313,13 @@ static void test_conf_errors(void **state) {
     fi_edge_conf_default(&c);
     assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
     assert_non_null(strstr(err, "policy_key"));
+    /* a model whose digest is not the pinned one: the agent does not start */
+    write_file(path, "site = a\nport = 0\nmodel = %s\nmodel_name = m\nmodel_sha256 = %064d\n",
+               FI_TEST_MODEL, 0);
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), 0);
+    assert_null(fi_edge_new(&c, err, sizeof err));
+    assert_non_null(strstr(err, "but the deployment pins 0000000000"));
     unlink(path);
 }
 

@@ -11,6 +11,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -412,6 +413,51 @@ static void test_load_errors(void **state) {
     assert_non_null(strstr(err, "/nonexistent/model.gguf"));
 }
 
+/* A pinned SHA-256 (model_sha256): the file's own, in either case, loads;
+ * another digest, or one that is not 64 hex digits, is refused with both
+ * digests named. The file's digest is taken by sha256sum, apart from the
+ * engine. */
+static void test_pinned_sha256(void **state) {
+    (void)state;
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    const char *path = s_write(&o);
+    char cmd[600], sum[80] = "", err[512] = "";
+    snprintf(cmd, sizeof cmd, "sha256sum '%s'", path);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    assert_non_null(fgets(sum, sizeof sum, p));
+    pclose(p);
+    sum[64] = '\0';
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .sha256 = sum};
+    fi_model *m = fi_model_load(path, &mo, err, sizeof err);
+    assert_non_null(m);
+    fi_model_destroy(&m);
+    char upper[65];
+    for (int i = 0; i < 65; i++) upper[i] = (char)toupper((unsigned char)sum[i]);
+    mo.sha256 = upper;
+    assert_non_null(m = fi_model_load(path, &mo, err, sizeof err));
+    fi_model_destroy(&m);
+    char other[65];
+    memcpy(other, sum, sizeof other);
+    other[10] = other[10] == '0' ? '1' : '0';
+    mo.sha256 = other;
+    assert_null(fi_model_load(path, &mo, err, sizeof err));
+    assert_non_null(strstr(err, sum));
+    assert_non_null(strstr(err, other));
+    mo.sha256 = "abc";
+    assert_null(fi_model_load(path, &mo, err, sizeof err));
+    assert_non_null(strstr(err, "64 hexadecimal digits"));
+    other[3] = 'g';
+    mo.sha256 = other;
+    assert_null(fi_model_load(path, &mo, err, sizeof err));
+    assert_non_null(strstr(err, "not all hexadecimal"));
+    mo.sha256 = ""; /* not pinned */
+    assert_non_null(m = fi_model_load(path, &mo, err, sizeof err));
+    fi_model_destroy(&m);
+    unlink(path);
+}
+
 /* --device: cuda either loads on a device or fails with "no CUDA device: "
  * and CUDA's reason (always so in a build without CUDA); auto always loads;
  * an unknown value is refused; the device strings parse. */
@@ -685,6 +731,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_eval_greedy),
         cmocka_unit_test(test_device_choice),
+        cmocka_unit_test(test_pinned_sha256),
         cmocka_unit_test(test_config_and_shapes),
         cmocka_unit_test(test_batching_q8_0),
         cmocka_unit_test(test_batching_q4_1),

@@ -31,7 +31,8 @@ if(CMAKE_C_COMPILER_ID STREQUAL "Clang" AND TARGET fi_test_support)
   target_link_options(fuzz_tokenizer PRIVATE -fsanitize=fuzzer,address)
   # core's imported utf8proc target is local to core/: import it here too
   pkg_check_modules(FI_TOK_UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)
-  target_link_libraries(fuzz_tokenizer PRIVATE PkgConfig::FI_TOK_UTF8PROC)
+  pkg_check_modules(FI_TOK_SODIUM REQUIRED IMPORTED_TARGET libsodium) # gguf.c's fi_gguf_sha256
+  target_link_libraries(fuzz_tokenizer PRIVATE PkgConfig::FI_TOK_UTF8PROC PkgConfig::FI_TOK_SODIUM)
 
   add_executable(fuzz_tokenizer_seeds ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz_tokenizer_seeds.c)
   target_link_libraries(fuzz_tokenizer_seeds PRIVATE fi_test_support)

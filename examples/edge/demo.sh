@@ -53,6 +53,10 @@ secret_key = $T/op.key
 CONF
 export FEDCTL_CONFIG=$T/fedctl.conf
 
+# Every process that loads the model pins its digest: a different file
+# (another version, a damaged copy) is refused at start, naming both.
+MODEL_SHA256=$(sha256sum "$MODEL" | cut -d' ' -f1)
+
 echo "== cluster fra-gpu-1"
 TOKEN=$("$CTL" enrol --role cluster --site fra-gpu-1 --region eu-central --ttl 300)
 cat > shard.conf <<CONF
@@ -61,6 +65,7 @@ enrol_endpoint = tcp://127.0.0.1:$ENROL
 coordinator_key = $T/coord.pub
 secret_key = $T/fra-gpu-1.key
 model = $MODEL
+model_sha256 = $MODEL_SHA256
 model_name = smollm2-135m
 site = fra-gpu-1
 region = eu-central
@@ -83,6 +88,7 @@ site = $site
 region = $region
 port = $P
 model = $MODEL
+model_sha256 = $MODEL_SHA256
 model_name = smollm2-135m
 threads = 1
 n_ctx = 1024
