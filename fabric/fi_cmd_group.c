@@ -62,6 +62,14 @@ int fi_group_cmd(const char *config, const char *token) {
                 rc.group_file, gc.world);
         return 1;
     }
+    if (token && rc.rank != 0) {
+        /* only the leader talks to the coordinator: a token given here
+         * would be spent by nobody */
+        fprintf(stderr, "fedinfer shard: %s: rank %d does not connect to the coordinator (rank 0 "
+                        "does); --enrol goes with rank 0's configuration\n",
+                config, rc.rank);
+        return 2;
+    }
     if (fi_keys_load_secret(rc.secret_key, &kp, err, sizeof err) != 0) {
         fprintf(stderr, "fedinfer shard: %s\n", err);
         return 1;

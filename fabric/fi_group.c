@@ -39,6 +39,20 @@ struct fi_group {
     uint64_t pass;                        /* last pass number given */
     unsigned joined_serial[FI_GROUP_MAX_RANKS]; /* link serial a rank joined on (0: none) */
     unsigned joined_geom[FI_GROUP_MAX_RANKS];   /* geometry it joined with */
+    /* The mesh generation: bumped whenever a rank joins on a new link (a
+     * restarted process, or a link that came back). Every other rank must
+     * then join again, which makes it wait for its own link to the new
+     * one: a rank's Join checks only its own links. */
+    unsigned mesh_gen;
+    unsigned joined_mesh[FI_GROUP_MAX_RANKS];   /* generation it joined in */
+    /* The last Join sent to each rank: its number (the reply echoes it in
+     * op) and what held when it was sent, so a reply counts only for the
+     * link, geometry and generation it answered. */
+    uint32_t join_seq;                    /* Joins sent so far, all ranks */
+    uint32_t join_sent_seq[FI_GROUP_MAX_RANKS];
+    unsigned join_sent_serial[FI_GROUP_MAX_RANKS];
+    unsigned join_sent_geom[FI_GROUP_MAX_RANKS];
+    unsigned join_sent_mesh[FI_GROUP_MAX_RANKS];
     unsigned refused_serial[FI_GROUP_MAX_RANKS];/* link serial it was refused on */
     char refused_why[FI_GROUP_MAX_RANKS][512];
     uint64_t join_sent_ms[FI_GROUP_MAX_RANKS];
@@ -87,6 +101,28 @@ static int s_grow(float **p, size_t *cap, size_t n) {
     return 0;
 }
 
+/* What a rank takes at all (fi_gnet_set_filter), by kind, sender and
+ * pass: set-up messages have pass 0 and go between the leader and the
+ * others; a pass's messages have its number and go where the pass sends
+ * them; the leader gave every pass number itself, so a newer one is not
+ * real. The rest is dropped on arrival. */
+static int s_keep(void *user, int from, uint8_t kind, uint64_t pass) {
+    const fi_group *g = user;
+    const int tp = g->conf.tp, leader = g->rank == 0;
+    if (leader && pass > g->pass) return 0;
+    switch (kind) {
+    case FI_G_JOIN: return !leader && from == 0 && pass == 0;
+    case FI_G_NCCL: return !leader && from == 0 && pass == 0 && g->conf.coll == FI_GROUP_COLL_NCCL;
+    case FI_G_JOIN_REPLY: return leader && pass == 0;
+    case FI_G_BATCH: return !leader && from == 0 && pass != 0;
+    case FI_G_PART: return pass != 0 && tp > 1 && fi_group_stage(&g->conf, from) == g->stage;
+    case FI_G_ACT: return pass != 0 && from == g->rank - tp;
+    case FI_G_LOGITS: return leader && pass != 0 && from == (g->conf.pp - 1) * tp;
+    case FI_G_FAIL: return pass != 0;
+    default: return 0;
+    }
+}
+
 fi_group *fi_group_new(const fi_group_conf *conf, int rank, const fi_keypair *kp,
                        const fi_group_model *model, const uint8_t model_digest[FI_GROUP_DIGEST_BYTES],
                        char *err, size_t errlen) {
@@ -118,12 +154,13 @@ fi_group *fi_group_new(const fi_group_conf *conf, int rank, const fi_keypair *kp
     }
     fi_group_plan_digest(conf, g->plans, g->plan_digest);
     fi_group_plan_text(conf, g->plans, g->plan_text, sizeof g->plan_text);
-    if (!(g->net = fi_gnet_new(conf, rank, kp, err, errlen))) goto fail;
     /* Passes are numbered from the clock (microseconds), so that the
      * passes of a restarted leader are newer than any leftover. */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     g->pass = (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+    if (!(g->net = fi_gnet_new(conf, rank, kp, err, errlen))) goto fail;
+    fi_gnet_set_filter(g->net, s_keep, g);
     snprintf(g->status, sizeof g->status, "starting");
     return g;
 fail:
@@ -339,7 +376,7 @@ static int s_nccl_current(const fi_group *g);
 static int s_joined(const fi_group *g, int r) {
     return r == g->rank || (fi_gnet_up(g->net, r) && g->joined_serial[r] &&
                             g->joined_serial[r] == fi_gnet_link_serial(g->net, r) &&
-                            g->joined_geom[r] == g->geom_gen);
+                            g->joined_geom[r] == g->geom_gen && g->joined_mesh[r] == g->mesh_gen);
 }
 
 /* 1 when the NCCL communicator was formed with the ranks as they are now
@@ -398,9 +435,16 @@ static void s_send_join(fi_group *g, int r) {
     memcpy(p + 32, g->model_digest, FI_GROUP_DIGEST_BYTES);
     memcpy(p + 32 + FI_GROUP_DIGEST_BYTES, g->plan_digest, FI_GROUP_DIGEST_BYTES);
     char e[256];
-    /* The geometry generation rides in op, the link serial is implied. */
-    if (fi_gnet_send(g->net, r, FI_G_JOIN, 0, g->geom_gen, p, sizeof p, e, sizeof e) == 0)
+    /* The Join's number rides in op (the reply echoes it); what it was
+     * sent for stays here. */
+    uint32_t seq = ++g->join_seq;
+    if (fi_gnet_send(g->net, r, FI_G_JOIN, 0, seq, p, sizeof p, e, sizeof e) == 0) {
         g->join_sent_ms[r] = fi_wire_now_ms();
+        g->join_sent_seq[r] = seq;
+        g->join_sent_serial[r] = fi_gnet_link_serial(g->net, r);
+        g->join_sent_geom[r] = g->geom_gen;
+        g->join_sent_mesh[r] = g->mesh_gen;
+    }
 }
 
 static void s_take_reply(fi_group *g, fi_gmsg *m) {
@@ -450,10 +494,22 @@ static void s_take_reply(fi_group *g, fi_gmsg *m) {
                  theirs, ours);
         goto refused;
     }
-    if (m->op != g->geom_gen) return; /* answered an older Join: ask again */
+    /* An answer to an older Join, or to one sent on an earlier link of r
+     * or for another geometry: r is asked again. */
+    if (m->op != g->join_sent_seq[r] || g->join_sent_serial[r] != ser ||
+        g->join_sent_geom[r] != g->geom_gen)
+        return;
+    if (g->joined_serial[r] != ser) {
+        /* r is new on this link: the others must see it too (each checks
+         * its own links to every rank when it answers a Join) */
+        g->joined_mesh[r] = ++g->mesh_gen;
+    } else {
+        g->joined_mesh[r] = g->join_sent_mesh[r];
+    }
     g->joined_serial[r] = ser;
-    g->joined_geom[r] = m->op;
-    fprintf(stderr, "group %s: rank %d joined (%s)\n", g->conf.name, r, g->conf.endpoint[r]);
+    g->joined_geom[r] = g->geom_gen;
+    if (g->joined_mesh[r] == g->mesh_gen)
+        fprintf(stderr, "group %s: rank %d joined (%s)\n", g->conf.name, r, g->conf.endpoint[r]);
     return;
 refused:
     fprintf(stderr, "group %s: rank %d refused at join: %s\n", g->conf.name, r,
@@ -487,14 +543,17 @@ int fi_group_lead_poll(fi_group *g, int timeout_ms, char *err, size_t errlen) {
         s_take_reply(g, m);
         fi_gmsg_free(&m);
     }
-    /* Leftovers of failed passes and refusals from ranks are not waited for. */
-    while ((m = fi_gnet_take(g->net, -1, FI_G_FAIL, UINT64_MAX))) fi_gmsg_free(&m);
+    /* Between passes nothing of a pass given so far is waited for: what
+     * is left of failed passes goes (failure notices included). */
+    fi_gnet_drop_before(g->net, g->pass + 1);
     uint64_t now = fi_wire_now_ms();
     uint64_t again = (uint64_t)(g->conf.heartbeat_ms * 2 > 300 ? g->conf.heartbeat_ms * 2 : 300);
     for (int r = 0; r < g->conf.world && g->geom_gen; r++) {
         if (s_joined(g, r) || !fi_gnet_up(g->net, r)) continue;
         if (g->refused_serial[r] == fi_gnet_link_serial(g->net, r)) continue;
-        if (now - g->join_sent_ms[r] >= again) s_send_join(g, r);
+        /* at once when a rank joined since r was last asked */
+        if (now - g->join_sent_ms[r] >= again || g->join_sent_mesh[r] != g->mesh_gen)
+            s_send_join(g, r);
     }
     if (g->conf.coll == FI_GROUP_COLL_NCCL && !s_nccl_current(g)) {
         int all = g->geom_gen > 0;
@@ -760,8 +819,14 @@ static void s_on_batch(fi_group *g, const fi_gmsg *m) {
     fi_gnet_mark(g->net);
     if (!g->kv) {
         snprintf(why, sizeof why, "rank %d has not joined (no KV pool)", g->rank);
-    } else if (s_batch_decode(m, &b, &copy, why, sizeof why) == 0 &&
-               s_run_pass(g, g->kv, &b, NULL, why, sizeof why) == 0) {
+    } else if (s_batch_decode(m, &b, &copy, why, sizeof why) != 0) {
+        /* why says it */
+    } else if (b.n > g->kv_tokens || b.n_out > g->kv_out) {
+        /* checked before any buffer grows to the batch's size */
+        snprintf(why, sizeof why, "a batch of %d tokens and %d outputs exceeds the KV pool the "
+                                  "leader set (%d tokens, %d outputs)",
+                 b.n, b.n_out, g->kv_tokens, g->kv_out);
+    } else if (s_run_pass(g, g->kv, &b, NULL, why, sizeof why) == 0) {
         free(copy);
         return;
     }

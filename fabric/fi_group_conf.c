@@ -481,7 +481,10 @@ int fi_group_plan_make(const fi_group_conf *g, const fi_group_model *m,
 void fi_group_plan_text(const fi_group_conf *g, const fi_shard_plan *plans, char *buf,
                         size_t cap) {
     size_t at = 0;
-    int w = snprintf(buf, cap, "group=%s world=%d tp=%d pp=%d", g->name, g->world, g->tp, g->pp);
+    /* the collective too: ranks summing over different ones would wait for
+     * each other's sums until the pass time limit */
+    int w = snprintf(buf, cap, "group=%s world=%d tp=%d pp=%d coll=%s", g->name, g->world, g->tp,
+                     g->pp, g->coll == FI_GROUP_COLL_NCCL ? "nccl" : "zmq");
     if (w < 0 || (size_t)w >= cap) return;
     at = (size_t)w;
     for (int r = 0; r < g->world; r++) {

@@ -12,6 +12,7 @@
 #include <zmq.h>
 
 #include "fi_transport.h"
+#include "fi_wire.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the group wire format (headers, int32 and float arrays) is little-endian"
@@ -20,6 +21,12 @@
 #define S_MAGIC 0x31474946u /* "FIG1" */
 #define S_HDR 24             /* magic u32, kind u8, 3 zero bytes, pass u64, op u32, 0 u32 */
 #define S_INBOX_MAX 65536    /* messages waiting, all senders together */
+/* Messages and bytes waiting from one sender: a rank has a few messages
+ * of a pass in flight at most, so one that floods is cut off without
+ * shutting the others out. */
+#define S_FROM_MAX_MSGS 1024
+#define S_FROM_MAX_BYTES ((size_t)2 * FI_GNET_MAX_MSG)
+#define S_DROP_LOG_MS 1000   /* at most one "dropped" line per sender this often */
 
 struct fi_gnet {
     int rank, world;                        /* who we are, how many */
@@ -35,6 +42,12 @@ struct fi_gnet {
     fi_gmsg *head[FI_GROUP_MAX_RANKS];      /* inbox per sender, arrival order */
     fi_gmsg *tail[FI_GROUP_MAX_RANKS];
     int n_inbox;                            /* messages in all inboxes */
+    int n_from[FI_GROUP_MAX_RANKS];         /* messages waiting from each sender */
+    size_t bytes_from[FI_GROUP_MAX_RANKS];  /* their payload bytes */
+    uint64_t dropped[FI_GROUP_MAX_RANKS];   /* messages refused from each sender */
+    uint64_t drop_log_ms[FI_GROUP_MAX_RANKS]; /* when that was last logged */
+    int (*keep)(void *user, int from, uint8_t kind, uint64_t pass); /* fi_gnet_set_filter */
+    void *keep_user;
     void *zap;                              /* ZAP handler socket (actor's) */
     void *zap_pipe[2];                      /* [0] ours, [1] the actor's: stop signal */
     pthread_t zap_th;                       /* the ZAP actor */
@@ -44,6 +57,30 @@ struct fi_gnet {
     void *idle_user;
     uint64_t idle_at_ms;                    /* when it last ran */
 };
+
+/* Unlinks the waiting message m (after prev, NULL: first) from r's inbox. */
+static void s_unlink(fi_gnet *n, int r, fi_gmsg *prev, fi_gmsg *m) {
+    if (prev) prev->next = m->next;
+    else n->head[r] = m->next;
+    if (n->tail[r] == m) n->tail[r] = prev;
+    m->next = NULL;
+    n->n_inbox--;
+    n->n_from[r]--;
+    n->bytes_from[r] -= m->len;
+}
+
+/* Counts a message refused from rank `from`, logged at most every
+ * S_DROP_LOG_MS per sender (a flood must not flood the log too). */
+static void s_dropped(fi_gnet *n, int from, const char *why, uint8_t kind, uint64_t pass) {
+    n->dropped[from]++;
+    uint64_t now = fi_wire_now_ms();
+    if (n->drop_log_ms[from] && now - n->drop_log_ms[from] < S_DROP_LOG_MS) return;
+    n->drop_log_ms[from] = now;
+    fprintf(stderr, "group rank %d: dropped a message from rank %d (kind %u, pass %llu): %s "
+                    "(%llu dropped from it so far)\n",
+            n->rank, from, kind, (unsigned long long)pass, why,
+            (unsigned long long)n->dropped[from]);
+}
 
 void fi_gmsg_free(fi_gmsg **mp) {
     if (!mp || !*mp) return;
@@ -320,9 +357,18 @@ static int s_recv_one(fi_gnet *n, char *err, size_t errlen) {
                 n->rank, frames, uid ? uid : "an unknown peer");
         goto done;
     }
-    if (n->n_inbox >= S_INBOX_MAX) {
-        fprintf(stderr, "group rank %d: inbox full (%d messages): dropped one from rank %d\n",
-                n->rank, n->n_inbox, from);
+    const uint8_t *h = zmq_msg_data(&hdr);
+    const uint8_t kind = h[4];
+    uint64_t pass;
+    memcpy(&pass, h + 8, 8);
+    const size_t len = zmq_msg_size(body);
+    if (n->keep && !n->keep(n->keep_user, from, kind, pass)) {
+        s_dropped(n, from, "not a message this rank takes from it", kind, pass);
+        goto done;
+    }
+    if (n->n_inbox >= S_INBOX_MAX || n->n_from[from] >= S_FROM_MAX_MSGS ||
+        n->bytes_from[from] + len > S_FROM_MAX_BYTES) {
+        s_dropped(n, from, "too many of its messages are waiting", kind, pass);
         goto done;
     }
     fi_gmsg *m = calloc(1, sizeof *m);
@@ -331,19 +377,20 @@ static int s_recv_one(fi_gnet *n, char *err, size_t errlen) {
         rc = -1;
         goto done;
     }
-    const uint8_t *h = zmq_msg_data(&hdr);
     m->from = from;
-    m->kind = h[4];
-    memcpy(&m->pass, h + 8, 8);
+    m->kind = kind;
+    m->pass = pass;
     memcpy(&m->op, h + 16, 4);
     m->zmsg = body;
     m->data = zmq_msg_data(body);
-    m->len = zmq_msg_size(body);
+    m->len = len;
     body = NULL; /* owned by m */
     if (n->tail[from]) n->tail[from]->next = m;
     else n->head[from] = m;
     n->tail[from] = m;
     n->n_inbox++;
+    n->n_from[from]++;
+    n->bytes_from[from] += len;
 done:
     zmq_msg_close(&id);
     zmq_msg_close(&hdr);
@@ -430,11 +477,7 @@ fi_gmsg *fi_gnet_take(fi_gnet *n, int from, uint8_t kind, uint64_t pass) {
         fi_gmsg *prev = NULL;
         for (fi_gmsg *m = n->head[r]; m; prev = m, m = m->next) {
             if ((kind && m->kind != kind) || (pass != UINT64_MAX && m->pass != pass)) continue;
-            if (prev) prev->next = m->next;
-            else n->head[r] = m->next;
-            if (n->tail[r] == m) n->tail[r] = prev;
-            m->next = NULL;
-            n->n_inbox--;
+            s_unlink(n, r, prev, m);
             return m;
         }
     }
@@ -447,15 +490,22 @@ void fi_gnet_drop_before(fi_gnet *n, uint64_t pass) {
         while (m) {
             fi_gmsg *next = m->next;
             if (m->pass && m->pass < pass) {
-                if (prev) prev->next = next;
-                else n->head[r] = next;
-                if (n->tail[r] == m) n->tail[r] = prev;
+                s_unlink(n, r, prev, m);
                 fi_gmsg_free(&m);
-                n->n_inbox--;
             } else {
                 prev = m;
             }
             m = next;
         }
     }
+}
+
+void fi_gnet_set_filter(fi_gnet *n, int (*keep)(void *user, int from, uint8_t kind, uint64_t pass),
+                        void *user) {
+    n->keep = keep;
+    n->keep_user = user;
+}
+
+uint64_t fi_gnet_dropped(const fi_gnet *n, int from) {
+    return from >= 0 && from < n->world ? n->dropped[from] : 0;
 }

@@ -104,6 +104,18 @@ int fi_gnet_pump(fi_gnet *n, int timeout_ms, char *err, size_t errlen);
  * pass 0 are kept): what remains of aborted passes. */
 void fi_gnet_drop_before(fi_gnet *n, uint64_t pass);
 
+/* What this rank takes at all: keep(user, from, kind, pass) is asked for
+ * every arriving message, and one it answers 0 for is dropped at once
+ * (counted, and logged at most once a second per sender), so a rank that
+ * sends what nobody waits for cannot fill the inbox. Besides, at most
+ * 1024 messages and 2 x FI_GNET_MAX_MSG bytes wait from one sender; more
+ * are dropped the same way, and the other senders are still heard.
+ * NULL: every message is kept (within those bounds). */
+void fi_gnet_set_filter(fi_gnet *n, int (*keep)(void *user, int from, uint8_t kind, uint64_t pass),
+                        void *user);
+/* Messages dropped so far from rank `from` (refused or over the bounds). */
+uint64_t fi_gnet_dropped(const fi_gnet *n, int from);
+
 /* Work that must go on while a rank waits inside a pass (the leader's
  * heartbeats to the coordinator): fn(user) is called by fi_gnet_idle at
  * most every FI_GNET_IDLE_MS. NULL: none. */

@@ -245,13 +245,17 @@ static void test_plan_digest(void **state) {
     s_plan(*state, 2, "heartbeat_ms = 100\n", &g, p); /* timing is not layout */
     fi_group_plan_digest(&g, p, d2);
     assert_memory_equal(d1, d2, sizeof d1);
+    /* ranks that would sum over different collectives are told apart */
+    s_plan(*state, 2, "collective = nccl\n", &g, p);
+    fi_group_plan_digest(&g, p, d3);
+    assert_memory_not_equal(d1, d3, sizeof d1);
     s_plan(*state, 2, "tp_weights = 1,2\n", &g, p);
     fi_group_plan_digest(&g, p, d3);
     assert_memory_not_equal(d1, d3, sizeof d1);
     char text[1024];
     fi_group_plan_text(&g, p, text, sizeof text);
     printf("%s\n", text);
-    assert_string_equal(text, "group=g2 world=2 tp=2 pp=1; r0 L0-30 kv0+1 ffn0+512 E O; "
+    assert_string_equal(text, "group=g2 world=2 tp=2 pp=1 coll=zmq; r0 L0-30 kv0+1 ffn0+512 E O; "
                               "r1 L0-30 kv1+2 ffn512+1024 E");
 }
 

@@ -36,7 +36,9 @@
 #include <unistd.h>
 
 #include "fi_group.h"
+#include "fi_group_coll.h"
 #include "fi_group_nccl.h"
+#include "fi_group_net.h"
 #include "net_ports.h"
 #include "fi_sched.h"
 #include "fi_wire.h"
@@ -137,8 +139,8 @@ static void s_group_file(fixture *f, const char *name, int world, int tp, const 
     snprintf(path, sizeof path, "%s/%s", f->dir, name);
     FILE *fp = fopen(path, "w");
     assert_non_null(fp);
-    fprintf(fp, "group = %s\nworld = %d\ntp = %d\nheartbeat_ms = 100\ntimeout_ms = 1000\n%s", name,
-            world, tp, extra);
+    fprintf(fp, "group = %s\nworld = %d\ntp = %d\n%s%s", name, world, tp,
+            strstr(extra, "heartbeat_ms") ? "" : "heartbeat_ms = 100\ntimeout_ms = 1000\n", extra);
     if (!f->reuse_port) f->port = fi_test_free_ports(world);
     f->reuse_port = 0;
     assert_true(f->port > 0);
@@ -530,6 +532,94 @@ static void test_join_refusals(void **state) {
     s_rank_close(L);
 }
 
+/* A rank that sends what nobody takes (pass-0 sums, unknown kinds,
+ * activations the leader never takes, passes it never gave) cannot fill
+ * the leader's inbox: more of it than the inbox ever held is dropped on
+ * arrival, and a genuine rank joins at once afterwards. */
+static void test_junk_never_blocks_join(void **state) {
+    fixture *f = *state;
+    fi_group_conf c;
+    char err[512];
+    s_group_file(f, "junk", 2, 2, "", &c);
+    s_rank ranks[2];
+    s_rank *L = &ranks[0];
+    *L = (s_rank){.f = f, .conf = c, .rank = 0};
+    memcpy(L->digest, f->digest, sizeof f->digest);
+    if (s_rank_open(L) != 0) fail_msg("leader: %s", L->err);
+    fi_group_set_pool(L->g, 8, 32, 4);
+    fi_gnet *rogue = fi_gnet_new(&c, 1, &f->kp[1], err, sizeof err); /* holds rank 1's key */
+    assert_non_null(rogue);
+    uint64_t until = fi_wire_now_ms() + 5000;
+    while (!fi_gnet_up(rogue, 0) && fi_wire_now_ms() < until) {
+        assert_true(fi_gnet_pump(rogue, 10, err, sizeof err) >= 0);
+        (void)fi_group_lead_poll(L->g, 0, err, sizeof err);
+    }
+    assert_true(fi_gnet_up(rogue, 0));
+    static const uint8_t kinds[4] = {FI_G_PART, 99, FI_G_ACT, FI_G_LOGITS};
+    static const uint64_t passes[4] = {0, 0, 7, UINT64_MAX};
+    uint8_t junk[64] = {0};
+    for (int sent = 0; sent < 70000;) {
+        if (fi_gnet_send(rogue, 0, kinds[sent % 4], passes[sent % 4], 0, junk, sizeof junk, err,
+                         sizeof err) == 0)
+            sent++;
+        else /* its queue is full: the leader drains its socket */
+            (void)fi_group_lead_poll(L->g, 1, err, sizeof err);
+    }
+    for (int i = 0; i < 50; i++) (void)fi_group_lead_poll(L->g, 10, err, sizeof err);
+    fi_gnet_destroy(&rogue);
+    ranks[1] = (s_rank){.f = f, .conf = c, .rank = 1};
+    memcpy(ranks[1].digest, f->digest, sizeof f->digest);
+    atomic_store(&ranks[1].stop, 0);
+    assert_int_equal(pthread_create(&ranks[1].th, NULL, s_follower, &ranks[1]), 0);
+    assert_true(s_wait_available(L->g, 5000));
+    s_stop_followers(&c, ranks);
+    s_rank_close(L);
+}
+
+/* A rank that restarts is joined only once every other rank has seen it
+ * too: the first pass after each return succeeds (TP 3; without the
+ * re-join of the others, rank 2's link to the new rank 1 was sometimes
+ * still reconnecting, and that pass failed). */
+static void test_first_pass_after_rejoin(void **state) {
+    fixture *f = *state;
+    fi_group_conf c;
+    char err[512];
+    /* a slow link retry (it backs off up to heartbeat_ms) widens the gap */
+    s_group_file(f, "rejoin", 3, 3, "heartbeat_ms = 1000\ntimeout_ms = 3000\n", &c);
+    s_rank ranks[3];
+    s_start_followers(f, &c, ranks);
+    s_rank *L = &ranks[0];
+    *L = (s_rank){.f = f, .conf = c, .rank = 0};
+    memcpy(L->digest, f->digest, sizeof f->digest);
+    if (s_rank_open(L) != 0) fail_msg("leader: %s", L->err);
+    fi_kvpool *kv = fi_kvpool_new(L->m, 8, 32, 4, err, sizeof err);
+    assert_non_null(kv);
+    fi_group_set_pool(L->g, 8, 32, 4);
+    assert_true(s_wait_available(L->g, 20000));
+    int32_t tok = 1, pos = 0, seq = 0, tables[4] = {0, 1, 2, 3}, row = 0;
+    fi_batch b = {.n = 1, .tok = &tok, .pos = &pos, .seq = &seq, .n_seqs = 1, .tables = tables,
+                  .max_blocks = 4, .out_rows = &row, .n_out = 1};
+    float *lg = malloc((size_t)f->mi.n_vocab * sizeof(float));
+    assert_non_null(lg);
+    for (int round = 0; round < 4; round++) {
+        atomic_store(&ranks[1].stop, 1);
+        pthread_join(ranks[1].th, NULL);
+        s_rank_close(&ranks[1]);
+        for (int t = 0; t < 150; t++) (void)fi_group_lead_poll(L->g, 20, err, sizeof err);
+        ranks[1] = (s_rank){.f = f, .conf = c, .rank = 1};
+        memcpy(ranks[1].digest, f->digest, sizeof f->digest);
+        atomic_store(&ranks[1].stop, 0);
+        assert_int_equal(pthread_create(&ranks[1].th, NULL, s_follower, &ranks[1]), 0);
+        assert_true(s_wait_available(L->g, 20000));
+        if (fi_group_forward(L->g, L->m, kv, &b, lg, err, sizeof err) != 0)
+            fail_msg("round %d: the first pass after rank 1 came back failed: %s", round, err);
+    }
+    free(lg);
+    fi_kvpool_destroy(&kv);
+    s_stop_followers(&c, ranks);
+    s_rank_close(L);
+}
+
 /* collective = nccl: refused where it cannot work, with the reason. */
 static void test_nccl_refusals(void **state) {
     fixture *f = *state;
@@ -567,6 +657,8 @@ int main(void) {
         cmocka_unit_test(test_tp2_pp2),
         cmocka_unit_test(test_sched_tp2),
         cmocka_unit_test(test_join_refusals),
+        cmocka_unit_test(test_junk_never_blocks_join),
+        cmocka_unit_test(test_first_pass_after_rejoin),
         cmocka_unit_test(test_nccl_refusals),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
