@@ -40,6 +40,37 @@ static const char *s_opt(int argc, char **argv, const char *name, const char *al
     return NULL;
 }
 
+/* The first argument that looks like an option and is none of the
+ * command's (with_value: options that take a value, whose value is then
+ * skipped; flags: options without one); NULL when all are known. A
+ * mistyped or unsupported option must not be ignored: a filter that is
+ * silently dropped widens what a command does. */
+static const char *s_stray(int argc, char **argv, const char *const *with_value,
+                           const char *const *flags) {
+    for (int i = 1; i < argc; i++) {
+        if (argv[i][0] != '-' || !argv[i][1]) continue;
+        bool known = false;
+        for (size_t j = 0; with_value && with_value[j] && !known; j++)
+            if (!strcmp(argv[i], with_value[j])) {
+                known = true;
+                i++;
+            }
+        for (size_t j = 0; flags && flags[j] && !known; j++) known = !strcmp(argv[i], flags[j]);
+        if (!known) return argv[i];
+    }
+    return NULL;
+}
+
+/* s_stray's verdict, told: 0, or 2 (the usage exit status) after naming
+ * the unknown option. */
+static int s_options_ok(int argc, char **argv, const char *cmd, const char *const *with_value,
+                        const char *const *flags) {
+    const char *x = s_stray(argc, argv, with_value, flags);
+    if (!x) return 0;
+    fprintf(stderr, "fedctl %s: unknown option '%s' (fedctl %s --help lists them)\n", cmd, x, cmd);
+    return 2;
+}
+
 static bool s_flag(int argc, char **argv, const char *name) {
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], name)) return true;
@@ -158,6 +189,7 @@ static int s_check(int argc, char **argv) {
         return 0;
     }
     const char *nv[] = {NULL};
+    if (s_options_ok(argc, argv, "policy check", nv, NULL)) return 2;
     const char *file = s_pos(argc, argv, 0, nv);
     if (!file) {
         fprintf(stderr, "usage: fedctl policy check FILE\n");
@@ -197,6 +229,7 @@ static int s_test(int argc, char **argv) {
         return 0;
     }
     const char *nv[] = {NULL};
+    if (s_options_ok(argc, argv, "policy test", nv, NULL)) return 2;
     const char *file = s_pos(argc, argv, 0, nv), *cases = s_pos(argc, argv, 1, nv);
     if (!file || !cases) {
         fprintf(stderr, "usage: fedctl policy test FILE CASES\n");
@@ -277,6 +310,8 @@ static int s_explain(int argc, char **argv) {
                "-v adds each rule's result (true, false, or the error that blocked it).\n");
         return argc < 3 && !s_help(argc, argv) ? 2 : 0;
     }
+    const char *const explain_flags[] = {"-v", NULL};
+    if (s_options_ok(argc, argv, "policy explain", NULL, explain_flags)) return 2;
     bool verbose = s_flag(argc, argv, "-v");
     fi_policy *pol = s_load(argv[1], false);
     if (!pol) return 1;
@@ -323,7 +358,8 @@ static int s_flows(int argc, char **argv) {
                "combination as tab-separated rows.\n");
         return 0;
     }
-    const char *nv[] = {NULL};
+    const char *nv[] = {NULL}, *const flows_flags[] = {"--all", NULL};
+    if (s_options_ok(argc, argv, "policy flows", nv, flows_flags)) return 2;
     const char *file = s_pos(argc, argv, 0, nv);
     if (!file) {
         fprintf(stderr, "usage: fedctl policy flows FILE [--all]\n");
@@ -472,6 +508,7 @@ static int s_diff(int argc, char **argv) {
         return 0;
     }
     const char *with[] = {"--active", "--store", "--audit", "--since", "--until", NULL};
+    if (s_options_ok(argc, argv, "policy diff", with, NULL)) return 2;
     bool bad = false;
     const char *file = s_pos(argc, argv, 0, with);
     const char *active = s_opt(argc, argv, "--active", NULL, &bad);
@@ -565,7 +602,9 @@ static int s_apply(int argc, char **argv) {
                DEFAULT_VALID_DAYS);
         return 0;
     }
-    const char *with[] = {"-m", "--store", "--key", "--author", "--valid-days", "--bundle-out", NULL};
+    const char *with[] = {"-m",           "--message",    "--store",      "--key",
+                          "--author",     "--valid-days", "--bundle-out", NULL};
+    if (s_options_ok(argc, argv, "policy apply", with, NULL)) return 2;
     bool bad = false;
     const char *file = s_pos(argc, argv, 0, with);
     const char *why = s_opt(argc, argv, "-m", "--message", &bad);
@@ -649,6 +688,8 @@ static int s_history(int argc, char **argv) {
                "time, author, content digest and comment.\n");
         return 0;
     }
+    const char *const history_with[] = {"--store", NULL};
+    if (s_options_ok(argc, argv, "policy history", history_with, NULL)) return 2;
     bool bad = false;
     const char *store = s_opt(argc, argv, "--store", NULL, &bad);
     if (bad || !store) {
@@ -676,7 +717,8 @@ static int s_rollback(int argc, char **argv) {
                "it because its version number is higher than any they hold.\n");
         return 0;
     }
-    const char *with[] = {"-m", "--store", "--key", "--author", "--valid-days", NULL};
+    const char *with[] = {"-m", "--message", "--store", "--key", "--author", "--valid-days", NULL};
+    if (s_options_ok(argc, argv, "policy rollback", with, NULL)) return 2;
     bool bad = false;
     const char *ver = s_pos(argc, argv, 0, with);
     const char *store = s_opt(argc, argv, "--store", NULL, &bad);
@@ -723,6 +765,9 @@ static int s_bundle(int argc, char **argv) {
                "FILE; with --content, the policy text instead (for diff --active).\n");
         return 0;
     }
+    const char *const bundle_with[] = {"--store", "--version", "--out", NULL},
+                      *const bundle_flags[] = {"--content", NULL};
+    if (s_options_ok(argc, argv, "policy bundle", bundle_with, bundle_flags)) return 2;
     bool bad = false;
     const char *store = s_opt(argc, argv, "--store", NULL, &bad);
     const char *ver = s_opt(argc, argv, "--version", NULL, &bad);
@@ -770,6 +815,7 @@ static int s_install(int argc, char **argv) {
         return 0;
     }
     const char *with[] = {"--dir", "--trust", NULL};
+    if (s_options_ok(argc, argv, "policy install", with, NULL)) return 2;
     bool bad = false;
     const char *file = s_pos(argc, argv, 0, with);
     const char *dir = s_opt(argc, argv, "--dir", NULL, &bad);
@@ -814,6 +860,8 @@ static int s_keygen(int argc, char **argv) {
                "KEYFILE.pub (to install on edges as a trusted signer).\n");
         return 0;
     }
+    const char *const keygen_with[] = {"--out", NULL};
+    if (s_options_ok(argc, argv, "policy keygen", keygen_with, NULL)) return 2;
     bool bad = false;
     const char *out = s_opt(argc, argv, "--out", NULL, &bad);
     if (bad || !out) {
@@ -876,7 +924,9 @@ int fi_audit_print_row(const fi_audit_record *r, void *arg) {
     (void)arg;
     char t[32];
     fi_fmt_utc(r->time / 1000, t, sizeof t);
-    printf("%-6lld %s.%03lld %-14s %-16s %-20s %-8s %-16s %s\n", (long long)r->seq, t, (long long)(r->time % 1000),
+    size_t tl = strlen(t);
+    if (tl && t[tl - 1] == 'Z') t[tl - 1] = '\0'; /* the fraction goes before the Z */
+    printf("%-6lld %s.%03lldZ %-14s %-16s %-20s %-8s %-16s %s\n", (long long)r->seq, t, (long long)(r->time % 1000),
            r->request_id, r->origin, r->labels, r->decision, r->target[0] ? r->target : "-", r->rules);
     return 0;
 }
@@ -889,6 +939,8 @@ static int s_audit_verify(int argc, char **argv) {
                "fails when the head differs from HASH (records cut off the end).\n");
         return 0;
     }
+    const char *const verify_with[] = {"--db", "--head", NULL};
+    if (s_options_ok(argc, argv, "audit verify", verify_with, NULL)) return 2;
     bool bad = false;
     const char *db = s_opt(argc, argv, "--db", NULL, &bad);
     const char *head = s_opt(argc, argv, "--head", NULL, &bad);
@@ -925,7 +977,7 @@ static int s_audit_verify(int argc, char **argv) {
 int fi_cmd_audit(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "verify")) return s_audit_verify(argc - 1, argv + 1);
     if (s_help(argc, argv)) {
-        printf("usage: fedctl audit --db DB [--since T] [--until T] [--origin SITE] [--label L]\n"
+        printf("usage: fedctl audit --db DB [--since T] [--until T] [--origin|--site SITE] [--label L]\n"
                "                    [--target T] [--decision permit|deny|fallback] [--request ID]\n"
                "                    [--rule ID] [--limit N]\n"
                "       fedctl audit verify --db DB [--head HASH]\n\n"
@@ -934,13 +986,17 @@ int fi_cmd_audit(int argc, char **argv) {
                "YYYY-MM-DDTHH:MM:SSZ or Unix seconds.\n");
         return 0;
     }
+    const char *const audit_with[] = {"--db",       "--since",   "--until",   "--limit",
+                                      "--origin",   "--site",    "--label",   "--target",
+                                      "--decision", "--request", "--rule",    NULL};
+    if (s_options_ok(argc, argv, "audit", audit_with, NULL)) return 2;
     bool bad = false;
     const char *db = s_opt(argc, argv, "--db", NULL, &bad);
     const char *since = s_opt(argc, argv, "--since", NULL, &bad);
     const char *until = s_opt(argc, argv, "--until", NULL, &bad);
     const char *limit = s_opt(argc, argv, "--limit", NULL, &bad);
     fi_audit_filter f = {0};
-    f.origin = s_opt(argc, argv, "--origin", NULL, &bad);
+    f.origin = s_opt(argc, argv, "--origin", "--site", &bad); /* --site: as online */
     f.label = s_opt(argc, argv, "--label", NULL, &bad);
     f.target = s_opt(argc, argv, "--target", NULL, &bad);
     f.decision = s_opt(argc, argv, "--decision", NULL, &bad);

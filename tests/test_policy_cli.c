@@ -112,6 +112,9 @@ static void test_check_test_explain_flows(void **state) {
     s_has(f, "denied munich-clinic: forbid \"phi stays on site\"");
     s_has(f, "chosen: berlin-clinic");
     assert_int_equal(s_run(f, "policy explain '%s/eu-hospital.policy' origin=berlin-clinic bogus", f->ex), 2);
+    assert_int_equal(s_run(f, "policy explain '%s/eu-hospital.policy' origin=berlin-clinic -V", f->ex), 2);
+    assert_int_equal(s_run(f, "policy flows '%s/us-bank.policy' --al", f->ex), 2);
+    assert_int_equal(s_run(f, "policy check --strict '%s/eu-hospital.policy'", f->ex), 2);
     assert_int_equal(s_run(f, "policy flows '%s/us-bank.policy'", f->ex), 0);
     s_has(f, "nyc-branch  montreal-dr  no      no        no     no");
     assert_int_equal(s_run(f, "policy flows '%s/us-bank.policy' --all", f->ex), 0);
@@ -150,8 +153,10 @@ static void test_store_bundle_diff_audit(void **state) {
     char cmd[2048];
     snprintf(cmd, sizeof cmd, "grep -v 'permit \"own site\"' '%s/eu-hospital.policy' > '%s/new.policy'", f->ex, f->dir);
     assert_int_equal(system(cmd), 0);
-    assert_int_equal(s_run(f, "policy apply new.policy -m 'drop own site' --store store.db --key signing.key --author bob"), 0);
+    /* --message before FILE: its value is not taken for the file */
+    assert_int_equal(s_run(f, "policy apply --message 'drop own site' new.policy --store store.db --key signing.key --author bob"), 0);
     s_has(f, "as version 2");
+    assert_int_equal(s_run(f, "policy apply new.policy -m x --store store.db --key signing.key --valid-day 3"), 2);
     assert_int_equal(s_run(f, "policy apply '%s/policy/bad/12-unknown-attribute.policy' -m x --store store.db --key signing.key",
                            FI_TEST_DIR), 1);
     s_has(f, "policy refused");
@@ -206,6 +211,17 @@ static void test_store_bundle_diff_audit(void **state) {
     if (strstr(f->out, "req-pii")) fail_msg("filter by label let req-pii through:\n%s", f->out);
     assert_int_equal(s_run(f, "audit --db audit.db --decision permit --target fra-gpu-1"), 0);
     s_has(f, "req-pii");
+    /* times read as ISO 8601: the fraction before the Z */
+    s_has(f, ".000Z");
+    /* --site is --origin, as online; an unknown option is refused, never
+     * dropped (a dropped filter would list everything) */
+    assert_int_equal(s_run(f, "audit --db audit.db --site nowhere"), 0);
+    if (strstr(f->out, "req-")) fail_msg("--site did not filter:\n%s", f->out);
+    assert_int_equal(s_run(f, "audit --db audit.db --sight nowhere"), 2);
+    s_has(f, "unknown option '--sight'");
+    assert_int_equal(s_run(f, "audit verify --db audit.db --hed 00"), 2);
+    assert_int_equal(s_run(f, "policy history --store store.db --all"), 2);
+    assert_int_equal(s_run(f, "policy bundle --store store.db --out x.bundle --contents"), 2);
     assert_int_equal(s_run(f, "audit verify --db audit.db"), 0);
     s_has(f, "intact: 2 records");
     assert_int_equal(s_run(f, "audit verify --db audit.db --head 00"), 1);
