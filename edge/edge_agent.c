@@ -16,6 +16,7 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
         return NULL;
     }
     e->conf = *c;
+    e->file = *c;
     e->lim = (edge_limits){c->max_tokens, c->default_max_tokens, c->max_body, c->request_timeout_s};
     pthread_rwlock_init(&e->lim_lk, NULL);
     atomic_init(&e->next_id, 1);
@@ -54,6 +55,26 @@ edge_limits edge_limits_now(fi_edge *e) {
     return l;
 }
 
+int edge_conf_restart_keys(const fi_edge_conf *run, const fi_edge_conf *nc, char *out, size_t cap) {
+    static const char *const live[] = {"max_tokens", "default_max_tokens", "max_body",
+                                       "request_timeout_s", NULL};
+    int n = 0;
+    size_t at = 0;
+    if (cap) out[0] = '\0';
+    for (const fi_conf_key *k = fi_edge_conf_keys; k->name; k++) {
+        int reloads = 0;
+        for (int i = 0; live[i]; i++) reloads |= !strcmp(k->name, live[i]);
+        if (reloads) continue;
+        const char *a = (const char *)run + k->offset, *b = (const char *)nc + k->offset;
+        int same = k->type == FI_CONF_STR ? !strcmp(a, b) : *(const int *)a == *(const int *)b;
+        if (same) continue;
+        int w = snprintf(out + at, cap > at ? cap - at : 0, "%s%s", n ? ", " : "", k->name);
+        if (w > 0 && at + (size_t)w < cap) at += (size_t)w;
+        n++;
+    }
+    return n;
+}
+
 void fi_edge_reload(fi_edge *e, const char *path) {
     fi_edge_conf nc;
     char err[768];
@@ -66,11 +87,11 @@ void fi_edge_reload(fi_edge *e, const char *path) {
         pthread_rwlock_wrlock(&e->lim_lk);
         e->lim = (edge_limits){nc.max_tokens, nc.default_max_tokens, nc.max_body, nc.request_timeout_s};
         pthread_rwlock_unlock(&e->lim_lk);
-        if (strcmp(nc.site, e->conf.site) || strcmp(nc.model, e->conf.model) ||
-            nc.port != e->conf.port || strcmp(nc.coordinator, e->conf.coordinator) ||
-            nc.concurrency != e->conf.concurrency || nc.auth != e->conf.auth)
-            fprintf(stderr, "edge: reload: site, model, port, coordinator, concurrency and auth "
-                            "change only on restart\n");
+        char keys[1024];
+        if (edge_conf_restart_keys(&e->file, &nc, keys, sizeof keys) > 0)
+            fprintf(stderr, "edge: reload: %s changed in %s; they take effect only on restart "
+                            "(the running values stay)\n",
+                    keys, path);
         fprintf(stderr, "edge: reload: limits applied (max_tokens %d, max_body %d, timeout %d s)\n",
                 nc.max_tokens, nc.max_body, nc.request_timeout_s);
     }

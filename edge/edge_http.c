@@ -755,6 +755,26 @@ static int s_routed(fi_edge *e, edge_job *job, const s_req *r, int chat, const c
     return 0;
 }
 
+/* Authentication (with auth = 1): the request's bearer token, whose
+ * tenant and application go to tenant and app. 1 when it may go on; 0
+ * when a 401 was queued (*rc is its result). */
+static int s_authenticated(fi_edge *e, struct MHD_Connection *c, char tenant[64], char app[64],
+                           enum MHD_Result *rc) {
+    if (!e->tokens) return 1;
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
+    static const char *const hdr[] = {"WWW-Authenticate", "Bearer", NULL};
+    if (!h || strncasecmp(h, "Bearer ", 7)) {
+        *rc = s_error(e, c, 401, "missing_api_key", NULL, hdr,
+                      "an Authorization: Bearer token is required");
+        return 0;
+    }
+    if (!edge_auth_check(e->tokens, h + 7, tenant, 64, app, 64)) {
+        *rc = s_error(e, c, 401, "invalid_api_key", NULL, hdr, "the bearer token is not valid");
+        return 0;
+    }
+    return 1;
+}
+
 static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn, int chat) {
     const edge_limits lim = edge_limits_now(e); /* this request's */
     atomic_fetch_add(&e->m.requests, 1);
@@ -762,15 +782,8 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         return s_error(e, c, 503, "shutting_down", NULL, NULL, "the agent is stopping");
     /* Authentication: a tenant and application come from the token. */
     char tenant[64] = "", app[64] = "";
-    if (e->tokens) {
-        const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
-        static const char *const hdr[] = {"WWW-Authenticate", "Bearer", NULL};
-        if (!h || strncasecmp(h, "Bearer ", 7))
-            return s_error(e, c, 401, "missing_api_key", NULL, hdr,
-                           "an Authorization: Bearer token is required");
-        if (!edge_auth_check(e->tokens, h + 7, tenant, sizeof tenant, app, sizeof app))
-            return s_error(e, c, 401, "invalid_api_key", NULL, hdr, "the bearer token is not valid");
-    }
+    enum MHD_Result arc;
+    if (!s_authenticated(e, c, tenant, app, &arc)) return arc;
     if (cn->too_big)
         return s_error(e, c, 413, "body_too_large", NULL, NULL, "the body exceeds %d bytes",
                        lim.max_body);
@@ -1093,7 +1106,14 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
     if (post && !strcmp(url, "/v1/chat/completions")) return s_infer(e, c, cn, 1);
     if (post && !strcmp(url, "/v1/completions")) return s_infer(e, c, cn, 0);
     int get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
-    if (get && !strcmp(url, "/v1/models")) return s_models(e, c);
+    if (get && !strcmp(url, "/v1/models")) {
+        /* the API's own endpoints answer token holders only (the probes,
+         * /metrics and /healthz, stay open) */
+        char tenant[64], app[64];
+        enum MHD_Result arc;
+        if (!s_authenticated(e, c, tenant, app, &arc)) return arc;
+        return s_models(e, c);
+    }
     if (get && !strcmp(url, "/metrics")) return s_metrics(e, c);
     if (get && !strcmp(url, "/healthz")) {
         json_t *o = json_pack("{s:s,s:s,s:b,s:b}", "status",

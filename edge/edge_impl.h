@@ -238,6 +238,7 @@ typedef struct edge_limits {
 
 struct fi_edge {
     fi_edge_conf conf;            /* as loaded (its limits: see lim) */
+    fi_edge_conf file;            /* as the file gave it (conf may be adjusted: n_ctx) */
     pthread_rwlock_t lim_lk;      /* guards lim */
     edge_limits lim;              /* the limits in force */
     fi_model *model;              /* local model, NULL when none */
@@ -271,6 +272,12 @@ int edge_front_check_head(const char *h, size_t n, long max_body, char *code, si
 
 /* The limits in force now (edge_agent.c). */
 edge_limits edge_limits_now(fi_edge *e);
+
+/* The keys whose value differs between the running file's configuration
+ * and a re-read one, other than the limits a reload applies (max_tokens,
+ * default_max_tokens, max_body, request_timeout_s): comma-separated into
+ * out, "" when none. How many (edge_agent.c). */
+int edge_conf_restart_keys(const fi_edge_conf *run, const fi_edge_conf *nc, char *out, size_t cap);
 
 /* HTTP server (edge_http.c). */
 int edge_http_start(fi_edge *e, char *err, size_t errlen);

@@ -163,6 +163,7 @@ int fi_group_cmd(const char *config, const char *token) {
             goto done;
         }
         printf("enrolled as cluster %s/%s, fingerprint %s\n", rc.site, rc.region, fpr);
+        fflush(stdout); /* a service log shows it now, not at exit */
     }
     if (!(c = fi_client_new(&o, err, sizeof err))) {
         fprintf(stderr, "fedinfer shard: %s\n", err);

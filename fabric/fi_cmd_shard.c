@@ -117,6 +117,7 @@ int fi_cmd_shard(int argc, char **argv) {
             goto done;
         }
         printf("enrolled as cluster %s/%s, fingerprint %s\n", conf.site, conf.region, fpr);
+        fflush(stdout); /* a service log shows it now, not at exit */
     }
     if (echo) {
         be = fi_shard_echo_backend(4, 0);

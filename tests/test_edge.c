@@ -30,6 +30,7 @@
 
 #include "fi_audit.h"
 #include "fi_bundle.h"
+#include "edge_impl.h" /* edge_conf_restart_keys */
 #include "fi_edge.h"
 
 /* Sanitizer builds (Debug, ASan) run the model about ten times slower:
@@ -320,6 +321,21 @@ static void test_conf_errors(void **state) {
     assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), 0);
     assert_null(fi_edge_new(&c, err, sizeof err));
     assert_non_null(strstr(err, "but the deployment pins 0000000000"));
+    /* a reload names every key that waits for a restart, not the limits it applies */
+    fi_edge_conf run, next;
+    write_file(path, "site = a\nmodel = m.gguf\nmodel_name = m\nthreads = 1\nqueue = 16\n"
+                     "max_tokens = 100\n");
+    fi_edge_conf_default(&run);
+    assert_int_equal(fi_edge_conf_load(path, &run, err, sizeof err), 0);
+    write_file(path, "site = a\nmodel = m.gguf\nmodel_name = m\nthreads = 2\nqueue = 8\n"
+                     "max_tokens = 50\n");
+    fi_edge_conf_default(&next);
+    assert_int_equal(fi_edge_conf_load(path, &next, err, sizeof err), 0);
+    char keys[256];
+    assert_int_equal(edge_conf_restart_keys(&run, &next, keys, sizeof keys), 2);
+    assert_string_equal(keys, "threads, queue");
+    assert_int_equal(edge_conf_restart_keys(&run, &run, keys, sizeof keys), 0);
+    assert_string_equal(keys, "");
     unlink(path);
 }
 

@@ -17,7 +17,7 @@ EU_HOSPITAL = os.path.join(ROOT, "examples/policies/eu-hospital.policy")
 
 class Fleet:
     def __init__(self, model, policy=EU_HOSPITAL):
-        self.model = model
+        self.model = os.path.abspath(model)  # the processes run in a scratch folder
         self.dir = tempfile.mkdtemp(prefix="edge-fleet.")
         self.procs = {}
         d = self.dir

@@ -200,6 +200,10 @@ class Lifecycle(unittest.TestCase):
             r = good.chat.completions.create(model=M, max_tokens=2,
                                              messages=[{"role": "user", "content": "hi"}])
             self.assertTrue(r.choices[0].message.content is not None)
+            # The model list answers token holders only, as OpenAI's.
+            with self.assertRaises(openai.AuthenticationError):
+                OpenAI(base_url=e.url + "/v1", api_key="wrong-token", max_retries=0).models.list()
+            self.assertEqual([m.id for m in good.models.list().data], [M])
             # The tenant and application are in the audit log.
             rows = subprocess.run(["sqlite3", f"{e.dir}/edge.db",
                                    "SELECT tenant, application FROM audit ORDER BY seq DESC LIMIT 1"],
