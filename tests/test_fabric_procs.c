@@ -439,8 +439,11 @@ static int s_route_ask(fi_client *edge, const char *id, const char *prompt, cons
     int32_t toks[1024];
     int n = 0;
     for (; prompt[n] && n < 1024; n++) toks[n] = (uint8_t)prompt[n];
+    /* salted as the edge salts: the tenant qualified with its site */
+    char salt[FI_WIRE_CACHE_TENANT_MAX];
+    assert_int_equal(fi_wire_cache_tenant("clinic", "t", salt), 0);
     uint64_t h[64];
-    int nh = fi_prefix_hashes("t", "EU", toks, n, h, 64);
+    int nh = fi_prefix_hashes(salt, "EU", toks, n, h, 64);
     Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
     rq.request_id = (char *)id;
     rq.model = (char *)"smol";
