@@ -34,6 +34,7 @@ struct fi_client {
     int backoff_ms;         /* next back-off delay */
     uint64_t hello_at_ms;   /* when Hello was last sent */
     uint64_t policy_version; /* edges: the policy bundle version held, for Hello */
+    uint64_t version_said;   /* the one the last Hello or heartbeat carried */
     int have_load;          /* clusters: load set, sent with heartbeats */
     Fi__WorkerLoad load;    /* its counters (prefix_filter points into filter) */
     uint8_t *filter;        /* its prefix filter (owned) */
@@ -90,6 +91,11 @@ static void s_take_loads(fi_client *c, const Fi__Heartbeat *h) {
 
 void fi_client_set_policy_version(fi_client *c, uint64_t version) { c->policy_version = version; }
 
+/* The bundle version an edge holds: set, else the one it started with. */
+static uint64_t s_version(const fi_client *c) {
+    return c->policy_version ? c->policy_version : c->o.policy_version;
+}
+
 void fi_client_opts_default(fi_client_opts *o) {
     memset(o, 0, sizeof *o);
     o->role = FI__ROLE__ROLE_EDGE;
@@ -134,7 +140,8 @@ static int s_send_hello(fi_client *c) {
     h.role = c->o.role;
     h.software = (char *)"fedinfer " FI_VERSION;
     h.heartbeat_ms = (uint32_t)c->o.heartbeat_ms;
-    h.policy_version = c->policy_version ? c->policy_version : c->o.policy_version;
+    h.policy_version = s_version(c);
+    c->version_said = h.policy_version;
     h.n_models = n;
     h.models = n ? ptrs : NULL;
     fi_msg m = FI__ENVELOPE__INIT;
@@ -281,10 +288,16 @@ static void s_housekeeping(fi_client *c) {
     if (!c->ready && now - c->hello_at_ms >= (uint64_t)c->o.heartbeat_ms)
         (void)s_send_hello(c);
     else if (now - c->last_send_ms >= (uint64_t)c->o.heartbeat_ms ||
-             (c->have_load && now - c->load_sent_ms >= (uint64_t)c->o.heartbeat_ms)) {
-        /* A busy worker sends its load every interval, streaming or not. */
+             (c->have_load && now - c->load_sent_ms >= (uint64_t)c->o.heartbeat_ms) ||
+             (c->ready && c->o.role == FI__ROLE__ROLE_EDGE && s_version(c) != c->version_said)) {
+        /* A busy worker sends its load every interval, streaming or not;
+         * an edge says at once which policy it holds when that changes. */
         Fi__Heartbeat h = FI__HEARTBEAT__INIT;
         h.sent_ms = now;
+        if (c->o.role == FI__ROLE__ROLE_EDGE) {
+            h.policy_version = s_version(c);
+            c->version_said = h.policy_version;
+        }
         if (c->have_load) {
             h.load = &c->load;
             c->load_sent_ms = now;

@@ -48,7 +48,7 @@ typedef struct s_peer {
     uint32_t in_flight;            /* requests open on (worker) or from (edge) it */
     int fd;                        /* TCP socket it last spoke on, -1 unknown */
     char addr[S_ADDR_LEN];         /* that socket's peer address, for the cut-off check */
-    uint64_t policy_version;       /* edges: the bundle version said in Hello */
+    uint64_t policy_version;       /* edges: the bundle version said in Hello or since */
     uint32_t running, queued;      /* clusters: reported load (heartbeats) */
     uint32_t kv_free, kv_total;    /* clusters: reported KV-cache blocks */
     uint8_t *filter;               /* clusters: reported prefix filter (owned), NULL: none */
@@ -1114,6 +1114,9 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
     case FI__ENVELOPE__BODY_HEARTBEAT:
         if (p->rec.role == FI__ROLE__ROLE_CLUSTER && m->heartbeat->load)
             s_take_load(p, m->heartbeat->load);
+        /* the policy an edge holds now (fedctl status), after a push or reload */
+        if (p->rec.role == FI__ROLE__ROLE_EDGE && m->heartbeat->policy_version)
+            p->policy_version = m->heartbeat->policy_version;
         break;
     case FI__ENVELOPE__BODY_INFER: s_on_infer(c, p, m->infer); break;
     case FI__ENVELOPE__BODY_CANCEL: s_on_cancel(c, p, m->cancel); break;

@@ -246,6 +246,30 @@ static void test_routed_chat_fields(void **state) {
     assert_true(sn.top_p > 0.74f && sn.top_p < 0.76f);
 }
 
+/* The policy version the coordinator's status shows for the connected
+ * edge (0: no edge there). */
+static uint64_t s_edge_version(fx *f) {
+    fi_client *op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
+    m.status_request = &sq;
+    fi_msg *rep = NULL;
+    char err[256];
+    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_STATUS_REPLY, 3000, &rep, err,
+                                    sizeof err),
+                     1);
+    uint64_t v = 0;
+    for (size_t i = 0; i < rep->status_reply->n_peers; i++) {
+        const Fi__PeerStatus *p = rep->status_reply->peers[i];
+        if (p->role == FI__ROLE__ROLE_EDGE && p->connected) v = p->policy_version;
+    }
+    fi_wire_free(&rep);
+    fi_client_destroy(&op);
+    return v;
+}
+
 /* The edge says the bundle it holds in Hello (fi_client_opts.policy_version),
  * so the coordinator does not push the same one again. */
 static void test_policy_version_said(void **state) {
@@ -436,6 +460,14 @@ static void test_pushed_bundles(void **state) {
     assert_true(ok);
     assert_int_equal(http_post(f->port, "X-Data-Class: public\r\n", b, &r), 0);
     assert_int_equal(r.status, 200);
+    /* The coordinator's status shows the version the edge holds now, not
+     * the one it said when it connected. */
+    uint64_t held = 0;
+    for (int i = 0; i < 40 && held != 2; i++) {
+        held = s_edge_version(f);
+        if (held != 2) h_sleep_ms(50);
+    }
+    assert_int_equal(held, 2);
     /* Replaying v1 (or v2) is refused. */
     char *old = sign(f->sk, 1, s_pol_v1, &bl);
     push(f, 1, old, bl);
