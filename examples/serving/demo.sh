@@ -3,7 +3,7 @@
 #
 # Starts an edge agent serving the default model on loopback (site only, no
 # coordinator), with two applications of two tenants (bearer tokens). Then:
-#   1. 8 requests of tenant A at once, all starting with the same ~500-token
+#   1. 8 requests of tenant A at once, all starting with the same ~400-token
 #      document: they run in one batch; the first computes the document,
 #      the others take its cached KV blocks;
 #   2. the same document from tenant B: no block of A's is reused;
