@@ -166,7 +166,13 @@ static int s_look(edge_front *f, int i, double now) {
         s_drop(f, i);
         return 1;
     }
-    p->stalled = n == p->seen;
+    /* Part of a head and nothing new since the last look: its socket stays
+     * readable, so it is looked at again after S_RECHECK_MS rather than
+     * polled (which would return at once, again and again). A connection
+     * with nothing yet is polled: its first bytes wake us at once (it was
+     * left for S_RECHECK_MS, 10 ms on a request whose bytes came just
+     * after its connection). */
+    p->stalled = n > 0 && n == p->seen;
     p->seen = n;
     return 0;
 }

@@ -3,7 +3,9 @@
  *
  *   1. time to first token of the engine alone (fi_generate, first text
  *      callback) against the same prompt through the HTTP API, streamed,
- *      on one in-process agent: p50 and p99 of each, and the difference;
+ *      on one in-process agent: p50 and p99 of each, and the difference.
+ *      Every round's prompt starts with its own system message, so the
+ *      agent's prefix cache finds nothing: both sides prefill it all;
  *   2. requests/s of the denial path (policy says no: no model work),
  *      with several client threads, one connection per request.
  *
@@ -116,14 +118,15 @@ static void *s_denier(void *arg) {
     return NULL;
 }
 
-/* Time to first text of one generation by the engine alone; keep: a
- * session to rewind and reuse, or NULL for a new session. */
-static double s_engine_once(fi_model *m, fi_session *keep, const char *q) {
+/* Time to first text of one generation by the engine alone, of the chat
+ * (system sys, user q); keep: a session to rewind and reuse, or NULL for a
+ * new session. */
+static double s_engine_once(fi_model *m, fi_session *keep, const char *sys, const char *q) {
     char err[256];
     first f = {0};
     f.t0 = s_now();
-    fi_chat_msg msg = {"user", q};
-    char *text = fi_tok_chat(fi_model_tok(m), &msg, 1, 1, err, sizeof err);
+    fi_chat_msg msg[2] = {{"system", sys}, {"user", q}};
+    char *text = fi_tok_chat(fi_model_tok(m), msg, 2, 1, err, sizeof err);
     int32_t ids[256];
     int k = fi_tok_encode(fi_model_tok(m), text, strlen(text), 1, ids, 256);
     free(text);
@@ -215,18 +218,21 @@ int main(int argc, char **argv) {
         return 1;
     }
     int port = fi_edge_port(e);
-    char body[512];
-    snprintf(body, sizeof body,
-             "{\"model\":\"smollm2-135m\",\"max_tokens\":1,\"temperature\":0,\"stream\":true,"
-             "\"messages\":[{\"role\":\"user\",\"content\":\"%s\"}]}", q);
+    char body[512], sys[64];
     /* Alternate the three, so that they see the same load. */
     double *eng = calloc((size_t)n, sizeof *eng), *web = calloc((size_t)n, sizeof *web);
     double *reuse = calloc((size_t)n, sizeof *reuse);
     fi_session *keep = fi_session_new(m, 512, err, sizeof err);
     for (int i = 0; i < n + 1; i++) {
         int st = 0;
-        double te = s_engine_once(m, NULL, q);
-        double tr = s_engine_once(m, keep, q);
+        snprintf(sys, sizeof sys, "Round %d of the benchmark.", i);
+        snprintf(body, sizeof body,
+                 "{\"model\":\"smollm2-135m\",\"max_tokens\":1,\"temperature\":0,\"stream\":true,"
+                 "\"messages\":[{\"role\":\"system\",\"content\":\"%s\"},"
+                 "{\"role\":\"user\",\"content\":\"%s\"}]}",
+                 sys, q);
+        double te = s_engine_once(m, NULL, sys, q);
+        double tr = s_engine_once(m, keep, sys, q);
         double t = s_request(port, "/v1/chat/completions", NULL, body, &st);
         if (st != 200 || te < 0 || tr < 0) {
             fprintf(stderr, "HTTP %d\n", st);
