@@ -41,7 +41,7 @@ class Fleet:
                        "eu-central", "--ttl", "300")
         self.write("shard.conf", f"coordinator = tcp://127.0.0.1:{self.fabric}\n"
                    f"enrol_endpoint = tcp://127.0.0.1:{self.enrol}\ncoordinator_key = {d}/coord.pub\n"
-                   f"secret_key = {d}/shard1.key\nmodel = {model}\nmodel_name = smollm2-135m\n"
+                   f"secret_key = {d}/shard1.key\nmodel = {self.model}\nmodel_name = smollm2-135m\n"
                    f"site = fra-gpu-1\nregion = eu-central\ncapacity = 4\nthreads = 1\nn_ctx = 1024\n"
                    f"max_tokens = 800\n")
         self.start("shard", [FEDINFER, "shard", "--config", f"{d}/shard.conf", "--enrol", tok])
