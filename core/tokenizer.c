@@ -335,6 +335,16 @@ static int s_load_vocab(fi_tok *t, const fi_gguf *g, char *err, size_t errlen) {
     return 0;
 }
 
+/* Whether id is a byte-level symbol (decoded by mapping its characters
+ * back to bytes); control, user-defined and unknown tokens are their text
+ * as it is, so byte-level encoding never produces them: a vocabulary that
+ * gave one of them a byte's symbol would otherwise decode that byte as the
+ * symbol's UTF-8. */
+static int s_byte_level(const fi_tok *t, int32_t id) {
+    int ty = t->type[id];
+    return ty != TT_CONTROL && ty != TT_USER_DEFINED && ty != TT_UNKNOWN;
+}
+
 /* Raw bytes of every token: control, user-defined and unknown tokens are
  * their text; the others are byte-level symbols mapped back to bytes. */
 static void s_build_pieces(fi_tok *t) {
@@ -406,7 +416,10 @@ static int s_load_merges(fi_tok *t, const fi_gguf *g, char *err, size_t errlen) 
             free(cat);
             return -1;
         }
-        s_merge_insert(t, a, b, i, ab);
+        /* only byte-level symbols merge (s_byte_level); a merge that
+         * names another token is left out, not applied */
+        if (s_byte_level(t, a) && s_byte_level(t, b) && s_byte_level(t, ab))
+            s_merge_insert(t, a, b, i, ab);
     }
     free(cat);
     return 0;
@@ -545,7 +558,8 @@ fi_tok *fi_tok_new(const fi_gguf *g, char *err, size_t errlen) {
         char sym[4];
         size_t n = s_utf8_put(sym, byte_cp[b]);
         t->cp_byte[byte_cp[b]] = (int16_t)b;
-        t->byte_tok[b] = fi_tok_find_n(t, sym, n);
+        int32_t id = fi_tok_find_n(t, sym, n);
+        t->byte_tok[b] = id >= 0 && s_byte_level(t, id) ? id : -1;
         if (t->byte_tok[b] < 0)
             t->n_missing_bytes++;
     }

@@ -607,6 +607,7 @@ typedef struct spec {
     int drop_byte;            /* -1, or a byte whose token is left out */
     int types_short;          /* token_type one entry short */
     int bad_type_at;          /* -1, or an index whose type becomes 9 */
+    int user_defined_at;      /* -1, or an index whose type becomes 4 (user-defined) */
     const char *extra_merge;  /* appended to the merges, or NULL */
     uint32_t bos;             /* bos_token_id */
     const char *tmpl;         /* chat template, or NULL */
@@ -614,7 +615,8 @@ typedef struct spec {
 } spec;
 
 static void s_spec_default(spec *s) {
-    *s = (spec){.model = "gpt2", .pre = "smollm", .drop_byte = -1, .bad_type_at = -1, .bos = 1,
+    *s = (spec){.model = "gpt2", .pre = "smollm", .drop_byte = -1, .bad_type_at = -1,
+                .user_defined_at = -1, .bos = 1,
                 .tmpl = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
                         "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"};
 }
@@ -645,6 +647,8 @@ static unsigned char *s_build(const spec *sp, size_t *len) {
     }
     if (sp->bad_type_at >= 0)
         types[sp->bad_type_at] = 9;
+    if (sp->user_defined_at >= 0)
+        types[sp->user_defined_at] = 4;
     const char *merges[5] = {"Ġ t", "h e", "Ġt he", "1 2", NULL};
     size_t nm = 4;
     if (sp->extra_merge)
@@ -692,6 +696,31 @@ static void s_expect_error(const spec *sp, const char *want1, const char *want2)
         fail_msg("loaded; expected an error about %s", want1);
     if (!strstr(err, want1) || (want2 && !strstr(err, want2)))
         fail_msg("error \"%s\" does not name \"%s\" / \"%s\"", err, want1, want2 ? want2 : "");
+    fi_gguf_close(&g);
+    free(buf);
+}
+
+/* A vocabulary whose symbol for a byte is a user-defined token (decoded
+ * as its text, not mapped back to the byte): byte-level encoding must not
+ * use it, nor merges through it, or the byte comes back as the symbol's
+ * UTF-8 (found by fuzz_tokenizer: byte 0x9f came back as "Ł"). The text
+ * of the token itself is still matched and decoded as written. */
+static void test_user_defined_byte_symbol(void **state) {
+    (void)state;
+    spec sp;
+    s_spec_default(&sp);
+    sp.user_defined_at = 3 + ' '; /* "Ġ", the symbol of the space */
+    char err[256];
+    unsigned char *buf;
+    fi_gguf *g;
+    fi_tok *t = s_load(&sp, err, sizeof err, &buf, &g);
+    if (!t)
+        fail_msg("fi_tok_new: %s", err);
+    assert_false(fi_tok_can_encode(t, " ", 1));
+    s_assert_roundtrip(t, "a the end", 9, 0);
+    s_assert_roundtrip(t, "a the end", 9, 1);
+    s_assert_roundtrip(t, "x\xc4\xa0y", 4, 0); /* "Ġ" written out: the token, as its text */
+    fi_tok_destroy(&t);
     fi_gguf_close(&g);
     free(buf);
 }
@@ -896,6 +925,7 @@ int main(void) {
         cmocka_unit_test(test_eog),         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_ids),
         cmocka_unit_test(test_buffers),     cmocka_unit_test(test_speed),
+        cmocka_unit_test(test_user_defined_byte_symbol),
         cmocka_unit_test(test_synthetic),   cmocka_unit_test(test_bad_metadata),
         cmocka_unit_test(test_missing_byte), cmocka_unit_test(test_tiny_llama),
         cmocka_unit_test(test_alloc_failures),
