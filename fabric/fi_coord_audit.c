@@ -8,10 +8,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define S_MAX_QUEUE 65536 /* records waiting, at most */
 #define S_MAX_BATCH 1024  /* records in one transaction, at most */
 #define S_SOURCE "coordinator:router"
+#define S_BUSY_MS 250        /* the writer's wait for a lock, per try */
+#define S_RETRY_MIN_MS 100   /* first wait after a failed write, doubling */
+#define S_RETRY_MAX_MS 5000  /* ... up to this */
+#define S_STOP_TRY_MS 10000  /* when stopping, how long a failing write is retried */
 
 /* A record's strings, owned. */
 typedef struct s_rec {
@@ -50,16 +55,20 @@ static char *s_dup(const fi_audit_record *r, fi_audit_record *out) {
     return s;
 }
 
-/* Writes batch[0..n) as the next records of our source's chain. */
-static void s_write(fi_coord_audit *a, s_rec *batch, size_t n) {
-    char err[256], head[65];
+/* Writes batch[0..n) as the next records of our source's chain: 0, or -1
+ * with err when it could not be written now (a lock held elsewhere, a
+ * full disk, out of memory): the caller tries again. */
+static int s_write(fi_coord_audit *a, s_rec *batch, size_t n, char *err, size_t errlen) {
+    char head[65];
     int64_t seq = 0;
     fi_audit_record *recs = calloc(n, sizeof *recs);
-    if (!recs || fi_audit_source_head(a->log, S_SOURCE, &seq, head, err, sizeof err) != 0) {
-        fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) not written\n",
-                recs ? err : "out of memory", n);
+    if (!recs) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    if (fi_audit_source_head(a->log, S_SOURCE, &seq, head, err, errlen) != 0) {
         free(recs);
-        return;
+        return -1;
     }
     for (size_t i = 0; i < n; i++) {
         recs[i] = batch[i].r;
@@ -67,10 +76,56 @@ static void s_write(fi_coord_audit *a, s_rec *batch, size_t n) {
         fi_audit_chain_hash(i ? recs[i - 1].hash : head, &recs[i], recs[i].hash);
     }
     size_t taken = 0;
-    int rc = fi_audit_ingest(a->log, S_SOURCE, NULL, recs, n, &taken, err, sizeof err);
-    if (rc != 0)
-        fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) not written\n", err, n);
+    /* the chain is ours, computed just now from the held head: a refusal
+     * (1) cannot come from the records, only from the log moving under
+     * us, so it is tried again like a database error */
+    int rc = fi_audit_ingest(a->log, S_SOURCE, NULL, recs, n, &taken, err, errlen);
     free(recs);
+    return rc == 0 ? 0 : -1;
+}
+
+static uint64_t s_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Writes the batch, trying again with a growing pause while it fails, so
+ * that a record accepted is not lost to a passing lock or a full disk
+ * (the queue meanwhile fills, and when it is full the loop waits). Once
+ * stopping, a failing write is tried for S_STOP_TRY_MS, then the batch is
+ * reported lost. */
+static void s_write_retrying(fi_coord_audit *a, s_rec *batch, size_t n) {
+    char err[256];
+    unsigned pause = S_RETRY_MIN_MS, tries = 0;
+    uint64_t stop_at = 0;
+    while (s_write(a, batch, n, err, sizeof err) != 0) {
+        if (!tries++)
+            fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) wait; trying again\n",
+                    err, n);
+        pthread_mutex_lock(&a->mu);
+        if (a->stop && !stop_at) stop_at = s_ms() + S_STOP_TRY_MS;
+        if (stop_at && s_ms() >= stop_at) {
+            pthread_mutex_unlock(&a->mu);
+            fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) NOT WRITTEN (stopping "
+                            "after %u tries)\n", err, n, tries);
+            return;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += pause / 1000;
+        ts.tv_nsec += (long)(pause % 1000) * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        (void)pthread_cond_timedwait(&a->cv, &a->mu, &ts); /* a stop wakes it */
+        pthread_mutex_unlock(&a->mu);
+        pause = pause * 2 > S_RETRY_MAX_MS ? S_RETRY_MAX_MS : pause * 2;
+    }
+    if (tries)
+        fprintf(stderr, "coordinator: audit: %zu routing record(s) written after %u tries\n", n,
+                tries + 1);
 }
 
 static void *s_main(void *arg) {
@@ -92,7 +147,7 @@ static void *s_main(void *arg) {
         pthread_cond_broadcast(&a->cv); /* room */
         pthread_mutex_unlock(&a->mu);
         if (!batch) break;
-        s_write(a, batch, n);
+        s_write_retrying(a, batch, n);
         for (size_t i = 0; i < n; i++) free(batch[i].s);
         pthread_mutex_lock(&a->mu);
         a->written += n;
@@ -115,6 +170,7 @@ fi_coord_audit *fi_coord_audit_new(const char *path, char *err, size_t errlen) {
         free(a);
         return NULL;
     }
+    fi_audit_busy_timeout(a->log, S_BUSY_MS); /* the writer retries by itself */
     pthread_mutex_init(&a->mu, NULL);
     pthread_cond_init(&a->cv, NULL);
     if (pthread_create(&a->th, NULL, s_main, a) != 0) {

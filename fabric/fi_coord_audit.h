@@ -8,9 +8,12 @@
  * records to a writer thread with its own connection to the log; the
  * writer appends whatever has gathered in one transaction (through
  * fi_audit_ingest, as the chain of the source "coordinator:router"), in
- * order. The queue is bounded: when it is full the loop waits for room,
- * so a record is never dropped. Destroying the writer writes what is
- * queued first. A crash loses at most the records of the last moments
+ * order. A write that fails (the log locked by another process, a full
+ * disk) is tried again with a growing pause (0.1 s doubling to 5 s) until
+ * it succeeds, and the records wait. The queue is bounded: when it is
+ * full the loop waits for room, so a record is never dropped. Destroying
+ * the writer writes what is queued first (a write still failing is tried
+ * for 10 s more, then its records are reported lost). A crash loses at most the records of the last moments
  * (the edges keep and upload their own record of each decision).
  */
 #ifndef FI_COORD_AUDIT_H

@@ -57,6 +57,9 @@ void fi_text_clean(char *s);
 /* Opens (creating if needed) the log at path. NULL with a message in err. */
 fi_audit *fi_audit_open(const char *path, char *err, size_t cap) FI_WUR;
 void fi_audit_destroy(fi_audit **self_p);
+/* How long a write waits for another connection's lock before it fails
+ * (5000 ms from fi_audit_open); for a writer that retries on its own. */
+void fi_audit_busy_timeout(fi_audit *self, int ms);
 
 /* Appends rec, chaining it to the last record, in one transaction. Sets
  * rec->seq and rec->hash. 0 or -1 (message in err). */

@@ -54,6 +54,8 @@ fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
     return a;
 }
 
+void fi_audit_busy_timeout(fi_audit *self, int ms) { sqlite3_busy_timeout(self->db, ms); }
+
 void fi_audit_destroy(fi_audit **self_p) {
     if (!self_p || !*self_p) return;
     sqlite3_close((*self_p)->db);

@@ -15,7 +15,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sqlite3.h>
+
 #include "fi_conf.h"
+#include "fi_coord_audit.h"
 #include "fi_keys.h"
 #include "fi_store.h"
 
@@ -176,6 +179,44 @@ static void test_key_owner(void **state) {
     assert_int_equal(fi_keys_load_public(pub, p2, err, sizeof err), 0);
 }
 
+/* The coordinator's routing records survive a log locked by another
+ * process for a while (a `sqlite3` shell, a backup): the writer tries
+ * again until it can write, and nothing accepted is lost. */
+static void test_routing_records_wait_for_a_lock(void **state) {
+    s_dir *d = *state;
+    char path[160], err[256];
+    snprintf(path, sizeof path, "%s/coord.db.audit", d->path);
+    fi_coord_audit *a = fi_coord_audit_new(path, err, sizeof err);
+    assert_non_null(a);
+    sqlite3 *other;
+    assert_int_equal(sqlite3_open(path, &other), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(other, "BEGIN IMMEDIATE", NULL, NULL, NULL), SQLITE_OK);
+    for (int i = 0; i < 3; i++) {
+        fi_audit_record r;
+        memset(&r, 0, sizeof r);
+        char id[16];
+        snprintf(id, sizeof id, "req-%d", i);
+        r.request_id = id;
+        r.origin = "clinic";
+        r.decision = "permit";
+        r.target = "core1";
+        r.time = 1000 + i;
+        assert_int_equal(fi_coord_audit_put(a, &r), 0);
+    }
+    struct timespec ts = {0, 900 * 1000000L}; /* several of the writer's tries fail */
+    nanosleep(&ts, NULL);
+    assert_int_equal(sqlite3_exec(other, "COMMIT", NULL, NULL, NULL), SQLITE_OK);
+    sqlite3_close(other);
+    fi_coord_audit_flush(a);
+    fi_coord_audit_destroy(&a);
+    fi_audit *log = fi_audit_open(path, err, sizeof err);
+    assert_non_null(log);
+    fi_audit_check chk;
+    assert_int_equal(fi_audit_verify(log, &chk, err, sizeof err), 0);
+    assert_int_equal(chk.records, 3);
+    fi_audit_destroy(&log);
+}
+
 static void test_conf(void **state) {
     s_dir *d = *state;
     s_cfg c;
@@ -295,6 +336,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_keys, setup, teardown),
         cmocka_unit_test_setup_teardown(test_key_owner, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_routing_records_wait_for_a_lock, setup, teardown),
         cmocka_unit_test_setup_teardown(test_conf, setup, teardown),
         cmocka_unit_test_setup_teardown(test_store, setup, teardown),
     };
