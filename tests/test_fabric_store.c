@@ -203,7 +203,8 @@ static void test_routing_records_wait_for_a_lock(void **state) {
         r.time = 1000 + i;
         assert_int_equal(fi_coord_audit_put(a, &r), 0);
     }
-    struct timespec ts = {0, 900 * 1000000L}; /* several of the writer's tries fail */
+    /* longer than SQLite's own wait of 5 s: several of the writer's tries fail */
+    struct timespec ts = {5, 300 * 1000000L};
     nanosleep(&ts, NULL);
     assert_int_equal(sqlite3_exec(other, "COMMIT", NULL, NULL, NULL), SQLITE_OK);
     sqlite3_close(other);
