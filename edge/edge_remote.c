@@ -34,6 +34,7 @@ typedef struct s_open {
     char rid[EDGE_ID_LEN];  /* our request id on the fabric */
     unsigned gen;           /* the client's reconnect count when sent */
     int cancel_sent;        /* Cancel already sent */
+    int chunks;             /* chunks received (a worker sends one per piece of text) */
 } s_open;
 
 typedef struct s_remote {
@@ -265,11 +266,18 @@ static void s_dispatch(s_remote *r, fi_msg *m) {
         int i = s_find(r, m->chunk->request_id);
         if (i < 0) return;
         const char *t = m->chunk->text ? m->chunk->text : "";
+        r->open[i].chunks++;
         int hit = edge_job_emit(r->open[i].job, t, strlen(t));
         if (hit) {
-            /* A stop string (or the job already ended): stop the worker. */
+            /* A stop string the worker did not apply (or the job already
+             * ended): stop the worker. The coordinator forgets a request
+             * once cancelled, so no final result comes: the request ends
+             * here, with the usage known here (the prompt as this edge
+             * tokenised it, when it holds the model; a token a chunk). */
+            edge_job *j = r->open[i].job;
             s_send_cancel(r, &r->open[i]);
-            edge_job_finish(r->open[i].job, "stop", 0, 0);
+            edge_job_finish(j, "stop", j->n_prompt, r->open[i].chunks);
+            s_close_open(r, i);
         }
         return;
     }
@@ -278,9 +286,8 @@ static void s_dispatch(s_remote *r, fi_msg *m) {
         if (i < 0) return;
         const char *sr = m->final->stop_reason ? m->final->stop_reason : "";
         edge_job *j = r->open[i].job;
-        /* (a job a stop string ended is done already: finish leaves it as it
-         * is, since its answer may be on its way to the client; its usage
-         * then reads 0) */
+        /* (a job the client left is done already: finish leaves it as it
+         * is, since its answer may be on its way) */
         edge_job_finish(j, !strcmp(sr, "length") ? "length" : "stop", (int)m->final->n_prompt,
                         (int)m->final->n_generated);
         s_close_open(r, i);

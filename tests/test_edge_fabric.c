@@ -166,6 +166,40 @@ static void test_routed(void **state) {
     assert_true(has(&r, "secret nowhere"));
 }
 
+/* A stop string that a worker does not apply (this echo worker applies
+ * none) ends the request at the edge: the answer comes with the usage the
+ * edge knows, and its place in the fabric queue is free at once (the
+ * coordinator forgets a cancelled request, so no final result comes to
+ * free it; it stayed taken until request_timeout_s, and enough of them
+ * shut routed requests out with 429). */
+static void test_routed_stop_frees_its_place(void **state) {
+    fx *f = *state;
+    h_worker slow;
+    fi_shard_backend be = fi_shard_echo_backend(4, 20); /* 20 ms a chunk */
+    assert_int_equal(h_worker_start_be(&f->h, &slow, "slow-model", "core1", &be, 4), 0);
+    const char *b = "{\"model\":\"slow-model\",\"prompt\":\"one two STOP three four five six seven "
+                    "eight nine ten eleven twelve\",\"max_tokens\":50,\"stop\":\"STOP\"}";
+    resp r;
+    int ok = 0;
+    for (int i = 0; i < 60 && !ok; i++) { /* the new worker reaches the edge's view */
+        assert_int_equal(http_post(f->port, NULL, b, &r), 0);
+        ok = r.status == 200;
+        if (!ok) h_sleep_ms(100);
+    }
+    assert_true(ok);
+    assert_non_null(strstr(r.body, "\"text\":\"echo: one two \""));
+    assert_non_null(strstr(r.body, "\"finish_reason\":\"stop\""));
+    assert_null(strstr(r.body, "\"completion_tokens\":0"));
+    /* its place is free as soon as it is answered */
+    int depth = -1;
+    for (int i = 0; i < 20 && depth != 0; i++) {
+        depth = f->e->remote.depth(f->e->remote.ctx);
+        if (depth) h_sleep_ms(10);
+    }
+    assert_int_equal(depth, 0);
+    h_worker_stop(&slow);
+}
+
 typedef struct s_conv_scan {
     int same_conversation; /* coordinator records naming the conversation */
 } s_conv_scan;
@@ -593,6 +627,7 @@ int main(void) {
         cmocka_unit_test(test_app_tokens),
         cmocka_unit_test(test_token_sync_unit),
         cmocka_unit_test(test_routed),
+        cmocka_unit_test(test_routed_stop_frees_its_place),
         cmocka_unit_test(test_pushed_bundles),
         cmocka_unit_test(test_audit_upload_and_offline),
     };
