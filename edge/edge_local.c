@@ -25,6 +25,7 @@ typedef struct s_run {
     int stop_hit;           /* a stop string ended it */
     int oom;                /* edge_job_emit ran out of memory */
     int why;                /* cancelled by us: 499, 503 or 504 (0: not) */
+    struct s_local *l;
     struct s_run *next;
 } s_run;
 
@@ -61,6 +62,15 @@ static int s_submit(void *ctx, edge_job *j) {
     return 0;
 }
 
+/* A job's place among the concurrency + queue ends: released before its
+ * end is announced, so that a client sending again at once finds it free
+ * (it was released after the step, and such a client got 429). */
+static void s_release_slot(s_local *l) {
+    pthread_mutex_lock(&l->mu);
+    l->n_active--;
+    pthread_mutex_unlock(&l->mu);
+}
+
 static int s_depth(void *ctx) {
     s_local *l = ctx;
     pthread_mutex_lock(&l->mu);
@@ -88,6 +98,7 @@ static int s_on_text(void *user, const char *text, size_t len) {
 static void s_on_done(void *user, const fi_gen_result *res, const char *error) {
     s_run *r = user;
     edge_job *j = r->job;
+    s_release_slot(r->l); /* before the client can learn of the end */
     if (error) edge_job_fail(j, 500, "engine_error", error);
     else if (r->oom) edge_job_fail(j, 500, "internal_error", "out of memory");
     else if (r->stop_hit || res->stop == FI_STOP_EOG || res->stop == FI_STOP_STRING)
@@ -107,17 +118,20 @@ static s_run *s_start(s_local *l, edge_job *j) {
     if (j->n_prompt <= 0 || j->n_prompt + j->max_tokens > l->n_ctx + 1) {
         snprintf(err, sizeof err, "prompt of %d tokens and max_tokens %d exceed the context of %d",
                  j->n_prompt, j->max_tokens, l->n_ctx);
+        s_release_slot(l);
         edge_job_fail(j, 400, "context_length_exceeded", err);
         edge_job_unref(&j);
         return NULL;
     }
     s_run *r = calloc(1, sizeof *r);
     if (!r) {
+        s_release_slot(l);
         edge_job_fail(j, 500, "internal_error", "out of memory");
         edge_job_unref(&j);
         return NULL;
     }
     r->job = j;
+    r->l = l;
     fi_sched_req q = {.prompt = j->prompt, .n_prompt = j->n_prompt, .on_done = s_on_done,
                       .tenant = j->tenant, .zone = j->zone};
     q.gen.max_tokens = j->max_tokens;
@@ -126,6 +140,7 @@ static s_run *s_start(s_local *l, edge_job *j) {
     q.gen.user = r;
     r->id = fi_sched_submit(l->sched, &q, err, sizeof err);
     if (r->id < 0) {
+        s_release_slot(l);
         edge_job_fail(j, 400, "invalid_request_error", err);
         edge_job_unref(&j);
         free(r);
@@ -156,13 +171,11 @@ static void *s_thread(void *arg) {
         l->n_active += n_admit;
         double deadline = l->deadline;
         pthread_mutex_unlock(&l->mu);
-        int refused = 0;
+        /* a job's slot is released when it ends (s_on_done), or by s_start
+         * when it cannot start, before its client can learn of the end */
         for (int i = 0; i < n_admit; i++) {
             s_run *r = s_start(l, admit[i]);
-            if (!r) {
-                refused++;
-                continue;
-            }
+            if (!r) continue;
             r->next = runs;
             runs = r;
         }
@@ -179,7 +192,6 @@ static void *s_thread(void *arg) {
         if (fi_sched_pending(l->sched) > 0 && fi_sched_step(l->sched, err, sizeof err) < 0)
             fprintf(stderr, "fedinfer edge: local engine: %s\n", err); /* its jobs failed */
         /* unlink what ended */
-        int ended = refused;
         for (s_run **pp = &runs; *pp;) {
             s_run *r = *pp;
             if (r->job) {
@@ -188,12 +200,10 @@ static void *s_thread(void *arg) {
             }
             *pp = r->next;
             free(r);
-            ended++;
         }
         fi_sched_stats st;
         fi_sched_get_stats(l->sched, &st);
         pthread_mutex_lock(&l->mu);
-        l->n_active -= ended;
         l->st = st;
         pthread_mutex_unlock(&l->mu);
     }
