@@ -47,7 +47,9 @@ typedef struct s_peer {
     s_model models[S_MAX_MODELS];  /* what a worker serves */
     uint32_t in_flight;            /* requests open on (worker) or from (edge) it */
     int fd;                        /* TCP socket it last spoke on, -1 unknown */
-    char addr[S_ADDR_LEN];         /* that socket's peer address, for the cut-off check */
+    char addr[S_ADDR_LEN];         /* that socket's peer address (logs) */
+    struct sockaddr_storage sa;    /* ... and its whole peer endpoint, address and port, */
+    socklen_t sa_len;              /* for the cut-off check (0: unknown) */
     uint64_t policy_version;       /* edges: the bundle version said in Hello or since */
     uint32_t running, queued;      /* clusters: reported load (heartbeats) */
     uint32_t kv_free, kv_total;    /* clusters: reported KV-cache blocks */
@@ -310,6 +312,8 @@ static s_peer *s_peer_for(fi_coord *c, const void *rid, size_t rid_len, const ch
     if (p->rec.revoked) return NULL;
     p->fd = fd;
     snprintf(p->addr, sizeof p->addr, "%s", addr);
+    p->sa_len = sizeof p->sa;
+    if (fd < 0 || getpeername(fd, (struct sockaddr *)&p->sa, &p->sa_len) != 0) p->sa_len = 0;
     p->last_ms = fi_wire_now_ms();
     return p;
 }
@@ -317,19 +321,24 @@ static s_peer *s_peer_for(fi_coord *c, const void *rid, size_t rid_len, const ch
 /* Cuts a connection off beneath libzmq: shutting the TCP socket down makes
  * libzmq see the end of the stream and drop the connection; the peer's
  * reconnect then fails at the ZAP handler. The fd is checked against the
- * address it was seen with, so a number reused by another connection is
- * never touched. */
+ * peer endpoint (address and port) it was seen with, so a number reused by
+ * another connection, even one from the same host, is never touched. */
 static void s_cut_off(const s_peer *p) {
-    if (p->fd < 0) return;
+    if (p->fd < 0 || !p->sa_len) return;
     struct sockaddr_storage ss;
     socklen_t sl = sizeof ss;
     if (getpeername(p->fd, (struct sockaddr *)&ss, &sl) != 0) return;
-    char host[S_ADDR_LEN] = "";
-    const void *a = ss.ss_family == AF_INET    ? (const void *)&((struct sockaddr_in *)&ss)->sin_addr
-                    : ss.ss_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)&ss)->sin6_addr
-                                               : NULL;
-    if (!a || !inet_ntop(ss.ss_family, a, host, sizeof host) || strcmp(host, p->addr)) return;
-    shutdown(p->fd, SHUT_RDWR);
+    if (sl != p->sa_len || ss.ss_family != p->sa.ss_family) return;
+    int same = 0;
+    if (ss.ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const void *)&ss, *b = (const void *)&p->sa;
+        same = a->sin_port == b->sin_port && a->sin_addr.s_addr == b->sin_addr.s_addr;
+    } else if (ss.ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const void *)&ss, *b = (const void *)&p->sa;
+        same = a->sin6_port == b->sin6_port &&
+               !memcmp(&a->sin6_addr, &b->sin6_addr, sizeof a->sin6_addr);
+    }
+    if (same) shutdown(p->fd, SHUT_RDWR);
 }
 
 /* --- handlers ------------------------------------------------------------ */

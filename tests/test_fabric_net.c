@@ -300,6 +300,45 @@ static void test_revoked_key_cut_off(void **state) {
     fi_client_destroy(&op);
 }
 
+/* Revoking a peer whose connection already closed (the coordinator not
+ * knowing yet) never cuts the connection that now has its socket number,
+ * even from the same host: here the operator's own, opened right after
+ * (the revoke was applied, but the operator saw no reply). */
+static void test_revoke_spares_a_reused_socket(void **state) {
+    harness *h = *state;
+    char err[256];
+    for (int round = 0; round < 3; round++) {
+        fi_keypair ek;
+        assert_int_equal(fi_keys_generate(&ek), 0);
+        char site[16];
+        snprintf(site, sizeof site, "s9%d", round);
+        assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, site, "r1"), 0);
+        s_raw raw = {NULL, NULL, NULL};
+        assert_int_equal(s_raw_open(&raw, h, &ek), 0);
+        size_t len;
+        uint8_t *hb = fi_wire_heartbeat(1, &len);
+        fi_msg *m = s_raw_ask(&raw, hb, len, 300); /* registers it, with its socket */
+        fi_wire_free(&m);
+        free(hb);
+        s_raw_close(&raw); /* gone; its socket number is free again */
+        fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+        assert_non_null(op);
+        Fi__RevokeRequest rr = FI__REVOKE_REQUEST__INIT;
+        char fpr[FI_KEYS_FPR_LEN];
+        fi_keys_fingerprint(ek.pub, fpr);
+        rr.fingerprint = fpr;
+        fi_msg req = FI__ENVELOPE__INIT;
+        req.body_case = FI__ENVELOPE__BODY_REVOKE_REQUEST;
+        req.revoke_request = &rr;
+        fi_msg *r = NULL;
+        assert_int_equal(fi_client_call(op, &req, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
+        assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
+        fi_wire_free(&r);
+        fi_client_destroy(&op);
+        fi_keys_wipe(&ek);
+    }
+}
+
 static void test_revoked_client_told(void **state) {
     harness *h = *state;
     char err[256];
@@ -670,6 +709,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_unknown_key_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_revoked_key_cut_off, setup, teardown),
         cmocka_unit_test_setup_teardown(test_revoked_client_told, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_revoke_spares_a_reused_socket, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
