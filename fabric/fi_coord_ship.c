@@ -634,6 +634,7 @@ static uint8_t *s_audit_upload(fi_ship *s, const fi_peer_rec *from, const Fi__Au
             fi_store_audit_put(s->fleet, from->fpr, bid, u->first_seq, u->count, u->batch.data, u->batch.len) != 0)
             s_log("audit batch %s from %s: its records are in the audit log; the raw copy could not be kept", bid,
                   from->fpr);
+        if (err[0]) s_log("audit batch %s from %s: %s (a replaced key of the same log)", bid, from->fpr, err);
         if (taken != n)
             s_log("audit batch %s from %s: %zu record(s), %zu new (the rest were received before)", bid, from->fpr, n,
                   taken);

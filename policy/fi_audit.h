@@ -109,6 +109,12 @@ int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_
  * origin is another site. Records up to the held head are skipped, so a
  * batch sent twice is taken once. Taken records are appended with this
  * log's own seq and hash. *taken gets how many were new.
+ * A source with nothing held whose batch does not start at record 1 may go
+ * on from another source's log (an edge whose key was replaced keeps its
+ * local log): when exactly one held source ends at the record before the
+ * batch and the batch's first record is chained to that source's head,
+ * source takes that head over (and err, on success, names the source it
+ * continues; else err is "").
  * 0, 1 refused (err says why), -1 database error. */
 int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, const fi_audit_record *recs, size_t n,
                     size_t *taken, char *err, size_t cap) FI_WUR;

@@ -237,6 +237,46 @@ static int s_source_head(fi_audit *self, const char *source, int64_t *seq, char 
     return r == SQLITE_ROW || r == SQLITE_DONE ? 0 : -1;
 }
 
+/* A source without a head whose first record continues another source's
+ * log (a key replaced: the same edge, the same local log, a new key): the
+ * one held source whose head is the record before first and to whose head
+ * first is chained. Its row is taken over by source (inside the caller's
+ * transaction); its name goes to from. 1 taken over, 0 none (or more than
+ * one: ambiguous), -1 database error. */
+static int s_adopt_source(fi_audit *self, const char *source, const fi_audit_record *first, int64_t *held,
+                          char head[65], char *from, size_t from_cap) {
+    sqlite3_stmt *st = NULL;
+    if (first->seq < 2) return 0;
+    if (sqlite3_prepare_v2(self->db, "SELECT source, hash FROM audit_sources WHERE seq = ?", -1, &st, NULL) !=
+        SQLITE_OK)
+        return -1;
+    sqlite3_bind_int64(st, 1, first->seq - 1);
+    int found = 0, r;
+    char name[256] = "", hash[65] = "";
+    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
+        const char *s = (const char *)sqlite3_column_text(st, 0), *h = (const char *)sqlite3_column_text(st, 1);
+        char want[65];
+        fi_audit_chain_hash(h ? h : "", first, want);
+        if (!s || strcmp(s, source) == 0 || strcmp(want, first->hash)) continue;
+        if (found++) break; /* two logs end where this one goes on: take neither */
+        snprintf(name, sizeof name, "%s", s);
+        snprintf(hash, sizeof hash, "%s", h);
+    }
+    sqlite3_finalize(st);
+    if (r != SQLITE_ROW && r != SQLITE_DONE) return -1;
+    if (found != 1) return 0;
+    if (sqlite3_prepare_v2(self->db, "DELETE FROM audit_sources WHERE source = ?", -1, &st, NULL) != SQLITE_OK)
+        return -1;
+    sqlite3_bind_text(st, 1, name, -1, SQLITE_TRANSIENT);
+    r = sqlite3_step(st);
+    sqlite3_finalize(st);
+    if (r != SQLITE_DONE) return -1;
+    *held = first->seq - 1;
+    snprintf(head, 65, "%s", hash);
+    snprintf(from, from_cap, "%s", name);
+    return 1;
+}
+
 int fi_audit_source_head(fi_audit *self, const char *source, int64_t *seq, char head[65], char *err, size_t cap) {
     if (s_source_head(self, source, seq, head) != 0) {
         snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
@@ -248,6 +288,7 @@ int fi_audit_source_head(fi_audit *self, const char *source, int64_t *seq, char 
 int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, const fi_audit_record *recs, size_t n,
                     size_t *taken, char *err, size_t cap) {
     *taken = 0;
+    if (cap) err[0] = '\0';
     if (!source || !source[0]) {
         snprintf(err, cap, "audit batch without a source");
         return 1;
@@ -279,6 +320,10 @@ int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, cons
     int64_t held;
     char head[65];
     if (s_source_head(self, source, &held, head) != 0) goto dberr_tx;
+    char adopted[256] = "";
+    if (held == 0 && n && recs[0].seq > 1 &&
+        s_adopt_source(self, source, &recs[0], &held, head, adopted, sizeof adopted) < 0)
+        goto dberr_tx;
     int refused = 0;
     if (n && recs[0].seq > held + 1) {
         snprintf(err, cap, "audit batch starts at record %lld but records %lld..%lld were never received",
@@ -328,6 +373,7 @@ int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, cons
     }
     if (sqlite3_exec(self->db, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) goto dberr_tx;
     *taken = k;
+    if (adopted[0]) snprintf(err, cap, "continues the log of source %.200s", adopted);
     return 0;
 dberr_tx:
     snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));

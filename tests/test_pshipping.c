@@ -611,18 +611,32 @@ static void test_ingest(void **state) {
     assert_int_equal(fi_audit_source_head(a, "edge-a", &seq, head, err, sizeof err), 0);
     assert_int_equal(seq, 6);
     assert_string_equal(head, r[5].hash);
+    /* edge-a's key is replaced: the new key (edge-a2) goes on with the
+     * same local log from record 7, chained to the held head 6; a log
+     * that goes on from nowhere is still a gap */
+    fi_audit_record stray[1];
+    s_records(stray, 7, 1, "s1", "", "permit");
+    assert_int_equal(fi_audit_ingest(a, "edge-x", "s1", stray, 1, &taken, err, sizeof err), 1);
+    assert_non_null(strstr(err, "never received"));
+    assert_int_equal(fi_audit_ingest(a, "edge-a2", "s1", g, 2, &taken, err, sizeof err), 0);
+    assert_int_equal(taken, 2);
+    assert_string_equal(err, "continues the log of source edge-a");
+    assert_int_equal(fi_audit_source_head(a, "edge-a2", &seq, head, err, sizeof err), 0);
+    assert_int_equal(seq, 8);
+    assert_int_equal(fi_audit_source_head(a, "edge-a", &seq, head, err, sizeof err), 0);
+    assert_int_equal(seq, 0); /* taken over */
     int n = 0;
     assert_int_equal(fi_audit_query(a, NULL, s_count_rec, &n, err, sizeof err), 0);
-    assert_int_equal(n, 8);
+    assert_int_equal(n, 10);
     fi_audit_filter fl;
     memset(&fl, 0, sizeof fl);
     fl.after_seq = 6;
     n = 0;
     assert_int_equal(fi_audit_query(a, &fl, s_count_rec, &n, err, sizeof err), 0);
-    assert_int_equal(n, 2);
+    assert_int_equal(n, 4);
     fi_audit_check ck;
     assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
-    assert_int_equal(ck.records, 8);
+    assert_int_equal(ck.records, 10);
     fi_audit_destroy(&a);
 }
 
