@@ -1111,10 +1111,13 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
             s_on_hello(c, p, m->hello);
             if ((p = s_peer_by_serial(c, serial))) s_push_active(c, p, m->hello->policy_version);
             if ((p = s_peer_by_serial(c, serial))) {
-                /* The site's application tokens, so an edge that was offline catches up. */
+                /* The site's application tokens, all of them, in pages, so an
+                 * edge that was offline catches up (revocations included). */
+                long long at = 0;
                 size_t len = 0;
-                uint8_t *buf = fi_apptok_sync_site(c->apptok, p->rec.site, &len);
-                if (buf) (void)s_send(c, c->router, p->rid, p->rid_len, buf, &len);
+                uint8_t *buf;
+                while ((buf = fi_apptok_sync_site(c->apptok, p->rec.site, &at, &len)))
+                    if (s_send(c, c->router, p->rid, p->rid_len, buf, &len) != 0) break;
             }
         } else {
             s_on_hello(c, p, m->hello);

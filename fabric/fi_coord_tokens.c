@@ -10,7 +10,9 @@
 #include <string.h>
 #include <time.h>
 
-#define S_MAX_LIST 4096 /* tokens in one reply, at most */
+#define S_MAX_LIST 2048 /* tokens in one list reply, at most (the newest; it must fit
+                           FI_WIRE_MAX_MSG: about 330 bytes a token at most) */
+#define S_SYNC_PAGE 1024 /* tokens in one AppTokenSync; a site's whole set goes in pages */
 
 struct fi_apptok {
     sqlite3 *db; /* the coordinator's database, our own connection */
@@ -71,12 +73,15 @@ typedef struct s_rows {
     size_t n;
 } s_rows;
 
-static int s_query(fi_apptok *t, const char *where, const char *arg, s_rows *r) {
-    char sql[256];
+/* Rows matching where (with ?1 = arg), ordered by creation (newest first
+ * with newest), limit of them from offset on. */
+static int s_query_page(fi_apptok *t, const char *where, const char *arg, int newest, int limit,
+                        long long offset, s_rows *r) {
+    char sql[320];
     snprintf(sql, sizeof sql,
              "SELECT hash, site, tenant, application, created, revoked, author FROM app_tokens%s "
-             "ORDER BY created, hash LIMIT %d",
-             where, S_MAX_LIST);
+             "ORDER BY created %s, hash %s LIMIT %d OFFSET %lld",
+             where, newest ? "DESC" : "", newest ? "DESC" : "", limit, offset);
     sqlite3_stmt *st = NULL;
     memset(r, 0, sizeof *r);
     if (sqlite3_prepare_v2(t->db, sql, -1, &st, NULL) != SQLITE_OK) return -1;
@@ -116,6 +121,10 @@ static int s_query(fi_apptok *t, const char *where, const char *arg, s_rows *r) 
     return rc == SQLITE_DONE ? 0 : -1;
 }
 
+static int s_query(fi_apptok *t, const char *where, const char *arg, s_rows *r) {
+    return s_query_page(t, where, arg, 1, S_MAX_LIST, 0, r);
+}
+
 static void s_rows_free(s_rows *r) {
     free(r->tok);
     free(r->ptr);
@@ -132,10 +141,13 @@ static uint8_t *s_sync(const s_rows *r, size_t *len) {
     return fi_wire_encode(&m, len);
 }
 
-uint8_t *fi_apptok_sync_site(fi_apptok *t, const char *site, size_t *len) {
+uint8_t *fi_apptok_sync_site(fi_apptok *t, const char *site, long long *offset, size_t *len) {
     s_rows r;
     uint8_t *out = NULL;
-    if (s_query(t, " WHERE site=?1", site, &r) == 0 && r.n) out = s_sync(&r, len);
+    if (s_query_page(t, " WHERE site=?1", site, 0, S_SYNC_PAGE, *offset, &r) == 0 && r.n) {
+        out = s_sync(&r, len);
+        *offset += (long long)r.n;
+    }
     s_rows_free(&r);
     return out;
 }

@@ -45,9 +45,11 @@ typedef struct fi_apptok_fleet {
 uint8_t *fi_apptok_handle(fi_apptok *t, const char *author, const Fi__AppTokenRequest *rq,
                           const fi_apptok_fleet *fleet, size_t *len);
 
-/* The encoded AppTokenSync of every token of site (NULL when none or on
- * error). */
-uint8_t *fi_apptok_sync_site(fi_apptok *t, const char *site, size_t *len);
+/* A site's tokens, all of them, revoked ones included, as AppTokenSync
+ * pages of at most 1024 (oldest first): the page from *offset on, which
+ * moves *offset past it; NULL once there is no more (or on error). An
+ * edge applies each page on its own (edge_token_sync). */
+uint8_t *fi_apptok_sync_site(fi_apptok *t, const char *site, long long *offset, size_t *len);
 
 #ifdef __cplusplus
 }

@@ -28,7 +28,7 @@
     "Application bearer tokens of an edge. add prints a new token once (only its\n"             \
     "SHA-256 is sent and stored; the coordinator forwards it to the site's edges,\n"            \
     "now or when they next connect); list shows hashes with tenant, application\n"              \
-    "and state; revoke takes the token or its SHA-256. Tokens made on the edge\n"               \
+    "and state, the newest 2048 first; revoke takes the token or its SHA-256. Tokens made on the edge\n" \
     "itself (fedinfer edge token) are not listed here.\n"                                       \
     "  --config FILE   fedctl configuration (default $FEDCTL_CONFIG)\n"
 

@@ -19,6 +19,8 @@
 
 #include "fi_conf.h"
 #include "fi_coord_audit.h"
+#include "fi_coord_tokens.h"
+#include "fi_wire.h"
 #include "fi_keys.h"
 #include "fi_store.h"
 
@@ -218,6 +220,57 @@ static void test_routing_records_wait_for_a_lock(void **state) {
     fi_audit_destroy(&log);
 }
 
+/* A site's application tokens reach a reconnecting edge all of them, in
+ * pages that fit a message, revocations of the newest included (a sync
+ * capped at the 4096 oldest left later revocations out: a revoked token
+ * kept working at an edge that was offline). */
+static void test_token_sync_pages(void **state) {
+    s_dir *d = *state;
+    char path[160], err[256];
+    snprintf(path, sizeof path, "%s/coord.db", d->path);
+    fi_apptok *t = fi_apptok_open(path, err, sizeof err);
+    assert_non_null(t);
+    sqlite3 *db;
+    assert_int_equal(sqlite3_open(path, &db), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(db, "BEGIN", NULL, NULL, NULL), SQLITE_OK);
+    enum { N = 4500 };
+    for (int i = 0; i < N; i++) {
+        char sql[400];
+        snprintf(sql, sizeof sql,
+                 "INSERT INTO app_tokens(hash, site, tenant, application, created, revoked, author) "
+                 "VALUES('%064d', 'clinic', 'a-tenant-name-of-some-length-for-the-size-check-xx', "
+                 "'an-application-name-of-some-length-as-well-xxxxxxxxxx', %d, %d, 'op')",
+                 i, 1000 + i, i == N - 1 ? 9999 : 0);
+        assert_int_equal(sqlite3_exec(db, sql, NULL, NULL, NULL), SQLITE_OK);
+    }
+    assert_int_equal(sqlite3_exec(db, "COMMIT", NULL, NULL, NULL), SQLITE_OK);
+    sqlite3_close(db);
+    long long at = 0;
+    size_t len = 0, total = 0;
+    int pages = 0, newest_revoked = 0;
+    uint8_t *buf;
+    while ((buf = fi_apptok_sync_site(t, "clinic", &at, &len))) {
+        assert_true(len <= FI_WIRE_MAX_MSG);
+        Fi__ErrorCode code;
+        fi_msg *m = fi_wire_decode(buf, len, 0, &code, err, sizeof err);
+        assert_non_null(m);
+        assert_int_equal(m->body_case, FI__ENVELOPE__BODY_APP_TOKEN_SYNC);
+        for (size_t i = 0; i < m->app_token_sync->n_tokens; i++) {
+            const Fi__AppToken *k = m->app_token_sync->tokens[i];
+            if (k->created == 1000 + N - 1) newest_revoked = k->revoked == 9999;
+        }
+        total += m->app_token_sync->n_tokens;
+        pages++;
+        fi_wire_free(&m);
+        free(buf);
+    }
+    assert_int_equal(total, N);
+    assert_true(pages >= 3);
+    assert_true(newest_revoked);
+    assert_null(fi_apptok_sync_site(t, "elsewhere", &(long long){0}, &len));
+    fi_apptok_destroy(&t);
+}
+
 static void test_conf(void **state) {
     s_dir *d = *state;
     s_cfg c;
@@ -338,6 +391,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_keys, setup, teardown),
         cmocka_unit_test_setup_teardown(test_key_owner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_routing_records_wait_for_a_lock, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_token_sync_pages, setup, teardown),
         cmocka_unit_test_setup_teardown(test_conf, setup, teardown),
         cmocka_unit_test_setup_teardown(test_store, setup, teardown),
     };
