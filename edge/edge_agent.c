@@ -103,9 +103,14 @@ void fi_edge_destroy(fi_edge **ep) {
     if (!e) return;
     *ep = NULL;
     atomic_store(&e->stopping, 1);
+    /* One grace for both executors: the routed work runs on meanwhile, and
+     * gets what is left of it after the local drain (each had a grace of
+     * its own, so a stop took up to twice shutdown_grace_s) */
     int grace = e->conf.shutdown_grace_s * 1000;
+    double t0 = edge_now();
     if (e->local.ctx) e->local.drain(e->local.ctx, grace);
-    if (e->remote.ctx) e->remote.drain(e->remote.ctx, grace);
+    int left = grace - (int)((edge_now() - t0) * 1000);
+    if (e->remote.ctx) e->remote.drain(e->remote.ctx, left > 0 ? left : 0);
     edge_http_stop(e);
     if (e->local.ctx) e->local.destroy(e->local.ctx);
     if (e->remote.ctx) e->remote.destroy(e->remote.ctx);

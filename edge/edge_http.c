@@ -1057,6 +1057,7 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
         cn = calloc(1, sizeof *cn);
         if (!cn) return MHD_NO;
         *con_cls = cn;
+        atomic_fetch_add(&e->requests_open, 1); /* until s_completed */
         if (post) {
             /* Refuse a declared size over the limit before reading it. */
             const char *cl =
@@ -1136,9 +1137,11 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
 
 static void s_completed(void *cls, struct MHD_Connection *c, void **con_cls,
                         enum MHD_RequestTerminationCode toe) {
-    (void)cls, (void)c, (void)toe;
+    fi_edge *e = cls;
+    (void)c, (void)toe;
     s_conn *cn = *con_cls;
     if (!cn) return;
+    atomic_fetch_sub(&e->requests_open, 1);
     free(cn->body);
     free(cn);
     *con_cls = NULL;
@@ -1187,6 +1190,13 @@ int edge_http_start(fi_edge *e, char *err, size_t errlen) {
 void edge_http_stop(fi_edge *e) {
     edge_front_stop(&e->front);
     if (!e->httpd) return;
+    /* The drains just ended every job (503 for those cut off): let their
+     * handlers send those answers before the connections go, for up to a
+     * second (stopping the daemon at once closed some with nothing sent). */
+    for (int i = 0; i < 100 && atomic_load(&e->requests_open) > 0; i++) {
+        struct timespec ts = {0, 10 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
     MHD_stop_daemon(e->httpd);
     e->httpd = NULL;
 }

@@ -251,6 +251,7 @@ struct fi_edge {
     struct edge_front *front;     /* its listener (edge_front.c) */
     int port;                     /* bound port */
     atomic_int stopping;          /* 1: refuse new requests with 503 */
+    atomic_int requests_open;     /* HTTP requests begun and not yet completed */
     atomic_long next_id;          /* request ids */
     edge_metrics m;
 };

@@ -217,6 +217,8 @@ static const char *s_policy =
 
 /* Starts an edge in a fresh directory; with_policy installs a signed
  * bundle of s_policy (version 1). */
+static int s_fx_grace = 2; /* shutdown_grace_s of the next fx_start */
+
 static fx *fx_start(int with_policy, int concurrency, int queue) {
     fx *f = calloc(1, sizeof *f);
     snprintf(f->dir, sizeof f->dir, "/tmp/test_edge.XXXXXX");
@@ -246,8 +248,8 @@ static fx *fx_start(int with_policy, int concurrency, int queue) {
                "threads = 2\nn_ctx = 256\nconcurrency = %d\nqueue = %d\nmax_body = 16384\n"
                "max_tokens = 64\ndefault_max_tokens = 8\nrequest_timeout_s = 240\n"
                "db = %s/edge.db\npolicy_dir = %s/policy\npolicy_key = %s/sign.key.pub\n"
-               "shutdown_grace_s = 2\n",
-               FI_TEST_MODEL, concurrency, queue, f->dir, f->dir, f->dir);
+               "shutdown_grace_s = %d\n",
+               FI_TEST_MODEL, concurrency, queue, f->dir, f->dir, f->dir, s_fx_grace);
     fi_edge_conf c;
     fi_edge_conf_default(&c);
     if (fi_edge_conf_load(conf, &c, err, sizeof err) != 0) fail_msg("%s", err);
@@ -809,6 +811,55 @@ static void test_no_429_within_capacity(void **state) {
     fx_stop(f);
 }
 
+/* A stop with no grace answers every request it cuts off: 503, or an
+ * error at the end of a stream already begun; never a connection closed
+ * with nothing sent (the daemon was stopped before the handlers had sent
+ * what the drain gave them). */
+typedef struct s_cut {
+    int port, stream, rc, status;
+} s_cut;
+
+static void *s_cut_client(void *arg) {
+    s_cut *c = arg;
+    char b[256];
+    snprintf(b, sizeof b,
+             "{\"model\":\"smollm2-135m\",\"max_tokens\":64,\"temperature\":0,\"stream\":%s,"
+             "\"prompt\":\"Count to a hundred: 1, 2, 3,\"}",
+             c->stream ? "true" : "false");
+    resp r;
+    c->rc = http(c->port, "POST", "/v1/completions", NULL, b, &r);
+    c->status = c->rc == 0 ? r.status : -1;
+    if (c->rc == 0) resp_free(&r);
+    return NULL;
+}
+
+static void test_stop_answers_everyone(void **state) {
+    (void)state;
+    s_fx_grace = 0;
+    fx *f = fx_start(1, 4, 12);
+    s_fx_grace = 2;
+    enum { N = 14 };
+    s_cut c[N];
+    pthread_t t[N];
+    for (int i = 0; i < N; i++) {
+        c[i] = (s_cut){.port = f->port, .stream = i % 2};
+        assert_int_equal(pthread_create(&t[i], NULL, s_cut_client, &c[i]), 0);
+    }
+    struct timespec ts = {0, 600 * 1000000L};
+    nanosleep(&ts, NULL);
+    fx_stop(f); /* SIGTERM's path: fi_edge_destroy */
+    int lost = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(t[i], NULL);
+        if (c[i].rc != 0 || (c[i].status != 200 && c[i].status != 503)) {
+            printf("client %d (%s): rc %d, status %d\n", i, c[i].stream ? "stream" : "plain",
+                   c[i].rc, c[i].status);
+            lost++;
+        }
+    }
+    assert_int_equal(lost, 0);
+}
+
 static void *s_sworker(void *arg) {
     sworker *w = arg;
     resp r;
@@ -1095,6 +1146,7 @@ int main(void) {
         cmocka_unit_test(test_conf_errors),
         cmocka_unit_test(test_fail_closed),
         cmocka_unit_test(test_queue_full),
+        cmocka_unit_test(test_stop_answers_everyone),
         cmocka_unit_test(test_no_429_within_capacity),
         cmocka_unit_test(test_disconnect_cancels_unstreamed),
         cmocka_unit_test(test_concurrent_streams),

@@ -32,7 +32,8 @@ def free_port():
 class Edge:
     """An edge agent in a temporary directory, with a signed policy."""
 
-    def __init__(self, model, policy=os.path.join(HERE, "site.policy"), extra="", auth=False):
+    def __init__(self, model, policy=os.path.join(HERE, "site.policy"), extra="", auth=False,
+                 grace=3):
         self.dir = tempfile.mkdtemp(prefix="edge-py.")
         d = self.dir
         self.port = free_port()
@@ -49,7 +50,7 @@ class Edge:
                     f"model_name = smollm2-135m\nthreads = 2\nn_ctx = 512\nconcurrency = 4\n"
                     f"queue = 8\nmax_tokens = 64\ndefault_max_tokens = 8\ndb = {d}/edge.db\n"
                     f"policy_dir = {d}/policy\npolicy_key = {d}/sign.key.pub\n"
-                    f"shutdown_grace_s = 3\nauth = {1 if auth else 0}\n{extra}")
+                    f"shutdown_grace_s = {grace}\nauth = {1 if auth else 0}\n{extra}")
         self.log = open(f"{d}/edge.log", "w+")
         self.proc = subprocess.Popen([FEDINFER, "edge", "--config", self.conf],
                                      stderr=self.log, stdout=self.log,

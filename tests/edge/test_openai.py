@@ -3,6 +3,7 @@ chat and completions, streamed and not, stop strings, a denied request
 raising the SDK's error, bearer tokens, and a clean stop on SIGTERM."""
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -187,6 +188,46 @@ class Floods(unittest.TestCase):
 
 
 class Lifecycle(unittest.TestCase):
+    def test_stop_answers_every_request(self):
+        # SIGTERM with no grace: every request cut off is answered (503, or
+        # an error at the end of a stream already begun, or 429 when it
+        # did not fit), never a connection closed with nothing sent (the
+        # daemon was stopped before the handlers had sent their 503).
+        e = Edge(MODEL, grace=0)
+        try:
+            got, lock = [], threading.Lock()
+
+            def client(i):
+                body = json.dumps({"model": M, "max_tokens": 64, "temperature": 1.0, "seed": i,
+                                   "stream": i % 2 == 1,
+                                   "messages": [{"role": "user", "content": "Tell a long story."}]})
+                req = (f"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: {len(body)}\r\n"
+                       f"\r\n{body}").encode()
+                s = socket.create_connection(("127.0.0.1", e.port), timeout=30)
+                s.sendall(req)
+                data = b""
+                while True:
+                    d = s.recv(65536)
+                    if not d:
+                        break
+                    data += d
+                s.close()
+                with lock:
+                    got.append(data.split(b" ", 2)[1] if data.startswith(b"HTTP/") else b"nothing")
+            ts = [threading.Thread(target=client, args=(i,)) for i in range(14)]
+            for t in ts:
+                t.start()
+            time.sleep(1.0)
+            code, _ = e.stop()
+            for t in ts:
+                t.join(30)
+            self.assertEqual(code, 0)
+            self.assertEqual(len(got), 14)
+            self.assertNotIn(b"nothing", got, got)
+            self.assertTrue(set(got) <= {b"200", b"503", b"429"}, got)
+        finally:
+            e.cleanup()
+
     def test_bearer_tokens_and_sigterm(self):
         e = Edge(MODEL, auth=True)
         try:
