@@ -135,15 +135,21 @@ int fi_cmd_coordinator(int argc, char **argv) {
             return 1;
         }
         fi_store *st = fi_store_open(o.db, err, sizeof err);
-        int rc = st ? fi_store_peer_add(st, pub, FI__ROLE__ROLE_OPERATOR, "", "", err, sizeof err)
-                    : -1;
+        /* An operator recorded by an earlier --init that stopped before
+         * making the policy-signing key: this run goes on from there. */
+        fi_peer_rec had;
+        int known = st ? fi_store_peer_get(st, pub, &had) : -1;
+        int again = known == 1 && had.role == FI__ROLE__ROLE_OPERATOR && !had.revoked;
+        int rc = !st ? -1
+                 : again ? 0
+                         : fi_store_peer_add(st, pub, FI__ROLE__ROLE_OPERATOR, "", "", err, sizeof err);
         fi_store_destroy(&st);
         if (rc != 0) {
             fprintf(stderr, "fedinfer coordinator: --init: %s\n", err);
             return 1;
         }
         fi_keys_fingerprint(pub, fpr);
-        printf("operator %s recorded in %s\n", fpr, o.db);
+        printf("operator %s %s in %s\n", fpr, again ? "already recorded" : "recorded", o.db);
         /* The policy-signing key: bundles are signed with it at the
          * coordinator; edges pin its public key as the one known signer. */
         char key[FI_CONF_STR_MAX + 16], hex[65];

@@ -709,11 +709,12 @@ typedef struct s_status_ctx {
     Fi__ModelOffer **optrs;   /* pointers to offers */
     size_t n;                 /* rows filled */
     fi_peer_rec *recs;        /* copies the rows' strings point into */
+    size_t cap;               /* rows allocated (peers enrolled since the count wait) */
 } s_status_ctx;
 
 static int s_status_row(void *user, const fi_peer_rec *rec) {
     s_status_ctx *s = user;
-    if (s->n >= S_MAX_STATUS) return 1;
+    if (s->n >= s->cap) return 1;
     size_t i = s->n++;
     s->recs[i] = *rec;
     Fi__PeerStatus *ps = &s->rows[i];
@@ -761,7 +762,7 @@ static void s_on_status(fi_coord *c, s_peer *op) {
                       calloc(n + 1, sizeof(Fi__PeerStatus *)),
                       calloc((n + 1) * S_MAX_MODELS, sizeof(Fi__ModelOffer)),
                       calloc((n + 1) * S_MAX_MODELS, sizeof(Fi__ModelOffer *)), 0,
-                      calloc(n + 1, sizeof(fi_peer_rec))};
+                      calloc(n + 1, sizeof(fi_peer_rec)), n};
     if (total < 0 || !s.loads || !s.rows || !s.ptrs || !s.offers || !s.optrs || !s.recs) {
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
                      "cannot read the fleet");
@@ -819,9 +820,43 @@ static void s_on_token(fi_coord *c, s_peer *op, const Fi__TokenRequest *tr) {
     (void)s_send_msg(c, c->router, op->rid, op->rid_len, &m);
 }
 
+/* What a revoke would leave: whether fpr is enrolled (and revoked), and
+ * how many operators not revoked there are besides it. */
+typedef struct s_revoke_scan {
+    const char *fpr;
+    int found, revoked, is_operator, other_operators;
+} s_revoke_scan;
+
+static int s_revoke_row(void *user, const fi_peer_rec *rec) {
+    s_revoke_scan *s = user;
+    int me = !strcmp(rec->fpr, s->fpr);
+    if (me) {
+        s->found = 1;
+        s->revoked = rec->revoked != 0;
+        s->is_operator = rec->role == FI__ROLE__ROLE_OPERATOR;
+    } else if (rec->role == FI__ROLE__ROLE_OPERATOR && !rec->revoked) {
+        s->other_operators++;
+    }
+    return 0;
+}
+
 static void s_on_revoke(fi_coord *c, s_peer *op, const Fi__RevokeRequest *rr) {
     fi_peer_rec rec;
     const char *fpr = rr->fingerprint ? rr->fingerprint : "";
+    s_revoke_scan sc = {fpr, 0, 0, 0, 0};
+    if (strlen(fpr) == FI_KEYS_FPR_LEN - 1 && fi_store_peer_each(c->st, s_revoke_row, &sc) == 0) {
+        /* the last operator would leave nobody to manage the fleet (only
+         * --init on the database's host could add one again) */
+        const char *why = sc.revoked ? "that key is revoked already"
+                          : sc.is_operator && !sc.other_operators
+                              ? "that key is the last operator's; enrol another operator first"
+                              : NULL;
+        if (why) {
+            s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_BAD_REQUEST,
+                         why);
+            return;
+        }
+    }
     int rc = strlen(fpr) == FI_KEYS_FPR_LEN - 1 ? fi_store_peer_revoke(c->st, fpr, &rec) : 0;
     if (rc <= 0) {
         s_send_error(c, c->router, op->rid, op->rid_len, "",

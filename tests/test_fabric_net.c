@@ -339,6 +339,43 @@ static void test_revoke_spares_a_reused_socket(void **state) {
     }
 }
 
+/* Asks the coordinator, as op, to revoke fpr: 0 Ack, else the error code
+ * with its message in why. */
+static int s_revoke(fi_client *op, const char *fpr, char *why, size_t wlen) {
+    Fi__RevokeRequest rr = FI__REVOKE_REQUEST__INIT;
+    rr.fingerprint = (char *)fpr;
+    fi_msg req = FI__ENVELOPE__INIT;
+    req.body_case = FI__ENVELOPE__BODY_REVOKE_REQUEST;
+    req.revoke_request = &rr;
+    fi_msg *r = NULL;
+    char err[256];
+    if (fi_client_call(op, &req, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err) != 1) return -1;
+    int code = r->body_case == FI__ENVELOPE__BODY_ACK ? 0 : (int)r->error->code;
+    if (code) snprintf(why, wlen, "%s", r->error->message);
+    fi_wire_free(&r);
+    return code;
+}
+
+/* The last operator cannot revoke itself (nobody would be left to manage
+ * the fleet); a key revoked already says so. */
+static void test_last_operator_kept(void **state) {
+    harness *h = *state;
+    char why[256] = "", fpr[FI_KEYS_FPR_LEN];
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    fi_keys_fingerprint(h->op.pub, fpr);
+    assert_int_equal(s_revoke(op, fpr, why, sizeof why), FI__ERROR_CODE__ERR_BAD_REQUEST);
+    assert_non_null(strstr(why, "last operator"));
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s11", "r1"), 0);
+    fi_keys_fingerprint(ek.pub, fpr);
+    assert_int_equal(s_revoke(op, fpr, why, sizeof why), 0);
+    assert_int_equal(s_revoke(op, fpr, why, sizeof why), FI__ERROR_CODE__ERR_BAD_REQUEST);
+    assert_non_null(strstr(why, "revoked already"));
+    fi_client_destroy(&op);
+}
+
 static void test_revoked_client_told(void **state) {
     harness *h = *state;
     char err[256];
@@ -710,6 +747,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_revoked_key_cut_off, setup, teardown),
         cmocka_unit_test_setup_teardown(test_revoked_client_told, setup, teardown),
         cmocka_unit_test_setup_teardown(test_revoke_spares_a_reused_socket, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_last_operator_kept, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),

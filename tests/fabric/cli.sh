@@ -32,6 +32,10 @@ if "$PEER" coordinator --config coord.conf 2>err.txt; then echo "0644 secret key
 grep -q "accessible by others" err.txt || { cat err.txt; exit 1; }
 chmod 600 coord.key
 "$PEER" coordinator --config coord.conf --init --operator-key op.pub >/dev/null
+# a second --init (one that stopped half-way, say) goes on, not refused
+"$PEER" coordinator --config coord.conf --init --operator-key op.pub >init2.txt 2>&1 ||
+  { echo "a second --init failed:"; cat init2.txt; exit 1; }
+grep -q "already recorded" init2.txt || { cat init2.txt; exit 1; }
 "$PEER" coordinator --config coord.conf 2>coord.log &
 COORD=$!
 cat > ctl.conf <<CONF
