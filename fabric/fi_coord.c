@@ -1380,6 +1380,7 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
     int one = 1;
     size_t n;
     if (!(c->st = fi_store_open(o->db, err, errlen))) goto fail;
+    fi_store_busy_timeout(c->st, FI_SHIP_BUSY_MS); /* on the loop: fail soon, never stall */
     {
         char key[FI_CONF_STR_MAX + 16], audit[FI_CONF_STR_MAX + 16];
         fi_ship_paths(o->db, o->policy_key, o->audit_db, key, sizeof key, audit, sizeof audit);
@@ -1387,6 +1388,7 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
         if (!(c->raudit = fi_coord_audit_new(audit, err, errlen))) goto fail;
     }
     if (!(c->apptok = fi_apptok_open(o->db, err, errlen))) goto fail;
+    fi_apptok_busy_timeout(c->apptok, FI_SHIP_BUSY_MS);
     if (!(c->ctx = zmq_ctx_new())) {
         snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
         goto fail;

@@ -105,6 +105,10 @@ fi_ship *fi_ship_open(fi_store *fleet, const char *db, const char *audit_db, con
         fi_ship_destroy(&s);
         return NULL;
     }
+    /* used on the coordinator's event loop: a lock held elsewhere fails a
+     * request soon, with its reason (an upload is sent again later) */
+    fi_pstore_busy_timeout(s->ps, FI_SHIP_BUSY_MS);
+    fi_audit_busy_timeout(s->au, FI_SHIP_BUSY_MS);
     struct stat sb;
     if (key_path && key_path[0] && stat(key_path, &sb) == 0) {
         if (fi_bundle_key_load(key_path, s->sk, err, errlen) != 0) {

@@ -37,6 +37,9 @@ extern "C" {
 /* Default validity of a signed bundle when neither the request nor the
  * policy's `expires` bounds it sooner: 30 days. */
 #define FI_SHIP_DEFAULT_VALID_S (30 * 86400)
+/* How long the coordinator's event loop waits for a database lock held by
+ * another process before the request fails with SQLite's reason. */
+#define FI_SHIP_BUSY_MS 250
 /* Records in one uploaded audit batch, at most. */
 #define FI_SHIP_MAX_BATCH 5000
 

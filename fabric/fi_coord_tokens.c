@@ -38,6 +38,8 @@ fi_apptok *fi_apptok_open(const char *db, char *err, size_t errlen) {
     return t;
 }
 
+void fi_apptok_busy_timeout(fi_apptok *t, int ms) { sqlite3_busy_timeout(t->db, ms); }
+
 void fi_apptok_destroy(fi_apptok **tp) {
     fi_apptok *t = *tp;
     if (!t) return;

@@ -28,6 +28,11 @@ typedef struct fi_apptok fi_apptok;
  * a message. */
 fi_apptok *fi_apptok_open(const char *db, char *err, size_t errlen);
 void fi_apptok_destroy(fi_apptok **t);
+/* How long a write waits for another process's lock before it fails
+ * (5000 ms from open); the coordinator's event loop uses a short one, so
+ * that a lock held elsewhere fails a request with its reason instead of
+ * stalling every peer. */
+void fi_apptok_busy_timeout(fi_apptok *t, int ms);
 
 /* What the handler needs from the coordinator's loop. */
 typedef struct fi_apptok_fleet {

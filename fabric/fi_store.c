@@ -57,6 +57,8 @@ fail:
     return NULL;
 }
 
+void fi_store_busy_timeout(fi_store *st, int ms) { sqlite3_busy_timeout(st->db, ms); }
+
 void fi_store_destroy(fi_store **st) {
     if (!st || !*st) return;
     sqlite3_close((*st)->db);

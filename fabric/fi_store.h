@@ -39,6 +39,11 @@ typedef struct fi_peer_rec {
  * in err on failure. */
 fi_store *fi_store_open(const char *path, char *err, size_t errlen);
 void fi_store_destroy(fi_store **st);
+/* How long a write waits for another process's lock before it fails
+ * (5000 ms from open); the coordinator's event loop uses a short one, so
+ * that a lock held elsewhere fails a request with its reason instead of
+ * stalling every peer. */
+void fi_store_busy_timeout(fi_store *st, int ms);
 
 /* A name is 1..63 bytes of [A-Za-z0-9._-]. */
 int fi_store_name_ok(const char *s);

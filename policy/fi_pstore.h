@@ -40,6 +40,11 @@ typedef struct fi_pstore_version {
  * a message in err. */
 fi_pstore *fi_pstore_open(const char *path, char *err, size_t cap) FI_WUR;
 void fi_pstore_destroy(fi_pstore **self_p);
+/* How long a write waits for another process's lock before it fails
+ * (5000 ms from open); the coordinator's event loop uses a short one, so
+ * that a lock held elsewhere fails a request with its reason instead of
+ * stalling every peer. */
+void fi_pstore_busy_timeout(fi_pstore *self, int ms);
 
 /* Validates the policy text (refused if it has any error: the first error
  * goes to err), signs a bundle valid from now to min(now + valid_for,

@@ -48,6 +48,8 @@ fi_pstore *fi_pstore_open(const char *path, char *err, size_t cap) {
     return s;
 }
 
+void fi_pstore_busy_timeout(fi_pstore *self, int ms) { sqlite3_busy_timeout(self->db, ms); }
+
 void fi_pstore_destroy(fi_pstore **self_p) {
     if (!self_p || !*self_p) return;
     sqlite3_close((*self_p)->db);

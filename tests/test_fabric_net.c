@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include <sqlite3.h>
+
 #include "fabric/harness.h"
 
 static int setup(void **state) {
@@ -373,6 +375,40 @@ static void test_last_operator_kept(void **state) {
     assert_int_equal(s_revoke(op, fpr, why, sizeof why), 0);
     assert_int_equal(s_revoke(op, fpr, why, sizeof why), FI__ERROR_CODE__ERR_BAD_REQUEST);
     assert_non_null(strstr(why, "revoked already"));
+    fi_client_destroy(&op);
+}
+
+/* Another process holding the fleet database's write lock (a sqlite3
+ * shell, a backup) fails an operator's request soon, saying why; the
+ * coordinator does not stall its loop (SQLite's 5 s wait there stopped
+ * every peer's traffic, and fedctl saw no reply at all). */
+static void test_locked_store_answers(void **state) {
+    harness *h = *state;
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    sqlite3 *other;
+    assert_int_equal(sqlite3_open(h->db, &other), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(other, "BEGIN IMMEDIATE", NULL, NULL, NULL), SQLITE_OK);
+    Fi__TokenRequest tr = FI__TOKEN_REQUEST__INIT;
+    tr.role = FI__ROLE__ROLE_EDGE;
+    tr.site = (char *)"s12";
+    tr.region = (char *)"r1";
+    tr.ttl_s = 60;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_TOKEN_REQUEST;
+    m.token_request = &tr;
+    fi_msg *r = NULL;
+    char err[256];
+    uint64_t t0 = fi_wire_now_ms();
+    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_TOKEN_REPLY, 3000, &r, err, sizeof err), 1);
+    assert_true(fi_wire_now_ms() - t0 < 2000);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ERROR);
+    assert_non_null(strstr(r->error->message, "locked"));
+    fi_wire_free(&r);
+    assert_int_equal(sqlite3_exec(other, "ROLLBACK", NULL, NULL, NULL), SQLITE_OK);
+    sqlite3_close(other);
+    char tok[128];
+    assert_int_equal(s_token(op, FI__ROLE__ROLE_EDGE, "s12", "r1", tok, sizeof tok), 0);
     fi_client_destroy(&op);
 }
 
@@ -748,6 +784,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_revoked_client_told, setup, teardown),
         cmocka_unit_test_setup_teardown(test_revoke_spares_a_reused_socket, setup, teardown),
         cmocka_unit_test_setup_teardown(test_last_operator_kept, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_locked_store_answers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
