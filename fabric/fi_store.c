@@ -236,13 +236,21 @@ int fi_store_enrol(fi_store *st, const char *token_hash, Fi__Role role, const ch
     }
     sqlite3_stmt *q = s_prep(st, "SELECT role, site, region, expires, used FROM tokens "
                                  "WHERE hash = ?", "s", token_hash);
-    int ok = 0;
+    int ok = 0, again = 0;
+    fi_peer_rec had;
     if (!q) {
         snprintf(err, errlen, "database: %s", sqlite3_errmsg(st->db));
     } else if (sqlite3_step(q) != SQLITE_ROW) {
         snprintf(err, errlen, "unknown enrolment token");
     } else if (sqlite3_column_type(q, 4) != SQLITE_NULL) {
-        snprintf(err, errlen, "enrolment token already used");
+        /* The same key asking again with the token it was enrolled with
+         * (its first answer was lost): it is enrolled, as it asked. */
+        again = fi_store_peer_get(st, pub, &had) == 1 && !had.revoked && had.role == role &&
+                sqlite3_column_int(q, 0) == (int)role && !strcmp(had.site, site) &&
+                !strcmp(had.region, region) &&
+                !strcmp((const char *)sqlite3_column_text(q, 1), site) &&
+                !strcmp((const char *)sqlite3_column_text(q, 2), region);
+        if (!again) snprintf(err, errlen, "enrolment token already used");
     } else if (sqlite3_column_int64(q, 3) <= now_unix) {
         snprintf(err, errlen, "enrolment token expired");
     } else if (sqlite3_column_int(q, 0) != (int)role ||
@@ -255,6 +263,10 @@ int fi_store_enrol(fi_store *st, const char *token_hash, Fi__Role role, const ch
         ok = 1;
     }
     sqlite3_finalize(q);
+    if (again) {
+        s_exec(st, "ROLLBACK"); /* nothing to change */
+        return 0;
+    }
     if (ok && s_run(st, s_prep(st, "UPDATE tokens SET used = ? WHERE hash = ?", "is", now_unix,
                                token_hash), err, errlen) != 0)
         ok = 0;

@@ -346,6 +346,12 @@ static void test_store(void **state) {
     assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
                                     sizeof err), -1);
     assert_non_null(strstr(err, "already used"));
+    /* the same key asking again (its answer was lost) is enrolled, as it
+     * asked; not for another site */
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", b.pub, now, err,
+                                    sizeof err), 0);
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic2", "eu", b.pub, now, err,
+                                    sizeof err), -1);
     fi_keys_token_hash("fit_nope", h);
     assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
                                     sizeof err), -1);
