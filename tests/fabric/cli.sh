@@ -66,8 +66,10 @@ for _ in $(seq 50); do
 done
 grep -q "^operator" status.txt || { cat status.txt coord.log; exit 1; }
 grep -q "^cluster *core1 *eu-west.*up.*smol(x4)" status.txt || { cat status.txt coord.log; exit 1; }
-# The token was for one use.
-if "$PEER" worker --config worker.conf --enrol "$TOKEN" 2>err.txt; then echo "token reused"; exit 1; fi
+# The token was for one use: another key cannot take it.
+"$PEER" keygen worker2 >/dev/null
+sed "s#worker.key#worker2.key#" worker.conf > worker2.conf
+if timeout 10 "$PEER" worker --config worker2.conf --enrol "$TOKEN" 2>err.txt; then echo "token reused"; exit 1; fi
 grep -q "already" err.txt || { cat err.txt; exit 1; }
 # Revoke the worker: it is cut off and its process ends (refused on reconnect).
 FPR=$(head -1 worker.fpr)
