@@ -885,6 +885,16 @@ static void s_on_revoke(fi_coord *c, s_peer *op, const Fi__RevokeRequest *rr) {
 }
 
 static void s_on_bundle(fi_coord *c, s_peer *op, const Fi__PolicyBundle *b) {
+    /* Checked before it is kept: the coordinator's own re-check and every
+     * late edge take the newest bundle of the store, so an unsigned or
+     * stale one with a high version would deny every routed request and
+     * hide later applies. */
+    char why[512];
+    if (fi_coord_policy_bundle_ok(&c->o, b->version, b->bundle.data, b->bundle.len, why,
+                                  sizeof why) != 0) {
+        s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_BAD_REQUEST, why);
+        return;
+    }
     if (fi_store_bundle_put(c->st, b->version, b->bundle.data, b->bundle.len, op->rec.fpr) != 0) {
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
                      "cannot store the bundle");

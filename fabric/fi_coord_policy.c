@@ -121,6 +121,51 @@ static void s_load(const char *db, const char *keyfile, int64_t now, s_loaded *L
     free(b);
 }
 
+int fi_coord_policy_bundle_ok(const fi_coord_opts *o, uint64_t version, const void *bundle,
+                              size_t len, char *err, size_t errlen) {
+    uint8_t trusted[1][FI_BUNDLE_PK_BYTES];
+    char e[256] = "";
+    if (!o->policy_check_key[0]) return 0; /* nothing to check with: relayed, edges verify */
+    if (fi_bundle_pub_load(o->policy_check_key, trusted[0], e, sizeof e) != 0) {
+        snprintf(err, errlen, "the policy-signing key cannot be read: %s", e);
+        return -1;
+    }
+    /* the newest version held, in either table */
+    uint64_t held_version = 0;
+    sqlite3 *h = NULL;
+    static const char *const q[2] = {"SELECT MAX(version) FROM bundles",
+                                     "SELECT MAX(version) FROM policy_versions"};
+    if (sqlite3_open_v2(o->db, &h, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK)
+        for (int t = 0; t < 2; t++) {
+            sqlite3_stmt *stq = NULL;
+            if (sqlite3_prepare_v2(h, q[t], -1, &stq, NULL) == SQLITE_OK &&
+                sqlite3_step(stq) == SQLITE_ROW && sqlite3_column_int64(stq, 0) > (int64_t)held_version)
+                held_version = (uint64_t)sqlite3_column_int64(stq, 0);
+            sqlite3_finalize(stq);
+        }
+    sqlite3_close(h);
+    fi_bundle_info info;
+    fi_bundle_status st = fi_bundle_verify(bundle, len, (const uint8_t(*)[FI_BUNDLE_PK_BYTES])trusted,
+                                           1, held_version, (int64_t)time(NULL), &info);
+    if (st != FI_BUNDLE_OK) {
+        snprintf(err, errlen, "pushed bundle refused: %s (the store holds version %llu)",
+                 fi_bundle_status_str(st), (unsigned long long)held_version);
+        return -1;
+    }
+    if (info.version != version) {
+        snprintf(err, errlen, "pushed bundle refused: sent as version %llu, signed as %llu",
+                 (unsigned long long)version, (unsigned long long)info.version);
+        return -1;
+    }
+    fi_policy *pol = fi_policy_parse(info.content, info.content_len, NULL);
+    if (!pol) {
+        snprintf(err, errlen, "pushed bundle refused: its policy does not validate");
+        return -1;
+    }
+    fi_policy_destroy(&pol);
+    return 0;
+}
+
 /* Decides req for target with L (fail closed when L has no policy). */
 static int s_decide(const s_loaded *L, int64_t now, const Fi__InferRequest *req,
                     const fi_peer_rec *origin, const fi_peer_rec *target, fi_coord_verdict *out,

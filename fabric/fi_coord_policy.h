@@ -41,6 +41,15 @@ int fi_coord_policy_check(void *user, const Fi__InferRequest *req, const fi_peer
                           const fi_peer_rec *target, fi_coord_verdict *v, char *reason,
                           size_t reasonlen);
 
+/* Whether an operator's pushed bundle may be stored and shipped: signed
+ * by the key in policy_check_key, valid now, its policy validating, and
+ * newer than every version the store holds (both tables), with the
+ * version it is sent under. Without a key configured the coordinator
+ * checks nothing (it relays; every edge verifies) and this says yes.
+ * 0, or -1 with err naming what is wrong. */
+int fi_coord_policy_bundle_ok(const fi_coord_opts *o, uint64_t version, const void *bundle,
+                              size_t len, char *err, size_t errlen);
+
 /* The cached check the coordinator installs: same decisions as
  * fi_coord_policy_check, with the verified policy kept until the store has
  * a newer version, the key file changes or the bundle expires. user is a
