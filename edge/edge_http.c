@@ -552,6 +552,15 @@ static ssize_t s_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     }
 }
 
+/* A client left: its job's work stops, and the executor's thread is woken
+ * to stop it now (the fabric's sends the cluster a Cancel; it looked only
+ * every 200 ms). */
+static void s_cancel(fi_edge *e, edge_job *j, int routed) {
+    atomic_store(&j->cancel, 1);
+    edge_exec *ex = routed ? &e->remote : &e->local;
+    if (ex->ctx && ex->kick) ex->kick(ex->ctx);
+}
+
 static void s_stream_free(void *cls) {
     s_stream *st = cls;
     /* The connection is gone or the answer complete: a client that left
@@ -560,7 +569,7 @@ static void s_stream_free(void *cls) {
     int done = st->job->done;
     pthread_mutex_unlock(&st->job->mu);
     if (!done) atomic_fetch_add(&st->e->m.cancelled, 1);
-    atomic_store(&st->job->cancel, 1);
+    s_cancel(st->e, st->job, st->routed);
     free(st->pend);
     edge_job_unref(&st->job);
     free(st);
@@ -947,7 +956,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
                                    "X-Fedinfer-Target", d->names[t], NULL};
         rc = s_error(e, c, 429, "rate_limit_exceeded", NULL, hdr,
                      "%s queue is full (%d requests at once); retry later",
-                     t == 0 ? "the local" : "the fabric", e->conf.concurrency + e->conf.queue);
+                     t == 0 ? "the local" : "the fabric", ex->depth(ex->ctx));
         goto done;
     }
     /* Wait for the first text (or the end), so that an early failure gets
@@ -973,7 +982,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     pthread_mutex_unlock(&job->mu);
     if (gone) {
         /* the client left before its answer: its work stops, its slot frees */
-        atomic_store(&job->cancel, 1);
+        s_cancel(e, job, t > 0);
         atomic_fetch_add(&e->m.cancelled, 1);
         rc = MHD_NO;
         goto done;

@@ -129,6 +129,9 @@ typedef struct edge_exec {
     int (*submit)(void *ctx, edge_job *j);
     /* Requests waiting or running. */
     int (*depth)(void *ctx);
+    /* Optional (NULL: none): wakes the executor's thread to look at its
+     * jobs' cancel flags now (a client that left). */
+    void (*kick)(void *ctx);
     /* Stops accepting; lets running jobs finish for up to grace_ms, then
      * cancels the rest and joins. */
     void (*drain)(void *ctx, int grace_ms);

@@ -93,6 +93,13 @@ static int s_submit(void *ctx, edge_job *j) {
     return 0;
 }
 
+static void s_kick(void *ctx) {
+    s_remote *r = ctx;
+    pthread_mutex_lock(&r->mu);
+    s_wake(r);
+    pthread_mutex_unlock(&r->mu);
+}
+
 static int s_depth(void *ctx) {
     s_remote *r = ctx;
     pthread_mutex_lock(&r->mu);
@@ -551,6 +558,7 @@ int edge_remote_new(fi_edge *e, edge_exec *out, char *err, size_t errlen) {
     out->name = "fabric";
     out->submit = s_submit;
     out->depth = s_depth;
+    out->kick = s_kick;
     out->drain = s_drain;
     out->destroy = s_destroy;
     out->ctx = r;
