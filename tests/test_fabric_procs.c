@@ -31,6 +31,7 @@ typedef struct procs {
     int port;           /* fabric port (enrolment on port + 1) */
     pid_t coord;        /* coordinator process, 0 when none */
     pid_t worker;       /* worker process, 0 when none */
+    pid_t worker2;      /* a second one (two replicas), 0 when none */
     fi_keypair wk;      /* the worker's key */
 } procs;
 
@@ -158,6 +159,7 @@ static int setup(void **state) {
 static int teardown(void **state) {
     procs *p = *state;
     s_kill(&p->worker);
+    s_kill(&p->worker2); /* also when a test failed half-way */
     s_kill(&p->coord);
     char cmd[1024];
     snprintf(cmd, sizeof cmd, "cat '%s/coord.log' >&2; echo '--- worker.log' >&2; cat '%s/worker.log' >&2", p->h.dir, p->h.dir);
@@ -518,8 +520,7 @@ static void test_prefix_routing_two_replicas(void **state) {
     assert_int_equal(h_enrol_direct(&p->h, &ek, FI__ROLE__ROLE_EDGE, "clinic", "eu-a"), 0);
     assert_true((p->coord = s_start_coord(p)) > 0);
     assert_true((p->worker = s_start_replica(p, "core1", &k1)) > 0);
-    pid_t w2 = s_start_replica(p, "core2", &k2);
-    assert_true(w2 > 0);
+    assert_true((p->worker2 = s_start_replica(p, "core2", &k2)) > 0);
     fi_client_opts eo;
     h_client_opts(&p->h, &eo, &ek, FI__ROLE__ROLE_EDGE);
     fi_client *edge = fi_client_new(&eo, err, sizeof err);
@@ -580,7 +581,7 @@ static void test_prefix_routing_two_replicas(void **state) {
     assert_int_equal(sc.secret_permits, 7); /* up2's and the six */
     assert_int_equal(sc.secret_to_core1, 0);
     assert_int_equal(sc.pub_to_core1, 4);
-    s_kill(&w2);
+    s_kill(&p->worker2);
 }
 
 int main(void) {
