@@ -74,7 +74,7 @@ wait_status() { # pattern: waits until `fedctl status` shows it
 
 echo "== rank 0 (the leader) enrols and starts; rank 1 starts"
 TOKEN=$("$CTL" enrol --role cluster --site core-1 --region eu-west --ttl 300 2>/dev/null)
-echo "$TOKEN" | "$FI" shard --config rank0.conf --enrol - >/dev/null 2>rank0.log &
+"$FI" shard --config rank0.conf --enrol - <<<"$TOKEN" >/dev/null 2>rank0.log &
 "$FI" shard --config rank1.conf 2>rank1.log &
 R1=$!
 wait_status "smollm2-135m(x4)"

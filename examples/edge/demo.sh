@@ -72,7 +72,7 @@ region = eu-central
 threads = 1
 n_ctx = 1024
 CONF
-echo "$TOKEN" | "$FI" shard --config shard.conf --enrol - 2>shard.log &
+"$FI" shard --config shard.conf --enrol - <<<"$TOKEN" 2>shard.log &
 PIDS+=($!)
 
 declare -A URL
@@ -102,7 +102,7 @@ secret_key = $T/$site.key
 enrol_endpoint = tcp://127.0.0.1:$ENROL
 clusters = fra-gpu-1
 CONF
-  echo "$TOKEN" | "$FI" edge --config "$site.conf" --enrol - 2>"$site.log" &
+  "$FI" edge --config "$site.conf" --enrol - <<<"$TOKEN" 2>"$site.log" &
   PIDS+=($!)
   URL[$site]=http://127.0.0.1:$P
 done

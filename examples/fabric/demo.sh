@@ -39,7 +39,7 @@ model_name = smollm2-135m
 site = core-1
 region = eu-west
 CONF
-echo "$TOKEN" | "$FI" shard --config shard.conf --enrol - ${ECHO:+--echo} 2>shard.log &
+"$FI" shard --config shard.conf --enrol - ${ECHO:+--echo} <<<"$TOKEN" 2>shard.log &
 for _ in $(seq 60); do   # the worker loads the model, then connects
   "$CTL" status | grep -q "^cluster.* up " && break
   sleep 0.5
