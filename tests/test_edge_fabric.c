@@ -177,6 +177,7 @@ static void test_routed_stop_frees_its_place(void **state) {
     h_worker slow;
     fi_shard_backend be = fi_shard_echo_backend(4, 20); /* 20 ms a chunk */
     assert_int_equal(h_worker_start_be(&f->h, &slow, "slow-model", "core1", &be, 4), 0);
+    slow.owns_be = 1; /* h_worker_stop frees it */
     const char *b = "{\"model\":\"slow-model\",\"prompt\":\"one two STOP three four five six seven "
                     "eight nine ten eleven twelve\",\"max_tokens\":50,\"stop\":\"STOP\"}";
     resp r;
