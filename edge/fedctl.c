@@ -22,6 +22,7 @@ static const verb s_verbs[] = {
     {"audit", fi_ctl_audit, "list and verify the coordinator's hash-chained decision audit log"},
     {"status", fi_ctl_status, "list sites, edges and clusters with their health"},
     {"enrol", fi_ctl_enrol, "create a one-time enrolment token"},
+    {"join", fi_ctl_join, "enrol this configuration's key as an operator, with a token"},
     {"revoke", fi_ctl_revoke, "revoke a peer's key and cut it off"},
     {"token", fi_ctl_token, "add, list and revoke the application bearer tokens of edges"},
     {NULL, NULL, NULL},

@@ -1,6 +1,7 @@
 /*
  * fi_ctl.c - the fabric's verbs of `fedctl`, the operator's console:
- * status, enrol (one-time tokens), revoke.
+ * status, enrol (one-time tokens), join (a new operator's key, with an
+ * operator token), revoke.
  *
  * fedctl talks to the coordinator over the fabric, as an operator peer
  * authenticated by its key; it never opens the coordinator's database.
@@ -24,6 +25,7 @@ typedef struct s_ctl_conf {
     char coordinator[FI_CONF_STR_MAX];     /* fabric endpoint */
     char coordinator_key[FI_CONF_STR_MAX]; /* its public key file */
     char secret_key[FI_CONF_STR_MAX];      /* the operator's secret key file */
+    char enrol_endpoint[FI_CONF_STR_MAX];  /* the coordinator's enrolment endpoint (join) */
     int timeout_ms;                        /* how long to wait for answers */
 } s_ctl_conf;
 
@@ -31,13 +33,14 @@ static const fi_conf_key s_ctl_keys[] = {
     {"coordinator", FI_CONF_STR, offsetof(s_ctl_conf, coordinator), 1, 0, 0},
     {"coordinator_key", FI_CONF_STR, offsetof(s_ctl_conf, coordinator_key), 1, 0, 0},
     {"secret_key", FI_CONF_STR, offsetof(s_ctl_conf, secret_key), 1, 0, 0},
+    {"enrol_endpoint", FI_CONF_STR, offsetof(s_ctl_conf, enrol_endpoint), 0, 0, 0},
     {"timeout_ms", FI_CONF_INT, offsetof(s_ctl_conf, timeout_ms), 0, 100, 600000},
     {NULL, FI_CONF_STR, 0, 0, 0, 0},
 };
 
 #define S_CONF_HELP                                                                  \
     "  --config FILE   fedctl configuration (default $FEDCTL_CONFIG): coordinator,\n" \
-    "                  coordinator_key, secret_key [, timeout_ms]\n"
+    "                  coordinator_key, secret_key [, enrol_endpoint, timeout_ms]\n"
 
 /* Connects as an operator. NULL (message printed) on failure. */
 fi_client *fi_ctl_connect(const char *verb, const char *config) {
@@ -196,7 +199,8 @@ int fi_ctl_enrol(int argc, char **argv) {
                     "                    [--ttl SECONDS] [--config FILE]\n\n"
                     "Creates a one-time enrolment token (default ttl 3600 s). The peer presents\n"
                     "it once with its key, site and region; edges and clusters need --site and\n"
-                    "--region, which the token pins.\n" S_CONF_HELP);
+                    "--region, which the token pins. An operator token is presented with\n"
+                    "`fedctl join`.\n" S_CONF_HELP);
             return ch == 'h' ? 0 : 2;
         }
     }
@@ -228,6 +232,57 @@ int fi_ctl_enrol(int argc, char **argv) {
     fprintf(stderr, "one-time token for %s %s/%s, expires %s\n", role, site[0] ? site : "-",
             region[0] ? region : "-", when);
     fi_wire_free(&rep);
+    return 0;
+}
+
+int fi_ctl_join(int argc, char **argv) {
+    const char *config = NULL;
+    int rc = 0;
+    if (s_simple_opts(argc, argv,
+                      "usage: fedctl join [--config FILE] TOKEN|-\n\n"
+                      "Enrols this configuration's key (secret_key) as an operator, with a\n"
+                      "one-time token another operator made (fedctl enrol --role operator);\n"
+                      "- reads the token from standard input (a command line is visible to\n"
+                      "every local user). Needs enrol_endpoint in the configuration.\n" S_CONF_HELP,
+                      &config, &rc) != 0)
+        return rc;
+    if (optind != argc - 1) {
+        fprintf(stderr, "fedctl join: expected one TOKEN (or - for standard input)\n");
+        return 2;
+    }
+    if (!config) config = getenv("FEDCTL_CONFIG");
+    if (!config) {
+        fprintf(stderr, "fedctl join: no --config and no $FEDCTL_CONFIG\n");
+        return 2;
+    }
+    s_ctl_conf cc;
+    memset(&cc, 0, sizeof cc);
+    cc.timeout_ms = 5000;
+    char err[1024], fpr[FI_KEYS_FPR_LEN];
+    fi_client_opts o;
+    fi_client_opts_default(&o);
+    o.role = FI__ROLE__ROLE_OPERATOR;
+    if (fi_conf_load(config, s_ctl_keys, &cc, err, sizeof err) != 0 ||
+        fi_keys_load_public(cc.coordinator_key, o.server_pub, err, sizeof err) != 0 ||
+        fi_keys_load_secret(cc.secret_key, &o.kp, err, sizeof err) != 0) {
+        fprintf(stderr, "fedctl join: %s\n", err);
+        return 1;
+    }
+    if (!cc.enrol_endpoint[0]) {
+        fi_keys_wipe(&o.kp);
+        fprintf(stderr, "fedctl join: %s has no enrol_endpoint (the coordinator's enrol_bind)\n",
+                config);
+        return 2;
+    }
+    snprintf(o.endpoint, sizeof o.endpoint, "%s", cc.coordinator);
+    rc = fi_client_enrol(&o, cc.enrol_endpoint, argv[optind], FI__ROLE__ROLE_OPERATOR, "", "",
+                         cc.timeout_ms, fpr, err, sizeof err);
+    fi_keys_wipe(&o.kp);
+    if (rc != 0) {
+        fprintf(stderr, "fedctl join: %s\n", err);
+        return 1;
+    }
+    printf("enrolled as operator, fingerprint %s\n", fpr);
     return 0;
 }
 

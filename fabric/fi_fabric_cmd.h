@@ -20,6 +20,7 @@ int fi_cmd_shard(int argc, char **argv);       /* fedinfer shard       */
 int fi_ctl_status(int argc, char **argv); /* fedctl status */
 int fi_ctl_enrol(int argc, char **argv);  /* fedctl enrol  */
 int fi_ctl_revoke(int argc, char **argv); /* fedctl revoke */
+int fi_ctl_join(int argc, char **argv);   /* fedctl join   */
 int fi_ctl_token(int argc, char **argv);  /* fedctl token: edges' application tokens */
 
 /* fedctl policy / fedctl audit: the verbs that change or read the fleet's

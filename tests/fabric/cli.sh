@@ -44,6 +44,18 @@ coordinator_key = $T/coord.pub
 secret_key = $T/op.key
 CONF
 export FEDCTL_CONFIG=$T/ctl.conf
+# A second operator joins with a token the first one made (on stdin).
+"$PEER" keygen op2 >/dev/null
+cat > ctl2.conf <<CONF
+coordinator = tcp://127.0.0.1:$PORT
+enrol_endpoint = tcp://127.0.0.1:$((PORT + 1))
+coordinator_key = $T/coord.pub
+secret_key = $T/op2.key
+CONF
+OPTOK=$("$PEER" enrol --role operator --ttl 60 2>/dev/null)
+"$PEER" join --config ctl2.conf - <<<"$OPTOK" >join.txt 2>&1 || { cat join.txt coord.log; exit 1; }
+grep -q "enrolled as operator" join.txt || { cat join.txt; exit 1; }
+FEDCTL_CONFIG=$T/ctl2.conf "$PEER" status >/dev/null || { echo "the joined operator is refused"; exit 1; }
 TOKEN=$("$PEER" enrol --role cluster --site core1 --region eu-west --ttl 60 2>/dev/null)
 [[ $TOKEN == fit_* ]] || { echo "no token: $TOKEN"; exit 1; }
 cat > worker.conf <<CONF

@@ -155,6 +155,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "status")) return fi_ctl_status(argc - 1, argv + 1);
     if (!strcmp(cmd, "enrol")) return fi_ctl_enrol(argc - 1, argv + 1);
     if (!strcmp(cmd, "revoke")) return fi_ctl_revoke(argc - 1, argv + 1);
+    if (!strcmp(cmd, "join")) return fi_ctl_join(argc - 1, argv + 1);
     if (!strcmp(cmd, "token")) return fi_ctl_token(argc - 1, argv + 1);
     fprintf(stderr, "fi_fabric_peer: unknown command '%s'\n", cmd);
     return 2;
