@@ -859,9 +859,12 @@ static void s_on_revoke(fi_coord *c, s_peer *op, const Fi__RevokeRequest *rr) {
     }
     int rc = strlen(fpr) == FI_KEYS_FPR_LEN - 1 ? fi_store_peer_revoke(c->st, fpr, &rec) : 0;
     if (rc <= 0) {
+        char why[256];
+        snprintf(why, sizeof why, "%s%s",
+                 rc < 0 ? "the fleet database: " : "no enrolled peer has that fingerprint",
+                 rc < 0 ? fi_store_last_error(c->st) : "");
         s_send_error(c, c->router, op->rid, op->rid_len, "",
-                     rc < 0 ? FI__ERROR_CODE__ERR_INTERNAL : FI__ERROR_CODE__ERR_NOT_FOUND,
-                     rc < 0 ? "database error" : "no enrolled peer has that fingerprint");
+                     rc < 0 ? FI__ERROR_CODE__ERR_INTERNAL : FI__ERROR_CODE__ERR_NOT_FOUND, why);
         return;
     }
     s_log("operator %s revoked %s (%s %s)", op->rec.fpr, rec.fpr, fi_wire_role_name(rec.role),

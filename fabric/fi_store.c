@@ -193,6 +193,8 @@ int fi_store_peer_get(fi_store *st, const uint8_t pub[FI_KEYS_BYTES], fi_peer_re
     return res;
 }
 
+const char *fi_store_last_error(fi_store *st) { return sqlite3_errmsg(st->db); }
+
 int fi_store_peer_revoke(fi_store *st, const char *fpr, fi_peer_rec *out) {
     if (s_run(st, s_prep(st, "UPDATE peers SET revoked = ? WHERE fpr = ? AND revoked IS NULL",
                          "is", (int64_t)time(NULL), fpr), NULL, 0) != 0)

@@ -58,6 +58,8 @@ int fi_store_peer_get(fi_store *st, const uint8_t pub[FI_KEYS_BYTES], fi_peer_re
 /* Revokes the peer with fingerprint fpr. Returns 1 revoked (out filled),
  * 0 no such peer, -1 error. */
 int fi_store_peer_revoke(fi_store *st, const char *fpr, fi_peer_rec *out);
+/* SQLite's message for the last failed call on st ("database is locked"). */
+const char *fi_store_last_error(fi_store *st);
 /* Calls fn for each peer, ordered by role, site, fingerprint. Stops and
  * returns fn's value when nonzero; -1 on a database error. */
 int fi_store_peer_each(fi_store *st, int (*fn)(void *user, const fi_peer_rec *p), void *user);
