@@ -42,27 +42,36 @@ static const fi_conf_key s_ctl_keys[] = {
     "  --config FILE   fedctl configuration (default $FEDCTL_CONFIG): coordinator,\n" \
     "                  coordinator_key, secret_key [, enrol_endpoint, timeout_ms]\n"
 
+/* Reads the configuration (config, else $FEDCTL_CONFIG) into cc and the
+ * operator's client options into o (its keys loaded: wipe o->kp). 0, or
+ * -1 with the message printed. */
+static int s_load_conf(const char *verb, const char **config, s_ctl_conf *cc, fi_client_opts *o) {
+    if (!*config) *config = getenv("FEDCTL_CONFIG");
+    if (!*config) {
+        fprintf(stderr, "fedctl %s: no --config and no $FEDCTL_CONFIG\n", verb);
+        return -1;
+    }
+    memset(cc, 0, sizeof *cc);
+    cc->timeout_ms = 5000;
+    char err[1024];
+    fi_client_opts_default(o);
+    o->role = FI__ROLE__ROLE_OPERATOR;
+    if (fi_conf_load(*config, s_ctl_keys, cc, err, sizeof err) != 0 ||
+        fi_keys_load_public(cc->coordinator_key, o->server_pub, err, sizeof err) != 0 ||
+        fi_keys_load_secret(cc->secret_key, &o->kp, err, sizeof err) != 0) {
+        fprintf(stderr, "fedctl %s: %s\n", verb, err);
+        return -1;
+    }
+    snprintf(o->endpoint, sizeof o->endpoint, "%s", cc->coordinator);
+    return 0;
+}
+
 /* Connects as an operator. NULL (message printed) on failure. */
 fi_client *fi_ctl_connect(const char *verb, const char *config) {
-    if (!config) config = getenv("FEDCTL_CONFIG");
-    if (!config) {
-        fprintf(stderr, "fedctl %s: no --config and no $FEDCTL_CONFIG\n", verb);
-        return NULL;
-    }
     s_ctl_conf cc;
-    memset(&cc, 0, sizeof cc);
-    cc.timeout_ms = 5000;
-    char err[1024];
     fi_client_opts o;
-    fi_client_opts_default(&o);
-    o.role = FI__ROLE__ROLE_OPERATOR;
-    if (fi_conf_load(config, s_ctl_keys, &cc, err, sizeof err) != 0 ||
-        fi_keys_load_public(cc.coordinator_key, o.server_pub, err, sizeof err) != 0 ||
-        fi_keys_load_secret(cc.secret_key, &o.kp, err, sizeof err) != 0) {
-        fprintf(stderr, "fedctl %s: %s\n", verb, err);
-        return NULL;
-    }
-    snprintf(o.endpoint, sizeof o.endpoint, "%s", cc.coordinator);
+    char err[1024];
+    if (s_load_conf(verb, &config, &cc, &o) != 0) return NULL;
     fi_client *c = fi_client_new(&o, err, sizeof err);
     fi_keys_wipe(&o.kp);
     if (c && fi_client_wait_ready(c, cc.timeout_ms, err, sizeof err) != 0) fi_client_destroy(&c);
@@ -250,31 +259,16 @@ int fi_ctl_join(int argc, char **argv) {
         fprintf(stderr, "fedctl join: expected one TOKEN (or - for standard input)\n");
         return 2;
     }
-    if (!config) config = getenv("FEDCTL_CONFIG");
-    if (!config) {
-        fprintf(stderr, "fedctl join: no --config and no $FEDCTL_CONFIG\n");
-        return 2;
-    }
     s_ctl_conf cc;
-    memset(&cc, 0, sizeof cc);
-    cc.timeout_ms = 5000;
-    char err[1024], fpr[FI_KEYS_FPR_LEN];
     fi_client_opts o;
-    fi_client_opts_default(&o);
-    o.role = FI__ROLE__ROLE_OPERATOR;
-    if (fi_conf_load(config, s_ctl_keys, &cc, err, sizeof err) != 0 ||
-        fi_keys_load_public(cc.coordinator_key, o.server_pub, err, sizeof err) != 0 ||
-        fi_keys_load_secret(cc.secret_key, &o.kp, err, sizeof err) != 0) {
-        fprintf(stderr, "fedctl join: %s\n", err);
-        return 1;
-    }
+    char err[1024], fpr[FI_KEYS_FPR_LEN];
+    if (s_load_conf("join", &config, &cc, &o) != 0) return 1;
     if (!cc.enrol_endpoint[0]) {
         fi_keys_wipe(&o.kp);
         fprintf(stderr, "fedctl join: %s has no enrol_endpoint (the coordinator's enrol_bind)\n",
                 config);
         return 2;
     }
-    snprintf(o.endpoint, sizeof o.endpoint, "%s", cc.coordinator);
     rc = fi_client_enrol(&o, cc.enrol_endpoint, argv[optind], FI__ROLE__ROLE_OPERATOR, "", "",
                          cc.timeout_ms, fpr, err, sizeof err);
     fi_keys_wipe(&o.kp);

@@ -248,6 +248,23 @@ static fi_msg *s_raw_ask(s_raw *r, const void *buf, size_t len, int ms) {
     return NULL;
 }
 
+/* Asks the coordinator, as op, to revoke fpr: 0 Ack, else the error code
+ * with its message in why. */
+static int s_revoke(fi_client *op, const char *fpr, char *why, size_t wlen) {
+    Fi__RevokeRequest rr = FI__REVOKE_REQUEST__INIT;
+    rr.fingerprint = (char *)fpr;
+    fi_msg req = FI__ENVELOPE__INIT;
+    req.body_case = FI__ENVELOPE__BODY_REVOKE_REQUEST;
+    req.revoke_request = &rr;
+    fi_msg *r = NULL;
+    char err[256];
+    if (fi_client_call(op, &req, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err) != 1) return -1;
+    int code = r->body_case == FI__ENVELOPE__BODY_ACK ? 0 : (int)r->error->code;
+    if (code) snprintf(why, wlen, "%s", r->error->message);
+    fi_wire_free(&r);
+    return code;
+}
+
 static void test_revoked_key_cut_off(void **state) {
     harness *h = *state;
     char err[256];
@@ -263,19 +280,11 @@ static void test_revoked_key_cut_off(void **state) {
     fi_wire_free(&m);
     fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
     assert_non_null(op);
-    Fi__RevokeRequest rr = FI__REVOKE_REQUEST__INIT;
     char fpr[FI_KEYS_FPR_LEN];
     fi_keys_fingerprint(ek.pub, fpr);
-    rr.fingerprint = fpr;
-    fi_msg req = FI__ENVELOPE__INIT;
-    req.body_case = FI__ENVELOPE__BODY_REVOKE_REQUEST;
-    req.revoke_request = &rr;
-    fi_msg *r = NULL;
     zmq_send(raw.sock, hb, len, 0); /* alive and registered right now */
     h_sleep_ms(20);
-    assert_int_equal(fi_client_call(op, &req, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
-    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
-    fi_wire_free(&r);
+    assert_int_equal(s_revoke(op, fpr, err, sizeof err), 0);
     /* The open connection is closed by the coordinator, well before the
      * raw socket's own heartbeat timeout (3 s) could have closed it. */
     zmq_pollitem_t it = {raw.mon, 0, ZMQ_POLLIN, 0};
@@ -325,37 +334,12 @@ static void test_revoke_spares_a_reused_socket(void **state) {
         s_raw_close(&raw); /* gone; its socket number is free again */
         fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
         assert_non_null(op);
-        Fi__RevokeRequest rr = FI__REVOKE_REQUEST__INIT;
         char fpr[FI_KEYS_FPR_LEN];
         fi_keys_fingerprint(ek.pub, fpr);
-        rr.fingerprint = fpr;
-        fi_msg req = FI__ENVELOPE__INIT;
-        req.body_case = FI__ENVELOPE__BODY_REVOKE_REQUEST;
-        req.revoke_request = &rr;
-        fi_msg *r = NULL;
-        assert_int_equal(fi_client_call(op, &req, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
-        assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
-        fi_wire_free(&r);
+        assert_int_equal(s_revoke(op, fpr, err, sizeof err), 0);
         fi_client_destroy(&op);
         fi_keys_wipe(&ek);
     }
-}
-
-/* Asks the coordinator, as op, to revoke fpr: 0 Ack, else the error code
- * with its message in why. */
-static int s_revoke(fi_client *op, const char *fpr, char *why, size_t wlen) {
-    Fi__RevokeRequest rr = FI__REVOKE_REQUEST__INIT;
-    rr.fingerprint = (char *)fpr;
-    fi_msg req = FI__ENVELOPE__INIT;
-    req.body_case = FI__ENVELOPE__BODY_REVOKE_REQUEST;
-    req.revoke_request = &rr;
-    fi_msg *r = NULL;
-    char err[256];
-    if (fi_client_call(op, &req, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err) != 1) return -1;
-    int code = r->body_case == FI__ENVELOPE__BODY_ACK ? 0 : (int)r->error->code;
-    if (code) snprintf(why, wlen, "%s", r->error->message);
-    fi_wire_free(&r);
-    return code;
 }
 
 /* The last operator cannot revoke itself (nobody would be left to manage
