@@ -90,6 +90,28 @@ done:
     return rc;
 }
 
+/* fi_audit_set_adopt_check for uploads: an edge's new key may continue
+ * the log of a key of an edge of the same site that was revoked (replaced);
+ * never another site's, a live key's, or the router's own. */
+typedef struct s_adopt_scan {
+    const char *fpr, *site;
+    int ok;
+} s_adopt_scan;
+
+static int s_adopt_row(void *user, const fi_peer_rec *p) {
+    s_adopt_scan *a = user;
+    if (strcmp(p->fpr, a->fpr)) return 0;
+    a->ok = p->role == FI__ROLE__ROLE_EDGE && p->revoked && !strcmp(p->site, a->site);
+    return 1;
+}
+
+static int s_may_adopt(void *user, const char *old_source, const char *origin) {
+    fi_ship *s = user;
+    s_adopt_scan a = {old_source, origin, 0};
+    if (!s->fleet || fi_store_peer_each(s->fleet, s_adopt_row, &a) < 0) return 0;
+    return a.ok;
+}
+
 fi_ship *fi_ship_open(fi_store *fleet, const char *db, const char *audit_db, const char *key_path, int64_t valid_s, char *err,
                       size_t errlen) {
     fi_ship *s = calloc(1, sizeof *s);
@@ -109,6 +131,7 @@ fi_ship *fi_ship_open(fi_store *fleet, const char *db, const char *audit_db, con
      * request soon, with its reason (an upload is sent again later) */
     fi_pstore_busy_timeout(s->ps, FI_SHIP_BUSY_MS);
     fi_audit_busy_timeout(s->au, FI_SHIP_BUSY_MS);
+    fi_audit_set_adopt_check(s->au, s_may_adopt, s);
     struct stat sb;
     if (key_path && key_path[0] && stat(key_path, &sb) == 0) {
         if (fi_bundle_key_load(key_path, s->sk, err, errlen) != 0) {

@@ -60,6 +60,13 @@ void fi_audit_destroy(fi_audit **self_p);
 /* How long a write waits for another connection's lock before it fails
  * (5000 ms from fi_audit_open); for a writer that retries on its own. */
 void fi_audit_busy_timeout(fi_audit *self, int ms);
+/* Who may continue whose log (fi_audit_ingest): may_adopt(user, old
+ * source, uploader's origin) returns 1 when an uploader of that origin may
+ * take the old source over (the coordinator: the old source is a revoked
+ * key of an edge of the same site). Without it, nothing is taken over. */
+void fi_audit_set_adopt_check(fi_audit *self,
+                              int (*may_adopt)(void *user, const char *old_source, const char *origin),
+                              void *user);
 
 /* Appends rec, chaining it to the last record, in one transaction. Sets
  * rec->seq and rec->hash. 0 or -1 (message in err). */
@@ -111,9 +118,10 @@ int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_
  * log's own seq and hash. *taken gets how many were new.
  * A source with nothing held whose batch does not start at record 1 may go
  * on from another source's log (an edge whose key was replaced keeps its
- * local log): when exactly one held source ends at the record before the
- * batch and the batch's first record is chained to that source's head,
- * source takes that head over (and err, on success, names the source it
+ * local log): when origin is given and exactly one held source that the
+ * adopt check (fi_audit_set_adopt_check) allows ends at the record before
+ * the batch, with the batch's first record chained to its head, source
+ * takes that head over (and err, on success, names the source it
  * continues; else err is "").
  * 0, 1 refused (err says why), -1 database error. */
 int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, const fi_audit_record *recs, size_t n,

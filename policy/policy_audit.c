@@ -11,6 +11,10 @@
 
 struct fi_audit {
     sqlite3 *db; /* the open database */
+    /* fi_audit_set_adopt_check: whether a source may be taken over by an
+     * uploader of origin (NULL: never) */
+    int (*may_adopt)(void *user, const char *old_source, const char *origin);
+    void *adopt_user;
 };
 
 static const char *s_schema =
@@ -55,6 +59,13 @@ fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
 }
 
 void fi_audit_busy_timeout(fi_audit *self, int ms) { sqlite3_busy_timeout(self->db, ms); }
+
+void fi_audit_set_adopt_check(fi_audit *self,
+                              int (*may_adopt)(void *user, const char *old_source, const char *origin),
+                              void *user) {
+    self->may_adopt = may_adopt;
+    self->adopt_user = user;
+}
 
 void fi_audit_destroy(fi_audit **self_p) {
     if (!self_p || !*self_p) return;
@@ -243,10 +254,11 @@ static int s_source_head(fi_audit *self, const char *source, int64_t *seq, char 
  * first is chained. Its row is taken over by source (inside the caller's
  * transaction); its name goes to from. 1 taken over, 0 none (or more than
  * one: ambiguous), -1 database error. */
-static int s_adopt_source(fi_audit *self, const char *source, const fi_audit_record *first, int64_t *held,
-                          char head[65], char *from, size_t from_cap) {
+static int s_adopt_source(fi_audit *self, const char *source, const char *origin,
+                          const fi_audit_record *first, int64_t *held, char head[65], char *from,
+                          size_t from_cap) {
     sqlite3_stmt *st = NULL;
-    if (first->seq < 2) return 0;
+    if (first->seq < 2 || !origin || !self->may_adopt) return 0;
     if (sqlite3_prepare_v2(self->db, "SELECT source, hash FROM audit_sources WHERE seq = ?", -1, &st, NULL) !=
         SQLITE_OK)
         return -1;
@@ -258,6 +270,9 @@ static int s_adopt_source(fi_audit *self, const char *source, const fi_audit_rec
         char want[65];
         fi_audit_chain_hash(h ? h : "", first, want);
         if (!s || strcmp(s, source) == 0 || strcmp(want, first->hash)) continue;
+        /* only a source the owner says this uploader may continue (the
+         * coordinator: a replaced key of an edge of the same site) */
+        if (!self->may_adopt(self->adopt_user, s, origin)) continue;
         if (found++) break; /* two logs end where this one goes on: take neither */
         snprintf(name, sizeof name, "%s", s);
         snprintf(hash, sizeof hash, "%s", h);
@@ -322,7 +337,7 @@ int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, cons
     if (s_source_head(self, source, &held, head) != 0) goto dberr_tx;
     char adopted[256] = "";
     if (held == 0 && n && recs[0].seq > 1 &&
-        s_adopt_source(self, source, &recs[0], &held, head, adopted, sizeof adopted) < 0)
+        s_adopt_source(self, source, origin, &recs[0], &held, head, adopted, sizeof adopted) < 0)
         goto dberr_tx;
     int refused = 0;
     if (n && recs[0].seq > held + 1) {

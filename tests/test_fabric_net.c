@@ -628,13 +628,15 @@ static void test_worker_cannot_disconnect_edge(void **state) {
 }
 
 /* Uploads a batch of two records of origin "s8" from c; the reply's type. */
-static int s_upload(fi_client *c, const char *bid, char *why, size_t wlen) {
-    char last[65];
-    char *batch = h_audit_batch("s8", 1, 2, "", last);
+/* Uploads records first..first+n-1 of origin site, the first chained to
+ * prev ("" for record 1), from c; the reply's type; last gets the head. */
+static int s_upload_from(fi_client *c, const char *bid, const char *site, int first, int n,
+                         const char *prev, char last[65], char *why, size_t wlen) {
+    char *batch = h_audit_batch(site, first, n, prev, last);
     Fi__AuditUpload au = FI__AUDIT_UPLOAD__INIT;
     au.batch_id = (char *)bid;
-    au.first_seq = 1;
-    au.count = 2;
+    au.first_seq = (uint64_t)first;
+    au.count = (uint64_t)n;
     au.batch.data = (uint8_t *)batch;
     au.batch.len = strlen(batch);
     fi_msg m = FI__ENVELOPE__INIT;
@@ -647,6 +649,41 @@ static int s_upload(fi_client *c, const char *bid, char *why, size_t wlen) {
     fi_wire_free(&r);
     free(batch);
     return got;
+}
+
+static int s_upload(fi_client *c, const char *bid, char *why, size_t wlen) {
+    char last[65];
+    return s_upload_from(c, bid, "s8", 1, 2, "", last, why, wlen);
+}
+
+/* An edge whose key is replaced keeps its local log: the new key goes on
+ * from the old key's head, once that key is revoked; while it is live,
+ * nobody takes its log over. */
+static void test_replaced_key_continues_log(void **state) {
+    harness *h = *state;
+    fi_keypair ka, kb;
+    char why[256], head[65], head2[65], fpr[FI_KEYS_FPR_LEN];
+    assert_int_equal(fi_keys_generate(&ka), 0);
+    assert_int_equal(fi_keys_generate(&kb), 0);
+    assert_int_equal(h_enrol_direct(h, &ka, FI__ROLE__ROLE_EDGE, "s13", "r1"), 0);
+    assert_int_equal(h_enrol_direct(h, &kb, FI__ROLE__ROLE_EDGE, "s13", "r1"), 0);
+    fi_client *a = h_client(h, &ka, FI__ROLE__ROLE_EDGE), *b = h_client(h, &kb, FI__ROLE__ROLE_EDGE);
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_int_equal(s_upload_from(a, "a1", "s13", 1, 2, "", head, why, sizeof why),
+                     FI__ENVELOPE__BODY_ACK);
+    /* a is live: b cannot go on from its head */
+    assert_int_equal(s_upload_from(b, "b1", "s13", 3, 1, head, head2, why, sizeof why),
+                     FI__ENVELOPE__BODY_ERROR);
+    assert_non_null(strstr(why, "never received"));
+    fi_client_destroy(&a);
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    fi_keys_fingerprint(ka.pub, fpr);
+    assert_int_equal(s_revoke(op, fpr, why, sizeof why), 0);
+    fi_client_destroy(&op);
+    assert_int_equal(s_upload_from(b, "b2", "s13", 3, 1, head, head2, why, sizeof why),
+                     FI__ENVELOPE__BODY_ACK);
+    fi_client_destroy(&b);
 }
 
 /* Audit records come from the edges of their own site only: a cluster
@@ -774,6 +811,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_worker_cannot_disconnect_edge, setup, teardown),
         cmocka_unit_test_setup_teardown(test_only_edges_upload_their_site, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_replaced_key_continues_log, setup, teardown),
         cmocka_unit_test_setup_teardown(test_pushed_bundle_reaches_late_edge, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sites_never_share_cache_salt, setup, teardown),
     };

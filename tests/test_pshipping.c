@@ -566,6 +566,13 @@ static void s_records(fi_audit_record *r, int64_t first, size_t n, const char *s
     }
 }
 
+/* The owner's adopt check, as the coordinator's: here edge-a's key was
+ * replaced, and it was of site s1. */
+static int s_may_adopt(void *user, const char *old_source, const char *origin) {
+    (void)user;
+    return !strcmp(old_source, "edge-a") && !strcmp(origin, "s1");
+}
+
 static void test_ingest(void **state) {
     fx *f = *state;
     char path[400], err[512];
@@ -612,12 +619,20 @@ static void test_ingest(void **state) {
     assert_int_equal(seq, 6);
     assert_string_equal(head, r[5].hash);
     /* edge-a's key is replaced: the new key (edge-a2) goes on with the
-     * same local log from record 7, chained to the held head 6; a log
-     * that goes on from nowhere is still a gap */
+     * same local log from record 7, chained to the held head 6, once the
+     * owner allows it; a log that goes on from nowhere is still a gap, and
+     * another site's uploader cannot take edge-a's log over even with the
+     * right chain (its records would need origin s1: refused either way) */
+    assert_int_equal(fi_audit_ingest(a, "edge-a2", "s1", g, 2, &taken, err, sizeof err), 1);
+    assert_non_null(strstr(err, "never received")); /* no adopt check: nothing taken over */
+    fi_audit_set_adopt_check(a, s_may_adopt, NULL);
     fi_audit_record stray[1];
     s_records(stray, 7, 1, "s1", "", "permit");
     assert_int_equal(fi_audit_ingest(a, "edge-x", "s1", stray, 1, &taken, err, sizeof err), 1);
     assert_non_null(strstr(err, "never received"));
+    fi_audit_record other[1];
+    s_records(other, 7, 1, "s2", r[5].hash, "permit");
+    assert_int_equal(fi_audit_ingest(a, "edge-b2", "s2", other, 1, &taken, err, sizeof err), 1);
     assert_int_equal(fi_audit_ingest(a, "edge-a2", "s1", g, 2, &taken, err, sizeof err), 0);
     assert_int_equal(taken, 2);
     assert_string_equal(err, "continues the log of source edge-a");
