@@ -29,6 +29,8 @@ struct fi_coord_audit {
     pthread_t th;
     pthread_mutex_t mu;        /* guards the queue and the counters */
     pthread_cond_t cv;         /* work for the writer, or room for the loop */
+    pthread_cond_t stop_cv;    /* a stop: wakes a writer pausing between tries */
+    uint64_t stop_at;          /* once stopping: when failing writes are given up (0: not yet) */
     s_rec *q;                  /* ring of S_MAX_QUEUE */
     size_t head, n;            /* first queued, how many */
     unsigned long long put, written; /* records queued / written so far */
@@ -98,28 +100,30 @@ static uint64_t s_ms(void) {
 static void s_write_retrying(fi_coord_audit *a, s_rec *batch, size_t n) {
     char err[256];
     unsigned pause = S_RETRY_MIN_MS, tries = 0;
-    uint64_t stop_at = 0;
     while (s_write(a, batch, n, err, sizeof err) != 0) {
         if (!tries++)
             fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) wait; trying again\n",
                     err, n);
         pthread_mutex_lock(&a->mu);
-        if (a->stop && !stop_at) stop_at = s_ms() + S_STOP_TRY_MS;
-        if (stop_at && s_ms() >= stop_at) {
+        /* one deadline for everything still queued when the stop came */
+        if (a->stop && !a->stop_at) a->stop_at = s_ms() + S_STOP_TRY_MS;
+        if (a->stop_at && s_ms() >= a->stop_at) {
             pthread_mutex_unlock(&a->mu);
             fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) NOT WRITTEN (stopping "
                             "after %u tries)\n", err, n, tries);
             return;
         }
+        unsigned wait = a->stop && pause > S_RETRY_MIN_MS ? S_RETRY_MIN_MS : pause;
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += pause / 1000;
-        ts.tv_nsec += (long)(pause % 1000) * 1000000L;
+        ts.tv_sec += wait / 1000;
+        ts.tv_nsec += (long)(wait % 1000) * 1000000L;
         if (ts.tv_nsec >= 1000000000L) {
             ts.tv_sec++;
             ts.tv_nsec -= 1000000000L;
         }
-        (void)pthread_cond_timedwait(&a->cv, &a->mu, &ts); /* a stop wakes it */
+        /* not a->cv: every put signals that, and the pause would not grow */
+        (void)pthread_cond_timedwait(&a->stop_cv, &a->mu, &ts);
         pthread_mutex_unlock(&a->mu);
         pause = pause * 2 > S_RETRY_MAX_MS ? S_RETRY_MAX_MS : pause * 2;
     }
@@ -173,11 +177,13 @@ fi_coord_audit *fi_coord_audit_new(const char *path, char *err, size_t errlen) {
     fi_audit_busy_timeout(a->log, S_BUSY_MS); /* the writer retries by itself */
     pthread_mutex_init(&a->mu, NULL);
     pthread_cond_init(&a->cv, NULL);
+    pthread_cond_init(&a->stop_cv, NULL);
     if (pthread_create(&a->th, NULL, s_main, a) != 0) {
         snprintf(err, errlen, "cannot start the audit writer");
         fi_audit_destroy(&a->log);
         pthread_mutex_destroy(&a->mu);
         pthread_cond_destroy(&a->cv);
+        pthread_cond_destroy(&a->stop_cv);
         free(a->q);
         free(a);
         return NULL;
@@ -192,12 +198,14 @@ void fi_coord_audit_destroy(fi_coord_audit **ap) {
     pthread_mutex_lock(&a->mu);
     a->stop = 1;
     pthread_cond_broadcast(&a->cv);
+    pthread_cond_broadcast(&a->stop_cv);
     pthread_mutex_unlock(&a->mu);
     pthread_join(a->th, NULL);
     for (size_t i = 0; i < a->n; i++) free(a->q[(a->head + i) % S_MAX_QUEUE].s);
     fi_audit_destroy(&a->log);
     pthread_mutex_destroy(&a->mu);
     pthread_cond_destroy(&a->cv);
+    pthread_cond_destroy(&a->stop_cv);
     free(a->q);
     free(a);
 }

@@ -12,8 +12,8 @@
  * disk) is tried again with a growing pause (0.1 s doubling to 5 s) until
  * it succeeds, and the records wait. The queue is bounded: when it is
  * full the loop waits for room, so a record is never dropped. Destroying
- * the writer writes what is queued first (a write still failing is tried
- * for 10 s more, then its records are reported lost). A crash loses at most the records of the last moments
+ * the writer writes what is queued first (writes still failing are tried
+ * for 10 s more, all together, then what is left is reported lost). A crash loses at most the records of the last moments
  * (the edges keep and upload their own record of each decision).
  */
 #ifndef FI_COORD_AUDIT_H

@@ -220,6 +220,38 @@ static void test_routing_records_wait_for_a_lock(void **state) {
     fi_audit_destroy(&log);
 }
 
+/* Stopping the writer while the log stays locked gives up after 10 s for
+ * all that is queued together (each batch of 1024 had 10 s of its own: a
+ * full queue held a stop for minutes). */
+static void test_routing_writer_stops_in_time(void **state) {
+    s_dir *d = *state;
+    char path[160], err[256];
+    snprintf(path, sizeof path, "%s/stop.db.audit", d->path);
+    fi_coord_audit *a = fi_coord_audit_new(path, err, sizeof err);
+    assert_non_null(a);
+    sqlite3 *other;
+    assert_int_equal(sqlite3_open(path, &other), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(other, "BEGIN EXCLUSIVE", NULL, NULL, NULL), SQLITE_OK);
+    for (int i = 0; i < 3000; i++) {
+        fi_audit_record r;
+        memset(&r, 0, sizeof r);
+        r.request_id = "q";
+        r.origin = "clinic";
+        r.decision = "permit";
+        r.time = 1000 + i;
+        assert_int_equal(fi_coord_audit_put(a, &r), 0);
+    }
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    fi_coord_audit_destroy(&a);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double took = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    printf("stop with 3000 records waiting on a locked log: %.1f s\n", took);
+    assert_true(took < 14.0);
+    sqlite3_exec(other, "ROLLBACK", NULL, NULL, NULL);
+    sqlite3_close(other);
+}
+
 /* A site's application tokens reach a reconnecting edge all of them, in
  * pages that fit a message, revocations of the newest included (a sync
  * capped at the 4096 oldest left later revocations out: a revoked token
@@ -398,6 +430,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_key_owner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_routing_records_wait_for_a_lock, setup, teardown),
         cmocka_unit_test_setup_teardown(test_token_sync_pages, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_routing_writer_stops_in_time, setup, teardown),
         cmocka_unit_test_setup_teardown(test_conf, setup, teardown),
         cmocka_unit_test_setup_teardown(test_store, setup, teardown),
     };
