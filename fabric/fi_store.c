@@ -24,7 +24,7 @@ static const char *s_schema =
     "CREATE TABLE IF NOT EXISTS tokens("
     "  hash TEXT PRIMARY KEY, role INTEGER NOT NULL, site TEXT NOT NULL,"
     "  region TEXT NOT NULL, created INTEGER NOT NULL, expires INTEGER NOT NULL,"
-    "  used INTEGER);"
+    "  used INTEGER, used_by TEXT);"
     "CREATE TABLE IF NOT EXISTS bundles(id INTEGER PRIMARY KEY, version INTEGER NOT NULL,"
     "  blob BLOB NOT NULL, from_fpr TEXT NOT NULL, received INTEGER NOT NULL);"
     "CREATE TABLE IF NOT EXISTS audit(id INTEGER PRIMARY KEY, from_fpr TEXT NOT NULL,"
@@ -48,6 +48,19 @@ fi_store *fi_store_open(const char *path, char *err, size_t errlen) {
                              "PRAGMA foreign_keys=ON;", NULL, NULL, &msg) != SQLITE_OK ||
         sqlite3_exec(st->db, s_schema, NULL, NULL, &msg) != SQLITE_OK) {
         snprintf(err, errlen, "%s: %s", path, msg ? msg : "schema failed");
+        sqlite3_free(msg);
+        goto fail;
+    }
+    /* a store made before tokens recorded who spent them */
+    sqlite3_stmt *q = NULL;
+    int has_used_by = 0;
+    if (sqlite3_prepare_v2(st->db, "SELECT 1 FROM pragma_table_info('tokens') WHERE name='used_by'",
+                           -1, &q, NULL) == SQLITE_OK)
+        has_used_by = sqlite3_step(q) == SQLITE_ROW;
+    sqlite3_finalize(q);
+    if (!has_used_by &&
+        sqlite3_exec(st->db, "ALTER TABLE tokens ADD COLUMN used_by TEXT", NULL, NULL, &msg) != SQLITE_OK) {
+        snprintf(err, errlen, "%s: tokens: %s", path, msg ? msg : "cannot add used_by");
         sqlite3_free(msg);
         goto fail;
     }
@@ -236,8 +249,10 @@ int fi_store_enrol(fi_store *st, const char *token_hash, Fi__Role role, const ch
         snprintf(err, errlen, "database: %s", sqlite3_errmsg(st->db));
         return -1;
     }
-    sqlite3_stmt *q = s_prep(st, "SELECT role, site, region, expires, used FROM tokens "
+    sqlite3_stmt *q = s_prep(st, "SELECT role, site, region, expires, used, used_by FROM tokens "
                                  "WHERE hash = ?", "s", token_hash);
+    char fpr[FI_KEYS_FPR_LEN];
+    fi_keys_fingerprint(pub, fpr);
     int ok = 0, again = 0;
     fi_peer_rec had;
     if (!q) {
@@ -245,9 +260,11 @@ int fi_store_enrol(fi_store *st, const char *token_hash, Fi__Role role, const ch
     } else if (sqlite3_step(q) != SQLITE_ROW) {
         snprintf(err, errlen, "unknown enrolment token");
     } else if (sqlite3_column_type(q, 4) != SQLITE_NULL) {
-        /* The same key asking again with the token it was enrolled with
-         * (its first answer was lost): it is enrolled, as it asked. */
-        again = fi_store_peer_get(st, pub, &had) == 1 && !had.revoked && had.role == role &&
+        /* The key that spent the token asking again (its first answer
+         * was lost): it is enrolled, as it asked. */
+        const char *by = (const char *)sqlite3_column_text(q, 5);
+        again = by && !strcmp(by, fpr) && fi_store_peer_get(st, pub, &had) == 1 &&
+                !had.revoked && had.role == role &&
                 sqlite3_column_int(q, 0) == (int)role && !strcmp(had.site, site) &&
                 !strcmp(had.region, region) &&
                 !strcmp((const char *)sqlite3_column_text(q, 1), site) &&
@@ -269,8 +286,8 @@ int fi_store_enrol(fi_store *st, const char *token_hash, Fi__Role role, const ch
         s_exec(st, "ROLLBACK"); /* nothing to change */
         return 0;
     }
-    if (ok && s_run(st, s_prep(st, "UPDATE tokens SET used = ? WHERE hash = ?", "is", now_unix,
-                               token_hash), err, errlen) != 0)
+    if (ok && s_run(st, s_prep(st, "UPDATE tokens SET used = ?, used_by = ? WHERE hash = ?", "iss",
+                               now_unix, fpr, token_hash), err, errlen) != 0)
         ok = 0;
     if (ok && s_peer_insert(st, pub, role, site, region, err, errlen) != 0) ok = 0;
     if (ok && s_exec(st, "COMMIT") != 0) {

@@ -384,6 +384,17 @@ static void test_store(void **state) {
                                     sizeof err), 0);
     assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic2", "eu", b.pub, now, err,
                                     sizeof err), -1);
+    /* ... but only the key that spent it: c, enrolled with a token of its
+     * own for the same site, is refused b's */
+    char h2[65];
+    fi_keys_token_hash("fit_second-token", h2);
+    assert_int_equal(fi_store_token_add(st, h2, FI__ROLE__ROLE_EDGE, "clinic", "eu", now + 60, err,
+                                        sizeof err), 0);
+    assert_int_equal(fi_store_enrol(st, h2, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
+                                    sizeof err), 0);
+    assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
+                                    sizeof err), -1);
+    assert_non_null(strstr(err, "already used"));
     fi_keys_token_hash("fit_nope", h);
     assert_int_equal(fi_store_enrol(st, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", c.pub, now, err,
                                     sizeof err), -1);
@@ -414,11 +425,34 @@ static void test_store(void **state) {
     assert_non_null(st);
     assert_int_equal(fi_store_peer_get(st, b.pub, &rec), 1);
     assert_true(rec.revoked);
-    assert_int_equal(fi_store_count(st, "peers"), 2);
-    assert_int_equal(fi_store_count(st, "tokens"), 1);
+    assert_int_equal(fi_store_count(st, "peers"), 3);
+    assert_int_equal(fi_store_count(st, "tokens"), 2);
     assert_int_equal(fi_store_count(st, "bundles"), 1);
     fi_store_destroy(&st);
     assert_null(fi_store_open("/nonexistent/dir/x.db", err, sizeof err));
+    /* a store made before tokens recorded who spent them gains the column */
+    {
+        char old[200];
+        snprintf(old, sizeof old, "%s/old.db", d->path);
+        sqlite3 *o;
+        assert_int_equal(sqlite3_open(old, &o), SQLITE_OK);
+        assert_int_equal(sqlite3_exec(o, "CREATE TABLE tokens(hash TEXT PRIMARY KEY, role INTEGER "
+                                         "NOT NULL, site TEXT NOT NULL, region TEXT NOT NULL, "
+                                         "created INTEGER NOT NULL, expires INTEGER NOT NULL, "
+                                         "used INTEGER)", NULL, NULL, NULL),
+                         SQLITE_OK);
+        sqlite3_close(o);
+        fi_store *os = fi_store_open(old, err, sizeof err);
+        if (!os) fail_msg("%s", err);
+        fi_keys_token_hash("fit_old-store", h);
+        assert_int_equal(fi_store_token_add(os, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", now + 60,
+                                            err, sizeof err), 0);
+        assert_int_equal(fi_store_enrol(os, h, FI__ROLE__ROLE_EDGE, "clinic", "eu", b.pub, now,
+                                        err, sizeof err), 0);
+        fi_store_destroy(&os);
+        assert_non_null(os = fi_store_open(old, err, sizeof err)); /* and opens again */
+        fi_store_destroy(&os);
+    }
     assert_true(fi_store_name_ok("clinic-7.eu_1"));
     assert_false(fi_store_name_ok("a b"));
     assert_false(fi_store_name_ok(""));
