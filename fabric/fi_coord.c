@@ -844,7 +844,14 @@ static void s_on_revoke(fi_coord *c, s_peer *op, const Fi__RevokeRequest *rr) {
     fi_peer_rec rec;
     const char *fpr = rr->fingerprint ? rr->fingerprint : "";
     s_revoke_scan sc = {fpr, 0, 0, 0, 0};
-    if (strlen(fpr) == FI_KEYS_FPR_LEN - 1 && fi_store_peer_each(c->st, s_revoke_row, &sc) == 0) {
+    if (strlen(fpr) == FI_KEYS_FPR_LEN - 1 && fi_store_peer_each(c->st, s_revoke_row, &sc) != 0) {
+        /* without the scan the last-operator rule cannot be applied: no */
+        char why[256];
+        snprintf(why, sizeof why, "the fleet database: %s", fi_store_last_error(c->st));
+        s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL, why);
+        return;
+    }
+    if (strlen(fpr) == FI_KEYS_FPR_LEN - 1) {
         /* the last operator would leave nobody to manage the fleet (only
          * --init on the database's host could add one again) */
         const char *why = sc.revoked ? "that key is revoked already"
@@ -1161,11 +1168,18 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
             if ((p = s_peer_by_serial(c, serial))) {
                 /* The site's application tokens, all of them, in pages, so an
                  * edge that was offline catches up (revocations included). */
-                long long at = 0;
+                long long at = 0, from = 0;
                 size_t len = 0;
                 uint8_t *buf;
-                while ((buf = fi_apptok_sync_site(c->apptok, p->rec.site, &at, &len)))
-                    if (s_send(c, c->router, p->rid, p->rid_len, buf, &len) != 0) break;
+                while ((buf = fi_apptok_sync_site(c->apptok, p->rec.site, &at, &len))) {
+                    if (s_send(c, c->router, p->rid, p->rid_len, buf, &len) != 0) {
+                        /* the rest at its next Hello (a reconnect) */
+                        s_log("edge %s: application tokens from the %lld-th on not sent (its "
+                              "queue is full)", p->rec.fpr, from + 1);
+                        break;
+                    }
+                    from = at;
+                }
             }
         } else {
             s_on_hello(c, p, m->hello);

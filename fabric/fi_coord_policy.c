@@ -135,14 +135,29 @@ int fi_coord_policy_bundle_ok(const fi_coord_opts *o, uint64_t version, const vo
     sqlite3 *h = NULL;
     static const char *const q[2] = {"SELECT MAX(version) FROM bundles",
                                      "SELECT MAX(version) FROM policy_versions"};
-    if (sqlite3_open_v2(o->db, &h, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK)
-        for (int t = 0; t < 2; t++) {
-            sqlite3_stmt *stq = NULL;
-            if (sqlite3_prepare_v2(h, q[t], -1, &stq, NULL) == SQLITE_OK &&
-                sqlite3_step(stq) == SQLITE_ROW && sqlite3_column_int64(stq, 0) > (int64_t)held_version)
+    int read = sqlite3_open_v2(o->db, &h, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK;
+    if (read) sqlite3_busy_timeout(h, 2000);
+    for (int t = 0; read && t < 2; t++) {
+        sqlite3_stmt *stq = NULL;
+        int rc = sqlite3_prepare_v2(h, q[t], -1, &stq, NULL);
+        if (rc != SQLITE_OK) {
+            /* policy_versions exists once a policy was applied here */
+            read = t == 1 && strstr(sqlite3_errmsg(h), "no such table") != NULL;
+        } else if ((rc = sqlite3_step(stq)) == SQLITE_ROW) {
+            if (sqlite3_column_int64(stq, 0) > (int64_t)held_version)
                 held_version = (uint64_t)sqlite3_column_int64(stq, 0);
-            sqlite3_finalize(stq);
+        } else {
+            read = 0;
         }
+        sqlite3_finalize(stq);
+    }
+    if (!read) {
+        /* unknown what is held: "newer" cannot be checked, so no */
+        snprintf(err, errlen, "pushed bundle refused: the store's versions cannot be read (%s)",
+                 h ? sqlite3_errmsg(h) : "cannot open");
+        sqlite3_close(h);
+        return -1;
+    }
     sqlite3_close(h);
     fi_bundle_info info;
     fi_bundle_status st = fi_bundle_verify(bundle, len, (const uint8_t(*)[FI_BUNDLE_PK_BYTES])trusted,
