@@ -181,19 +181,22 @@ static void test_key_owner(void **state) {
     assert_int_equal(fi_keys_load_public(pub, p2, err, sizeof err), 0);
 }
 
-/* The coordinator's routing records survive a log locked by another
- * process for a while (a `sqlite3` shell, a backup): the writer tries
- * again until it can write, and nothing accepted is lost. */
-static void test_routing_records_wait_for_a_lock(void **state) {
-    s_dir *d = *state;
-    char path[160], err[256];
-    snprintf(path, sizeof path, "%s/coord.db.audit", d->path);
+/* A routing-record writer on log d/name (path gets its path), with the log
+ * locked by another connection (*other) by the statement begin. */
+static fi_coord_audit *s_writer_locked(const s_dir *d, const char *name, const char *begin,
+                                       char *path, size_t plen, sqlite3 **other) {
+    char err[256];
+    snprintf(path, plen, "%s/%s", d->path, name);
     fi_coord_audit *a = fi_coord_audit_new(path, err, sizeof err);
     assert_non_null(a);
-    sqlite3 *other;
-    assert_int_equal(sqlite3_open(path, &other), SQLITE_OK);
-    assert_int_equal(sqlite3_exec(other, "BEGIN IMMEDIATE", NULL, NULL, NULL), SQLITE_OK);
-    for (int i = 0; i < 3; i++) {
+    assert_int_equal(sqlite3_open(path, other), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(*other, begin, NULL, NULL, NULL), SQLITE_OK);
+    return a;
+}
+
+/* Queues n routing records. */
+static void s_put_records(fi_coord_audit *a, int n) {
+    for (int i = 0; i < n; i++) {
         fi_audit_record r;
         memset(&r, 0, sizeof r);
         char id[16];
@@ -205,6 +208,17 @@ static void test_routing_records_wait_for_a_lock(void **state) {
         r.time = 1000 + i;
         assert_int_equal(fi_coord_audit_put(a, &r), 0);
     }
+}
+
+/* The coordinator's routing records survive a log locked by another
+ * process for a while (a `sqlite3` shell, a backup): the writer tries
+ * again until it can write, and nothing accepted is lost. */
+static void test_routing_records_wait_for_a_lock(void **state) {
+    char path[160], err[256];
+    sqlite3 *other;
+    fi_coord_audit *a = s_writer_locked(*state, "coord.db.audit", "BEGIN IMMEDIATE", path,
+                                        sizeof path, &other);
+    s_put_records(a, 3);
     /* longer than SQLite's own wait of 5 s: several of the writer's tries fail */
     struct timespec ts = {5, 300 * 1000000L};
     nanosleep(&ts, NULL);
@@ -224,23 +238,11 @@ static void test_routing_records_wait_for_a_lock(void **state) {
  * all that is queued together (each batch of 1024 had 10 s of its own: a
  * full queue held a stop for minutes). */
 static void test_routing_writer_stops_in_time(void **state) {
-    s_dir *d = *state;
-    char path[160], err[256];
-    snprintf(path, sizeof path, "%s/stop.db.audit", d->path);
-    fi_coord_audit *a = fi_coord_audit_new(path, err, sizeof err);
-    assert_non_null(a);
+    char path[160];
     sqlite3 *other;
-    assert_int_equal(sqlite3_open(path, &other), SQLITE_OK);
-    assert_int_equal(sqlite3_exec(other, "BEGIN EXCLUSIVE", NULL, NULL, NULL), SQLITE_OK);
-    for (int i = 0; i < 3000; i++) {
-        fi_audit_record r;
-        memset(&r, 0, sizeof r);
-        r.request_id = "q";
-        r.origin = "clinic";
-        r.decision = "permit";
-        r.time = 1000 + i;
-        assert_int_equal(fi_coord_audit_put(a, &r), 0);
-    }
+    fi_coord_audit *a = s_writer_locked(*state, "stop.db.audit", "BEGIN EXCLUSIVE", path,
+                                        sizeof path, &other);
+    s_put_records(a, 3000);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     fi_coord_audit_destroy(&a);
