@@ -55,22 +55,7 @@ static char *sign(const uint8_t *sk, uint64_t v, const char *pol, size_t *len) {
 }
 
 static void push(fx *f, uint64_t v, const char *b, size_t bl) {
-    Fi__PolicyBundle pb = FI__POLICY_BUNDLE__INIT;
-    pb.version = v;
-    pb.bundle.data = (uint8_t *)b;
-    pb.bundle.len = bl;
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_POLICY_BUNDLE;
-    m.policy_bundle = &pb;
-    fi_msg *reply = NULL;
-    char err[256];
-    /* A fresh operator connection each time: an idle one is dropped by
-     * the test coordinator's 100 ms heartbeats. */
-    fi_client *op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
-    assert_non_null(op);
-    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_ACK, 3000, &reply, err, sizeof err), 1);
-    fi_wire_free(&reply);
-    fi_client_destroy(&op);
+    assert_int_equal(h_push_bundle(&f->h, v, b, bl), 0);
 }
 
 /* A test-only backend: echoes like the echo backend (the last message of

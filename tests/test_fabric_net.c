@@ -712,20 +712,8 @@ static void test_pushed_bundle_reaches_late_edge(void **state) {
     fi_keypair ek;
     assert_int_equal(fi_keys_generate(&ek), 0);
     assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s9", "r1"), 0);
-    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
-    assert_non_null(op);
-    Fi__PolicyBundle b = FI__POLICY_BUNDLE__INIT;
-    b.version = 7;
-    b.bundle.data = (uint8_t *)"signed-bundle-bytes";
-    b.bundle.len = 19;
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_POLICY_BUNDLE;
-    m.policy_bundle = &b;
-    fi_msg *r = NULL;
     char err[256];
-    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
-    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
-    fi_wire_free(&r);
+    assert_int_equal(h_push_bundle(h, 7, "signed-bundle-bytes", 19), 0);
     fi_client *e = h_client(h, &ek, FI__ROLE__ROLE_EDGE); /* Hello after the push */
     assert_non_null(e);
     int got = 0;
@@ -737,7 +725,6 @@ static void test_pushed_bundle_reaches_late_edge(void **state) {
     }
     assert_true(got);
     fi_client_destroy(&e);
-    fi_client_destroy(&op);
 }
 
 /* A backend that answers with the prefix-cache tenant it was given. */

@@ -428,25 +428,8 @@ static void test_route_order(void **state) {
     assert_int_equal(fi_prefix_filter_has(NULL, 0, h[0]), 0);
 }
 
-/* Pushes bundle b (version v) as an operator: 0 Ack, else the error code. */
 static int s_push(fx *f, uint64_t v, const char *b, size_t bl) {
-    fi_client *op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
-    assert_non_null(op);
-    Fi__PolicyBundle pb = FI__POLICY_BUNDLE__INIT;
-    pb.version = v;
-    pb.bundle.data = (uint8_t *)b;
-    pb.bundle.len = bl;
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_POLICY_BUNDLE;
-    m.policy_bundle = &pb;
-    fi_msg *r = NULL;
-    char err[256];
-    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err), 1);
-    int code = r->body_case == FI__ENVELOPE__BODY_ACK ? 0 : (int)r->error->code;
-    if (code) printf("push v%llu: %s\n", (unsigned long long)v, r->error->message);
-    fi_wire_free(&r);
-    fi_client_destroy(&op);
-    return code;
+    return h_push_bundle(&f->h, v, b, bl);
 }
 
 /* With a policy_check_key, a pushed bundle is kept only when it verifies

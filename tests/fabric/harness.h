@@ -272,6 +272,33 @@ H_FN int h_on_text(void *user, const char *t, size_t n) {
     return 0;
 }
 
+/* Pushes bundle b (version v) to h's coordinator as its operator, on a
+ * fresh connection (an idle one is dropped by the test coordinator's
+ * 100 ms heartbeats): 0 Ack, -1 no answer, else the error's code. */
+H_FN int h_push_bundle(harness *h, uint64_t v, const void *b, size_t bl) {
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    if (!op) return -1;
+    Fi__PolicyBundle pb = FI__POLICY_BUNDLE__INIT;
+    pb.version = v;
+    pb.bundle.data = (uint8_t *)b;
+    pb.bundle.len = bl;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_POLICY_BUNDLE;
+    m.policy_bundle = &pb;
+    fi_msg *r = NULL;
+    char err[256];
+    int code = -1;
+    if (fi_client_call(op, &m, FI__ENVELOPE__BODY_ACK, 3000, &r, err, sizeof err) == 1) {
+        code = r->body_case == FI__ENVELOPE__BODY_ACK ? 0 : (int)r->error->code;
+        if (code) fprintf(stderr, "harness: push v%llu: %s\n", (unsigned long long)v, r->error->message);
+    } else {
+        fprintf(stderr, "harness: push v%llu: %s\n", (unsigned long long)v, err);
+    }
+    fi_wire_free(&r);
+    fi_client_destroy(&op);
+    return code;
+}
+
 /* One inference through the fabric; 0 with the text in out. */
 H_FN int h_infer(fi_client *c, const char *id, const char *model, const char *prompt,
                    h_text *out, fi_client_result *res) {
