@@ -633,13 +633,17 @@ S_AMX_INLINE void s_amx_rows(int kind, size_t bsz, const fi_mm_task *t, int r, i
                     _mm512_store_si512(o[q], D[q]);
             } else {
                 /* [16 q ; q]: byte i of a block holds elements i (low
-                 * nibble) and i + 16 (high) */
+                 * nibble) and i + 16 (high). Masked first, the nibbles
+                 * shift within their bytes (the bits that cross into a
+                 * neighbour are the zeros the mask left): four vector
+                 * operations per register of quants, not six. */
                 const __m512i m4 = _mm512_set1_epi8(0x0f), h4 = _mm512_set1_epi8((char)0xf0);
                 for (int q = 0; q < 4; q++) {
-                    _mm512_store_si512(o[q], _mm512_and_si512(_mm512_slli_epi32(D[q], 4), h4));
-                    _mm512_store_si512(o[4 + q], _mm512_and_si512(D[q], h4));
-                    _mm512_store_si512(o[8 + q], _mm512_and_si512(D[q], m4));
-                    _mm512_store_si512(o[12 + q], _mm512_and_si512(_mm512_srli_epi32(D[q], 4), m4));
+                    const __m512i lo = _mm512_and_si512(D[q], m4), hi = _mm512_and_si512(D[q], h4);
+                    _mm512_store_si512(o[q], _mm512_slli_epi32(lo, 4));
+                    _mm512_store_si512(o[4 + q], hi);
+                    _mm512_store_si512(o[8 + q], lo);
+                    _mm512_store_si512(o[12 + q], _mm512_srli_epi32(hi, 4));
                 }
             }
             if (!pk)
