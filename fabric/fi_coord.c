@@ -905,6 +905,12 @@ static void s_on_bundle(fi_coord *c, s_peer *op, const Fi__PolicyBundle *b) {
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_BAD_REQUEST, why);
         return;
     }
+    /* its version taken, so that later applies number above it (else
+     * the edges that hold it would refuse them as older) */
+    if (fi_ship_reserve(c->ship, b->version, why, sizeof why) != 0) {
+        s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL, why);
+        return;
+    }
     if (fi_store_bundle_put(c->st, b->version, b->bundle.data, b->bundle.len, op->rec.fpr) != 0) {
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL,
                      "cannot store the bundle");

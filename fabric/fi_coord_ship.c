@@ -304,6 +304,10 @@ static int64_t s_valid_for(fi_ship *s, uint64_t not_after_s, int64_t now) {
     return (int64_t)not_after_s - now;
 }
 
+int fi_ship_reserve(fi_ship *s, uint64_t v, char *err, size_t errlen) {
+    return fi_pstore_reserve(s->ps, v, err, errlen);
+}
+
 static uint8_t *s_apply(fi_ship *s, const fi_peer_rec *from, const Fi__PolicyApply *a, fi_ship_push_fn push,
                         void *push_user, size_t *len) {
     if (!a->content || !a->content[0] || !s_len_ok(a->content, FI_WIRE_MAX_POLICY) ||

@@ -68,6 +68,11 @@ fi_ship *fi_ship_open(fi_store *fleet, const char *db, const char *audit_db, con
 /* Closes both databases and wipes the secret key; safe on NULL. */
 void fi_ship_destroy(fi_ship **s);
 
+/* Reserves version v in the policy store (fi_pstore_reserve): a signed
+ * bundle an operator pushed holds it, so later applies number above it. 0,
+ * or -1 with a message. */
+int fi_ship_reserve(fi_ship *s, uint64_t v, char *err, size_t errlen);
+
 /* Sends an encoded PolicyBundle message to every connected edge; returns
  * how many it was sent to. */
 typedef int (*fi_ship_push_fn)(void *user, const uint8_t *buf, size_t len);

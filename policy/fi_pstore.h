@@ -11,7 +11,9 @@
  * Versions are never edited or deleted (triggers refuse it); a roll-back is
  * a new version that carries an old version's content. Version numbers
  * increase by one per apply, so every bundle's version is greater than any
- * earlier bundle's, which is what edges need to refuse replays.
+ * earlier bundle's, which is what edges need to refuse replays; a version
+ * signed elsewhere and shipped to the edges (an operator's pushed bundle)
+ * is reserved here (fi_pstore_reserve), and later versions number above it.
  */
 #ifndef FI_PSTORE_H
 #define FI_PSTORE_H
@@ -53,6 +55,13 @@ void fi_pstore_busy_timeout(fi_pstore *self, int ms);
 int fi_pstore_apply(fi_pstore *self, const char *content, size_t len, const char *author, const char *comment,
                    const uint8_t sk[FI_BUNDLE_SK_BYTES], int64_t now, int64_t valid_for, uint64_t *version,
                    char *err, size_t cap) FI_WUR;
+
+/* Records that versions up to `version` were taken by a bundle signed
+ * elsewhere (the coordinator calls it for a signed bundle an operator
+ * pushed): later applies and rollbacks are numbered above it, so edges
+ * that hold it never refuse them as older. A lower version than one
+ * reserved before changes nothing. 0 or -1. */
+int fi_pstore_reserve(fi_pstore *self, uint64_t version, char *err, size_t cap) FI_WUR;
 
 /* A new version with the content of version `old`. 0 or -1. */
 int fi_pstore_rollback(fi_pstore *self, uint64_t old, const char *author, const char *comment,

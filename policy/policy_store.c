@@ -29,7 +29,11 @@ static const char *s_schema =
     "CREATE TRIGGER IF NOT EXISTS policy_versions_no_update BEFORE UPDATE ON policy_versions"
     " BEGIN SELECT RAISE(ABORT, 'policy versions are immutable'); END;"
     "CREATE TRIGGER IF NOT EXISTS policy_versions_no_delete BEFORE DELETE ON policy_versions"
-    " BEGIN SELECT RAISE(ABORT, 'policy versions are immutable'); END;";
+    " BEGIN SELECT RAISE(ABORT, 'policy versions are immutable'); END;"
+    /* the highest version signed elsewhere (fi_pstore_reserve): one row */
+    "CREATE TABLE IF NOT EXISTS policy_version_floor("
+    " id INTEGER PRIMARY KEY CHECK(id = 1),"
+    " version INTEGER NOT NULL);";
 
 fi_pstore *fi_pstore_open(const char *path, char *err, size_t cap) {
     fi_pstore *s = calloc(1, sizeof *s);
@@ -89,7 +93,11 @@ static int s_insert(fi_pstore *s, const char *content, size_t len, const char *a
     int rc = -1;
     if (sqlite3_exec(s->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) goto dberr;
     uint64_t v = 1;
-    if (sqlite3_prepare_v2(s->db, "SELECT COALESCE(MAX(version), 0) FROM policy_versions", -1, &st, NULL) != SQLITE_OK ||
+    /* above every stored version and every one signed elsewhere */
+    if (sqlite3_prepare_v2(s->db,
+                           "SELECT MAX((SELECT COALESCE(MAX(version), 0) FROM policy_versions),"
+                           " (SELECT COALESCE(MAX(version), 0) FROM policy_version_floor))",
+                           -1, &st, NULL) != SQLITE_OK ||
         sqlite3_step(st) != SQLITE_ROW)
         goto dberr_tx;
     v = (uint64_t)sqlite3_column_int64(st, 0) + 1;
@@ -134,6 +142,23 @@ done:
     sqlite3_finalize(st);
     free(bundle);
     return rc;
+}
+
+int fi_pstore_reserve(fi_pstore *self, uint64_t version, char *err, size_t cap) {
+    if (version > (uint64_t)INT64_MAX) {
+        snprintf(err, cap, "policy store: version %llu is beyond the store's numbering",
+                 (unsigned long long)version);
+        return -1;
+    }
+    sqlite3_stmt *st = NULL;
+    int ok = sqlite3_prepare_v2(self->db,
+                                "INSERT INTO policy_version_floor(id, version) VALUES(1, ?1)"
+                                " ON CONFLICT(id) DO UPDATE SET version = MAX(version, excluded.version)",
+                                -1, &st, NULL) == SQLITE_OK &&
+             sqlite3_bind_int64(st, 1, (sqlite3_int64)version) == SQLITE_OK && sqlite3_step(st) == SQLITE_DONE;
+    if (!ok) snprintf(err, cap, "policy store: %s", sqlite3_errmsg(self->db));
+    sqlite3_finalize(st);
+    return ok ? 0 : -1;
 }
 
 int fi_pstore_apply(fi_pstore *self, const char *content, size_t len, const char *author, const char *comment,

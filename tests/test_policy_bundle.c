@@ -352,6 +352,38 @@ static void test_store(void **state) {
     fi_pstore_destroy(&s);
 }
 
+/* A version reserved for a bundle signed elsewhere is skipped by later
+ * applies and rollbacks; a lower reservation changes nothing. */
+static void test_store_reserve(void **state) {
+    fx *f = *state;
+    char path[512], err[800];
+    snprintf(path, sizeof path, "%s/reserve.db", f->dir);
+    fi_pstore *s = fi_pstore_open(path, err, sizeof err);
+    assert_non_null(s);
+    uint64_t v;
+    assert_int_equal(fi_pstore_apply(s, POLICY, strlen(POLICY), "a", "", f->sk, NOW, 3600, &v, err, sizeof err), 0);
+    assert_true(v == 1);
+    assert_int_equal(fi_pstore_reserve(s, 7, err, sizeof err), 0);
+    assert_int_equal(fi_pstore_reserve(s, 3, err, sizeof err), 0); /* lower: no change */
+    assert_int_equal(fi_pstore_apply(s, POLICY2, strlen(POLICY2), "a", "", f->sk, NOW, 3600, &v, err, sizeof err), 0);
+    assert_true(v == 8);
+    assert_int_equal(fi_pstore_reserve(s, 8, err, sizeof err), 0); /* not above: no change */
+    assert_int_equal(fi_pstore_rollback(s, 1, "a", "", f->sk, NOW, 3600, &v, err, sizeof err), 0);
+    assert_true(v == 9);
+    assert_int_equal(fi_pstore_reserve(s, (uint64_t)INT64_MAX + 1, err, sizeof err), -1);
+    assert_non_null(strstr(err, "beyond"));
+    fi_pstore_destroy(&s);
+    /* kept in the database */
+    s = fi_pstore_open(path, err, sizeof err);
+    assert_non_null(s);
+    assert_int_equal(fi_pstore_reserve(s, 20, err, sizeof err), 0);
+    fi_pstore_destroy(&s);
+    s = fi_pstore_open(path, err, sizeof err);
+    assert_int_equal(fi_pstore_apply(s, POLICY, strlen(POLICY), "a", "", f->sk, NOW, 3600, &v, err, sizeof err), 0);
+    assert_true(v == 21);
+    fi_pstore_destroy(&s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_good_bundle),
@@ -361,6 +393,7 @@ int main(void) {
         cmocka_unit_test(test_keys),
         cmocka_unit_test(test_key_owner),
         cmocka_unit_test(test_store),
+        cmocka_unit_test(test_store_reserve),
     };
     return cmocka_run_group_tests(tests, s_setup, s_teardown);
 }

@@ -527,6 +527,68 @@ static void test_ship_and_audit(void **state) {
     s_has(f, "record 2 was edited");
 }
 
+/* A signed bundle an operator pushed with a version above the store's
+ * numbering takes that version: later applies are numbered above it, so
+ * the edges that hold it take them (they refuse older versions). */
+static void test_pushed_version_taken(void **state) {
+    fx *f = *state;
+    assert_true((f->coord = s_start_coord(f)) > 0);
+    fi_client *op = NULL;
+    for (int i = 0; i < 50 && !op; i++) {
+        op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
+        if (!op) h_sleep_ms(100);
+    }
+    assert_non_null(op);
+    s_listener lis;
+    s_listener_start(f, &lis, 0);
+    fi_msg *r = s_apply(op, P1, "first");
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_POLICY_REPLY);
+    assert_int_equal(r->policy_reply->version, 1);
+    fi_wire_free(&r);
+    assert_int_equal(s_bundle_at_edge(&lis, 1, 3000), 1);
+    /* version 10, signed with the policy-signing key and pushed */
+    char key[340], audit[340], err[256];
+    uint8_t sk[FI_BUNDLE_SK_BYTES];
+    fi_ship_paths(f->h.db, NULL, NULL, key, sizeof key, audit, sizeof audit);
+    assert_int_equal(fi_bundle_key_load(key, sk, err, sizeof err), 0);
+    char *b = NULL;
+    size_t bl = 0;
+    int64_t now = (int64_t)time(NULL);
+    assert_int_equal(fi_bundle_sign(sk, 10, now - 60, now + 3600, P2, strlen(P2), &b, &bl), 0);
+    sodium_memzero(sk, sizeof sk);
+    assert_int_equal(h_push_bundle(&f->h, 10, b, bl), 0);
+    free(b);
+    assert_int_equal(s_bundle_at_edge(&lis, 10, 3000), 10);
+    /* the next apply and rollback come after it */
+    r = s_apply(op, P1, "after the push");
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_POLICY_REPLY);
+    assert_int_equal(r->policy_reply->version, 11);
+    fi_wire_free(&r);
+    assert_int_equal(s_bundle_at_edge(&lis, 11, 3000), 11);
+    Fi__PolicyRollback rb = FI__POLICY_ROLLBACK__INIT;
+    rb.version = 1;
+    r = s_call(op, FI__ENVELOPE__BODY_POLICY_ROLLBACK, &rb, FI__ENVELOPE__BODY_POLICY_REPLY);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_POLICY_REPLY);
+    assert_int_equal(r->policy_reply->version, 12);
+    fi_wire_free(&r);
+    assert_int_equal(s_bundle_at_edge(&lis, 12, 3000), 12);
+    /* the pushed version stays taken across a restart */
+    s_kill(&f->coord);
+    fi_client_destroy(&op);
+    assert_true((f->coord = s_start_coord(f)) > 0);
+    for (int i = 0; i < 50 && !op; i++) {
+        op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
+        if (!op) h_sleep_ms(100);
+    }
+    assert_non_null(op);
+    r = s_apply(op, P2, "after a restart");
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_POLICY_REPLY);
+    assert_int_equal(r->policy_reply->version, 13);
+    fi_wire_free(&r);
+    s_listener_stop(&lis);
+    fi_client_destroy(&op);
+}
+
 static void test_help(void **state) {
     fx *f = *state;
     const char *verbs[] = {"policy apply", "policy history", "policy rollback", "policy diff", "policy bundle",
@@ -700,6 +762,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_help, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ingest, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ship_and_audit, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_pushed_version_taken, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
