@@ -6,8 +6,10 @@
  *
  * Encoding works in three stages, as Hugging Face tokenizers and llama.cpp
  * do for SmolLM2:
- *   1. special tokens: with parse_special the texts of control tokens are
- *      cut out first (leftmost, longest match) and become their ids;
+ *   1. special tokens: with parse_special the texts of control tokens
+ *      (always those of user-defined ones) are cut out first (leftmost,
+ *      longest match) and become their ids; a trie of their texts finds
+ *      them in time independent of how many the vocabulary declares;
  *   2. pre-tokenizer: the rest is split into words by a hand-written state
  *      machine equal to "each \p{N} alone" (pre "smollm" only) followed by
  *      the GPT-2 pattern
@@ -426,36 +428,53 @@ static int s_load_merges(fi_tok *t, const fi_gguf *g, char *err, size_t errlen) 
 }
 
 /* Special tokens matched in the text before pre-tokenizing: control tokens
- * (only with parse_special) and user-defined ones (always), longest first
- * so that a scan takes the longest match at a position. */
-/* A special token's text length and id, for sorting. */
-typedef struct s_len_id {
+ * (only with parse_special) and user-defined ones (always); at a position
+ * the longest match wins, and the lowest id among tokens of the same text.
+ * Their texts go into a trie (fi_tok_trie), built breadth first from the
+ * texts sorted bytewise, so that every node's children are one sorted run. */
+/* A special token's text and id, for sorting. */
+typedef struct s_text_id {
+    const char *text;
     size_t len;
     int32_t id;
-} s_len_id;
+} s_text_id;
 
-static int s_len_id_cmp(const void *a, const void *b) {
-    const s_len_id *x = a, *y = b;
+static int s_text_cmp(const void *a, const void *b) {
+    const s_text_id *x = a, *y = b;
+    int c = memcmp(x->text, y->text, x->len < y->len ? x->len : y->len);
+    if (c)
+        return c;
     if (x->len != y->len)
-        return x->len > y->len ? -1 : 1; /* longest first */
+        return x->len < y->len ? -1 : 1; /* a prefix first */
     return (x->id > y->id) - (x->id < y->id);
 }
 
+/* A node waiting for its children: the run [lo, hi) of sorted ids whose
+ * texts share the node's path of `depth` bytes. */
+typedef struct s_trie_todo {
+    int32_t node, lo, hi;
+    size_t depth;
+} s_trie_todo;
+
 static int s_build_specials(fi_tok *t, char *err, size_t errlen) {
     int32_t n = 0;
+    size_t bytes = 0;
     for (int32_t i = 0; i < t->n_vocab; i++)
         if ((t->type[i] == TT_CONTROL || t->type[i] == TT_USER_DEFINED) &&
-            t->text_off[i + 1] - t->text_off[i] > 1)
+            t->text_off[i + 1] - t->text_off[i] > 1) {
             n++;
-    t->special = malloc(((size_t)n + 1) * sizeof *t->special);
-    if (!t->special) {
-        s_err(err, errlen, "tokenizer: out of memory");
+            bytes += t->text_off[i + 1] - t->text_off[i] - 1;
+        }
+    if (bytes >= INT32_MAX) {
+        s_err(err, errlen, "tokenizer: the special tokens' texts hold %zu bytes, too many", bytes);
         return -1;
     }
-    /* longest first, ids ascending within a length: sorted as (length,
-     * id) pairs, O(n log n) however many special tokens a file declares */
-    s_len_id *li = malloc(((size_t)n + 1) * sizeof *li);
-    if (!li) {
+    s_text_id *ids = malloc(((size_t)n + 1) * sizeof *ids);
+    s_trie_todo *todo = malloc((bytes + 1) * sizeof *todo);
+    t->special = malloc((bytes + 1) * sizeof *t->special); /* at most one node per byte, + root */
+    if (!ids || !todo || !t->special) {
+        free(ids);
+        free(todo);
         s_err(err, errlen, "tokenizer: out of memory");
         return -1;
     }
@@ -464,17 +483,44 @@ static int s_build_specials(fi_tok *t, char *err, size_t errlen) {
         if ((t->type[i] != TT_CONTROL && t->type[i] != TT_USER_DEFINED) ||
             t->text_off[i + 1] - t->text_off[i] <= 1)
             continue;
-        li[t->n_special].len = t->text_off[i + 1] - t->text_off[i];
-        li[t->n_special++].id = i;
-        unsigned char c0 = (unsigned char)t->text[t->text_off[i]];
-        t->special_first[c0 >> 3] |= (uint8_t)(1u << (c0 & 7));
+        ids[t->n_special++] = (s_text_id){t->text + t->text_off[i], t->text_off[i + 1] - t->text_off[i] - 1, i};
         if (t->type[i] == TT_USER_DEFINED)
             t->has_user_defined = 1;
     }
-    qsort(li, (size_t)t->n_special, sizeof *li, s_len_id_cmp);
-    for (int32_t k = 0; k < t->n_special; k++)
-        t->special[k] = li[k].id;
-    free(li);
+    qsort(ids, (size_t)n, sizeof *ids, s_text_cmp);
+    t->special[0] = (fi_tok_trie){.child = 0, .n_child = 0, .byte = 0, .any = -1, .user = -1};
+    t->n_trie = 1;
+    size_t head = 0, tail = 0;
+    todo[tail++] = (s_trie_todo){0, 0, n, 0};
+    while (head < tail) {
+        s_trie_todo w = todo[head++];
+        int32_t lo = w.lo;
+        /* the texts that end at this node sort first: the lowest id wins */
+        for (; lo < w.hi; lo++) {
+            int32_t id = ids[lo].id;
+            if (ids[lo].len != w.depth)
+                break;
+            if (t->special[w.node].any < 0)
+                t->special[w.node].any = id;
+            if (t->type[id] == TT_USER_DEFINED && t->special[w.node].user < 0)
+                t->special[w.node].user = id;
+        }
+        /* the rest, in runs of the same next byte: one child each */
+        t->special[w.node].child = t->n_trie;
+        while (lo < w.hi) {
+            unsigned char c = (unsigned char)ids[lo].text[w.depth];
+            int32_t hi = lo + 1;
+            while (hi < w.hi && (unsigned char)ids[hi].text[w.depth] == c)
+                hi++;
+            int32_t k = t->n_trie++;
+            t->special[k] = (fi_tok_trie){.child = 0, .n_child = 0, .byte = c, .any = -1, .user = -1};
+            t->special[w.node].n_child++;
+            todo[tail++] = (s_trie_todo){k, lo, hi, w.depth + 1};
+            lo = hi;
+        }
+    }
+    free(todo);
+    free(ids);
     return 0;
 }
 
@@ -927,22 +973,34 @@ static int s_encode_plain(const fi_tok *t, s_work *w, const unsigned char *s, si
     return 0;
 }
 
+/* The child of trie node k reached by byte c, or 0. */
+static int32_t s_trie_step(const fi_tok_trie *tr, int32_t k, unsigned char c) {
+    int32_t lo = tr[k].child, hi = lo + tr[k].n_child;
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if (tr[mid].byte < c)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < tr[k].child + tr[k].n_child && tr[lo].byte == c ? lo : 0;
+}
+
 /* The first special token in s[from, n) (leftmost, then longest): its
  * position, or n when there is none; its id in *id. */
 static size_t s_find_special(const fi_tok *t, const unsigned char *s, size_t from, size_t n,
                              int parse_special, int32_t *id) {
+    const fi_tok_trie *tr = t->special;
     for (size_t i = from; i < n; i++) {
-        if (!(t->special_first[s[i] >> 3] & (1u << (s[i] & 7))))
-            continue;
-        for (int32_t k = 0; k < t->n_special; k++) {
-            int32_t sid = t->special[k];
-            if (!parse_special && t->type[sid] == TT_CONTROL)
-                continue;
-            size_t len = t->text_off[sid + 1] - t->text_off[sid] - 1;
-            if (len <= n - i && memcmp(s + i, t->text + t->text_off[sid], len) == 0) {
-                *id = sid;
-                return i;
-            }
+        int32_t best = -1;
+        for (size_t j = i, k = 0; j < n && (k = (size_t)s_trie_step(tr, (int32_t)k, s[j])) != 0; j++) {
+            int32_t here = parse_special ? tr[k].any : tr[k].user;
+            if (here >= 0)
+                best = here;
+        }
+        if (best >= 0) {
+            *id = best;
+            return i;
         }
     }
     return n;

@@ -47,6 +47,20 @@ typedef struct fi_tok_merge {
     int32_t result; /* token of a's text followed by b's */
 } fi_tok_merge;
 
+/* A node of the trie of special texts (fi_tok.special): the text bytes on
+ * the path from the root spell a prefix of some special token's text. A
+ * node's children are a run of nodes sorted by byte, so a scan of the text
+ * steps down one byte at a time and finds the longest special that
+ * starts at a position in at most that special's length of steps, however
+ * many specials the vocabulary declares. */
+typedef struct fi_tok_trie {
+    int32_t child;    /* first child, or 0 (the root is nobody's child) */
+    int16_t n_child;  /* children, 0..256 */
+    uint8_t byte;     /* the byte that leads here from the parent */
+    int32_t any;      /* lowest id of a special whose text ends here; -1 */
+    int32_t user;     /* the same among user-defined ones (matched always); -1 */
+} fi_tok_trie;
+
 struct fi_tok {
     int32_t n_vocab;          /* tokens */
     char *text;               /* every token's text, each NUL-terminated */
@@ -64,9 +78,9 @@ struct fi_tok {
     int n_missing_bytes;      /* bytes without a token (dropped when encoding) */
     int16_t cp_byte[FI_TOK_CP_MAX]; /* byte of a byte-level code point; -1: none */
     uint8_t ascii_class[128];       /* FI_TOK_C_* of each ASCII character */
-    int32_t *special;         /* (n_special) matched in text, longest first */
+    fi_tok_trie *special;     /* (n_trie) trie of the special texts; node 0 the root */
+    int32_t n_trie;           /* its nodes */
     int32_t n_special;        /* control and user-defined tokens with text */
-    uint8_t special_first[32];/* bit set of the first bytes of special texts */
     int has_user_defined;     /* 1: some special is matched even without parse_special */
     int pre;                  /* FI_TOK_PRE_* */
     int32_t bos, eos, unk, pad; /* ids, -1 when absent */

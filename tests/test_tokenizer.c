@@ -725,6 +725,122 @@ static void test_user_defined_byte_symbol(void **state) {
     free(buf);
 }
 
+/* Special tokens, many and sharing prefixes: the scan (a trie) must find,
+ * at the leftmost position, the longest special allowed (control ones only
+ * with parse_special), the lowest id among equal texts. Checked against
+ * the plain definition (every special, longest first, at every position)
+ * on random texts made of pieces of the specials. */
+#define S_NSPEC 300
+static int32_t s_ref_special(const char *const *txt, const int32_t *type, const int32_t *id, int n,
+                             const char *s, size_t from, size_t len, int parse_special, size_t *at) {
+    for (size_t i = from; i < len; i++) {
+        int32_t best = -1;
+        size_t best_len = 0;
+        for (int k = 0; k < n; k++) {
+            size_t l = strlen(txt[k]);
+            if ((!parse_special && type[k] == 3) || l > len - i || memcmp(s + i, txt[k], l))
+                continue;
+            if (l > best_len || (l == best_len && id[k] < best)) {
+                best = id[k];
+                best_len = l;
+            }
+        }
+        if (best >= 0) {
+            *at = i;
+            return best;
+        }
+    }
+    *at = len;
+    return -1;
+}
+
+static void test_many_specials(void **state) {
+    (void)state;
+    static char texts[S_NSPEC][24];
+    const char *toks[256 + S_NSPEC];
+    int32_t types[256 + S_NSPEC];
+    char syms[256][4];
+    size_t nt = 0;
+    for (int b = 0; b < 256; b++) {
+        syms[b][fi_gw_byte_symbol((uint8_t)b, syms[b])] = 0;
+        types[nt] = 1;
+        toks[nt++] = syms[b];
+    }
+    /* "<|" then 1..6 letters of "ab", some closed with "|>"; one text
+     * twice (control, then user-defined) */
+    uint64_t r = 0x9e3779b97f4a7c15ull;
+    const char *sp_txt[S_NSPEC];
+    int32_t sp_type[S_NSPEC], sp_id[S_NSPEC];
+    for (int k = 0; k < S_NSPEC; k++) {
+        r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+        int n = 1 + (int)(r % 6), o = 0;
+        o += snprintf(texts[k] + o, sizeof texts[k] - (size_t)o, "<|");
+        for (int i = 0; i < n; i++) texts[k][o++] = "ab"[(r >> (8 + i)) & 1];
+        if ((r >> 20) & 1) o += snprintf(texts[k] + o, sizeof texts[k] - (size_t)o, "|>");
+        texts[k][o] = 0;
+        if (k == S_NSPEC - 1) memcpy(texts[k], texts[k - 1], sizeof texts[k]);
+        sp_txt[k] = texts[k];
+        sp_type[k] = k == S_NSPEC - 2 ? 3 : k == S_NSPEC - 1 ? 4 : ((r >> 24) & 1) ? 3 : 4;
+        sp_id[k] = (int32_t)nt;
+        types[nt] = sp_type[k];
+        toks[nt++] = texts[k];
+    }
+    fi_gw *w = fi_gw_new();
+    fi_gw_add_str(w, "general.architecture", "llama");
+    fi_gw_add_str(w, "tokenizer.ggml.model", "gpt2");
+    fi_gw_add_str(w, "tokenizer.ggml.pre", "gpt2");
+    fi_gw_add_str_array(w, "tokenizer.ggml.tokens", toks, nt);
+    fi_gw_add_array(w, "tokenizer.ggml.token_type", FI_GGUF_INT32, types, nt);
+    const char *merges[1] = {"a b"};
+    fi_gw_add_str_array(w, "tokenizer.ggml.merges", merges, 0);
+    fi_gw_add_u32(w, "tokenizer.ggml.bos_token_id", 0);
+    fi_gw_add_u32(w, "tokenizer.ggml.eos_token_id", 0);
+    size_t blen;
+    unsigned char *buf = fi_gw_serialize(w, &blen, NULL);
+    fi_gw_destroy(&w);
+    char err[256];
+    fi_gguf *g = fi_gguf_open_memory(buf, blen, "specials.gguf", err, sizeof err);
+    assert_non_null(g);
+    fi_tok *t = fi_tok_new(g, err, sizeof err);
+    if (!t) fail_msg("fi_tok_new: %s", err);
+    int32_t got[512], want[512];
+    char text[256];
+    for (int round = 0; round < 2000; round++) {
+        /* pieces: whole specials, their prefixes, and stray bytes */
+        size_t len = 0;
+        while (len < 120) {
+            r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+            const char *src = sp_txt[r % S_NSPEC];
+            size_t l = strlen(src), cut = ((r >> 16) & 3) == 0 ? 1 + (r >> 20) % l : l;
+            if (((r >> 30) & 7) == 0) src = "|>x<", cut = 1 + (r >> 33) % 4;
+            memcpy(text + len, src, cut);
+            len += cut;
+        }
+        for (int ps = 0; ps < 2; ps++) {
+            int ng = fi_tok_encode(t, text, len, ps, got, 512);
+            int nw = 0;
+            for (size_t p = 0; p < len;) {
+                size_t at;
+                int32_t id = s_ref_special(sp_txt, sp_type, sp_id, S_NSPEC, text, p, len, ps, &at);
+                if (at > p) { /* no special in it: its encoding alone */
+                    int k = fi_tok_encode(t, text + p, at - p, ps, want + nw, 512 - nw);
+                    assert_true(k >= 0);
+                    nw += k;
+                }
+                if (id < 0) break;
+                want[nw++] = id;
+                p = at + strlen(toks[id]);
+            }
+            if (ng != nw || memcmp(got, want, (size_t)nw * sizeof *got))
+                fail_msg("round %d parse_special %d: \"%.*s\" encodes to %d tokens, %d by the plain scan",
+                         round, ps, (int)len, text, ng, nw);
+        }
+    }
+    fi_tok_destroy(&t);
+    fi_gguf_close(&g);
+    free(buf);
+}
+
 static void test_synthetic(void **state) {
     (void)state;
     spec sp;
@@ -921,7 +1037,7 @@ static void test_missing_byte(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden),      cmocka_unit_test(test_roundtrip_random),
-        cmocka_unit_test(test_long_words),  cmocka_unit_test(test_special),
+        cmocka_unit_test(test_long_words),  cmocka_unit_test(test_special), cmocka_unit_test(test_many_specials),
         cmocka_unit_test(test_eog),         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_ids),
         cmocka_unit_test(test_buffers),     cmocka_unit_test(test_speed),
