@@ -8,7 +8,8 @@
 #include "fi_model.h"
 #include "fi_textstream.h"
 
-/* Appends the text of token id to ts. Returns 1 when a stop string is now
+/* Appends the text of token id to ts (nothing for a control token).
+ * Returns 1 when a stop string is now
  * complete, 0 otherwise, -1 with a message in err (a token without text,
  * out of memory). */
 int fi_gen_push_token(const fi_tok *tok, fi_textstream *ts, int32_t id, char *err,

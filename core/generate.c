@@ -53,6 +53,11 @@ int fi_gen_is_greedy(const fi_sampler_params *p) {
 
 int fi_gen_push_token(const fi_tok *tok, fi_textstream *ts, int32_t id, char *err,
                       size_t errlen) {
+    /* A control token the model samples mid-answer ("<jupyter_start>", a
+     * stray "<|im_start|>") is markup, not text: it counts as generated
+     * but adds nothing to the answer, as in OpenAI's and llama.cpp's
+     * servers. */
+    if (fi_tok_is_special(tok, id)) return 0;
     char piece[256];
     int len = fi_tok_piece(tok, id, piece, sizeof piece);
     if (len < 0) {

@@ -22,6 +22,8 @@
 
 #include "fi_gguf.h"
 #include "fi_tokenizer.h"
+#include "fi_textstream.h"
+#include "gen_impl.h" /* fi_gen_push_token */
 #include "gguf_writer.h"
 
 typedef struct fixture {
@@ -841,6 +843,34 @@ static void test_many_specials(void **state) {
     free(buf);
 }
 
+/* A control token sampled mid-answer adds no text (OpenAI's and
+ * llama.cpp's servers never show them); other tokens add their piece. */
+static void test_control_token_no_text(void **state) {
+    (void)state;
+    spec sp;
+    s_spec_default(&sp);
+    char err[256];
+    unsigned char *buf;
+    fi_gguf *g;
+    fi_tok *t = s_load(&sp, err, sizeof err, &buf, &g);
+    if (!t) fail_msg("fi_tok_new: %s", err);
+    fi_textstream *ts = fi_textstream_new(NULL, 0);
+    assert_non_null(ts);
+    int32_t ids[2] = {fi_tok_find(t, "<|im_start|>"), fi_tok_find(t, "Ġthe")};
+    assert_true(fi_tok_is_special(t, ids[0]));
+    assert_int_equal(fi_gen_push_token(t, ts, ids[0], err, sizeof err), 0);
+    assert_int_equal(fi_gen_push_token(t, ts, ids[1], err, sizeof err), 0);
+    assert_int_equal(fi_gen_push_token(t, ts, ids[0], err, sizeof err), 0);
+    size_t n;
+    const char *out = fi_textstream_take(ts, 1, &n);
+    assert_int_equal(n, 4);
+    assert_memory_equal(out, " the", 4);
+    fi_textstream_destroy(&ts);
+    fi_tok_destroy(&t);
+    fi_gguf_close(&g);
+    free(buf);
+}
+
 static void test_synthetic(void **state) {
     (void)state;
     spec sp;
@@ -1038,6 +1068,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden),      cmocka_unit_test(test_roundtrip_random),
         cmocka_unit_test(test_long_words),  cmocka_unit_test(test_special), cmocka_unit_test(test_many_specials),
+        cmocka_unit_test(test_control_token_no_text),
         cmocka_unit_test(test_eog),         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_ids),
         cmocka_unit_test(test_buffers),     cmocka_unit_test(test_speed),
