@@ -283,7 +283,7 @@ static void s_dispatch(s_remote *r, fi_msg *m) {
              * tokenised it, when it holds the model; a token a chunk). */
             edge_job *j = r->open[i].job;
             s_send_cancel(r, &r->open[i]);
-            edge_job_finish(j, "stop", j->n_prompt, r->open[i].chunks);
+            edge_job_finish(j, "stop", j->n_prompt > 0 ? j->n_prompt : 0, r->open[i].chunks);
             s_close_open(r, i);
         }
         return;
@@ -294,9 +294,14 @@ static void s_dispatch(s_remote *r, fi_msg *m) {
         const char *sr = m->final->stop_reason ? m->final->stop_reason : "";
         edge_job *j = r->open[i].job;
         /* (a job the client left is done already: finish leaves it as it
-         * is, since its answer may be on its way) */
-        edge_job_finish(j, !strcmp(sr, "length") ? "length" : "stop", (int)m->final->n_prompt,
-                        (int)m->final->n_generated);
+         * is, since its answer may be on its way). OpenAI's reasons: the
+         * context filling up is "length", as on the local engine; work the
+         * cluster cancelled is no answer. */
+        if (!strcmp(sr, "cancelled"))
+            edge_job_fail(j, 499, "cancelled", "the request was cancelled at the cluster");
+        else
+            edge_job_finish(j, !strcmp(sr, "length") || !strcmp(sr, "context_full") ? "length" : "stop",
+                            (int)m->final->n_prompt, (int)m->final->n_generated);
         s_close_open(r, i);
         return;
     }

@@ -97,6 +97,10 @@ static int s_rec_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_f
     fi_shard_backend echo = fi_shard_echo_backend(4, 0);
     int rc = echo.generate(echo.ctx, rq, emit, emit_user, out, err, errlen);
     echo.destroy(echo.ctx);
+    /* a worker's other endings, on request */
+    const char *last = rq->n_messages ? rq->messages[rq->n_messages - 1]->content : "";
+    if (strstr(last, "[context_full]")) snprintf(out->stop, sizeof out->stop, "context_full");
+    if (strstr(last, "[cancelled]")) snprintf(out->stop, sizeof out->stop, "cancelled");
     (void)ctx;
     return rc;
 }
@@ -176,6 +180,7 @@ static void test_routed_stop_frees_its_place(void **state) {
     assert_non_null(strstr(r.body, "\"text\":\"echo: one two \""));
     assert_non_null(strstr(r.body, "\"finish_reason\":\"stop\""));
     assert_null(strstr(r.body, "\"completion_tokens\":0"));
+    assert_null(strstr(r.body, "\"prompt_tokens\":-")); /* unknown here (no local model): 0 */
     /* its place is free as soon as it is answered */
     int depth = -1;
     for (int i = 0; i < 20 && depth != 0; i++) {
@@ -184,6 +189,26 @@ static void test_routed_stop_frees_its_place(void **state) {
     }
     assert_int_equal(depth, 0);
     h_worker_stop(&slow);
+}
+
+static int http_chat(int port, const char *body, resp *r);
+
+/* A worker's endings in OpenAI's terms: the context filling up is
+ * "length" (as on the local engine), work cancelled at the cluster is no
+ * answer (it was "stop"). */
+static void test_routed_finish_reasons(void **state) {
+    fx *f = *state;
+    resp r;
+    const char *b = "{\"model\":\"echo-model\",\"max_tokens\":50,\"messages\":[{\"role\":\"user\","
+                    "\"content\":\"fill [context_full]\"}]}";
+    assert_int_equal(http_chat(f->port, b, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "\"finish_reason\":\"length\""));
+    b = "{\"model\":\"echo-model\",\"max_tokens\":50,\"messages\":[{\"role\":\"user\","
+        "\"content\":\"gone [cancelled]\"}]}";
+    assert_int_equal(http_chat(f->port, b, &r), 0);
+    assert_int_equal(r.status, 499);
+    assert_non_null(strstr(r.body, "\"code\":\"cancelled\""));
 }
 
 typedef struct s_conv_scan {
@@ -593,6 +618,7 @@ int main(void) {
         cmocka_unit_test(test_token_sync_unit),
         cmocka_unit_test(test_routed),
         cmocka_unit_test(test_routed_stop_frees_its_place),
+        cmocka_unit_test(test_routed_finish_reasons),
         cmocka_unit_test(test_pushed_bundles),
         cmocka_unit_test(test_audit_upload_and_offline),
     };
