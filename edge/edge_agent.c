@@ -5,7 +5,9 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <sodium.h>
 #include <string.h>
+#include <time.h>
 
 #include "edge_impl.h"
 
@@ -20,6 +22,13 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
     e->lim = (edge_limits){c->max_tokens, c->default_max_tokens, c->max_body, c->request_timeout_s};
     pthread_rwlock_init(&e->lim_lk, NULL);
     atomic_init(&e->next_id, 1);
+    /* ids unique across restarts too: clients keep them as keys */
+    if (sodium_init() < 0) {
+        snprintf(err, errlen, "libsodium cannot initialise");
+        goto fail;
+    }
+    snprintf(e->id_salt, sizeof e->id_salt, "%08x", (unsigned)randombytes_random());
+    e->started = (long)time(NULL);
     if (c->model[0]) {
         fi_model_opts mo = {.n_threads = c->threads, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_AUTO,
                             .sha256 = c->model_sha256};

@@ -46,6 +46,8 @@ typedef struct s_conn {
 typedef struct s_req {
     int chat;                          /* /v1/chat/completions */
     int stream;                        /* SSE */
+    int usage_chunk;                   /* stream_options.include_usage */
+    int max_tokens_given;              /* max_tokens (or max_completion_tokens) was sent */
     const char *model;                 /* borrowed from the JSON */
     int max_tokens;
     fi_sampler_params sp;
@@ -236,6 +238,51 @@ static enum MHD_Result s_xdc_each(void *cls, enum MHD_ValueKind kind, const char
     return MHD_NO;
 }
 
+/* The first request field, other than those s_parse reads, whose value
+ * would change the answer in a way this agent does not implement (tools,
+ * structured output, log probabilities, biases and penalties, echo, ...),
+ * or NULL. Their default values are accepted, as clients often send them;
+ * fields that do not change the answer (store, metadata, service_tier,
+ * parallel_tool_calls, ...) are ignored. */
+static const char *s_unsupported(json_t *root, int chat) {
+    json_t *v;
+#define SET(name) ((v = json_object_get(root, name)) != NULL && !json_is_null(v))
+    if (SET("response_format")) {
+        json_t *t = json_object_get(v, "type");
+        if (!json_is_object(v) || !json_is_string(t) || strcmp(json_string_value(t), "text"))
+            return "response_format";
+    }
+    if (SET("tools") && !(json_is_array(v) && json_array_size(v) == 0)) return "tools";
+    if (SET("functions") && !(json_is_array(v) && json_array_size(v) == 0)) return "functions";
+    if (SET("tool_choice") && !(json_is_string(v) && (!strcmp(json_string_value(v), "none") ||
+                                                      !strcmp(json_string_value(v), "auto"))))
+        return "tool_choice";
+    if (SET("function_call") && !(json_is_string(v) && (!strcmp(json_string_value(v), "none") ||
+                                                        !strcmp(json_string_value(v), "auto"))))
+        return "function_call";
+    /* chat: a boolean; completions: how many to return (0: none) */
+    if (SET("logprobs") && !json_is_false(v) && !(json_is_integer(v) && json_integer_value(v) == 0))
+        return "logprobs";
+    if (SET("top_logprobs") && !(json_is_integer(v) && json_integer_value(v) == 0)) return "top_logprobs";
+    if (SET("logit_bias") && !(json_is_object(v) && json_object_size(v) == 0)) return "logit_bias";
+    if (SET("presence_penalty") && !(json_is_number(v) && json_number_value(v) == 0)) return "presence_penalty";
+    if (SET("frequency_penalty") && !(json_is_number(v) && json_number_value(v) == 0))
+        return "frequency_penalty";
+    if (SET("modalities") && !(json_is_array(v) && json_array_size(v) == 1 &&
+                               json_is_string(json_array_get(v, 0)) &&
+                               !strcmp(json_string_value(json_array_get(v, 0)), "text")))
+        return "modalities";
+    if (SET("audio")) return "audio";
+    if (SET("prediction")) return "prediction";
+    if (!chat) {
+        if (SET("echo") && !json_is_false(v)) return "echo";
+        if (SET("suffix") && !(json_is_string(v) && json_string_length(v) == 0)) return "suffix";
+        if (SET("best_of") && !(json_is_integer(v) && json_integer_value(v) == 1)) return "best_of";
+    }
+#undef SET
+    return NULL;
+}
+
 /* Fills r from the JSON object. Returns 0, or an HTTP status with code,
  * param and message. */
 static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const char **param,
@@ -262,15 +309,25 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
     v = json_object_get(root, "stream");
     if (v && !json_is_null(v) && !json_is_boolean(v)) BAD("stream", "'stream' must be a boolean");
     r->stream = json_is_true(v);
-    r->max_tokens = lim.default_max_tokens;
-    v = json_object_get(root, "max_completion_tokens");
-    if (!v || json_is_null(v)) v = json_object_get(root, "max_tokens");
+    v = json_object_get(root, "stream_options");
     if (v && !json_is_null(v)) {
-        if (!json_is_integer(v)) BAD("max_tokens", "'max_tokens' must be an integer");
+        json_t *u = json_object_get(v, "include_usage");
+        if (!json_is_object(v) || (u && !json_is_null(u) && !json_is_boolean(u)))
+            BAD("stream_options", "'stream_options' must be an object with a boolean 'include_usage'");
+        if (!r->stream) BAD("stream_options", "'stream_options' is only allowed with 'stream': true");
+        r->usage_chunk = json_is_true(u);
+    }
+    r->max_tokens = lim.default_max_tokens;
+    const char *mt = "max_completion_tokens";
+    v = json_object_get(root, mt);
+    if (!v || json_is_null(v)) v = json_object_get(root, mt = "max_tokens");
+    if (v && !json_is_null(v)) {
+        if (!json_is_integer(v)) BAD(mt, "'%s' must be an integer", mt);
         json_int_t n = json_integer_value(v);
         if (n < 1 || n > lim.max_tokens)
-            BAD("max_tokens", "'max_tokens' must be between 1 and %d on this agent", lim.max_tokens);
+            BAD(mt, "'%s' must be between 1 and %d on this agent", mt, lim.max_tokens);
         r->max_tokens = (int)n;
+        r->max_tokens_given = 1;
     }
     r->sp = fi_sampler_defaults();
     r->sp.temperature = 1.0f; /* OpenAI's default */
@@ -288,8 +345,9 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
     if (v && !json_is_null(v)) {
         if (!json_is_number(v)) BAD("top_p", "'top_p' must be a number");
         double t = json_number_value(v);
-        if (!(t > 0 && t <= 1)) BAD("top_p", "'top_p' must be in (0, 1]");
+        if (!(t >= 0 && t <= 1)) BAD("top_p", "'top_p' must be between 0 and 1");
         r->sp.top_p = (float)t;
+        if (t == 0) r->sp.temperature = 0.0f; /* only the likeliest token: greedy */
     }
     v = json_object_get(root, "seed");
     if (v && !json_is_null(v)) {
@@ -302,6 +360,15 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
     v = json_object_get(root, "n");
     if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) != 1))
         BAD("n", "only 'n' = 1 is supported");
+    /* parameters that would change the answer and that this agent does
+     * not implement: refused by name, never silently ignored */
+    {
+        const char *u = s_unsupported(root, r->chat);
+        if (u) {
+            *code = "unsupported_parameter";
+            BAD(u, "'%s' is not supported by this agent (only its default value is accepted)", u);
+        }
+    }
     v = json_object_get(root, "stop");
     if (v && !json_is_null(v)) {
         if (json_is_string(v)) {
@@ -358,10 +425,14 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
             const char *rs = json_string_value(role);
             if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") &&
                 strcmp(rs, "developer"))
-                BAD("messages", "messages[%zu].role '%.32s' is not system, user or assistant", i,
-                    rs);
+                BAD("messages", "messages[%zu].role '%.32s' is not one of system, developer, user or assistant%s",
+                    i, rs, !strcmp(rs, "tool") || !strcmp(rs, "function") ? " (tool calls are not supported)" : "");
+            if (json_object_get(m, "tool_calls") || json_object_get(m, "function_call"))
+                BAD("messages", "messages[%zu] carries tool calls, which this agent does not support", i);
             const char *text = NULL;
-            if (json_is_string(content)) {
+            if (!strcmp(rs, "assistant") && (!content || json_is_null(content))) {
+                text = ""; /* an assistant turn may come without content */
+            } else if (json_is_string(content)) {
                 text = json_string_value(content);
                 if (strlen(text) != json_string_length(content))
                     BAD("messages", "messages[%zu].content holds a NUL character", i);
@@ -434,10 +505,15 @@ typedef struct s_stream {
     char *pend;          /* formatted bytes not yet handed to MHD */
     size_t pend_len, pend_off;
     int routed;          /* counts for metrics */
+    int usage_chunk;     /* stream_options.include_usage: usage in a chunk of its own */
 } s_stream;
 
+/* One server-sent event: the chunk with text (or none), finish (NULL
+ * until the end), or, with usage, the usage chunk that OpenAI sends last
+ * when asked (stream_options.include_usage: no choices, the counts; the
+ * other chunks then carry "usage": null). */
 static char *s_chunk(const s_stream *st, const char *text, size_t len, const char *finish,
-                     int with_usage) {
+                     int usage) {
     json_t *choice;
     if (st->chat) {
         json_t *delta = json_object();
@@ -450,13 +526,20 @@ static char *s_chunk(const s_stream *st, const char *text, size_t len, const cha
                            text ? len : 0, "logprobs", "finish_reason",
                            finish ? json_string(finish) : json_null());
     }
-    json_t *o = json_pack("{s:s,s:s,s:i,s:s,s:[o]}", "id", st->job->id, "object",
+    if (usage) {
+        json_decref(choice);
+        choice = NULL;
+    }
+    json_t *o = json_pack("{s:s,s:s,s:i,s:s,s:o}", "id", st->job->id, "object",
                           st->chat ? "chat.completion.chunk" : "text_completion", "created",
-                          (json_int_t)st->created, "model", st->job->model, "choices", choice);
-    if (o && with_usage) {
+                          (json_int_t)st->created, "model", st->job->model, "choices",
+                          choice ? json_pack("[o]", choice) : json_array());
+    if (o && usage) {
         int p = st->job->n_prompt_tokens, g = st->job->n_completion_tokens;
         json_object_set_new(o, "usage", json_pack("{s:i,s:i,s:i}", "prompt_tokens", p,
                                                   "completion_tokens", g, "total_tokens", p + g));
+    } else if (o && st->usage_chunk) {
+        json_object_set_new(o, "usage", json_null());
     }
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
@@ -536,7 +619,18 @@ static ssize_t s_reader(void *cls, uint64_t pos, char *buf, size_t max) {
             s_count_status(st->e, status);
             st->phase = 2;
         } else if (done) {
-            st->pend = s_chunk(st, NULL, 0, finish, 1);
+            st->pend = s_chunk(st, NULL, 0, finish, 0);
+            if (st->pend && st->usage_chunk) {
+                char *u = s_chunk(st, NULL, 0, NULL, 1);
+                char *both = u ? malloc(strlen(st->pend) + strlen(u) + 1) : NULL;
+                if (both) {
+                    strcpy(both, st->pend);
+                    strcat(both, u);
+                }
+                free(u);
+                free(st->pend);
+                st->pend = both;
+            }
             atomic_fetch_add(st->routed ? &st->e->m.ok_routed : &st->e->m.ok_local, 1);
             atomic_fetch_add(&st->e->m.tokens, j->n_completion_tokens);
             s_observe_ttft(st->e, j);
@@ -577,12 +671,19 @@ static void s_stream_free(void *cls) {
 
 /* --------------------------------------------------------------- routes */
 
-static enum MHD_Result s_models(fi_edge *e, struct MHD_Connection *c) {
+/* GET /v1/models (name NULL), or GET /v1/models/<name>: the model served
+ * here ("created": when the agent started). */
+static enum MHD_Result s_models(fi_edge *e, struct MHD_Connection *c, const char *name) {
+    json_t *m = e->model ? json_pack("{s:s,s:s,s:I,s:s}", "id", e->conf.model_name, "object", "model",
+                                     "created", (json_int_t)e->started, "owned_by", e->conf.site)
+                         : NULL;
+    if (name) {
+        if (m && !strcmp(name, e->conf.model_name)) return s_json(c, 200, m, NULL);
+        json_decref(m);
+        return s_error(e, c, 404, "model_not_found", "model", NULL, "model '%.100s' is not served here", name);
+    }
     json_t *data = json_array();
-    if (e->model)
-        json_array_append_new(data, json_pack("{s:s,s:s,s:i,s:s}", "id", e->conf.model_name,
-                                              "object", "model", "created", 0, "owned_by",
-                                              e->conf.site));
+    if (m) json_array_append_new(data, m);
     return s_json(c, 200, json_pack("{s:s,s:o}", "object", "list", "data", data), NULL);
 }
 
@@ -855,18 +956,27 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
                          "the prompt is empty");
             goto done;
         }
+        /* a limit the client did not set: as much as the context leaves */
+        if (!r->max_tokens_given && n_ids + r->max_tokens > e->conf.n_ctx && n_ids < e->conf.n_ctx)
+            r->max_tokens = e->conf.n_ctx - n_ids;
         if (n_ids + r->max_tokens > e->conf.n_ctx) {
             free(ids);
-            rc = s_error(e, c, 400, "context_length_exceeded", chat ? "messages" : "prompt", NULL,
-                         "the prompt has %d tokens; with max_tokens %d it exceeds the context of "
-                         "%d tokens",
-                         n_ids, r->max_tokens, e->conf.n_ctx);
+            if (r->max_tokens_given)
+                rc = s_error(e, c, 400, "context_length_exceeded", chat ? "messages" : "prompt", NULL,
+                             "the prompt has %d tokens; with max_tokens %d it exceeds the context of "
+                             "%d tokens",
+                             n_ids, r->max_tokens, e->conf.n_ctx);
+            else
+                rc = s_error(e, c, 400, "context_length_exceeded", chat ? "messages" : "prompt", NULL,
+                             "the prompt has %d tokens, which leaves no room for a completion in the "
+                             "context of %d tokens",
+                             n_ids, e->conf.n_ctx);
             goto done;
         }
     }
     /* Policy: the permitted targets, then the router's choice. */
     char id[EDGE_ID_LEN];
-    snprintf(id, sizeof id, "%s-%.16s-%ld", chat ? "chatcmpl" : "cmpl", e->conf.site,
+    snprintf(id, sizeof id, "%s-%.16s-%s%ld", chat ? "chatcmpl" : "cmpl", e->conf.site, e->id_salt,
              atomic_fetch_add(&e->next_id, 1));
     edge_policy_decide(e->policy, tenant, app, r->model, r->labels, r->n_labels, n_ids, d);
     const char *const hdr_pol[] = {"X-Fedinfer-Policy", d->version, "X-Request-Id", id, NULL};
@@ -1012,6 +1122,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         sst->chat = chat;
         sst->created = created;
         sst->routed = t > 0;
+        sst->usage_chunk = r->usage_chunk;
         struct MHD_Response *resp =
             MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, s_reader, sst, s_stream_free);
         if (!resp) {
@@ -1116,13 +1227,13 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
     if (post && !strcmp(url, "/v1/chat/completions")) return s_infer(e, c, cn, 1);
     if (post && !strcmp(url, "/v1/completions")) return s_infer(e, c, cn, 0);
     int get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
-    if (get && !strcmp(url, "/v1/models")) {
+    if (get && (!strcmp(url, "/v1/models") || (!strncmp(url, "/v1/models/", 11) && url[11]))) {
         /* the API's own endpoints answer token holders only (the probes,
          * /metrics and /healthz, stay open) */
         char tenant[64], app[64];
         enum MHD_Result arc;
         if (!s_authenticated(e, c, tenant, app, &arc)) return arc;
-        return s_models(e, c);
+        return s_models(e, c, url[10] == '/' ? url + 11 : NULL);
     }
     if (get && !strcmp(url, "/metrics")) return s_metrics(e, c);
     if (get && !strcmp(url, "/healthz")) {
@@ -1133,7 +1244,7 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
         return s_json(c, atomic_load(&e->stopping) ? 503 : 200, o, NULL);
     }
     int known = !strcmp(url, "/v1/chat/completions") || !strcmp(url, "/v1/completions") ||
-                !strcmp(url, "/v1/models") || !strcmp(url, "/metrics") || !strcmp(url, "/healthz");
+                !strncmp(url, "/v1/models", 10) || !strcmp(url, "/metrics") || !strcmp(url, "/healthz");
     if (known) {
         static const char *const allow_post[] = {"Allow", "POST", NULL};
         static const char *const allow_get[] = {"Allow", "GET, HEAD", NULL};

@@ -32,7 +32,7 @@ struct MHD_Daemon;
 
 #define EDGE_MAX_STOP 4    /* stop strings per request (OpenAI's limit) */
 #define EDGE_MAX_LABELS 16 /* residency labels per request */
-#define EDGE_ID_LEN 48     /* request id, NUL included */
+#define EDGE_ID_LEN 64     /* request id, NUL included (the wire takes 63 bytes) */
 
 /* --- jobs ------------------------------------------------------------- */
 
@@ -256,6 +256,8 @@ struct fi_edge {
     atomic_int stopping;          /* 1: refuse new requests with 503 */
     atomic_int requests_open;     /* HTTP requests begun and not yet completed */
     atomic_long next_id;          /* request ids */
+    char id_salt[9];              /* random per start, in every request id (8 hex) */
+    long started;                 /* Unix seconds: the agent's start, "created" of its model */
     edge_metrics m;
 };
 

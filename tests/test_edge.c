@@ -149,11 +149,15 @@ static const char *error_code(const resp *r) {
 }
 
 /* The concatenated text of an SSE answer; checks the framing, that every
- * chunk carries id, and the [DONE] end. finish gets the finish_reason. */
-static char *sse_text(const resp *r, const char *id, int chat, char *finish, size_t fcap) {
+ * chunk carries id, and the [DONE] end. finish gets the finish_reason.
+ * usage: NULL when the request did not ask for usage (then no chunk
+ * carries it), else it gets the total_tokens of the usage chunk, which
+ * must come last, after the finish, with no choices, every other chunk
+ * carrying "usage": null (stream_options.include_usage, as OpenAI). */
+static char *sse_text(const resp *r, const char *id, int chat, char *finish, size_t fcap, int *usage) {
     char *text = calloc(1, r->body_len + 1);
     const char *p = r->body;
-    int done = 0;
+    int done = 0, got_usage = 0;
     finish[0] = 0;
     while (*p) {
         assert_int_equal(strncmp(p, "data: ", 6), 0);
@@ -165,22 +169,32 @@ static char *sse_text(const resp *r, const char *id, int chat, char *finish, siz
             assert_int_equal(*p, 0);
             break;
         }
+        assert_false(got_usage); /* the usage chunk is the last */
         json_t *j = json_loadb(p + 6, (size_t)(end - p - 6), 0, NULL);
         assert_non_null(j);
         if (id) assert_string_equal(json_string_value(json_object_get(j, "id")), id);
+        json_t *u = json_object_get(j, "usage");
+        if (!usage) {
+            assert_null(u);
+        } else if (json_is_object(u)) {
+            assert_true(finish[0]);
+            assert_int_equal(json_array_size(json_object_get(j, "choices")), 0);
+            *usage = (int)json_integer_value(json_object_get(u, "total_tokens"));
+            got_usage = 1;
+        } else {
+            assert_true(json_is_null(u));
+        }
         json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
         json_t *t = chat ? json_object_get(json_object_get(ch, "delta"), "content")
                          : json_object_get(ch, "text");
         if (json_is_string(t)) strcat(text, json_string_value(t));
         json_t *f = json_object_get(ch, "finish_reason");
-        if (json_is_string(f)) {
-            snprintf(finish, fcap, "%s", json_string_value(f));
-            assert_non_null(json_object_get(j, "usage"));
-        }
+        if (json_is_string(f)) snprintf(finish, fcap, "%s", json_string_value(f));
         json_decref(j);
         p = end + 2;
     }
     assert_true(done);
+    if (usage) assert_true(got_usage);
     return text;
 }
 
@@ -370,16 +384,20 @@ static void test_chat(void **state) {
     char *full = strdup(text);
     json_decref(j);
     resp_free(&r);
-    /* The same, streamed: the same text in chunks, then [DONE]. */
-    snprintf(body, sizeof body, CHAT, CHAT_TOKENS, "true", "What is the capital of France?", "");
+    /* The same, streamed: the same text in chunks, then [DONE]; the usage
+     * in a last chunk of its own when asked for. */
+    snprintf(body, sizeof body, CHAT, CHAT_TOKENS, "true", "What is the capital of France?",
+             ",\"stream_options\":{\"include_usage\":true}");
     assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, body, &r), 0);
     assert_int_equal(r.status, 200);
     assert_true(header(&r, "Content-Type", h, sizeof h));
     assert_string_equal(h, "text/event-stream");
     char id[64], fin[32];
     header(&r, "X-Request-Id", id, sizeof id);
-    char *st = sse_text(&r, id, 1, fin, sizeof fin);
+    int total = -1;
+    char *st = sse_text(&r, id, 1, fin, sizeof fin, &total);
     assert_string_equal(st, full);
+    assert_int_equal(total, pt + ct);
     assert_true(!strcmp(fin, "stop") || !strcmp(fin, "length"));
     free(st);
     free(full);
@@ -405,11 +423,138 @@ static void test_completions_stop(void **state) {
     assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, b2, &r), 0);
     assert_int_equal(r.status, 200);
     char fin[32];
-    char *st = sse_text(&r, NULL, 0, fin, sizeof fin);
+    char *st = sse_text(&r, NULL, 0, fin, sizeof fin, NULL);
     assert_null(strchr(st, '6'));
     assert_non_null(strchr(st, '5'));
     assert_string_equal(fin, "stop");
     free(st);
+    resp_free(&r);
+}
+
+/* The error's param (static). */
+static const char *error_param(const resp *r) {
+    static char param[64];
+    json_t *j = json_loads(r->body, 0, NULL);
+    assert_non_null(j);
+    json_t *p = json_object_get(json_object_get(j, "error"), "param");
+    snprintf(param, sizeof param, "%s", json_is_string(p) ? json_string_value(p) : "");
+    json_decref(j);
+    return param;
+}
+
+/* OpenAI parameters that change the answer and that the agent does not
+ * implement are refused by name, never ignored; their default values (what
+ * clients send unasked) are served. */
+static void test_unsupported_parameters(void **state) {
+    (void)state;
+    static const char *const H = "{\"model\":\"smollm2-135m\",\"max_tokens\":2,";
+    static const char *const MSG = "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]";
+    struct {
+        const char *path, *extra, *param;
+    } bad[] = {
+        {"/v1/chat/completions", "\"response_format\":{\"type\":\"json_object\"}", "response_format"},
+        {"/v1/chat/completions", "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]", "tools"},
+        {"/v1/chat/completions", "\"tool_choice\":\"required\"", "tool_choice"},
+        {"/v1/chat/completions", "\"logprobs\":true", "logprobs"},
+        {"/v1/chat/completions", "\"top_logprobs\":2", "top_logprobs"},
+        {"/v1/chat/completions", "\"logit_bias\":{\"50256\":-100}", "logit_bias"},
+        {"/v1/chat/completions", "\"presence_penalty\":0.5", "presence_penalty"},
+        {"/v1/chat/completions", "\"frequency_penalty\":-1", "frequency_penalty"},
+        {"/v1/chat/completions", "\"audio\":{\"voice\":\"x\"}", "audio"},
+        {"/v1/chat/completions", "\"modalities\":[\"text\",\"audio\"]", "modalities"},
+        {"/v1/chat/completions", "\"stream_options\":{\"include_usage\":true}", "stream_options"},
+        {"/v1/chat/completions", "\"max_completion_tokens\":0", "max_completion_tokens"},
+        {"/v1/completions", "\"echo\":true", "echo"},
+        {"/v1/completions", "\"suffix\":\"end\"", "suffix"},
+        {"/v1/completions", "\"best_of\":3", "best_of"},
+        {"/v1/completions", "\"logprobs\":5", "logprobs"},
+    };
+    char body[1024];
+    resp r;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int chat = strstr(bad[i].path, "chat") != NULL;
+        snprintf(body, sizeof body, "%s%s,%s}", H, bad[i].extra, chat ? MSG : "\"prompt\":\"hi\"");
+        assert_int_equal(http(s_fx->port, "POST", bad[i].path, NULL, body, &r), 0);
+        if (r.status != 400) fail_msg("%s: status %d: %s", bad[i].extra, r.status, r.body);
+        const char *code = error_code(&r);
+        if (strcmp(code, strcmp(bad[i].param, "stream_options") && strcmp(bad[i].param, "max_completion_tokens")
+                             ? "unsupported_parameter" : "invalid_value"))
+            fail_msg("%s: code %s", bad[i].extra, code);
+        if (strcmp(error_param(&r), bad[i].param)) fail_msg("%s: param %s", bad[i].extra, error_param(&r));
+        resp_free(&r);
+    }
+    /* default values, as SDKs send them, are served */
+    snprintf(body, sizeof body,
+             "%s\"response_format\":{\"type\":\"text\"},\"tools\":[],\"tool_choice\":\"none\","
+             "\"logprobs\":false,\"logit_bias\":{},\"presence_penalty\":0,\"frequency_penalty\":0.0,"
+             "\"store\":false,\"metadata\":{\"k\":\"v\"},\"parallel_tool_calls\":true,%s}",
+             H, MSG);
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, body, &r), 0);
+    if (r.status != 200) fail_msg("defaults refused: %s", r.body);
+    resp_free(&r);
+    /* an assistant turn without content (as SDKs replay one) */
+    snprintf(body, sizeof body,
+             "%s\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\","
+             "\"content\":null},{\"role\":\"user\",\"content\":\"and?\"}]}",
+             H);
+    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, body, &r), 0);
+    if (r.status != 200) fail_msg("assistant without content: %s", r.body);
+    resp_free(&r);
+    /* top_p 0: only the likeliest token, so the greedy answer */
+    char t0[256], t1[256];
+    for (int k = 0; k < 2; k++) {
+        snprintf(body, sizeof body, "{\"model\":\"smollm2-135m\",\"max_tokens\":6,\"prompt\":\"1, 2, 3,\",%s}",
+                 k ? "\"top_p\":0,\"temperature\":1.5" : "\"temperature\":0");
+        assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, body, &r), 0);
+        if (r.status != 200) fail_msg("top_p case %d: %s", k, r.body);
+        json_t *j = json_loads(r.body, 0, NULL);
+        snprintf(k ? t1 : t0, sizeof t0, "%s",
+                 json_string_value(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text")));
+        json_decref(j);
+        resp_free(&r);
+    }
+    assert_string_equal(t0, t1);
+}
+
+/* GET /v1/models/<id>; a prompt that leaves less room than the default
+ * max_tokens, with none given, gets what room there is (OpenAI's "up to
+ * the context"); request ids differ between two agents' starts. */
+static void test_models_and_room(void **state) {
+    (void)state;
+    resp r;
+    assert_int_equal(http(s_fx->port, "GET", "/v1/models/smollm2-135m", NULL, NULL, &r), 0);
+    assert_int_equal(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    assert_string_equal(json_string_value(json_object_get(j, "id")), "smollm2-135m");
+    assert_true(json_integer_value(json_object_get(j, "created")) > 1700000000);
+    json_decref(j);
+    resp_free(&r);
+    assert_int_equal(http(s_fx->port, "GET", "/v1/models/gpt-9", NULL, NULL, &r), 0);
+    assert_int_equal(r.status, 404);
+    assert_string_equal(error_code(&r), "model_not_found");
+    resp_free(&r);
+    /* n_ctx 256, default_max_tokens 8: a prompt of about 251 tokens */
+    char body[4096];
+    int o = snprintf(body, sizeof body, "{\"model\":\"smollm2-135m\",\"temperature\":0,\"prompt\":\"");
+    for (int i = 0; i < 250; i++) o += snprintf(body + o, sizeof body - (size_t)o, " word");
+    snprintf(body + o, sizeof body - (size_t)o, "\"}");
+    assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, body, &r), 0);
+    if (r.status != 200) fail_msg("no room left: %s", r.body);
+    j = json_loads(r.body, 0, NULL);
+    json_t *u = json_object_get(j, "usage");
+    int pt = (int)json_integer_value(json_object_get(u, "prompt_tokens"));
+    int ct = (int)json_integer_value(json_object_get(u, "completion_tokens"));
+    if (pt <= 256 - 8 || pt >= 256) fail_msg("the prompt has %d tokens: not what this test needs", pt);
+    assert_true(ct >= 1 && pt + ct <= 256);
+    json_decref(j);
+    resp_free(&r);
+    /* with max_tokens given, the same prompt is refused, naming it */
+    body[strlen(body) - 1] = 0;
+    strcat(body, ",\"max_tokens\":8}");
+    assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, body, &r), 0);
+    assert_int_equal(r.status, 400);
+    assert_string_equal(error_code(&r), "context_length_exceeded");
+    assert_non_null(strstr(r.body, "max_tokens 8"));
     resp_free(&r);
 }
 
@@ -872,7 +1017,7 @@ static void *s_sworker(void *arg) {
     if (r.status == 200) {
         char id[64], fin[32];
         header(&r, "X-Request-Id", id, sizeof id);
-        w->text = sse_text(&r, id, !QUICK, fin, sizeof fin);
+        w->text = sse_text(&r, id, !QUICK, fin, sizeof fin, NULL);
     }
     resp_free(&r);
     return NULL;
@@ -1135,6 +1280,8 @@ int main(void) {
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_completions_stop),
         cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_unsupported_parameters),
+        cmocka_unit_test(test_models_and_room),
         cmocka_unit_test(test_policy_decisions),
         cmocka_unit_test(test_prefix_reuse),
         cmocka_unit_test(test_one_request_per_connection),

@@ -58,6 +58,25 @@ class OpenAIClient(unittest.TestCase):
         self.assertGreater(len(parts), 1)
         self.assertEqual("".join(parts), whole)
         self.assertIn(finish, ("stop", "length"))
+        # usage when asked for: a last chunk of its own, as the SDK expects
+        chunks = list(self.c.chat.completions.create(
+            model=M, temperature=0, max_tokens=10, seed=1, stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "Name three colours."}]))
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertGreater(chunks[-1].usage.completion_tokens, 0)
+        self.assertTrue(all(ch.usage is None for ch in chunks[:-1]))
+
+    def test_unsupported_parameters(self):
+        msgs = [{"role": "user", "content": "hi"}]
+        for kw in ({"response_format": {"type": "json_object"}},
+                   {"logprobs": True, "top_logprobs": 2},
+                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+                   {"frequency_penalty": 1.0}):
+            with self.assertRaises(openai.BadRequestError) as cm:
+                self.c.chat.completions.create(model=M, max_tokens=4, messages=msgs, **kw)
+            self.assertEqual(cm.exception.code, "unsupported_parameter")
+            self.assertIn(next(iter(kw)), str(cm.exception))
 
     def test_completions(self):
         r = self.c.completions.create(model=M, prompt="1, 2, 3, 4,", temperature=0, max_tokens=8)
@@ -107,6 +126,9 @@ class OpenAIClient(unittest.TestCase):
 
     def test_models(self):
         self.assertEqual([m.id for m in self.c.models.list()], [M])
+        self.assertEqual(self.c.models.retrieve(M).id, M)
+        with self.assertRaises(openai.NotFoundError):
+            self.c.models.retrieve("no-such-model")
 
     def test_curl(self):
         out = subprocess.run(
