@@ -95,6 +95,8 @@ static void s_refuse(edge_front *f, int fd, size_t head_len, int status, const c
                       status,
                       status == 413   ? "Content Too Large"
                       : status == 431 ? "Request Header Fields Too Large"
+                      : status == 501 ? "Not Implemented"
+                      : status == 505 ? "HTTP Version Not Supported"
                                       : "Bad Request",
                       body ? strlen(body) : 0);
     if (send(fd, head, (size_t)hl, MSG_NOSIGNAL) == hl && body)

@@ -269,10 +269,13 @@ struct sockaddr_in;
 edge_front *edge_front_start(fi_edge *e, const struct sockaddr_in *sa, int *port, char *err,
                              size_t errlen);
 void edge_front_stop(edge_front **f);
-/* The check on a complete request head (h, n bytes up to its blank line):
- * 0 when it may go on; 400 (a Content-Length that is not a number, or two
- * that differ) or 413 (one over 2^64-1) with an OpenAI error code and a
- * message. */
+/* The check on a complete request head (h, n bytes up to its blank line),
+ * for what libmicrohttpd would answer with an HTML page, or not at all:
+ * 0 when it may go on; else 400 (a control byte, a header line without a
+ * colon, a Content-Length that is not a number, two that differ, or one
+ * beside Transfer-Encoding), 413 (a Content-Length over 2^64-1), 501 (a
+ * Transfer-Encoding other than chunked) or 505 (a version other than
+ * HTTP/1.0 and 1.1), with an OpenAI error code and a message. */
 int edge_front_check_head(const char *h, size_t n, long max_body, char *code, size_t clen,
                           char *msg, size_t mlen);
 

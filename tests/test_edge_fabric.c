@@ -586,6 +586,23 @@ static void test_content_length(void **state) {
     assert_int_equal(http_raw_split(f->port, good, 30, &r), 0);
     assert_int_equal(r.status, 200);
     assert_true(has(&r, "echo: piecewise"));
+    /* heads libmicrohttpd answered with HTML (a version, a Transfer-
+     * Encoding it cannot read) or not at all (a NUL: 30 s, then closed):
+     * JSON errors at once */
+    static const struct {
+        const char *req;
+        int status;
+    } heads[] = {
+        {"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 505},
+        {"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\nxx", 501},
+        {"GET /healthz HTTP/1.1\r\nHost: x\r\nBroken header\r\n\r\n", 400},
+    };
+    for (size_t i = 0; i < sizeof heads / sizeof heads[0]; i++) {
+        uint64_t t0 = fi_wire_now_ms();
+        assert_int_equal(http_raw(f->port, heads[i].req, &r), 0);
+        if (r.status != heads[i].status || !strstr(r.body, "\"error\":{") || fi_wire_now_ms() - t0 > 5000)
+            fail_msg("head %zu: %d %s", i, r.status, r.body);
+    }
 }
 
 static void test_check_head(void **state) {
@@ -606,6 +623,34 @@ static void test_check_head(void **state) {
     const char *bad = "POST / HTTP/1.1\nContent-Length: 1e3\n\n";
     assert_int_equal(edge_front_check_head(bad, strlen(bad), 100, code, sizeof code, msg, sizeof msg), 400);
     assert_non_null(strstr(msg, "'1e3'"));
+    /* What libmicrohttpd answers with an HTML page, or not at all, gets a
+     * status and a message here. */
+    struct {
+        const char *head;
+        int status;
+        const char *says;
+    } refused[] = {
+        {"GET /healthz HTTP/2.0\r\n\r\n", 505, "HTTP/2.0"},
+        {"GET /healthz\r\n\r\n", 400, "METHOD TARGET VERSION"},
+        {"GET /x HTTP/1.1\r\nHost x\r\n\r\n", 400, "no name and colon"},
+        {"GET /x HTTP/1.1\r\n: x\r\n\r\n", 400, "no name and colon"},
+        {"POST /x HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "'gzip'"},
+        {"POST /x HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 501, "gzip, chunked"},
+        {"POST /x HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", 400, "both"},
+        {"GET /x\x01 HTTP/1.1\r\n\r\n", 400, "0x01"},
+        {"GET /x HTTP/1.1\r\nX: a\x7f\r\n\r\n", 400, "0x7f"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        int st = edge_front_check_head(refused[i].head, strlen(refused[i].head), 100, code, sizeof code, msg,
+                                       sizeof msg);
+        if (st != refused[i].status || !strstr(msg, refused[i].says))
+            fail_msg("head %zu: %d '%s'", i, st, msg);
+    }
+    const char *nul = "GET /x HTTP/1.1\r\nX: a\0b\r\n\r\n";
+    assert_int_equal(edge_front_check_head(nul, 27, 100, code, sizeof code, msg, sizeof msg), 400);
+    assert_non_null(strstr(msg, "0x00"));
+    const char *chunked = "POST /x HTTP/1.0\r\ntransfer-encoding:  Chunked \r\nX-Tab:\ta\tb\r\n\r\n";
+    assert_int_equal(edge_front_check_head(chunked, strlen(chunked), 100, code, sizeof code, msg, sizeof msg), 0);
 }
 
 int main(void) {
