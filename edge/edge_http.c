@@ -20,6 +20,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sodium.h>
 #include <string.h>
 #include <strings.h>
 #include <time.h>
@@ -878,7 +879,18 @@ static int s_authenticated(fi_edge *e, struct MHD_Connection *c, char tenant[64]
                       "an Authorization: Bearer token is required");
         return 0;
     }
-    if (!edge_auth_check(e->tokens, h + 7, tenant, 64, app, 64)) {
+    /* the token, without the optional whitespace around a header value */
+    char tok[260];
+    const char *t = h + 7;
+    while (*t == ' ' || *t == '\t') t++;
+    size_t tl = strlen(t);
+    while (tl && (t[tl - 1] == ' ' || t[tl - 1] == '\t')) tl--;
+    if (tl >= sizeof tok) tl = sizeof tok - 1; /* too long for any token: refused below */
+    memcpy(tok, t, tl);
+    tok[tl] = 0;
+    int ok = edge_auth_check(e->tokens, tok, tenant, 64, app, 64);
+    sodium_memzero(tok, sizeof tok);
+    if (!ok) {
         *rc = s_error(e, c, 401, "invalid_api_key", NULL, hdr, "the bearer token is not valid");
         return 0;
     }
@@ -949,6 +961,13 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         if (!ids) {
             rc = s_error(e, c, 500, "internal_error", NULL, NULL, "%s", terr);
             goto done;
+        }
+        if (n_ids == 0 && !chat) {
+            /* an empty prompt, as OpenAI takes it: the text begins after
+             * the model's beginning (or end) of text */
+            int32_t b = fi_tok_bos(fi_model_tok(e->model));
+            ids[0] = b >= 0 ? b : fi_tok_eos(fi_model_tok(e->model));
+            n_ids = ids[0] >= 0;
         }
         if (n_ids == 0) {
             free(ids);

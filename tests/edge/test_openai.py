@@ -86,6 +86,12 @@ class OpenAIClient(unittest.TestCase):
             model=M, prompt="1, 2, 3, 4,", temperature=0, max_tokens=8, stream=True))
         self.assertEqual(text, r.choices[0].text)
 
+    def test_empty_prompt(self):
+        # as OpenAI: the text starts after the beginning (or end) of text
+        r = self.c.completions.create(model=M, prompt="", max_tokens=4, temperature=0)
+        self.assertEqual(r.usage.prompt_tokens, 1)
+        self.assertGreaterEqual(r.usage.completion_tokens, 1)
+
     def test_stop_strings(self):
         r = self.c.completions.create(model=M, prompt="1, 2, 3, 4,", temperature=0,
                                       max_tokens=16, stop=["7"])
@@ -267,6 +273,12 @@ class Lifecycle(unittest.TestCase):
             with self.assertRaises(openai.AuthenticationError):
                 OpenAI(base_url=e.url + "/v1", api_key="wrong-token", max_retries=0).models.list()
             self.assertEqual([m.id for m in good.models.list().data], [M])
+            # Optional whitespace around the header's value is not the token.
+            out = subprocess.run(
+                ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", e.url + "/v1/models",
+                 "-H", f"Authorization: Bearer   {tok}\t "],
+                check=True, capture_output=True, text=True).stdout
+            self.assertEqual(out, "200")
             # The tenant and application are in the audit log.
             rows = subprocess.run(["sqlite3", f"{e.dir}/edge.db",
                                    "SELECT tenant, application FROM audit ORDER BY seq DESC LIMIT 1"],
