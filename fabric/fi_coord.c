@@ -900,6 +900,12 @@ static void s_on_bundle(fi_coord *c, s_peer *op, const Fi__PolicyBundle *b) {
      * stale one with a high version would deny every routed request and
      * hide later applies. */
     char why[512];
+    if (!b->version || b->version >= (uint64_t)INT64_MAX) {
+        snprintf(why, sizeof why, "pushed bundle refused: version %llu is outside 1..%lld",
+                 (unsigned long long)b->version, (long long)INT64_MAX - 1);
+        s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_BAD_REQUEST, why);
+        return;
+    }
     if (fi_coord_policy_bundle_ok(&c->o, b->version, b->bundle.data, b->bundle.len, why,
                                   sizeof why) != 0) {
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_BAD_REQUEST, why);

@@ -100,6 +100,10 @@ static int s_insert(fi_pstore *s, const char *content, size_t len, const char *a
                            -1, &st, NULL) != SQLITE_OK ||
         sqlite3_step(st) != SQLITE_ROW)
         goto dberr_tx;
+    if (sqlite3_column_int64(st, 0) >= INT64_MAX) {
+        snprintf(err, cap, "policy store: the version numbering is exhausted");
+        goto fail_tx;
+    }
     v = (uint64_t)sqlite3_column_int64(st, 0) + 1;
     sqlite3_finalize(st);
     st = NULL;
@@ -145,9 +149,11 @@ done:
 }
 
 int fi_pstore_reserve(fi_pstore *self, uint64_t version, char *err, size_t cap) {
-    if (version > (uint64_t)INT64_MAX) {
-        snprintf(err, cap, "policy store: version %llu is beyond the store's numbering",
-                 (unsigned long long)version);
+    /* the store numbers in SQLite's signed 64 bits, and a version must
+     * leave room for the next */
+    if (version >= (uint64_t)INT64_MAX) {
+        snprintf(err, cap, "policy store: version %llu is beyond the store's numbering (at most %lld)",
+                 (unsigned long long)version, (long long)INT64_MAX - 1);
         return -1;
     }
     sqlite3_stmt *st = NULL;

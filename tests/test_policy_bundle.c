@@ -372,8 +372,16 @@ static void test_store_reserve(void **state) {
     assert_true(v == 9);
     assert_int_equal(fi_pstore_reserve(s, (uint64_t)INT64_MAX + 1, err, sizeof err), -1);
     assert_non_null(strstr(err, "beyond"));
+    assert_int_equal(fi_pstore_reserve(s, (uint64_t)INT64_MAX, err, sizeof err), -1);
+    /* the last number there is, then a clear refusal (not a wrapped one) */
+    assert_int_equal(fi_pstore_reserve(s, (uint64_t)INT64_MAX - 1, err, sizeof err), 0);
+    assert_int_equal(fi_pstore_apply(s, POLICY, strlen(POLICY), "a", "", f->sk, NOW, 3600, &v, err, sizeof err), 0);
+    assert_true(v == (uint64_t)INT64_MAX);
+    assert_int_equal(fi_pstore_apply(s, POLICY, strlen(POLICY), "a", "", f->sk, NOW, 3600, &v, err, sizeof err), -1);
+    assert_non_null(strstr(err, "exhausted"));
     fi_pstore_destroy(&s);
     /* kept in the database */
+    snprintf(path, sizeof path, "%s/reserve2.db", f->dir);
     s = fi_pstore_open(path, err, sizeof err);
     assert_non_null(s);
     assert_int_equal(fi_pstore_reserve(s, 20, err, sizeof err), 0);

@@ -572,7 +572,16 @@ static void test_pushed_version_taken(void **state) {
     assert_int_equal(r->policy_reply->version, 12);
     fi_wire_free(&r);
     assert_int_equal(s_bundle_at_edge(&lis, 12, 3000), 12);
-    /* the pushed version stays taken across a restart */
+    /* a version outside the numbering is refused */
+    b = NULL;
+    assert_int_equal(fi_bundle_key_load(key, sk, err, sizeof err), 0);
+    assert_int_equal(fi_bundle_sign(sk, 20, now - 60, now + 3600, P2, strlen(P2), &b, &bl), 0);
+    assert_int_equal(h_push_bundle(&f->h, (uint64_t)INT64_MAX, b, bl), FI__ERROR_CODE__ERR_BAD_REQUEST);
+    /* a pushed version stays taken across a restart */
+    assert_int_equal(h_push_bundle(&f->h, 20, b, bl), 0);
+    sodium_memzero(sk, sizeof sk);
+    free(b);
+    assert_int_equal(s_bundle_at_edge(&lis, 20, 3000), 20);
     s_kill(&f->coord);
     fi_client_destroy(&op);
     assert_true((f->coord = s_start_coord(f)) > 0);
@@ -583,7 +592,7 @@ static void test_pushed_version_taken(void **state) {
     assert_non_null(op);
     r = s_apply(op, P2, "after a restart");
     assert_int_equal(r->body_case, FI__ENVELOPE__BODY_POLICY_REPLY);
-    assert_int_equal(r->policy_reply->version, 13);
+    assert_int_equal(r->policy_reply->version, 21);
     fi_wire_free(&r);
     s_listener_stop(&lis);
     fi_client_destroy(&op);
