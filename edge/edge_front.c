@@ -139,9 +139,11 @@ static int s_look(edge_front *f, int i, double now) {
     }
     size_t n = k > 0 ? (size_t)k : 0;
     const char *eoh = NULL;
-    for (size_t j = 0; j + 3 < n && !eoh; j++)
+    size_t j0 = 0; /* empty lines before the request line are not its end */
+    while (j0 < n && (buf[j0] == '\r' || buf[j0] == '\n')) j0++;
+    for (size_t j = j0; j + 3 < n && !eoh; j++)
         if (!memcmp(buf + j, "\r\n\r\n", 4)) eoh = buf + j + 4;
-    for (size_t j = 0; j + 1 < n && !eoh; j++)
+    for (size_t j = j0; j + 1 < n && !eoh; j++)
         if (!memcmp(buf + j, "\n\n", 2)) eoh = buf + j + 2;
     if (eoh) {
         char code[40], msg[256];

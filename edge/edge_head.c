@@ -34,7 +34,14 @@ int edge_front_check_head(const char *h, size_t n, long max_body, char *code, si
             return 400;
         }
     }
-    /* the request line: METHOD SP TARGET SP HTTP/1.x */
+    /* empty lines before the request line are ignored (RFC 9112 2.2) */
+    while (n && (*h == '\r' || *h == '\n')) {
+        h++;
+        n--;
+    }
+    line = memchr(h, '\n', n);
+    /* the request line: METHOD SP TARGET SP HTTP/1.x (a later minor
+     * version is served as 1.1, RFC 9110 2.5) */
     {
         size_t ll = line ? (size_t)(line - h) : n;
         if (ll && h[ll - 1] == '\r') ll--;
@@ -50,10 +57,9 @@ int edge_front_check_head(const char *h, size_t n, long max_body, char *code, si
                           "the request line '%.*s' is not METHOD TARGET VERSION", h, (int)(ll > 64 ? 64 : ll));
         const char *v = sp2 + 1;
         size_t vl = (size_t)(h + ll - v);
-        if (vl != 8 || (memcmp(v, "HTTP/1.1", 8) && memcmp(v, "HTTP/1.0", 8)))
+        if (vl != 8 || memcmp(v, "HTTP/1.", 7) || v[7] < '0' || v[7] > '9')
             return s_fail(code, clen, msg, mlen, 505, "http_version_not_supported",
-                          "the version '%.*s' is not served here (HTTP/1.0 and HTTP/1.1 are)", v,
-                          (int)(vl > 32 ? 32 : vl));
+                          "the version '%.*s' is not served here (HTTP/1.x is)", v, (int)(vl > 32 ? 32 : vl));
     }
     while (line && line + 1 < end) {
         const char *s = line + 1;
@@ -63,15 +69,28 @@ int edge_front_check_head(const char *h, size_t n, long max_body, char *code, si
         size_t len = (size_t)(e - s);
         if (len && s[len - 1] == '\r') len--;
         if (len == 0) break; /* the blank line ends the head */
+        if (*s == ' ' || *s == '\t')
+            return s_fail(code, clen, msg, mlen, 400, "invalid_request",
+                          "the header line '%.*s' continues the one before (obsolete line folding)", s,
+                          (int)(len > 64 ? 64 : len));
         const char *colon = memchr(s, ':', len);
         if (!colon || colon == s)
             return s_fail(code, clen, msg, mlen, 400, "invalid_request",
                           "the header line '%.*s' has no name and colon", s, (int)(len > 64 ? 64 : len));
+        if (colon[-1] == ' ' || colon[-1] == '\t') /* RFC 9112 5.1 */
+            return s_fail(code, clen, msg, mlen, 400, "invalid_request",
+                          "the header name in '%.*s' ends in whitespace before its colon", s,
+                          (int)(len > 64 ? 64 : len));
         const char *v = colon + 1, *ve = s + len;
         while (v < ve && (*v == ' ' || *v == '\t')) v++;
         while (ve > v && (ve[-1] == ' ' || ve[-1] == '\t')) ve--;
         size_t vl = (size_t)(ve - v);
         if ((size_t)(colon - s) == 17 && !strncasecmp(s, "transfer-encoding", 17)) {
+            if (vl == 0) {
+                snprintf(code, clen, "invalid_request");
+                snprintf(msg, mlen, "the Transfer-Encoding header is empty");
+                return 400;
+            }
             if (vl != 7 || strncasecmp(v, "chunked", 7))
                 return s_fail(code, clen, msg, mlen, 501, "unsupported_transfer_encoding",
                               "the Transfer-Encoding '%.*s' is not served here (only chunked is)", v,

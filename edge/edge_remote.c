@@ -296,9 +296,11 @@ static void s_dispatch(s_remote *r, fi_msg *m) {
         /* (a job the client left is done already: finish leaves it as it
          * is, since its answer may be on its way). OpenAI's reasons: the
          * context filling up is "length", as on the local engine; work the
-         * cluster cancelled is no answer. */
+         * cluster stopped on its own (out of memory, its scheduler
+         * stopping: the edge's own cancels never come back) is no answer,
+         * and a gateway's failure the client may retry. */
         if (!strcmp(sr, "cancelled"))
-            edge_job_fail(j, 499, "cancelled", "the request was cancelled at the cluster");
+            edge_job_fail(j, 502, "cluster_cancelled", "the cluster stopped the request before it finished");
         else
             edge_job_finish(j, !strcmp(sr, "length") || !strcmp(sr, "context_full") ? "length" : "stop",
                             (int)m->final->n_prompt, (int)m->final->n_generated);
