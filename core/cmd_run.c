@@ -77,7 +77,7 @@ static void s_run_usage(FILE *f) {
             "  -n, --max-tokens N      tokens to generate at most (default 256)\n"
             "      --temp T            temperature; 0 is greedy (default 0.7)\n"
             "      --top-k K           keep the K most likely tokens; 0 is off (default 40)\n"
-            "      --top-p P           nucleus sampling; 1 is off (default 0.95)\n"
+            "      --top-p P           nucleus sampling; 1 is off, 0 greedy (default 0.95)\n"
             "      --min-p P           drop tokens below P x the best; 0 is off (default 0.05)\n"
             "      --repeat-penalty R  penalise recent tokens; 1 is off (default 1.0)\n"
             "      --seed N            RNG seed (default: from the clock, printed with --stats)\n"
@@ -174,10 +174,6 @@ int fi_cmd_run(int argc, char **argv) {
         case 'k': if (s_parse_int("--top-k", optarg, 0, INT_MAX, &v)) return 2; sp.top_k = (int)v; break;
         case 'p':
             if (s_parse_float("--top-p", optarg, 0, 1, &sp.top_p)) return 2;
-            if (sp.top_p <= 0) { /* 0 read as "off" by the sampler; the API refuses it too */
-                fprintf(stderr, "fedinfer: --top-p must be above 0 and at most 1 (1 is off), not '%s'\n", optarg);
-                return 2;
-            }
             break;
         case 'M': if (s_parse_float("--min-p", optarg, 0, 1, &sp.min_p)) return 2; break;
         case 'R': if (s_parse_float("--repeat-penalty", optarg, 0.01, 100, &sp.repeat_penalty)) return 2; break;
@@ -219,6 +215,8 @@ int fi_cmd_run(int argc, char **argv) {
         default: s_run_usage(stderr); return 2;
         }
     }
+    if (sp.top_p <= 0) /* only the likeliest token, as the API takes 0 (the sampler reads 0 as off) */
+        sp.temperature = 0.0f;
     if (!seed_given) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);

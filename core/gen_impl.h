@@ -8,7 +8,8 @@
 #include "fi_model.h"
 #include "fi_textstream.h"
 
-/* Appends the text of token id to ts (nothing for a control token).
+/* Appends the text of token id to ts (nothing for a control token, whose
+ * text still completes a stop string in it: fi_textstream_mark).
  * Returns 1 when a stop string is now
  * complete, 0 otherwise, -1 with a message in err (a token without text,
  * out of memory). */

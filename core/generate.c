@@ -53,17 +53,18 @@ int fi_gen_is_greedy(const fi_sampler_params *p) {
 
 int fi_gen_push_token(const fi_tok *tok, fi_textstream *ts, int32_t id, char *err,
                       size_t errlen) {
-    /* A control token the model samples mid-answer ("<jupyter_start>", a
-     * stray "<|im_start|>") is markup, not text: it counts as generated
-     * but adds nothing to the answer, as in OpenAI's and llama.cpp's
-     * servers. */
-    if (fi_tok_is_special(tok, id)) return 0;
     char piece[256];
     int len = fi_tok_piece(tok, id, piece, sizeof piece);
     if (len < 0) {
         s_err(err, errlen, "sampled token %d has no text", id);
         return -1;
     }
+    /* A control token the model samples mid-answer ("<jupyter_start>", a
+     * stray "<|im_start|>") is markup, not text: it counts as generated
+     * but adds nothing to the answer, as in OpenAI's and llama.cpp's
+     * servers; a stop string in it still stops. */
+    if (fi_tok_is_special(tok, id))
+        return (size_t)len <= sizeof piece ? fi_textstream_mark(ts, piece, (size_t)len) : 0;
     char *big = NULL;
     const char *pp = piece;
     if ((size_t)len > sizeof piece) { /* rare: a very long token */

@@ -98,6 +98,19 @@ int fi_textstream_push(fi_textstream *ts, const char *bytes, size_t len) {
     return ts->stop_at != (size_t)-1;
 }
 
+int fi_textstream_mark(fi_textstream *ts, const char *piece, size_t len) {
+    if (ts->stop_at != (size_t)-1) return 1;
+    for (int i = 0; i < ts->n_stop; i++) {
+        size_t L = ts->stop_len[i];
+        for (size_t p = 0; p + L <= len; p++)
+            if (!memcmp(piece + p, ts->stop[i], L)) {
+                ts->stop_at = ts->len; /* everything before is final */
+                return 1;
+            }
+    }
+    return 0;
+}
+
 /* Bytes at the end that must wait: an incomplete UTF-8 sequence, or a
  * suffix that could grow into a stop string. */
 static size_t s_holdback(const fi_textstream *ts) {

@@ -261,9 +261,9 @@ static const char *s_unsupported(json_t *root, int chat) {
     if (SET("function_call") && !(json_is_string(v) && (!strcmp(json_string_value(v), "none") ||
                                                         !strcmp(json_string_value(v), "auto"))))
         return "function_call";
-    /* chat: a boolean; completions: how many to return (0: none) */
-    if (SET("logprobs") && !json_is_false(v) && !(json_is_integer(v) && json_integer_value(v) == 0))
-        return "logprobs";
+    /* chat: a boolean; completions: how many alternatives to return with
+     * each token's own log probability (0 still returns that) */
+    if (SET("logprobs") && !json_is_false(v)) return "logprobs";
     if (SET("top_logprobs") && !(json_is_integer(v) && json_integer_value(v) == 0)) return "top_logprobs";
     if (SET("logit_bias") && !(json_is_object(v) && json_object_size(v) == 0)) return "logit_bias";
     if (SET("presence_penalty") && !(json_is_number(v) && json_number_value(v) == 0)) return "presence_penalty";
@@ -348,7 +348,7 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
         double t = json_number_value(v);
         if (!(t >= 0 && t <= 1)) BAD("top_p", "'top_p' must be between 0 and 1");
         r->sp.top_p = (float)t;
-        if (t == 0) r->sp.temperature = 0.0f; /* only the likeliest token: greedy */
+        if (r->sp.top_p == 0.0f) r->sp.temperature = 0.0f; /* only the likeliest token: greedy */
     }
     v = json_object_get(root, "seed");
     if (v && !json_is_null(v)) {
@@ -428,8 +428,14 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
                 strcmp(rs, "developer"))
                 BAD("messages", "messages[%zu].role '%.32s' is not one of system, developer, user or assistant%s",
                     i, rs, !strcmp(rs, "tool") || !strcmp(rs, "function") ? " (tool calls are not supported)" : "");
-            if (json_object_get(m, "tool_calls") || json_object_get(m, "function_call"))
+            /* a history replayed from an answer carries "tool_calls": null
+             * (or []): no calls, served; real ones are not */
+            json_t *tc = json_object_get(m, "tool_calls"), *fc = json_object_get(m, "function_call");
+            if ((tc && !json_is_null(tc) && !(json_is_array(tc) && json_array_size(tc) == 0)) ||
+                (fc && !json_is_null(fc))) {
+                *code = "unsupported_parameter";
                 BAD("messages", "messages[%zu] carries tool calls, which this agent does not support", i);
+            }
             const char *text = NULL;
             if (!strcmp(rs, "assistant") && (!content || json_is_null(content))) {
                 text = ""; /* an assistant turn may come without content */
@@ -975,10 +981,13 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
                          "the prompt is empty");
             goto done;
         }
-        /* a limit the client did not set: as much as the context leaves */
-        if (!r->max_tokens_given && n_ids + r->max_tokens > e->conf.n_ctx && n_ids < e->conf.n_ctx)
+        /* a limit the client did not set: as much as the context leaves
+         * (this agent's context: for its own model only; a cluster's
+         * model has the cluster's) */
+        if (local_model && !r->max_tokens_given && n_ids + r->max_tokens > e->conf.n_ctx &&
+            n_ids < e->conf.n_ctx)
             r->max_tokens = e->conf.n_ctx - n_ids;
-        if (n_ids + r->max_tokens > e->conf.n_ctx) {
+        if (local_model && n_ids + r->max_tokens > e->conf.n_ctx) {
             free(ids);
             if (r->max_tokens_given)
                 rc = s_error(e, c, 400, "context_length_exceeded", chat ? "messages" : "prompt", NULL,
@@ -1262,12 +1271,13 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
                               e->remote_online && atomic_load(e->remote_online));
         return s_json(c, atomic_load(&e->stopping) ? 503 : 200, o, NULL);
     }
-    int known = !strcmp(url, "/v1/chat/completions") || !strcmp(url, "/v1/completions") ||
-                !strncmp(url, "/v1/models", 10) || !strcmp(url, "/metrics") || !strcmp(url, "/healthz");
+    int post_only = !strcmp(url, "/v1/chat/completions") || !strcmp(url, "/v1/completions");
+    int known = post_only || !strcmp(url, "/v1/models") || (!strncmp(url, "/v1/models/", 11) && url[11]) ||
+                !strcmp(url, "/metrics") || !strcmp(url, "/healthz");
     if (known) {
         static const char *const allow_post[] = {"Allow", "POST", NULL};
         static const char *const allow_get[] = {"Allow", "GET, HEAD", NULL};
-        const char *const *allow = strstr(url, "completions") ? allow_post : allow_get;
+        const char *const *allow = post_only ? allow_post : allow_get;
         return s_error(NULL, c, 405, "method_not_allowed", NULL, allow, "%s is not allowed on %s",
                        method, url);
     }

@@ -32,7 +32,7 @@ struct MHD_Daemon;
 
 #define EDGE_MAX_STOP 4    /* stop strings per request (OpenAI's limit) */
 #define EDGE_MAX_LABELS 16 /* residency labels per request */
-#define EDGE_ID_LEN 64     /* request id, NUL included (the wire takes 63 bytes) */
+#define EDGE_ID_LEN 64     /* request id, NUL included (within the wire's FI_WIRE_MAX_ID) */
 
 /* --- jobs ------------------------------------------------------------- */
 
@@ -272,10 +272,12 @@ void edge_front_stop(edge_front **f);
 /* The check on a complete request head (h, n bytes up to its blank line),
  * for what libmicrohttpd would answer with an HTML page, or not at all:
  * 0 when it may go on; else 400 (a control byte, a header line without a
- * colon, a Content-Length that is not a number, two that differ, or one
- * beside Transfer-Encoding), 413 (a Content-Length over 2^64-1), 501 (a
+ * name and colon, folded or with whitespace before its colon, a
+ * Content-Length that is not a number, two that differ, or one beside
+ * Transfer-Encoding), 413 (a Content-Length over 2^64-1), 501 (a
  * Transfer-Encoding other than chunked) or 505 (a version other than
- * HTTP/1.0 and 1.1), with an OpenAI error code and a message. */
+ * HTTP/1.x), with an OpenAI error code and a message. Empty lines before
+ * the request line are skipped. */
 int edge_front_check_head(const char *h, size_t n, long max_body, char *code, size_t clen,
                           char *msg, size_t mlen);
 

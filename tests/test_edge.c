@@ -492,14 +492,34 @@ static void test_unsupported_parameters(void **state) {
     assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, body, &r), 0);
     if (r.status != 200) fail_msg("defaults refused: %s", r.body);
     resp_free(&r);
-    /* an assistant turn without content (as SDKs replay one) */
-    snprintf(body, sizeof body,
-             "%s\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\","
-             "\"content\":null},{\"role\":\"user\",\"content\":\"and?\"}]}",
-             H);
-    assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, body, &r), 0);
-    if (r.status != 200) fail_msg("assistant without content: %s", r.body);
-    resp_free(&r);
+    /* an assistant turn as SDKs replay one (message.model_dump(): content
+     * maybe null, tool_calls and function_call null), or with tool_calls
+     * [] (vLLM's answers): served; with real tool calls: refused */
+    static const char *const turns[][2] = {
+        {"\"content\":null", "200"},
+        {"\"content\":\"hi\",\"tool_calls\":null,\"function_call\":null,\"refusal\":null", "200"},
+        {"\"content\":\"hi\",\"tool_calls\":[]", "200"},
+        {"\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\","
+         "\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]", "400"},
+        {"\"content\":null,\"function_call\":{\"name\":\"f\",\"arguments\":\"{}\"}", "400"},
+    };
+    for (size_t i = 0; i < sizeof turns / sizeof turns[0]; i++) {
+        snprintf(body, sizeof body,
+                 "%s\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\",%s},"
+                 "{\"role\":\"user\",\"content\":\"and?\"}]}",
+                 H, turns[i][0]);
+        assert_int_equal(http(s_fx->port, "POST", "/v1/chat/completions", NULL, body, &r), 0);
+        if (r.status != atoi(turns[i][1])) fail_msg("assistant turn %zu: %d %s", i, r.status, r.body);
+        if (r.status == 400) assert_string_equal(error_code(&r), "unsupported_parameter");
+        resp_free(&r);
+    }
+    /* model paths that are not one */
+    static const char *const nopath[] = {"/v1/models/", "/v1/modelsfoo"};
+    for (size_t i = 0; i < 2; i++) {
+        assert_int_equal(http(s_fx->port, "GET", nopath[i], NULL, NULL, &r), 0);
+        if (r.status != 404) fail_msg("GET %s: %d", nopath[i], r.status);
+        resp_free(&r);
+    }
     /* top_p 0: only the likeliest token, so the greedy answer */
     char t0[256], t1[256];
     for (int k = 0; k < 2; k++) {
@@ -548,6 +568,23 @@ static void test_models_and_room(void **state) {
     assert_true(ct >= 1 && pt + ct <= 256);
     json_decref(j);
     resp_free(&r);
+    /* request ids: a random part per start, so two starts never give the
+     * same ids (they restarted at 1) */
+    char id1[64] = "", id2[64] = "";
+    const char *one = "{\"model\":\"smollm2-135m\",\"prompt\":\"a\",\"max_tokens\":1}";
+    fx *f2 = fx_start(1, 1, 1);
+    for (int k = 0; k < 2; k++) {
+        resp q;
+        assert_int_equal(http(k ? f2->port : s_fx->port, "POST", "/v1/completions", NULL, one, &q), 0);
+        assert_int_equal(q.status, 200);
+        assert_true(header(&q, "X-Request-Id", k ? id2 : id1, sizeof id1));
+        resp_free(&q);
+    }
+    fx_stop(f2);
+    /* cmpl-<site>-<8 hex><counter> */
+    assert_true(!strncmp(id1, "cmpl-berlin-clinic-", 19) && !strncmp(id2, "cmpl-berlin-clinic-", 19));
+    assert_true(strlen(id1) >= 28 && strlen(id2) >= 28);
+    assert_memory_not_equal(id1 + 19, id2 + 19, 8);
     /* with max_tokens given, the same prompt is refused, naming it */
     body[strlen(body) - 1] = 0;
     strcat(body, ",\"max_tokens\":8}");

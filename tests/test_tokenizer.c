@@ -866,6 +866,16 @@ static void test_control_token_no_text(void **state) {
     assert_int_equal(n, 4);
     assert_memory_equal(out, " the", 4);
     fi_textstream_destroy(&ts);
+    /* a stop string in a control token's text still stops, there */
+    const char *stop[] = {"<|im_start|>"};
+    ts = fi_textstream_new(stop, 1);
+    assert_int_equal(fi_gen_push_token(t, ts, ids[1], err, sizeof err), 0);
+    assert_int_equal(fi_gen_push_token(t, ts, ids[0], err, sizeof err), 1);
+    assert_int_equal(fi_gen_push_token(t, ts, ids[1], err, sizeof err), 1);
+    out = fi_textstream_take(ts, 1, &n);
+    assert_int_equal(n, 4);
+    assert_memory_equal(out, " the", 4);
+    fi_textstream_destroy(&ts);
     fi_tok_destroy(&t);
     fi_gguf_close(&g);
     free(buf);
