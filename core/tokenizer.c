@@ -656,12 +656,26 @@ int32_t fi_tok_bos(const fi_tok *t) { return t->bos; }
 int32_t fi_tok_eos(const fi_tok *t) { return t->eos; }
 int fi_tok_add_bos(const fi_tok *t) { return t->add_bos; }
 
+static size_t s_find_special(const fi_tok *t, const unsigned char *s, size_t from, size_t n,
+                             int parse_special, int32_t *id);
+
+/* As fi_tok_encode sees plain text: the user-defined tokens in it are
+ * matched whole (even one whose text is a byte without a byte-level
+ * token), every other byte needs its token. */
 int fi_tok_can_encode(const fi_tok *t, const char *text, size_t len) {
     if (t->n_missing_bytes == 0)
         return 1;
-    for (size_t i = 0; i < len; i++)
-        if (t->byte_tok[(unsigned char)text[i]] < 0)
-            return 0;
+    const unsigned char *s = (const unsigned char *)text;
+    for (size_t p = 0; p < len;) {
+        int32_t id = -1;
+        size_t at = t->has_user_defined ? s_find_special(t, s, p, len, 0, &id) : len;
+        for (size_t i = p; i < at; i++)
+            if (t->byte_tok[s[i]] < 0)
+                return 0;
+        if (at >= len)
+            break;
+        p = at + (t->text_off[id + 1] - t->text_off[id] - 1);
+    }
     return 1;
 }
 

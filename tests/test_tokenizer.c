@@ -881,6 +881,29 @@ static void test_control_token_no_text(void **state) {
     free(buf);
 }
 
+/* A byte whose only token is a user-defined one (here "-", whose
+ * byte-level symbol is itself): the encoder matches the token, so the byte
+ * is not dropped, and fi_tok_can_encode must say so (it said 0: found by
+ * fuzz_tokenizer); a byte with no token at all still makes it 0. */
+static void test_user_defined_single_byte(void **state) {
+    (void)state;
+    spec sp;
+    s_spec_default(&sp);
+    sp.user_defined_at = 3 + '-';
+    sp.drop_byte = '~'; /* after '-': the index above stays the one of '-' */
+    char err[256];
+    unsigned char *buf;
+    fi_gguf *g;
+    fi_tok *t = s_load(&sp, err, sizeof err, &buf, &g);
+    if (!t) fail_msg("fi_tok_new: %s", err);
+    assert_true(fi_tok_can_encode(t, "a-b", 3));
+    s_assert_roundtrip(t, "a-b", 3, 0);
+    assert_false(fi_tok_can_encode(t, "a-~", 3));
+    fi_tok_destroy(&t);
+    fi_gguf_close(&g);
+    free(buf);
+}
+
 static void test_synthetic(void **state) {
     (void)state;
     spec sp;
@@ -1078,7 +1101,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden),      cmocka_unit_test(test_roundtrip_random),
         cmocka_unit_test(test_long_words),  cmocka_unit_test(test_special), cmocka_unit_test(test_many_specials),
-        cmocka_unit_test(test_control_token_no_text),
+        cmocka_unit_test(test_control_token_no_text), cmocka_unit_test(test_user_defined_single_byte),
         cmocka_unit_test(test_eog),         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_ids),
         cmocka_unit_test(test_buffers),     cmocka_unit_test(test_speed),
