@@ -399,9 +399,11 @@ int fi_group_plan_make(const fi_group_conf *g, const fi_group_model *m,
         s_split(m->n_kv_heads, tp, g->tp_weight, kv, 1);
     }
     /* FFN: gate/up by output rows, down by input columns, so every share
-     * must hold whole quantisation blocks of ffn_down's rows. */
+     * must hold whole quantisation blocks of ffn_down's rows (a model file
+     * always does: its rows are whole blocks; checked whatever tp is, as
+     * a plan's FFN share is counted in blocks below). */
     const int blk = m->ffn_block > 0 ? m->ffn_block : 1;
-    if (tp > 1 && m->ffn_dim % blk) {
+    if (m->ffn_dim % blk) {
         snprintf(err, errlen, "model: ffn length %d is not a multiple of ffn_down's block of %d",
                  m->ffn_dim, blk);
         return -1;

@@ -199,6 +199,11 @@ static void test_refusals(void **state) {
     assert_int_equal(s_load(f, 2, "", &g, err, sizeof err), 0);
     assert_int_equal(fi_group_plan_make(&g, &odd, plans, err, sizeof err), -1);
     assert_non_null(strstr(err, "block"));
+    /* with one rank per stage too: its share would lose the last rows
+     * (found by a fuzzed group file) */
+    assert_int_equal(s_load(f, 2, "tp = 1\n", &g, err, sizeof err), 0);
+    assert_int_equal(fi_group_plan_make(&g, &odd, plans, err, sizeof err), -1);
+    assert_non_null(strstr(err, "not a multiple of ffn_down's block"));
 }
 
 static void test_bad_files(void **state) {
