@@ -191,6 +191,14 @@ FI_MUST_CHECK int fi_session_eval_greedy(fi_session *s, const int32_t *toks, int
                                          int32_t *next, char *err, size_t errlen);
 
 /* --- sampling ---------------------------------------------------------- */
+#define FI_SAMPLER_MAX_BIAS 300 /* logit_bias entries, as OpenAI's limit */
+
+/* One entry of OpenAI's logit_bias: added to the token's logit. */
+typedef struct fi_logit_bias {
+    int32_t id;
+    float bias;           /* -100..100; -100 bans the token in practice */
+} fi_logit_bias;
+
 typedef struct fi_sampler_params {
     float temperature;    /* <= 0: greedy */
     int top_k;            /* <= 0: off */
@@ -199,15 +207,27 @@ typedef struct fi_sampler_params {
     float repeat_penalty; /* 1: off */
     int repeat_last_n;    /* how many recent tokens the penalty looks at */
     uint64_t seed;        /* RNG seed (the RNG lives in the sampler) */
+    /* OpenAI's penalties, over the generated tokens only
+     * (fi_sampler_prompt_len): a token's logit loses presence_penalty
+     * once it was generated, and frequency_penalty per time; 0: off */
+    float presence_penalty;
+    float frequency_penalty;
+    int n_bias;           /* logit_bias entries (ids outside the vocabulary are ignored) */
+    fi_logit_bias bias[FI_SAMPLER_MAX_BIAS];
 } fi_sampler_params;
 
 /* Defaults: temperature 0.7, top_k 40, top_p 0.95, min_p 0.05,
- * repeat_penalty 1.0 (off), repeat_last_n 64, seed 0. */
+ * repeat_penalty 1.0 (off), repeat_last_n 64, seed 0, no OpenAI
+ * penalties, no logit_bias. */
 fi_sampler_params fi_sampler_defaults(void);
 
 typedef struct fi_sampler fi_sampler;
 fi_sampler *fi_sampler_new(const fi_sampler_params *p, int n_vocab);
 void fi_sampler_destroy(fi_sampler **s);
+/* The first n tokens of every history passed to fi_sampler_sample are the
+ * prompt: the presence and frequency penalties count only what follows
+ * (0, the default: the whole history). */
+void fi_sampler_prompt_len(fi_sampler *s, int n);
 /* Greedy choice: the first index of the largest of x[0..n) (NaNs never
  * win; 0 when all are NaN). */
 int32_t fi_argmax(const float *x, int n);

@@ -20,7 +20,7 @@ int fi_gen_push_token(const fi_tok *tok, fi_textstream *ts, int32_t id, char *er
  * callback cancels. flush: the end of generation. */
 int fi_gen_emit(fi_textstream *ts, fi_text_fn on_text, void *user, int flush);
 
-/* Greedy decoding without a repetition penalty: only the argmax is needed. */
+/* Greedy decoding without a penalty or logit_bias: only the argmax is needed. */
 int fi_gen_is_greedy(const fi_sampler_params *p);
 
 #endif /* FI_GEN_IMPL_H */

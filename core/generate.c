@@ -48,7 +48,8 @@ int fi_gen_emit(fi_textstream *ts, fi_text_fn on_text, void *user, int flush) {
 }
 
 int fi_gen_is_greedy(const fi_sampler_params *p) {
-    return !(p->temperature > 0.0f) && (p->repeat_penalty == 1.0f || p->repeat_penalty <= 0.0f);
+    return !(p->temperature > 0.0f) && (p->repeat_penalty == 1.0f || p->repeat_penalty <= 0.0f) &&
+           p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && p->n_bias <= 0;
 }
 
 int fi_gen_push_token(const fi_tok *tok, fi_textstream *ts, int32_t id, char *err,
@@ -111,6 +112,7 @@ int fi_generate(fi_session *s, const int32_t *prompt, int n_prompt, const fi_gen
     n_vocab = fi_model_config(m)->n_vocab;
 
     smp = fi_sampler_new(&o->sampling, n_vocab);
+    if (smp) fi_sampler_prompt_len(smp, n_prompt);
     ts = fi_textstream_new(o->stop, o->n_stop);
     logits = malloc((size_t)n_vocab * sizeof(float));
     hist = malloc(((size_t)n_prompt + (size_t)o->max_tokens + 1) * sizeof(int32_t));

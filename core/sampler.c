@@ -2,7 +2,8 @@
  * sampler.c - picks the next token from logits.
  *
  * Order of the steps (as llama.cpp's default chain): repetition penalty,
- * then greedy if temperature <= 0; otherwise top-k, temperature, softmax,
+ * OpenAI's presence and frequency penalties and logit_bias, then greedy if
+ * temperature <= 0; otherwise top-k, temperature, softmax,
  * top-p (nucleus), min-p, and a draw from what is left with the sampler's
  * own seeded RNG (xoshiro256**, seeded through splitmix64), so a given seed
  * gives the same tokens on every run.
@@ -23,7 +24,9 @@ typedef struct cand {
 struct fi_sampler {
     fi_sampler_params p;
     int n_vocab;
+    int n_prompt;     /* history tokens the OpenAI penalties skip */
     cand *c;          /* n_vocab candidates, scratch */
+    uint8_t *seen;    /* (n_vocab bits) presence_penalty's marks, cleared after use; or NULL */
     uint64_t rng[4];  /* xoshiro256** state */
 };
 
@@ -70,17 +73,25 @@ fi_sampler *fi_sampler_new(const fi_sampler_params *p, int n_vocab) {
     s->p = p ? *p : fi_sampler_defaults();
     s->n_vocab = n_vocab;
     s->c = malloc((size_t)n_vocab * sizeof *s->c);
-    if (!s->c) {
+    if (s->p.presence_penalty != 0.0f) s->seen = calloc(((size_t)n_vocab + 7) / 8, 1);
+    if (!s->c || (s->p.presence_penalty != 0.0f && !s->seen)) {
+        free(s->c);
+        free(s->seen);
         free(s);
         return NULL;
     }
+    if (s->p.n_bias < 0) s->p.n_bias = 0;
+    if (s->p.n_bias > FI_SAMPLER_MAX_BIAS) s->p.n_bias = FI_SAMPLER_MAX_BIAS;
     uint64_t x = s->p.seed;
     for (int i = 0; i < 4; i++) s->rng[i] = s_splitmix64(&x);
     return s;
 }
 
+void fi_sampler_prompt_len(fi_sampler *s, int n) { s->n_prompt = n > 0 ? n : 0; }
+
 void fi_sampler_destroy(fi_sampler **sp) {
     if (!sp || !*sp) return;
+    free((*sp)->seen);
     free((*sp)->c);
     free(*sp);
     *sp = NULL;
@@ -144,6 +155,31 @@ static void s_penalize(const fi_sampler *s, float *logits, const int32_t *hist, 
     }
 }
 
+/* OpenAI's penalties over the generated part of the history, then
+ * logit_bias: logit[t] -= c[t] * frequency + (c[t] > 0) * presence, where
+ * c[t] counts t among the generated tokens; logit[t] += bias[t]. */
+static void s_openai(const fi_sampler *s, float *logits, const int32_t *hist, int n_hist) {
+    const fi_sampler_params *p = &s->p;
+    const int32_t *gen = hist + (s->n_prompt < n_hist ? s->n_prompt : n_hist);
+    int n_gen = n_hist > s->n_prompt ? n_hist - s->n_prompt : 0;
+    if (!hist) n_gen = 0;
+    if (p->frequency_penalty != 0.0f)
+        for (int i = 0; i < n_gen; i++)
+            if (gen[i] >= 0 && gen[i] < s->n_vocab) logits[gen[i]] -= p->frequency_penalty;
+    if (p->presence_penalty != 0.0f && s->seen) {
+        for (int i = 0; i < n_gen; i++) {
+            int32_t t = gen[i];
+            if (t < 0 || t >= s->n_vocab || (s->seen[t >> 3] & (1u << (t & 7)))) continue;
+            s->seen[t >> 3] |= (uint8_t)(1u << (t & 7));
+            logits[t] -= p->presence_penalty;
+        }
+        for (int i = 0; i < n_gen; i++)
+            if (gen[i] >= 0 && gen[i] < s->n_vocab) s->seen[gen[i] >> 3] = 0;
+    }
+    for (int i = 0; i < p->n_bias; i++)
+        if (p->bias[i].id >= 0 && p->bias[i].id < s->n_vocab) logits[p->bias[i].id] += p->bias[i].bias;
+}
+
 int32_t fi_argmax(const float *x, int n) {
     return fi_argmax_f32(x, n);
 }
@@ -152,6 +188,7 @@ int32_t fi_sampler_sample(fi_sampler *s, float *logits, const int32_t *hist, int
     const fi_sampler_params *p = &s->p;
     int V = s->n_vocab;
     s_penalize(s, logits, hist, n_hist);
+    s_openai(s, logits, hist, n_hist);
 
     if (!(p->temperature > 0.0f)) return fi_argmax(logits, V);
 

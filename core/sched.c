@@ -535,6 +535,7 @@ int64_t fi_sched_submit(fi_sched *s, const fi_sched_req *r, char *err, size_t er
     q->toks = malloc((size_t)q->cap * sizeof *q->toks);
     q->table = malloc((size_t)s->max_blocks * sizeof *q->table);
     q->smp = fi_sampler_new(&g->sampling, s->n_vocab);
+    if (q->smp) fi_sampler_prompt_len(q->smp, r->n_prompt);
     q->ts = fi_textstream_new(g->stop, g->n_stop);
     if (!q->toks || !q->table || !q->smp || !q->ts) goto oom;
     memcpy(q->toks, r->prompt, (size_t)r->n_prompt * sizeof *q->toks);

@@ -241,7 +241,7 @@ static enum MHD_Result s_xdc_each(void *cls, enum MHD_ValueKind kind, const char
 
 /* The first request field, other than those s_parse reads, whose value
  * would change the answer in a way this agent does not implement (tools,
- * structured output, log probabilities, biases and penalties, echo, ...),
+ * structured output, log probabilities, echo, ...),
  * or NULL. Their default values are accepted, as clients often send them;
  * fields that do not change the answer (store, metadata, service_tier,
  * parallel_tool_calls, ...) are ignored. */
@@ -265,10 +265,6 @@ static const char *s_unsupported(json_t *root, int chat) {
      * each token's own log probability (0 still returns that) */
     if (SET("logprobs") && !json_is_false(v)) return "logprobs";
     if (SET("top_logprobs") && !(json_is_integer(v) && json_integer_value(v) == 0)) return "top_logprobs";
-    if (SET("logit_bias") && !(json_is_object(v) && json_object_size(v) == 0)) return "logit_bias";
-    if (SET("presence_penalty") && !(json_is_number(v) && json_number_value(v) == 0)) return "presence_penalty";
-    if (SET("frequency_penalty") && !(json_is_number(v) && json_number_value(v) == 0))
-        return "frequency_penalty";
     if (SET("modalities") && !(json_is_array(v) && json_array_size(v) == 1 &&
                                json_is_string(json_array_get(v, 0)) &&
                                !strcmp(json_string_value(json_array_get(v, 0)), "text")))
@@ -349,6 +345,38 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
         if (!(t >= 0 && t <= 1)) BAD("top_p", "'top_p' must be between 0 and 1");
         r->sp.top_p = (float)t;
         if (r->sp.top_p == 0.0f) r->sp.temperature = 0.0f; /* only the likeliest token: greedy */
+    }
+    /* OpenAI's penalties and logit_bias (core/sampler.c) */
+    static const char *const pens[2] = {"presence_penalty", "frequency_penalty"};
+    for (int k = 0; k < 2; k++) {
+        v = json_object_get(root, pens[k]);
+        if (!v || json_is_null(v)) continue;
+        double t = json_is_number(v) ? json_number_value(v) : 99;
+        if (!(t >= -2 && t <= 2)) BAD(pens[k], "'%s' must be a number between -2 and 2", pens[k]);
+        if (k) r->sp.frequency_penalty = (float)t;
+        else r->sp.presence_penalty = (float)t;
+    }
+    v = json_object_get(root, "logit_bias");
+    if (v && !json_is_null(v)) {
+        if (!json_is_object(v) || json_object_size(v) > FI_SAMPLER_MAX_BIAS)
+            BAD("logit_bias", "'logit_bias' must be an object of at most %d token ids and biases",
+                FI_SAMPLER_MAX_BIAS);
+        /* the local model's vocabulary, when it is the one asked for (a
+         * cluster's worker checks against its own) */
+        long vocab = e->model && !strcmp(r->model, e->conf.model_name) ? fi_tok_n_vocab(fi_model_tok(e->model))
+                                                                         : (long)INT32_MAX;
+        const char *key;
+        json_t *b;
+        json_object_foreach(v, key, b) {
+            char *end;
+            long id = key[0] >= '0' && key[0] <= '9' ? strtol(key, &end, 10) : -1;
+            if (id < 0 || *end || id >= vocab || strlen(key) > 10)
+                BAD("logit_bias", "logit_bias: '%.20s' is not a token id of this model (0..%ld)", key, vocab - 1);
+            double t = json_is_number(b) ? json_number_value(b) : 999;
+            if (!(t >= -100 && t <= 100))
+                BAD("logit_bias", "logit_bias: the bias of token %ld must be a number between -100 and 100", id);
+            r->sp.bias[r->sp.n_bias++] = (fi_logit_bias){(int32_t)id, (float)t};
+        }
     }
     v = json_object_get(root, "seed");
     if (v && !json_is_null(v)) {

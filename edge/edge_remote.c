@@ -167,6 +167,17 @@ static void s_send_new(s_remote *r) {
         rq.top_k = j->sp.top_k;
         rq.min_p = j->sp.min_p;
         rq.repeat_penalty = j->sp.repeat_penalty;
+        rq.presence_penalty = j->sp.presence_penalty;
+        rq.frequency_penalty = j->sp.frequency_penalty;
+        Fi__LogitBias lb[FI_SAMPLER_MAX_BIAS], *lbp[FI_SAMPLER_MAX_BIAS];
+        for (int k = 0; k < j->sp.n_bias && k < FI_SAMPLER_MAX_BIAS; k++) {
+            fi__logit_bias__init(&lb[k]);
+            lb[k].token = j->sp.bias[k].id;
+            lb[k].bias = j->sp.bias[k].bias;
+            lbp[k] = &lb[k];
+        }
+        rq.logit_bias = lbp;
+        rq.n_logit_bias = (size_t)(j->sp.n_bias < FI_SAMPLER_MAX_BIAS ? j->sp.n_bias : FI_SAMPLER_MAX_BIAS);
         const edge_routed *w = j->routed;
         Fi__ChatMessage *cm = NULL, **cmp = NULL;
         if (w) {

@@ -484,9 +484,10 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
                      "request_id (1..64 bytes), model and at most 32 labels are required");
         return;
     }
-    if (rq->n_prefix_hashes > S_MAX_HASHES || rq->n_messages > 256 || rq->n_stop > 4) {
+    if (rq->n_prefix_hashes > S_MAX_HASHES || rq->n_messages > 256 || rq->n_stop > 4 ||
+        rq->n_logit_bias > FI_WIRE_MAX_BIAS) {
         s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BAD_REQUEST,
-                     "at most 512 prefix hashes, 256 messages and 4 stop strings");
+                     "at most 512 prefix hashes, 256 messages, 4 stop strings and 300 logit_bias entries");
         return;
     }
     char tenant[FI_WIRE_CACHE_TENANT_MAX];

@@ -49,6 +49,14 @@ fi_sampler_params fi_shard_sampling(const Fi__InferRequest *rq) {
     sp.min_p = rq->min_p > 0 && rq->min_p < 1 ? rq->min_p : 0.0f;
     sp.repeat_penalty = rq->repeat_penalty > 0 ? rq->repeat_penalty : 1.0f;
     sp.seed = rq->seed;
+    /* OpenAI's, within their ranges (the edge refused others) */
+    sp.presence_penalty = rq->presence_penalty >= -2 && rq->presence_penalty <= 2 ? rq->presence_penalty : 0.0f;
+    sp.frequency_penalty = rq->frequency_penalty >= -2 && rq->frequency_penalty <= 2 ? rq->frequency_penalty : 0.0f;
+    for (size_t i = 0; i < rq->n_logit_bias && sp.n_bias < FI_SAMPLER_MAX_BIAS; i++) {
+        const Fi__LogitBias *b = rq->logit_bias[i];
+        if (b && b->bias >= -100 && b->bias <= 100)
+            sp.bias[sp.n_bias++] = (fi_logit_bias){b->token, b->bias};
+    }
     return sp;
 }
 
@@ -56,6 +64,14 @@ int32_t *fi_shard_prompt_tokens(const fi_tok *tok, const Fi__InferRequest *rq, i
                                 size_t errlen) {
     int32_t *ids = NULL;
     *n = 0;
+    /* logit_bias names tokens of this model's vocabulary */
+    for (size_t i = 0; i < rq->n_logit_bias; i++)
+        if (rq->logit_bias[i] &&
+            (rq->logit_bias[i]->token < 0 || rq->logit_bias[i]->token >= fi_tok_n_vocab(tok))) {
+            snprintf(err, errlen, "logit_bias names token %d, outside the vocabulary of %d tokens",
+                     (int)rq->logit_bias[i]->token, fi_tok_n_vocab(tok));
+            return NULL;
+        }
     if (rq->n_messages > 0 || !rq->raw) {
         /* As the edge counts and hashes it (edge_prompt.c): through the
          * chat template, its markers as special tokens and the messages as

@@ -33,6 +33,7 @@ extern "C" {
 #define FI_WIRE_MAX_MSG (1u << 20)
 /* Longest request id we take, bytes. */
 #define FI_WIRE_MAX_ID 64
+#define FI_WIRE_MAX_BIAS 300 /* logit_bias entries of an InferRequest (FI_SAMPLER_MAX_BIAS) */
 /* Policy shipping: longest policy text in PolicyApply (so that a
  * PolicyContent with the text and its signed bundle fits one message),
  * comment, and filter string of an AuditQuery, bytes. */

@@ -457,9 +457,13 @@ static void test_unsupported_parameters(void **state) {
         {"/v1/chat/completions", "\"tool_choice\":\"required\"", "tool_choice"},
         {"/v1/chat/completions", "\"logprobs\":true", "logprobs"},
         {"/v1/chat/completions", "\"top_logprobs\":2", "top_logprobs"},
-        {"/v1/chat/completions", "\"logit_bias\":{\"50256\":-100}", "logit_bias"},
-        {"/v1/chat/completions", "\"presence_penalty\":0.5", "presence_penalty"},
-        {"/v1/chat/completions", "\"frequency_penalty\":-1", "frequency_penalty"},
+        {"/v1/chat/completions", "\"logit_bias\":{\"49152\":-100}", "logit_bias"},
+        {"/v1/chat/completions", "\"logit_bias\":{\"-1\":1}", "logit_bias"},
+        {"/v1/chat/completions", "\"logit_bias\":{\"12x\":1}", "logit_bias"},
+        {"/v1/chat/completions", "\"logit_bias\":{\"12\":101}", "logit_bias"},
+        {"/v1/chat/completions", "\"logit_bias\":[1]", "logit_bias"},
+        {"/v1/chat/completions", "\"presence_penalty\":2.5", "presence_penalty"},
+        {"/v1/chat/completions", "\"frequency_penalty\":\"high\"", "frequency_penalty"},
         {"/v1/chat/completions", "\"audio\":{\"voice\":\"x\"}", "audio"},
         {"/v1/chat/completions", "\"modalities\":[\"text\",\"audio\"]", "modalities"},
         {"/v1/chat/completions", "\"stream_options\":{\"include_usage\":true}", "stream_options"},
@@ -477,8 +481,9 @@ static void test_unsupported_parameters(void **state) {
         assert_int_equal(http(s_fx->port, "POST", bad[i].path, NULL, body, &r), 0);
         if (r.status != 400) fail_msg("%s: status %d: %s", bad[i].extra, r.status, r.body);
         const char *code = error_code(&r);
-        if (strcmp(code, strcmp(bad[i].param, "stream_options") && strcmp(bad[i].param, "max_completion_tokens")
-                             ? "unsupported_parameter" : "invalid_value"))
+        int range = !strcmp(bad[i].param, "stream_options") || !strcmp(bad[i].param, "max_completion_tokens") ||
+                    strstr(bad[i].param, "penalty") || !strcmp(bad[i].param, "logit_bias");
+        if (strcmp(code, range ? "invalid_value" : "unsupported_parameter"))
             fail_msg("%s: code %s", bad[i].extra, code);
         if (strcmp(error_param(&r), bad[i].param)) fail_msg("%s: param %s", bad[i].extra, error_param(&r));
         resp_free(&r);
@@ -534,6 +539,32 @@ static void test_unsupported_parameters(void **state) {
         resp_free(&r);
     }
     assert_string_equal(t0, t1);
+    /* OpenAI's penalties and logit_bias change a greedy answer: banning its
+     * first token moves it, penalising repeats changes "5, 6, 7, ..." */
+    const fi_tok *tok = fi_model_tok(s_fx->e->model);
+    int32_t first[8];
+    int nf = fi_tok_encode(tok, t0, strlen(t0), 0, first, 8);
+    assert_true(nf >= 1);
+    char t2[256], t3[256];
+    const char *extra[2] = {NULL, "\"frequency_penalty\":2,\"presence_penalty\":2"};
+    char ban[64];
+    snprintf(ban, sizeof ban, "\"logit_bias\":{\"%d\":-100}", (int)first[0]);
+    extra[0] = ban;
+    for (int k = 0; k < 2; k++) {
+        snprintf(body, sizeof body, "{\"model\":\"smollm2-135m\",\"max_tokens\":6,\"prompt\":\"1, 2, 3,\","
+                 "\"temperature\":0,%s}", extra[k]);
+        assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, body, &r), 0);
+        if (r.status != 200) fail_msg("case %d: %s", k, r.body);
+        json_t *j = json_loads(r.body, 0, NULL);
+        snprintf(k ? t3 : t2, sizeof t2, "%s",
+                 json_string_value(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text")));
+        json_decref(j);
+        resp_free(&r);
+    }
+    int32_t again[8];
+    int na = fi_tok_encode(tok, t2, strlen(t2), 0, again, 8);
+    if (na >= 1 && again[0] == first[0]) fail_msg("the banned token %d still leads: '%s'", (int)first[0], t2);
+    if (!strcmp(t3, t0)) fail_msg("penalties changed nothing: '%s'", t3);
 }
 
 /* GET /v1/models/<id>; a prompt that leaves less room than the default

@@ -67,11 +67,11 @@ typedef struct seen {
     int n_messages;
     char roles[64];        /* comma-separated */
     char last[256];        /* last message's content */
-    float top_p, temperature;
-    int raw, n_stop, n_hashes;
+    float top_p, temperature, presence, frequency, bias0;
+    int raw, n_stop, n_hashes, n_bias, bias0_token;
     char user[64], tenant[64], zone[64], stop0[32];
 } seen;
-static seen s_seen = {PTHREAD_MUTEX_INITIALIZER, 0, 0, "", "", 0, 0, 0, 0, 0, "", "", "", ""};
+static seen s_seen = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static int s_rec_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit,
                           void *emit_user, fi_shard_gen *out, char *err, size_t errlen) {
@@ -86,6 +86,11 @@ static int s_rec_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_f
              rq->n_messages ? rq->messages[rq->n_messages - 1]->content : "");
     s_seen.top_p = rq->top_p;
     s_seen.temperature = rq->temperature;
+    s_seen.presence = rq->presence_penalty;
+    s_seen.frequency = rq->frequency_penalty;
+    s_seen.n_bias = (int)rq->n_logit_bias;
+    s_seen.bias0_token = rq->n_logit_bias ? rq->logit_bias[0]->token : -1;
+    s_seen.bias0 = rq->n_logit_bias ? rq->logit_bias[0]->bias : 0;
     s_seen.raw = rq->raw;
     s_seen.n_stop = (int)rq->n_stop;
     snprintf(s_seen.stop0, sizeof s_seen.stop0, "%s", rq->n_stop ? rq->stop[0] : "");
@@ -236,6 +241,7 @@ static void test_routed_chat_fields(void **state) {
     fx *f = *state;
     resp r;
     const char *b = "{\"model\":\"echo-model\",\"max_tokens\":40,\"top_p\":0.25,"
+                    "\"presence_penalty\":0.5,\"frequency_penalty\":-1.5,\"logit_bias\":{\"17\":-100},"
                     "\"temperature\":0.5,\"user\":\"alice\",\"stop\":[\"zzz\"],\"messages\":["
                     "{\"role\":\"system\",\"content\":\"be brief\"},"
                     "{\"role\":\"user\",\"content\":\"first question\"},"
@@ -254,6 +260,9 @@ static void test_routed_chat_fields(void **state) {
     assert_string_equal(sn.last, "second question");
     assert_true(sn.top_p > 0.24f && sn.top_p < 0.26f);
     assert_true(sn.temperature > 0.49f && sn.temperature < 0.51f);
+    assert_true(sn.presence == 0.5f && sn.frequency == -1.5f);
+    assert_int_equal(sn.n_bias, 1);
+    assert_true(sn.bias0_token == 17 && sn.bias0 == -100.0f);
     assert_int_equal(sn.raw, 0);
     assert_int_equal(sn.n_stop, 1);
     assert_string_equal(sn.stop0, "zzz");

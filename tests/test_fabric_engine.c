@@ -240,8 +240,51 @@ static void test_engine_through_fabric(void **state) {
     h_stop(&h);
 }
 
+/* A routed request's sampling as a worker reads it: OpenAI's penalties
+ * and logit_bias within their ranges; a bias on a token outside the
+ * model's vocabulary refuses the request, naming it. */
+static void test_sampling_from_wire(void **state) {
+    (void)state;
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    Fi__LogitBias b[3], *bp[3];
+    for (int i = 0; i < 3; i++) {
+        fi__logit_bias__init(&b[i]);
+        bp[i] = &b[i];
+    }
+    b[0].token = 5, b[0].bias = -100;
+    b[1].token = 6, b[1].bias = 300; /* out of range: dropped */
+    b[2].token = 7, b[2].bias = 2.5f;
+    rq.logit_bias = bp;
+    rq.n_logit_bias = 3;
+    rq.presence_penalty = 1.5f;
+    rq.frequency_penalty = 7; /* out of range: off */
+    fi_sampler_params sp = fi_shard_sampling(&rq);
+    assert_true(sp.presence_penalty == 1.5f && sp.frequency_penalty == 0.0f);
+    assert_int_equal(sp.n_bias, 2);
+    assert_true(sp.bias[0].id == 5 && sp.bias[0].bias == -100.0f);
+    assert_true(sp.bias[1].id == 7 && sp.bias[1].bias == 2.5f);
+    if (access(FI_TEST_MODEL, R_OK) != 0) {
+        print_message("skipped the vocabulary check: model %s not found\n", FI_TEST_MODEL);
+        return;
+    }
+    char err[256];
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU};
+    fi_model *m = fi_model_load(FI_TEST_MODEL, &mo, err, sizeof err);
+    assert_non_null(m);
+    rq.prompt = (char *)"hello";
+    int n = 0;
+    int32_t *ids = fi_shard_prompt_tokens(fi_model_tok(m), &rq, &n, err, sizeof err);
+    assert_non_null(ids);
+    free(ids);
+    b[2].token = 49152;
+    assert_null(fi_shard_prompt_tokens(fi_model_tok(m), &rq, &n, err, sizeof err));
+    assert_non_null(strstr(err, "token 49152, outside the vocabulary of 49152"));
+    fi_model_destroy(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_sampling_from_wire),
         cmocka_unit_test(test_engine_through_fabric),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -226,6 +226,51 @@ static void test_repeat_penalty(void **state) {
     fi_sampler_destroy(&s);
 }
 
+/* OpenAI's penalties count only the generated tokens (after the prompt):
+ * presence once per token, frequency per occurrence; logit_bias adds. */
+static void test_openai_penalties_and_bias(void **state) {
+    (void)state;
+    float l[V];
+    fi_sampler_params p = s_off();
+    p.temperature = 0.0f;
+    p.presence_penalty = 0.5f;
+    p.frequency_penalty = 0.25f;
+    fi_sampler *s = fi_sampler_new(&p, V);
+    assert_non_null(s);
+    fi_sampler_prompt_len(s, 2);
+    /* prompt 7, 7; generated 3, 3, 3, 4 */
+    int32_t hist[] = {7, 7, 3, 3, 3, 4};
+    for (int i = 0; i < V; i++) l[i] = 0.0f;
+    l[3] = 3.0f;
+    l[4] = 2.0f;
+    l[7] = 1.0f;
+    (void)fi_sampler_sample(s, l, hist, 6);
+    assert_true(l[3] == 3.0f - 0.5f - 3 * 0.25f); /* 1.75 */
+    assert_true(l[4] == 2.0f - 0.5f - 0.25f);     /* 1.25 */
+    assert_true(l[7] == 1.0f);                    /* in the prompt only: untouched */
+    assert_true(l[5] == 0.0f);
+    /* the presence marks are cleared between calls */
+    for (int i = 0; i < V; i++) l[i] = 0.0f;
+    int32_t h2[] = {7, 7, 5};
+    (void)fi_sampler_sample(s, l, h2, 3);
+    assert_true(l[5] == -0.75f && l[3] == 0.0f);
+    fi_sampler_destroy(&s);
+    /* logit_bias: -100 bans the argmax, +100 crowns another; ids outside
+     * the vocabulary are ignored */
+    p = s_off();
+    p.temperature = 0.0f;
+    p.n_bias = 3;
+    p.bias[0] = (fi_logit_bias){1, -100.0f};
+    p.bias[1] = (fi_logit_bias){9, 5.0f};
+    p.bias[2] = (fi_logit_bias){V + 5, 100.0f};
+    s = fi_sampler_new(&p, V);
+    for (int i = 0; i < V; i++) l[i] = 0.0f;
+    l[1] = 10.0f;
+    l[2] = 4.0f;
+    assert_int_equal(fi_sampler_sample(s, l, NULL, 0), 9);
+    fi_sampler_destroy(&s);
+}
+
 static void test_bad_input(void **state) {
     (void)state;
     assert_null(fi_sampler_new(NULL, 0));
@@ -252,6 +297,7 @@ int main(void) {
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_low_temperature_sharpens),
         cmocka_unit_test(test_repeat_penalty),
+        cmocka_unit_test(test_openai_penalties_and_bias),
         cmocka_unit_test(test_bad_input),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -71,8 +71,7 @@ class OpenAIClient(unittest.TestCase):
         msgs = [{"role": "user", "content": "hi"}]
         for kw in ({"response_format": {"type": "json_object"}},
                    {"logprobs": True, "top_logprobs": 2},
-                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-                   {"frequency_penalty": 1.0}):
+                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}):
             with self.assertRaises(openai.BadRequestError) as cm:
                 self.c.chat.completions.create(model=M, max_tokens=4, messages=msgs, **kw)
             self.assertEqual(cm.exception.code, "unsupported_parameter")
@@ -85,6 +84,22 @@ class OpenAIClient(unittest.TestCase):
         text = "".join(ch.choices[0].text for ch in self.c.completions.create(
             model=M, prompt="1, 2, 3, 4,", temperature=0, max_tokens=8, stream=True))
         self.assertEqual(text, r.choices[0].text)
+
+    def test_penalties_and_logit_bias(self):
+        base = self.c.completions.create(model=M, prompt="1, 2, 3,", max_tokens=8, temperature=0)
+        pen = self.c.completions.create(model=M, prompt="1, 2, 3,", max_tokens=8, temperature=0,
+                                        frequency_penalty=2.0, presence_penalty=2.0)
+        self.assertNotEqual(pen.choices[0].text, base.choices[0].text)
+        # a +100 bias decides the (greedy) token, whatever else is banned
+        def one(bias):
+            return self.c.completions.create(model=M, prompt="1, 2, 3,", max_tokens=1,
+                                             temperature=0, logit_bias=bias).choices[0].text
+        banned = {str(t): -100 for t in range(0, 299)}
+        self.assertEqual(one({**banned, "300": 100}), one({"300": 100}))
+        self.assertNotEqual(one({"300": 100}), one({"301": 100}))
+        with self.assertRaises(openai.BadRequestError) as cm:
+            self.c.completions.create(model=M, prompt="x", max_tokens=1, logit_bias={"99999": 1})
+        self.assertIn("logit_bias", str(cm.exception))
 
     def test_empty_prompt(self):
         # as OpenAI: the text starts after the beginning (or end) of text
