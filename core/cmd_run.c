@@ -80,6 +80,9 @@ static void s_run_usage(FILE *f) {
             "      --top-p P           nucleus sampling; 1 is off, 0 greedy (default 0.95)\n"
             "      --min-p P           drop tokens below P x the best; 0 is off (default 0.05)\n"
             "      --repeat-penalty R  penalise recent tokens; 1 is off (default 1.0)\n"
+            "      --presence-penalty P, --frequency-penalty F\n"
+            "                          OpenAI's: subtract P once, F per time, from each\n"
+            "                          token generated so far; -2..2, 0 is off (default)\n"
             "      --seed N            RNG seed (default: from the clock, printed with --stats)\n"
             "      --stop TEXT         stop before TEXT (repeatable)\n"
             "  -t, --threads N         CPU threads (default: one per core)\n"
@@ -152,6 +155,7 @@ int fi_cmd_run(int argc, char **argv) {
         {"stats", no_argument, 0, 'z'},         {"help", no_argument, 0, 'h'},
         {"act-bits", required_argument, 0, 'B'}, {"device", required_argument, 0, 'D'},
         {"model-sha256", required_argument, 0, 'H'},
+        {"presence-penalty", required_argument, 0, 'P'}, {"frequency-penalty", required_argument, 0, 'F'},
         {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *system = NULL, *sha256 = NULL;
     int raw = 0, stats = 0, seed_given = 0;
@@ -177,6 +181,8 @@ int fi_cmd_run(int argc, char **argv) {
             break;
         case 'M': if (s_parse_float("--min-p", optarg, 0, 1, &sp.min_p)) return 2; break;
         case 'R': if (s_parse_float("--repeat-penalty", optarg, 0.01, 100, &sp.repeat_penalty)) return 2; break;
+        case 'P': if (s_parse_float("--presence-penalty", optarg, -2, 2, &sp.presence_penalty)) return 2; break;
+        case 'F': if (s_parse_float("--frequency-penalty", optarg, -2, 2, &sp.frequency_penalty)) return 2; break;
         case 's': {
             char *end;
             errno = 0;

@@ -8,3 +8,14 @@ if(TARGET test_sched_model)
     LABELS "model"
     REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
 endif()
+# fedinfer run's sampling flags: OpenAI's penalties change a greedy answer;
+# out of range they are refused (exit 2) naming the flag.
+if(TARGET fedinfer)
+  add_test(NAME cli_run_penalties COMMAND sh -c
+    "m='${FEDINFER_DEFAULT_MODEL}'; f='$<TARGET_FILE:fedinfer>'
+     a=$($f run -m \"$m\" -t 1 --raw -n 10 --temp 0 '1, 2, 3,') || exit 1
+     b=$($f run -m \"$m\" -t 1 --raw -n 10 --temp 0 --frequency-penalty 2 --presence-penalty 2 '1, 2, 3,') || exit 1
+     test -n \"$a\" && test \"$a\" != \"$b\" || { echo \"same answer: $a\"; exit 1; }
+     $f run -m \"$m\" --presence-penalty 3 x 2>err.txt; test $? = 2 && grep -q -- --presence-penalty err.txt")
+  set_tests_properties(cli_run_penalties PROPERTIES LABELS "model" REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
+endif()
