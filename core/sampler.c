@@ -160,9 +160,8 @@ static void s_penalize(const fi_sampler *s, float *logits, const int32_t *hist, 
  * c[t] counts t among the generated tokens; logit[t] += bias[t]. */
 static void s_openai(const fi_sampler *s, float *logits, const int32_t *hist, int n_hist) {
     const fi_sampler_params *p = &s->p;
-    const int32_t *gen = hist + (s->n_prompt < n_hist ? s->n_prompt : n_hist);
-    int n_gen = n_hist > s->n_prompt ? n_hist - s->n_prompt : 0;
-    if (!hist) n_gen = 0;
+    int n_gen = hist && n_hist > s->n_prompt ? n_hist - s->n_prompt : 0;
+    const int32_t *gen = n_gen ? hist + s->n_prompt : NULL;
     if (p->frequency_penalty != 0.0f)
         for (int i = 0; i < n_gen; i++)
             if (gen[i] >= 0 && gen[i] < s->n_vocab) logits[gen[i]] -= p->frequency_penalty;
