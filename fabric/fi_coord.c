@@ -92,6 +92,7 @@ struct fi_coord {
     size_t n_reqs, cap_reqs;       /* used / allocated */
     uint64_t next_serial;          /* for peers */
     uint64_t next_req;             /* for requests */
+    uint64_t n_routed;             /* routing choices made: the tie key of hash-less requests */
     uint64_t next_beat_ms;         /* when heartbeats go out next */
     s_affinity affinity[S_AFFINITY]; /* conversations and their last worker */
 };
@@ -505,14 +506,16 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
      * policy, asked with the origin of the edge's key, permits its
      * cluster; the router's scores never see the others. The permitted
      * ones with room are ranked S_MAX_CANDS at a time, each round's
-     * winner kept first for the next (the order is total and the first
-     * wins a tie, so this is the pick over all of them). */
+     * winner kept first for the next (the order is total and does not
+     * depend on the positions, so this is the pick over all of them). */
     s_verdicts vs;
     memset(&vs, 0, sizeof vs);
     s_cand cands[S_MAX_CANDS];
     fi_route_cand rcs[S_MAX_CANDS];
     int n = 0, permitted_full = 0, denied = 0;
     uint64_t conv = s_conv_key(e, rq);
+    /* full ties: by the prefix (or, without one, in turns) */
+    uint64_t key = fi_route_key(rq->prefix_hashes, (int)rq->n_prefix_hashes, c->n_routed++);
     s_affinity *aff = conv ? &c->affinity[conv % S_AFFINITY] : NULL;
     for (size_t i = 0; i < c->n_peers; i++) {
         s_peer *w = &c->peers[i];
@@ -531,7 +534,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
             continue;
         }
         if (n == S_MAX_CANDS) {
-            int best = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, NULL);
+            int best = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, key, NULL);
             cands[0] = cands[best];
             rcs[0] = rcs[best];
             n = 1;
@@ -548,6 +551,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
         cd->rc.filter_len = w->filter_len;
         cd->rc.pref = v.score;
         cd->rc.affinity = aff && aff->key == conv && aff->worker == w->serial;
+        memcpy(&cd->rc.id, w->rec.pub, sizeof cd->rc.id); /* its key: stable across reconnects */
         rcs[n++] = cd->rc;
     }
     if (n == 0) {
@@ -570,7 +574,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
         return;
     }
     int hit = 0;
-    int pick = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, &hit);
+    int pick = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, key, &hit);
     s_peer *w = cands[pick].w;
     char rules[512];
     snprintf(rules, sizeof rules, "%s%sworker %s; prefix hit %d of %zu blocks; load %.2f%s",

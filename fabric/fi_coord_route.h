@@ -12,7 +12,12 @@
  *   3. load: open requests and reported queue over capacity, lower is
  *      better;
  *   4. the policy's preference score, higher is better;
- *   5. the first candidate on a full tie.
+ *   5. on a full tie, rendezvous hashing of the request's key with each
+ *      candidate's id: the key is the request's first prefix hash, so
+ *      requests that share a prefix go to the same worker while the
+ *      filters (sent with heartbeats) do not show it yet, and different
+ *      prefixes spread over the workers (the first candidate took every
+ *      tie: all cold traffic of an idle fleet went to one worker).
  */
 #ifndef FI_COORD_ROUTE_H
 #define FI_COORD_ROUTE_H
@@ -32,6 +37,7 @@ typedef struct fi_route_cand {
     size_t filter_len;        /* bytes (a power of two, 64..65536) */
     int64_t pref;             /* the policy's prefer score */
     int affinity;             /* 1: served this request's user last */
+    uint64_t id;              /* stable and distinct per worker (from its key): full ties */
 } fi_route_cand;
 
 /* Load of a candidate: max(open, reported running + queued) / capacity. */
@@ -39,8 +45,14 @@ double fi_route_load(const fi_route_cand *c);
 
 /* The index in c[0..n) to route to (n >= 1; every candidate permitted),
  * with the expected hit in blocks in *hit (may be NULL). h: the request's
- * prefix hashes (nh may be 0). -1 when n is 0. */
-int fi_route_pick(const fi_route_cand *c, int n, const uint64_t *h, int nh, int *hit);
+ * prefix hashes (nh may be 0). key: what breaks a full tie (fi_route_key).
+ * The order is total and does not depend on the candidates' positions.
+ * -1 when n is 0. */
+int fi_route_pick(const fi_route_cand *c, int n, const uint64_t *h, int nh, uint64_t key, int *hit);
+
+/* A request's tie key: its first prefix hash, or (none) fallback, which
+ * the caller varies per request (a counter: ties then take turns). */
+uint64_t fi_route_key(const uint64_t *h, int nh, uint64_t fallback);
 
 #ifdef __cplusplus
 }

@@ -187,16 +187,33 @@ static void test_prefix_goes_to_holder(void **state) {
         memset(s_prompt[k], 'a' + k, 512);
         s_prompt[k][512] = 0;
     }
-    /* On a full tie (nothing cached, both idle) core1 wins. The edge puts
-     * prompt 0 on core2, which then holds its prefix: every later request
-     * with it goes there, on the cache score alone. */
-    assert_int_equal(s_ask(f, "p1", s_prompt[1], NULL, &code), 0);
-    assert_int_equal(s_ask_in(f, "p0", s_prompt[0], NULL, "core2", &code), 1);
+    /* On a full tie (nothing cached, both idle) the prompt's first prefix
+     * hash decides, with the workers' keys (fi_route_pick's rendezvous):
+     * predicted here, and the coordinator agrees. The edge puts prompt 0
+     * on the worker that loses its tie, which then holds its prefix: every
+     * later request with it goes there, on the cache score alone. */
+    int win[2];
+    for (int k = 0; k < 2; k++) {
+        char salt[FI_WIRE_CACHE_TENANT_MAX];
+        assert_int_equal(fi_wire_cache_tenant("clinic", "tenant", salt), 0);
+        uint64_t h[128];
+        int n = s_hashes(salt, "EU", s_prompt[k], h, 128);
+        fi_route_cand c[2];
+        memset(c, 0, sizeof c);
+        for (int i = 0; i < 2; i++) {
+            c[i].capacity = 8;
+            memcpy(&c[i].id, f->w[i].kp.pub, sizeof c[i].id);
+        }
+        win[k] = fi_route_pick(c, 2, h, n, fi_route_key(h, n, 0), NULL);
+    }
+    assert_int_equal(s_ask(f, "p1", s_prompt[1], NULL, &code), win[1]);
+    const char *loser = win[0] == 0 ? "core2" : "core1";
+    assert_int_equal(s_ask_in(f, "p0", s_prompt[0], NULL, loser, &code), 1 - win[0]);
     s_beats(f);
     for (int i = 0; i < 6; i++) {
         char id[16];
         snprintf(id, sizeof id, "p0-%d", i);
-        assert_int_equal(s_ask(f, id, s_prompt[0], NULL, &code), 1);
+        assert_int_equal(s_ask(f, id, s_prompt[0], NULL, &code), 1 - win[0]);
     }
 }
 
@@ -383,32 +400,46 @@ static void test_route_order(void **state) {
     for (int i = 0; i < 2; i++) fi_prefix_filter_add(holds, sizeof holds, h[i]); /* 2 blocks */
     fi_route_cand c[3];
     memset(c, 0, sizeof c);
-    for (int i = 0; i < 3; i++) c[i].capacity = 4;
+    for (int i = 0; i < 3; i++) c[i].capacity = 4, c[i].id = 1000 + (uint64_t)i;
     int hit = -1;
-    /* All equal: the first. */
-    assert_int_equal(fi_route_pick(c, 3, h, 4, &hit), 0);
-    assert_int_equal(hit, 0);
+    /* All equal: the key decides (rendezvous), whatever the candidates'
+     * order; one prefix always goes to one worker, many spread over all
+     * (the first candidate took every tie: an idle fleet's cold traffic
+     * all went to one worker). */
+    int got[3] = {0, 0, 0};
+    for (uint64_t key = 1; key <= 300; key++) {
+        int a = fi_route_pick(c, 3, h, 4, key, &hit);
+        assert_int_equal(hit, 0);
+        fi_route_cand r[3] = {c[2], c[0], c[1]};
+        int b = fi_route_pick(r, 3, h, 4, key, NULL);
+        assert_true(r[b].id == c[a].id);
+        assert_int_equal(fi_route_pick(c, 3, h, 4, key, NULL), a);
+        got[a]++;
+    }
+    for (int i = 0; i < 3; i++) assert_true(got[i] > 60); /* about 100 each */
+    assert_true(fi_route_key(h, 4, 7) == h[0] && fi_route_key(NULL, 0, 7) == 7);
+    int tie01 = fi_route_pick(c, 2, h, 4, 0, NULL); /* c[0] and c[1] alone */
     /* Preference, then load over preference. */
     c[2].pref = 5;
-    assert_int_equal(fi_route_pick(c, 3, h, 4, NULL), 2);
+    assert_int_equal(fi_route_pick(c, 3, h, 4, 0, NULL), 2);
     c[2].in_flight = 3;
-    assert_int_equal(fi_route_pick(c, 3, h, 4, NULL), 0);
+    assert_int_equal(fi_route_pick(c, 3, h, 4, 0, NULL), tie01);
     /* The reported queue counts as load too. */
     c[0].queued = 6;
-    assert_int_equal(fi_route_pick(c, 3, h, 4, NULL), 1);
+    assert_int_equal(fi_route_pick(c, 3, h, 4, 0, NULL), 1);
     /* Conversation affinity over load. */
     c[2].affinity = 1;
-    assert_int_equal(fi_route_pick(c, 3, h, 4, NULL), 2);
+    assert_int_equal(fi_route_pick(c, 3, h, 4, 0, NULL), 2);
     /* The expected prefix hit over everything, even on the busiest. */
     c[0].filter = holds;
     c[0].filter_len = sizeof holds;
-    assert_int_equal(fi_route_pick(c, 3, h, 4, &hit), 0);
+    assert_int_equal(fi_route_pick(c, 3, h, 4, 0, &hit), 0);
     assert_int_equal(hit, 2);
     /* Without hashes the filter says nothing. */
-    assert_int_equal(fi_route_pick(c, 3, NULL, 0, &hit), 2);
+    assert_int_equal(fi_route_pick(c, 3, NULL, 0, 0, &hit), 2);
     assert_int_equal(hit, 0);
     /* Nothing to choose from. */
-    assert_int_equal(fi_route_pick(c, 0, h, 4, &hit), -1);
+    assert_int_equal(fi_route_pick(c, 0, h, 4, 0, &hit), -1);
     /* Reported counts cannot wrap: a huge queue is a huge load. */
     memset(c, 0, sizeof c);
     c[0].capacity = c[1].capacity = 8;
@@ -416,7 +447,7 @@ static void test_route_order(void **state) {
     c[0].queued = 1;
     c[1].running = 1;
     assert_true(fi_route_load(&c[0]) > 1e8);
-    assert_int_equal(fi_route_pick(c, 2, NULL, 0, NULL), 1);
+    assert_int_equal(fi_route_pick(c, 2, NULL, 0, 0, NULL), 1);
     /* Filters of a bad size hold nothing and take nothing. */
     uint8_t odd[96] = {0};
     fi_prefix_filter_add(odd, sizeof odd, h[0]);
