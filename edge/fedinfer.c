@@ -8,8 +8,20 @@
 #include <string.h>
 
 #include "fi_cmd.h"
+#include "fi_coord_route.h"
 #include "fi_edge.h"
 #include "fi_fabric_cmd.h"
+
+/* bench --serve measures the coordinator's router itself. */
+static int s_bench_route(const fi_bench_replica *r, int n, const uint64_t *h, int nh) {
+    fi_route_cand c[8];
+    if (n > 8) n = 8;
+    for (int i = 0; i < n; i++)
+        c[i] = (fi_route_cand){.capacity = r[i].capacity, .running = r[i].running, .queued = r[i].queued,
+                               .filter = r[i].filter, .filter_len = r[i].filter_len, .id = r[i].id};
+    static uint64_t turn; /* as the coordinator's count of choices */
+    return fi_route_pick(c, n, h, nh, fi_route_key(h, nh, turn++), NULL);
+}
 
 typedef struct command {
     const char *name;                 /* first argument */
@@ -35,6 +47,7 @@ static void s_usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
+    fi_bench_serve_set_router(s_bench_route);
     if (argc < 2) {
         s_usage(stderr);
         return 2;
