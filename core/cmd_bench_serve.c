@@ -211,12 +211,19 @@ done:
     return rc;
 }
 
-/* Requests sharing a document prefix: TTFT p50 with the cache on or off,
- * requests one at a time (c = 1) or four at a time. */
+/* What a shared-prefix run measured. */
+typedef struct s_pfx {
+    double ttft50, ttft99, tpot50, tpot99; /* seconds */
+    double tput;                           /* generated tokens over the wall time */
+    double hit_rate;                       /* prompt tokens taken from the cache */
+} s_pfx;
+
+/* Requests sharing a document prefix, c at a time (closed loop), with the
+ * cache on or off. */
 static int s_prefix(bench *b, int n_prefix, int n_suffix, int n_gen, int n_req, int c,
-                    int cache_on, double *ttft50, double *hit_rate) {
+                    int cache_on, s_pfx *out) {
     char err[256];
-    fi_sched_opts so = {.n_ctx = n_prefix + n_suffix + n_gen + 16,
+    fi_sched_opts so = {.n_ctx = n_prefix + n_suffix + n_gen + 16, .max_seqs = c < 64 ? 64 : c,
                         .no_prefix_cache = !cache_on};
     fi_sched *s = fi_sched_new(b->m, &so, err, sizeof err);
     if (!s) {
@@ -225,9 +232,9 @@ static int s_prefix(bench *b, int n_prefix, int n_suffix, int n_gen, int n_req, 
     }
     int rc = -1, n = n_prefix + n_suffix, submitted = 0;
     req *rs = calloc((size_t)n_req, sizeof *rs);
-    double *ttft = calloc((size_t)n_req, sizeof *ttft);
+    double *ttft = calloc((size_t)n_req, sizeof *ttft), *tpot = calloc((size_t)n_req, sizeof *tpot);
     int32_t *p = malloc((size_t)n * sizeof *p);
-    if (!rs || !ttft || !p) goto done;
+    if (!rs || !ttft || !tpot || !p) goto done;
     memcpy(p, b->text, (size_t)n_prefix * sizeof *p); /* the shared document */
     /* the first request warms the cache and is not counted */
     req warm;
@@ -237,6 +244,7 @@ static int s_prefix(bench *b, int n_prefix, int n_suffix, int n_gen, int n_req, 
         if (s_step_all(s)) goto done;
     fi_sched_stats st0, st1;
     fi_sched_get_stats(s, &st0);
+    double t0 = s_now();
     while (submitted < n_req || fi_sched_pending(s) > 0) {
         while (submitted < n_req && fi_sched_pending(s) < c) {
             s_prompt(b, 2000 + 7 * submitted, p + n_prefix, n_suffix); /* its own question */
@@ -245,16 +253,32 @@ static int s_prefix(bench *b, int n_prefix, int n_suffix, int n_gen, int n_req, 
         }
         if (s_step_all(s)) goto done;
     }
+    double wall = s_now() - t0;
     fi_sched_get_stats(s, &st1);
-    for (int i = 0; i < n_req; i++) ttft[i] = rs[i].t_first - rs[i].t_submit;
-    *ttft50 = s_pct(ttft, n_req, 0.5);
-    *hit_rate = (double)(st1.prefix_hit_tokens - st0.prefix_hit_tokens) /
-                (double)(st1.prompt_tokens - st0.prompt_tokens);
+    long gen = 0;
+    int nt = 0;
+    for (int i = 0; i < n_req; i++) {
+        if (rs[i].error[0]) {
+            fprintf(stderr, "fedinfer: request %d failed: %s\n", i, rs[i].error);
+            goto done;
+        }
+        ttft[i] = rs[i].t_first - rs[i].t_submit;
+        gen += rs[i].n_gen;
+        if (rs[i].n_gen > 1) tpot[nt++] = (rs[i].t_done - rs[i].t_first) / (rs[i].n_gen - 1);
+    }
+    out->ttft50 = s_pct(ttft, n_req, 0.5);
+    out->ttft99 = s_pct(ttft, n_req, 0.99);
+    out->tpot50 = s_pct(tpot, nt, 0.5);
+    out->tpot99 = s_pct(tpot, nt, 0.99);
+    out->tput = (double)gen / wall;
+    out->hit_rate = (double)(st1.prefix_hit_tokens - st0.prefix_hit_tokens) /
+                    (double)(st1.prompt_tokens - st0.prompt_tokens);
     rc = 0;
 done:
     fi_sched_destroy(&s);
     free(rs);
     free(ttft);
+    free(tpot);
     free(p);
     return rc;
 }
@@ -512,16 +536,26 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         free(v);
     }
     if (!only || !strcmp(only, "prefix")) {
-        printf("\nshared prefix: a %ld-token document + a 16-token question, 8 generated\n", n_prefix);
-        printf("  conc  cache  ttft p50 (ms)  prefix hit rate\n");
-        for (int cc = 1; cc <= 4; cc += 3) {
-            double on, off, hon, hoff;
-            if (s_prefix(&b, (int)n_prefix, 16, 8, 8, cc, 1, &on, &hon) ||
-                s_prefix(&b, (int)n_prefix, 16, 8, 8, cc, 0, &off, &hoff))
+        /* at each concurrency of the list, 2c requests (at least 8) after
+         * one that warms the cache, each with its own question */
+        printf("\nshared prefix: a %ld-token document + a 16-token question, 8 generated; at each\n"
+               "concurrency 2c requests (at least 8), the cache warmed by one before\n",
+               n_prefix);
+        printf("  conc  cache  tok/s(agg)  ttft p50  ttft p99  tpot p50  tpot p99   (ms)  hit rate\n");
+        for (int i = 0; i < ncl; i++) {
+            int cc = cl[i], nr = 2 * cc < 8 ? 8 : 2 * cc;
+            s_pfx on, off;
+            if (s_prefix(&b, (int)n_prefix, 16, 8, nr, cc, 1, &on) ||
+                s_prefix(&b, (int)n_prefix, 16, 8, nr, cc, 0, &off))
                 goto done;
-            printf("  %4d  on     %13.1f  %14.2f\n", cc, on * 1e3, hon);
-            printf("  %4d  off    %13.1f  %14.2f\n", cc, off * 1e3, hoff);
-            printf("        -> the prefix cache cuts time to first token %.1fx\n", off / on);
+            const s_pfx *row[2] = {&on, &off};
+            for (int k = 0; k < 2; k++)
+                printf("  %4d  %-5s  %10.1f  %8.1f  %8.1f  %8.1f  %8.1f         %8.2f\n", cc, k ? "off" : "on",
+                       row[k]->tput, row[k]->ttft50 * 1e3, row[k]->ttft99 * 1e3, row[k]->tpot50 * 1e3,
+                       row[k]->tpot99 * 1e3, row[k]->hit_rate);
+            printf("        -> the prefix cache cuts time to first token %.1fx (p50), %.2fx the throughput\n",
+                   off.ttft50 / on.ttft50, off.tput > 0 ? on.tput / off.tput : 0);
+            fflush(stdout);
         }
     }
     if ((!only || !strcmp(only, "routing")) && !s_router) {
