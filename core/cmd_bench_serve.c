@@ -86,6 +86,24 @@ static void s_on_done(void *user, const fi_gen_result *res, const char *error) {
     if (error) snprintf(r->error, sizeof r->error, "%s", error);
 }
 
+/* Each of the n requests' time to first token into ttft[i], and the time
+ * per token after the first of those that made more than one into tpot;
+ * the tokens generated into *gen. How many tpot, or -1 (said) when a
+ * request failed. */
+static int s_latencies(const req *rs, int n, double *ttft, double *tpot, long *gen) {
+    int nt = 0;
+    for (int i = 0; i < n; i++) {
+        if (rs[i].error[0]) {
+            fprintf(stderr, "fedinfer: request %d failed: %s\n", i, rs[i].error);
+            return -1;
+        }
+        *gen += rs[i].n_gen;
+        ttft[i] = rs[i].t_first - rs[i].t_submit;
+        if (rs[i].n_gen > 1) tpot[nt++] = (rs[i].t_done - rs[i].t_first) / (rs[i].n_gen - 1);
+    }
+    return nt;
+}
+
 typedef struct bench {
     fi_model *m;
     const fi_tok *tok;
@@ -183,16 +201,8 @@ static int s_concurrency(bench *b, int c, int n_prompt, int n_gen, int max_seqs,
     }
     double wall = s_now() - t0;
     long gen = 0;
-    int nt = 0;
-    for (int i = 0; i < total; i++) {
-        if (rs[i].error[0]) {
-            fprintf(stderr, "fedinfer: request %d failed: %s\n", i, rs[i].error);
-            goto done;
-        }
-        gen += rs[i].n_gen;
-        ttft[i] = rs[i].t_first - rs[i].t_submit;
-        if (rs[i].n_gen > 1) tpot[nt++] = (rs[i].t_done - rs[i].t_first) / (rs[i].n_gen - 1);
-    }
+    int nt = s_latencies(rs, total, ttft, tpot, &gen);
+    if (nt < 0) goto done;
     *tput_out = (double)gen / wall;
     *dec_out = any_s > 0 ? (double)any_tok / any_s : 0;
     *step_out = dec_s > 0 ? (double)dec_tok / dec_s : 0;
@@ -256,16 +266,8 @@ static int s_prefix(bench *b, int n_prefix, int n_suffix, int n_gen, int n_req, 
     double wall = s_now() - t0;
     fi_sched_get_stats(s, &st1);
     long gen = 0;
-    int nt = 0;
-    for (int i = 0; i < n_req; i++) {
-        if (rs[i].error[0]) {
-            fprintf(stderr, "fedinfer: request %d failed: %s\n", i, rs[i].error);
-            goto done;
-        }
-        ttft[i] = rs[i].t_first - rs[i].t_submit;
-        gen += rs[i].n_gen;
-        if (rs[i].n_gen > 1) tpot[nt++] = (rs[i].t_done - rs[i].t_first) / (rs[i].n_gen - 1);
-    }
+    int nt = s_latencies(rs, n_req, ttft, tpot, &gen);
+    if (nt < 0) goto done;
     out->ttft50 = s_pct(ttft, n_req, 0.5);
     out->ttft99 = s_pct(ttft, n_req, 0.99);
     out->tpot50 = s_pct(tpot, nt, 0.5);

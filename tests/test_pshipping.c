@@ -196,6 +196,18 @@ static int teardown(void **state) {
     return 0;
 }
 
+/* The operator's connection to the coordinator just started (it may take
+ * a few tries while the process binds). */
+static fi_client *s_operator(fx *f) {
+    fi_client *op = NULL;
+    for (int i = 0; i < 50 && !op; i++) {
+        op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
+        if (!op) h_sleep_ms(100);
+    }
+    assert_non_null(op);
+    return op;
+}
+
 /* Sends m from c and waits for want (or an Error); the reply. */
 static fi_msg *s_call(fi_client *c, fi_msg_type body, void *msg, fi_msg_type want) {
     fi_msg m = FI__ENVELOPE__INIT;
@@ -305,12 +317,7 @@ static void test_ship_and_audit(void **state) {
     char opfpr[FI_KEYS_FPR_LEN], d1[65];
     fi_keys_fingerprint(f->h.op.pub, opfpr);
     assert_true((f->coord = s_start_coord(f)) > 0);
-    fi_client *op = NULL, *edge = NULL;
-    for (int i = 0; i < 50 && !op; i++) {
-        op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
-        if (!op) h_sleep_ms(100);
-    }
-    assert_non_null(op);
+    fi_client *op = s_operator(f), *edge = NULL;
     edge = h_client(&f->h, &f->edge, FI__ROLE__ROLE_EDGE);
     assert_non_null(edge);
     s_listener lis;
@@ -533,12 +540,7 @@ static void test_ship_and_audit(void **state) {
 static void test_pushed_version_taken(void **state) {
     fx *f = *state;
     assert_true((f->coord = s_start_coord(f)) > 0);
-    fi_client *op = NULL;
-    for (int i = 0; i < 50 && !op; i++) {
-        op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
-        if (!op) h_sleep_ms(100);
-    }
-    assert_non_null(op);
+    fi_client *op = s_operator(f);
     s_listener lis;
     s_listener_start(f, &lis, 0);
     fi_msg *r = s_apply(op, P1, "first");
@@ -585,11 +587,7 @@ static void test_pushed_version_taken(void **state) {
     s_kill(&f->coord);
     fi_client_destroy(&op);
     assert_true((f->coord = s_start_coord(f)) > 0);
-    for (int i = 0; i < 50 && !op; i++) {
-        op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
-        if (!op) h_sleep_ms(100);
-    }
-    assert_non_null(op);
+    op = s_operator(f);
     r = s_apply(op, P2, "after a restart");
     assert_int_equal(r->body_case, FI__ENVELOPE__BODY_POLICY_REPLY);
     assert_int_equal(r->policy_reply->version, 21);

@@ -688,6 +688,14 @@ static fi_tok *s_load(const spec *sp, char *err, size_t errlen, unsigned char **
     return fi_tok_new(*g, err, errlen);
 }
 
+/* Loads the synthetic file of sp, which must load. */
+static fi_tok *s_load_ok(const spec *sp, unsigned char **buf, fi_gguf **g) {
+    char err[256];
+    fi_tok *t = s_load(sp, err, sizeof err, buf, g);
+    if (!t) fail_msg("fi_tok_new: %s", err);
+    return t;
+}
+
 /* Expects loading to fail with a message holding want1 and want2. */
 static void s_expect_error(const spec *sp, const char *want1, const char *want2) {
     char err[256] = "";
@@ -852,8 +860,7 @@ static void test_control_token_no_text(void **state) {
     char err[256];
     unsigned char *buf;
     fi_gguf *g;
-    fi_tok *t = s_load(&sp, err, sizeof err, &buf, &g);
-    if (!t) fail_msg("fi_tok_new: %s", err);
+    fi_tok *t = s_load_ok(&sp, &buf, &g);
     fi_textstream *ts = fi_textstream_new(NULL, 0);
     assert_non_null(ts);
     int32_t ids[2] = {fi_tok_find(t, "<|im_start|>"), fi_tok_find(t, "Ġthe")};
@@ -891,11 +898,9 @@ static void test_user_defined_single_byte(void **state) {
     s_spec_default(&sp);
     sp.user_defined_at = 3 + '-';
     sp.drop_byte = '~'; /* after '-': the index above stays the one of '-' */
-    char err[256];
     unsigned char *buf;
     fi_gguf *g;
-    fi_tok *t = s_load(&sp, err, sizeof err, &buf, &g);
-    if (!t) fail_msg("fi_tok_new: %s", err);
+    fi_tok *t = s_load_ok(&sp, &buf, &g);
     assert_true(fi_tok_can_encode(t, "a-b", 3));
     s_assert_roundtrip(t, "a-b", 3, 0);
     assert_false(fi_tok_can_encode(t, "a-~", 3));
