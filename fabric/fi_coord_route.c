@@ -12,7 +12,10 @@ double fi_route_load(const fi_route_cand *c) {
     return c->capacity ? (double)busy / (double)c->capacity : 1e9;
 }
 
-uint64_t fi_route_key(const uint64_t *h, int nh, uint64_t fallback) { return h && nh > 0 ? h[0] : fallback; }
+uint64_t fi_route_key(const uint64_t *h, int nh, uint64_t fallback) {
+    if (!h || nh <= 0) return fallback;
+    return h[(nh < FI_ROUTE_KEY_BLOCKS ? nh : FI_ROUTE_KEY_BLOCKS) - 1];
+}
 
 /* Rendezvous weight of candidate id for key (splitmix64's finaliser). */
 static uint64_t s_weight(uint64_t key, uint64_t id) {

@@ -13,11 +13,13 @@
  *      better;
  *   4. the policy's preference score, higher is better;
  *   5. on a full tie, rendezvous hashing of the request's key with each
- *      candidate's id: the key is the request's first prefix hash, so
- *      requests that share a prefix go to the same worker while the
- *      filters (sent with heartbeats) do not show it yet, and different
- *      prefixes spread over the workers (the first candidate took every
- *      tie: all cold traffic of an idle fleet went to one worker).
+ *      candidate's id: the key is the prefix hash of the request's first
+ *      FI_ROUTE_KEY_BLOCKS blocks (fewer if it has fewer), so requests
+ *      that share that much go to the same worker while the filters (sent
+ *      with heartbeats) do not show it yet, and others spread over the
+ *      workers (the first candidate took every tie: all cold traffic of
+ *      an idle fleet went to one worker). The first block alone would not
+ *      do: a chat template's header fills it, the same for every chat.
  */
 #ifndef FI_COORD_ROUTE_H
 #define FI_COORD_ROUTE_H
@@ -50,8 +52,14 @@ double fi_route_load(const fi_route_cand *c);
  * -1 when n is 0. */
 int fi_route_pick(const fi_route_cand *c, int n, const uint64_t *h, int nh, uint64_t key, int *hit);
 
-/* A request's tie key: its first prefix hash, or (none) fallback, which
- * the caller varies per request (a counter: ties then take turns). */
+/* Leading blocks (of FI_KV_BLOCK tokens) that a full tie's key covers:
+ * 64 tokens, past a chat template's header and into the first message or
+ * document. */
+#define FI_ROUTE_KEY_BLOCKS 4
+
+/* A request's tie key: the hash of its first FI_ROUTE_KEY_BLOCKS prefix
+ * blocks (each hash chains the ones before), or (none) fallback, which the
+ * caller varies per request (a counter: ties then spread at random). */
 uint64_t fi_route_key(const uint64_t *h, int nh, uint64_t fallback);
 
 #ifdef __cplusplus

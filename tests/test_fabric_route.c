@@ -417,7 +417,18 @@ static void test_route_order(void **state) {
         got[a]++;
     }
     for (int i = 0; i < 3; i++) assert_true(got[i] > 60); /* about 100 each */
-    assert_true(fi_route_key(h, 4, 7) == h[0] && fi_route_key(NULL, 0, 7) == 7);
+    assert_true(fi_route_key(h, 4, 7) == h[3] && fi_route_key(h, 2, 7) == h[1] && fi_route_key(NULL, 0, 7) == 7);
+    /* Chats share their first block (the template's header) but not the
+     * first four: they spread too. */
+    int spread[3] = {0, 0, 0};
+    for (int q = 0; q < 60; q++) {
+        int32_t chat[80];
+        for (int i = 0; i < 80; i++) chat[i] = i < 16 ? 7 + i : 1000 + q * 100 + i; /* one header */
+        uint64_t ch[5];
+        int nc = fi_prefix_hashes("t", "EU", chat, 80, ch, 5);
+        spread[fi_route_pick(c, 3, ch, nc, fi_route_key(ch, nc, 0), NULL)]++;
+    }
+    for (int i = 0; i < 3; i++) assert_true(spread[i] > 8);
     int tie01 = fi_route_pick(c, 2, h, 4, 0, NULL); /* c[0] and c[1] alone */
     /* Preference, then load over preference. */
     c[2].pref = 5;
