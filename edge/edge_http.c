@@ -368,8 +368,10 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
         const char *key;
         json_t *b;
         json_object_foreach(v, key, b) {
+            /* canonical decimal only: "01" beside "1" would bias one
+             * token twice, past the range */
             char *end;
-            long id = key[0] >= '0' && key[0] <= '9' ? strtol(key, &end, 10) : -1;
+            long id = key[0] >= '0' && key[0] <= '9' && (key[0] != '0' || !key[1]) ? strtol(key, &end, 10) : -1;
             if (id < 0 || *end || id >= vocab || strlen(key) > 10)
                 BAD("logit_bias", "logit_bias: '%.20s' is not a token id of this model (0..%ld)", key, vocab - 1);
             double t = json_is_number(b) ? json_number_value(b) : 999;

@@ -64,14 +64,23 @@ int32_t *fi_shard_prompt_tokens(const fi_tok *tok, const Fi__InferRequest *rq, i
                                 size_t errlen) {
     int32_t *ids = NULL;
     *n = 0;
-    /* logit_bias names tokens of this model's vocabulary */
-    for (size_t i = 0; i < rq->n_logit_bias; i++)
-        if (rq->logit_bias[i] &&
-            (rq->logit_bias[i]->token < 0 || rq->logit_bias[i]->token >= fi_tok_n_vocab(tok))) {
-            snprintf(err, errlen, "logit_bias names token %d, outside the vocabulary of %d tokens",
-                     (int)rq->logit_bias[i]->token, fi_tok_n_vocab(tok));
+    /* OpenAI's penalties within -2..2, logit_bias entries naming tokens of
+     * this model's vocabulary with biases within -100..100 (the edge
+     * checks as much; another sender is refused, not quietly changed) */
+    if (!(rq->presence_penalty >= -2 && rq->presence_penalty <= 2) ||
+        !(rq->frequency_penalty >= -2 && rq->frequency_penalty <= 2)) {
+        snprintf(err, errlen, "presence_penalty and frequency_penalty must be within -2..2");
+        return NULL;
+    }
+    for (size_t i = 0; i < rq->n_logit_bias; i++) {
+        const Fi__LogitBias *b = rq->logit_bias[i];
+        if (!b || b->token < 0 || b->token >= fi_tok_n_vocab(tok) || !(b->bias >= -100 && b->bias <= 100)) {
+            snprintf(err, errlen, "logit_bias entry %zu (token %d, bias %g) is outside the vocabulary of %d tokens "
+                     "or the range -100..100", i, b ? (int)b->token : -1, b ? (double)b->bias : 0.0,
+                     fi_tok_n_vocab(tok));
             return NULL;
         }
+    }
     if (rq->n_messages > 0 || !rq->raw) {
         /* As the edge counts and hashes it (edge_prompt.c): through the
          * chat template, its markers as special tokens and the messages as

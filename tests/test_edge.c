@@ -474,6 +474,7 @@ static void test_unsupported_parameters(void **state) {
         {"/v1/chat/completions", "\"logit_bias\":{\"49152\":-100}", "logit_bias"},
         {"/v1/chat/completions", "\"logit_bias\":{\"-1\":1}", "logit_bias"},
         {"/v1/chat/completions", "\"logit_bias\":{\"12x\":1}", "logit_bias"},
+        {"/v1/chat/completions", "\"logit_bias\":{\"012\":1}", "logit_bias"},
         {"/v1/chat/completions", "\"logit_bias\":{\"12\":101}", "logit_bias"},
         {"/v1/chat/completions", "\"logit_bias\":[1]", "logit_bias"},
         {"/v1/chat/completions", "\"presence_penalty\":2.5", "presence_penalty"},

@@ -273,12 +273,22 @@ static void test_sampling_from_wire(void **state) {
     assert_non_null(m);
     rq.prompt = (char *)"hello";
     int n = 0;
-    int32_t *ids = fi_shard_prompt_tokens(fi_model_tok(m), &rq, &n, err, sizeof err);
+    int32_t *ids = NULL;
+    /* the entry out of range is refused at the worker, not dropped */
+    rq.frequency_penalty = 0;
+    assert_null(fi_shard_prompt_tokens(fi_model_tok(m), &rq, &n, err, sizeof err));
+    assert_non_null(strstr(err, "entry 1 (token 6, bias 300)"));
+    b[1].bias = 1;
+    ids = fi_shard_prompt_tokens(fi_model_tok(m), &rq, &n, err, sizeof err);
     assert_non_null(ids);
     free(ids);
     b[2].token = 49152;
     assert_null(fi_shard_prompt_tokens(fi_model_tok(m), &rq, &n, err, sizeof err));
-    assert_non_null(strstr(err, "token 49152, outside the vocabulary of 49152"));
+    assert_non_null(strstr(err, "token 49152, bias 2.5) is outside the vocabulary of 49152"));
+    b[2].token = 7;
+    rq.presence_penalty = -3;
+    assert_null(fi_shard_prompt_tokens(fi_model_tok(m), &rq, &n, err, sizeof err));
+    assert_non_null(strstr(err, "within -2..2"));
     fi_model_destroy(&m);
 }
 
