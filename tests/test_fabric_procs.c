@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include "net_ports.h"
+
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
@@ -34,30 +36,6 @@ typedef struct procs {
     pid_t worker2;      /* a second one (two replicas), 0 when none */
     fi_keypair wk;      /* the worker's key */
 } procs;
-
-/* A free port whose successor is free too (fabric and enrolment). */
-static int s_free_port(void) {
-    for (int attempt = 0; attempt < 50; attempt++) {
-        int fd = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a;
-        memset(&a, 0, sizeof a);
-        a.sin_family = AF_INET;
-        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        socklen_t sl = sizeof a;
-        if (bind(fd, (struct sockaddr *)&a, sizeof a) || getsockname(fd, (struct sockaddr *)&a, &sl)) {
-            close(fd);
-            return -1;
-        }
-        int port = ntohs(a.sin_port);
-        int fd2 = socket(AF_INET, SOCK_STREAM, 0);
-        a.sin_port = htons((uint16_t)(port + 1));
-        int ok = port < 65535 && bind(fd2, (struct sockaddr *)&a, sizeof a) == 0;
-        close(fd2);
-        close(fd);
-        if (ok) return port;
-    }
-    return -1;
-}
 
 static int s_write(const char *path, const char *text) {
     FILE *f = fopen(path, "w");
@@ -136,7 +114,7 @@ static int setup(void **state) {
     snprintf(wsec, sizeof wsec, "%s/worker.key", p->h.dir);
     snprintf(wpub, sizeof wpub, "%s/worker.pub", p->h.dir);
     if (fi_keys_save(&p->wk, wsec, wpub, 0, err, sizeof err)) return -1;
-    p->port = s_free_port();
+    p->port = fi_test_free_ports(2); /* fabric and enrolment, below the ephemeral range */
     if (p->port <= 0) return -1;
     snprintf(p->h.ep, sizeof p->h.ep, "tcp://127.0.0.1:%d", p->port);
     snprintf(p->h.enrol_ep, sizeof p->h.enrol_ep, "tcp://127.0.0.1:%d", p->port + 1);

@@ -36,6 +36,7 @@
 
 #include "fabric/harness.h"
 #include "fi_bundle.h"
+#include "net_ports.h"
 
 extern char **environ;
 
@@ -75,20 +76,6 @@ static int s_write(const char *path, const char *text) {
     if (!f) return -1;
     fputs(text, f);
     return fclose(f);
-}
-
-static int s_free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t sl = sizeof a;
-    int port = -1;
-    if (!bind(fd, (struct sockaddr *)&a, sizeof a) && !getsockname(fd, (struct sockaddr *)&a, &sl))
-        port = ntohs(a.sin_port);
-    close(fd);
-    return port;
 }
 
 static pid_t s_start_coord(fx *f) {
@@ -161,7 +148,7 @@ static int setup(void **state) {
     if (fi_ship_keygen(key, hex, &created, err, sizeof err) || !created) return -1;
     size_t got = 0;
     if (sodium_hex2bin(f->trusted[0], FI_BUNDLE_PK_BYTES, hex, 64, NULL, &got, NULL) || got != 32) return -1;
-    int port = s_free_port();
+    int port = fi_test_free_ports(2); /* below the ephemeral range: no TCP self-connect */
     if (port <= 0) return -1;
     snprintf(f->h.ep, sizeof f->h.ep, "tcp://127.0.0.1:%d", port);
     snprintf(f->h.enrol_ep, sizeof f->h.enrol_ep, "tcp://127.0.0.1:%d", port + 1);

@@ -29,7 +29,14 @@ stop_all() {
 }
 trap 'stop_all; [ -n "${KEEP:-}" ] && echo "state kept in $T" || rm -rf "$T"' EXIT
 cd "$T"
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# a free port below the ephemeral range, where a client that connects
+# before its server binds cannot connect to itself and hold the port
+port() { python3 -c 'import random, socket
+for _ in range(200):
+    p = random.randrange(20000, 32000); s = socket.socket()
+    try: s.bind(("127.0.0.1", p)); print(p); break
+    except OSError: pass
+    finally: s.close()'; }
 FABRIC=$(port); ENROL=$(port)
 
 echo "== keys, coordinator, policy"

@@ -2,6 +2,7 @@
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,11 +23,22 @@ def die_with_parent():
 
 
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    """A free port below the ephemeral range (32768-60999 on Linux): a
+    client that connects to an ephemeral-range port before its server binds
+    can connect to itself (TCP self-connect; ZeroMQ retries the connect
+    from a new ephemeral port each time) and hold the port, so that the
+    server's bind fails."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
+    raise RuntimeError("no free port in 20000-31999")
 
 
 class Edge:
