@@ -13,14 +13,7 @@ MODEL=${FEDINFER_MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 T=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$T"' EXIT
 cd "$T"
-# a free port below the ephemeral range, where a client that connects
-# before its server binds cannot connect to itself and hold the port
-port() { python3 -c 'import random, socket
-for _ in range(200):
-    p = random.randrange(20000, 32000); s = socket.socket()
-    try: s.bind(("127.0.0.1", p)); print(p); break
-    except OSError: pass
-    finally: s.close()'; }
+. "$ROOT/examples/ports.sh" # port: a free port below the ephemeral range
 FABRIC=$(port); ENROL=$(port); L0=$(port); L1=$(port)
 for k in coord op rank0 rank1; do "$FI" keygen "$k" >/dev/null; done
 cat > coordinator.conf <<CONF

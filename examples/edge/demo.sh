@@ -29,14 +29,7 @@ stop_all() {
 }
 trap 'stop_all; [ -n "${KEEP:-}" ] && echo "state kept in $T" || rm -rf "$T"' EXIT
 cd "$T"
-# a free port below the ephemeral range, where a client that connects
-# before its server binds cannot connect to itself and hold the port
-port() { python3 -c 'import random, socket
-for _ in range(200):
-    p = random.randrange(20000, 32000); s = socket.socket()
-    try: s.bind(("127.0.0.1", p)); print(p); break
-    except OSError: pass
-    finally: s.close()'; }
+. "$ROOT/examples/ports.sh" # port: a free port below the ephemeral range
 FABRIC=$(port); ENROL=$(port)
 
 echo "== keys, coordinator, policy"
