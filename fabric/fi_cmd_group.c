@@ -42,8 +42,8 @@ void fi_group_cmd_help(FILE *f) {
             "          heartbeat_ms, liveness, max_tokens, n_ctx, kv_mib, max_seqs,\n"
             "          step_tokens; enrol_endpoint, site, region for --enrol\n"
             "Group file: group, world, tp, endpoint.N, key.N; tp_weights, pp_weights,\n"
-            "  kv_split, ffn_split, layer_split, heartbeat_ms, timeout_ms, collective\n"
-            "  (see examples/cluster/README.md).\n");
+            "  kv_split, ffn_split, layer_split, heartbeat_ms, timeout_ms, collective,\n"
+            "  micro_batch (see examples/cluster/README.md).\n");
 }
 
 int fi_group_cmd(const char *config, const char *token) {

@@ -67,6 +67,8 @@ struct fi_group {
     size_t xa_cap, xb_cap;                /* floats in each */
     float *logits;                        /* follower's logits (last stage, TP rank 0) */
     size_t logits_cap;
+    int32_t *rows;                        /* a micro-batch's wanted rows */
+    size_t rows_cap;
     /* NCCL (collective = nccl): one communicator over the ranks, formed
      * by the leader once every rank has joined, again after any rejoin */
     fi_gnccl *nccl;
@@ -98,6 +100,15 @@ static int s_grow(float **p, size_t *cap, size_t n) {
     if (!q) return -1;
     *p = q;
     *cap = n;
+    return 0;
+}
+
+static int s_grow_rows(fi_group *g, int n) {
+    if (g->rows_cap >= (size_t)n && g->rows) return 0;
+    int32_t *q = realloc(g->rows, (n > 0 ? (size_t)n : 1) * sizeof *q);
+    if (!q) return -1;
+    g->rows = q;
+    g->rows_cap = n > 0 ? (size_t)n : 1;
     return 0;
 }
 
@@ -180,6 +191,7 @@ void fi_group_destroy(fi_group **gp) {
     free(g->xa);
     free(g->xb);
     free(g->logits);
+    free(g->rows);
     free(g);
     *gp = NULL;
 }
@@ -571,25 +583,40 @@ int fi_group_lead_poll(fi_group *g, int timeout_ms, char *err, size_t errlen) {
 
 /* --- passes ----------------------------------------------------------- */
 
-/* Runs this rank's part of pass `pass` of batch b: input from the
- * previous stage, its slice, output to the next stage or the leader.
- * logits: where the leader wants them (leader only). */
-static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logits, char *err,
-                      size_t errlen) {
+/* Micro-batch k of b: tokens [a, e), their wanted rows rebased into
+ * rows (room for b->n_out), the first of them b's row *first. */
+static void s_micro(const fi_batch *b, int a, int e, int32_t *rows, fi_batch *mb, int *first) {
+    int i = 0, j;
+    while (i < b->n_out && b->out_rows[i] < a) i++;
+    for (j = i; j < b->n_out && b->out_rows[j] < e; j++) rows[j - i] = b->out_rows[j] - a;
+    *mb = *b;
+    mb->n = e - a;
+    mb->tok = b->tok + a;
+    mb->pos = b->pos + a;
+    mb->seq = b->seq + a;
+    mb->out_rows = rows;
+    mb->n_out = j - i;
+    mb->argmax = b->argmax ? b->argmax + i : NULL;
+    *first = i;
+}
+
+/* Runs this rank's part of micro-batch k of the pass in progress: input
+ * from the previous stage, its slice, output to the next stage or the
+ * leader. logits: where the leader wants this micro-batch's rows (leader
+ * only). Activations and logits carry k as their op, so a rank that cut
+ * the pass otherwise is caught. */
+static int s_run_micro(fi_group *g, fi_kvpool *kv, const fi_batch *b, uint32_t k, float *logits,
+                       char *err, size_t errlen) {
     const int tp = g->conf.tp, pp = g->conf.pp, dim = g->mi.dim;
     const size_t rows = (size_t)b->n * (size_t)dim;
     const size_t nlog = (size_t)b->n_out * (size_t)g->mi.n_vocab;
     const int last = g->stage == pp - 1;
-    if (s_grow(&g->xa, &g->xa_cap, rows) != 0 || s_grow(&g->xb, &g->xb_cap, rows) != 0) {
-        snprintf(err, errlen, "rank %d: out of memory for %zu activations", g->rank, rows);
-        return -1;
-    }
     double t0 = s_now();
     const float *x_in = NULL;
     if (g->stage > 0) {
         fi_gmsg *m = NULL;
-        if (fi_gcoll_wait(g->net, g->rank - tp, FI_G_ACT, g->cur_pass, UINT32_MAX, g->deadline_ms,
-                          &m, err, errlen) != 0)
+        if (fi_gcoll_wait(g->net, g->rank - tp, FI_G_ACT, g->cur_pass, k, g->deadline_ms, &m, err,
+                          errlen) != 0)
             goto comm_fail;
         if (m->len != rows * sizeof(float)) {
             snprintf(err, errlen, "rank %d sent %zu bytes of activations; %zu were due", m->from,
@@ -621,14 +648,15 @@ static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logi
     if (g->plans[g->rank].no_output) mine.n_out = 0;
     int rc = fi_model_forward(g->m, kv, &mine, x_in, last ? NULL : g->xb, out_logits, err, errlen);
     g->st.compute_s += (s_now() - c0) - (g->st.comm_s - comm_before);
+    g->st.micro++;
     if (rc != 0) return -1;
     double t1 = s_now();
     if (!last) {
-        if (fi_gnet_send(g->net, g->rank + tp, FI_G_ACT, g->cur_pass, 0, g->xb,
+        if (fi_gnet_send(g->net, g->rank + tp, FI_G_ACT, g->cur_pass, k, g->xb,
                          rows * sizeof(float), err, errlen) != 0)
             goto comm_fail;
     } else if (g->t == 0 && g->rank != 0) {
-        if (fi_gnet_send(g->net, 0, FI_G_LOGITS, g->cur_pass, 0, g->logits, nlog * sizeof(float),
+        if (fi_gnet_send(g->net, 0, FI_G_LOGITS, g->cur_pass, k, g->logits, nlog * sizeof(float),
                          err, errlen) != 0)
             goto comm_fail;
     }
@@ -637,6 +665,33 @@ static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logi
 comm_fail:
     g->st.wait_s += s_now() - t0;
     return -1;
+}
+
+/* Runs this rank's part of the pass in progress over batch b, micro-batch
+ * by micro-batch (fi_group_micro_split): while this stage runs one, the
+ * next stage runs the one before. Splitting changes no result: a token's
+ * computation does not depend on the other tokens of its batch, and the
+ * tokens of a micro-batch find in the KV cache every earlier one (this
+ * stage ran the micro-batches before it already). logits: where the
+ * leader wants them (leader only). */
+static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logits, char *err,
+                      size_t errlen) {
+    const size_t rows = (size_t)b->n * (size_t)g->mi.dim;
+    if (s_grow(&g->xa, &g->xa_cap, rows) != 0 || s_grow(&g->xb, &g->xb_cap, rows) != 0 ||
+        s_grow_rows(g, b->n_out) != 0) {
+        snprintf(err, errlen, "rank %d: out of memory for %zu activations", g->rank, rows);
+        return -1;
+    }
+    int at[FI_GROUP_MICRO_MAX + 1];
+    const int m = fi_group_micro_split(&g->conf, b->n, at);
+    for (int k = 0; k < m; k++) {
+        fi_batch mb;
+        int first;
+        s_micro(b, at[k], at[k + 1], g->rows, &mb, &first);
+        float *lg = logits ? logits + (size_t)first * (size_t)g->mi.n_vocab : NULL;
+        if (s_run_micro(g, kv, &mb, (uint32_t)k, lg, err, errlen) != 0) return -1;
+    }
+    return 0;
 }
 
 int fi_group_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, float *logits,
@@ -672,21 +727,29 @@ int fi_group_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, 
     g->st.comm_s += s_now() - t0;
     if (s_run_pass(g, kv, b, logits, why, sizeof why) != 0) goto done;
     if (g->conf.pp > 1) {
-        double t1 = s_now();
-        const size_t nlog = (size_t)b->n_out * (size_t)g->mi.n_vocab;
-        fi_gmsg *lm = NULL;
-        int wr = fi_gcoll_wait(g->net, (g->conf.pp - 1) * g->conf.tp, FI_G_LOGITS, pass,
-                               UINT32_MAX, g->deadline_ms, &lm, why, sizeof why);
-        g->st.wait_s += s_now() - t1;
-        if (wr != 0) goto done;
-        if (lm->len != nlog * sizeof(float)) {
-            snprintf(why, sizeof why, "rank %d sent %zu bytes of logits; %zu were due", lm->from,
-                     lm->len, nlog * sizeof(float));
+        /* the last stage's logits, a message per micro-batch */
+        int at[FI_GROUP_MICRO_MAX + 1];
+        const int nmb = fi_group_micro_split(&g->conf, b->n, at);
+        for (int k = 0; k < nmb; k++) {
+            fi_batch mb;
+            int first;
+            s_micro(b, at[k], at[k + 1], g->rows, &mb, &first);
+            const size_t nlog = (size_t)mb.n_out * (size_t)g->mi.n_vocab;
+            double t1 = s_now();
+            fi_gmsg *lm = NULL;
+            int wr = fi_gcoll_wait(g->net, (g->conf.pp - 1) * g->conf.tp, FI_G_LOGITS, pass,
+                                   (uint32_t)k, g->deadline_ms, &lm, why, sizeof why);
+            g->st.wait_s += s_now() - t1;
+            if (wr != 0) goto done;
+            if (lm->len != nlog * sizeof(float)) {
+                snprintf(why, sizeof why, "rank %d sent %zu bytes of logits; %zu were due",
+                         lm->from, lm->len, nlog * sizeof(float));
+                fi_gmsg_free(&lm);
+                goto done;
+            }
+            if (nlog) memcpy(logits + (size_t)first * (size_t)g->mi.n_vocab, lm->data, lm->len);
             fi_gmsg_free(&lm);
-            goto done;
         }
-        memcpy(logits, lm->data, lm->len);
-        fi_gmsg_free(&lm);
     }
     rc = 0;
 done:

@@ -19,7 +19,11 @@
  *     stage holds bit-identical activations;
  *   - TP rank t of stage s sends its stage's output rows to TP rank t of
  *     stage s + 1;
- *   - TP rank 0 of the last stage sends the logits to the leader.
+ *   - TP rank 0 of the last stage sends the logits to the leader;
+ *   - with several stages, a pass of enough tokens is cut into
+ *     micro-batches (fi_group_micro_split, the group file's micro_batch)
+ *     that follow each other through the stages, so that stage s works on
+ *     one while stage s + 1 works on the one before.
  *
  * Joining. The leader sends Join to every rank whose link comes up (a new
  * process, or the same one back): the world size, the rank it expects,
@@ -142,6 +146,8 @@ void fi_group_cmd_help(FILE *f);
 typedef struct fi_group_stats {
     uint64_t passes;        /* forward passes this rank took part in */
     uint64_t failed;        /* of which failed */
+    uint64_t micro;         /* micro-batches this rank ran (a pass cut in m by
+                               fi_group_micro_split counts m) */
     uint64_t bytes_sent;    /* to the other ranks, headers included */
     uint64_t msgs_sent;
     uint64_t allreduces;    /* TP sums made */

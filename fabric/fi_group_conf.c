@@ -40,6 +40,7 @@ typedef struct s_raw {
     int heartbeat_ms;
     int timeout_ms;
     char coll[FI_CONF_STR_MAX];        /* collective */
+    int micro_batch;
     char ep[FI_GROUP_MAX_RANKS][FI_CONF_STR_MAX];
     char key[FI_GROUP_MAX_RANKS][FI_CONF_STR_MAX];
 } s_raw;
@@ -108,6 +109,7 @@ int fi_group_conf_load(const char *path, fi_group_conf *g, char *err, size_t err
     keys[k++] = (fi_conf_key){"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 60000};
     keys[k++] = (fi_conf_key){"timeout_ms", FI_CONF_INT, S_OFF(timeout_ms), 0, 30, 600000};
     keys[k++] = (fi_conf_key){"collective", FI_CONF_STR, S_OFF(coll), 0, 0, 0};
+    keys[k++] = (fi_conf_key){"micro_batch", FI_CONF_INT, S_OFF(micro_batch), 0, 0, 1 << 16};
     for (int r = 0; r < FI_GROUP_MAX_RANKS; r++) {
         keys[k++] = (fi_conf_key){s_ep_names[r], FI_CONF_STR, S_OFF(ep[r]), 0, 0, 0};
         keys[k++] = (fi_conf_key){s_key_names[r], FI_CONF_STR, S_OFF(key[r]), 0, 0, 0};
@@ -122,6 +124,7 @@ int fi_group_conf_load(const char *path, fi_group_conf *g, char *err, size_t err
     int rc = -1;
     raw->heartbeat_ms = 250;
     raw->timeout_ms = 1500;
+    raw->micro_batch = FI_GROUP_MICRO_BATCH;
     if (fi_conf_load(path, keys, raw, err, errlen) != 0) goto done;
     memset(g, 0, sizeof *g);
     snprintf(g->path, sizeof g->path, "%s", path);
@@ -136,6 +139,7 @@ int fi_group_conf_load(const char *path, fi_group_conf *g, char *err, size_t err
     g->pp = g->world / g->tp;
     g->heartbeat_ms = raw->heartbeat_ms;
     g->timeout_ms = raw->timeout_ms;
+    g->micro_batch = raw->micro_batch;
     if (g->timeout_ms < 2 * g->heartbeat_ms) {
         snprintf(err, errlen, "%s: timeout_ms = %d must be at least twice heartbeat_ms = %d", path,
                  g->timeout_ms, g->heartbeat_ms);
@@ -489,6 +493,13 @@ void fi_group_plan_text(const fi_group_conf *g, const fi_shard_plan *plans, char
                      g->pp, g->coll == FI_GROUP_COLL_NCCL ? "nccl" : "zmq");
     if (w < 0 || (size_t)w >= cap) return;
     at = (size_t)w;
+    /* and, with stages, how a pass is cut: ranks cutting it differently
+     * would wait for activations that never come */
+    if (g->pp > 1) {
+        w = snprintf(buf + at, cap - at, " mb=%d", g->micro_batch);
+        if (w < 0 || (size_t)w >= cap - at) return;
+        at += (size_t)w;
+    }
     for (int r = 0; r < g->world; r++) {
         const fi_shard_plan *p = &plans[r];
         w = snprintf(buf + at, cap - at, "; r%d L%d-%d kv%d+%d ffn%d+%d%s%s", r, p->layer_begin,
@@ -497,6 +508,22 @@ void fi_group_plan_text(const fi_group_conf *g, const fi_shard_plan *plans, char
         if (w < 0 || (size_t)w >= cap - at) return;
         at += (size_t)w;
     }
+}
+
+int fi_group_micro_split(const fi_group_conf *g, int n, int *at) {
+    const int mb = g->micro_batch;
+    int m = 1;
+    if (g->pp > 1 && mb > 0 && n / mb >= 2) {
+        m = n / mb;
+        if (m > 2 * g->pp) m = 2 * g->pp;
+        if (m > FI_GROUP_MICRO_MAX) m = FI_GROUP_MICRO_MAX;
+    }
+    /* k n / m down to a multiple of mb: n / m >= mb, so each step is at
+     * least mb */
+    at[0] = 0;
+    for (int k = 1; k < m; k++) at[k] = (int)((long)k * n / m / mb * mb);
+    at[m] = n;
+    return m;
 }
 
 void fi_group_plan_digest(const fi_group_conf *g, const fi_shard_plan *plans,

@@ -23,6 +23,7 @@
  *   heartbeat_ms = 250            # link heartbeats between ranks
  *   timeout_ms = 1500             # silence after which a rank is dead
  *   collective = zmq              # zmq (CPU, any machine) or nccl (GPUs, one machine)
+ *   micro_batch = 16              # pipeline: tokens per micro-batch at least (0: off)
  *
  * The rank file is each process's own (fedinfer shard --config FILE):
  *
@@ -54,6 +55,8 @@ extern "C" {
 #define FI_GROUP_MAX_RANKS 16   /* ranks in one group */
 #define FI_GROUP_DIGEST_BYTES 32 /* BLAKE2b-256 */
 #define FI_GROUP_DIGEST_HEX 65   /* 64 hex characters and a NUL */
+#define FI_GROUP_MICRO_BATCH 16  /* micro_batch by default: a tile of the CPU kernels */
+#define FI_GROUP_MICRO_MAX (2 * FI_GROUP_MAX_RANKS) /* micro-batches per pass, at most */
 
 typedef enum fi_group_coll {
     FI_GROUP_COLL_ZMQ = 0,  /* CURVE ZeroMQ between processes (CPU memory) */
@@ -77,6 +80,9 @@ typedef struct fi_group_conf {
     int heartbeat_ms;             /* link heartbeat interval */
     int timeout_ms;               /* a rank silent this long is dead */
     fi_group_coll coll;           /* how TP sums are made */
+    int micro_batch;              /* pp > 1: a pass of at least 2 x this many tokens
+                                     goes through the stages in micro-batches of at
+                                     least this many (fi_group_micro_split); 0: whole */
 } fi_group_conf;
 
 /* Parses and checks a group file (strict: unknown or repeated keys,
@@ -160,8 +166,9 @@ FI_WIRE_MUST_CHECK int fi_group_plan_make(const fi_group_conf *g, const fi_group
  * agree on the layout exactly when their digests are equal. */
 void fi_group_plan_digest(const fi_group_conf *g, const fi_shard_plan *plans,
                           uint8_t out[FI_GROUP_DIGEST_BYTES]);
-/* The canonical text (also what logs show): "group=NAME world=2 tp=2 pp=1;
- * r0 L0-30 kv0+2 ffn0+768 E O; r1 ...". Truncated to cap. */
+/* The canonical text (also what logs show): "group=NAME world=2 tp=2 pp=1
+ * coll=zmq; r0 L0-30 kv0+2 ffn0+768 E O; r1 ...", with " mb=16" after
+ * the collective when there are stages. Truncated to cap. */
 void fi_group_plan_text(const fi_group_conf *g, const fi_shard_plan *plans, char *buf,
                         size_t cap);
 
@@ -171,6 +178,17 @@ FI_WIRE_MUST_CHECK int fi_group_model_digest(const char *path, uint8_t out[FI_GR
                                              char *err, size_t errlen);
 /* Hex of a digest (out: FI_GROUP_DIGEST_HEX bytes). */
 void fi_group_digest_hex(const uint8_t d[FI_GROUP_DIGEST_BYTES], char out[FI_GROUP_DIGEST_HEX]);
+
+/* How a pass of n tokens goes through the stages: in m micro-batches,
+ * tokens [at[k], at[k+1]) in micro-batch k (at[0] = 0, at[m] = n). With
+ * one stage, or micro_batch 0, or fewer than 2 x micro_batch tokens, m is
+ * 1; else m = min(n / micro_batch, 2 pp), and every micro-batch but the
+ * last holds a multiple of micro_batch tokens, the last at least
+ * micro_batch. Stage s runs micro-batch k while stage s + 1 runs k - 1:
+ * with equal stages, each taking time T on the whole batch, a pass takes
+ * about (m + pp - 1) T / m instead of pp T. at: FI_GROUP_MICRO_MAX + 1
+ * entries. Returns m. */
+int fi_group_micro_split(const fi_group_conf *g, int n, int *at);
 
 /* Stage and TP rank of a rank. */
 static inline int fi_group_stage(const fi_group_conf *g, int rank) { return rank / g->tp; }

@@ -225,6 +225,9 @@ static void test_bad_files(void **state) {
     assert_int_equal(s_load(f, 2, "heartbeat_ms = 500\ntimeout_ms = 600\n", &g, err, sizeof err),
                      -1);
     assert_non_null(strstr(err, "at least twice"));
+    assert_int_equal(s_load(f, 2, "tp = 1\nmicro_batch = -1\n", &g, err, sizeof err), -1);
+    printf("refused as expected: %s\n", err);
+    assert_non_null(strstr(err, "micro_batch"));
     /* A missing rank: world 3 with only two endpoints written. */
     FILE *fp = fopen(f->path, "w");
     fprintf(fp, "group = g\nworld = 3\nendpoint.0 = tcp://a:1\nkey.0 = rank0.pub\n"
@@ -262,6 +265,56 @@ static void test_plan_digest(void **state) {
     printf("%s\n", text);
     assert_string_equal(text, "group=g2 world=2 tp=2 pp=1 coll=zmq; r0 L0-30 kv0+1 ffn0+512 E O; "
                               "r1 L0-30 kv1+2 ffn512+1024 E");
+}
+
+/* How a pass is cut into micro-batches (stages only). */
+static void test_micro_split(void **state) {
+    fi_group_conf g;
+    fi_shard_plan p[FI_GROUP_MAX_RANKS];
+    int at[FI_GROUP_MICRO_MAX + 1];
+    s_plan(*state, 2, "", &g, p); /* TP: never cut */
+    assert_int_equal(g.micro_batch, FI_GROUP_MICRO_BATCH);
+    assert_int_equal(fi_group_micro_split(&g, 1000, at), 1);
+    assert_int_equal(at[0], 0);
+    assert_int_equal(at[1], 1000);
+    s_plan(*state, 2, "tp = 1\n", &g, p); /* PP=2, micro-batches of 16 at least */
+    assert_int_equal(fi_group_micro_split(&g, 1, at), 1);
+    assert_int_equal(fi_group_micro_split(&g, 31, at), 1);
+    assert_int_equal(at[1], 31);
+    assert_int_equal(fi_group_micro_split(&g, 32, at), 2);
+    assert_int_equal(at[1], 16);
+    assert_int_equal(at[2], 32);
+    assert_int_equal(fi_group_micro_split(&g, 40, at), 2); /* the last takes the rest */
+    assert_int_equal(at[1], 16);
+    assert_int_equal(at[2], 40);
+    assert_int_equal(fi_group_micro_split(&g, 1000, at), 4); /* 2 pp at most */
+    int want[] = {0, 240, 496, 736, 1000};
+    for (int k = 0; k <= 4; k++) assert_int_equal(at[k], want[k]);
+    /* every n: m pieces in order, all but the last multiples of 16, none
+     * under 16 once cut */
+    for (int n = 1; n <= 600; n++) {
+        int m = fi_group_micro_split(&g, n, at);
+        assert_true(m >= 1 && m <= 4);
+        assert_int_equal(at[0], 0);
+        assert_int_equal(at[m], n);
+        for (int k = 0; k < m; k++) {
+            assert_true(at[k + 1] > at[k]);
+            if (m > 1) assert_true(at[k + 1] - at[k] >= 16);
+            if (k + 1 < m) assert_int_equal(at[k + 1] % 16, 0);
+        }
+    }
+    s_plan(*state, 2, "tp = 1\nmicro_batch = 0\n", &g, p); /* off */
+    assert_int_equal(fi_group_micro_split(&g, 1000, at), 1);
+    /* ranks cutting passes otherwise are told apart, and the text says how */
+    uint8_t d1[FI_GROUP_DIGEST_BYTES], d2[FI_GROUP_DIGEST_BYTES];
+    char text[1024];
+    fi_group_plan_digest(&g, p, d1);
+    fi_group_plan_text(&g, p, text, sizeof text);
+    printf("%s\n", text);
+    assert_non_null(strstr(text, "pp=2 coll=zmq mb=0; r0 "));
+    s_plan(*state, 2, "tp = 1\n", &g, p);
+    fi_group_plan_digest(&g, p, d2);
+    assert_memory_not_equal(d1, d2, sizeof d1);
 }
 
 static void test_rank_file(void **state) {
@@ -347,6 +400,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_refusals, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_plan_digest, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_micro_split, setup, teardown),
         cmocka_unit_test_setup_teardown(test_rank_file, setup, teardown),
         cmocka_unit_test_setup_teardown(test_model_read_and_digest, setup, teardown),
     };

@@ -249,8 +249,9 @@ static fi_batch s_batch(fixture *f, s_run *R, int step) {
 }
 
 /* Runs the engine and the group side by side; returns the number of
- * greedy tokens compared. */
-static int s_compare(fixture *f, const char *what, fi_group *g, fi_model *lm) {
+ * greedy tokens compared. exact: the logits must be the engine's bits
+ * (no TP sums reorder the arithmetic). */
+static int s_compare(fixture *f, const char *what, fi_group *g, fi_model *lm, int exact) {
     char err[512];
     const int V = f->mi.n_vocab;
     fi_kvpool *ref_kv = fi_kvpool_new(f->whole, N_SEQ * MB, MAX_TOK, N_SEQ, err, sizeof err);
@@ -281,6 +282,10 @@ static int s_compare(fixture *f, const char *what, fi_group *g, fi_model *lm) {
             double d = 0;
             for (int v = 0; v < V; v++) d = fmax(d, fabs((double)ra[v] - rb[v]));
             worst = fmax(worst, d);
+            if (exact && d != 0)
+                fail_msg("%s: sequence %d step %d: logits differ by %g from the engine's "
+                         "(stages alone must give its bits)",
+                         what, i, step, d);
             if (d > LOGIT_TOL)
                 fail_msg("%s: sequence %d step %d: logits differ by %g (> %g)", what, i, step, d,
                          LOGIT_TOL);
@@ -332,7 +337,7 @@ static void s_run_layout(fixture *f, const char *name, int world, int tp) {
     }
     int idle = 0;
     fi_group_set_idle(L->g, s_count_idle, &idle);
-    int compared = s_compare(f, name, L->g, L->m);
+    int compared = s_compare(f, name, L->g, L->m, tp == 1);
     fi_group_set_idle(L->g, NULL, NULL);
     /* Passes keep the leader's other work going, with TP sums (in their
      * waits) and without (a hook between layers). */
@@ -346,6 +351,14 @@ static void s_run_layout(fixture *f, const char *name, int world, int tp) {
            "%.3f s waiting for other stages, %.3f s computing\n",
            name, (unsigned long long)st.passes, (unsigned long long)st.allreduces,
            (double)st.bytes_sent / 1024.0, st.comm_s, st.wait_s, st.compute_s);
+    if (world / tp > 1) {
+        /* the prefill pass (all four prompts) went through the stages in
+         * micro-batches; the one-token-per-sequence passes whole */
+        printf("%-12s leader: %llu micro-batches\n", name, (unsigned long long)st.micro);
+        assert_true(st.micro > st.passes);
+    } else {
+        assert_true(st.micro == st.passes);
+    }
     s_stop_followers(&c, ranks);
     s_rank_close(L);
 }
@@ -409,18 +422,19 @@ static void s_serve_all(fixture *f, fi_sched *s, s_out *out, int max_tokens) {
     }
 }
 
-static void test_sched_tp2(void **state) {
-    fixture *f = *state;
+/* The scheduler over a group of two ranks (tp 2 or 1) against the engine's
+ * own scheduler, passes of at most step_tokens tokens. */
+static void s_sched_layout(fixture *f, const char *name, int tp, int step_tokens) {
     char err[512];
     fi_group_conf c;
-    s_group_file(f, "sched", 2, 2, "", &c);
+    s_group_file(f, name, 2, tp, "", &c);
     s_rank ranks[2];
     s_start_followers(f, &c, ranks);
     s_rank *L = &ranks[0];
     *L = (s_rank){.f = f, .conf = c, .rank = 0};
     memcpy(L->digest, f->digest, sizeof f->digest);
     if (s_rank_open(L) != 0) fail_msg("leader: %s", L->err);
-    fi_sched_opts o = {.kv_bytes = 16 << 20, .max_seqs = 8, .step_tokens = 128, .n_ctx = 256};
+    fi_sched_opts o = {.kv_bytes = 16 << 20, .max_seqs = 8, .step_tokens = step_tokens, .n_ctx = 256};
     fi_sched *ref = fi_sched_new(f->whole, &o, err, sizeof err);
     assert_non_null(ref);
     o.forward = fi_group_forward;
@@ -430,13 +444,13 @@ static void test_sched_tp2(void **state) {
     fi_kvpool *kv = fi_sched_kvpool(grp);
     fi_group_set_pool(L->g, fi_kvpool_blocks(kv), fi_kvpool_max_tokens(kv), fi_kvpool_max_out(kv));
     assert_true(s_wait_available(L->g, 30000));
-    if (!f->ties_known) (void)s_compare(f, "sched-ties", L->g, L->m); /* fills tie_step */
+    if (!f->ties_known) (void)s_compare(f, "sched-ties", L->g, L->m, 0); /* fills tie_step */
     s_out a[N_SEQ], b[N_SEQ];
     s_serve_all(f, ref, a, 12);
     s_serve_all(f, grp, b, 12);
     fi_sched_stats st;
     fi_sched_get_stats(grp, &st);
-    printf("scheduler over the group: %llu passes for %d requests at once, %llu decode tokens\n",
+    printf("scheduler over %s: %llu passes for %d requests at once, %llu decode tokens\n", name,
            (unsigned long long)st.steps, N_SEQ, (unsigned long long)st.decode_tokens);
     /* Several requests shared passes: fewer passes than tokens decoded. */
     assert_true(st.steps < st.decode_tokens);
@@ -445,8 +459,9 @@ static void test_sched_tp2(void **state) {
         printf("  [%d] engine: %.*s\n      group:  %.*s\n", i, (int)a[i].len, a[i].text,
                (int)b[i].len, b[i].text);
         /* 12 tokens come from the logits of steps 0..11: compared only when
-         * the engine had no near tie there. */
-        if (f->tie_step[i] < 12) {
+         * the engine had no near tie there, or (stages alone) always: the
+         * logits are the engine's bits. */
+        if (tp > 1 && f->tie_step[i] < 12) {
             printf("      (near tie at step %d: not compared)\n", f->tie_step[i]);
             continue;
         }
@@ -454,12 +469,25 @@ static void test_sched_tp2(void **state) {
         assert_memory_equal(a[i].text, b[i].text, a[i].len);
         same++;
     }
-    assert_true(same >= 2);
+    assert_true(same >= (tp > 1 ? 2 : N_SEQ));
+    if (tp == 1) {
+        /* prompt chunks of several sequences went through in micro-batches */
+        fi_group_stats gs;
+        fi_group_get_stats(L->g, &gs);
+        printf("%s: leader: %llu passes, %llu micro-batches\n", name,
+               (unsigned long long)gs.passes, (unsigned long long)gs.micro);
+        assert_true(gs.micro > gs.passes);
+    }
     fi_sched_destroy(&ref);
     fi_sched_destroy(&grp);
     s_stop_followers(&c, ranks);
     s_rank_close(L);
 }
+
+static void test_sched_tp2(void **state) { s_sched_layout(*state, "sched", 2, 128); }
+/* Passes of 40 tokens: the prompts go in chunks that share passes with
+ * other sequences' decode steps, and a micro-batch may hold no wanted row. */
+static void test_sched_pp2(void **state) { s_sched_layout(*state, "sched-pp", 1, 40); }
 
 /* --- join refusals ---------------------------------------------------------- */
 
@@ -656,6 +684,7 @@ int main(void) {
         cmocka_unit_test(test_pp2),
         cmocka_unit_test(test_tp2_pp2),
         cmocka_unit_test(test_sched_tp2),
+        cmocka_unit_test(test_sched_pp2),
         cmocka_unit_test(test_join_refusals),
         cmocka_unit_test(test_junk_never_blocks_join),
         cmocka_unit_test(test_first_pass_after_rejoin),

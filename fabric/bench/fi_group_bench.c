@@ -1,8 +1,9 @@
 /*
  * fi_group_bench.c - a model sharded over a group of ranks on loopback:
  * time to first token, decode tokens/s, bytes sent between ranks per
- * token and time per token spent communicating, for TP=1, TP=2, PP=2 (and
- * TP=3, TP=2xPP=2 with -a), then a projection for a model 50 times larger
+ * token and time per token spent communicating, for TP=1, TP=2, PP=2 with
+ * its stages in turn and with micro-batches (and TP=3, TP=2xPP=2 with
+ * -a), then a projection for a model 50 times larger
  * from the measured link latency and bandwidth.
  *
  *   fi_group_bench [-m MODEL] [-t THREADS_PER_RANK] [-n DECODE_STEPS]
@@ -41,7 +42,7 @@
 #include "fi_group_net.h"
 #include "fi_wire.h"
 
-#define S_MAX_BATCH 16
+#define S_MAX_BATCH 64
 
 typedef struct s_opts {
     const char *model;
@@ -180,7 +181,7 @@ fail:
 }
 
 static int s_layout(const s_opts *o0, const char *dir, int port, int world, int tp, int tmul,
-                    const fi_group_model *mi, const uint8_t *digest, s_fig *fig) {
+                    int micro, const fi_group_model *mi, const uint8_t *digest, s_fig *fig) {
     s_opts o1 = *o0, *o = &o1;
     o1.threads *= tmul;
     char path[256], err[512];
@@ -188,6 +189,7 @@ static int s_layout(const s_opts *o0, const char *dir, int port, int world, int 
     FILE *fp = fopen(path, "w");
     if (!fp) return -1;
     fprintf(fp, "group = bench\nworld = %d\ntp = %d\n", world, tp);
+    if (micro >= 0) fprintf(fp, "micro_batch = %d\n", micro);
     for (int r = 0; r < world; r++)
         fprintf(fp, "endpoint.%d = tcp://127.0.0.1:%d\nkey.%d = r%d.pub\n", r, port + r, r, r);
     fclose(fp);
@@ -219,6 +221,8 @@ static int s_layout(const s_opts *o0, const char *dir, int port, int world, int 
     fig->pp = world / tp;
     if (fig->pp == 1 && tmul > 1) snprintf(fig->name, sizeof fig->name, "TP=%d,t*%d", tp, tmul);
     else if (fig->pp == 1) snprintf(fig->name, sizeof fig->name, "TP=%d", tp);
+    else if (tp == 1 && micro >= 0)
+        snprintf(fig->name, sizeof fig->name, "PP=%d,mb=%d", fig->pp, micro);
     else if (tp == 1) snprintf(fig->name, sizeof fig->name, "PP=%d", fig->pp);
     else snprintf(fig->name, sizeof fig->name, "TP=%dxPP=%d", tp, fig->pp);
     const int B = o->batch;
@@ -368,8 +372,8 @@ static void s_usage(FILE *f) {
                "                      [-p PROMPT_TOKENS] [-b BATCH] [-a]\n\n"
                "The model sharded over ranks (threads with their own CURVE links on loopback):\n"
                "TTFT, decode tok/s, bytes between ranks per token, communication time per\n"
-               "token, for TP=1, TP=2, PP=2 (-a: also TP=3 and TP=2xPP=2), and a projection\n"
-               "for a model 50x larger. Defaults: -t 1 -n 32 -p 128 -b 4, the default model.\n");
+               "token, for TP=1, TP=2, PP=2 (stages in turn, then micro-batched; -a: also TP=3\n"
+               "and TP=2xPP=2), and a projection for a model 50x larger. Defaults: -t 1 -n 32 -p 128 -b 4, the default model.\n");
 }
 
 int main(int argc, char **argv) {
@@ -416,11 +420,14 @@ int main(int argc, char **argv) {
         fi_keys_wipe(&kp);
     }
     /* TP=1 twice: with the threads of one rank, and with as many as TP=2
-     * uses in all (the fair comparison on one machine). */
-    struct { int world, tp, tmul; } layouts[] = {{1, 1, 1}, {1, 1, 2}, {2, 2, 1}, {2, 1, 1},
-                                                 {3, 3, 1}, {4, 2, 1}};
-    int n_layouts = o.all ? 6 : 4;
-    s_fig figs[6];
+     * uses in all (the fair comparison on one machine). PP=2 twice: with
+     * its stages in turn (micro_batch = 0), and with the group file's
+     * default micro-batches (fi_group_micro_split). micro -1: the default. */
+    struct { int world, tp, tmul, micro; } layouts[] = {{1, 1, 1, -1}, {1, 1, 2, -1}, {2, 2, 1, -1},
+                                                        {2, 1, 1, 0},  {2, 1, 1, -1}, {3, 3, 1, -1},
+                                                        {4, 2, 1, -1}};
+    int n_layouts = o.all ? 7 : 5;
+    s_fig figs[7];
     memset(figs, 0, sizeof figs);
     int port = 0;
     printf("model %s: %d layers, dim %d, %d heads / %d KV heads, ffn %d, vocab %d\n", o.model,
@@ -432,8 +439,8 @@ int main(int argc, char **argv) {
     int ok = 0;
     for (int i = 0; i < n_layouts; i++) {
         if ((port = s_free_ports(layouts[i].world)) < 0 ||
-            s_layout(&o, dir, port, layouts[i].world, layouts[i].tp, layouts[i].tmul, &mi, digest,
-                     &figs[i])) {
+            s_layout(&o, dir, port, layouts[i].world, layouts[i].tp, layouts[i].tmul,
+                     layouts[i].micro, &mi, digest, &figs[i])) {
             fprintf(stderr, "fi_group_bench: layout world %d tp %d failed\n", layouts[i].world,
                     layouts[i].tp);
             continue;
