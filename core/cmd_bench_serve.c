@@ -15,10 +15,13 @@
  *                with its own question, one after the other and then 4 at
  *                a time, prefix cache on and off: time to first token.
  *   routing      two replicas (two schedulers with small KV pools), a
- *                stream of requests over 8 documents; the cache-aware
- *                choice (the replica whose prefix filter holds the longest
- *                chain of the request's block hashes, then the lighter
- *                load) against round-robin: prefix hit rate.
+ *                stream of requests over 6 documents, one at a time, then
+ *                4 at a time behind a shared system prompt; the
+ *                coordinator's router (the replica whose prefix filter
+ *                holds the longest chain of the request's block hashes,
+ *                then the lighter load, then its rendezvous tie-break)
+ *                with filters and without, against round-robin: prefix
+ *                hit rate.
  *
  * Prompts are real text, not random ids, so that the model's outputs (and
  * where they stop) are what they would be in practice.
@@ -289,56 +292,80 @@ static fi_bench_route_fn s_router; /* fi_bench_serve_set_router */
 
 void fi_bench_serve_set_router(fi_bench_route_fn fn) { s_router = fn; }
 
-/* Two replicas, a stream of requests over n_docs documents: hit rate of
- * the coordinator's router with each replica's filter as it is at each
- * request (mode 1), as heartbeats would bring it, a snapshot taken every
- * refresh_n requests (mode 2), or with no filter at all (mode 3: its
- * tie-break alone); or of round-robin (mode 0). Deterministic. */
-static int s_routing(bench *b, int mode, int refresh_n, int n_docs, int n_doc_tokens, int n_req,
-                     int pool_docs, double *hit_rate, double *seconds) {
+/* A routing workload: n_req requests over n_docs documents of doc_tokens
+ * (each after sys_tokens of a system prompt shared by all, 0: none), each
+ * with its own 16-token question and 1 generated token; at most inflight
+ * of them at a time over two replicas whose KV pools hold about pool_docs
+ * documents each. */
+typedef struct s_route_load {
+    int n_docs, doc_tokens, sys_tokens, n_req, inflight, pool_docs;
+} s_route_load;
+
+/* Hit rate of the coordinator's router with each replica's filter as it
+ * is at each request (mode 1), as heartbeats would bring it, a snapshot
+ * taken every refresh_n requests (mode 2), or with no filter at all (mode
+ * 3: load, then its tie-break alone); or of round-robin (mode 0). The
+ * replicas step in turn; deterministic. */
+static int s_routing(bench *b, int mode, int refresh_n, const s_route_load *w, double *hit_rate,
+                     double *seconds) {
     char err[256];
-    size_t per_doc = (size_t)(n_doc_tokens / FI_KV_BLOCK + 2) * fi_kv_block_bytes(b->m);
-    fi_sched_opts so = {.n_ctx = n_doc_tokens + 64, .kv_bytes = per_doc * (size_t)pool_docs};
+    const int sys_blocks = (w->sys_tokens + FI_KV_BLOCK - 1) / FI_KV_BLOCK;
+    size_t per_doc = (size_t)(w->doc_tokens / FI_KV_BLOCK + 2) * fi_kv_block_bytes(b->m);
+    fi_sched_opts so = {.n_ctx = w->sys_tokens + w->doc_tokens + 64,
+                        .kv_bytes = per_doc * (size_t)w->pool_docs +
+                                    (size_t)sys_blocks * fi_kv_block_bytes(b->m)};
     fi_sched *rep[2] = {fi_sched_new(b->m, &so, err, sizeof err),
                         fi_sched_new(b->m, &so, err, sizeof err)};
-    int rc = -1, n = n_doc_tokens + 16;
+    int rc = -1, n = w->sys_tokens + w->doc_tokens + 16;
     int32_t *p = malloc((size_t)n * sizeof *p);
     uint8_t *bits = calloc(2, 1024); /* each replica's filter as the router sees it */
+    req *rs = calloc((size_t)w->n_req, sizeof *rs);
     uint64_t h[64];
-    if (!rep[0] || !rep[1] || !p || !bits) {
+    if (!rep[0] || !rep[1] || !p || !bits || !rs) {
         fprintf(stderr, "fedinfer: %s\n", rep[0] && rep[1] ? "out of memory" : err);
         goto done;
     }
+    if (w->sys_tokens) s_prompt(b, 7, p, w->sys_tokens);
     uint32_t seed = 12345;
     double t0 = s_now();
-    for (int i = 0; i < n_req; i++) {
-        seed = seed * 1664525u + 1013904223u;
-        int doc = (int)((seed >> 8) % (uint32_t)n_docs);
-        memcpy(p, b->text + doc * 97 % (b->n_text - n_doc_tokens), (size_t)n_doc_tokens * 4);
-        s_prompt(b, 3000 + i, p + n_doc_tokens, 16);
-        int pick = i % 2;
-        if (mode) {
-            /* as the edge hashes (reusable blocks) and the coordinator
-             * ranks, with the filters its heartbeats brought */
-            int nh = fi_prefix_hashes("acme", "bench", p, n - 1, h, 64);
-            if (mode == 1 || (mode == 2 && i % refresh_n == 0))
-                for (int r = 0; r < 2; r++)
-                    if (fi_sched_prefix_filter(rep[r], bits + r * 1024, 1024)) goto done;
-            fi_bench_replica rr[2];
-            for (int r = 0; r < 2; r++) {
-                fi_sched_stats st;
-                fi_sched_get_stats(rep[r], &st);
-                rr[r] = (fi_bench_replica){mode == 3 ? NULL : bits + r * 1024, 1024, (uint32_t)st.running,
-                                           (uint32_t)st.queued, 8, 0x5eed0000u + (uint64_t)r};
+    int i = 0;
+    while (i < w->n_req || fi_sched_pending(rep[0]) + fi_sched_pending(rep[1]) > 0) {
+        while (i < w->n_req && fi_sched_pending(rep[0]) + fi_sched_pending(rep[1]) < w->inflight) {
+            seed = seed * 1664525u + 1013904223u;
+            int doc = (int)((seed >> 8) % (uint32_t)w->n_docs);
+            memcpy(p + w->sys_tokens, b->text + doc * 97 % (b->n_text - w->doc_tokens),
+                   (size_t)w->doc_tokens * 4);
+            s_prompt(b, 3000 + i, p + w->sys_tokens + w->doc_tokens, 16);
+            int pick = i % 2;
+            if (mode) {
+                /* as the edge hashes (reusable blocks) and the coordinator
+                 * ranks, with the filters its heartbeats brought */
+                int nh = fi_prefix_hashes("acme", "bench", p, n - 1, h, 64);
+                if (mode == 1 || (mode == 2 && i % refresh_n == 0))
+                    for (int r = 0; r < 2; r++)
+                        if (fi_sched_prefix_filter(rep[r], bits + r * 1024, 1024)) goto done;
+                fi_bench_replica rr[2];
+                for (int r = 0; r < 2; r++) {
+                    fi_sched_stats st;
+                    fi_sched_get_stats(rep[r], &st);
+                    rr[r] = (fi_bench_replica){mode == 3 ? NULL : bits + r * 1024, 1024,
+                                               (uint32_t)st.running, (uint32_t)st.queued, 8,
+                                               0x5eed0000u + (uint64_t)r};
+                }
+                pick = s_router(rr, 2, h, nh);
             }
-            pick = s_router(rr, 2, h, nh);
+            if (s_submit(rep[pick], p, n, 1, &rs[i], "acme") < 0) goto done;
+            i++;
         }
-        req r;
-        if (s_submit(rep[pick], p, n, 1, &r, "acme") < 0) goto done;
-        while (fi_sched_pending(rep[pick]) > 0)
-            if (s_step_all(rep[pick])) goto done;
+        for (int r = 0; r < 2; r++)
+            if (fi_sched_pending(rep[r]) > 0 && s_step_all(rep[r])) goto done;
     }
     *seconds = s_now() - t0;
+    for (int k = 0; k < w->n_req; k++)
+        if (rs[k].error[0]) {
+            fprintf(stderr, "fedinfer: routing request %d: %s\n", k, rs[k].error);
+            goto done;
+        }
     uint64_t hit = 0, all = 0;
     for (int r = 0; r < 2; r++) {
         fi_sched_stats st;
@@ -353,7 +380,25 @@ done:
     fi_sched_destroy(&rep[1]);
     free(p);
     free(bits);
+    free(rs);
     return rc;
+}
+
+/* The four routers on workload w, one row each. */
+static int s_routing_rows(bench *b, const s_route_load *w) {
+    double ca, st, nf, rr, tca, tst, tnf, trr;
+    if (s_routing(b, 1, 0, w, &ca, &tca) || s_routing(b, 2, 40, w, &st, &tst) ||
+        s_routing(b, 3, 0, w, &nf, &tnf) || s_routing(b, 0, 0, w, &rr, &trr))
+        return -1;
+    printf("  router, filters current   hit rate %.2f  (%.1f s)\n", ca, tca);
+    printf("  router, filters every 40  hit rate %.2f  (%.1f s)\n", st, tst);
+    printf("  router, no filters        hit rate %.2f  (%.1f s)\n", nf, tnf);
+    printf("  round-robin               hit rate %.2f  (%.1f s)\n", rr, trr);
+    printf("        -> filters current: %.2fx the hit rate of round-robin, %.2fx that of the router "
+           "without filters; %.2fx round-robin's time\n",
+           rr > 0 ? ca / rr : 0, nf > 0 ? ca / nf : 0, tca / trr);
+    fflush(stdout);
+    return 0;
 }
 
 static void s_usage(FILE *f) {
@@ -565,20 +610,17 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         printf("\nrouting: left out (no router: this build of bench --serve has no fabric)\n");
     } else if (!only || !strcmp(only, "routing")) {
         printf("\nrouting: 2 replicas, each KV pool holding ~3 documents; 48 requests over 6\n"
-               "documents of 128 tokens (+16-token question, 1 generated), one at a time;\n"
-               "the coordinator's router (fi_route_pick) with each replica's prefix filter\n"
-               "as it is at each request, as heartbeats would bring it (every 40 requests,\n"
-               "about a second at this pace), and with none (its tie-break alone)\n");
-        double ca, st, nf, rr, tca, tst, tnf, trr;
-        if (s_routing(&b, 1, 0, 6, 128, 48, 3, &ca, &tca) || s_routing(&b, 2, 40, 6, 128, 48, 3, &st, &tst) ||
-            s_routing(&b, 3, 0, 6, 128, 48, 3, &nf, &tnf) || s_routing(&b, 0, 0, 6, 128, 48, 3, &rr, &trr))
-            goto done;
-        printf("  router, filters current   hit rate %.2f  (%.1f s)\n", ca, tca);
-        printf("  router, filters every 40  hit rate %.2f  (%.1f s)\n", st, tst);
-        printf("  router, no filters        hit rate %.2f  (%.1f s)\n", nf, tnf);
-        printf("  round-robin               hit rate %.2f  (%.1f s)\n", rr, trr);
-        printf("        -> %.2fx the hit rate of round-robin (filters current), %.2fx the time\n",
-               rr > 0 ? ca / rr : 0, tca / trr);
+               "documents of 128 tokens (+16-token question, 1 generated); the coordinator's\n"
+               "router (fi_route_pick) with each replica's prefix filter as it is at each\n"
+               "request, as heartbeats would bring it (every 40 requests, about a second at\n"
+               "this pace), and with none (load, then its tie-break alone)\n");
+        const s_route_load serial = {6, 128, 0, 48, 1, 3};
+        const s_route_load shared = {6, 128, 96, 48, 4, 3};
+        printf("one request at a time:\n");
+        if (s_routing_rows(&b, &serial)) goto done;
+        printf("a 96-token system prompt shared by all before each document (so the first\n"
+               "blocks, the tie-break's key, are the same for every request), 4 in flight:\n");
+        if (s_routing_rows(&b, &shared)) goto done;
     }
     status = 0;
 done:

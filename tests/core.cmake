@@ -23,15 +23,18 @@ endif()
 # (fi_route_pick, given by the fedinfer binary): its hit rate on the
 # bench's sequential workload beats round-robin's, with current filters and
 # with filters a heartbeat old (the hit rates are deterministic; the times
-# are not checked). On this workload each document has its own tie key, so
-# the tie-break alone does as well; the test checks the router as a whole.
+# are not checked). On that workload each document has its own tie key, so
+# the tie-break alone does as well. The second workload (a system prompt
+# shared by all, so one tie key, and 4 requests in flight) shows the
+# filters' own part: with them the router beats itself without them.
 if(TARGET fedinfer)
   add_test(NAME bench_serve_routing COMMAND sh -c
     "out=$('$<TARGET_FILE:fedinfer>' bench --serve -m '${FEDINFER_DEFAULT_MODEL}' -t 1 --only routing) || exit 1
      echo \"$out\"
-     rate() { echo \"$out\" | awk -v k=\"$1\" 'index($0, k) { for (i = 1; i < NF; i++) if ($i == \"rate\") print $(i + 1) }'; }
-     cur=$(rate 'router, filters current'); old=$(rate 'router, filters every 40'); rr=$(rate 'round-robin  ')
-     echo \"hit rates: current $cur, every 40 $old, round-robin $rr\"
-     awk -v c=\"$cur\" -v o=\"$old\" -v r=\"$rr\" 'BEGIN { exit !(c ~ /^[0-9.]+$/ && o ~ /^[0-9.]+$/ && r ~ /^[0-9.]+$/ && c + 0 > r + 0 && o + 0 > r + 0) }'")
+     rate() { echo \"$out\" | awk -v k=\"$1\" -v n=\"$2\" 'index($0, k) && ++seen == n { for (i = 1; i < NF; i++) if ($i == \"rate\") print $(i + 1) }'; }
+     cur=$(rate 'router, filters current' 1); old=$(rate 'router, filters every 40' 1); rr=$(rate 'round-robin  ' 1)
+     cur2=$(rate 'router, filters current' 2); nf2=$(rate 'router, no filters' 2); rr2=$(rate 'round-robin  ' 2)
+     echo \"hit rates: current $cur, every 40 $old, round-robin $rr; shared system prompt: current $cur2, no filters $nf2, round-robin $rr2\"
+     awk -v c=\"$cur\" -v o=\"$old\" -v r=\"$rr\" -v c2=\"$cur2\" -v n2=\"$nf2\" -v r2=\"$rr2\" 'BEGIN { num = \"^[0-9.]+$\"; exit !(c ~ num && o ~ num && r ~ num && c2 ~ num && n2 ~ num && r2 ~ num && c + 0 > r + 0 && o + 0 > r + 0 && c2 + 0 > n2 + 0 && c2 + 0 > r2 + 0) }'")
   set_tests_properties(bench_serve_routing PROPERTIES LABELS "model" REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
 endif()
