@@ -153,6 +153,15 @@ typedef struct fi_batch {
                               the pass writes them there; else it leaves them as they are */
 } fi_batch;
 
+/* The checks fi_model_forward makes of a batch whatever the model's plan:
+ * 1..max_tokens tokens, at most max_out wanted rows, token ids (when tok
+ * is given) inside the vocabulary, sequences, positions inside their
+ * tables, table blocks inside the pool, wanted rows ascending and < n. A
+ * caller that runs a batch in pieces checks the whole first. 0, or -1
+ * with a message naming the first fault. */
+FI_MUST_CHECK int fi_batch_check(const fi_model *m, const fi_kvpool *kv, const fi_batch *b,
+                                 char *err, size_t errlen);
+
 /* Runs the batch through the model's plan: from the token embeddings (or,
  * for a stage without embedding, from x_in: n rows of dim floats, host),
  * through its layers, to logits (n_out rows of n_vocab floats, host) when

@@ -718,15 +718,10 @@ int fi_kvpool_blocks(const fi_kvpool *p) { return p->n_blocks; }
 int fi_kvpool_max_tokens(const fi_kvpool *p) { return p->max_tokens; }
 int fi_kvpool_max_out(const fi_kvpool *p) { return p->max_out; }
 
-/* Checks a batch against the model and the pool before any work. */
-static int s_check_batch(const fi_model *m, const fi_kvpool *kv, const fi_batch *b,
-                         const float *x_in, char *err, size_t errlen) {
+int fi_batch_check(const fi_model *m, const fi_kvpool *kv, const fi_batch *b, char *err,
+                   size_t errlen) {
     if (b->n < 1 || b->n > kv->max_tokens) {
         s_err(err, errlen, "batch of %d tokens; this pool takes 1..%d", b->n, kv->max_tokens);
-        return -1;
-    }
-    if (b->n_out && !m->output_norm) {
-        s_err(err, errlen, "this shard's plan has no output layer, yet logits were asked for");
         return -1;
     }
     if (b->n_out < 0 || b->n_out > kv->max_out) {
@@ -734,16 +729,13 @@ static int s_check_batch(const fi_model *m, const fi_kvpool *kv, const fi_batch 
               kv->max_out);
         return -1;
     }
-    if (b->n_seqs < 1 || b->max_blocks < 1 || !b->tables || !b->pos || !b->seq) {
+    if (b->n_seqs < 1 || b->max_blocks < 1 || !b->tables || !b->pos || !b->seq ||
+        (b->n_out && !b->out_rows)) {
         s_err(err, errlen, "batch without sequences or block tables");
         return -1;
     }
-    if (m->plan.no_embed ? !x_in : !b->tok) {
-        s_err(err, errlen, "batch lacks its %s", m->plan.no_embed ? "input activations" : "tokens");
-        return -1;
-    }
     for (int t = 0; t < b->n; t++) {
-        if (!m->plan.no_embed && (b->tok[t] < 0 || b->tok[t] >= m->cfg.n_vocab)) {
+        if (b->tok && (b->tok[t] < 0 || b->tok[t] >= m->cfg.n_vocab)) {
             s_err(err, errlen, "token %d at index %d is outside the vocabulary of %d", b->tok[t],
                   t, m->cfg.n_vocab);
             return -1;
@@ -776,6 +768,20 @@ static int s_check_batch(const fi_model *m, const fi_kvpool *kv, const fi_batch 
         }
     }
     return 0;
+}
+
+/* Checks a batch against the model's plan and the pool before any work. */
+static int s_check_batch(const fi_model *m, const fi_kvpool *kv, const fi_batch *b,
+                         const float *x_in, char *err, size_t errlen) {
+    if (b->n_out && !m->output_norm) {
+        s_err(err, errlen, "this shard's plan has no output layer, yet logits were asked for");
+        return -1;
+    }
+    if (m->plan.no_embed ? !x_in : !b->tok) {
+        s_err(err, errlen, "batch lacks its %s", m->plan.no_embed ? "input activations" : "tokens");
+        return -1;
+    }
+    return fi_batch_check(m, kv, b, err, errlen);
 }
 
 /* The layers of the plan over the batch already in kv->x (positions,

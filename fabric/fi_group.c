@@ -669,13 +669,19 @@ comm_fail:
 
 /* Runs this rank's part of the pass in progress over batch b, micro-batch
  * by micro-batch (fi_group_micro_split): while this stage runs one, the
- * next stage runs the one before. Splitting changes no result: a token's
- * computation does not depend on the other tokens of its batch, and the
- * tokens of a micro-batch find in the KV cache every earlier one (this
- * stage ran the micro-batches before it already). logits: where the
+ * next stage runs the one before. Splitting changes no result on the CPU
+ * backend: a token's computation does not depend on the other tokens of
+ * its batch, and the tokens of a micro-batch find in the KV cache every
+ * earlier one (this stage ran the micro-batches before it already). (The
+ * CUDA backend's products and attention may choose their algorithm by
+ * the batch's size.) logits: where the
  * leader wants them (leader only). */
 static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logits, char *err,
                       size_t errlen) {
+    /* the whole batch first (the leader did before sending it): a piece
+     * is checked only for itself, and a wanted row outside every piece
+     * would be skipped */
+    if (g->rank != 0 && fi_batch_check(g->m, kv, b, err, errlen) != 0) return -1;
     const size_t rows = (size_t)b->n * (size_t)g->mi.dim;
     if (s_grow(&g->xa, &g->xa_cap, rows) != 0 || s_grow(&g->xb, &g->xb_cap, rows) != 0 ||
         s_grow_rows(g, b->n_out) != 0) {
@@ -707,6 +713,24 @@ int fi_group_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, 
     }
     if (!fi_group_available(g)) {
         snprintf(err, errlen, "shard group %s unavailable: %s", g->conf.name, g->status);
+        return -1;
+    }
+    if (fi_batch_check(m, kv, b, why, sizeof why) != 0) {
+        snprintf(err, errlen, "shard group %s: %s", g->conf.name, why);
+        return -1;
+    }
+    /* A pass's activations between two stages, and its logits, may wait
+     * whole at a rank (the leader reads the logits once its own pieces
+     * are done), and one sender may have 2 x FI_GNET_MAX_MSG waiting: one
+     * pass's worth must fit in one message, cut or not. */
+    const size_t act_bytes = (size_t)b->n * (size_t)g->mi.dim * sizeof(float);
+    const size_t log_bytes = (size_t)b->n_out * (size_t)g->mi.n_vocab * sizeof(float);
+    if (b->n > 0 && b->n_out >= 0 && g->conf.pp > 1 &&
+        (act_bytes > FI_GNET_MAX_MSG || log_bytes > FI_GNET_MAX_MSG)) {
+        snprintf(err, errlen, "shard group %s: a pass of %d tokens and %d rows of logits moves "
+                              "%zu bytes of %s between ranks; the limit is %d",
+                 g->conf.name, b->n, b->n_out, act_bytes > log_bytes ? act_bytes : log_bytes,
+                 act_bytes > log_bytes ? "activations" : "logits", FI_GNET_MAX_MSG);
         return -1;
     }
     g->st.passes++;

@@ -311,6 +311,34 @@ static int s_compare(fixture *f, const char *what, fi_group *g, fi_model *lm, in
     return compared;
 }
 
+/* A pass whose wanted rows are wrong is refused whole, naming the row,
+ * however the pass would be cut; the next good pass runs. */
+static void s_bad_rows(fixture *f, const char *what, fi_group *g, fi_model *lm) {
+    char err[512];
+    fi_kvpool *kv = fi_kvpool_new(lm, N_SEQ * MB, MAX_TOK, N_SEQ, err, sizeof err);
+    assert_non_null(kv);
+    s_run R;
+    memset(&R, 0, sizeof R);
+    R.logits = malloc((size_t)N_SEQ * f->mi.n_vocab * sizeof(float));
+    fi_batch b = s_batch(f, &R, 0); /* the four prompts: cut in pieces with stages */
+    const int n = b.n;
+    int32_t bad[][2] = {{36, n}, {-1, 5}, {9, 9}, {n - 1, n + 40}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        fi_batch x = b;
+        x.out_rows = bad[i];
+        x.n_out = 2;
+        err[0] = 0;
+        assert_int_equal(fi_group_forward(g, lm, kv, &x, R.logits, err, sizeof err), -1);
+        printf("%-12s rows {%d, %d} of %d tokens refused: %s\n", what, bad[i][0], bad[i][1], n,
+               err);
+        assert_non_null(strstr(err, "is not an ascending token index"));
+    }
+    if (fi_group_forward(g, lm, kv, &b, R.logits, err, sizeof err) != 0)
+        fail_msg("%s: a good pass after the refused ones: %s", what, err);
+    free(R.logits);
+    fi_kvpool_destroy(&kv);
+}
+
 /* The leader's idle work (its coordinator link in fi_group_serve). */
 static void s_count_idle(void *user) { (*(int *)user)++; }
 
@@ -338,6 +366,7 @@ static void s_run_layout(fixture *f, const char *name, int world, int tp) {
     int idle = 0;
     fi_group_set_idle(L->g, s_count_idle, &idle);
     int compared = s_compare(f, name, L->g, L->m, tp == 1);
+    s_bad_rows(f, name, L->g, L->m);
     fi_group_set_idle(L->g, NULL, NULL);
     /* Passes keep the leader's other work going, with TP sums (in their
      * waits) and without (a hook between layers). */
