@@ -5,6 +5,7 @@
  */
 #include "fi_cpu_q16_impl.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -17,7 +18,10 @@ void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb, int qmax) {
             amax = a > amax ? a : amax;
             s += x[i];
         }
-        float d = amax / fq, id = amax > 0.0f ? fq / amax : 0.0f;
+        /* a block too small for a normal d (qmax / amax would overflow to
+         * inf, and inf * x to NaN or a clipped quant) counts as zeros */
+        const int keep = amax >= fq * FLT_MIN;
+        float d = keep ? amax / fq : 0.0f, id = keep ? fq / amax : 0.0f;
         y[b].d = d;
         y[b].s = s;
         for (int i = 0; i < FI_QK; i++)

@@ -8,6 +8,7 @@
  */
 #include "fi_kernels_impl.h"
 
+#include <float.h>
 #include <math.h>
 #if defined(__SSE__)
 #include <xmmintrin.h>
@@ -194,14 +195,17 @@ void fi_quantize_q8x_ref(const float *x, fi_block_q8x *y, int nb) {
             float a = fabsf(v[j]);
             amax = a > amax ? a : amax;
         }
-        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        /* a block too small for a normal d (127 / amax would overflow) is
+         * zeros */
+        const int keep = amax >= 127.0f * FLT_MIN;
+        float id = keep ? 127.0f / amax : 0.0f;
         int sum = 0;
         for (int j = 0; j < FI_QK; j++) {
             int q = (int)nearbyintf(v[j] * id);
             y[i].qs[j] = (int8_t)q;
             sum += q;
         }
-        y[i].d = amax / 127.0f;
+        y[i].d = keep ? amax / 127.0f : 0.0f;
         y[i].s = y[i].d * (float)sum;
     }
 }

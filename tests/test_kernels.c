@@ -560,6 +560,13 @@ static void test_matmul16_batch_invariant(void **state) {
     float *x = fvec((size_t)NT * COLS), *yb = fvec((size_t)NT * ROWS), *y1 = fvec((size_t)NT * ROWS);
     for (int i = 0; i < NT * COLS; i++)
         x[i] = rng_f(&r, -2, 2) * (i % 11 == 0 ? 4.0f : 1.0f);
+    /* tokens too small for a normal activation scale: 1e-37 and subnormal;
+     * token 5 mixes tiny blocks with normal ones */
+    for (int i = 0; i < COLS; i++) {
+        x[3 * COLS + i] *= 1e-37f;
+        x[11 * COLS + i] *= 1e-41f;
+        if (i / FI_QK % 2) x[5 * COLS + i] *= 1e-38f;
+    }
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         size_t rb;
         uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
@@ -574,6 +581,12 @@ static void test_matmul16_batch_invariant(void **state) {
                     poison(y1 + (size_t)k * ROWS, ROWS);
                     b->ops->matmul(b->ctx, y1 + (size_t)k * ROWS, &w, x + (size_t)k * COLS, 1);
                 }
+                /* the tiny tokens give (next to) nothing, not garbage */
+                for (int i = 0; i < ROWS; i++)
+                    if (!(fabsf(y1[3 * ROWS + i]) <= 1e-33f && fabsf(y1[11 * ROWS + i]) <= 1e-33f))
+                        fail_msg("%s %s: row %d of a token of magnitude 1e-37 is %g, of 1e-41 %g",
+                                 fi_cpu_backend_simd(b), fi_dtype_name(types[ti]), i,
+                                 (double)y1[3 * ROWS + i], (double)y1[11 * ROWS + i]);
                 for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
                     int n = ns[ni];
                     /* the first n tokens, then the last n (other places) */
@@ -817,6 +830,56 @@ static void test_matmul_argmax(void **state) {
     free(ygot);
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+void fi_cpu_kernels_avx2(fi_cpu_kernels *k) __attribute__((weak));
+#endif
+
+/* The 8-bit activation quantisers (portable, AVX2 where the processor has
+ * it) against fi_quantize_q8x_ref: the same bits (d, s, quants), every
+ * quant within 127, and a block too small for a normal scale (1e-37,
+ * subnormal) quantised to zeros with d = 0 (127 / amax would overflow). */
+static void test_q8x_quantize(void **state) {
+    (void)state;
+    enum { NB = 6 };
+    static const float scale[NB] = {1.0f, 1e-30f, 1e-37f, 1e-41f, 1e30f, 0.0f};
+    float x[NB * FI_QK];
+    fi_block_q8x ref[NB], got[NB];
+    rng r = {8088};
+    for (int b = 0; b < NB; b++)
+        for (int i = 0; i < FI_QK; i++) x[b * FI_QK + i] = rng_f(&r, -2, 2) * scale[b];
+    fi_quantize_q8x_ref(x, ref, NB);
+    for (int b = 0; b < NB; b++) {
+        for (int i = 0; i < FI_QK; i++) assert_true(ref[b].qs[i] >= -127 && ref[b].qs[i] <= 127);
+        if (b == 2 || b == 3 || b == 5) {
+            assert_true(ref[b].d == 0.0f && ref[b].s == 0.0f);
+            for (int i = 0; i < FI_QK; i++) assert_int_equal(ref[b].qs[i], 0);
+        } else {
+            assert_true(ref[b].d > 0.0f);
+        }
+    }
+    fi_cpu_kernels k[2];
+    const char *names[2] = {"portable", "avx2"};
+    int nk = 0;
+    memset(k, 0, sizeof k);
+    fi_cpu_kernels_portable(&k[nk++]);
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (fi_cpu_kernels_avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        fi_cpu_kernels_avx2(&k[nk++]);
+#endif
+    for (int ki = 0; ki < nk; ki++) {
+        if (!k[ki].quantize_q8x) continue;
+        memset(got, 0x5a, sizeof got);
+        k[ki].quantize_q8x(x, got, NB);
+        for (int b = 0; b < NB; b++)
+            if (memcmp(&got[b], &ref[b], sizeof ref[b]) != 0)
+                fail_msg("q8x %s quantiser, block %d (scale %g): d %a s %a q0 %d, reference d %a s "
+                         "%a q0 %d", names[ki], b, (double)scale[b], (double)got[b].d,
+                         (double)got[b].s, got[b].qs[0], (double)ref[b].d, (double)ref[b].s,
+                         ref[b].qs[0]);
+    }
+}
+
 static int q16_tables(fi_q16_kernels *out, const char **names) {
     int n = 0;
     fi_q16_kernels_portable(&out[n]);
@@ -1037,12 +1100,14 @@ static void test_act_bits_setting(void **state) {
  * padded tails), at both bounds, every block kind at every place: plain,
  * an outlier, zeros (of both signs), tiny and huge magnitudes, and exact
  * ties (amax = qmax, so id = 1 and x * id ends in .5: rounding to nearest
- * even). Also: nothing is written past the row, and a block alone
- * quantises to the same bits as in its row. */
+ * even), and blocks too small for a normal scale (1e-37, subnormal), which
+ * quantise to zeros with d = 0. Also: every quant is within qmax, nothing
+ * is written past the row, and a block alone quantises to the same bits
+ * as in its row. */
 static void test_q16_quantize(void **state) {
     (void)state;
     static const int nbs[] = {1, 2, 15, 16, 17, 18, 48, 49};
-    enum { NNB = sizeof nbs / sizeof nbs[0], MAXNB = 49, KINDS = 6 };
+    enum { NNB = sizeof nbs / sizeof nbs[0], MAXNB = 49, KINDS = 8 };
     fi_q16_kernels tab[4];
     const char *names[4];
     int ntab = q16_tables(tab, names), avx512 = 0;
@@ -1066,6 +1131,8 @@ static void test_q16_quantize(void **state) {
                       : kind == 3 ? v * 1e-30f
                       : kind == 4 ? v * 1e35f
                       : kind == 5 ? (float)(int)rng_f(&r, 1 - qmax, qmax - 1) + 0.5f
+                      : kind == 6 ? v * 1e-37f
+                      : kind == 7 ? v * 1e-41f
                       : v;
             }
             if (kind == 1)
@@ -1074,6 +1141,17 @@ static void test_q16_quantize(void **state) {
                 xb[rng_u32(&r) % FI_QK] = rng_u32(&r) % 2 ? (float)qmax : (float)-qmax;
         }
         fi_quantize_q16x_ref(x, ref, nb, qmax);
+        for (int b = 0; b < nb; b++) {
+            const int kind = (b + c) % KINDS;
+            for (int i = 0; i < FI_QK; i++)
+                if (ref[b].qs[i] > qmax || ref[b].qs[i] < -qmax)
+                    fail_msg("q16 reference quantiser, qmax %d, block %d (kind %d): quant %d", qmax,
+                             b, kind, ref[b].qs[i]);
+            if (kind >= 6 && (ref[b].d != 0.0f || memcmp(ref[b].qs, (int16_t[FI_QK]){0}, sizeof ref[b].qs)))
+                fail_msg("q16 reference quantiser, qmax %d, block %d: a block of magnitude %g "
+                         "quantised to d %a, quant 0 %d (expected zeros)", qmax, b,
+                         (double)x[(size_t)b * FI_QK], (double)ref[b].d, ref[b].qs[0]);
+        }
         for (int ki = 0; ki < ntab; ki++) {
             for (int b = 0; b <= nb; b++)
                 got[b] = canary;
@@ -1806,6 +1884,7 @@ int main(void) {
         cmocka_unit_test(test_q16_kernels_tiling),
         cmocka_unit_test(test_q16_kernels_tiling_16),
         cmocka_unit_test(test_q16_quantize),
+        cmocka_unit_test(test_q8x_quantize),
         cmocka_unit_test(test_matmul_n),
         cmocka_unit_test(test_matmul_add),
         cmocka_unit_test(test_matmul_argmax),
