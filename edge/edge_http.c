@@ -49,6 +49,7 @@ typedef struct s_req {
     int stream;                        /* SSE */
     int usage_chunk;                   /* stream_options.include_usage */
     int max_tokens_given;              /* max_tokens (or max_completion_tokens) was sent */
+    const char *max_tokens_key;        /* which of the two, as the client named it */
     const char *model;                 /* borrowed from the JSON */
     int max_tokens;
     fi_sampler_params sp;
@@ -325,6 +326,7 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
             BAD(mt, "'%s' must be between 1 and %d on this agent", mt, lim.max_tokens);
         r->max_tokens = (int)n;
         r->max_tokens_given = 1;
+        r->max_tokens_key = mt;
     }
     r->sp = fi_sampler_defaults();
     r->sp.temperature = 1.0f; /* OpenAI's default */
@@ -1021,9 +1023,9 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
             free(ids);
             if (r->max_tokens_given)
                 rc = s_error(e, c, 400, "context_length_exceeded", chat ? "messages" : "prompt", NULL,
-                             "the prompt has %d tokens; with max_tokens %d it exceeds the context of "
+                             "the prompt has %d tokens; with %s %d it exceeds the context of "
                              "%d tokens",
-                             n_ids, r->max_tokens, e->conf.n_ctx);
+                             n_ids, r->max_tokens_key, r->max_tokens, e->conf.n_ctx);
             else
                 rc = s_error(e, c, 400, "context_length_exceeded", chat ? "messages" : "prompt", NULL,
                              "the prompt has %d tokens, which leaves no room for a completion in the "

@@ -618,6 +618,13 @@ static void test_models_and_room(void **state) {
     assert_string_equal(error_code(&r), "context_length_exceeded");
     assert_non_null(strstr(r.body, "max_tokens 8"));
     resp_free(&r);
+    /* and under the name the client used */
+    body[strlen(body) - strlen(",\"max_tokens\":8}")] = 0;
+    strcat(body, ",\"max_completion_tokens\":9}");
+    assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, body, &r), 0);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(r.body, "max_completion_tokens 9"));
+    resp_free(&r);
 }
 
 static void test_bad_input(void **state) {

@@ -12,26 +12,29 @@ CTL=$ROOT/build/fedctl
 MODEL=${FEDINFER_MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 T=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$T"' EXIT
+. "$ROOT/examples/ports.sh" # port: a free port below the ephemeral range
+CP=$(port) EP=$(port)       # the coordinator's fabric and enrolment ports
+while [ "$EP" = "$CP" ]; do EP=$(port); done
 cd "$T"
 "$FI" keygen coord; "$FI" keygen op; "$FI" keygen shard1
 cat > coordinator.conf <<CONF
 db = $T/coordinator.db
 secret_key = $T/coord.key
-bind = tcp://127.0.0.1:7700
-enrol_bind = tcp://127.0.0.1:7701
+bind = tcp://127.0.0.1:$CP
+enrol_bind = tcp://127.0.0.1:$EP
 CONF
 "$FI" coordinator --config coordinator.conf --init --operator-key op.pub
 "$FI" coordinator --config coordinator.conf 2>coordinator.log &
 cat > fedctl.conf <<CONF
-coordinator = tcp://127.0.0.1:7700
+coordinator = tcp://127.0.0.1:$CP
 coordinator_key = $T/coord.pub
 secret_key = $T/op.key
 CONF
 export FEDCTL_CONFIG=$T/fedctl.conf
 TOKEN=$("$CTL" enrol --role cluster --site core-1 --region eu-west --ttl 300)
 cat > shard.conf <<CONF
-coordinator = tcp://127.0.0.1:7700
-enrol_endpoint = tcp://127.0.0.1:7701
+coordinator = tcp://127.0.0.1:$CP
+enrol_endpoint = tcp://127.0.0.1:$EP
 coordinator_key = $T/coord.pub
 secret_key = $T/shard1.key
 model = $MODEL

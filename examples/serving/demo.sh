@@ -24,7 +24,8 @@ MODEL=${FEDINFER_MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 T=$(mktemp -d)
 PID=
 trap '[ -n "$PID" ] && kill -TERM $PID 2>/dev/null && wait $PID 2>/dev/null; rm -rf "$T"' EXIT
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+. "$ROOT/examples/ports.sh" # port: a free port below the ephemeral range
+PORT=$(port)
 cat > "$T/edge.conf" <<CONF
 site = lyon-clinic
 listen = 127.0.0.1
