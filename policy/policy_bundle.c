@@ -299,11 +299,38 @@ static uint64_t s_highwater(const char *dir) {
     return v;
 }
 
-/* Verifies the held bundle: like fi_bundle_verify with the version check
- * replaced by "not below the high-water mark". */
+/* fi_bundle_install raises the mark, writes current.bundle.tmp, then
+ * renames it into place. Cut short between the two (a crash, a kill), the
+ * held bundle is below the mark and the edge fails closed. A complete
+ * current.bundle.tmp that verifies and carries the mark's version is the
+ * bundle that install was putting in place: finish its job. */
+static void s_finish_install(const char *dir, const uint8_t (*trusted)[FI_BUNDLE_PK_BYTES], size_t n_trusted,
+                             int64_t now) {
+    char tmp[4096], cur[4096], *buf = NULL;
+    size_t len = 0;
+    snprintf(tmp, sizeof tmp, "%s/current.bundle.tmp", dir);
+    snprintf(cur, sizeof cur, "%s/current.bundle", dir);
+    if (s_read_all(tmp, &buf, &len) != 0) return;
+    fi_bundle_info bi;
+    uint64_t mark = s_highwater(dir);
+    if (mark && fi_bundle_verify(buf, len, trusted, n_trusted, 0, now, &bi) == FI_BUNDLE_OK && bi.version == mark &&
+        rename(tmp, cur) == 0) {
+        int dfd = open(dir, O_RDONLY);
+        if (dfd >= 0) {
+            (void)fsync(dfd);
+            close(dfd);
+        }
+    }
+    free(buf);
+}
+
+/* Verifies the held bundle (finishing an install cut short first): like
+ * fi_bundle_verify with the version check replaced by "not below the
+ * high-water mark". */
 static fi_bundle_status s_held(const char *dir, const uint8_t (*trusted)[FI_BUNDLE_PK_BYTES], size_t n_trusted,
                                int64_t now, char **buf, size_t *len, fi_bundle_info *info) {
     char path[4096];
+    s_finish_install(dir, trusted, n_trusted, now);
     snprintf(path, sizeof path, "%s/current.bundle", dir);
     int rc = s_read_all(path, buf, len);
     if (rc > 0) return FI_BUNDLE_NONE;
@@ -322,9 +349,13 @@ fi_bundle_status fi_bundle_install(const char *dir, const char *buf, size_t len,
     size_t hlen = 0;
     fi_bundle_info hi, ni;
     memset(&hi, 0, sizeof hi);
-    uint64_t held_version = s_highwater(dir);
+    const uint64_t mark = s_highwater(dir);
     fi_bundle_status hs = s_held(dir, trusted, n_trusted, now, &held, &hlen, &hi);
-    if (hs == FI_BUNDLE_OK && hi.version > held_version) held_version = hi.version;
+    /* Newer than the bundle held (which is at the mark or above). Without
+     * one in place (none, or one below the mark: an install cut short
+     * before its bundle was written whole), the mark's own version may be
+     * installed again; anything older is a roll-back. */
+    uint64_t held_version = hs == FI_BUNDLE_OK ? hi.version : mark ? mark - 1 : 0;
     free(held);
     fi_bundle_status st = fi_bundle_verify(buf, len, trusted, n_trusted, held_version, now, &ni);
     if (st != FI_BUNDLE_OK) {
@@ -332,8 +363,12 @@ fi_bundle_status fi_bundle_install(const char *dir, const char *buf, size_t len,
             fi_bundle_info x;
             memset(&x, 0, sizeof x);
             if (fi_bundle_verify(buf, len, trusted, n_trusted, 0, now, &x) != FI_BUNDLE_OK) x.version = 0;
-            snprintf(err, cap, "bundle refused: %s (offered version %llu, holding %llu)", fi_bundle_status_str(st),
-                     (unsigned long long)x.version, (unsigned long long)held_version);
+            if (hs == FI_BUNDLE_OK)
+                snprintf(err, cap, "bundle refused: %s (offered version %llu, holding %llu)",
+                         fi_bundle_status_str(st), (unsigned long long)x.version, (unsigned long long)held_version);
+            else
+                snprintf(err, cap, "bundle refused: %s (offered version %llu; version %llu was installed here)",
+                         fi_bundle_status_str(st), (unsigned long long)x.version, (unsigned long long)mark);
         } else {
             snprintf(err, cap, "bundle refused: %s", fi_bundle_status_str(st));
         }
@@ -381,6 +416,15 @@ fi_bundle_status fi_bundle_load(const char *dir, const uint8_t (*trusted)[FI_BUN
     fi_bundle_info bi;
     memset(&bi, 0, sizeof bi);
     fi_bundle_status st = s_held(dir, trusted, n_trusted, now, &buf, &len, &bi);
+    if (st == FI_BUNDLE_REPLAY) {
+        snprintf(err, cap, "held bundle in %s is version %llu, below version %llu, the highest installed there "
+                           "(an install was cut short, or the file was put back); enforcing the origin site only "
+                           "(fail closed) until version %llu or newer is installed", dir,
+                 (unsigned long long)bi.version, (unsigned long long)s_highwater(dir),
+                 (unsigned long long)s_highwater(dir));
+        free(buf);
+        return st;
+    }
     if (st != FI_BUNDLE_OK) {
         snprintf(err, cap, "held bundle in %s unusable: %s; enforcing the origin site only (fail closed)", dir,
                  fi_bundle_status_str(st));

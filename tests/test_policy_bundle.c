@@ -229,6 +229,70 @@ static void test_edge_keeps_last_valid(void **state) {
     free(b5);
 }
 
+/* Writes len bytes of b to dir/name. */
+static void s_put(const fx *f, const char *name, const char *b, size_t len) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", f->dir, name);
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(b, 1, len, fp), len);
+    fclose(fp);
+}
+
+/* An install cut short (kill -9) after it raised the high-water mark: the
+ * edge must not stay fail-closed until a newer version comes. */
+static void test_install_cut_short(void **state) {
+    fx *f = *state;
+    char err[600], path[512];
+    fi_policy *pol = NULL;
+    uint64_t ver = 0;
+    const uint8_t(*trusted)[FI_BUNDLE_PK_BYTES] = (const uint8_t(*)[FI_BUNDLE_PK_BYTES])f->pk;
+    size_t l1, l2;
+    char *b1 = s_sign(f, NULL, 11, NOW - 10, NOW + 1000, POLICY, &l1);
+    char *b2 = s_sign(f, NULL, 12, NOW - 10, NOW + 1000, POLICY2, &l2);
+    assert_int_equal(s_install(f, b1, l1, NOW, err, sizeof err), FI_BUNDLE_OK);
+    /* cut after the mark and the whole temporary file, before the rename:
+     * the next load finishes the install */
+    s_put(f, "version", "12\n", 3);
+    s_put(f, "current.bundle.tmp", b2, l2);
+    assert_int_equal(fi_bundle_load(f->dir, trusted, 1, NOW, &pol, &ver, err, sizeof err), FI_BUNDLE_OK);
+    assert_true(ver == 12);
+    assert_int_equal(fi_policy_rule_count(pol), 2); /* POLICY2 */
+    fi_policy_destroy(&pol);
+    snprintf(path, sizeof path, "%s/current.bundle.tmp", f->dir);
+    assert_int_equal(access(path, F_OK), -1);
+    /* cut while the temporary file was written (half of it): fail closed,
+     * saying why, until the same version comes again, which is taken */
+    size_t l3;
+    char *b3 = s_sign(f, NULL, 13, NOW - 10, NOW + 1000, POLICY, &l3);
+    s_put(f, "version", "13\n", 3);
+    s_put(f, "current.bundle.tmp", b3, l3 / 2);
+    assert_int_equal(fi_bundle_load(f->dir, trusted, 1, NOW, &pol, &ver, err, sizeof err), FI_BUNDLE_REPLAY);
+    assert_null(pol);
+    printf("load: %s\n", err);
+    assert_non_null(strstr(err, "version 12, below version 13"));
+    assert_non_null(strstr(err, "cut short"));
+    /* an older one is still a roll-back */
+    assert_int_equal(s_install(f, b2, l2, NOW, err, sizeof err), FI_BUNDLE_REPLAY);
+    printf("install: %s\n", err);
+    assert_non_null(strstr(err, "offered version 12; version 13 was installed here"));
+    assert_int_equal(s_install(f, b3, l3, NOW, err, sizeof err), FI_BUNDLE_OK);
+    assert_int_equal(fi_bundle_load(f->dir, trusted, 1, NOW, &pol, &ver, err, sizeof err), FI_BUNDLE_OK);
+    assert_true(ver == 13);
+    fi_policy_destroy(&pol);
+    /* once in place, the same version again is a replay */
+    assert_int_equal(s_install(f, b3, l3, NOW, err, sizeof err), FI_BUNDLE_REPLAY);
+    assert_non_null(strstr(err, "offered version 13, holding 13"));
+    /* a temporary file of another version than the mark is not taken */
+    s_put(f, "current.bundle.tmp", b2, l2);
+    assert_int_equal(fi_bundle_load(f->dir, trusted, 1, NOW, &pol, &ver, err, sizeof err), FI_BUNDLE_OK);
+    assert_true(ver == 13);
+    fi_policy_destroy(&pol);
+    free(b1);
+    free(b2);
+    free(b3);
+}
+
 static void test_policy_expiry_fails_closed(void **state) {
     fx *f = *state;
     char err[600];
@@ -397,6 +461,7 @@ int main(void) {
         cmocka_unit_test(test_good_bundle),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_edge_keeps_last_valid),
+        cmocka_unit_test(test_install_cut_short),
         cmocka_unit_test(test_policy_expiry_fails_closed),
         cmocka_unit_test(test_keys),
         cmocka_unit_test(test_key_owner),
