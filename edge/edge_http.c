@@ -782,6 +782,18 @@ static enum MHD_Result s_metrics(fi_edge *e, struct MHD_Connection *c) {
           (unsigned long long)st.steps, (unsigned long long)st.decode_tokens,
           (unsigned long long)st.preemptions);
     }
+    {
+        int failing = 0;
+        uint64_t af = edge_policy_audit_failures(e->policy, &failing);
+        P("# HELP fedinfer_edge_audit_failures_total Decisions that could not be recorded (each "
+          "answered 503).\n"
+          "# TYPE fedinfer_edge_audit_failures_total counter\n"
+          "fedinfer_edge_audit_failures_total %llu\n"
+          "# HELP fedinfer_edge_audit_up 1 while the last decision was recorded.\n"
+          "# TYPE fedinfer_edge_audit_up gauge\n"
+          "fedinfer_edge_audit_up %d\n",
+          (unsigned long long)af, !failing);
+    }
     P("# HELP fedinfer_edge_coordinator_up 1 when the coordinator is connected.\n"
       "# TYPE fedinfer_edge_coordinator_up gauge\n"
       "fedinfer_edge_coordinator_up %d\n",
@@ -1040,9 +1052,23 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
              atomic_fetch_add(&e->next_id, 1));
     edge_policy_decide(e->policy, tenant, app, r->model, r->labels, r->n_labels, n_ids, d);
     const char *const hdr_pol[] = {"X-Fedinfer-Policy", d->version, "X-Request-Id", id, NULL};
+    /* Every decision is recorded before it is answered; one that cannot be
+     * is answered 503 instead (nothing is served without its record). */
+    char aerr[512];
+#define S_AUDIT(decision, target, rules)                                                          \
+    do {                                                                                          \
+        if (edge_policy_audit(e->policy, id, tenant, app, r->model, d, decision, target, rules,   \
+                              n_ids, aerr, sizeof aerr) != 0) {                                   \
+            free(ids);                                                                            \
+            rc = s_error(e, c, 503, "audit_unavailable", NULL, hdr_pol,                           \
+                         "the decision (%s) could not be recorded, so the request is not served: " \
+                         "%s",                                                                    \
+                         decision, aerr);                                                         \
+            goto done;                                                                            \
+        }                                                                                         \
+    } while (0)
     if (d->bad_labels) {
-        edge_policy_audit(e->policy, id, tenant, app, r->model, d, "deny", "", "bad request",
-                          n_ids);
+        S_AUDIT("deny", "", "bad request");
         free(ids);
         rc = s_error(e, c, 400, "bad_label", "X-Data-Class", hdr_pol,
                      "a label is not declared by the policy (version %s): %s", d->version,
@@ -1055,10 +1081,9 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     if (t < 0) {
         int any = 0;
         for (int i = 0; i < d->n; i++) any |= d->permitted[i];
-        free(ids);
         if (any) {
-            edge_policy_audit(e->policy, id, tenant, app, r->model, d, "unavailable", "", "",
-                              n_ids);
+            S_AUDIT("unavailable", "", "");
+            free(ids);
             char where[256] = "", denied[300] = "";
             for (int i = 0; i < d->n; i++) {
                 if (d->permitted[i])
@@ -1079,8 +1104,8 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
             if (d->rules[i][0] && !strstr(rules, d->rules[i]))
                 snprintf(rules + strlen(rules), sizeof rules - strlen(rules), "%s%s",
                          rules[0] ? "," : "", d->rules[i]);
-        edge_policy_audit(e->policy, id, tenant, app, r->model, d, d->fallback ? "fallback" : "deny",
-                          "", rules, n_ids);
+        S_AUDIT(d->fallback ? "fallback" : "deny", "", rules);
+        free(ids);
         json_t *o = s_err_obj(403, "policy_denied", NULL, "");
         snprintf(msg, sizeof msg, "denied by policy %.40s (labels %.180s): %.250s", d->version, d->labels,
                  d->why[0]);
@@ -1092,8 +1117,8 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         rc = s_json(c, 403, o, hdr_pol);
         goto done;
     }
-    edge_policy_audit(e->policy, id, tenant, app, r->model, d, d->fallback ? "fallback" : "permit",
-                      d->names[t], d->rules[t], n_ids);
+    S_AUDIT(d->fallback ? "fallback" : "permit", d->names[t], d->rules[t]);
+#undef S_AUDIT
     /* The job. */
     job = edge_job_new(id, r->model, r->stop, r->n_stop);
     if (!job) {
@@ -1297,11 +1322,17 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
     }
     if (get && !strcmp(url, "/metrics")) return s_metrics(e, c);
     if (get && !strcmp(url, "/healthz")) {
-        json_t *o = json_pack("{s:s,s:s,s:b,s:b}", "status",
-                              atomic_load(&e->stopping) ? "stopping" : "ok", "site", e->conf.site,
-                              "local_model", e->model != NULL, "coordinator",
-                              e->remote_online && atomic_load(e->remote_online));
-        return s_json(c, atomic_load(&e->stopping) ? 503 : 200, o, NULL);
+        /* degraded while decisions cannot be recorded (each request then
+         * gets a 503), until an append succeeds again */
+        int failing = 0;
+        (void)edge_policy_audit_failures(e->policy, &failing);
+        const int stopping = atomic_load(&e->stopping);
+        json_t *o = json_pack("{s:s,s:s,s:b,s:b,s:b}", "status",
+                              stopping ? "stopping" : failing ? "degraded" : "ok", "site",
+                              e->conf.site, "local_model", e->model != NULL, "coordinator",
+                              e->remote_online && atomic_load(e->remote_online), "audit_log",
+                              !failing);
+        return s_json(c, stopping || failing ? 503 : 200, o, NULL);
     }
     int post_only = !strcmp(url, "/v1/chat/completions") || !strcmp(url, "/v1/completions");
     int known = post_only || !strcmp(url, "/v1/models") || (!strncmp(url, "/v1/models/", 11) && url[11]) ||

@@ -199,11 +199,17 @@ void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, con
                         const char *const *labels, int n_labels, int64_t prompt_tokens,
                         edge_decision *d);
 /* Appends one audit record: decision "permit"/"deny"/"fallback"/"error",
- * the chosen target ("" when none), its rules. */
-void edge_policy_audit(edge_policy *p, const char *request_id, const char *tenant,
-                       const char *app, const char *model, const edge_decision *d,
-                       const char *decision, const char *target, const char *rules,
-                       int64_t prompt_tokens);
+ * the chosen target ("" when none), its rules. 0, or -1 (logged, counted,
+ * the reason naming the log's file in err) when it could not be stored:
+ * then the request gets no answer but a 503, since nothing is served
+ * without its record. */
+FI_MUST_CHECK int edge_policy_audit(edge_policy *p, const char *request_id, const char *tenant,
+                                    const char *app, const char *model, const edge_decision *d,
+                                    const char *decision, const char *target, const char *rules,
+                                    int64_t prompt_tokens, char *err, size_t errlen);
+/* Appends that failed since the start, and whether the last one failed
+ * (/metrics, /healthz). */
+uint64_t edge_policy_audit_failures(edge_policy *p, int *failing);
 /* Records after seq (for upload), as a JSON array text (malloc'd) of at
  * most max records; *last gets the last seq included, *count the number.
  * NULL when none or on error. */

@@ -42,6 +42,8 @@ struct edge_policy {
     pthread_mutex_t amu;             /* guards audit, db */
     fi_audit *audit;                 /* the decision log */
     sqlite3 *db;                     /* our own table (upload mark) */
+    _Atomic uint64_t audit_failed;   /* appends that failed */
+    atomic_int audit_failing;        /* the last append failed */
 };
 
 static void s_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -234,10 +236,28 @@ void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, con
     pthread_rwlock_unlock(&p->lk);
 }
 
-void edge_policy_audit(edge_policy *p, const char *request_id, const char *tenant,
-                       const char *app, const char *model, const edge_decision *d,
-                       const char *decision, const char *target, const char *rules,
-                       int64_t prompt_tokens) {
+/* Appends r; counts and logs a failure (reason in err). */
+static int s_append(edge_policy *p, fi_audit_record *r, char *err, size_t errlen) {
+    pthread_mutex_lock(&p->amu);
+    int rc = fi_audit_append(p->audit, r, err, errlen);
+    pthread_mutex_unlock(&p->amu);
+    atomic_store(&p->audit_failing, rc != 0);
+    if (rc != 0) {
+        atomic_fetch_add(&p->audit_failed, 1);
+        s_log("audit: cannot append the record for %s (%s): %s", r->request_id, r->decision, err);
+    }
+    return rc;
+}
+
+uint64_t edge_policy_audit_failures(edge_policy *p, int *failing) {
+    if (failing) *failing = atomic_load(&p->audit_failing);
+    return atomic_load(&p->audit_failed);
+}
+
+int edge_policy_audit(edge_policy *p, const char *request_id, const char *tenant, const char *app,
+                      const char *model, const edge_decision *d, const char *decision,
+                      const char *target, const char *rules, int64_t prompt_tokens, char *err,
+                      size_t errlen) {
     fi_audit_record r;
     memset(&r, 0, sizeof r);
     struct timespec ts;
@@ -255,11 +275,7 @@ void edge_policy_audit(edge_policy *p, const char *request_id, const char *tenan
     r.target = target;
     r.rules = rules;
     r.policy_digest = d->digest;
-    char err[256];
-    pthread_mutex_lock(&p->amu);
-    if (fi_audit_append(p->audit, &r, err, sizeof err) != 0)
-        s_log("audit: cannot append the decision for %s: %s", request_id, err);
-    pthread_mutex_unlock(&p->amu);
+    return s_append(p, &r, err, errlen);
 }
 
 void edge_policy_audit_note(edge_policy *p, const char *request_id, const char *model,
@@ -282,11 +298,8 @@ void edge_policy_audit_note(edge_policy *p, const char *request_id, const char *
     r.target = target;
     r.rules = rules;
     r.policy_digest = "";
-    char err[256];
-    pthread_mutex_lock(&p->amu);
-    if (fi_audit_append(p->audit, &r, err, sizeof err) != 0)
-        s_log("audit: cannot append the note for %s: %s", request_id, err);
-    pthread_mutex_unlock(&p->amu);
+    char err[512];
+    (void)s_append(p, &r, err, sizeof err); /* the request is answered already */
 }
 
 typedef struct s_batch {

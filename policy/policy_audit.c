@@ -60,6 +60,12 @@ fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
 
 void fi_audit_busy_timeout(fi_audit *self, int ms) { sqlite3_busy_timeout(self->db, ms); }
 
+/* The log's file, for messages. */
+static const char *s_path(const fi_audit *self) {
+    const char *f = sqlite3_db_filename(self->db, "main");
+    return f && f[0] ? f : "(in memory)";
+}
+
 void fi_audit_set_adopt_check(fi_audit *self,
                               int (*may_adopt)(void *user, const char *old_source, const char *origin),
                               void *user) {
@@ -219,13 +225,13 @@ dberr_tx:
 int fi_audit_append(fi_audit *self, fi_audit_record *rec, char *err, size_t cap) {
     if (sqlite3_exec(self->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) goto dberr;
     if (s_append_tx(self, rec) != 0 || sqlite3_exec(self->db, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
-        snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+        snprintf(err, cap, "audit log %s: %s", s_path(self), sqlite3_errmsg(self->db));
         sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL);
         return -1;
     }
     return 0;
 dberr:
-    snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+    snprintf(err, cap, "audit log %s: %s", s_path(self), sqlite3_errmsg(self->db));
     return -1;
 }
 

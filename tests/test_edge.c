@@ -27,6 +27,7 @@
 
 #include <cmocka.h>
 #include <jansson.h>
+#include <sqlite3.h>
 
 #include "fi_audit.h"
 #include "fi_bundle.h"
@@ -877,6 +878,69 @@ static void test_policy_decisions(void **state) {
     fi_audit_destroy(&a);
 }
 
+/* Runs one SQL statement on the agent's database from another connection. */
+static void s_sql(const fx *f, const char *sql) {
+    char path[256];
+    snprintf(path, sizeof path, "%s/edge.db", f->dir);
+    sqlite3 *db = NULL;
+    assert_int_equal(sqlite3_open(path, &db), SQLITE_OK);
+    sqlite3_busy_timeout(db, 5000);
+    char *msg = NULL;
+    if (sqlite3_exec(db, sql, NULL, NULL, &msg) != SQLITE_OK) fail_msg("%s: %s", sql, msg);
+    sqlite3_close(db);
+}
+
+/* A decision the audit log cannot store (here a trigger refuses inserts,
+ * as a full disk would) is not served: 503 audit_unavailable naming the
+ * file, /healthz degraded, /metrics counting; once the log takes records
+ * again, so does the agent. */
+static void test_audit_unavailable(void **state) {
+    (void)state;
+    fx *f = fx_start(1, 1, 1);
+    const char *b = "{\"model\":\"smollm2-135m\",\"max_tokens\":2,\"temperature\":0,"
+                    "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    resp r;
+    s_sql(f, "CREATE TRIGGER full BEFORE INSERT ON audit BEGIN SELECT RAISE(ABORT, "
+             "'database or disk is full'); END;");
+    const char *labels[] = {"X-Data-Class: phi\r\n", "X-Data-Class: secret\r\n",
+                            "X-Data-Class: nonsense\r\n"};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(http(f->port, "POST", "/v1/chat/completions", labels[i], b, &r), 0);
+        printf("%s-> %d %s\n", labels[i], r.status, r.body);
+        assert_int_equal(r.status, 503);
+        assert_string_equal(error_code(&r), "audit_unavailable");
+        assert_non_null(strstr(r.body, "edge.db"));
+        assert_non_null(strstr(r.body, "disk is full"));
+        resp_free(&r);
+    }
+    assert_int_equal(http(f->port, "GET", "/healthz", NULL, NULL, &r), 0);
+    assert_int_equal(r.status, 503);
+    assert_non_null(strstr(r.body, "\"degraded\""));
+    resp_free(&r);
+    assert_int_equal(http(f->port, "GET", "/metrics", NULL, NULL, &r), 0);
+    assert_non_null(strstr(r.body, "fedinfer_edge_audit_failures_total 3\n"));
+    assert_non_null(strstr(r.body, "fedinfer_edge_audit_up 0\n"));
+    resp_free(&r);
+    s_sql(f, "DROP TRIGGER full;");
+    assert_int_equal(http(f->port, "POST", "/v1/chat/completions", labels[0], b, &r), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    assert_int_equal(http(f->port, "GET", "/healthz", NULL, NULL, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "\"ok\""));
+    resp_free(&r);
+    /* the log holds the one served decision, chained */
+    char path[256], err[256];
+    snprintf(path, sizeof path, "%s/edge.db", f->dir);
+    fi_audit *a = fi_audit_open(path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_check chk;
+    assert_int_equal(fi_audit_verify(a, &chk, err, sizeof err), 0);
+    assert_int_equal(chk.records, 1);
+    fi_audit_destroy(&a);
+    fx_stop(f);
+}
+
 /* No bundle, a tampered one, or an expired policy: on site only. */
 static void test_fail_closed(void **state) {
     (void)state;
@@ -1361,6 +1425,7 @@ int main(void) {
     const struct CMUnitTest alone[] = {
         cmocka_unit_test(test_conf_errors),
         cmocka_unit_test(test_fail_closed),
+        cmocka_unit_test(test_audit_unavailable),
         cmocka_unit_test(test_queue_full),
         cmocka_unit_test(test_stop_answers_everyone),
         cmocka_unit_test(test_no_429_within_capacity),
