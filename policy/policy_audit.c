@@ -2,10 +2,12 @@
  * policy_audit.c - the hash-chained, append-only decision log (contract and
  * chain definition in fi_audit.h).
  */
+#include <errno.h>
 #include <sodium.h>
 #include <sqlite3.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "fi_audit.h"
 
@@ -55,6 +57,64 @@ fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
         fi_audit_destroy(&a);
         return NULL;
     }
+    return a;
+}
+
+/* Opens path read-only as a URI with the given parameters (path's %, ?
+ * and # escaped) and checks that it holds an audit log. 0, 1 when it
+ * could not be read at all (SQLITE_CANTOPEN: worth another mode), -1. */
+static int s_open_ro(fi_audit *a, const char *path, const char *params, char *err, size_t cap) {
+    char uri[4200];
+    size_t k = (size_t)snprintf(uri, sizeof uri, "file:");
+    for (const char *p = path; *p && k + 4 < sizeof uri; p++) {
+        if (*p == '%' || *p == '?' || *p == '#')
+            k += (size_t)snprintf(uri + k, sizeof uri - k, "%%%02X", (unsigned char)*p);
+        else
+            uri[k++] = *p;
+    }
+    snprintf(uri + k, sizeof uri - k, "?%s", params);
+    sqlite3_stmt *st = NULL;
+    int rc = sqlite3_open_v2(uri, &a->db, SQLITE_OPEN_READONLY | SQLITE_OPEN_URI, NULL);
+    if (rc == SQLITE_OK)
+        rc = sqlite3_prepare_v2(a->db, "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'audit'",
+                                -1, &st, NULL);
+    if (rc == SQLITE_OK) rc = sqlite3_step(st);
+    int tables = rc == SQLITE_ROW ? sqlite3_column_int(st, 0) : 0;
+    const int code = a->db ? sqlite3_extended_errcode(a->db) & 0xff : rc;
+    if (rc != SQLITE_ROW)
+        snprintf(err, cap, "cannot read audit log %s: %s", path, a->db ? sqlite3_errmsg(a->db) : "out of memory");
+    else if (tables != 1)
+        snprintf(err, cap, "%s is not an audit log (it has no audit table)", path);
+    sqlite3_finalize(st);
+    if (rc == SQLITE_ROW && tables == 1) return 0;
+    sqlite3_close(a->db);
+    a->db = NULL;
+    return rc != SQLITE_ROW && code == SQLITE_CANTOPEN ? 1 : -1;
+}
+
+fi_audit *fi_audit_open_readonly(const char *path, char *err, size_t cap) {
+    fi_audit *a = calloc(1, sizeof *a);
+    if (!a || sodium_init() < 0) {
+        free(a);
+        snprintf(err, cap, "out of memory");
+        return NULL;
+    }
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        snprintf(err, cap, "cannot read audit log %s: %s", path, strerror(errno));
+        free(a);
+        return NULL;
+    }
+    /* mode=ro reads a live log (another process may write it, through the
+     * WAL); a copy on read-only media, whose WAL index cannot be made, is
+     * read as immutable */
+    int rc = s_open_ro(a, path, "mode=ro", err, cap);
+    if (rc == 1) rc = s_open_ro(a, path, "immutable=1", err, cap);
+    if (rc != 0) {
+        free(a);
+        return NULL;
+    }
+    sqlite3_busy_timeout(a->db, 5000);
     return a;
 }
 

@@ -556,7 +556,7 @@ static int s_diff(int argc, char **argv) {
     if (rc) goto done;
     if (audit) {
         char err[400];
-        fi_audit *a = fi_audit_open(audit, err, sizeof err);
+        fi_audit *a = fi_audit_open_readonly(audit, err, sizeof err);
         if (!a) {
             fprintf(stderr, "fedctl policy diff: %s\n", err);
             rc = 1;
@@ -949,7 +949,7 @@ static int s_audit_verify(int argc, char **argv) {
         return 2;
     }
     char err[400];
-    fi_audit *a = fi_audit_open(db, err, sizeof err);
+    fi_audit *a = fi_audit_open_readonly(db, err, sizeof err);
     if (!a) {
         fprintf(stderr, "fedctl audit verify: %s\n", err);
         return 1;
@@ -1015,7 +1015,7 @@ int fi_cmd_audit(int argc, char **argv) {
     f.until_ms = t1 * 1000;
     f.limit = limit ? (size_t)strtoull(limit, NULL, 10) : 0;
     char err[400];
-    fi_audit *a = fi_audit_open(db, err, sizeof err);
+    fi_audit *a = fi_audit_open_readonly(db, err, sizeof err);
     if (!a) {
         fprintf(stderr, "fedctl audit: %s\n", err);
         return 1;

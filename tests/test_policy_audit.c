@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -119,6 +120,40 @@ static void test_intact(void **state) {
     assert_int_equal(s_verify(f, &ck), 0);
     assert_true(ck.records == 10);
     assert_int_equal(strlen(ck.head), 64);
+}
+
+/* Reading a log (fedctl audit verify / query) never creates or changes a
+ * file: a missing or mistyped path is refused, as is a database that is
+ * not an audit log; a real one verifies and refuses appends. */
+static void test_open_readonly(void **state) {
+    fx *f = *state;
+    char err[600];
+    struct stat st;
+    assert_null(fi_audit_open_readonly(f->path, err, sizeof err));
+    printf("missing: %s\n", err);
+    assert_non_null(strstr(err, f->path));
+    assert_int_equal(stat(f->path, &st), -1); /* not created */
+    assert_int_equal(s_sql(f, "CREATE TABLE other(x);"), SQLITE_OK);
+    assert_null(fi_audit_open_readonly(f->path, err, sizeof err));
+    printf("other: %s\n", err);
+    assert_non_null(strstr(err, "is not an audit log"));
+    unlink(f->path);
+    s_fill(f, 5);
+    assert_int_equal(stat(f->path, &st), 0);
+    const time_t mtime = st.st_mtime;
+    const off_t size = st.st_size;
+    fi_audit *a = fi_audit_open_readonly(f->path, err, sizeof err);
+    if (!a) fail_msg("%s", err);
+    fi_audit_check ck;
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
+    assert_true(ck.records == 5);
+    fi_audit_record r = {0};
+    r.request_id = "x";
+    r.origin = r.labels = r.model = r.decision = r.target = r.rules = r.policy_digest = "";
+    assert_int_equal(fi_audit_append(a, &r, err, sizeof err), -1);
+    fi_audit_destroy(&a);
+    assert_int_equal(stat(f->path, &st), 0);
+    assert_true(st.st_mtime == mtime && st.st_size == size);
 }
 
 static void test_triggers_refuse(void **state) {
@@ -370,6 +405,7 @@ static void test_log_decision(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_intact, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_open_readonly, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_triggers_refuse, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_edit_detected, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_type_and_nul_edits_detected, s_setup, s_teardown),
