@@ -332,10 +332,12 @@ static uint8_t *s_apply(fi_ship *s, const fi_peer_rec *from, const Fi__PolicyApp
     }
     uint64_t v = 0;
     char err[800];
-    if (fi_pstore_apply(s->ps, a->content, clen, from->fpr, a->comment ? a->comment : "", s->sk, now, valid_for, &v,
-                        err, sizeof err) != 0) {
+    int prc = fi_pstore_apply(s->ps, a->content, clen, from->fpr, a->comment ? a->comment : "", s->sk, now,
+                              valid_for, &v, err, sizeof err);
+    if (prc != 0) {
         s_log("operator %s: policy apply failed: %s", from->fpr, err);
-        out = s_error(FI__ERROR_CODE__ERR_BAD_REQUEST, err, len);
+        out = s_error(prc == FI_PSTORE_FAILED ? FI__ERROR_CODE__ERR_INTERNAL : FI__ERROR_CODE__ERR_BAD_REQUEST, err,
+                      len);
     } else {
         out = s_shipped(s, v, &dg, push, push_user, from, len);
     }
@@ -364,10 +366,12 @@ static uint8_t *s_rollback(fi_ship *s, const fi_peer_rec *from, const Fi__Policy
     uint64_t v = 0;
     uint8_t *out;
     int64_t now = (int64_t)time(NULL);
-    if (fi_pstore_rollback(s->ps, rb->version, from->fpr, rb->comment ? rb->comment : "", s->sk, now, s->valid_s, &v,
-                           err, sizeof err) != 0) {
+    int prc = fi_pstore_rollback(s->ps, rb->version, from->fpr, rb->comment ? rb->comment : "", s->sk, now,
+                                 s->valid_s, &v, err, sizeof err);
+    if (prc != 0) {
         s_log("operator %s: rollback to %llu failed: %s", from->fpr, (unsigned long long)rb->version, err);
-        out = s_error(FI__ERROR_CODE__ERR_BAD_REQUEST, err, len);
+        out = s_error(prc == FI_PSTORE_FAILED ? FI__ERROR_CODE__ERR_INTERNAL : FI__ERROR_CODE__ERR_BAD_REQUEST, err,
+                      len);
     } else {
         out = s_shipped(s, v, &dg, push, push_user, from, len);
     }

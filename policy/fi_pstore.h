@@ -48,10 +48,15 @@ void fi_pstore_destroy(fi_pstore **self_p);
  * stalling every peer. */
 void fi_pstore_busy_timeout(fi_pstore *self, int ms);
 
+/* What apply and rollback return when the store itself failed (a full
+ * disk, a broken file: err names the file), as against -1, the request
+ * refused (a policy with errors, an expired one, no such version). */
+#define FI_PSTORE_FAILED (-2)
+
 /* Validates the policy text (refused if it has any error: the first error
  * goes to err), signs a bundle valid from now to min(now + valid_for,
  * the policy's `expires`) with sk, and stores it as the next version.
- * *version gets its number. 0 or -1. */
+ * *version gets its number. 0, -1 or FI_PSTORE_FAILED. */
 int fi_pstore_apply(fi_pstore *self, const char *content, size_t len, const char *author, const char *comment,
                    const uint8_t sk[FI_BUNDLE_SK_BYTES], int64_t now, int64_t valid_for, uint64_t *version,
                    char *err, size_t cap) FI_WUR;
@@ -63,7 +68,8 @@ int fi_pstore_apply(fi_pstore *self, const char *content, size_t len, const char
  * reserved before changes nothing. 0 or -1. */
 int fi_pstore_reserve(fi_pstore *self, uint64_t version, char *err, size_t cap) FI_WUR;
 
-/* A new version with the content of version `old`. 0 or -1. */
+/* A new version with the content of version `old`. 0, -1 or
+ * FI_PSTORE_FAILED. */
 int fi_pstore_rollback(fi_pstore *self, uint64_t old, const char *author, const char *comment,
                       const uint8_t sk[FI_BUNDLE_SK_BYTES], int64_t now, int64_t valid_for, uint64_t *version,
                       char *err, size_t cap) FI_WUR;

@@ -61,6 +61,12 @@ void fi_pstore_destroy(fi_pstore **self_p) {
     *self_p = NULL;
 }
 
+/* A database failure, naming the file. */
+static void s_dberr(sqlite3 *db, char *err, size_t cap) {
+    const char *f = sqlite3_db_filename(db, "main");
+    snprintf(err, cap, "policy store %s: %s", f && f[0] ? f : "(in memory)", sqlite3_errmsg(db));
+}
+
 static int s_insert(fi_pstore *s, const char *content, size_t len, const char *author, const char *comment,
                     const uint8_t sk[FI_BUNDLE_SK_BYTES], int64_t now, int64_t valid_for, uint64_t rollback_of,
                     uint64_t *version, char *err, size_t cap) {
@@ -108,7 +114,8 @@ static int s_insert(fi_pstore *s, const char *content, size_t len, const char *a
     sqlite3_finalize(st);
     st = NULL;
     if (fi_bundle_sign(sk, v, now, not_after, content, len, &bundle, &blen)) {
-        snprintf(err, cap, "cannot sign the bundle");
+        snprintf(err, cap, "cannot sign the bundle (out of memory)");
+        rc = FI_PSTORE_FAILED;
         goto fail_tx;
     }
     if (sqlite3_prepare_v2(s->db,
@@ -134,14 +141,16 @@ static int s_insert(fi_pstore *s, const char *content, size_t len, const char *a
     rc = 0;
     goto done;
 dberr_tx:
-    snprintf(err, cap, "policy store: %s", sqlite3_errmsg(s->db));
+    s_dberr(s->db, err, cap);
+    rc = FI_PSTORE_FAILED;
 fail_tx:
     sqlite3_finalize(st);
     st = NULL;
     sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
     goto done;
 dberr:
-    snprintf(err, cap, "policy store: %s", sqlite3_errmsg(s->db));
+    s_dberr(s->db, err, cap);
+    rc = FI_PSTORE_FAILED;
 done:
     sqlite3_finalize(st);
     free(bundle);
@@ -162,7 +171,7 @@ int fi_pstore_reserve(fi_pstore *self, uint64_t version, char *err, size_t cap) 
                                 " ON CONFLICT(id) DO UPDATE SET version = MAX(version, excluded.version)",
                                 -1, &st, NULL) == SQLITE_OK &&
              sqlite3_bind_int64(st, 1, (sqlite3_int64)version) == SQLITE_OK && sqlite3_step(st) == SQLITE_DONE;
-    if (!ok) snprintf(err, cap, "policy store: %s", sqlite3_errmsg(self->db));
+    if (!ok) s_dberr(self->db, err, cap);
     sqlite3_finalize(st);
     return ok ? 0 : -1;
 }
@@ -185,7 +194,7 @@ int fi_pstore_rollback(fi_pstore *self, uint64_t old, const char *author, const 
     }
     int r = fi_pstore_get(self, old, &v, &content, &len, NULL, NULL, err, cap);
     if (r > 0) snprintf(err, cap, "no version %llu in the store", (unsigned long long)old);
-    if (r) return -1;
+    if (r) return r > 0 ? -1 : FI_PSTORE_FAILED;
     char why[700];
     snprintf(why, sizeof why, "rollback to version %llu%s%s", (unsigned long long)old, comment && *comment ? ": " : "",
              comment ? comment : "");
@@ -213,7 +222,7 @@ int fi_pstore_history(fi_pstore *self, int (*fn)(const fi_pstore_version *v, voi
     sqlite3_stmt *st = NULL;
     if (sqlite3_prepare_v2(self->db, "SELECT " COLS " FROM policy_versions ORDER BY version", -1, &st, NULL) !=
         SQLITE_OK) {
-        snprintf(err, cap, "policy store: %s", sqlite3_errmsg(self->db));
+        s_dberr(self->db, err, cap);
         return -1;
     }
     int r;
@@ -225,7 +234,7 @@ int fi_pstore_history(fi_pstore *self, int (*fn)(const fi_pstore_version *v, voi
             break;
         }
     }
-    if (r != SQLITE_DONE) snprintf(err, cap, "policy store: %s", sqlite3_errmsg(self->db));
+    if (r != SQLITE_DONE) s_dberr(self->db, err, cap);
     sqlite3_finalize(st);
     return r == SQLITE_DONE ? 0 : -1;
 }
@@ -250,7 +259,7 @@ int fi_pstore_get(fi_pstore *self, uint64_t version, fi_pstore_version *v, char 
     const char *sql = version ? "SELECT " COLS ", content, bundle FROM policy_versions WHERE version = ?"
                               : "SELECT " COLS ", content, bundle FROM policy_versions ORDER BY version DESC LIMIT 1";
     if (sqlite3_prepare_v2(self->db, sql, -1, &st, NULL) != SQLITE_OK) {
-        snprintf(err, cap, "policy store: %s", sqlite3_errmsg(self->db));
+        s_dberr(self->db, err, cap);
         return -1;
     }
     if (version) sqlite3_bind_int64(st, 1, (sqlite3_int64)version);
@@ -268,7 +277,7 @@ int fi_pstore_get(fi_pstore *self, uint64_t version, fi_pstore_version *v, char 
     } else if (r == SQLITE_DONE) {
         rc = 1;
     } else {
-        snprintf(err, cap, "policy store: %s", sqlite3_errmsg(self->db));
+        s_dberr(self->db, err, cap);
         rc = -1;
     }
     sqlite3_finalize(st);

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <sqlite3.h>
 
 #include "fi_bundle.h"
 #include "fi_pstore.h"
@@ -456,6 +457,39 @@ static void test_store_reserve(void **state) {
     fi_pstore_destroy(&s);
 }
 
+/* A store that cannot write (here a trigger refuses, as a full disk
+ * would) says so, naming its file, with FI_PSTORE_FAILED: not the -1 of a
+ * refused policy, so the coordinator answers ERR_INTERNAL, not
+ * bad_request. Nothing is numbered meanwhile. */
+static void test_store_failure(void **state) {
+    fx *f = *state;
+    char path[512], err[800];
+    snprintf(path, sizeof path, "%s/failing.db", f->dir);
+    fi_pstore *s = fi_pstore_open(path, err, sizeof err);
+    assert_non_null(s);
+    uint64_t v = 0;
+    assert_int_equal(fi_pstore_apply(s, POLICY, strlen(POLICY), "a", "", f->sk, NOW, 3600, &v, err, sizeof err), 0);
+    sqlite3 *db = NULL;
+    assert_int_equal(sqlite3_open(path, &db), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(db, "CREATE TRIGGER full BEFORE INSERT ON policy_versions BEGIN "
+                                      "SELECT RAISE(ABORT, 'database or disk is full'); END;",
+                                  NULL, NULL, NULL),
+                     SQLITE_OK);
+    assert_int_equal(fi_pstore_apply(s, POLICY2, strlen(POLICY2), "a", "", f->sk, NOW, 3600, &v, err, sizeof err),
+                     FI_PSTORE_FAILED);
+    printf("apply: %s\n", err);
+    assert_non_null(strstr(err, "failing.db"));
+    assert_non_null(strstr(err, "disk is full"));
+    assert_int_equal(fi_pstore_rollback(s, 1, "a", "", f->sk, NOW, 3600, &v, err, sizeof err), FI_PSTORE_FAILED);
+    /* a refusal is still a refusal */
+    assert_int_equal(fi_pstore_rollback(s, 9, "a", "", f->sk, NOW, 3600, &v, err, sizeof err), -1);
+    assert_int_equal(sqlite3_exec(db, "DROP TRIGGER full;", NULL, NULL, NULL), SQLITE_OK);
+    sqlite3_close(db);
+    assert_int_equal(fi_pstore_apply(s, POLICY2, strlen(POLICY2), "a", "", f->sk, NOW, 3600, &v, err, sizeof err), 0);
+    assert_true(v == 2);
+    fi_pstore_destroy(&s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_good_bundle),
@@ -467,6 +501,7 @@ int main(void) {
         cmocka_unit_test(test_key_owner),
         cmocka_unit_test(test_store),
         cmocka_unit_test(test_store_reserve),
+        cmocka_unit_test(test_store_failure),
     };
     return cmocka_run_group_tests(tests, s_setup, s_teardown);
 }
