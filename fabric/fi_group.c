@@ -674,8 +674,7 @@ comm_fail:
  * its batch, and the tokens of a micro-batch find in the KV cache every
  * earlier one (this stage ran the micro-batches before it already). (The
  * CUDA backend's products and attention may choose their algorithm by
- * the batch's size.) logits: where the
- * leader wants them (leader only). */
+ * the batch's size.) logits: where the leader wants them (leader only). */
 static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logits, char *err,
                       size_t errlen) {
     /* the whole batch first (the leader did before sending it): a piece
