@@ -19,9 +19,10 @@ void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb, int qmax) {
             s += x[i];
         }
         /* a block too small for a normal d (qmax / amax would overflow to
-         * inf, and inf * x to NaN or a clipped quant) counts as zeros */
-        const int keep = amax >= fq * FLT_MIN;
-        float d = keep ? amax / fq : 0.0f, id = keep ? fq / amax : 0.0f;
+         * inf, and inf * x to NaN or a clipped quant) counts as zeros; a
+         * NaN amax (which a SIMD max may keep) gives d NaN and quants 0 */
+        const float lo = fq * FLT_MIN;
+        float d = !(amax < lo) ? amax / fq : 0.0f, id = amax >= lo ? fq / amax : 0.0f;
         y[b].d = d;
         y[b].s = s;
         for (int i = 0; i < FI_QK; i++)

@@ -41,9 +41,9 @@ static void s_quantize(const float *x, fi_block_q16x *y, int nb, int qmax) {
         __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
         float amax = s_hmax(mx);
-        const int keep = amax >= fq * FLT_MIN; /* as fi_quantize_q16x_ref */
-        float id = keep ? fq / amax : 0.0f;
-        y[b].d = keep ? amax / fq : 0.0f;
+        const float lo = fq * FLT_MIN; /* as fi_quantize_q16x_ref */
+        float id = amax >= lo ? fq / amax : 0.0f;
+        y[b].d = !(amax < lo) ? amax / fq : 0.0f;
         y[b].s = s_hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
         __m256 vid = _mm256_set1_ps(id);
         __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid));

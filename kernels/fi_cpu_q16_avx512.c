@@ -458,15 +458,16 @@ S_DQ_INLINE void s_act_reduce(const float *x, int n, int m, __m512 *amax, __m512
 
 /* The scales of blocks 0..n-1 (1 <= n <= m) of x, reduced as a group of
  * m: for block b, id[b] = qmax / amax (0, and d 0, where amax is below
- * qmax FLT_MIN, zero included) and (d, s) at
- * ds[2b], as y's first two fields; the arrays have room for 16 blocks. */
+ * qmax FLT_MIN, zero included; id 0 and d NaN where amax is NaN) and
+ * (d, s) at ds[2b], as y's first two fields; the arrays have room for 16
+ * blocks. */
 S_DQ_INLINE void s_act_scales(const float *x, int n, int m, __m512 fq, float *id, float *ds) {
     __m512 amax, sum;
     s_act_reduce(x, n, m, &amax, &sum);
     /* as fi_quantize_q16x_ref: a block whose d would not be normal is zeros */
-    __mmask16 nz = _mm512_cmp_ps_mask(amax, _mm512_mul_ps(fq, _mm512_set1_ps(FLT_MIN)), _CMP_GE_OQ);
-    __m512 d = _mm512_maskz_div_ps(nz, amax, fq);
-    _mm512_storeu_ps(id, _mm512_maskz_div_ps(nz, fq, amax));
+    const __m512 small = _mm512_mul_ps(fq, _mm512_set1_ps(FLT_MIN));
+    __m512 d = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, small, _CMP_NLT_UQ), amax, fq);
+    _mm512_storeu_ps(id, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, small, _CMP_GE_OQ), fq, amax));
     /* (d, s) pairs of blocks 0..7, then 8..15 */
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));

@@ -129,8 +129,8 @@ static void s_quantize_q8x(const float *x, fi_block_q8x *y, int nb) {
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         float amax = _mm_cvtss_f32(h);
-        const int keep = amax >= 127.0f * FLT_MIN; /* as fi_quantize_q8x_ref */
-        float id = keep ? 127.0f / amax : 0.0f;
+        const float lo = 127.0f * FLT_MIN; /* as fi_quantize_q8x_ref */
+        float id = amax >= lo ? 127.0f / amax : 0.0f;
         __m256 vid = _mm256_set1_ps(id);
         __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, vid), S_RND));
         __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, vid), S_RND));
@@ -145,7 +145,7 @@ static void s_quantize_q8x(const float *x, fi_block_q8x *y, int nb) {
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)y[i].qs, p);
-        y[i].d = keep ? amax / 127.0f : 0.0f;
+        y[i].d = !(amax < lo) ? amax / 127.0f : 0.0f;
         y[i].s = y[i].d * (float)sum;
     }
 }

@@ -197,15 +197,15 @@ void fi_quantize_q8x_ref(const float *x, fi_block_q8x *y, int nb) {
         }
         /* a block too small for a normal d (127 / amax would overflow) is
          * zeros */
-        const int keep = amax >= 127.0f * FLT_MIN;
-        float id = keep ? 127.0f / amax : 0.0f;
+        const float lo = 127.0f * FLT_MIN;
+        float id = amax >= lo ? 127.0f / amax : 0.0f;
         int sum = 0;
         for (int j = 0; j < FI_QK; j++) {
             int q = (int)nearbyintf(v[j] * id);
             y[i].qs[j] = (int8_t)q;
             sum += q;
         }
-        y[i].d = keep ? amax / 127.0f : 0.0f;
+        y[i].d = !(amax < lo) ? amax / 127.0f : 0.0f; /* NaN stays NaN */
         y[i].s = y[i].d * (float)sum;
     }
 }
