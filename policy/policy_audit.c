@@ -65,7 +65,9 @@ fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
  * could not be read at all (SQLITE_CANTOPEN: worth another mode), -1. */
 static int s_open_ro(fi_audit *a, const char *path, const char *params, char *err, size_t cap) {
     char uri[4200];
-    size_t k = (size_t)snprintf(uri, sizeof uri, "file:");
+    /* an empty authority before an absolute path ("//x" would be a host);
+     * "./" before a relative one (":memory:" would be no file) */
+    size_t k = (size_t)snprintf(uri, sizeof uri, "%s", path[0] == '/' ? "file://" : "file:./");
     for (const char *p = path; *p && k + 4 < sizeof uri; p++) {
         if (*p == '%' || *p == '?' || *p == '#')
             k += (size_t)snprintf(uri + k, sizeof uri - k, "%%%02X", (unsigned char)*p);
@@ -107,9 +109,23 @@ fi_audit *fi_audit_open_readonly(const char *path, char *err, size_t cap) {
     }
     /* mode=ro reads a live log (another process may write it, through the
      * WAL); a copy on read-only media, whose WAL index cannot be made, is
-     * read as immutable */
+     * read as immutable, but only without a write-ahead log, whose
+     * records that reading would miss */
     int rc = s_open_ro(a, path, "mode=ro", err, cap);
-    if (rc == 1) rc = s_open_ro(a, path, "immutable=1", err, cap);
+    if (rc == 1) {
+        char wal[4200];
+        snprintf(wal, sizeof wal, "%s-wal", path);
+        if (stat(wal, &st) == 0 && st.st_size > 0) {
+            snprintf(err, cap,
+                     "cannot read audit log %s: its write-ahead log %s holds records that only a reader "
+                     "able to create %s-shm can see (run with write access to the folder, or copy the "
+                     "three files where it has)",
+                     path, wal, path);
+            rc = -1;
+        } else {
+            rc = s_open_ro(a, path, "immutable=1", err, cap);
+        }
+    }
     if (rc != 0) {
         free(a);
         return NULL;

@@ -35,14 +35,18 @@ static int s_setup(void **state) {
     return 0;
 }
 
-static int s_teardown(void **state) {
-    fx *f = *state;
+static void s_teardown_files(const fx *f) {
     char p[300];
     unlink(f->path);
     snprintf(p, sizeof p, "%s-wal", f->path);
     unlink(p);
     snprintf(p, sizeof p, "%s-shm", f->path);
     unlink(p);
+}
+
+static int s_teardown(void **state) {
+    fx *f = *state;
+    s_teardown_files(f);
     free(f);
     return 0;
 }
@@ -154,6 +158,36 @@ static void test_open_readonly(void **state) {
     fi_audit_destroy(&a);
     assert_int_equal(stat(f->path, &st), 0);
     assert_true(st.st_mtime == mtime && st.st_size == size);
+    /* paths a URI would read otherwise: characters it reserves, a leading
+     * "//" (an authority), a relative ":memory:" (no file) */
+    fx odd;
+    snprintf(odd.path, sizeof odd.path, "%.200s a%%41?b#c:memory:", f->path);
+    s_fill(&odd, 2);
+    char alt[300];
+    snprintf(alt, sizeof alt, "/%.250s", odd.path);
+    const char *names[] = {odd.path, alt};
+    for (int i = 0; i < 2; i++) {
+        a = fi_audit_open_readonly(names[i], err, sizeof err);
+        if (!a) fail_msg("%s: %s", names[i], err);
+        assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
+        assert_true(ck.records == 2);
+        fi_audit_destroy(&a);
+    }
+    char cwd[512];
+    assert_non_null(getcwd(cwd, sizeof cwd));
+    assert_int_equal(chdir("/tmp"), 0);
+    unlink(":memory:");
+    snprintf(odd.path, sizeof odd.path, "./:memory:"); /* a file, for the writer too */
+    s_fill(&odd, 3);
+    a = fi_audit_open_readonly(":memory:", err, sizeof err);
+    if (!a) fail_msg("relative :memory:: %s", err);
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
+    assert_true(ck.records == 3);
+    fi_audit_destroy(&a);
+    s_teardown_files(&odd);
+    snprintf(odd.path, sizeof odd.path, "%.200s a%%41?b#c:memory:", f->path);
+    s_teardown_files(&odd);
+    assert_int_equal(chdir(cwd), 0);
 }
 
 static void test_triggers_refuse(void **state) {
