@@ -33,6 +33,7 @@ struct MHD_Daemon;
 #define EDGE_MAX_STOP 4    /* stop strings per request (OpenAI's limit) */
 #define EDGE_MAX_LABELS 16 /* residency labels per request */
 #define EDGE_ID_LEN 64     /* request id, NUL included (within the wire's FI_WIRE_MAX_ID) */
+#define EDGE_AUDIT_DEGRADED_MS 2000 /* /healthz says degraded this long after an audit append failed */
 
 /* --- jobs ------------------------------------------------------------- */
 
@@ -208,7 +209,10 @@ FI_MUST_CHECK int edge_policy_audit(edge_policy *p, const char *request_id, cons
                                     const char *decision, const char *target, const char *rules,
                                     int64_t prompt_tokens, char *err, size_t errlen);
 /* Appends that failed since the start, and whether the last one failed
- * (/metrics, /healthz). */
+ * less than EDGE_AUDIT_DEGRADED_MS ago (/metrics, /healthz). Only requests
+ * append, so /healthz does not stay degraded for good: after that time a
+ * probe sees the agent ready, the next request tries the log again, and a
+ * new failure makes it degraded again. */
 uint64_t edge_policy_audit_failures(edge_policy *p, int *failing);
 /* Records after seq (for upload), as a JSON array text (malloc'd) of at
  * most max records; *last gets the last seq included, *count the number.

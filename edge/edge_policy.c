@@ -43,7 +43,7 @@ struct edge_policy {
     fi_audit *audit;                 /* the decision log */
     sqlite3 *db;                     /* our own table (upload mark) */
     _Atomic uint64_t audit_failed;   /* appends that failed */
-    atomic_int audit_failing;        /* the last append failed */
+    _Atomic int64_t audit_failed_ms; /* when the last append failed (monotonic), 0: it did not */
 };
 
 static void s_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -237,11 +237,18 @@ void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, con
 }
 
 /* Appends r; counts and logs a failure (reason in err). */
+static int64_t s_mono_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 static int s_append(edge_policy *p, fi_audit_record *r, char *err, size_t errlen) {
     pthread_mutex_lock(&p->amu);
     int rc = fi_audit_append(p->audit, r, err, errlen);
+    /* under the lock: the state is the last append's */
+    atomic_store(&p->audit_failed_ms, rc != 0 ? s_mono_ms() : 0);
     pthread_mutex_unlock(&p->amu);
-    atomic_store(&p->audit_failing, rc != 0);
     if (rc != 0) {
         atomic_fetch_add(&p->audit_failed, 1);
         s_log("audit: cannot append the record for %s (%s): %s", r->request_id, r->decision, err);
@@ -250,7 +257,10 @@ static int s_append(edge_policy *p, fi_audit_record *r, char *err, size_t errlen
 }
 
 uint64_t edge_policy_audit_failures(edge_policy *p, int *failing) {
-    if (failing) *failing = atomic_load(&p->audit_failing);
+    if (failing) {
+        int64_t t = atomic_load(&p->audit_failed_ms);
+        *failing = t != 0 && s_mono_ms() - t < EDGE_AUDIT_DEGRADED_MS;
+    }
     return atomic_load(&p->audit_failed);
 }
 
