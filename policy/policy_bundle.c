@@ -10,6 +10,7 @@
 #include <sodium.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -299,18 +300,51 @@ static uint64_t s_highwater(const char *dir) {
     return v;
 }
 
+/* dir's install lock (dir/.lock, flock): an install holds it throughout,
+ * so that no other install, and no load finishing one cut short, moves
+ * files under it (another process, such as fedctl policy install, or
+ * another thread of the edge). The descriptor, or -1: busy (nonblock) or
+ * not to be had (a read-only folder). */
+static int s_lock(const char *dir, int nonblock) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/.lock", dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return -1;
+    while (flock(fd, LOCK_EX | (nonblock ? LOCK_NB : 0)) != 0) {
+        if (errno == EINTR) continue;
+        int e = errno;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
+static void s_unlock(int fd) {
+    if (fd < 0) return;
+    (void)flock(fd, LOCK_UN);
+    close(fd);
+}
+
 /* fi_bundle_install raises the mark, writes current.bundle.tmp, then
  * renames it into place. Cut short between the two (a crash, a kill), the
  * held bundle is below the mark and the edge fails closed. A complete
  * current.bundle.tmp that verifies and carries the mark's version is the
- * bundle that install was putting in place: finish its job. */
+ * bundle that install was putting in place: finish its job, unless an
+ * install holds the lock now (then it is not cut short; it is running). */
 static void s_finish_install(const char *dir, const uint8_t (*trusted)[FI_BUNDLE_PK_BYTES], size_t n_trusted,
                              int64_t now) {
     char tmp[4096], cur[4096], *buf = NULL;
     size_t len = 0;
     snprintf(tmp, sizeof tmp, "%s/current.bundle.tmp", dir);
     snprintf(cur, sizeof cur, "%s/current.bundle", dir);
-    if (s_read_all(tmp, &buf, &len) != 0) return;
+    if (access(tmp, F_OK) != 0) return;
+    int lk = s_lock(dir, 1);
+    if (lk < 0) return;
+    if (s_read_all(tmp, &buf, &len) != 0) {
+        s_unlock(lk);
+        return;
+    }
     fi_bundle_info bi;
     uint64_t mark = s_highwater(dir);
     if (mark && fi_bundle_verify(buf, len, trusted, n_trusted, 0, now, &bi) == FI_BUNDLE_OK && bi.version == mark &&
@@ -322,6 +356,7 @@ static void s_finish_install(const char *dir, const uint8_t (*trusted)[FI_BUNDLE
         }
     }
     free(buf);
+    s_unlock(lk);
 }
 
 /* Verifies the held bundle (finishing an install cut short first): like
@@ -342,9 +377,9 @@ static fi_bundle_status s_held(const char *dir, const uint8_t (*trusted)[FI_BUND
     return st;
 }
 
-fi_bundle_status fi_bundle_install(const char *dir, const char *buf, size_t len,
-                                   const uint8_t (*trusted)[FI_BUNDLE_PK_BYTES], size_t n_trusted, int64_t now,
-                                   char *err, size_t cap) {
+static fi_bundle_status s_install(const char *dir, const char *buf, size_t len,
+                                  const uint8_t (*trusted)[FI_BUNDLE_PK_BYTES], size_t n_trusted, int64_t now,
+                                  char *err, size_t cap) {
     char *held = NULL;
     size_t hlen = 0;
     fi_bundle_info hi, ni;
@@ -405,6 +440,20 @@ fi_bundle_status fi_bundle_install(const char *dir, const char *buf, size_t len,
         close(dfd);
     }
     return FI_BUNDLE_OK;
+}
+
+fi_bundle_status fi_bundle_install(const char *dir, const char *buf, size_t len,
+                                   const uint8_t (*trusted)[FI_BUNDLE_PK_BYTES], size_t n_trusted, int64_t now,
+                                   char *err, size_t cap) {
+    err[0] = 0;
+    int lk = s_lock(dir, 0);
+    if (lk < 0) {
+        snprintf(err, cap, "cannot install bundle in %s: cannot lock %s/.lock: %s", dir, dir, strerror(errno));
+        return FI_BUNDLE_IO;
+    }
+    fi_bundle_status st = s_install(dir, buf, len, trusted, n_trusted, now, err, cap);
+    s_unlock(lk);
+    return st;
 }
 
 fi_bundle_status fi_bundle_load(const char *dir, const uint8_t (*trusted)[FI_BUNDLE_PK_BYTES], size_t n_trusted,

@@ -5,8 +5,10 @@
  * refused; the edge keeps the last valid bundle and fails closed without
  * one; the store versions, refuses invalid policies and rolls back.
  */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -294,6 +296,59 @@ static void test_install_cut_short(void **state) {
     free(b3);
 }
 
+/* Loads in a loop, as an edge's reload (SIGHUP) while a bundle is pushed. */
+typedef struct s_loader {
+    const fx *f;
+    atomic_int stop;
+    int loads;
+} s_loader;
+
+static void *s_load_loop(void *arg) {
+    s_loader *l = arg;
+    char err[600];
+    while (!atomic_load(&l->stop)) {
+        fi_policy *pol = NULL;
+        uint64_t ver = 0;
+        if (fi_bundle_load(l->f->dir, (const uint8_t(*)[FI_BUNDLE_PK_BYTES])l->f->pk, 1, NOW, &pol, &ver, err,
+                           sizeof err) == FI_BUNDLE_OK)
+            fi_policy_destroy(&pol);
+        l->loads++;
+    }
+    return NULL;
+}
+
+/* Installs while another thread loads: the load never moves the files of
+ * an install that is running (it only finishes one cut short), so every
+ * install succeeds, and the last is what is held. */
+static void test_install_races_load(void **state) {
+    fx *f = *state;
+    char err[600];
+    s_loader l = {.f = f};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, s_load_loop, &l), 0);
+    int failed = 0;
+    for (uint64_t v = 100; v < 160; v++) {
+        size_t len;
+        char *b = s_sign(f, NULL, v, NOW - 10, NOW + 1000, v % 2 ? POLICY : POLICY2, &len);
+        if (s_install(f, b, len, NOW, err, sizeof err) != FI_BUNDLE_OK) {
+            printf("install %llu: %s\n", (unsigned long long)v, err);
+            failed++;
+        }
+        free(b);
+    }
+    atomic_store(&l.stop, 1);
+    pthread_join(th, NULL);
+    printf("60 installs against %d loads: %d failed\n", l.loads, failed);
+    assert_int_equal(failed, 0);
+    fi_policy *pol = NULL;
+    uint64_t ver = 0;
+    assert_int_equal(fi_bundle_load(f->dir, (const uint8_t(*)[FI_BUNDLE_PK_BYTES])f->pk, 1, NOW, &pol, &ver, err,
+                                    sizeof err),
+                     FI_BUNDLE_OK);
+    assert_true(ver == 159);
+    fi_policy_destroy(&pol);
+}
+
 static void test_policy_expiry_fails_closed(void **state) {
     fx *f = *state;
     char err[600];
@@ -496,6 +551,7 @@ int main(void) {
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_edge_keeps_last_valid),
         cmocka_unit_test(test_install_cut_short),
+        cmocka_unit_test(test_install_races_load),
         cmocka_unit_test(test_policy_expiry_fails_closed),
         cmocka_unit_test(test_keys),
         cmocka_unit_test(test_key_owner),
