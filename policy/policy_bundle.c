@@ -446,11 +446,10 @@ fi_bundle_status fi_bundle_install(const char *dir, const char *buf, size_t len,
                                    const uint8_t (*trusted)[FI_BUNDLE_PK_BYTES], size_t n_trusted, int64_t now,
                                    char *err, size_t cap) {
     err[0] = 0;
+    /* Without the lock (no such folder, or one we may not write) the
+     * install cannot write either: it fails with its own reason, the
+     * bundle's or the folder's. */
     int lk = s_lock(dir, 0);
-    if (lk < 0) {
-        snprintf(err, cap, "cannot install bundle in %s: cannot lock %s/.lock: %s", dir, dir, strerror(errno));
-        return FI_BUNDLE_IO;
-    }
     fi_bundle_status st = s_install(dir, buf, len, trusted, n_trusted, now, err, cap);
     s_unlock(lk);
     return st;
