@@ -42,13 +42,21 @@ static const char *s_schema =
     "seq, time, request_id, tenant, application, origin, labels, model, latency_ms, prompt_tokens, decision, " \
     "target, rules, policy_digest, prev_hash, hash"
 
-fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
+/* A handle without a database yet; NULL (said) when out of memory or
+ * libsodium cannot start. */
+static fi_audit *s_new(char *err, size_t cap) {
     fi_audit *a = calloc(1, sizeof *a);
     if (!a || sodium_init() < 0) {
         free(a);
         snprintf(err, cap, "out of memory");
         return NULL;
     }
+    return a;
+}
+
+fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
+    fi_audit *a = s_new(err, cap);
+    if (!a) return NULL;
     char *msg = NULL;
     if (sqlite3_open_v2(path, &a->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL) != SQLITE_OK ||
         sqlite3_busy_timeout(a->db, 5000) != SQLITE_OK || sqlite3_exec(a->db, s_schema, NULL, NULL, &msg) != SQLITE_OK) {
@@ -95,12 +103,8 @@ static int s_open_ro(fi_audit *a, const char *path, const char *params, char *er
 }
 
 fi_audit *fi_audit_open_readonly(const char *path, char *err, size_t cap) {
-    fi_audit *a = calloc(1, sizeof *a);
-    if (!a || sodium_init() < 0) {
-        free(a);
-        snprintf(err, cap, "out of memory");
-        return NULL;
-    }
+    fi_audit *a = s_new(err, cap);
+    if (!a) return NULL;
     struct stat st;
     if (stat(path, &st) != 0) {
         snprintf(err, cap, "cannot read audit log %s: %s", path, strerror(errno));
