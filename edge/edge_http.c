@@ -875,7 +875,7 @@ static int s_route(fi_edge *e, const edge_decision *d, const char *model, int *u
  * tokenizer as the workers serving it), salted with the tenant (qualified
  * with the site) and the residency zone. 0, or -1 when out of memory. */
 static int s_routed(fi_edge *e, edge_job *job, const s_req *r, int chat, const char *tenant,
-                    const int32_t *ids, int n_ids) {
+                    const char *app, const int32_t *ids, int n_ids) {
     edge_routed *w = calloc(1, sizeof *w);
     if (!w) return -1;
     job->routed = w;
@@ -899,6 +899,8 @@ static int s_routed(fi_edge *e, edge_job *job, const s_req *r, int chat, const c
         if (!(w->stop[i] = strdup(r->stop[i]))) return -1;
     snprintf(w->user, sizeof w->user, "%s", r->user ? r->user : "");
     snprintf(w->tenant, sizeof w->tenant, "%s", tenant ? tenant : "");
+    snprintf(w->application, sizeof w->application, "%s", app ? app : "");
+    w->prompt_tokens = n_ids;
     snprintf(w->zone, sizeof w->zone, "%s", job->zone);
     /* the blocks a worker could reuse: all but the last prompt token's
      * (fi_prefix_hashes) */
@@ -1136,7 +1138,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     snprintf(job->zone, sizeof job->zone, "%s", d->zone);
     for (int i = 0; i < d->n_eff_labels; i++) job->labels[job->n_labels++] = strdup(d->eff_labels[i]);
     snprintf(job->target, sizeof job->target, "%s", d->names[t]);
-    if (t > 0 && s_routed(e, job, r, chat, tenant, ids, n_ids) != 0) {
+    if (t > 0 && s_routed(e, job, r, chat, tenant, app, ids, n_ids) != 0) {
         rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory");
         goto done;
     }

@@ -49,9 +49,11 @@ typedef struct edge_routed {
     int n_stop;
     char user[128];                /* OpenAI's `user`: conversation affinity */
     char tenant[64];               /* prefix-cache salt: the token's tenant */
+    char application[64];          /* the token's application (the coordinator's re-check) */
     char zone[64];                 /* prefix-cache salt: the residency zone */
     uint64_t *hashes;              /* fi_prefix_hashes of the prompt (NULL: none) */
     int n_hashes;
+    int prompt_tokens;             /* the prompt's size the policy decided with */
 } edge_routed;
 void edge_routed_free(edge_routed **r);
 

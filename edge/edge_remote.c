@@ -186,6 +186,10 @@ static void s_send_new(s_remote *r) {
             rq.n_stop = (size_t)w->n_stop;
             rq.user = (char *)w->user;
             rq.tenant = (char *)w->tenant;
+            rq.application = (char *)w->application;
+            /* the size the edge's policy decided with (the job keeps the
+             * prompt's tokens only when it runs locally) */
+            rq.prompt_tokens = (uint32_t)(w->prompt_tokens > 0 ? w->prompt_tokens : 0);
             rq.zone = (char *)w->zone;
             rq.cluster = j->target; /* what our policy decided and our audit log says */
             rq.prefix_hashes = w->hashes;

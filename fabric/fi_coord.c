@@ -418,12 +418,12 @@ static void s_audit_route(fi_coord *c, const s_peer *e, const Fi__InferRequest *
     r.time = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
     r.request_id = rq->request_id;
     r.tenant = rq->tenant ? rq->tenant : "";
-    r.application = "";
+    r.application = rq->application ? rq->application : "";
     r.origin = e->rec.site;
     r.labels = labels;
     r.model = rq->model;
     r.latency_ms = -1;
-    r.prompt_tokens = -1;
+    r.prompt_tokens = rq->prompt_tokens ? (int64_t)rq->prompt_tokens : -1;
     r.decision = decision;
     r.target = target;
     r.rules = rules;
@@ -492,9 +492,10 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
         return;
     }
     char tenant[FI_WIRE_CACHE_TENANT_MAX];
-    if (fi_wire_cache_tenant(e->rec.site, rq->tenant, tenant) != 0) {
+    if (fi_wire_cache_tenant(e->rec.site, rq->tenant, tenant) != 0 ||
+        (rq->application && strlen(rq->application) > 63)) {
         s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BAD_REQUEST,
-                     "tenant: at most 63 bytes");
+                     "tenant and application: at most 63 bytes each");
         return;
     }
     if (e->in_flight >= (uint32_t)c->o.max_in_flight) {
@@ -615,8 +616,11 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     fwd.origin = &origin;
     fwd.zone = cands[pick].v.zone[0] ? cands[pick].v.zone : e->rec.site;
     fwd.tenant = tenant;
-    /* What only the router needs stays here: the end user's id, the hashes. */
+    /* What only the router and the policy need stays here: the end user's
+     * id, the hashes, the application and the prompt's size. */
     fwd.user = (char *)"";
+    fwd.application = (char *)"";
+    fwd.prompt_tokens = 0;
     fwd.n_prefix_hashes = 0;
     fwd.prefix_hashes = NULL;
     fi_msg m = FI__ENVELOPE__INIT;

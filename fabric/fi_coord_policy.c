@@ -196,8 +196,12 @@ static int s_decide(const s_loaded *L, int64_t now, const Fi__InferRequest *req,
     rq.model = req->model;
     rq.labels = labels;
     rq.n_labels = n_labels;
+    /* as the edge decided: its tenant, application and prompt size, as it
+     * says them, like the labels (a rule on them holds here too) */
+    rq.tenant = req->tenant && req->tenant[0] ? req->tenant : NULL;
+    rq.application = req->application && req->application[0] ? req->application : NULL;
     rq.latency_ms = -1;
-    rq.prompt_tokens = -1;
+    rq.prompt_tokens = req->prompt_tokens ? (int64_t)req->prompt_tokens : -1;
     const char *names[1] = {target->site};
     fi_target_kind kinds[1] = {FI_TARGET_CLUSTER};
     fi_verdict v;

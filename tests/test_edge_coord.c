@@ -42,7 +42,17 @@ static const char *s_policy_fmt =
     "permit \"internal in the EU\" when request.labels <= [\"public\", \"internal\"] and target "
     "within \"EU\";\n"
     "forbid \"phi stays on site\" when \"phi\" in request.labels and target.site != "
-    "request.origin.site;\n";
+    "request.origin.site;\n"
+    "forbid \"oncology stays on site\" when request has tenant and request.tenant == \"oncology\" "
+    "and target.kind == \"cluster\";\n"
+    "forbid \"trading stays on site\" when request has application and request.application == "
+    "\"trading\" and target.kind == \"cluster\";\n"
+    "forbid \"long prompts stay on site\" when request has prompt_tokens and "
+    "request.prompt_tokens > 1000 and target.kind == \"cluster\";\n";
+
+/* What the edge says besides the labels (check() sends them). */
+static const char *s_tenant = "", *s_app = "";
+static uint32_t s_prompt;
 
 static int setup(void **state) {
     fx *f = calloc(1, sizeof *f);
@@ -98,6 +108,9 @@ static int check(const char *origin, const char *target, const char *label, char
     rq.model = "smollm2-135m";
     rq.labels = label ? labels : NULL;
     rq.n_labels = label ? 1 : 0;
+    rq.tenant = (char *)s_tenant;
+    rq.application = (char *)s_app;
+    rq.prompt_tokens = s_prompt;
     fi_peer_rec o = {0}, t = {0};
     snprintf(o.site, sizeof o.site, "%s", origin);
     snprintf(t.site, sizeof t.site, "%s", target);
@@ -202,6 +215,25 @@ static void test_fail_closed_and_decisions(void **state) {
     /* A good newer one restores service. */
     put(f, 5, "2099-01-01T00:00:00Z", f->sk, 0);
     assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 1);
+    /* Rules on the tenant, the application and the prompt's size hold at
+     * the coordinator too (an edge with an older bundle, or one that lies
+     * about its own decision, is checked against them). */
+    s_tenant = "oncology";
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 0);
+    assert_non_null(strstr(r, "oncology stays on site"));
+    s_tenant = "radiology";
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 1);
+    s_app = "trading";
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 0);
+    assert_non_null(strstr(r, "trading stays on site"));
+    s_app = "notes";
+    s_prompt = 1001;
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 0);
+    assert_non_null(strstr(r, "long prompts stay on site"));
+    s_prompt = 1000;
+    assert_int_equal(check("berlin-clinic", "fra-gpu-1", "public", r, sizeof r, f), 1);
+    s_tenant = s_app = "";
+    s_prompt = 0;
 }
 
 int main(void) {
