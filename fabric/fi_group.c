@@ -674,7 +674,8 @@ comm_fail:
  * its batch, and the tokens of a micro-batch find in the KV cache every
  * earlier one (this stage ran the micro-batches before it already). (The
  * CUDA backend's products and attention may choose their algorithm by
- * the batch's size.) logits: where the leader wants them (leader only). */
+ * the batch's size.) logits: where the leader wants them (leader only; with
+ * stages, it then collects them from the last stage). */
 static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logits, char *err,
                       size_t errlen) {
     /* the whole batch first (the leader did before sending it): a piece
@@ -695,6 +696,29 @@ static int s_run_pass(fi_group *g, fi_kvpool *kv, const fi_batch *b, float *logi
         s_micro(b, at[k], at[k + 1], g->rows, &mb, &first);
         float *lg = logits ? logits + (size_t)first * (size_t)g->mi.n_vocab : NULL;
         if (s_run_micro(g, kv, &mb, (uint32_t)k, lg, err, errlen) != 0) return -1;
+    }
+    if (g->rank != 0 || g->conf.pp == 1) return 0;
+    /* the leader, with stages: the last stage's logits, a message per
+     * micro-batch */
+    for (int k = 0; k < m; k++) {
+        fi_batch mb;
+        int first;
+        s_micro(b, at[k], at[k + 1], g->rows, &mb, &first);
+        const size_t nlog = (size_t)mb.n_out * (size_t)g->mi.n_vocab;
+        double t1 = s_now();
+        fi_gmsg *lm = NULL;
+        int wr = fi_gcoll_wait(g->net, (g->conf.pp - 1) * g->conf.tp, FI_G_LOGITS, g->cur_pass,
+                               (uint32_t)k, g->deadline_ms, &lm, err, errlen);
+        g->st.wait_s += s_now() - t1;
+        if (wr != 0) return -1;
+        if (lm->len != nlog * sizeof(float)) {
+            snprintf(err, errlen, "rank %d sent %zu bytes of logits; %zu were due", lm->from,
+                     lm->len, nlog * sizeof(float));
+            fi_gmsg_free(&lm);
+            return -1;
+        }
+        if (nlog) memcpy(logits + (size_t)first * (size_t)g->mi.n_vocab, lm->data, lm->len);
+        fi_gmsg_free(&lm);
     }
     return 0;
 }
@@ -749,31 +773,6 @@ int fi_group_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, 
             goto done;
     g->st.comm_s += s_now() - t0;
     if (s_run_pass(g, kv, b, logits, why, sizeof why) != 0) goto done;
-    if (g->conf.pp > 1) {
-        /* the last stage's logits, a message per micro-batch */
-        int at[FI_GROUP_MICRO_MAX + 1];
-        const int nmb = fi_group_micro_split(&g->conf, b->n, at);
-        for (int k = 0; k < nmb; k++) {
-            fi_batch mb;
-            int first;
-            s_micro(b, at[k], at[k + 1], g->rows, &mb, &first);
-            const size_t nlog = (size_t)mb.n_out * (size_t)g->mi.n_vocab;
-            double t1 = s_now();
-            fi_gmsg *lm = NULL;
-            int wr = fi_gcoll_wait(g->net, (g->conf.pp - 1) * g->conf.tp, FI_G_LOGITS, pass,
-                                   (uint32_t)k, g->deadline_ms, &lm, why, sizeof why);
-            g->st.wait_s += s_now() - t1;
-            if (wr != 0) goto done;
-            if (lm->len != nlog * sizeof(float)) {
-                snprintf(why, sizeof why, "rank %d sent %zu bytes of logits; %zu were due",
-                         lm->from, lm->len, nlog * sizeof(float));
-                fi_gmsg_free(&lm);
-                goto done;
-            }
-            if (nlog) memcpy(logits + (size_t)first * (size_t)g->mi.n_vocab, lm->data, lm->len);
-            fi_gmsg_free(&lm);
-        }
-    }
     rc = 0;
 done:
     free(buf);
