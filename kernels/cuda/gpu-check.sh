@@ -5,7 +5,12 @@
 #
 # Environment: FEDINFER_MODEL (default: models/SmolLM2-135M-Instruct.Q4_1.gguf
 # under the repository; examples/setup.sh fetches it), BUILD (default
-# build-gpu under the repository), JOBS (default: all cores).
+# build-gpu under the repository), JOBS (default: all cores), NO_BUILD=1
+# (skip step 1 and use the binaries already in BUILD: fedinfer,
+# libfi_cuda.so and fi_cuda_probe at its top, the tests in BUILD/tests; for
+# a GPU machine without the project's build dependencies, with binaries
+# built elsewhere against the same CUDA major version), LIMIT_MAX (caps each
+# step's time limit, in seconds), LOG (default BUILD/gpu-check.log).
 #
 # Without the model file (a machine that cannot download it), the steps
 # after the tests use a random-weight model of the same shapes and types
@@ -19,8 +24,10 @@
 #   2. test_cuda: every kernel against the CPU backend on fresh random
 #      inputs with poisoned outputs, and the model end to end against the
 #      CPU backend (greedy tokens and logits), in both weight modes
-#   3. test_nccl: the NCCL all-reduce (skipped with fewer than 2 GPUs)
-#   4. fedinfer run, greedy, --device cuda and --device cpu, same prompt
+#   3. test_nccl: the NCCL all-reduce (skipped with fewer than 2 GPUs);
+#      group_gpu_check: a TP=2 shard group on the GPU(s) against the CPU
+#   4. fedinfer run, greedy, --device cuda and --device cpu (--act-bits 16),
+#      same prompt
 #   5. fedinfer bench --device cuda
 #   6. fi_cuda_probe: cuBLASLt throughput at the model's shapes against the
 #      measured peak, prefill 2048, decode batch 1 (wall time per token
@@ -35,7 +42,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${BUILD:-$root/build-gpu}
 model=${FEDINFER_MODEL:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 jobs=${JOBS:-$(nproc 2>/dev/null || echo 4)}
-log=$build/gpu-check.log
+log=${LOG:-$build/gpu-check.log}
 summary=""
 failed=0
 t_all=$(date +%s)
@@ -43,6 +50,8 @@ t_all=$(date +%s)
 step() { # step NAME LIMIT_S COMMAND...: runs, logs, records the result
     name=$1 limit=$2
     shift 2
+    # LIMIT_MAX (seconds) caps every step's limit, for short leases
+    [ -n "${LIMIT_MAX:-}" ] && [ "$limit" -gt "$LIMIT_MAX" ] && limit=$LIMIT_MAX
     t0=$(date +%s)
     echo "=== $name" | tee -a "$log"
     timeout "$limit" "$@" >>"$log" 2>&1
@@ -62,6 +71,9 @@ step() { # step NAME LIMIT_S COMMAND...: runs, logs, records the result
 
 mkdir -p "$build"
 : >"$log"
+# the binaries open the CUDA module by this path first (else beside the
+# executable, else the path it was built at)
+export FEDINFER_CUDA_MODULE=${FEDINFER_CUDA_MODULE:-$build/libfi_cuda.so}
 synthetic=0
 if [ ! -r "$model" ]; then
     echo "gpu-check: model $model is missing; using a synthetic model of its shapes" | tee -a "$log"
@@ -69,12 +81,18 @@ if [ ! -r "$model" ]; then
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi -L | tee -a "$log"
 
-step build 240 sh -c "cmake -S '$root' -B '$build' -DFEDINFER_CUDA=ON \
-    -DFEDINFER_DEFAULT_MODEL='$model' -DCMAKE_BUILD_TYPE=Release &&
-  cmake --build '$build' -j '$jobs' --target fedinfer test_cuda test_nccl fi_cuda_probe" || {
-    tail -30 "$log"
-    exit 1
-}
+if [ "${NO_BUILD:-0}" = 1 ]; then
+    for f in fedinfer libfi_cuda.so fi_cuda_probe tests/test_cuda tests/test_nccl tests/group_gpu_check; do
+        [ -e "$build/$f" ] || { echo "gpu-check: NO_BUILD=1 but $build/$f is missing" | tee -a "$log"; exit 1; }
+    done
+else
+    step build 240 sh -c "cmake -S '$root' -B '$build' -DFEDINFER_CUDA=ON \
+        -DFEDINFER_DEFAULT_MODEL='$model' -DCMAKE_BUILD_TYPE=Release &&
+      cmake --build '$build' -j '$jobs' --target fedinfer test_cuda test_nccl fi_cuda_probe group_gpu_check" || {
+        tail -30 "$log"
+        exit 1
+    }
+fi
 if [ "$synthetic" = 1 ]; then
     model=$build/synthetic.gguf
     "$build/fi_cuda_probe" --write-synthetic "$model" || exit 1
@@ -86,9 +104,14 @@ if [ "$rc" = 77 ]; then
     failed=1
 fi
 step test_nccl 60 "$build/tests/test_nccl"
+step group 90 "$build/tests/group_gpu_check" "$model"
 prompt="Write one sentence about the sea."
 step run_cuda 60 sh -c "'$build/fedinfer' run -m '$model' --device cuda --temp 0 -n 48 --stats '$prompt' >'$build/run_cuda.txt'"
-step run_cpu 60 sh -c "'$build/fedinfer' run -m '$model' --device cpu --temp 0 -n 48 '$prompt' >'$build/run_cpu.txt'"
+# the CPU at --act-bits 16, its most exact products: the GPU's fp16
+# activations are closer to that than to the default 12 bits, and this
+# prompt has a near tie (',' or '.' after "in its own way") that the
+# default CPU run takes the other way
+step run_cpu 60 sh -c "'$build/fedinfer' run -m '$model' --device cpu --act-bits 16 --temp 0 -n 48 '$prompt' >'$build/run_cpu.txt'"
 if cmp -s "$build/run_cuda.txt" "$build/run_cpu.txt"; then
     same="identical"
 else
@@ -107,7 +130,10 @@ echo
 echo "--- test_nccl"
 sed -n '/^=== test_nccl$/,/^=== test_nccl:/p' "$log" | grep -E 'device|SKIPPED|FAILED|PASSED'
 echo
-echo "--- greedy text, cuda vs cpu: $same"
+echo "--- group_gpu_check"
+sed -n '/^=== group$/,/^=== group:/p' "$log" | grep -v '^==='
+echo
+echo "--- greedy text, cuda vs cpu (--act-bits 16): $same"
 echo "cuda: $(cat "$build/run_cuda.txt")"
 echo "cpu:  $(cat "$build/run_cpu.txt")"
 echo
