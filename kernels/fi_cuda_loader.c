@@ -8,9 +8,12 @@
  * the driver (libcuda.so.1): without it there can be no device, and the
  * answer costs nothing.
  *
- * The module is looked for at $FEDINFER_CUDA_MODULE, then beside the
- * running executable, then where the build put it. Once a backend is made
- * the module stays loaded for the life of the process.
+ * A process that already has the module mapped (the CUDA tests link it)
+ * uses that copy: a second copy from another path would have its own
+ * operations table, and fi_cuda_backend_is would not know its backends.
+ * Otherwise the module is looked for at $FEDINFER_CUDA_MODULE, then beside
+ * the running executable, then where the build put it. Once a backend is
+ * made the module stays loaded for the life of the process.
  */
 #include "fi_kernels.h"
 
@@ -58,9 +61,13 @@ fi_backend *fi_cuda_backend_open(int device, char *err, size_t errlen) {
     }
     dlclose(drv);
     char here[PATH_MAX];
-    const char *path = getenv("FEDINFER_CUDA_MODULE");
-    if (!path || !*path) path = s_beside_exe(here, sizeof here) == 0 ? here : FI_CUDA_MODULE;
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    const char *path = "libfi_cuda.so (already mapped)";
+    void *h = dlopen("libfi_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+    if (!h) {
+        path = getenv("FEDINFER_CUDA_MODULE");
+        if (!path || !*path) path = s_beside_exe(here, sizeof here) == 0 ? here : FI_CUDA_MODULE;
+        h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    }
     if (!h) {
         snprintf(err, errlen, "cannot load the CUDA backend module %s: %s", path, dlerror());
         return NULL;

@@ -6,6 +6,9 @@
 #   test_cuda  every operation against the CPU backend, and the model end to
 #              end (needs one device)
 #   test_nccl  the NCCL all-reduce wrapper (needs two devices)
+#   test_cuda_loader  a process that links the module uses its own copy
+#              (needs no device: a stand-in libcuda.so.1 passes the
+#              loader's driver check)
 # and builds fi_cuda_probe (see below).
 if(FEDINFER_HAVE_CUDA)
   foreach(name test_cuda test_nccl)
@@ -19,6 +22,20 @@ if(FEDINFER_HAVE_CUDA)
       LABELS cuda
       ENVIRONMENT "CMOCKA_MESSAGE_OUTPUT=stdout")
   endforeach()
+  # A libcuda.so.1 with no symbols, for test_cuda_loader only: the loader
+  # checks that the driver can be opened before it looks for the module.
+  add_library(fi_stand_in_driver SHARED ${CMAKE_CURRENT_LIST_DIR}/cuda/stand_in_driver.c)
+  set_target_properties(fi_stand_in_driver PROPERTIES OUTPUT_NAME cuda SUFFIX ".so.1"
+    LIBRARY_OUTPUT_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/stand_in_driver)
+  add_executable(test_cuda_loader ${CMAKE_CURRENT_LIST_DIR}/cuda/test_cuda_loader.c)
+  target_link_libraries(test_cuda_loader PRIVATE fi_cuda ${FI_TEST_LIBS} PkgConfig::CMOCKA)
+  add_dependencies(test_cuda_loader fi_stand_in_driver)
+  add_test(NAME test_cuda_loader COMMAND test_cuda_loader)
+  set_tests_properties(test_cuda_loader PROPERTIES
+    TIMEOUT 60
+    LABELS cuda
+    ENVIRONMENT "CMOCKA_MESSAGE_OUTPUT=stdout;LD_LIBRARY_PATH=${CMAKE_CURRENT_BINARY_DIR}/stand_in_driver;FEDINFER_CUDA_MODULE=/nonexistent/libfi_cuda.so")
+
   # Throughput probe for kernels/cuda/gpu-check.sh (not a test): cuBLASLt
   # GEMMs at the model's shapes against a large square GEMM, prefill and
   # decode timings with CUDA-event kernel sums. Here because --synthetic
