@@ -66,6 +66,24 @@
 #define S_STAGE_SLACK (16 * 16)              /* alignment of up to 16 staged copies */
 #define S_XH_MIN ((size_t)1 << 18)           /* fp16 activations made at start */
 
+/* Operations as the profile splits them (fi_cuda_backend_profile_ops). */
+enum {
+    S_OP_GEMM,      /* matmul through cuBLASLt (with the fp16 conversion) */
+    S_OP_MATVEC,    /* matmul through the small-n kernels */
+    S_OP_GET_ROWS,
+    S_OP_RMSNORM,
+    S_OP_ROPE,
+    S_OP_ATTENTION, /* with the merge of its splits */
+    S_OP_KV_STORE,  /* kv_store and store_f16 */
+    S_OP_SWIGLU,
+    S_OP_ADD,
+    S_OP_ARGMAX,
+    S_N_OPS
+};
+static const char *const s_op_names[S_N_OPS] = {
+    "matmul (cuBLASLt)", "matmul (small n)", "get_rows", "rmsnorm", "rope",
+    "attention", "kv_store", "swiglu", "add", "argmax"};
+
 /* One cached cuBLASLt plan. */
 typedef struct s_plan {
     int m, n, k;                    /* shape: rows, tokens, cols */
@@ -105,8 +123,11 @@ typedef struct s_cuda {
     char err[512];               /* first failure (or last allocation failure) */
     int profile;                 /* bracket operations with events */
     cudaEvent_t *ev;             /* 2 * S_PROF_PAIRS events when profiling */
+    uint8_t *ev_op;              /* S_OP_* of each pair */
     int n_pairs;                 /* pairs recorded since the last flush */
     double kernel_ms;            /* summed event time since last read */
+    double op_ms[S_N_OPS];       /* the same, split by operation */
+    long op_calls[S_N_OPS];      /* operations timed, by kind */
     int graphs;                  /* graph_begin may capture */
     int capturing;               /* between graph_begin and graph_end */
     cudaGraphExec_t exec[S_GRAPH_KEYS + 1]; /* by key: the last step's executable graph */
@@ -170,6 +191,8 @@ static void s_prof_flush(s_cuda *c) {
         if (!s_ok(c, cudaEventElapsedTime(&ms, c->ev[2 * i], c->ev[2 * i + 1]), "cudaEventElapsedTime"))
             return;
         c->kernel_ms += ms;
+        c->op_ms[c->ev_op[i]] += ms;
+        c->op_calls[c->ev_op[i]]++;
     }
     c->n_pairs = 0;
 }
@@ -184,11 +207,11 @@ static void s_prof_begin(s_cuda *c) {
     s_ok(c, cudaEventRecord(c->ev[2 * c->n_pairs], c->stream), "cudaEventRecord");
 }
 
-static void s_prof_end(s_cuda *c) {
+static void s_prof_end(s_cuda *c, int op) {
     if (!c->profile || c->n_pairs == S_PROF_PAIRS)
         return;
     if (s_ok(c, cudaEventRecord(c->ev[2 * c->n_pairs + 1], c->stream), "cudaEventRecord"))
-        c->n_pairs++;
+        c->ev_op[c->n_pairs++] = (uint8_t)op;
 }
 
 /* --- device helpers ---------------------------------------------------- */
@@ -863,7 +886,7 @@ static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, in
         k_matvec_q<<<blocks, threads, 0, c->stream>>>(y, cw->q, (int)w->type, w->rows, w->cols,
                                                       w->row_bytes, s_blk_bytes(w->type), x, n);
         s_launched(c, "k_matvec_q");
-        s_prof_end(c);
+        s_prof_end(c, S_OP_MATVEC);
         return;
     }
     const __half *wh = cw->h;
@@ -884,7 +907,7 @@ static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, in
     k_to_half<<<s_blocks(xe, S_THREADS), S_THREADS, 0, c->stream>>>(c->xh, x, xe);
     s_launched(c, "k_to_half");
     s_gemm(c, y, wh, c->xh, w->rows, n, w->cols);
-    s_prof_end(c);
+    s_prof_end(c, S_OP_GEMM);
 }
 
 /* --- small ops --------------------------------------------------------- */
@@ -903,7 +926,7 @@ static void s_get_rows(void *ctx, float *y, const fi_weight *w, const int32_t *t
     k_get_rows<<<s_blocks(total, S_THREADS), S_THREADS, 0, c->stream>>>(
         y, cw->h, cw->q, (int)w->type, w->cols, w->row_bytes, tok, n);
     s_launched(c, "k_get_rows");
-    s_prof_end(c);
+    s_prof_end(c, S_OP_GET_ROWS);
 }
 
 static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n, int dim,
@@ -914,7 +937,7 @@ static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n
     s_prof_begin(c);
     k_rmsnorm<<<(unsigned)n, dim >= 1024 ? 1024 : 256, 0, c->stream>>>(y, x, g, dim, eps);
     s_launched(c, "k_rmsnorm");
-    s_prof_end(c);
+    s_prof_end(c, S_OP_RMSNORM);
 }
 
 static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
@@ -926,7 +949,7 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
     s_prof_begin(c);
     k_rope<<<s_blocks(total, 128), 128, 0, c->stream>>>(x, n, n_heads, head_dim, pos, theta);
     s_launched(c, "k_rope");
-    s_prof_end(c);
+    s_prof_end(c, S_OP_ROPE);
 }
 
 static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
@@ -964,7 +987,7 @@ static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k
             out, c->att_part, n_heads, head_dim, split);
         s_launched(c, "k_attention_merge");
     }
-    s_prof_end(c);
+    s_prof_end(c, S_OP_ATTENTION);
 }
 
 static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
@@ -974,7 +997,7 @@ static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
     s_prof_begin(c);
     k_store_f16<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(dst, src, n);
     s_launched(c, "k_store_f16");
-    s_prof_end(c);
+    s_prof_end(c, S_OP_KV_STORE);
 }
 
 /* One thread per element; row t of src goes to cache row slot[t]. */
@@ -997,7 +1020,7 @@ static void s_kv_store(void *ctx, uint16_t *cache, const float *src, int n, cons
     s_prof_begin(c);
     k_kv_store<<<s_blocks(total, S_THREADS), S_THREADS, 0, c->stream>>>(cache, src, n, slot, row);
     s_launched(c, "k_kv_store");
-    s_prof_end(c);
+    s_prof_end(c, S_OP_KV_STORE);
 }
 
 static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
@@ -1007,7 +1030,7 @@ static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
     s_prof_begin(c);
     k_swiglu<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(g, u, n);
     s_launched(c, "k_swiglu");
-    s_prof_end(c);
+    s_prof_end(c, S_OP_SWIGLU);
 }
 
 static void s_add(void *ctx, float *y, const float *x, size_t n) {
@@ -1017,7 +1040,7 @@ static void s_add(void *ctx, float *y, const float *x, size_t n) {
     s_prof_begin(c);
     k_add<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(y, x, n);
     s_launched(c, "k_add");
-    s_prof_end(c);
+    s_prof_end(c, S_OP_ADD);
 }
 
 static int s_argmax(void *ctx, int32_t *out, const float *x, int n) {
@@ -1027,7 +1050,7 @@ static int s_argmax(void *ctx, int32_t *out, const float *x, int n) {
     s_prof_begin(c);
     k_argmax<<<1, 1024, 0, c->stream>>>(c->arg_dev, x, n);
     s_launched(c, "k_argmax");
-    s_prof_end(c);
+    s_prof_end(c, S_OP_ARGMAX);
     if (!s_ok(c, cudaMemcpyAsync(c->arg_host, c->arg_dev, sizeof(int32_t), cudaMemcpyDeviceToHost,
                                  c->stream),
               "cudaMemcpyAsync (argmax)") ||
@@ -1140,6 +1163,7 @@ static void s_destroy(void *ctx) {
                 (void)cudaEventDestroy(c->ev[i]);
         free(c->ev);
     }
+    free(c->ev_op);
     if (c->stream)
         (void)cudaStreamDestroy(c->stream);
     free(c);
@@ -1286,7 +1310,8 @@ extern "C" int fi_cuda_backend_set_profile(fi_backend *b, int on) {
         return -1;
     if (on && !c->ev) {
         c->ev = (cudaEvent_t *)calloc(2 * S_PROF_PAIRS, sizeof *c->ev);
-        if (!c->ev)
+        c->ev_op = (uint8_t *)calloc(S_PROF_PAIRS, 1);
+        if (!c->ev || !c->ev_op)
             return -1;
         for (int i = 0; i < 2 * S_PROF_PAIRS; i++)
             if (!s_ok(c, cudaEventCreate(&c->ev[i]), "cudaEventCreate"))
@@ -1310,6 +1335,30 @@ extern "C" double fi_cuda_backend_kernel_ms(fi_backend *b) {
     double ms = c->kernel_ms;
     c->kernel_ms = 0;
     return ms;
+}
+
+extern "C" int fi_cuda_backend_profile_ops(fi_backend *b, const char **name, double *ms,
+                                           long *calls, int cap) {
+    if (!fi_cuda_backend_is(b))
+        return -1;
+    s_cuda *c = (s_cuda *)b->ctx;
+    if (!s_enter(c))
+        return -1;
+    s_prof_flush(c);
+    if (c->failed)
+        return -1;
+    int n = 0;
+    for (int i = 0; i < S_N_OPS && n < cap; i++) {
+        if (!c->op_calls[i])
+            continue;
+        name[n] = s_op_names[i];
+        ms[n] = c->op_ms[i];
+        calls[n] = c->op_calls[i];
+        n++;
+    }
+    memset(c->op_ms, 0, sizeof c->op_ms);
+    memset(c->op_calls, 0, sizeof c->op_calls);
+    return n;
 }
 
 extern "C" int fi_cuda_backend_set_graphs(fi_backend *b, int on) {

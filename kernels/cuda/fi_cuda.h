@@ -86,6 +86,12 @@ void fi_cuda_backend_graph_stats(const fi_backend *b, long *launched, long *inst
  * CUDA backend or on a CUDA error. */
 FI_MUST_CHECK int fi_cuda_backend_set_profile(fi_backend *b, int on);
 double fi_cuda_backend_kernel_ms(fi_backend *b);
+/* The profiled time split by kind of operation ("matmul (cuBLASLt)",
+ * "attention", ...) since the last call: up to cap kinds, each with its
+ * name (static), milliseconds and number of operations; returns how many
+ * kinds were filled (those with no operation are left out), or -1 (not a
+ * CUDA backend, CUDA error). Synchronises, and starts the split again. */
+int fi_cuda_backend_profile_ops(fi_backend *b, const char **name, double *ms, long *calls, int cap);
 
 #ifdef __cplusplus
 }

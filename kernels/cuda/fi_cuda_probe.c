@@ -117,6 +117,10 @@ typedef struct model_times {
     double nograph_ms;      /* wall time per decoded token without graphs */
     double greedy_ms;       /* the same with the argmax on the device */
     double step32_tps;      /* tokens/s of 32-token steps */
+    int n_ops;              /* kinds of operation in the split below */
+    const char *op_name[16];
+    double op_ms[16];       /* per decoded token, profiled */
+    double op_calls[16];    /* operations per decoded token */
 } model_times;
 
 static int s_model(const char *path, const char *mode, model_times *mt) {
@@ -190,6 +194,14 @@ static int s_model(const char *path, const char *mode, model_times *mt) {
         id = s_argmax(logits, c->n_vocab);
     }
     mt->kernel_ms = fi_cuda_backend_kernel_ms(be) / n_gen;
+    long calls[16];
+    mt->n_ops = fi_cuda_backend_profile_ops(be, mt->op_name, mt->op_ms, calls, 16);
+    if (mt->n_ops < 0)
+        goto done;
+    for (int i = 0; i < mt->n_ops; i++) {
+        mt->op_ms[i] /= n_gen;
+        mt->op_calls[i] = (double)calls[i] / n_gen;
+    }
     if (fi_cuda_backend_set_profile(be, 0))
         goto done;
     /* 32-token steps */
@@ -329,6 +341,13 @@ static int s_run(const char *path) {
                  "%.3f ms/token wall with graphs, %.3f without; %.3f in kernels (gap %.3f ms)",
                  mt.ms_per_token, mt.nograph_ms, mt.kernel_ms, mt.ms_per_token - mt.kernel_ms);
         s_row(name, v, note);
+        for (int k = 0; k < mt.n_ops; k++) {
+            snprintf(name, sizeof name, "  %s [%s]", mt.op_name[k], modes[i]);
+            snprintf(v, sizeof v, "%.3f ms/token", mt.op_ms[k]);
+            snprintf(note, sizeof note, "%.0f operations per token, %.2f us each (profiled)",
+                     mt.op_calls[k], 1e3 * mt.op_ms[k] / mt.op_calls[k]);
+            s_row(name, v, note);
+        }
         snprintf(name, sizeof name, "decode b1 device argmax [%s]", modes[i]);
         snprintf(v, sizeof v, "%.1f tok/s", 1e3 / mt.greedy_ms);
         s_row(name, v, "fi_session_eval_greedy: no logits to the host, graphs on");
