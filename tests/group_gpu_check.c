@@ -9,11 +9,13 @@
  * ranks share it and the sums go through the CURVE links, their vectors
  * copied from and back to the device (collective = zmq). Four chat prompts
  * are prefilled together and decoded together for 16 steps through
- * fi_group_forward; the greedy tokens must equal the CPU engine's up to
- * the first step where the engine's top-2 gap is under NEAR_TIE (the GPU
- * computes with fp16 weights and activations, so its logits are further
- * from the CPU's than the CPU ranks' are: LOGIT_TOL), then decode speed is
- * printed.
+ * fi_group_forward; at every step each sequence's logits must be within
+ * LOGIT_TOL of the CPU engine's (the GPU computes with fp16 weights and
+ * activations, so its logits are further from the CPU's than the CPU
+ * ranks' are), and its greedy token must equal the engine's wherever the
+ * engine's top-2 gap is at least NEAR_TIE. At a near tie the tokens may
+ * flip, so both go on with the engine's token. At least 4 tokens a
+ * sequence must be compared; then decode speed is printed.
  *
  *   group_gpu_check [MODEL]
  */
@@ -221,7 +223,7 @@ int main(int argc, char **argv) {
     }
     A.logits = malloc((size_t)N_SEQ * V * sizeof(float));
     B.logits = malloc((size_t)N_SEQ * V * sizeof(float));
-    int alive[N_SEQ] = {1, 1, 1, 1}, compared = 0;
+    int compared = 0, ties = 0;
     double worst = 0, t_dec = 0;
     for (int step = 0; step <= N_STEPS; step++) {
         fi_batch ba = s_batch(&A, prompt, n_prompt, step), bb = s_batch(&B, prompt, n_prompt, step);
@@ -234,21 +236,26 @@ int main(int argc, char **argv) {
             const float *ra = A.logits + (size_t)i * V, *rb = B.logits + (size_t)i * V;
             A.next[i] = logit_argmax_gap(ra, V, &gap);
             B.next[i] = logit_argmax_gap(rb, V, NULL);
-            if (!alive[i]) continue;
             double d = 0;
             for (int v = 0; v < V; v++) {
                 double e = ra[v] > rb[v] ? ra[v] - rb[v] : rb[v] - ra[v];
                 d = e > d ? e : d;
             }
             worst = d > worst ? d : worst;
+            if (d > LOGIT_TOL) {
+                snprintf(err, sizeof err, "sequence %d step %d: logits differ by %.3f (> %.1f)", i,
+                         step, d, LOGIT_TOL);
+                goto fail;
+            }
             if (gap < NEAR_TIE) {
-                alive[i] = 0;
+                /* the tokens may flip here: both go on with the CPU's */
+                B.next[i] = A.next[i];
+                ties++;
                 continue;
             }
-            if (A.next[i] != B.next[i] || d > LOGIT_TOL) {
-                snprintf(err, sizeof err, "sequence %d step %d: token %d vs the CPU's %d, logits "
-                                          "differ by %.3f",
-                         i, step, B.next[i], A.next[i], d);
+            if (A.next[i] != B.next[i]) {
+                snprintf(err, sizeof err, "sequence %d step %d: token %d vs the CPU's %d (gap %.3f)",
+                         i, step, B.next[i], A.next[i], gap);
                 goto fail;
             }
             compared++;
@@ -256,11 +263,18 @@ int main(int argc, char **argv) {
     }
     fi_group_stats st;
     fi_group_get_stats(g, &st);
-    printf("PASS: %d greedy tokens equal to the CPU engine's (max |logit diff| %.3f, tolerance "
-           "%.1f); decode %.1f tok/s at batch %d; %llu sums, %.3f s in sums\n",
-           compared, worst, LOGIT_TOL, N_SEQ * N_STEPS / t_dec, N_SEQ,
+    if (compared < N_SEQ * 4) {
+        snprintf(err, sizeof err, "only %d greedy tokens outside near ties (%d ties): too few to "
+                                  "compare",
+                 compared, ties);
+        goto fail;
+    }
+    printf("PASS: %d greedy tokens equal to the CPU engine's, %d near ties (gap < %.2f) skipped "
+           "and followed with the CPU's token (max |logit diff| %.3f, tolerance %.1f); decode "
+           "%.1f tok/s at batch %d; %llu sums, %.3f s in sums\n",
+           compared, ties, NEAR_TIE, worst, LOGIT_TOL, N_SEQ * N_STEPS / t_dec, N_SEQ,
            (unsigned long long)st.allreduces, st.comm_s);
-    rc = compared >= N_SEQ * 4 ? 0 : 1;
+    rc = 0;
     goto done;
 fail:
     fprintf(stderr, "group_gpu_check: FAIL: %s\n", err);
