@@ -215,6 +215,13 @@ void fi_group_get_stats(const fi_group *g, fi_group_stats *st) {
 
 /* --- the stage's sum -------------------------------------------------- */
 
+/* err = "rank R: WHAT: <the backend's error>". */
+static void s_dev_err(const fi_group *g, const fi_backend *be, const char *what, char *err,
+                      size_t errlen) {
+    const char *why = be->ops->last_error ? be->ops->last_error(be->ctx) : NULL;
+    snprintf(err, errlen, "rank %d: %s: %s", g->rank, what, why ? why : "backend error");
+}
+
 static int s_allreduce(void *user, float *x, size_t n, char *err, size_t errlen) {
     fi_group *g = user;
     double t0 = s_now();
@@ -231,8 +238,10 @@ static int s_allreduce(void *user, float *x, size_t n, char *err, size_t errlen)
                      g->rank);
             goto done;
         }
-        if (dev->ops->sync(dev->ctx) != 0)
+        if (dev->ops->sync(dev->ctx) != 0) {
+            s_dev_err(g, dev, "the device failed before the sum", err, errlen);
             goto done;
+        }
         if (fi_gnccl_sum(g->nccl, x, n, err, errlen) != 0) {
             /* an aborted communicator is no use again: the leader forms a
              * new one before the next pass (s_nccl_current) */
@@ -249,7 +258,7 @@ static int s_allreduce(void *user, float *x, size_t n, char *err, size_t errlen)
         h = g->hostx;
         if (be->ops->sync(be->ctx) != 0 ||
             be->ops->to_host(be->ctx, h, x, n * sizeof(float)) != 0) {
-            snprintf(err, errlen, "rank %d: cannot copy a partial sum to the host", g->rank);
+            s_dev_err(g, be, "cannot copy a partial sum to the host", err, errlen);
             goto done;
         }
     }
@@ -257,7 +266,7 @@ static int s_allreduce(void *user, float *x, size_t n, char *err, size_t errlen)
                            g->acc, g->deadline_ms, err, errlen) != 0)
         goto done;
     if (be && be->ops->to_backend(be->ctx, x, h, n * sizeof(float)) != 0) {
-        snprintf(err, errlen, "rank %d: cannot copy a sum back to the device", g->rank);
+        s_dev_err(g, be, "cannot copy a sum back to the device", err, errlen);
         goto done;
     }
     g->st.allreduces++;
@@ -894,7 +903,7 @@ refuse:
 }
 
 static void s_on_batch(fi_group *g, const fi_gmsg *m) {
-    char why[512];
+    char why[512] = "";
     void *copy = NULL;
     fi_batch b;
     g->cur_pass = m->pass;

@@ -216,6 +216,12 @@ int fi_nccl_allreduce_sum(fi_nccl *x, float *const *bufs, size_t count, char *er
     /* the group must be closed even after a failure */
     if (s_nccl(ncclGroupEnd(), "ncclGroupEnd", rc ? NULL : err, rc ? 0 : errlen))
         rc = -1;
+    if (rc) {
+        /* the local ranks enqueued before the failure would wait for the
+         * others for ever: abort, as after a failed wait */
+        s_abort(x, err);
+        return rc;
+    }
     const long deadline = s_now_ms() + FI_NCCL_WAIT_MS;
     for (int i = 0; i < x->n && !rc; i++) {
         if (s_cuda(cudaSetDevice(x->dev[i]), "cudaSetDevice", err, errlen) ||
