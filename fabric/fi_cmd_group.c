@@ -37,7 +37,8 @@ void fi_group_cmd_help(FILE *f) {
             "  secret_key = FILE            this rank's secret key, key.N's pair (required, 0600)\n"
             "  model = FILE                 GGUF model, the same file on every rank (required)\n"
             "  model_sha256 = HEX           its SHA-256: another file is refused at start\n"
-            "  threads = N, device = cpu|cuda|auto\n"
+            "  threads = N, device = cpu|cuda|auto, gpu = N (CUDA device, default 0;\n"
+            "          ranks sharing a machine each take their own)\n"
             "  rank 0: coordinator, coordinator_key, model_name (required); capacity,\n"
             "          heartbeat_ms, liveness, max_tokens, n_ctx, kv_mib, max_seqs,\n"
             "          step_tokens; enrol_endpoint, site, region for --enrol\n"
@@ -106,6 +107,8 @@ int fi_group_cmd(const char *config, const char *token) {
     mo.n_threads = rc.threads;
     mo.simd = FI_SIMD_AUTO;
     mo.device = dev;
+    mo.gpu = rc.gpu;
+    fi_group_set_gpu(g, rc.gpu);
     mo.plan = fi_group_plan(g);
     mo.sha256 = rc.model_sha256;
     if (!(m = fi_model_load(rc.model, &mo, err, sizeof err))) {

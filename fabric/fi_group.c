@@ -31,6 +31,7 @@ struct fi_group {
     uint8_t model_digest[FI_GROUP_DIGEST_BYTES];
     char plan_text[2048];                 /* canonical plan (logs) */
     fi_model *m;                          /* attached model (not owned) */
+    int gpu;                              /* CUDA device of the NCCL communicator */
     int host_mem;                         /* 1: the backend's memory is host memory */
     /* KV pool geometry (the leader's, sent in Join) */
     int n_blocks, max_tokens, max_out;
@@ -384,6 +385,10 @@ bad:
 
 /* --- the leader: join ---------------------------------------------------- */
 
+void fi_group_set_gpu(fi_group *g, int gpu) {
+    g->gpu = gpu;
+}
+
 void fi_group_set_pool(fi_group *g, int n_blocks, int max_tokens, int max_out) {
     if (n_blocks == g->n_blocks && max_tokens == g->max_tokens && max_out == g->max_out) return;
     g->n_blocks = n_blocks;
@@ -550,7 +555,7 @@ static int s_nccl_form(fi_group *g, char *err, size_t errlen) {
         if (fi_gnet_send(g->net, r, FI_G_NCCL, 0, (uint32_t)g->conf.world, id, sizeof id, err,
                          errlen) != 0)
             return -1;
-    if (!(g->nccl = fi_gnccl_new(id, g->conf.world, 0, 0, err, errlen))) return -1;
+    if (!(g->nccl = fi_gnccl_new(id, g->conf.world, 0, g->gpu, err, errlen))) return -1;
     for (int r = 0; r < g->conf.world; r++) g->nccl_members[r] = fi_gnet_link_serial(g->net, r);
     fprintf(stderr, "group %s: NCCL communicator formed over %d ranks\n", g->conf.name,
             g->conf.world);
@@ -958,7 +963,7 @@ int fi_group_follow(fi_group *g, atomic_int *stop, char *err, size_t errlen) {
             char e[512];
             fi_gnccl_destroy(&g->nccl);
             if (m->len != FI_GNCCL_ID_BYTES ||
-                !(g->nccl = fi_gnccl_new(m->data, g->conf.world, g->rank, 0, e, sizeof e)))
+                !(g->nccl = fi_gnccl_new(m->data, g->conf.world, g->rank, g->gpu, e, sizeof e)))
                 fprintf(stderr, "group %s: rank %d: NCCL: %s\n", g->conf.name, g->rank,
                         m->len != FI_GNCCL_ID_BYTES ? "malformed id" : e);
             fi_gmsg_free(&m);

@@ -88,6 +88,10 @@ FI_WIRE_MUST_CHECK int fi_group_attach(fi_group *g, fi_model *m, char *err, size
 
 /* --- the leader ------------------------------------------------------- */
 
+/* The CUDA device this rank's model is on (fi_model_opts.gpu), which its
+ * NCCL communicator must use too (default 0). */
+void fi_group_set_gpu(fi_group *g, int gpu);
+
 /* The KV pool the leader's scheduler uses: every rank makes a pool of the
  * same number of blocks and work-buffer sizes (sent in Join). Ranks that
  * joined with other values join again. */

@@ -241,6 +241,7 @@ int fi_group_rank_conf_load(const char *path, fi_group_rank_conf *r, char *err, 
         {"max_seqs", FI_CONF_INT, S_OFF(max_seqs), 0, 1, 1024},
         {"step_tokens", FI_CONF_INT, S_OFF(step_tokens), 0, 1, 65536},
         {"device", FI_CONF_STR, S_OFF(device), 0, 0, 0},
+        {"gpu", FI_CONF_INT, S_OFF(gpu), 0, 0, 1023},
         {NULL, FI_CONF_STR, 0, 0, 0, 0},
     };
 #undef S_OFF

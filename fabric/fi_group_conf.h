@@ -101,6 +101,8 @@ typedef struct fi_group_rank_conf {
     char model_sha256[FI_CONF_STR_MAX]; /* its expected SHA-256 ("": not checked) */
     int threads;                      /* CPU threads, 0: all */
     char device[FI_CONF_STR_MAX];     /* cpu, cuda, auto (default cpu) */
+    int gpu;                          /* CUDA device index (default 0): ranks
+                                         sharing a machine each take their own */
     /* rank 0 only */
     char coordinator[FI_CONF_STR_MAX];     /* fabric endpoint */
     char coordinator_key[FI_CONF_STR_MAX]; /* its public key file */

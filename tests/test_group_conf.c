@@ -333,6 +333,22 @@ static void test_rank_file(void **state) {
     assert_string_equal(r.group_file, want); /* relative to the rank file */
     assert_string_equal(r.model, "/m.gguf");
     assert_string_equal(r.device, "cpu");
+    assert_int_equal(r.gpu, 0);
+    /* Ranks sharing a machine name their GPUs; an index out of range is
+     * refused, naming the key. */
+    fp = fopen(path, "w");
+    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
+                "device = cuda\ngpu = 3\n");
+    fclose(fp);
+    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), 0);
+    assert_int_equal(r.gpu, 3);
+    fp = fopen(path, "w");
+    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
+                "gpu = -1\n");
+    fclose(fp);
+    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), -1);
+    printf("  %s\n", err);
+    assert_non_null(strstr(err, "gpu"));
     /* Rank 0 must know its coordinator. */
     fp = fopen(path, "w");
     fprintf(fp, "group_file = group.conf\nrank = 0\nsecret_key = rank0.key\nmodel = /m.gguf\n");
