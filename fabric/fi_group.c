@@ -543,18 +543,21 @@ refused:
 }
 
 /* The leader forms the NCCL communicator over every rank: a fresh id to
- * each, then its own rank 0, which returns once all have called in.
- * Known limit: a rank that dies before calling in leaves the others
- * blocked in NCCL's set-up (fi_nccl aborts a stuck reduction, not a stuck
- * set-up). */
+ * each, then its own rank 0, which returns once all have called in. The
+ * old communicator is destroyed only after the id has gone out: the other
+ * ranks destroy theirs when the id arrives, and recent NCCL may make the
+ * destruction wait for every rank of the machine, which would never come
+ * if the leader destroyed first. Known limit: a rank that dies before
+ * calling in leaves the others blocked in NCCL's set-up (fi_nccl aborts a
+ * stuck reduction, not a stuck set-up). */
 static int s_nccl_form(fi_group *g, char *err, size_t errlen) {
     uint8_t id[FI_GNCCL_ID_BYTES];
-    fi_gnccl_destroy(&g->nccl);
     if (fi_gnccl_id_new(id, err, errlen) != 0) return -1;
     for (int r = 1; r < g->conf.world; r++)
         if (fi_gnet_send(g->net, r, FI_G_NCCL, 0, (uint32_t)g->conf.world, id, sizeof id, err,
                          errlen) != 0)
             return -1;
+    fi_gnccl_destroy(&g->nccl);
     if (!(g->nccl = fi_gnccl_new(id, g->conf.world, 0, g->gpu, err, errlen))) return -1;
     for (int r = 0; r < g->conf.world; r++) g->nccl_members[r] = fi_gnet_link_serial(g->net, r);
     fprintf(stderr, "group %s: NCCL communicator formed over %d ranks\n", g->conf.name,
