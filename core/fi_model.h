@@ -107,6 +107,18 @@ const fi_config *fi_model_config(const fi_model *m);
 const fi_tok *fi_model_tok(const fi_model *m);
 const fi_gguf *fi_model_gguf(const fi_model *m);
 fi_backend *fi_model_backend(const fi_model *m);
+/* 1 when m's backend has failed for good (a GPU's failures are sticky:
+ * every later pass would fail too), with the backend's message in why;
+ * 0 when it works. Waits for queued work. */
+int fi_model_backend_failed(fi_model *m, char *why, size_t whylen);
+/* Replaces m's backend with a new one made with the options m was loaded
+ * with (FI_DEVICE_AUTO may land on the CPU this time) and binds every
+ * weight to it again, from the file: what a server does after its GPU
+ * failed, without a restart. Every KV pool and session of m must be
+ * destroyed first (-1 otherwise). 0, or -1 with a message: when no new
+ * backend could be made the old one stays; when the weights could not all
+ * be bound, passes are refused until a reset succeeds. */
+FI_MUST_CHECK int fi_model_reset_backend(fi_model *m, char *err, size_t errlen);
 /* Bytes of weights one decode step reads (every matrix once, plus one
  * embedding row). */
 uint64_t fi_model_weight_bytes_per_token(const fi_model *m);

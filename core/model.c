@@ -21,6 +21,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <stdatomic.h>
 #include <unistd.h>
 
 #include "fi_model.h"
@@ -62,6 +63,10 @@ struct fi_model {
     int n_owned;
     fi_allreduce_fn allreduce; /* tensor-parallel sum, or NULL */
     void *allreduce_user;
+    fi_model_opts be_opts;  /* the backend's options, for fi_model_reset_backend */
+    int be_auto;            /* the caller asked for FI_DEVICE_AUTO */
+    int be_unbound;         /* a reset could not bind every weight: no pass runs */
+    atomic_int n_pools;     /* KV pools (and sessions) alive on the backend */
 };
 
 struct fi_kvpool {
@@ -425,13 +430,21 @@ fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, 
     fi_model_opts defaults = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU};
     if (!opts) opts = &defaults;
     int on_gpu = 0;
+    fi_model_opts used = *opts;
     fi_model *m = s_load(path, opts, &on_gpu, err, errlen);
     if (!m && on_gpu && opts->device == FI_DEVICE_AUTO) {
         /* a device was there but could not take the model (memory, for
          * one): the CPU may still run it, and reports its own error if not */
-        fi_model_opts cpu = *opts;
-        cpu.device = FI_DEVICE_CPU;
-        m = s_load(path, &cpu, &on_gpu, err, errlen);
+        used.device = FI_DEVICE_CPU;
+        m = s_load(path, &used, &on_gpu, err, errlen);
+    }
+    if (m) {
+        /* what a reset makes its new backend with (the plan and the file's
+         * pin were for the load) */
+        used.plan = NULL;
+        used.sha256 = NULL;
+        m->be_opts = used;
+        m->be_auto = opts->device == FI_DEVICE_AUTO;
     }
     return m;
 }
@@ -584,29 +597,106 @@ static void s_release(fi_model *m, fi_weight *w) {
     w->dev = NULL;
 }
 
+/* Everything m holds on its backend given back: the weights' device
+ * copies and the norm vectors (the host side stays). */
+static void s_unbind_all(fi_model *m) {
+    if (!m->be) return;
+    const fi_backend_ops *ops = m->be->ops;
+    for (int l = 0; m->layers && l < m->n_local_layers; l++) {
+        layer *L = &m->layers[l];
+        fi_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) s_release(m, ws[i]);
+        if (L->attn_norm) ops->free(m->be->ctx, L->attn_norm);
+        if (L->ffn_norm) ops->free(m->be->ctx, L->ffn_norm);
+        L->attn_norm = L->ffn_norm = NULL;
+    }
+    if (!m->cfg.tied_output) s_release(m, &m->output);
+    s_release(m, &m->tok_embd);
+    if (m->cfg.tied_output) m->output.dev = NULL;
+    if (m->output_norm) ops->free(m->be->ctx, m->output_norm);
+    m->output_norm = NULL;
+}
+
+/* One weight bound again to m->be (its host side as the load left it). */
+static int s_rebind(fi_model *m, fi_weight *w, const char *what, char *err, size_t errlen) {
+    fi_backend *be = m->be;
+    if (!w->data || !be->ops->weight_upload) return 0;
+    if (be->ops->weight_upload(be->ctx, w) != 0) {
+        s_err(err, errlen, "%s: backend '%s' could not take %s again: %s", m->path, be->ops->name,
+              what, s_backend_error(be));
+        return -1;
+    }
+    if (w->dev && !m->sliced) /* mapped, as at load: the backend has its copy */
+        s_drop_pages((uintptr_t)w->data, (uintptr_t)w->data + (uintptr_t)w->rows * w->row_bytes);
+    return 0;
+}
+
+/* Every weight and vector of the plan bound to m->be, as the load did. */
+static int s_rebind_all(fi_model *m, char *err, size_t errlen) {
+    const fi_config *c = &m->cfg;
+    char name[96];
+    if (s_rebind(m, &m->tok_embd, "token_embd.weight", err, errlen)) return -1;
+    if (!m->plan.no_output) {
+        if (c->tied_output) m->output = m->tok_embd;
+        else if (s_rebind(m, &m->output, "output.weight", err, errlen)) return -1;
+        if (!(m->output_norm = s_bind_vector(m, "output_norm.weight", c->dim, err, errlen)))
+            return -1;
+    }
+    for (int i = 0; i < m->n_local_layers; i++) {
+        layer *L = &m->layers[i];
+        int l = m->plan.layer_begin + i;
+        fi_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) {
+            snprintf(name, sizeof name, "a weight of layer %d", l);
+            if (s_rebind(m, ws[k], name, err, errlen)) return -1;
+        }
+        snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
+        if (!(L->attn_norm = s_bind_vector(m, name, c->dim, err, errlen))) return -1;
+        snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
+        if (!(L->ffn_norm = s_bind_vector(m, name, c->dim, err, errlen))) return -1;
+    }
+    return 0;
+}
+
+int fi_model_backend_failed(fi_model *m, char *why, size_t whylen) {
+    if (m->be_unbound) {
+        s_err(why, whylen, "the last reset could not bind the weights again");
+        return 1;
+    }
+    if (m->be->ops->sync(m->be->ctx) == 0) return 0;
+    s_err(why, whylen, "backend '%s': %s", m->be->ops->name, s_backend_error(m->be));
+    return 1;
+}
+
+int fi_model_reset_backend(fi_model *m, char *err, size_t errlen) {
+    int pools = atomic_load(&m->n_pools);
+    if (pools) {
+        s_err(err, errlen, "cannot reset the backend while %d KV pool%s or session%s of the model "
+              "%s alive", pools, pools == 1 ? "" : "s", pools == 1 ? "" : "s",
+              pools == 1 ? "is" : "are");
+        return -1;
+    }
+    fi_backend *nb = s_backend_new(&m->be_opts, err, errlen);
+    if (!nb && m->be_auto && m->be_opts.device != FI_DEVICE_CPU) {
+        /* asked for AUTO: the CPU, as fi_model_load would have done */
+        fi_model_opts cpu = m->be_opts;
+        cpu.device = FI_DEVICE_CPU;
+        nb = s_backend_new(&cpu, err, errlen);
+    }
+    if (!nb) return -1; /* the old backend stays, failed as it was */
+    m->be_unbound = 1;
+    s_unbind_all(m);
+    fi_backend_destroy(&m->be);
+    m->be = nb;
+    if (s_rebind_all(m, err, errlen) != 0) return -1; /* still unbound: reset again */
+    m->be_unbound = 0;
+    return 0;
+}
+
 void fi_model_destroy(fi_model **mp) {
     if (!mp || !*mp) return;
     fi_model *m = *mp;
-    if (m->be) {
-        const fi_backend_ops *ops = m->be->ops;
-        if (m->layers) {
-            for (int l = 0; l < m->n_local_layers; l++) {
-                layer *L = &m->layers[l];
-                s_release(m, &L->wq);
-                s_release(m, &L->wk);
-                s_release(m, &L->wv);
-                s_release(m, &L->wo);
-                s_release(m, &L->w_gate);
-                s_release(m, &L->w_up);
-                s_release(m, &L->w_down);
-                if (L->attn_norm) ops->free(m->be->ctx, L->attn_norm);
-                if (L->ffn_norm) ops->free(m->be->ctx, L->ffn_norm);
-            }
-        }
-        if (!m->cfg.tied_output) s_release(m, &m->output);
-        s_release(m, &m->tok_embd);
-        if (m->output_norm) ops->free(m->be->ctx, m->output_norm);
-    }
+    s_unbind_all(m);
     for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
     free(m->owned);
     free(m->layers);
@@ -665,6 +755,7 @@ fi_kvpool *fi_kvpool_new(fi_model *m, int n_blocks, int max_tokens, int max_out,
         return NULL;
     }
     p->m = m;
+    atomic_fetch_add(&m->n_pools, 1);
     p->n_blocks = n_blocks;
     p->max_tokens = max_tokens;
     p->max_out = max_out;
@@ -710,6 +801,7 @@ void fi_kvpool_destroy(fi_kvpool **pp) {
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) ops->free(bc, bufs[i]);
     free(p->slot_host);
+    atomic_fetch_sub(&p->m->n_pools, 1);
     free(p);
     *pp = NULL;
 }
@@ -860,6 +952,11 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
     void *bc = m->be->ctx;
     if (kv->m != m) {
         s_err(err, errlen, "KV pool belongs to another model");
+        return -1;
+    }
+    if (m->be_unbound) {
+        s_err(err, errlen, "the model's weights are not on its backend (a reset failed): reset "
+              "it again");
         return -1;
     }
     if (s_check_batch(m, kv, b, x_in, err, errlen) != 0) return -1;

@@ -21,6 +21,7 @@
 #include <cmocka.h>
 
 #include "fi_model.h"
+#include "fault_backend.h"
 #include "gguf_writer.h"
 
 static char s_path[256];
@@ -727,6 +728,55 @@ static void test_plan_errors(void **state) {
     fi_model_destroy(&m);
 }
 
+/* A backend that fails for good (as a GPU's does) is replaced without a
+ * restart: passes fail with its message, fi_model_backend_failed says so,
+ * the reset waits for the model's sessions to go, and the new backend
+ * gives the same logits as before the failure. */
+static void test_backend_reset(void **state) {
+    (void)state;
+    char err[512], why[256];
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.tied = 0;
+    o.wtype = FI_DTYPE_Q4_1;
+    fi_model *m = s_load(&o, FI_SIMD_AUTO, 1);
+    const fi_config *c = fi_model_config(m);
+    size_t V = (size_t)c->n_vocab;
+    int32_t toks[12];
+    s_tokens(toks, 12, c->n_vocab, 5);
+    float *ref = malloc(V * sizeof *ref), *got = malloc(V * sizeof *got);
+    fi_session *s = fi_session_new(m, 64, err, sizeof err);
+    assert_non_null(s);
+    assert_int_equal(fi_session_eval(s, toks, 12, ref, NULL, err, sizeof err), 0);
+    assert_int_equal(fi_model_backend_failed(m, why, sizeof why), 0);
+
+    fi_fault_backend *f = fi_fault_wrap(fi_model_backend(m));
+    assert_non_null(f);
+    fi_fault_set(f, 1);
+    assert_int_equal(fi_session_eval(s, toks, 1, got, NULL, err, sizeof err), -1);
+    printf("  pass: %s\n", err);
+    assert_non_null(strstr(err, "injected failure"));
+    assert_int_equal(fi_model_backend_failed(m, why, sizeof why), 1);
+    printf("  failed: %s\n", why);
+    assert_non_null(strstr(why, "injected failure"));
+    /* not while a session holds memory on the failed backend */
+    assert_int_equal(fi_model_reset_backend(m, err, sizeof err), -1);
+    printf("  reset refused: %s\n", err);
+    assert_non_null(strstr(err, "1 KV pool or session"));
+    fi_session_destroy(&s);
+    if (fi_model_reset_backend(m, err, sizeof err) != 0) fail_msg("reset: %s", err);
+    /* f went with the old backend */
+    assert_int_equal(fi_model_backend_failed(m, why, sizeof why), 0);
+    s = fi_session_new(m, 64, err, sizeof err);
+    assert_non_null(s);
+    assert_int_equal(fi_session_eval(s, toks, 12, got, NULL, err, sizeof err), 0);
+    assert_memory_equal(got, ref, V * sizeof *ref);
+    fi_session_destroy(&s);
+    free(ref);
+    free(got);
+    fi_model_destroy(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_eval_greedy),
@@ -745,6 +795,7 @@ int main(void) {
         cmocka_unit_test(test_plan_pipeline),
         cmocka_unit_test(test_plan_tensor_parallel),
         cmocka_unit_test(test_plan_errors),
+        cmocka_unit_test(test_backend_reset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
