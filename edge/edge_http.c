@@ -794,6 +794,18 @@ static enum MHD_Result s_metrics(fi_edge *e, struct MHD_Connection *c) {
           "fedinfer_edge_audit_up %d\n",
           (unsigned long long)af, !failing);
     }
+    if (e->local.ctx && e->local.engine) {
+        long resets = 0;
+        int up = e->local.engine(e->local.ctx, &resets, NULL, 0);
+        P("# HELP fedinfer_edge_local_engine_up 0 while the local engine's backend failed and "
+          "is not yet replaced.\n"
+          "# TYPE fedinfer_edge_local_engine_up gauge\n"
+          "fedinfer_edge_local_engine_up %d\n"
+          "# HELP fedinfer_edge_local_engine_resets_total Backends replaced after a failure.\n"
+          "# TYPE fedinfer_edge_local_engine_resets_total counter\n"
+          "fedinfer_edge_local_engine_resets_total %ld\n",
+          up, resets);
+    }
     P("# HELP fedinfer_edge_coordinator_up 1 when the coordinator is connected.\n"
       "# TYPE fedinfer_edge_coordinator_up gauge\n"
       "fedinfer_edge_coordinator_up %d\n",
@@ -1143,7 +1155,17 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         goto done;
     }
     edge_exec *ex = t == 0 ? &e->local : &e->remote;
-    if (ex->submit(ex->ctx, job) != 0) {
+    int sub = ex->submit(ex->ctx, job);
+    if (sub == -2) {
+        char down[320] = "";
+        if (ex->engine) (void)ex->engine(ex->ctx, NULL, down, sizeof down);
+        const char *const hdr[] = {"Retry-After", "5", "X-Fedinfer-Policy", d->version,
+                                   "X-Fedinfer-Target", d->names[t], NULL};
+        rc = s_error(e, c, 503, "local_engine_down", NULL, hdr,
+                     "the local engine is down and being replaced: %s", down);
+        goto done;
+    }
+    if (sub != 0) {
         if (atomic_load(&e->stopping)) {
             /* stopping began while this request was being decided */
             rc = s_error(e, c, 503, "shutting_down", NULL, NULL, "the agent is stopping");
@@ -1329,12 +1351,18 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
         int failing = 0;
         (void)edge_policy_audit_failures(e->policy, &failing);
         const int stopping = atomic_load(&e->stopping);
-        json_t *o = json_pack("{s:s,s:s,s:b,s:b,s:b}", "status",
-                              stopping ? "stopping" : failing ? "degraded" : "ok", "site",
+        /* and while the local engine's backend failed and is not replaced */
+        char why[320] = "";
+        int engine_up = !e->local.ctx || !e->local.engine ||
+                        e->local.engine(e->local.ctx, NULL, why, sizeof why);
+        int bad = failing || !engine_up;
+        json_t *o = json_pack("{s:s,s:s,s:b,s:b,s:b,s:b}", "status",
+                              stopping ? "stopping" : bad ? "degraded" : "ok", "site",
                               e->conf.site, "local_model", e->model != NULL, "coordinator",
                               e->remote_online && atomic_load(e->remote_online), "audit_log",
-                              !failing);
-        return s_json(c, stopping || failing ? 503 : 200, o, NULL);
+                              !failing, "local_engine", engine_up);
+        if (o && !engine_up) json_object_set_new(o, "local_engine_error", json_string(why));
+        return s_json(c, stopping || bad ? 503 : 200, o, NULL);
     }
     int post_only = !strcmp(url, "/v1/chat/completions") || !strcmp(url, "/v1/completions");
     int known = post_only || !strcmp(url, "/v1/models") || (!strncmp(url, "/v1/models/", 11) && url[11]) ||

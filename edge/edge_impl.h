@@ -127,8 +127,9 @@ int32_t *edge_prompt_tokens(const fi_tok *tok, const fi_chat_msg *msgs, int n_ms
 
 typedef struct edge_exec {
     const char *name;           /* "local", "fabric" */
-    /* Takes a reference to j when it accepts. 0, or -1 when the queue is
-     * full (the caller answers 429). */
+    /* Takes a reference to j when it accepts. 0, -1 when the queue is
+     * full (the caller answers 429), or -2 when the engine is down (its
+     * backend failed and could not be replaced yet: 503, see engine). */
     int (*submit)(void *ctx, edge_job *j);
     /* Requests waiting or running. */
     int (*depth)(void *ctx);
@@ -141,6 +142,9 @@ typedef struct edge_exec {
     void (*destroy)(void *ctx);
     /* Optional (NULL: none): the engine scheduler's counters (local). */
     void (*stats)(void *ctx, fi_sched_stats *st);
+    /* Optional (NULL: always up): 1 when the engine runs, 0 while it is
+     * down, with why; *resets: backends replaced after a failure so far. */
+    int (*engine)(void *ctx, long *resets, char *why, size_t whylen);
     void *ctx;
 } edge_exec;
 

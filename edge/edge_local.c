@@ -10,10 +10,17 @@
  * more wait in arrival order; beyond that submit refuses (the HTTP layer
  * answers 429). Stop strings, UTF-8 boundaries and the output buffer are
  * the job's (edge_job_emit); the scheduler hands it text as it is made.
+ *
+ * A backend that fails for good (a GPU's failures are sticky) fails the
+ * step's requests, and the thread then replaces it (fi_model_reset_backend)
+ * and makes a new scheduler, without a restart of the agent. While it
+ * cannot, the engine is down: submissions are refused (503) and it tries
+ * again after a pause that grows to 30 s.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "edge_impl.h"
 #include "fi_sched.h"
@@ -44,11 +51,19 @@ typedef struct s_local {
     int stopping;           /* 1: accept nothing more */
     double deadline;        /* drain: cancel what runs after this (0: none) */
     fi_sched_stats st;      /* the scheduler's counters after the last step */
+    fi_sched_opts so;       /* the scheduler's options, for a new one */
+    int down;               /* 1 while the backend failed and is not yet replaced */
+    char down_why[400];     /* why, while down */
+    long resets;            /* backends replaced after a failure */
 } s_local;
 
 static int s_submit(void *ctx, edge_job *j) {
     s_local *l = ctx;
     pthread_mutex_lock(&l->mu);
+    if (l->down && !l->stopping) {
+        pthread_mutex_unlock(&l->mu);
+        return -2;
+    }
     if (l->stopping || l->n_waiting + l->n_active >= l->concurrency + l->queue_max) {
         pthread_mutex_unlock(&l->mu);
         return -1;
@@ -84,6 +99,71 @@ static void s_stats(void *ctx, fi_sched_stats *st) {
     pthread_mutex_lock(&l->mu);
     *st = l->st;
     pthread_mutex_unlock(&l->mu);
+}
+
+static int s_engine(void *ctx, long *resets, char *why, size_t whylen) {
+    s_local *l = ctx;
+    pthread_mutex_lock(&l->mu);
+    int up = !l->down;
+    if (resets) *resets = l->resets;
+    if (why && whylen) snprintf(why, whylen, "%s", up ? "" : l->down_why);
+    pthread_mutex_unlock(&l->mu);
+    return up;
+}
+
+/* The backend failed for good (why): the failed step has ended every
+ * request the scheduler held. Replaces the backend and the scheduler;
+ * while that fails, the engine is down (submissions refused, what waits
+ * answered 503) and it tries again with a growing pause. Returns with
+ * l->sched NULL only when the agent stops meanwhile. */
+static void s_recover(s_local *l, const char *why) {
+    char err[256];
+    int cap = l->queue_max + l->concurrency;
+    pthread_mutex_lock(&l->mu);
+    l->down = 1;
+    snprintf(l->down_why, sizeof l->down_why, "%s", why);
+    pthread_mutex_unlock(&l->mu);
+    fi_sched_destroy(&l->sched);
+    for (int pause_ms = 250;; pause_ms = pause_ms < 15000 ? 2 * pause_ms : 30000) {
+        double t0 = edge_now();
+        if (fi_model_reset_backend(l->model, err, sizeof err) == 0 &&
+            (l->sched = fi_sched_new(l->model, &l->so, err, sizeof err)) != NULL) {
+            pthread_mutex_lock(&l->mu);
+            l->down = 0;
+            l->resets++;
+            pthread_mutex_unlock(&l->mu);
+            fprintf(stderr, "fedinfer edge: local engine: a new backend took the weights in "
+                            "%.1f s after the old one failed (%s)\n",
+                    edge_now() - t0, why);
+            return;
+        }
+        fprintf(stderr, "fedinfer edge: local engine is down: %s (again in %d ms)\n", err,
+                pause_ms);
+        pthread_mutex_lock(&l->mu);
+        snprintf(l->down_why, sizeof l->down_why, "%.150s; replacing it failed: %.150s", why,
+                 err);
+        while (l->n_waiting > 0) { /* handed over before the engine went down */
+            edge_job *j = l->waiting[l->head];
+            l->head = (l->head + 1) % cap;
+            l->n_waiting--;
+            edge_job_fail(j, 503, "local_engine_down", l->down_why);
+            edge_job_unref(&j);
+        }
+        if (!l->stopping) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_sec += pause_ms / 1000;
+            ts.tv_nsec += (long)(pause_ms % 1000) * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            (void)pthread_cond_timedwait(&l->cv, &l->mu, &ts);
+        }
+        int stop = l->stopping;
+        pthread_mutex_unlock(&l->mu);
+        if (stop) return;
+    }
 }
 
 static int s_on_text(void *user, const char *text, size_t len) {
@@ -189,8 +269,8 @@ static void *s_thread(void *arg) {
             else if (j->timeout_s > 0 && now - j->t_submit > j->timeout_s) r->why = 504;
             if (r->why) (void)fi_sched_cancel(l->sched, r->id);
         }
-        if (fi_sched_pending(l->sched) > 0 && fi_sched_step(l->sched, err, sizeof err) < 0)
-            fprintf(stderr, "fedinfer edge: local engine: %s\n", err); /* its jobs failed */
+        int failed = fi_sched_pending(l->sched) > 0 && fi_sched_step(l->sched, err, sizeof err) < 0;
+        if (failed) fprintf(stderr, "fedinfer edge: local engine: %s\n", err); /* its jobs failed */
         /* unlink what ended */
         for (s_run **pp = &runs; *pp;) {
             s_run *r = *pp;
@@ -200,6 +280,11 @@ static void *s_thread(void *arg) {
             }
             *pp = r->next;
             free(r);
+        }
+        char why[256];
+        if (failed && fi_model_backend_failed(l->model, why, sizeof why)) {
+            s_recover(l, why);
+            if (!l->sched) break; /* stopping: s_drain answers what waits */
         }
         fi_sched_stats st;
         fi_sched_get_stats(l->sched, &st);
@@ -258,6 +343,7 @@ int edge_local_new(fi_model *model, int concurrency, int queue, int n_ctx, edge_
     fi_sched_opts so = {.max_seqs = concurrency, .n_ctx = n_ctx,
                         .kv_bytes = fi_kv_block_bytes(model) * (size_t)concurrency *
                                     (size_t)(n_ctx / FI_KV_BLOCK + 1)};
+    l->so = so;
     l->sched = fi_sched_new(model, &so, err, errlen);
     if (!l->sched) {
         free(l->waiting);
@@ -282,6 +368,7 @@ int edge_local_new(fi_model *model, int concurrency, int queue, int n_ctx, edge_
     out->drain = s_drain;
     out->destroy = s_destroy;
     out->stats = s_stats;
+    out->engine = s_engine;
     out->ctx = l;
     return 0;
 oom:

@@ -31,7 +31,8 @@
 
 #include "fi_audit.h"
 #include "fi_bundle.h"
-#include "edge_impl.h" /* edge_conf_restart_keys */
+#include "edge_impl.h" /* edge_conf_restart_keys, the agent's model */
+#include "fault_backend.h"
 #include "fi_edge.h"
 
 /* Sanitizer builds (Debug, ASan) run the model about ten times slower:
@@ -430,6 +431,67 @@ static void test_completions_stop(void **state) {
     assert_string_equal(fin, "stop");
     free(st);
     resp_free(&r);
+}
+
+/* The text of a completion answer (static). */
+static const char *s_completion_text(const resp *r) {
+    static char text[512];
+    json_t *j = json_loads(r->body, 0, NULL);
+    assert_non_null(j);
+    const char *t =
+        json_string_value(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text"));
+    snprintf(text, sizeof text, "%s", t ? t : "");
+    json_decref(j);
+    return text;
+}
+
+/* The local engine's backend fails for good, as a GPU's can: the request
+ * in that pass fails with the backend's own message, the engine replaces
+ * the backend without a restart of the agent, and the next request gets
+ * the answer it got before the failure. */
+static void test_engine_backend_failure(void **state) {
+    (void)state;
+    fx *f = fx_start(1, 2, 2);
+    const char *b = "{\"model\":\"smollm2-135m\",\"max_tokens\":6,\"temperature\":0,"
+                    "\"prompt\":\"1, 2, 3,\"}";
+    const char *phi = "X-Data-Class: phi\r\n"; /* on site only */
+    resp r;
+    char before[512];
+    assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
+    if (r.status != 200) fail_msg("%s", r.body);
+    snprintf(before, sizeof before, "%s", s_completion_text(&r));
+    resp_free(&r);
+    /* the engine's thread is idle between requests: the wrapper goes in */
+    fi_fault_backend *fb = fi_fault_wrap(fi_model_backend(f->e->model));
+    assert_non_null(fb);
+    fi_fault_set(fb, 1);
+    assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
+    printf("  during the failure: %d %s\n", r.status, r.body);
+    assert_int_equal(r.status, 500);
+    assert_string_equal(error_code(&r), "engine_error");
+    assert_non_null(strstr(r.body, "injected failure"));
+    resp_free(&r);
+    /* fb went with the failed backend; the new one is in place within a
+     * moment */
+    int resets = 0;
+    for (int i = 0; i < 100 && !resets; i++) {
+        assert_int_equal(http(f->port, "GET", "/metrics", NULL, NULL, &r), 0);
+        resets = strstr(r.body, "fedinfer_edge_local_engine_resets_total 1\n") != NULL;
+        if (resets) assert_non_null(strstr(r.body, "fedinfer_edge_local_engine_up 1\n"));
+        resp_free(&r);
+        if (!resets) usleep(50 * 1000);
+    }
+    assert_true(resets);
+    assert_int_equal(http(f->port, "GET", "/healthz", NULL, NULL, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "\"local_engine\":true"));
+    resp_free(&r);
+    assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
+    if (r.status != 200) fail_msg("after the reset: %s", r.body);
+    printf("  before: \"%s\", after: \"%s\"\n", before, s_completion_text(&r));
+    assert_string_equal(s_completion_text(&r), before);
+    resp_free(&r);
+    fx_stop(f);
 }
 
 /* The error's param (static). */
@@ -1438,6 +1500,7 @@ int main(void) {
         cmocka_unit_test(test_conf_errors),
         cmocka_unit_test(test_fail_closed),
         cmocka_unit_test(test_audit_unavailable),
+        cmocka_unit_test(test_engine_backend_failure),
         cmocka_unit_test(test_queue_full),
         cmocka_unit_test(test_stop_answers_everyone),
         cmocka_unit_test(test_no_429_within_capacity),
