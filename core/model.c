@@ -676,21 +676,25 @@ int fi_model_reset_backend(fi_model *m, char *err, size_t errlen) {
               pools == 1 ? "is" : "are");
         return -1;
     }
-    fi_backend *nb = s_backend_new(&m->be_opts, err, errlen);
-    if (!nb && m->be_auto && m->be_opts.device != FI_DEVICE_CPU) {
-        /* asked for AUTO: the CPU, as fi_model_load would have done */
-        fi_model_opts cpu = m->be_opts;
-        cpu.device = FI_DEVICE_CPU;
-        nb = s_backend_new(&cpu, err, errlen);
+    /* the load's options; asked for AUTO, the CPU after them, as
+     * fi_model_load would have done (a device whose process context a
+     * fault poisoned may still open, then fail to take the weights) */
+    fi_model_opts tries[2] = {m->be_opts, m->be_opts};
+    tries[1].device = FI_DEVICE_CPU;
+    int n_tries = m->be_auto && m->be_opts.device != FI_DEVICE_CPU ? 2 : 1;
+    for (int i = 0; i < n_tries; i++) {
+        fi_backend *nb = s_backend_new(&tries[i], err, errlen);
+        if (!nb) continue; /* the old backend stays, failed as it was */
+        m->be_unbound = 1;
+        s_unbind_all(m);
+        fi_backend_destroy(&m->be);
+        m->be = nb;
+        if (s_rebind_all(m, err, errlen) == 0) {
+            m->be_unbound = 0;
+            return 0;
+        }
     }
-    if (!nb) return -1; /* the old backend stays, failed as it was */
-    m->be_unbound = 1;
-    s_unbind_all(m);
-    fi_backend_destroy(&m->be);
-    m->be = nb;
-    if (s_rebind_all(m, err, errlen) != 0) return -1; /* still unbound: reset again */
-    m->be_unbound = 0;
-    return 0;
+    return -1; /* unbound when a backend was made: reset again */
 }
 
 void fi_model_destroy(fi_model **mp) {
