@@ -148,6 +148,9 @@ typedef struct fi_shard_engine_hooks {
  * only while no serving loop uses the backend. -1 when be is not the
  * engine. */
 int fi_shard_engine_stats(const fi_shard_backend *be, fi_sched_stats *st);
+/* The engine's model (NULL when be is not the engine), for tests and
+ * tools; the engine keeps owning it. */
+fi_model *fi_shard_engine_model(const fi_shard_backend *be);
 int fi_shard_engine_backend_hooks(const fi_shard_conf *conf, const fi_shard_engine_hooks *hooks,
                                   fi_shard_backend *out, char *err, size_t errlen);
 

@@ -13,10 +13,18 @@
  * blocks of earlier prompts with the same prefix, tenant and zone. The
  * one-at-a-time `generate` (a fresh session per request) stays as the
  * reference the tests compare with.
+ *
+ * A backend that fails for good (a GPU's failures are sticky) fails the
+ * step's requests; the engine then replaces it (fi_model_reset_backend)
+ * and makes a new scheduler. While it cannot, the engine is down: submit
+ * refuses with the reason (the requester gets ERR_ENGINE), the load it
+ * reports has no KV blocks, and it tries again at a submission at most
+ * every few seconds.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "fi_model.h"
 #include "fi_sched.h"
@@ -24,10 +32,43 @@
 
 typedef struct s_engine {
     fi_model *model;   /* loaded once */
-    fi_sched *sched;   /* the continuous-batching scheduler (serving thread only) */
+    fi_sched *sched;   /* the continuous-batching scheduler (serving thread only);
+                          NULL while the engine is down */
+    fi_sched_opts so;  /* its options, for a new one */
     int n_ctx;         /* context per request */
     int max_tokens;    /* cap on a request's max_tokens */
+    char down[400];    /* why the engine is down ("" when up) */
+    double retry_at;   /* down: the earliest next try (monotonic seconds) */
+    double pause;      /* down: the pause before the try after that */
 } s_engine;
+
+static double s_mono(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* A new backend and scheduler after the old backend failed for good (why);
+ * the failed step has ended every request the scheduler held. 0, or -1
+ * with the engine down (en->down says why). */
+static int s_revive(s_engine *en, const char *why) {
+    char err[256];
+    fi_sched_destroy(&en->sched);
+    if (fi_model_reset_backend(en->model, err, sizeof err) == 0 &&
+        (en->sched = fi_sched_new(en->model, &en->so, err, sizeof err)) != NULL) {
+        fprintf(stderr, "shard: a new backend took the weights after the old one failed (%s)\n",
+                why);
+        en->down[0] = 0;
+        en->pause = 0;
+        return 0;
+    }
+    snprintf(en->down, sizeof en->down, "the engine's backend failed (%.150s) and could not be "
+             "replaced yet: %.150s", why, err);
+    fprintf(stderr, "shard: %s\n", en->down);
+    en->pause = en->pause ? (en->pause < 15 ? 2 * en->pause : 30) : 1;
+    en->retry_at = s_mono() + en->pause;
+    return -1;
+}
 
 typedef struct s_emit_ctx {
     fi_shard_emit_fn emit; /* the worker's emitter */
@@ -166,6 +207,14 @@ done:
 static int64_t s_submit(void *ctx, const Fi__InferRequest *rq, const fi_shard_sink *sink,
                         char *err, size_t errlen) {
     s_engine *en = ctx;
+    if (!en->sched) {
+        char why[400];
+        snprintf(why, sizeof why, "%s", en->down);
+        if (s_mono() < en->retry_at || s_revive(en, why) != 0) {
+            snprintf(err, errlen, "%s", en->down);
+            return -1;
+        }
+    }
     int n = 0;
     int32_t *ids = fi_shard_prompt_tokens(fi_model_tok(en->model), rq, &n, err, errlen);
     if (!ids) return -1;
@@ -191,19 +240,24 @@ static int64_t s_submit(void *ctx, const Fi__InferRequest *rq, const fi_shard_si
 
 static int s_cancel(void *ctx, int64_t id) {
     s_engine *en = ctx;
-    return fi_sched_cancel(en->sched, id);
+    return en->sched ? fi_sched_cancel(en->sched, id) : -1;
 }
 
 static int s_step(void *ctx, char *err, size_t errlen) {
     s_engine *en = ctx;
-    return fi_sched_step(en->sched, err, errlen);
+    if (!en->sched) return 0; /* down: nothing is pending */
+    int rc = fi_sched_step(en->sched, err, errlen);
+    char why[256];
+    if (rc < 0 && fi_model_backend_failed(en->model, why, sizeof why)) (void)s_revive(en, why);
+    return rc;
 }
 
 static void s_load(void *ctx, uint32_t *running, uint32_t *queued, uint32_t *kv_free,
                    uint32_t *kv_total) {
     s_engine *en = ctx;
     fi_sched_stats st;
-    fi_sched_get_stats(en->sched, &st);
+    memset(&st, 0, sizeof st); /* down: no room at all */
+    if (en->sched) fi_sched_get_stats(en->sched, &st);
     *running = (uint32_t)st.running;
     *queued = (uint32_t)st.queued;
     *kv_free = (uint32_t)st.blocks_free;
@@ -212,6 +266,7 @@ static void s_load(void *ctx, uint32_t *running, uint32_t *queued, uint32_t *kv_
 
 static int s_filter(void *ctx, uint8_t *bits, size_t nbytes) {
     s_engine *en = ctx;
+    if (!en->sched) return -1;
     return fi_sched_prefix_filter(en->sched, bits, nbytes);
 }
 
@@ -250,6 +305,7 @@ int fi_shard_engine_backend_hooks(const fi_shard_conf *conf, const fi_shard_engi
         so.forward = hooks->forward;
         so.forward_user = hooks->forward_user;
     }
+    en->so = so;
     if (!(en->sched = fi_sched_new(en->model, &so, err, errlen))) {
         s_destroy(en);
         return -1;
@@ -270,8 +326,17 @@ int fi_shard_engine_backend_hooks(const fi_shard_conf *conf, const fi_shard_engi
 int fi_shard_engine_stats(const fi_shard_backend *be, fi_sched_stats *st) {
     if (!be || be->destroy != s_destroy || !be->ctx) return -1;
     const s_engine *en = be->ctx;
+    if (!en->sched) {
+        memset(st, 0, sizeof *st);
+        return 0;
+    }
     fi_sched_get_stats(en->sched, st);
     return 0;
+}
+
+fi_model *fi_shard_engine_model(const fi_shard_backend *be) {
+    if (!be || be->destroy != s_destroy || !be->ctx) return NULL;
+    return ((const s_engine *)be->ctx)->model;
 }
 
 int fi_shard_engine_backend(const fi_shard_conf *conf, fi_shard_backend *out, char *err,

@@ -4,7 +4,8 @@
  * model, one continuous-batching scheduler) -> tokens streamed back; three
  * requests at once batched and each equal to its one-at-a-time answer; a
  * repeated prompt taken from the prefix cache; a client that leaves
- * cancels at the scheduler. Skipped when the model file is missing.
+ * cancels at the scheduler; a backend that fails for good replaced at
+ * once. Skipped when the model file is missing.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -13,6 +14,7 @@
 
 #include "fabric/harness.h"
 #include "edge_impl.h"
+#include "fault_backend.h"
 
 typedef struct s_engine_worker {
     const harness *h;     /* whose coordinator */
@@ -292,10 +294,93 @@ static void test_sampling_from_wire(void **state) {
     fi_model_destroy(&m);
 }
 
+/* --- a backend that fails for good ------------------------------------ */
+
+typedef struct s_sinkbuf {
+    char text[512];
+    size_t len;
+    int done;
+    char error[512];
+} s_sinkbuf;
+
+static int s_sink_emit(void *user, const char *t, size_t n) {
+    s_sinkbuf *b = user;
+    if (b->len + n < sizeof b->text) {
+        memcpy(b->text + b->len, t, n);
+        b->len += n;
+        b->text[b->len] = 0;
+    }
+    return 0;
+}
+
+static void s_sink_done(void *user, const fi_gen_result *res, const char *error) {
+    (void)res;
+    s_sinkbuf *b = user;
+    b->done = 1;
+    snprintf(b->error, sizeof b->error, "%s", error ? error : "");
+}
+
+/* One greedy request through the engine's batched calls, as the serving
+ * thread makes them: 0 with its text, or -1 (err: why it was refused or
+ * why its step failed). */
+static int s_one(fi_shard_backend *be, s_sinkbuf *b, char *err, size_t errlen) {
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)"f1";
+    rq.model = (char *)"smollm2";
+    rq.prompt = (char *)"Name a planet.";
+    rq.max_tokens = 8;
+    memset(b, 0, sizeof *b);
+    fi_shard_sink sink = {.emit = s_sink_emit, .done = s_sink_done, .user = b};
+    if (be->submit(be->ctx, &rq, &sink, err, errlen) < 0) return -1;
+    int pending = 1;
+    while (pending > 0)
+        if ((pending = be->step(be->ctx, err, errlen)) < 0) return -1;
+    return b->done && !b->error[0] ? 0 : -1;
+}
+
+/* The worker's backend fails for good, as a GPU's can: the request in
+ * that step ends with the backend's message, the engine takes a new
+ * backend at once, and the next request gets the answer the first got. */
+static void test_engine_backend_failure(void **state) {
+    (void)state;
+    if (access(FI_TEST_MODEL, R_OK) != 0) {
+        print_message("SKIPPED: model %s not found\n", FI_TEST_MODEL);
+        skip();
+    }
+    fi_shard_conf conf;
+    fi_shard_conf_default(&conf);
+    snprintf(conf.model, sizeof conf.model, "%s", FI_TEST_MODEL);
+    conf.n_ctx = 256;
+    conf.max_tokens = 16;
+    conf.threads = 1;
+    char err[512];
+    fi_shard_backend be;
+    assert_int_equal(fi_shard_engine_backend(&conf, &be, err, sizeof err), 0);
+    s_sinkbuf a, b;
+    if (s_one(&be, &a, err, sizeof err)) fail_msg("%s", err);
+    fi_fault_backend *fb = fi_fault_wrap(fi_model_backend(fi_shard_engine_model(&be)));
+    assert_non_null(fb);
+    fi_fault_set(fb, 1);
+    assert_int_equal(s_one(&be, &b, err, sizeof err), -1);
+    print_message("failed step: %s; the request: %s\n", err, b.error);
+    assert_non_null(strstr(err, "injected failure"));
+    assert_true(b.done);
+    assert_non_null(strstr(b.error, "injected failure"));
+    /* fb went with the failed backend */
+    uint32_t l[4];
+    be.load(be.ctx, &l[0], &l[1], &l[2], &l[3]);
+    assert_true(l[3] > 0); /* a new scheduler with its KV pool */
+    if (s_one(&be, &b, err, sizeof err)) fail_msg("after the reset: %s", err);
+    print_message("before: \"%s\", after: \"%s\"\n", a.text, b.text);
+    assert_string_equal(b.text, a.text);
+    be.destroy(be.ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampling_from_wire),
         cmocka_unit_test(test_engine_through_fabric),
+        cmocka_unit_test(test_engine_backend_failure),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
