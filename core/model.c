@@ -66,6 +66,8 @@ struct fi_model {
     fi_model_opts be_opts;  /* the backend's options, for fi_model_reset_backend */
     int be_auto;            /* the caller asked for FI_DEVICE_AUTO */
     int be_unbound;         /* a reset could not bind every weight: no pass runs */
+    char pin[65];           /* the SHA-256 the load checked ("": none), checked again
+                               by a reset, which reads the weights from the file again */
     atomic_int n_pools;     /* KV pools (and sessions) alive on the backend */
 };
 
@@ -439,12 +441,14 @@ fi_model *fi_model_load(const char *path, const fi_model_opts *opts, char *err, 
         m = s_load(path, &used, &on_gpu, err, errlen);
     }
     if (m) {
-        /* what a reset makes its new backend with (the plan and the file's
-         * pin were for the load) */
+        /* what a reset makes its new backend with: the device the load
+         * landed on (AUTO where that was a GPU); the plan was for the load */
+        if (!strcmp(m->be->ops->name, "cpu")) used.device = FI_DEVICE_CPU;
         used.plan = NULL;
         used.sha256 = NULL;
         m->be_opts = used;
         m->be_auto = opts->device == FI_DEVICE_AUTO;
+        if (opts->sha256) snprintf(m->pin, sizeof m->pin, "%s", opts->sha256);
     }
     return m;
 }
@@ -676,6 +680,9 @@ int fi_model_reset_backend(fi_model *m, char *err, size_t errlen) {
               pools == 1 ? "is" : "are");
         return -1;
     }
+    /* the weights come from the mapping again: a file changed in place
+     * since the load would give others than the deployment pinned */
+    if (m->pin[0] && s_check_sha256(m->gguf, m->path, m->pin, err, errlen) != 0) return -1;
     /* the load's options; asked for AUTO, the CPU after them, as
      * fi_model_load would have done (a device whose process context a
      * fault poisoned may still open, then fail to take the weights) */
@@ -751,6 +758,11 @@ fi_kvpool *fi_kvpool_new(fi_model *m, int n_blocks, int max_tokens, int max_out,
         max_out > max_tokens || (size_t)n_blocks * FI_KV_BLOCK > (size_t)INT32_MAX) {
         s_err(err, errlen, "KV pool of %d blocks for %d tokens (%d with logits) is not possible",
               n_blocks, max_tokens, max_out);
+        return NULL;
+    }
+    if (m->be_unbound) {
+        s_err(err, errlen, "the model's weights are not on its backend (a reset failed): reset "
+              "it again");
         return NULL;
     }
     fi_kvpool *p = calloc(1, sizeof *p);
@@ -1047,7 +1059,12 @@ fi_session *fi_session_new(fi_model *m, int n_ctx, char *err, size_t errlen) {
               n_ctx, c->ctx_train);
         return NULL;
     }
-    if (m->plan.no_embed || !m->output_norm) {
+    if (m->be_unbound) {
+        s_err(err, errlen, "the model's weights are not on its backend (a reset failed): reset "
+              "it again");
+        return NULL;
+    }
+    if (m->plan.no_embed || m->plan.no_output) {
         s_err(err, errlen, "a session needs the whole pipeline; this shard's plan is one stage");
         return NULL;
     }

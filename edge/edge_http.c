@@ -797,8 +797,8 @@ static enum MHD_Result s_metrics(fi_edge *e, struct MHD_Connection *c) {
     if (e->local.ctx && e->local.engine) {
         long resets = 0;
         int up = e->local.engine(e->local.ctx, &resets, NULL, 0);
-        P("# HELP fedinfer_edge_local_engine_up 0 while the local engine's backend failed and "
-          "is not yet replaced.\n"
+        P("# HELP fedinfer_edge_local_engine_up Whether the local engine runs (not while its "
+          "failed backend is not yet replaced).\n"
           "# TYPE fedinfer_edge_local_engine_up gauge\n"
           "fedinfer_edge_local_engine_up %d\n"
           "# HELP fedinfer_edge_local_engine_resets_total Backends replaced after a failure.\n"
@@ -825,7 +825,8 @@ static enum MHD_Result s_metrics(fi_edge *e, struct MHD_Connection *c) {
 }
 
 /* The router: among the permitted targets, the best by policy score, with
- * the local engine only when it serves the model and has room, a cluster
+ * the local engine only when it serves the model and is up (not down after
+ * a backend failure), a cluster
  * only while the coordinator is connected and, when the coordinator
  * reports the clusters' load, only when it has a live worker for the
  * model. A full target (local slots, or the cluster's capacity by its
@@ -847,6 +848,13 @@ static int s_route(fi_edge *e, const edge_decision *d, const char *model, int *u
             if (!local_ok) {
                 *unavail = 1;
                 snprintf(why, wlen, "model '%s' is not served on this site", model);
+                continue;
+            }
+            char down[640] = "";
+            if (e->local.engine && !e->local.engine(e->local.ctx, NULL, down, sizeof down)) {
+                *unavail = 1;
+                snprintf(why, wlen, "the local engine is down: %s",
+                         down[0] ? down : "its backend is being replaced");
                 continue;
             }
             int depth = e->local.depth(e->local.ctx);
@@ -1157,12 +1165,14 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     edge_exec *ex = t == 0 ? &e->local : &e->remote;
     int sub = ex->submit(ex->ctx, job);
     if (sub == -2) {
-        char down[320] = "";
+        /* it went down between the routing and now */
+        char down[640] = "";
         if (ex->engine) (void)ex->engine(ex->ctx, NULL, down, sizeof down);
         const char *const hdr[] = {"Retry-After", "5", "X-Fedinfer-Policy", d->version,
                                    "X-Fedinfer-Target", d->names[t], NULL};
         rc = s_error(e, c, 503, "local_engine_down", NULL, hdr,
-                     "the local engine is down and being replaced: %s", down);
+                     "the local engine is down: %s",
+                     down[0] ? down : "its backend is being replaced");
         goto done;
     }
     if (sub != 0) {
@@ -1351,18 +1361,20 @@ static enum MHD_Result s_handler(void *cls, struct MHD_Connection *c, const char
         int failing = 0;
         (void)edge_policy_audit_failures(e->policy, &failing);
         const int stopping = atomic_load(&e->stopping);
-        /* and while the local engine's backend failed and is not replaced */
-        char why[320] = "";
+        /* and while the local engine's backend failed and is not replaced:
+         * 503 then only when nothing else can serve (no coordinator), since
+         * requests a cluster may take are still routed */
+        char why[640] = "";
         int engine_up = !e->local.ctx || !e->local.engine ||
                         e->local.engine(e->local.ctx, NULL, why, sizeof why);
+        int online = e->remote_online && atomic_load(e->remote_online);
         int bad = failing || !engine_up;
         json_t *o = json_pack("{s:s,s:s,s:b,s:b,s:b,s:b}", "status",
                               stopping ? "stopping" : bad ? "degraded" : "ok", "site",
                               e->conf.site, "local_model", e->model != NULL, "coordinator",
-                              e->remote_online && atomic_load(e->remote_online), "audit_log",
-                              !failing, "local_engine", engine_up);
+                              online, "audit_log", !failing, "local_engine", engine_up);
         if (o && !engine_up) json_object_set_new(o, "local_engine_error", json_string(why));
-        return s_json(c, stopping || bad ? 503 : 200, o, NULL);
+        return s_json(c, stopping || failing || (!engine_up && !online) ? 503 : 200, o, NULL);
     }
     int post_only = !strcmp(url, "/v1/chat/completions") || !strcmp(url, "/v1/completions");
     int known = post_only || !strcmp(url, "/v1/models") || (!strncmp(url, "/v1/models/", 11) && url[11]) ||

@@ -50,10 +50,13 @@ typedef struct s_local {
     int n_active;           /* jobs in the scheduler, for depth */
     int stopping;           /* 1: accept nothing more */
     double deadline;        /* drain: cancel what runs after this (0: none) */
-    fi_sched_stats st;      /* the scheduler's counters after the last step */
+    fi_sched_stats st;      /* the scheduler's counters after the last step,
+                               plus base's */
+    fi_sched_stats base;    /* the counters of schedulers replaced after a
+                               backend failure (so the totals never go back) */
     fi_sched_opts so;       /* the scheduler's options, for a new one */
     int down;               /* 1 while the backend failed and is not yet replaced */
-    char down_why[400];     /* why, while down */
+    char down_why[640];     /* why, while down */
     long resets;            /* backends replaced after a failure */
 } s_local;
 
@@ -111,17 +114,33 @@ static int s_engine(void *ctx, long *resets, char *why, size_t whylen) {
     return up;
 }
 
+/* a += b's counters (not its gauges). */
+static void s_add_counters(fi_sched_stats *a, const fi_sched_stats *b) {
+    a->steps += b->steps;
+    a->prompt_tokens += b->prompt_tokens;
+    a->prefix_hit_tokens += b->prefix_hit_tokens;
+    a->prefill_tokens += b->prefill_tokens;
+    a->decode_tokens += b->decode_tokens;
+    a->preemptions += b->preemptions;
+    a->evictions += b->evictions;
+    a->completed += b->completed;
+}
+
 /* The backend failed for good (why): the failed step has ended every
  * request the scheduler held. Replaces the backend and the scheduler;
  * while that fails, the engine is down (submissions refused, what waits
  * answered 503) and it tries again with a growing pause. Returns with
  * l->sched NULL only when the agent stops meanwhile. */
 static void s_recover(s_local *l, const char *why) {
-    char err[256];
+    char err[512];
     int cap = l->queue_max + l->concurrency;
+    fi_sched_stats old;
+    fi_sched_get_stats(l->sched, &old);
     pthread_mutex_lock(&l->mu);
     l->down = 1;
     snprintf(l->down_why, sizeof l->down_why, "%s", why);
+    s_add_counters(&l->base, &old);
+    l->st = l->base; /* no blocks while down */
     pthread_mutex_unlock(&l->mu);
     fi_sched_destroy(&l->sched);
     for (int pause_ms = 250;; pause_ms = pause_ms < 15000 ? 2 * pause_ms : 30000) {
@@ -140,7 +159,7 @@ static void s_recover(s_local *l, const char *why) {
         fprintf(stderr, "fedinfer edge: local engine is down: %s (again in %d ms)\n", err,
                 pause_ms);
         pthread_mutex_lock(&l->mu);
-        snprintf(l->down_why, sizeof l->down_why, "%.150s; replacing it failed: %.150s", why,
+        snprintf(l->down_why, sizeof l->down_why, "%.200s; replacing it failed: %.400s", why,
                  err);
         while (l->n_waiting > 0) { /* handed over before the engine went down */
             edge_job *j = l->waiting[l->head];
@@ -289,6 +308,7 @@ static void *s_thread(void *arg) {
         fi_sched_stats st;
         fi_sched_get_stats(l->sched, &st);
         pthread_mutex_lock(&l->mu);
+        s_add_counters(&st, &l->base);
         l->st = st;
         pthread_mutex_unlock(&l->mu);
     }

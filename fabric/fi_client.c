@@ -157,6 +157,10 @@ int fi_client_set_capacity(fi_client *c, int i, uint32_t capacity) {
     return c->sock ? s_send_hello(c) : -1;
 }
 
+uint32_t fi_client_capacity(const fi_client *c, int i) {
+    return i < 0 || i >= c->o.n_models ? 0 : c->o.capacity[i];
+}
+
 static void s_close(fi_client *c) {
     fi_sock_close_monitored(c->sock);
     if (c->mon) zmq_close(c->mon);

@@ -118,6 +118,8 @@ int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max, u
  * not a model of the options or the Hello cannot be queued now (it is
  * then said at the next reconnection). */
 int fi_client_set_capacity(fi_client *c, int i, uint32_t capacity);
+/* The capacity announced now for model i (0 when i is not a model). */
+uint32_t fi_client_capacity(const fi_client *c, int i);
 /* How many times the client has reconnected (a request open across a
  * reconnect is lost: the coordinator that had it may be gone). */
 unsigned fi_client_reconnects(const fi_client *c);

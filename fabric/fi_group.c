@@ -555,8 +555,12 @@ static int s_nccl_form(fi_group *g, char *err, size_t errlen) {
     if (fi_gnccl_id_new(id, err, errlen) != 0) return -1;
     for (int r = 1; r < g->conf.world; r++)
         if (fi_gnet_send(g->net, r, FI_G_NCCL, 0, (uint32_t)g->conf.world, id, sizeof id, err,
-                         errlen) != 0)
+                         errlen) != 0) {
+            /* the ranks that got the id have dropped their communicator:
+             * the old one is no longer the group's (s_nccl_current) */
+            memset(g->nccl_members, 0, sizeof g->nccl_members);
             return -1;
+        }
     fi_gnccl_destroy(&g->nccl);
     if (!(g->nccl = fi_gnccl_new(id, g->conf.world, 0, g->gpu, err, errlen))) return -1;
     for (int r = 0; r < g->conf.world; r++) g->nccl_members[r] = fi_gnet_link_serial(g->net, r);

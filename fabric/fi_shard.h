@@ -76,6 +76,12 @@ typedef struct fi_shard_backend {
     int (*step)(void *ctx, char *err, size_t errlen);
     void (*load)(void *ctx, uint32_t *running, uint32_t *queued, uint32_t *kv_free,
                  uint32_t *kv_total);
+    /* Optional (NULL: always up): 0 while the engine is down (its backend
+     * failed and is not yet replaced). The batched loop then withdraws the
+     * model (capacity 0) so that the coordinator routes elsewhere, and
+     * announces it again once up; submit refuses with -2 meanwhile (the
+     * requester gets ERR_ENGINE). */
+    int (*up)(void *ctx);
 } fi_shard_backend;
 
 /* Bytes of the prefix filter a worker reports (fi_fabric.proto WorkerLoad). */

@@ -141,7 +141,10 @@ static void s_submit(s_bgen *g, fi_msg *m) {
     sl->handle = g->be->submit(g->be->ctx, rq, &sink, err, sizeof err);
     if (sl->handle < 0) {
         g->n_slots--;
-        s_error(g, sl->id, FI__ERROR_CODE__ERR_BAD_REQUEST, err);
+        /* -2: the engine is down, not the request at fault */
+        s_error(g, sl->id,
+                sl->handle == -2 ? FI__ERROR_CODE__ERR_ENGINE : FI__ERROR_CODE__ERR_BAD_REQUEST,
+                err);
         s_ended(g, sl->id);
         free(sl);
     }
@@ -161,12 +164,17 @@ static void s_report(s_bgen *g, int force) {
     uint64_t now = fi_wire_now_ms();
     if (!force && now - g->report_ms < S_REPORT_MS) return;
     g->report_ms = now;
-    uint32_t l[4] = {0, 0, 0, 0};
+    uint32_t l[5] = {0, 0, 0, 0, 1}; /* running, queued, KV free, KV total, up */
     if (g->be->load) g->be->load(g->be->ctx, &l[0], &l[1], &l[2], &l[3]);
+    if (g->be->up) l[4] = (uint32_t)(g->be->up(g->be->ctx) != 0);
     zmq_send(g->pipe, "l", 1, ZMQ_SNDMORE);
     zmq_send(g->pipe, l, sizeof l, 0);
     uint8_t bits[FI_SHARD_FILTER_BYTES];
-    if (g->be->prefix_filter && g->be->prefix_filter(g->be->ctx, bits, sizeof bits) == 0) {
+    if (!l[4]) { /* down: no prefix is here any more */
+        memset(bits, 0, sizeof bits);
+        zmq_send(g->pipe, "f", 1, ZMQ_SNDMORE);
+        zmq_send(g->pipe, bits, sizeof bits, 0);
+    } else if (g->be->prefix_filter && g->be->prefix_filter(g->be->ctx, bits, sizeof bits) == 0) {
         zmq_send(g->pipe, "f", 1, ZMQ_SNDMORE);
         zmq_send(g->pipe, bits, sizeof bits, 0);
     }
@@ -251,7 +259,8 @@ typedef struct s_loop {
     s_open *open;                /* requests handed over and not ended */
     int n_open, max_open;
     unsigned gen;                /* reconnect count the open requests belong to */
-    uint32_t load[4];            /* running, queued, KV free, KV total */
+    uint32_t load[5];            /* running, queued, KV free, KV total, up */
+    uint32_t withdrawn;          /* down: the capacity to announce again (0: up) */
     uint8_t filter[FI_SHARD_FILTER_BYTES];
     int have_filter;
 } s_loop;
@@ -346,6 +355,7 @@ int fi_shard_serve_batched(fi_client *c, const fi_shard_backend *be, int max_ope
     s.c = c;
     s.max_open = max_open > 0 ? max_open : 1;
     s.gen = fi_client_reconnects(c);
+    s.load[4] = 1; /* up until the serving thread says otherwise */
     s.open = calloc((size_t)s.max_open, sizeof *s.open);
     void *ctx = zmq_ctx_new();
     pthread_t th;
@@ -376,6 +386,16 @@ int fi_shard_serve_batched(fi_client *c, const fi_shard_backend *be, int max_ope
             for (int i = 0; i < s.n_open; i++) s_tell(&s, 'c', s.open[i].id, strlen(s.open[i].id));
         }
         s_loop_from_serving(&s);
+        if (s.load[4] == 0 && !s.withdrawn && fi_client_capacity(c, 0) > 0) {
+            /* the engine is down: nothing more is routed here until it is up */
+            s.withdrawn = fi_client_capacity(c, 0);
+            (void)fi_client_set_capacity(c, 0, 0);
+            fprintf(stderr, "shard: the engine is down: model withdrawn\n");
+        } else if (s.load[4] && s.withdrawn) {
+            (void)fi_client_set_capacity(c, 0, s.withdrawn);
+            s.withdrawn = 0;
+            fprintf(stderr, "shard: the engine is up again: model announced\n");
+        }
         fi_client_set_load(c, s.load[0], s.load[1], s.load[2], s.load[3],
                            s.have_filter ? s.filter : NULL, sizeof s.filter);
     }

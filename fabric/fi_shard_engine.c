@@ -37,7 +37,7 @@ typedef struct s_engine {
     fi_sched_opts so;  /* its options, for a new one */
     int n_ctx;         /* context per request */
     int max_tokens;    /* cap on a request's max_tokens */
-    char down[400];    /* why the engine is down ("" when up) */
+    char down[700];    /* why the engine is down ("" when up) */
     double retry_at;   /* down: the earliest next try (monotonic seconds) */
     double pause;      /* down: the pause before the try after that */
 } s_engine;
@@ -52,7 +52,7 @@ static double s_mono(void) {
  * the failed step has ended every request the scheduler held. 0, or -1
  * with the engine down (en->down says why). */
 static int s_revive(s_engine *en, const char *why) {
-    char err[256];
+    char err[512];
     fi_sched_destroy(&en->sched);
     if (fi_model_reset_backend(en->model, err, sizeof err) == 0 &&
         (en->sched = fi_sched_new(en->model, &en->so, err, sizeof err)) != NULL) {
@@ -62,8 +62,8 @@ static int s_revive(s_engine *en, const char *why) {
         en->pause = 0;
         return 0;
     }
-    snprintf(en->down, sizeof en->down, "the engine's backend failed (%.150s) and could not be "
-             "replaced yet: %.150s", why, err);
+    snprintf(en->down, sizeof en->down, "the engine's backend failed (%.200s) and could not be "
+             "replaced yet: %.400s", why, err);
     fprintf(stderr, "shard: %s\n", en->down);
     en->pause = en->pause ? (en->pause < 15 ? 2 * en->pause : 30) : 1;
     en->retry_at = s_mono() + en->pause;
@@ -208,11 +208,11 @@ static int64_t s_submit(void *ctx, const Fi__InferRequest *rq, const fi_shard_si
                         char *err, size_t errlen) {
     s_engine *en = ctx;
     if (!en->sched) {
-        char why[400];
+        char why[700];
         snprintf(why, sizeof why, "%s", en->down);
         if (s_mono() < en->retry_at || s_revive(en, why) != 0) {
             snprintf(err, errlen, "%s", en->down);
-            return -1;
+            return -2;
         }
     }
     int n = 0;
@@ -262,6 +262,16 @@ static void s_load(void *ctx, uint32_t *running, uint32_t *queued, uint32_t *kv_
     *queued = (uint32_t)st.queued;
     *kv_free = (uint32_t)st.blocks_free;
     *kv_total = (uint32_t)st.blocks_total;
+}
+
+static int s_up(void *ctx) {
+    s_engine *en = ctx;
+    if (!en->sched && s_mono() >= en->retry_at) {
+        char why[700];
+        snprintf(why, sizeof why, "%s", en->down);
+        (void)s_revive(en, why); /* the loop asks between steps: try again */
+    }
+    return en->sched != NULL;
 }
 
 static int s_filter(void *ctx, uint8_t *bits, size_t nbytes) {
@@ -320,6 +330,7 @@ int fi_shard_engine_backend_hooks(const fi_shard_conf *conf, const fi_shard_engi
     out->cancel = s_cancel;
     out->step = s_step;
     out->load = s_load;
+    out->up = s_up;
     return 0;
 }
 

@@ -33,6 +33,7 @@
 #include "fi_bundle.h"
 #include "edge_impl.h" /* edge_conf_restart_keys, the agent's model */
 #include "fault_backend.h"
+#include "model_copy.h"
 #include "fi_edge.h"
 
 /* Sanitizer builds (Debug, ASan) run the model about ten times slower:
@@ -234,6 +235,8 @@ static const char *s_policy =
 /* Starts an edge in a fresh directory; with_policy installs a signed
  * bundle of s_policy (version 1). */
 static int s_fx_grace = 2; /* shutdown_grace_s of the next fx_start */
+static const char *s_fx_model; /* the next fx_start's model (NULL: the default) */
+static const char *s_fx_pin;   /* and its model_sha256 (NULL: none) */
 
 static fx *fx_start(int with_policy, int concurrency, int queue) {
     fx *f = calloc(1, sizeof *f);
@@ -264,8 +267,9 @@ static fx *fx_start(int with_policy, int concurrency, int queue) {
                "threads = 2\nn_ctx = 256\nconcurrency = %d\nqueue = %d\nmax_body = 16384\n"
                "max_tokens = 64\ndefault_max_tokens = 8\nrequest_timeout_s = 240\n"
                "db = %s/edge.db\npolicy_dir = %s/policy\npolicy_key = %s/sign.key.pub\n"
-               "shutdown_grace_s = %d\n",
-               FI_TEST_MODEL, concurrency, queue, f->dir, f->dir, f->dir, s_fx_grace);
+               "shutdown_grace_s = %d\n%s%s\n",
+               s_fx_model ? s_fx_model : FI_TEST_MODEL, concurrency, queue, f->dir, f->dir, f->dir,
+               s_fx_grace, s_fx_pin ? "model_sha256 = " : "", s_fx_pin ? s_fx_pin : "");
     fi_edge_conf c;
     fi_edge_conf_default(&c);
     if (fi_edge_conf_load(conf, &c, err, sizeof err) != 0) fail_msg("%s", err);
@@ -492,6 +496,86 @@ static void test_engine_backend_failure(void **state) {
     assert_string_equal(s_completion_text(&r), before);
     resp_free(&r);
     fx_stop(f);
+}
+
+/* Polls /metrics until it has line (a whole line), up to 10 s; 1 when
+ * found. */
+static int s_metrics_line(int port, const char *line) {
+    char want[160];
+    snprintf(want, sizeof want, "\n%s\n", line);
+    for (int i = 0; i < 200; i++) {
+        resp r;
+        assert_int_equal(http(port, "GET", "/metrics", NULL, NULL, &r), 0);
+        int found = strstr(r.body, want) != NULL;
+        resp_free(&r);
+        if (found) return 1;
+        usleep(50 * 1000);
+    }
+    return 0;
+}
+
+/* The engine's backend fails while its model file no longer matches the
+ * deployment's pin (changed in place since the load): a new backend would
+ * read other weights, so the engine stays down. It says why on /healthz
+ * (503: no coordinator, nothing else can serve) and /metrics, on-site
+ * requests are unavailable (503, naming it), and once the file is as
+ * pinned again it comes back by itself and answers as before. */
+static void test_engine_down(void **state) {
+    (void)state;
+    char dir[64] = "/tmp/test_edge_down.XXXXXX", model[128], pin[65];
+    assert_non_null(mkdtemp(dir));
+    snprintf(model, sizeof model, "%s/model.gguf", dir);
+    assert_int_equal(model_copy(FI_TEST_MODEL, model, pin), 0);
+    s_fx_model = model;
+    s_fx_pin = pin;
+    fx *f = fx_start(1, 2, 2);
+    s_fx_model = s_fx_pin = NULL;
+    const char *b = "{\"model\":\"smollm2-135m\",\"max_tokens\":6,\"temperature\":0,"
+                    "\"prompt\":\"1, 2, 3,\"}";
+    const char *phi = "X-Data-Class: phi\r\n";
+    resp r;
+    char before[512];
+    assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
+    if (r.status != 200) fail_msg("%s", r.body);
+    snprintf(before, sizeof before, "%s", s_completion_text(&r));
+    resp_free(&r);
+    assert_int_equal(model_flip_last_byte(model), 0);
+    fi_fault_backend *fb = fi_fault_wrap(fi_model_backend(f->e->model));
+    assert_non_null(fb);
+    fi_fault_set(fb, 1);
+    assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
+    assert_int_equal(r.status, 500);
+    resp_free(&r);
+    assert_true(s_metrics_line(f->port, "fedinfer_edge_local_engine_up 0"));
+    /* down from the failure on; the first try's refusal follows */
+    int told = 0;
+    for (int i = 0; i < 200 && !told; i++) {
+        assert_int_equal(http(f->port, "GET", "/healthz", NULL, NULL, &r), 0);
+        assert_int_equal(r.status, 503);
+        assert_non_null(strstr(r.body, "\"local_engine\":false"));
+        told = strstr(r.body, "SHA-256") != NULL;
+        if (told) printf("  healthz: %d %s\n", r.status, r.body);
+        resp_free(&r);
+        if (!told) usleep(50 * 1000);
+    }
+    assert_true(told);
+    assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
+    printf("  while down: %d %s\n", r.status, r.body);
+    assert_int_equal(r.status, 503);
+    assert_string_equal(error_code(&r), "target_unavailable");
+    assert_non_null(strstr(r.body, "the local engine is down"));
+    resp_free(&r);
+    /* the file as pinned again: the next try (within 2 s) succeeds */
+    assert_int_equal(model_flip_last_byte(model), 0);
+    assert_true(s_metrics_line(f->port, "fedinfer_edge_local_engine_up 1"));
+    assert_true(s_metrics_line(f->port, "fedinfer_edge_local_engine_resets_total 1"));
+    assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
+    if (r.status != 200) fail_msg("after coming back: %s", r.body);
+    assert_string_equal(s_completion_text(&r), before);
+    resp_free(&r);
+    fx_stop(f);
+    unlink(model);
+    rmdir(dir);
 }
 
 /* The error's param (static). */
@@ -1501,6 +1585,7 @@ int main(void) {
         cmocka_unit_test(test_fail_closed),
         cmocka_unit_test(test_audit_unavailable),
         cmocka_unit_test(test_engine_backend_failure),
+        cmocka_unit_test(test_engine_down),
         cmocka_unit_test(test_queue_full),
         cmocka_unit_test(test_stop_answers_everyone),
         cmocka_unit_test(test_no_429_within_capacity),

@@ -15,6 +15,7 @@
 #include "fabric/harness.h"
 #include "edge_impl.h"
 #include "fault_backend.h"
+#include "model_copy.h"
 
 typedef struct s_engine_worker {
     const harness *h;     /* whose coordinator */
@@ -370,10 +371,156 @@ static void test_engine_backend_failure(void **state) {
     uint32_t l[4];
     be.load(be.ctx, &l[0], &l[1], &l[2], &l[3]);
     assert_true(l[3] > 0); /* a new scheduler with its KV pool */
+    assert_int_equal(be.up(be.ctx), 1);
     if (s_one(&be, &b, err, sizeof err)) fail_msg("after the reset: %s", err);
     print_message("before: \"%s\", after: \"%s\"\n", a.text, b.text);
     assert_string_equal(b.text, a.text);
     be.destroy(be.ctx);
+}
+
+/* A failure while the model file no longer matches the deployment's pin
+ * (changed in place): the engine stays down (submit refuses with -2, which
+ * the worker answers ERR_ENGINE; no KV blocks; up 0) until the file is as
+ * pinned again, then comes back at a try and answers as before. */
+static void test_engine_down(void **state) {
+    (void)state;
+    if (access(FI_TEST_MODEL, R_OK) != 0) {
+        print_message("SKIPPED: model %s not found\n", FI_TEST_MODEL);
+        skip();
+    }
+    char dir[64] = "/tmp/test_fabric_engine.XXXXXX", model[128], pin[65], err[1024];
+    assert_non_null(mkdtemp(dir));
+    snprintf(model, sizeof model, "%s/model.gguf", dir);
+    assert_int_equal(model_copy(FI_TEST_MODEL, model, pin), 0);
+    fi_shard_conf conf;
+    fi_shard_conf_default(&conf);
+    snprintf(conf.model, sizeof conf.model, "%s", model);
+    snprintf(conf.model_sha256, sizeof conf.model_sha256, "%s", pin);
+    conf.n_ctx = 256;
+    conf.max_tokens = 16;
+    conf.threads = 1;
+    fi_shard_backend be;
+    assert_int_equal(fi_shard_engine_backend(&conf, &be, err, sizeof err), 0);
+    s_sinkbuf a, b;
+    if (s_one(&be, &a, err, sizeof err)) fail_msg("%s", err);
+    assert_int_equal(model_flip_last_byte(model), 0);
+    fi_fault_set(fi_fault_wrap(fi_model_backend(fi_shard_engine_model(&be))), 1);
+    assert_int_equal(s_one(&be, &b, err, sizeof err), -1);
+    assert_int_equal(be.up(be.ctx), 0);
+    uint32_t l[4];
+    be.load(be.ctx, &l[0], &l[1], &l[2], &l[3]);
+    assert_int_equal(l[3], 0);
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)"d1";
+    rq.prompt = (char *)"Name a planet.";
+    fi_shard_sink sink = {.emit = s_sink_emit, .done = s_sink_done, .user = &b};
+    assert_int_equal(be.submit(be.ctx, &rq, &sink, err, sizeof err), -2);
+    print_message("while down: %s\n", err);
+    assert_non_null(strstr(err, "SHA-256"));
+    assert_int_equal(model_flip_last_byte(model), 0);
+    int up = 0;
+    for (int i = 0; i < 100 && !up; i++) { /* the next try is at most 2 s away */
+        up = be.up(be.ctx);
+        if (!up) h_sleep_ms(50);
+    }
+    assert_true(up);
+    if (s_one(&be, &b, err, sizeof err)) fail_msg("after coming back: %s", err);
+    assert_string_equal(b.text, a.text);
+    be.destroy(be.ctx);
+    unlink(model);
+    rmdir(dir);
+}
+
+/* One greedy request from the edge; its error code (ERR_UNSPECIFIED when
+ * served), with the text in t. */
+static int s_edge_once(fi_client *edge, const char *id, h_text *t) {
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)id;
+    rq.model = (char *)"smollm2";
+    rq.prompt = (char *)"Name a planet.";
+    rq.max_tokens = 8;
+    char err[512];
+    fi_client_result res;
+    memset(t, 0, sizeof *t);
+    if (fi_client_infer(edge, &rq, h_on_text, t, 60000, &res, err, sizeof err) != 0)
+        fail_msg("%s: %s", id, err);
+    return (int)res.error;
+}
+
+/* Through the coordinator: a worker whose engine is down withdraws its
+ * model (capacity 0), so requests are not routed to it (ERR_NO_WORKER
+ * with no other worker) instead of failing there one after another, and
+ * announces it again once the engine is back. */
+static void test_engine_down_through_fabric(void **state) {
+    (void)state;
+    if (access(FI_TEST_MODEL, R_OK) != 0) {
+        print_message("skipped: model %s not found\n", FI_TEST_MODEL);
+        skip();
+    }
+    char dir[64] = "/tmp/test_fabric_engine.XXXXXX", model[128], pin[65], err[512];
+    assert_non_null(mkdtemp(dir));
+    snprintf(model, sizeof model, "%s/model.gguf", dir);
+    assert_int_equal(model_copy(FI_TEST_MODEL, model, pin), 0);
+    harness h;
+    assert_int_equal(h_init(&h), 0);
+    h.liveness = 50;
+    assert_int_equal(h_start(&h), 0);
+    s_engine_worker w;
+    memset(&w, 0, sizeof w);
+    w.h = &h;
+    fi_shard_conf conf;
+    fi_shard_conf_default(&conf);
+    snprintf(conf.model, sizeof conf.model, "%s", model);
+    snprintf(conf.model_sha256, sizeof conf.model_sha256, "%s", pin);
+    conf.n_ctx = 256;
+    conf.max_tokens = 16;
+    conf.threads = 1;
+    assert_int_equal(fi_shard_engine_backend(&conf, &w.be, err, sizeof err), 0);
+    assert_int_equal(fi_keys_generate(&w.kp), 0);
+    assert_int_equal(h_enrol_direct(&h, &w.kp, FI__ROLE__ROLE_CLUSTER, "core1", "eu-west"), 0);
+    assert_int_equal(pthread_create(&w.th, NULL, s_serve, &w), 0);
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(&h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
+    fi_client *edge = h_client(&h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(edge);
+    h_text first, t;
+    int code = FI__ERROR_CODE__ERR_NO_WORKER;
+    for (int i = 0; i < 50 && code == FI__ERROR_CODE__ERR_NO_WORKER; i++) { /* its Hello */
+        code = s_edge_once(edge, "x1", &first);
+        if (code == FI__ERROR_CODE__ERR_NO_WORKER) h_sleep_ms(100);
+    }
+    assert_int_equal(code, FI__ERROR_CODE__ERR_UNSPECIFIED);
+    /* the worker is idle between requests: the wrapper goes in */
+    assert_int_equal(model_flip_last_byte(model), 0);
+    fi_fault_set(fi_fault_wrap(fi_model_backend(fi_shard_engine_model(&w.be))), 1);
+    assert_int_equal(s_edge_once(edge, "x2", &t), FI__ERROR_CODE__ERR_ENGINE);
+    int withdrawn = 0;
+    for (int i = 0; i < 100 && !withdrawn; i++) {
+        code = s_edge_once(edge, "x3", &t);
+        withdrawn = code == FI__ERROR_CODE__ERR_NO_WORKER;
+        if (!withdrawn) {
+            assert_int_equal(code, FI__ERROR_CODE__ERR_ENGINE); /* before the withdrawal lands */
+            h_sleep_ms(50);
+        }
+    }
+    assert_true(withdrawn);
+    assert_int_equal(model_flip_last_byte(model), 0);
+    code = FI__ERROR_CODE__ERR_NO_WORKER;
+    for (int i = 0; i < 100 && code == FI__ERROR_CODE__ERR_NO_WORKER; i++) { /* back within ~2 s */
+        code = s_edge_once(edge, "x4", &t);
+        if (code == FI__ERROR_CODE__ERR_NO_WORKER) h_sleep_ms(100);
+    }
+    assert_int_equal(code, FI__ERROR_CODE__ERR_UNSPECIFIED);
+    print_message("before: \"%s\", after coming back: \"%s\"\n", first.buf, t.buf);
+    assert_string_equal(t.buf, first.buf);
+    fi_client_destroy(&edge);
+    atomic_store(&w.stop, 1);
+    pthread_join(w.th, NULL);
+    w.be.destroy(w.be.ctx);
+    h_stop(&h);
+    unlink(model);
+    rmdir(dir);
 }
 
 int main(void) {
@@ -381,6 +528,8 @@ int main(void) {
         cmocka_unit_test(test_sampling_from_wire),
         cmocka_unit_test(test_engine_through_fabric),
         cmocka_unit_test(test_engine_backend_failure),
+        cmocka_unit_test(test_engine_down),
+        cmocka_unit_test(test_engine_down_through_fabric),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1311,8 +1311,13 @@ extern "C" int fi_cuda_backend_set_profile(fi_backend *b, int on) {
     if (on && !c->ev) {
         c->ev = (cudaEvent_t *)calloc(2 * S_PROF_PAIRS, sizeof *c->ev);
         c->ev_op = (uint8_t *)calloc(S_PROF_PAIRS, 1);
-        if (!c->ev || !c->ev_op)
+        if (!c->ev || !c->ev_op) { /* both or neither: s_prof_end writes ev_op */
+            free(c->ev);
+            free(c->ev_op);
+            c->ev = NULL;
+            c->ev_op = NULL;
             return -1;
+        }
         for (int i = 0; i < 2 * S_PROF_PAIRS; i++)
             if (!s_ok(c, cudaEventCreate(&c->ev[i]), "cudaEventCreate"))
                 return -1;
