@@ -378,6 +378,22 @@ static void test_engine_backend_failure(void **state) {
     be.destroy(be.ctx);
 }
 
+/* A private copy of the default model in a new folder (dir, 64 bytes)
+ * and the engine's configuration for it, pinned to its SHA-256. */
+static void s_pinned_conf(char *dir, char *model, size_t mlen, fi_shard_conf *conf) {
+    char pin[65];
+    snprintf(dir, 64, "/tmp/test_fabric_engine.XXXXXX");
+    assert_non_null(mkdtemp(dir));
+    snprintf(model, mlen, "%s/model.gguf", dir);
+    assert_int_equal(model_copy(FI_TEST_MODEL, model, pin), 0);
+    fi_shard_conf_default(conf);
+    snprintf(conf->model, sizeof conf->model, "%s", model);
+    snprintf(conf->model_sha256, sizeof conf->model_sha256, "%s", pin);
+    conf->n_ctx = 256;
+    conf->max_tokens = 16;
+    conf->threads = 1;
+}
+
 /* A failure while the model file no longer matches the deployment's pin
  * (changed in place): the engine stays down (submit refuses with -2, which
  * the worker answers ERR_ENGINE; no KV blocks; up 0) until the file is as
@@ -388,17 +404,9 @@ static void test_engine_down(void **state) {
         print_message("SKIPPED: model %s not found\n", FI_TEST_MODEL);
         skip();
     }
-    char dir[64] = "/tmp/test_fabric_engine.XXXXXX", model[128], pin[65], err[1024];
-    assert_non_null(mkdtemp(dir));
-    snprintf(model, sizeof model, "%s/model.gguf", dir);
-    assert_int_equal(model_copy(FI_TEST_MODEL, model, pin), 0);
+    char dir[64], model[128], err[1024];
     fi_shard_conf conf;
-    fi_shard_conf_default(&conf);
-    snprintf(conf.model, sizeof conf.model, "%s", model);
-    snprintf(conf.model_sha256, sizeof conf.model_sha256, "%s", pin);
-    conf.n_ctx = 256;
-    conf.max_tokens = 16;
-    conf.threads = 1;
+    s_pinned_conf(dir, model, sizeof model, &conf);
     fi_shard_backend be;
     assert_int_equal(fi_shard_engine_backend(&conf, &be, err, sizeof err), 0);
     s_sinkbuf a, b;
@@ -457,10 +465,9 @@ static void test_engine_down_through_fabric(void **state) {
         print_message("skipped: model %s not found\n", FI_TEST_MODEL);
         skip();
     }
-    char dir[64] = "/tmp/test_fabric_engine.XXXXXX", model[128], pin[65], err[512];
-    assert_non_null(mkdtemp(dir));
-    snprintf(model, sizeof model, "%s/model.gguf", dir);
-    assert_int_equal(model_copy(FI_TEST_MODEL, model, pin), 0);
+    char dir[64], model[128], err[512];
+    fi_shard_conf conf;
+    s_pinned_conf(dir, model, sizeof model, &conf);
     harness h;
     assert_int_equal(h_init(&h), 0);
     h.liveness = 50;
@@ -468,13 +475,6 @@ static void test_engine_down_through_fabric(void **state) {
     s_engine_worker w;
     memset(&w, 0, sizeof w);
     w.h = &h;
-    fi_shard_conf conf;
-    fi_shard_conf_default(&conf);
-    snprintf(conf.model, sizeof conf.model, "%s", model);
-    snprintf(conf.model_sha256, sizeof conf.model_sha256, "%s", pin);
-    conf.n_ctx = 256;
-    conf.max_tokens = 16;
-    conf.threads = 1;
     assert_int_equal(fi_shard_engine_backend(&conf, &w.be, err, sizeof err), 0);
     assert_int_equal(fi_keys_generate(&w.kp), 0);
     assert_int_equal(h_enrol_direct(&h, &w.kp, FI__ROLE__ROLE_CLUSTER, "core1", "eu-west"), 0);

@@ -1328,14 +1328,21 @@ extern "C" int fi_cuda_backend_set_profile(fi_backend *b, int on) {
     return c->failed ? -1 : 0;
 }
 
-extern "C" double fi_cuda_backend_kernel_ms(fi_backend *b) {
+/* b's state with every recorded event pair counted in; NULL when b is
+ * not a CUDA backend or has failed. */
+static s_cuda *s_prof_read(fi_backend *b) {
     if (!fi_cuda_backend_is(b))
-        return -1;
+        return NULL;
     s_cuda *c = (s_cuda *)b->ctx;
     if (!s_enter(c))
-        return -1;
+        return NULL;
     s_prof_flush(c);
-    if (c->failed)
+    return c->failed ? NULL : c;
+}
+
+extern "C" double fi_cuda_backend_kernel_ms(fi_backend *b) {
+    s_cuda *c = s_prof_read(b);
+    if (!c)
         return -1;
     double ms = c->kernel_ms;
     c->kernel_ms = 0;
@@ -1344,13 +1351,8 @@ extern "C" double fi_cuda_backend_kernel_ms(fi_backend *b) {
 
 extern "C" int fi_cuda_backend_profile_ops(fi_backend *b, const char **name, double *ms,
                                            long *calls, int cap) {
-    if (!fi_cuda_backend_is(b))
-        return -1;
-    s_cuda *c = (s_cuda *)b->ctx;
-    if (!s_enter(c))
-        return -1;
-    s_prof_flush(c);
-    if (c->failed)
+    s_cuda *c = s_prof_read(b);
+    if (!c)
         return -1;
     int n = 0;
     for (int i = 0; i < S_N_OPS && n < cap; i++) {
