@@ -32,6 +32,7 @@ struct fi_group {
     char plan_text[2048];                 /* canonical plan (logs) */
     fi_model *m;                          /* attached model (not owned) */
     int gpu;                              /* CUDA device of the NCCL communicator */
+    char dead[512];                       /* the backend failed for good: why ("": no) */
     int host_mem;                         /* 1: the backend's memory is host memory */
     /* KV pool geometry (the leader's, sent in Join) */
     int n_blocks, max_tokens, max_out;
@@ -941,6 +942,14 @@ static void s_on_batch(fi_group *g, const fi_gmsg *m) {
     fprintf(stderr, "group %s: rank %d: pass %llu failed: %s\n", g->conf.name, g->rank,
             (unsigned long long)m->pass, why);
     fi_gcoll_fail(g->net, m->pass, why);
+    /* A backend that failed for good (a GPU's failures are sticky) would
+     * fail every later pass: the rank stops (fi_group_follow), so that its
+     * supervisor starts it again with a new device context; the group
+     * re-forms with a fresh scheduler when it is back, as after any
+     * restart (the rank's KV cache is gone with it). */
+    char bwhy[384];
+    if (g->m && fi_model_backend_failed(g->m, bwhy, sizeof bwhy))
+        snprintf(g->dead, sizeof g->dead, "%s", bwhy);
 }
 
 int fi_group_follow(fi_group *g, atomic_int *stop, char *err, size_t errlen) {
@@ -979,6 +988,11 @@ int fi_group_follow(fi_group *g, atomic_int *stop, char *err, size_t errlen) {
             fi_gnet_drop_before(g->net, m->pass);
             s_on_batch(g, m);
             fi_gmsg_free(&m);
+            if (g->dead[0]) {
+                snprintf(err, errlen, "rank %d: its backend failed for good (%s); stopping so "
+                         "that it starts again with a new one", g->rank, g->dead);
+                return -1;
+            }
         }
     }
     return 0;

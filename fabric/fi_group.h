@@ -124,8 +124,9 @@ int fi_group_forward(void *user, fi_model *m, fi_kvpool *kv, const fi_batch *b, 
  * coordinator with rc->capacity while the group is available and with
  * capacity 0 (withdrawn) while not. c should be made with capacity 0 so
  * that nothing is routed before the group has formed. Returns 0 on stop,
- * -1 with a message when the coordinator refused or revoked the key or
- * the scheduler cannot be made. */
+ * -1 with a message when the coordinator refused or revoked the key, the
+ * scheduler cannot be made, or the leader's own backend failed for good
+ * (as fi_group_follow). */
 int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_conf *rc,
                    atomic_int *stop, char *err, size_t errlen);
 
@@ -134,7 +135,10 @@ int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_c
 /* Serves the leader's commands until *stop: Join (answered), batches (run
  * on this rank's slice with the pool made at Join). Returns 0 on stop, or
  * -1 with the reason when this rank was refused at join (its model, world
- * size or layout is not the leader's) or a socket failed. */
+ * size or layout is not the leader's), a socket failed, or its backend
+ * failed for good (a GPU's failures are sticky: the process should end so
+ * that its supervisor starts it with a new device context; the group
+ * re-forms when it is back). */
 int fi_group_follow(fi_group *g, atomic_int *stop, char *err, size_t errlen);
 
 /* --- the command -------------------------------------------------------- */

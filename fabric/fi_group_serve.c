@@ -272,9 +272,19 @@ int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_c
             if (!avail) (void)fi_client_set_capacity(c, 0, 0);
         }
         if (fi_sched_pending(L.s) > 0) {
-            char why[512];
-            if (fi_sched_step(L.s, why, sizeof why) < 0)
+            char why[512], bwhy[384];
+            if (fi_sched_step(L.s, why, sizeof why) < 0) {
                 fprintf(stderr, "group leader: step failed, its requests ended: %s\n", why);
+                if (fi_model_backend_failed(m, bwhy, sizeof bwhy)) {
+                    /* for good (a GPU's failures are sticky): stop, so that
+                     * the supervisor starts the leader again with a new
+                     * device context (the ranks keep running; the group
+                     * re-forms around it) */
+                    snprintf(err, errlen, "the leader's backend failed for good (%s); stopping "
+                             "so that it starts again with a new one", bwhy);
+                    goto done;
+                }
+            }
         }
         /* The group's load and prefix filter ride on the heartbeats, as a
          * single worker's do (refreshed every 100 ms at most). */

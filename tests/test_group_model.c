@@ -43,6 +43,7 @@
 #include "fi_sched.h"
 #include "fi_wire.h"
 #include "logit_rank.h"
+#include "fault_backend.h"
 
 #define N_SEQ 4
 #define N_STEPS 16
@@ -160,6 +161,7 @@ typedef struct s_rank {
     fi_group *g;
     fi_model *m;                   /* its slice */
     atomic_int stop;
+    atomic_int ended;              /* s_follower returned */
     int rc;                        /* fi_group_follow's */
     char err[512];
     pthread_t th;
@@ -186,6 +188,7 @@ static void *s_follower(void *arg) {
     r->rc = s_rank_open(r);
     if (r->rc == 0) r->rc = fi_group_follow(r->g, &r->stop, r->err, sizeof r->err);
     if (r->rc) fprintf(stderr, "rank %d: %s\n", r->rank, r->err);
+    atomic_store(&r->ended, 1);
     return NULL;
 }
 
@@ -677,6 +680,65 @@ static void test_first_pass_after_rejoin(void **state) {
     s_rank_close(L);
 }
 
+/* A rank whose backend fails for good (as a GPU's does) fails the pass
+ * with its message and then stops (fi_group_follow returns -1 saying
+ * why), so that its supervisor starts it again with a new device; the
+ * group is unavailable until it is back, and works again then. */
+static void test_rank_backend_fails(void **state) {
+    fixture *f = *state;
+    fi_group_conf c;
+    char err[512];
+    s_group_file(f, "dead", 2, 2, "", &c);
+    s_rank ranks[2];
+    s_start_followers(f, &c, ranks);
+    s_rank *L = &ranks[0];
+    *L = (s_rank){.f = f, .conf = c, .rank = 0};
+    memcpy(L->digest, f->digest, sizeof f->digest);
+    if (s_rank_open(L) != 0) fail_msg("leader: %s", L->err);
+    fi_kvpool *kv = fi_kvpool_new(L->m, 8, 32, 4, err, sizeof err);
+    assert_non_null(kv);
+    fi_group_set_pool(L->g, 8, 32, 4);
+    assert_true(s_wait_available(L->g, 20000));
+    int32_t tok = 1, pos = 0, seq = 0, tables[4] = {0, 1, 2, 3}, row = 0;
+    fi_batch b = {.n = 1, .tok = &tok, .pos = &pos, .seq = &seq, .n_seqs = 1, .tables = tables,
+                  .max_blocks = 4, .out_rows = &row, .n_out = 1};
+    float *lg = malloc((size_t)f->mi.n_vocab * sizeof(float));
+    assert_non_null(lg);
+    if (fi_group_forward(L->g, L->m, kv, &b, lg, err, sizeof err) != 0) fail_msg("%s", err);
+    /* rank 1 waits for the next pass: its backend fails now */
+    fi_fault_set(fi_fault_wrap(fi_model_backend(ranks[1].m)), 1);
+    pos = 1;
+    assert_int_equal(fi_group_forward(L->g, L->m, kv, &b, lg, err, sizeof err), -1);
+    printf("  the pass: %s\n", err);
+    assert_non_null(strstr(err, "injected failure"));
+    /* it stops by itself */
+    for (int i = 0; i < 200 && !atomic_load(&ranks[1].ended); i++) usleep(50 * 1000);
+    if (!atomic_load(&ranks[1].ended)) {
+        atomic_store(&ranks[1].stop, 1);
+        pthread_join(ranks[1].th, NULL);
+        fail_msg("rank 1 went on after its backend failed for good");
+    }
+    pthread_join(ranks[1].th, NULL);
+    printf("  rank 1: %s\n", ranks[1].err);
+    assert_int_equal(ranks[1].rc, -1);
+    assert_non_null(strstr(ranks[1].err, "failed for good"));
+    assert_non_null(strstr(ranks[1].err, "injected failure"));
+    s_rank_close(&ranks[1]);
+    /* its supervisor starts it again */
+    ranks[1] = (s_rank){.f = f, .conf = c, .rank = 1};
+    memcpy(ranks[1].digest, f->digest, sizeof f->digest);
+    atomic_store(&ranks[1].stop, 0);
+    assert_int_equal(pthread_create(&ranks[1].th, NULL, s_follower, &ranks[1]), 0);
+    assert_true(s_wait_available(L->g, 20000));
+    pos = 0; /* the restarted rank's cache is empty: start the sequence again */
+    if (fi_group_forward(L->g, L->m, kv, &b, lg, err, sizeof err) != 0)
+        fail_msg("after rank 1 came back: %s", err);
+    free(lg);
+    fi_kvpool_destroy(&kv);
+    s_stop_followers(&c, ranks);
+    s_rank_close(L);
+}
+
 /* collective = nccl: refused where it cannot work, with the reason. */
 static void test_nccl_refusals(void **state) {
     fixture *f = *state;
@@ -716,6 +778,7 @@ int main(void) {
         cmocka_unit_test(test_sched_pp2),
         cmocka_unit_test(test_join_refusals),
         cmocka_unit_test(test_junk_never_blocks_join),
+        cmocka_unit_test(test_rank_backend_fails),
         cmocka_unit_test(test_first_pass_after_rejoin),
         cmocka_unit_test(test_nccl_refusals),
     };
