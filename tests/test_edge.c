@@ -449,6 +449,20 @@ static const char *s_completion_text(const resp *r) {
     return text;
 }
 
+/* On agent f: the on-site answer to b (a completion) into before, then
+ * the local engine's backend made to fail for good. */
+static void s_serve_then_fail(fx *f, const char *b, char *before, size_t cap) {
+    resp r;
+    assert_int_equal(http(f->port, "POST", "/v1/completions", "X-Data-Class: phi\r\n", b, &r), 0);
+    if (r.status != 200) fail_msg("%s", r.body);
+    snprintf(before, cap, "%s", s_completion_text(&r));
+    resp_free(&r);
+    /* the engine's thread is idle between requests: the wrapper goes in */
+    fi_fault_backend *fb = fi_fault_wrap(fi_model_backend(f->e->model));
+    assert_non_null(fb);
+    fi_fault_set(fb, 1);
+}
+
 /* The local engine's backend fails for good, as a GPU's can: the request
  * in that pass fails with the backend's own message, the engine replaces
  * the backend without a restart of the agent, and the next request gets
@@ -461,14 +475,7 @@ static void test_engine_backend_failure(void **state) {
     const char *phi = "X-Data-Class: phi\r\n"; /* on site only */
     resp r;
     char before[512];
-    assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
-    if (r.status != 200) fail_msg("%s", r.body);
-    snprintf(before, sizeof before, "%s", s_completion_text(&r));
-    resp_free(&r);
-    /* the engine's thread is idle between requests: the wrapper goes in */
-    fi_fault_backend *fb = fi_fault_wrap(fi_model_backend(f->e->model));
-    assert_non_null(fb);
-    fi_fault_set(fb, 1);
+    s_serve_then_fail(f, b, before, sizeof before);
     assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
     printf("  during the failure: %d %s\n", r.status, r.body);
     assert_int_equal(r.status, 500);
@@ -535,14 +542,8 @@ static void test_engine_down(void **state) {
     const char *phi = "X-Data-Class: phi\r\n";
     resp r;
     char before[512];
-    assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
-    if (r.status != 200) fail_msg("%s", r.body);
-    snprintf(before, sizeof before, "%s", s_completion_text(&r));
-    resp_free(&r);
+    s_serve_then_fail(f, b, before, sizeof before);
     assert_int_equal(model_flip_last_byte(model), 0);
-    fi_fault_backend *fb = fi_fault_wrap(fi_model_backend(f->e->model));
-    assert_non_null(fb);
-    fi_fault_set(fb, 1);
     assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
     assert_int_equal(r.status, 500);
     resp_free(&r);

@@ -379,9 +379,14 @@ static void test_engine_backend_failure(void **state) {
 }
 
 /* A private copy of the default model in a new folder (dir, 64 bytes)
- * and the engine's configuration for it, pinned to its SHA-256. */
+ * and the engine's configuration for it, pinned to its SHA-256; the test
+ * is skipped without the model. */
 static void s_pinned_conf(char *dir, char *model, size_t mlen, fi_shard_conf *conf) {
     char pin[65];
+    if (access(FI_TEST_MODEL, R_OK) != 0) {
+        print_message("skipped: model %s not found\n", FI_TEST_MODEL);
+        skip();
+    }
     snprintf(dir, 64, "/tmp/test_fabric_engine.XXXXXX");
     assert_non_null(mkdtemp(dir));
     snprintf(model, mlen, "%s/model.gguf", dir);
@@ -400,10 +405,6 @@ static void s_pinned_conf(char *dir, char *model, size_t mlen, fi_shard_conf *co
  * pinned again, then comes back at a try and answers as before. */
 static void test_engine_down(void **state) {
     (void)state;
-    if (access(FI_TEST_MODEL, R_OK) != 0) {
-        print_message("SKIPPED: model %s not found\n", FI_TEST_MODEL);
-        skip();
-    }
     char dir[64], model[128], err[1024];
     fi_shard_conf conf;
     s_pinned_conf(dir, model, sizeof model, &conf);
@@ -461,10 +462,6 @@ static int s_edge_once(fi_client *edge, const char *id, h_text *t) {
  * announces it again once the engine is back. */
 static void test_engine_down_through_fabric(void **state) {
     (void)state;
-    if (access(FI_TEST_MODEL, R_OK) != 0) {
-        print_message("skipped: model %s not found\n", FI_TEST_MODEL);
-        skip();
-    }
     char dir[64], model[128], err[512];
     fi_shard_conf conf;
     s_pinned_conf(dir, model, sizeof model, &conf);

@@ -209,6 +209,14 @@ static void s_stop_followers(const fi_group_conf *c, s_rank *ranks) {
     }
 }
 
+/* Starts rank r of group c again (after it stopped), as a supervisor would. */
+static void s_restart_rank(fixture *f, const fi_group_conf *c, s_rank *ranks, int r) {
+    ranks[r] = (s_rank){.f = f, .conf = *c, .rank = r};
+    memcpy(ranks[r].digest, f->digest, sizeof f->digest);
+    atomic_store(&ranks[r].stop, 0);
+    assert_int_equal(pthread_create(&ranks[r].th, NULL, s_follower, &ranks[r]), 0);
+}
+
 /* Polls the leader until the group is available (1) or ms pass (0). */
 static int s_wait_available(fi_group *g, int ms) {
     char err[256];
@@ -636,6 +644,20 @@ static void test_junk_never_blocks_join(void **state) {
     s_rank_close(L);
 }
 
+/* The leader of group c (rank 0 in L), its pool of 8 blocks for 32
+ * tokens, and the group available. */
+static fi_kvpool *s_open_leader(fixture *f, const fi_group_conf *c, s_rank *L) {
+    char err[512];
+    *L = (s_rank){.f = f, .conf = *c, .rank = 0};
+    memcpy(L->digest, f->digest, sizeof f->digest);
+    if (s_rank_open(L) != 0) fail_msg("leader: %s", L->err);
+    fi_kvpool *kv = fi_kvpool_new(L->m, 8, 32, 4, err, sizeof err);
+    assert_non_null(kv);
+    fi_group_set_pool(L->g, 8, 32, 4);
+    assert_true(s_wait_available(L->g, 20000));
+    return kv;
+}
+
 /* A rank that restarts is joined only once every other rank has seen it
  * too: the first pass after each return succeeds (TP 3; without the
  * re-join of the others, rank 2's link to the new rank 1 was sometimes
@@ -649,13 +671,7 @@ static void test_first_pass_after_rejoin(void **state) {
     s_rank ranks[3];
     s_start_followers(f, &c, ranks);
     s_rank *L = &ranks[0];
-    *L = (s_rank){.f = f, .conf = c, .rank = 0};
-    memcpy(L->digest, f->digest, sizeof f->digest);
-    if (s_rank_open(L) != 0) fail_msg("leader: %s", L->err);
-    fi_kvpool *kv = fi_kvpool_new(L->m, 8, 32, 4, err, sizeof err);
-    assert_non_null(kv);
-    fi_group_set_pool(L->g, 8, 32, 4);
-    assert_true(s_wait_available(L->g, 20000));
+    fi_kvpool *kv = s_open_leader(f, &c, L);
     int32_t tok = 1, pos = 0, seq = 0, tables[4] = {0, 1, 2, 3}, row = 0;
     fi_batch b = {.n = 1, .tok = &tok, .pos = &pos, .seq = &seq, .n_seqs = 1, .tables = tables,
                   .max_blocks = 4, .out_rows = &row, .n_out = 1};
@@ -666,10 +682,7 @@ static void test_first_pass_after_rejoin(void **state) {
         pthread_join(ranks[1].th, NULL);
         s_rank_close(&ranks[1]);
         for (int t = 0; t < 150; t++) (void)fi_group_lead_poll(L->g, 20, err, sizeof err);
-        ranks[1] = (s_rank){.f = f, .conf = c, .rank = 1};
-        memcpy(ranks[1].digest, f->digest, sizeof f->digest);
-        atomic_store(&ranks[1].stop, 0);
-        assert_int_equal(pthread_create(&ranks[1].th, NULL, s_follower, &ranks[1]), 0);
+        s_restart_rank(f, &c, ranks, 1);
         assert_true(s_wait_available(L->g, 20000));
         if (fi_group_forward(L->g, L->m, kv, &b, lg, err, sizeof err) != 0)
             fail_msg("round %d: the first pass after rank 1 came back failed: %s", round, err);
@@ -692,13 +705,7 @@ static void test_rank_backend_fails(void **state) {
     s_rank ranks[2];
     s_start_followers(f, &c, ranks);
     s_rank *L = &ranks[0];
-    *L = (s_rank){.f = f, .conf = c, .rank = 0};
-    memcpy(L->digest, f->digest, sizeof f->digest);
-    if (s_rank_open(L) != 0) fail_msg("leader: %s", L->err);
-    fi_kvpool *kv = fi_kvpool_new(L->m, 8, 32, 4, err, sizeof err);
-    assert_non_null(kv);
-    fi_group_set_pool(L->g, 8, 32, 4);
-    assert_true(s_wait_available(L->g, 20000));
+    fi_kvpool *kv = s_open_leader(f, &c, L);
     int32_t tok = 1, pos = 0, seq = 0, tables[4] = {0, 1, 2, 3}, row = 0;
     fi_batch b = {.n = 1, .tok = &tok, .pos = &pos, .seq = &seq, .n_seqs = 1, .tables = tables,
                   .max_blocks = 4, .out_rows = &row, .n_out = 1};
@@ -724,11 +731,7 @@ static void test_rank_backend_fails(void **state) {
     assert_non_null(strstr(ranks[1].err, "failed for good"));
     assert_non_null(strstr(ranks[1].err, "injected failure"));
     s_rank_close(&ranks[1]);
-    /* its supervisor starts it again */
-    ranks[1] = (s_rank){.f = f, .conf = c, .rank = 1};
-    memcpy(ranks[1].digest, f->digest, sizeof f->digest);
-    atomic_store(&ranks[1].stop, 0);
-    assert_int_equal(pthread_create(&ranks[1].th, NULL, s_follower, &ranks[1]), 0);
+    s_restart_rank(f, &c, ranks, 1); /* its supervisor starts it again */
     assert_true(s_wait_available(L->g, 20000));
     pos = 0; /* the restarted rank's cache is empty: start the sequence again */
     if (fi_group_forward(L->g, L->m, kv, &b, lg, err, sizeof err) != 0)
