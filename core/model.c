@@ -662,6 +662,15 @@ static int s_rebind_all(fi_model *m, char *err, size_t errlen) {
     return 0;
 }
 
+/* 1, with the reason in err, while a failed reset left m's weights off its
+ * backend: no pool, session or pass until a reset succeeds. */
+static int s_unbound(const fi_model *m, char *err, size_t errlen) {
+    if (!m->be_unbound) return 0;
+    s_err(err, errlen, "the model's weights are not on its backend (a reset failed): reset it "
+          "again");
+    return 1;
+}
+
 int fi_model_backend_failed(fi_model *m, char *why, size_t whylen) {
     if (m->be_unbound) {
         s_err(why, whylen, "the last reset could not bind the weights again");
@@ -760,11 +769,7 @@ fi_kvpool *fi_kvpool_new(fi_model *m, int n_blocks, int max_tokens, int max_out,
               n_blocks, max_tokens, max_out);
         return NULL;
     }
-    if (m->be_unbound) {
-        s_err(err, errlen, "the model's weights are not on its backend (a reset failed): reset "
-              "it again");
-        return NULL;
-    }
+    if (s_unbound(m, err, errlen)) return NULL;
     fi_kvpool *p = calloc(1, sizeof *p);
     if (!p) {
         s_err(err, errlen, "out of memory");
@@ -970,11 +975,7 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
         s_err(err, errlen, "KV pool belongs to another model");
         return -1;
     }
-    if (m->be_unbound) {
-        s_err(err, errlen, "the model's weights are not on its backend (a reset failed): reset "
-              "it again");
-        return -1;
-    }
+    if (s_unbound(m, err, errlen)) return -1;
     if (s_check_batch(m, kv, b, x_in, err, errlen) != 0) return -1;
     int n = b->n;
     for (int t = 0; t < n; t++) {
@@ -1059,11 +1060,7 @@ fi_session *fi_session_new(fi_model *m, int n_ctx, char *err, size_t errlen) {
               n_ctx, c->ctx_train);
         return NULL;
     }
-    if (m->be_unbound) {
-        s_err(err, errlen, "the model's weights are not on its backend (a reset failed): reset "
-              "it again");
-        return NULL;
-    }
+    if (s_unbound(m, err, errlen)) return NULL;
     if (m->plan.no_embed || m->plan.no_output) {
         s_err(err, errlen, "a session needs the whole pipeline; this shard's plan is one stage");
         return NULL;
