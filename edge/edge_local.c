@@ -11,11 +11,12 @@
  * answers 429). Stop strings, UTF-8 boundaries and the output buffer are
  * the job's (edge_job_emit); the scheduler hands it text as it is made.
  *
- * A backend that fails for good (a GPU's failures are sticky) fails the
- * step's requests, and the thread then replaces it (fi_model_reset_backend)
- * and makes a new scheduler, without a restart of the agent. While it
- * cannot, the engine is down: submissions are refused (503) and it tries
- * again after a pause that grows to 30 s.
+ * A backend that fails for good (a GPU's failures are sticky) fails every
+ * request the scheduler holds, and the thread then replaces it
+ * (fi_model_reset_backend) and makes a new scheduler, without a restart of
+ * the agent. While it cannot, the engine is down (s_engine: the router
+ * sends requests elsewhere, submissions are refused) and it tries again
+ * after a pause that grows to 30 s.
  */
 #include <stdio.h>
 #include <stdlib.h>

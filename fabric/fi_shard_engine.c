@@ -14,12 +14,13 @@
  * one-at-a-time `generate` (a fresh session per request) stays as the
  * reference the tests compare with.
  *
- * A backend that fails for good (a GPU's failures are sticky) fails the
- * step's requests; the engine then replaces it (fi_model_reset_backend)
- * and makes a new scheduler. While it cannot, the engine is down: submit
- * refuses with the reason (the requester gets ERR_ENGINE), the load it
- * reports has no KV blocks, and it tries again at a submission at most
- * every few seconds.
+ * A backend that fails for good (a GPU's failures are sticky) fails every
+ * request the scheduler holds; the engine then replaces it
+ * (fi_model_reset_backend) and makes a new scheduler. While it cannot, the
+ * engine is down: up says so (the serving loop withdraws the model),
+ * submit refuses with -2 and the reason (the requester gets ERR_ENGINE),
+ * the load has no KV blocks, and it tries again, when asked, at most every
+ * 1-30 s.
  */
 #include <stdio.h>
 #include <stdlib.h>
