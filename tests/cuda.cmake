@@ -36,6 +36,12 @@ if(FEDINFER_HAVE_CUDA)
     LABELS cuda
     ENVIRONMENT "CMOCKA_MESSAGE_OUTPUT=stdout;LD_LIBRARY_PATH=${CMAKE_CURRENT_BINARY_DIR}/stand_in_driver;FEDINFER_CUDA_MODULE=/nonexistent/libfi_cuda.so")
 
+  # gpu-pack.sh on this build: the binaries and their libraries (ZeroMQ
+  # among them), as a GPU machine without the build dependencies gets them.
+  add_test(NAME gpu_pack COMMAND sh -c
+    "rm -rf '${CMAKE_CURRENT_BINARY_DIR}/gpu-pack' && '${CMAKE_SOURCE_DIR}/kernels/cuda/gpu-pack.sh' '${CMAKE_BINARY_DIR}' '${CMAKE_CURRENT_BINARY_DIR}/gpu-pack' && test -x '${CMAKE_CURRENT_BINARY_DIR}/gpu-pack/bin/tests/test_cuda' && test -f '${CMAKE_CURRENT_BINARY_DIR}/gpu-pack/bin/libfi_cuda.so' && ls '${CMAKE_CURRENT_BINARY_DIR}/gpu-pack/lib' | grep -q '^libzmq'")
+  set_tests_properties(gpu_pack PROPERTIES TIMEOUT 60 LABELS cuda)
+
   # Throughput probe for kernels/cuda/gpu-check.sh (not a test): cuBLASLt
   # GEMMs at the model's shapes against a large square GEMM, prefill and
   # decode timings with CUDA-event kernel sums. Here because --synthetic
