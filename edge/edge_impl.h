@@ -77,6 +77,9 @@ typedef struct edge_job {
     char tenant[64];             /* from the bearer token ("" without one) */
     char zone[64];               /* residency zone of the cached state (edge_decision.zone) */
 
+    /* the executor's own */
+    int engine_retries;          /* local: times run again after its backend failed */
+
     /* cancellation: set by the HTTP side, or by the executor on a stop */
     atomic_int cancel;           /* nonzero: stop generating */
     atomic_int refs;             /* owners */

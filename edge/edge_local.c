@@ -12,7 +12,8 @@
  * the job's (edge_job_emit); the scheduler hands it text as it is made.
  *
  * A backend that fails for good (a GPU's failures are sticky) fails every
- * request the scheduler holds, and the thread then replaces it
+ * request the scheduler holds (those that had sent nothing yet run once
+ * more on the new backend: s_settle), and the thread then replaces it
  * (fi_model_reset_backend) and makes a new scheduler, without a restart of
  * the agent. While it cannot, the engine is down (s_engine: the router
  * sends requests elsewhere, submissions are refused) and it tries again
@@ -33,6 +34,8 @@ typedef struct s_run {
     int stop_hit;           /* a stop string ended it */
     int oom;                /* edge_job_emit ran out of memory */
     int why;                /* cancelled by us: 499, 503 or 504 (0: not) */
+    char *deferred;         /* failed before its first token: the error, until
+                               s_settle knows whether the backend failed for good */
     struct s_local *l;
     struct s_run *next;
 } s_run;
@@ -56,6 +59,7 @@ typedef struct s_local {
     fi_sched_stats base;    /* the counters of schedulers replaced after a
                                backend failure (so the totals never go back) */
     fi_sched_opts so;       /* the scheduler's options, for a new one */
+    int in_step;            /* the thread is inside fi_sched_step */
     int down;               /* 1 while the backend failed and is not yet replaced */
     char down_why[640];     /* why, while down */
     long resets;            /* backends replaced after a failure */
@@ -125,6 +129,34 @@ static void s_add_counters(fi_sched_stats *a, const fi_sched_stats *b) {
     a->preemptions += b->preemptions;
     a->evictions += b->evictions;
     a->completed += b->completed;
+}
+
+/* The runs whose request failed before its first token (s_on_done kept
+ * them): when the backend failed for good, back to the front of the line,
+ * in their order, to run once more on the new backend (nothing reached the
+ * client yet); else failed as they would have been. */
+static void s_settle(s_local *l, s_run *runs, int dead) {
+    int cap = l->queue_max + l->concurrency;
+    for (s_run *r = runs; r; r = r->next) { /* newest first: the oldest ends up first */
+        if (!r->deferred) continue;
+        edge_job *j = r->job;
+        r->job = NULL;
+        if (dead) {
+            j->engine_retries++;
+            pthread_mutex_lock(&l->mu); /* its slot becomes a place in the line */
+            l->n_active--;
+            l->head = (l->head + cap - 1) % cap;
+            l->waiting[l->head] = j; /* the run's reference goes with it */
+            l->n_waiting++;
+            pthread_mutex_unlock(&l->mu);
+        } else {
+            s_release_slot(l);
+            edge_job_fail(j, 500, "engine_error", r->deferred);
+            edge_job_unref(&j);
+        }
+        free(r->deferred);
+        r->deferred = NULL;
+    }
 }
 
 /* The backend failed for good (why): the failed step has ended every
@@ -198,6 +230,9 @@ static int s_on_text(void *user, const char *text, size_t len) {
 static void s_on_done(void *user, const fi_gen_result *res, const char *error) {
     s_run *r = user;
     edge_job *j = r->job;
+    if (error && r->l->in_step && res && res->n_generated == 0 && !r->why &&
+        j->engine_retries == 0 && (r->deferred = strdup(error)) != NULL)
+        return; /* nothing sent yet: it may run again on a new backend (s_settle) */
     s_release_slot(r->l); /* before the client can learn of the end */
     if (error) edge_job_fail(j, 500, "engine_error", error);
     else if (r->oom) edge_job_fail(j, 500, "internal_error", "out of memory");
@@ -289,8 +324,13 @@ static void *s_thread(void *arg) {
             else if (j->timeout_s > 0 && now - j->t_submit > j->timeout_s) r->why = 504;
             if (r->why) (void)fi_sched_cancel(l->sched, r->id);
         }
+        l->in_step = 1;
         int failed = fi_sched_pending(l->sched) > 0 && fi_sched_step(l->sched, err, sizeof err) < 0;
+        l->in_step = 0;
         if (failed) fprintf(stderr, "fedinfer edge: local engine: %s\n", err); /* its jobs failed */
+        char why[256];
+        int dead = failed && fi_model_backend_failed(l->model, why, sizeof why);
+        s_settle(l, runs, dead);
         /* unlink what ended */
         for (s_run **pp = &runs; *pp;) {
             s_run *r = *pp;
@@ -301,8 +341,7 @@ static void *s_thread(void *arg) {
             *pp = r->next;
             free(r);
         }
-        char why[256];
-        if (failed && fi_model_backend_failed(l->model, why, sizeof why)) {
+        if (dead) {
             s_recover(l, why);
             if (!l->sched) break; /* stopping: s_drain answers what waits */
         }

@@ -463,10 +463,10 @@ static void s_serve_then_fail(fx *f, const char *b, char *before, size_t cap) {
     fi_fault_set(fb, 1);
 }
 
-/* The local engine's backend fails for good, as a GPU's can: the request
- * in that pass fails with the backend's own message, the engine replaces
- * the backend without a restart of the agent, and the next request gets
- * the answer it got before the failure. */
+/* The local engine's backend fails for good, as a GPU's can: the engine
+ * replaces the backend without a restart of the agent, and the request in
+ * the failed pass, which had sent nothing yet, runs again on the new one:
+ * the client gets the answer it got before the failure, only later. */
 static void test_engine_backend_failure(void **state) {
     (void)state;
     fx *f = fx_start(1, 2, 2);
@@ -477,13 +477,11 @@ static void test_engine_backend_failure(void **state) {
     char before[512];
     s_serve_then_fail(f, b, before, sizeof before);
     assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
-    printf("  during the failure: %d %s\n", r.status, r.body);
-    assert_int_equal(r.status, 500);
-    assert_string_equal(error_code(&r), "engine_error");
-    assert_non_null(strstr(r.body, "injected failure"));
+    if (r.status != 200) fail_msg("the request in the failed pass: %s", r.body);
+    printf("  the request in the failed pass: \"%s\"\n", s_completion_text(&r));
+    assert_string_equal(s_completion_text(&r), before);
     resp_free(&r);
-    /* fb went with the failed backend; the new one is in place within a
-     * moment */
+    /* the failed backend (and the wrapper) went; the new one is in place */
     int resets = 0;
     for (int i = 0; i < 100 && !resets; i++) {
         assert_int_equal(http(f->port, "GET", "/metrics", NULL, NULL, &r), 0);
@@ -523,7 +521,8 @@ static int s_metrics_line(int port, const char *line) {
 
 /* The engine's backend fails while its model file no longer matches the
  * deployment's pin (changed in place since the load): a new backend would
- * read other weights, so the engine stays down. It says why on /healthz
+ * read other weights, so the engine stays down and the request of the
+ * failed pass gets 503 local_engine_down naming why. It says so on /healthz
  * (503: no coordinator, nothing else can serve) and /metrics, on-site
  * requests are unavailable (503, naming it), and once the file is as
  * pinned again it comes back by itself and answers as before. */
@@ -545,7 +544,11 @@ static void test_engine_down(void **state) {
     s_serve_then_fail(f, b, before, sizeof before);
     assert_int_equal(model_flip_last_byte(model), 0);
     assert_int_equal(http(f->port, "POST", "/v1/completions", phi, b, &r), 0);
-    assert_int_equal(r.status, 500);
+    printf("  the request in the failed pass: %d %s\n", r.status, r.body);
+    assert_int_equal(r.status, 503);
+    assert_string_equal(error_code(&r), "local_engine_down");
+    assert_non_null(strstr(r.body, "injected failure"));
+    assert_non_null(strstr(r.body, "SHA-256"));
     resp_free(&r);
     assert_true(s_metrics_line(f->port, "fedinfer_edge_local_engine_up 0"));
     /* down from the failure on; the first try's refusal follows */
@@ -1567,6 +1570,36 @@ static void test_disconnect_cancels_unstreamed(void **state) {
     fx_stop(f);
 }
 
+/* A stream that has sent text when the backend fails for good is not run
+ * again (its client has part of an answer): it ends with the engine's
+ * error, while the engine replaces its backend. */
+static void test_engine_failure_mid_stream(void **state) {
+    (void)state;
+    fx *f = fx_start(1, 1, 1);
+    const char *b = "{\"model\":\"smollm2-135m\",\"prompt\":\"1, 2, 3,\",\"temperature\":0,"
+                    "\"max_tokens\":64,\"stream\":true}";
+    int fd = s_connect_send(f->port, "/v1/completions", b);
+    char buf[65536];
+    size_t got = 0;
+    while (got < sizeof buf - 1 && !strstr(buf, "data: {")) { /* its first text */
+        ssize_t k = recv(fd, buf + got, sizeof buf - 1 - got, 0);
+        assert_true(k > 0);
+        got += (size_t)k;
+        buf[got] = 0;
+    }
+    fi_fault_set(fi_fault_wrap(fi_model_backend(f->e->model)), 1);
+    for (ssize_t k; got < sizeof buf - 1 && (k = recv(fd, buf + got, sizeof buf - 1 - got, 0)) > 0;)
+        got += (size_t)k;
+    buf[got] = 0;
+    close(fd);
+    const char *tail = strstr(buf, "\"code\":\"engine_error\"");
+    printf("  the stream ends: %.200s\n", tail ? tail - 80 : buf + (got > 300 ? got - 300 : 0));
+    assert_non_null(tail);
+    assert_non_null(strstr(buf, "injected failure"));
+    assert_true(s_metrics_line(f->port, "fedinfer_edge_local_engine_resets_total 1"));
+    fx_stop(f);
+}
+
 int main(void) {
     const struct CMUnitTest api[] = {
         cmocka_unit_test(test_chat),
@@ -1587,6 +1620,7 @@ int main(void) {
         cmocka_unit_test(test_audit_unavailable),
         cmocka_unit_test(test_engine_backend_failure),
         cmocka_unit_test(test_engine_down),
+        cmocka_unit_test(test_engine_failure_mid_stream),
         cmocka_unit_test(test_queue_full),
         cmocka_unit_test(test_stop_answers_everyone),
         cmocka_unit_test(test_no_429_within_capacity),
