@@ -45,9 +45,13 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
     if (c->auth && !(e->tokens = edge_auth_open(c->db, err, errlen))) goto fail;
     if (c->coordinator[0] && edge_remote_new(e, &e->remote, err, errlen) != 0) goto fail;
     if (edge_http_start(e, err, errlen) != 0) goto fail;
-    fprintf(stderr, "edge: site %s serving on http://%s:%d (model %s, concurrency %d, queue %d%s%s)\n",
-            c->site, c->listen, e->port, e->model ? c->model_name : "none", c->concurrency,
-            c->queue, c->coordinator[0] ? ", coordinator " : ", offline only",
+    /* the backend the load landed on: a GPU when one is visible (a
+     * sandbox that hides /dev/nvidia* gives the CPU) */
+    fprintf(stderr, "edge: site %s serving on http://%s:%d (model %s on %s, concurrency %d, "
+                    "queue %d%s%s)\n",
+            c->site, c->listen, e->port, e->model ? c->model_name : "none",
+            e->model ? fi_model_backend(e->model)->ops->name : "-", c->concurrency, c->queue,
+            c->coordinator[0] ? ", coordinator " : ", offline only",
             c->coordinator[0] ? c->coordinator : "");
     return e;
 fail:

@@ -184,9 +184,9 @@ static void s_recover(s_local *l, const char *why) {
             l->down = 0;
             l->resets++;
             pthread_mutex_unlock(&l->mu);
-            fprintf(stderr, "fedinfer edge: local engine: a new backend took the weights in "
-                            "%.1f s after the old one failed (%s)\n",
-                    edge_now() - t0, why);
+            fprintf(stderr, "fedinfer edge: local engine: a new backend (%s) took the weights "
+                            "in %.1f s after the old one failed (%s)\n",
+                    fi_model_backend(l->model)->ops->name, edge_now() - t0, why);
             return;
         }
         fprintf(stderr, "fedinfer edge: local engine is down: %s (again in %d ms)\n", err,
