@@ -1193,13 +1193,8 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     pthread_mutex_lock(&job->mu);
     int gone = 0;
     while (!job->done && (!r->stream || job->out_len == 0)) {
-        struct timespec ts; /* a tenth of a second: the client's leaving is seen soon */
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000 * 1000;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        /* a tenth of a second: the client's leaving is seen soon */
+        struct timespec ts = edge_deadline_ms(100);
         pthread_cond_timedwait(&job->cv, &job->mu, &ts);
         if (edge_now() - job->t_submit > job->timeout_s + 5) break;
         if (!job->done && s_peer_gone(c)) {

@@ -116,6 +116,8 @@ int edge_job_emit(edge_job *j, const char *bytes, size_t len);
 void edge_job_finish(edge_job *j, const char *finish, int n_prompt, int n_gen);
 void edge_job_fail(edge_job *j, int http_status, const char *code, const char *msg);
 double edge_now(void);
+/* The CLOCK_REALTIME time ms milliseconds from now, for pthread_cond_timedwait. */
+struct timespec edge_deadline_ms(long ms);
 
 /* A request's prompt as tokens of tok (edge_prompt.c): msgs through the
  * chat template (fi_tok_chat_ids: markers as special tokens, messages as

@@ -17,6 +17,18 @@ double edge_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+struct timespec edge_deadline_ms(long ms) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
+
 edge_job *edge_job_new(const char *id, const char *model, const char *const *stop, int n_stop) {
     edge_job *j = calloc(1, sizeof *j);
     if (!j) return NULL;

@@ -202,14 +202,7 @@ static void s_recover(s_local *l, const char *why) {
             edge_job_unref(&j);
         }
         if (!l->stopping) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_sec += pause_ms / 1000;
-            ts.tv_nsec += (long)(pause_ms % 1000) * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
+            struct timespec ts = edge_deadline_ms(pause_ms);
             (void)pthread_cond_timedwait(&l->cv, &l->mu, &ts);
         }
         int stop = l->stopping;

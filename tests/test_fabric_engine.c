@@ -50,6 +50,24 @@ static int s_stop_after_3(void *user, const char *t, size_t n) {
     return ++sa->calls >= 3;
 }
 
+/* Starts w (the engine of conf, enrolled as cluster core1, serving in its
+ * thread) on h's coordinator, and returns an enrolled edge's client. */
+static fi_client *s_worker_and_edge(harness *h, const fi_shard_conf *conf, s_engine_worker *w) {
+    char err[512];
+    memset(w, 0, sizeof *w);
+    w->h = h;
+    assert_int_equal(fi_shard_engine_backend(conf, &w->be, err, sizeof err), 0);
+    assert_int_equal(fi_keys_generate(&w->kp), 0);
+    assert_int_equal(h_enrol_direct(h, &w->kp, FI__ROLE__ROLE_CLUSTER, "core1", "eu-west"), 0);
+    assert_int_equal(pthread_create(&w->th, NULL, s_serve, w), 0);
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
+    fi_client *edge = h_client(h, &ek, FI__ROLE__ROLE_EDGE);
+    assert_non_null(edge);
+    return edge;
+}
+
 static void test_engine_through_fabric(void **state) {
     (void)state;
     if (access(FI_TEST_MODEL, R_OK) != 0) {
@@ -63,9 +81,6 @@ static void test_engine_through_fabric(void **state) {
      * 5 s, not the harness's 0.5 s. */
     h.liveness = 50;
     assert_int_equal(h_start(&h), 0);
-    s_engine_worker w;
-    memset(&w, 0, sizeof w);
-    w.h = &h;
     fi_shard_conf conf;
     fi_shard_conf_default(&conf);
     snprintf(conf.model, sizeof conf.model, "%s", FI_TEST_MODEL);
@@ -73,16 +88,8 @@ static void test_engine_through_fabric(void **state) {
     conf.max_tokens = 64;
     conf.threads = 1;
     char err[512];
-    assert_int_equal(fi_shard_engine_backend(&conf, &w.be, err, sizeof err), 0);
-    assert_int_equal(fi_keys_generate(&w.kp), 0);
-    assert_int_equal(h_enrol_direct(&h, &w.kp, FI__ROLE__ROLE_CLUSTER, "core1", "eu-west"), 0);
-    assert_int_equal(pthread_create(&w.th, NULL, s_serve, &w), 0);
-
-    fi_keypair ek;
-    assert_int_equal(fi_keys_generate(&ek), 0);
-    assert_int_equal(h_enrol_direct(&h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
-    fi_client *edge = h_client(&h, &ek, FI__ROLE__ROLE_EDGE);
-    assert_non_null(edge);
+    s_engine_worker w;
+    fi_client *edge = s_worker_and_edge(&h, &conf, &w);
     h_text t;
     fi_client_result res;
     Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
@@ -462,7 +469,7 @@ static int s_edge_once(fi_client *edge, const char *id, h_text *t) {
  * announces it again once the engine is back. */
 static void test_engine_down_through_fabric(void **state) {
     (void)state;
-    char dir[64], model[128], err[512];
+    char dir[64], model[128];
     fi_shard_conf conf;
     s_pinned_conf(dir, model, sizeof model, &conf);
     harness h;
@@ -470,17 +477,7 @@ static void test_engine_down_through_fabric(void **state) {
     h.liveness = 50;
     assert_int_equal(h_start(&h), 0);
     s_engine_worker w;
-    memset(&w, 0, sizeof w);
-    w.h = &h;
-    assert_int_equal(fi_shard_engine_backend(&conf, &w.be, err, sizeof err), 0);
-    assert_int_equal(fi_keys_generate(&w.kp), 0);
-    assert_int_equal(h_enrol_direct(&h, &w.kp, FI__ROLE__ROLE_CLUSTER, "core1", "eu-west"), 0);
-    assert_int_equal(pthread_create(&w.th, NULL, s_serve, &w), 0);
-    fi_keypair ek;
-    assert_int_equal(fi_keys_generate(&ek), 0);
-    assert_int_equal(h_enrol_direct(&h, &ek, FI__ROLE__ROLE_EDGE, "clinic-7", "eu-west"), 0);
-    fi_client *edge = h_client(&h, &ek, FI__ROLE__ROLE_EDGE);
-    assert_non_null(edge);
+    fi_client *edge = s_worker_and_edge(&h, &conf, &w);
     h_text first, t;
     int code = FI__ERROR_CODE__ERR_NO_WORKER;
     for (int i = 0; i < 50 && code == FI__ERROR_CODE__ERR_NO_WORKER; i++) { /* its Hello */
