@@ -842,8 +842,8 @@ static int s_route(fi_edge *e, const edge_decision *d, const char *model, int *u
     *unavail = 0;
     why[0] = 0;
     for (int i = 0; i < d->n; i++) {
-        if (!d->permitted[i]) continue;
-        double score = (double)d->score[i];
+        if (!d->t[i].permitted) continue;
+        double score = (double)d->t[i].score;
         if (i == 0) {
             if (!local_ok) {
                 *unavail = 1;
@@ -863,16 +863,16 @@ static int s_route(fi_edge *e, const edge_decision *d, const char *model, int *u
         } else if (!online) {
             *unavail = 1;
             snprintf(why + strlen(why), wlen - strlen(why), "%scluster %s is permitted but the coordinator is unreachable",
-                     why[0] ? "; " : "", d->names[i]);
+                     why[0] ? "; " : "", d->t[i].name);
             continue;
         } else {
             edge_cluster_load cl;
-            int known = edge_remote_cluster_load(e, d->names[i], model, &cl);
+            int known = edge_remote_cluster_load(e, d->t[i].name, model, &cl);
             if (known == 0 || (known == 1 && cl.workers == 0)) {
                 *unavail = 1;
                 snprintf(why + strlen(why), wlen - strlen(why),
                          "%scluster %s is permitted but no live worker there serves '%s'",
-                         why[0] ? "; " : "", d->names[i], model);
+                         why[0] ? "; " : "", d->t[i].name, model);
                 continue;
             }
             if (known == 1 && cl.capacity > 0) {
@@ -1072,7 +1072,11 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     char id[EDGE_ID_LEN];
     snprintf(id, sizeof id, "%s-%.16s-%s%ld", chat ? "chatcmpl" : "cmpl", e->conf.site, e->id_salt,
              atomic_fetch_add(&e->next_id, 1));
-    edge_policy_decide(e->policy, tenant, app, r->model, r->labels, r->n_labels, n_ids, d);
+    if (edge_policy_decide(e->policy, tenant, app, r->model, r->labels, r->n_labels, n_ids, d) != 0) {
+        free(ids);
+        rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory for the policy's targets");
+        goto done;
+    }
     const char *const hdr_pol[] = {"X-Fedinfer-Policy", d->version, "X-Request-Id", id, NULL};
     /* Every decision is recorded before it is answered; one that cannot be
      * is answered 503 instead (nothing is served without its record). */
@@ -1094,7 +1098,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         free(ids);
         rc = s_error(e, c, 400, "bad_label", "X-Data-Class", hdr_pol,
                      "a label is not declared by the policy (version %s): %s", d->version,
-                     d->why[0]);
+                     d->t[0].why);
         goto done;
     }
     int unavail = 0;
@@ -1102,17 +1106,17 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     int t = s_route(e, d, r->model, &unavail, why, sizeof why);
     if (t < 0) {
         int any = 0;
-        for (int i = 0; i < d->n; i++) any |= d->permitted[i];
+        for (int i = 0; i < d->n; i++) any |= d->t[i].permitted;
         if (any) {
             S_AUDIT("unavailable", "", "");
             free(ids);
             char where[256] = "", denied[300] = "";
             for (int i = 0; i < d->n; i++) {
-                if (d->permitted[i])
+                if (d->t[i].permitted)
                     snprintf(where + strlen(where), sizeof where - strlen(where), "%s%s",
-                             where[0] ? ", " : "", d->names[i]);
+                             where[0] ? ", " : "", d->t[i].name);
                 else if (!denied[0])
-                    snprintf(denied, sizeof denied, "; elsewhere %.280s", d->why[i]);
+                    snprintf(denied, sizeof denied, "; elsewhere %.280s", d->t[i].why);
             }
             rc = s_error(e, c, 503, "target_unavailable", NULL, hdr_pol,
                          "policy %s permits this request (labels %.100s) only at %.200s, where it "
@@ -1123,23 +1127,23 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         /* Denied everywhere: name the rule that denied on site first. */
         char rules[512] = "";
         for (int i = 0; i < d->n; i++)
-            if (d->rules[i][0] && !strstr(rules, d->rules[i]))
+            if (d->t[i].rules[0] && !strstr(rules, d->t[i].rules))
                 snprintf(rules + strlen(rules), sizeof rules - strlen(rules), "%s%s",
-                         rules[0] ? "," : "", d->rules[i]);
+                         rules[0] ? "," : "", d->t[i].rules);
         S_AUDIT(d->fallback ? "fallback" : "deny", "", rules);
         free(ids);
         json_t *o = s_err_obj(403, "policy_denied", NULL, "");
         snprintf(msg, sizeof msg, "denied by policy %.40s (labels %.180s): %.250s", d->version, d->labels,
-                 d->why[0]);
+                 d->t[0].why);
         json_t *eo = json_object_get(o, "error");
         json_object_set_new(eo, "message", json_string(msg));
-        json_object_set_new(eo, "rule", json_string(d->rules[0][0] ? d->rules[0] : rules));
+        json_object_set_new(eo, "rule", json_string(d->t[0].rules[0] ? d->t[0].rules : rules));
         json_object_set_new(eo, "policy_version", json_string(d->version));
         s_count_status(e, 403);
         rc = s_json(c, 403, o, hdr_pol);
         goto done;
     }
-    S_AUDIT(d->fallback ? "fallback" : "permit", d->names[t], d->rules[t]);
+    S_AUDIT(d->fallback ? "fallback" : "permit", d->t[t].name, d->t[t].rules);
 #undef S_AUDIT
     /* The job. */
     job = edge_job_new(id, r->model, r->stop, r->n_stop);
@@ -1157,7 +1161,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     snprintf(job->tenant, sizeof job->tenant, "%s", tenant);
     snprintf(job->zone, sizeof job->zone, "%s", d->zone);
     for (int i = 0; i < d->n_eff_labels; i++) job->labels[job->n_labels++] = strdup(d->eff_labels[i]);
-    snprintf(job->target, sizeof job->target, "%s", d->names[t]);
+    snprintf(job->target, sizeof job->target, "%s", d->t[t].name);
     if (t > 0 && s_routed(e, job, r, chat, tenant, app, ids, n_ids) != 0) {
         rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory");
         goto done;
@@ -1169,7 +1173,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         char down[640] = "";
         if (ex->engine) (void)ex->engine(ex->ctx, NULL, down, sizeof down);
         const char *const hdr[] = {"Retry-After", "5", "X-Fedinfer-Policy", d->version,
-                                   "X-Fedinfer-Target", d->names[t], NULL};
+                                   "X-Fedinfer-Target", d->t[t].name, NULL};
         rc = s_error(e, c, 503, "local_engine_down", NULL, hdr,
                      "the local engine is down: %s",
                      down[0] ? down : "its backend is being replaced");
@@ -1182,7 +1186,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
             goto done;
         }
         const char *const hdr[] = {"Retry-After", "1", "X-Fedinfer-Policy", d->version,
-                                   "X-Fedinfer-Target", d->names[t], NULL};
+                                   "X-Fedinfer-Target", d->t[t].name, NULL};
         rc = s_error(e, c, 429, "rate_limit_exceeded", NULL, hdr,
                      "%s queue is full (%d requests at once); retry later",
                      t == 0 ? "the local" : "the fabric", ex->depth(ex->ctx));
@@ -1211,8 +1215,8 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         rc = MHD_NO;
         goto done;
     }
-    const char *const hdrs[] = {"X-Fedinfer-Target", d->names[t], "X-Fedinfer-Policy", d->version,
-                                "X-Request-Id", id, "X-Fedinfer-Rules", d->rules[t],
+    const char *const hdrs[] = {"X-Fedinfer-Target", d->t[t].name, "X-Fedinfer-Policy", d->version,
+                                "X-Request-Id", id, "X-Fedinfer-Rules", d->t[t].rules,
                                 "X-Fedinfer-Labels", d->labels, "X-Fedinfer-Zone", d->zone, NULL};
     if (!done && !r->stream) {
         atomic_store(&job->cancel, 1);
@@ -1274,6 +1278,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
 done:
     if (job) edge_job_unref(&job);
     s_req_free(r);
+    if (d) edge_decision_clear(d);
     free(d);
     json_decref(root);
     return rc;

@@ -182,17 +182,22 @@ void edge_policy_reload(edge_policy *p);
  * enforces it. 0, or -1 with the reason in err. */
 int edge_policy_install(edge_policy *p, const char *buf, size_t len, char *err, size_t errlen);
 
-#define EDGE_MAX_TARGETS 16
+/* One candidate target of a decision and what the policy said of it. */
+typedef struct edge_target {
+    char name[64];
+    int permitted;
+    int64_t score;
+    char why[256];                 /* explanation, one line */
+    char rules[256];               /* deciding rule ids, comma-separated */
+} edge_target;
+
 /* A routing decision: the candidate targets and what the policy said. */
 typedef struct edge_decision {
     char version[96];              /* "7" or "none" (X-Fedinfer-Policy) */
     char digest[65];               /* policy digest hex, "" for fallback */
-    int n;                         /* candidates; [0] is always the site */
-    char names[EDGE_MAX_TARGETS][64];
-    int permitted[EDGE_MAX_TARGETS];
-    int64_t score[EDGE_MAX_TARGETS];
-    char why[EDGE_MAX_TARGETS][256];    /* explanation, one line per target */
-    char rules[EDGE_MAX_TARGETS][256];  /* deciding rule ids, comma-separated */
+    int n;                         /* candidates: the site ([0]), then every cluster of the
+                                      policy that this edge may use, however many */
+    edge_target *t;                /* n of them (edge_decision_clear frees) */
     char labels[256];              /* effective labels, comma-separated */
     const char *eff_labels[EDGE_MAX_LABELS]; /* into labels_buf */
     int n_eff_labels;
@@ -205,11 +210,13 @@ typedef struct edge_decision {
 } edge_decision;
 
 /* Decides req (origin is forced to the site) for the site and every cluster
- * of the policy. Never fails: without a valid policy only the site is
- * permitted. */
-void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, const char *model,
+ * of the policy (without a valid policy only the site is permitted). 0, or
+ * -1 when out of memory for the candidates (d then holds none). */
+int edge_policy_decide(edge_policy *p, const char *tenant, const char *app, const char *model,
                         const char *const *labels, int n_labels, int64_t prompt_tokens,
                         edge_decision *d);
+/* Frees what edge_policy_decide allocated in d. */
+void edge_decision_clear(edge_decision *d);
 /* Appends one audit record: decision "permit"/"deny"/"fallback"/"error",
  * the chosen target ("" when none), its rules. 0, or -1 (logged, counted,
  * the reason naming the log's file in err) when it could not be stored:

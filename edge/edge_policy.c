@@ -158,9 +158,15 @@ int edge_policy_install(edge_policy *p, const char *buf, size_t len, char *err, 
     return 0;
 }
 
-void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, const char *model,
-                        const char *const *labels, int n_labels, int64_t prompt_tokens,
-                        edge_decision *d) {
+void edge_decision_clear(edge_decision *d) {
+    free(d->t);
+    d->t = NULL;
+    d->n = 0;
+}
+
+int edge_policy_decide(edge_policy *p, const char *tenant, const char *app, const char *model,
+                       const char *const *labels, int n_labels, int64_t prompt_tokens,
+                       edge_decision *d) {
     memset(d, 0, sizeof *d);
     pthread_rwlock_rdlock(&p->lk);
     const fi_policy *pol = p->pol;
@@ -175,22 +181,34 @@ void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, con
         snprintf(d->version, sizeof d->version, "none");
         d->fallback = 1;
     }
-    /* Candidates: the site, then every cluster of the policy. */
-    const char *names[EDGE_MAX_TARGETS];
-    fi_target_kind kinds[EDGE_MAX_TARGETS];
-    snprintf(d->names[0], sizeof d->names[0], "%.63s", p->site);
-    names[0] = d->names[0];
+    /* Candidates: the site, then every cluster of the policy (all of them:
+     * one left out would be reported denied though nothing denied it). */
+    size_t cap = 1 + (current ? fi_policy_target_count(pol) : 0);
+    const char **names = calloc(cap, sizeof *names);
+    fi_target_kind *kinds = calloc(cap, sizeof *kinds);
+    fi_verdict *v = calloc(cap, sizeof *v);
+    d->t = calloc(cap, sizeof *d->t);
+    if (!names || !kinds || !v || !d->t) {
+        pthread_rwlock_unlock(&p->lk);
+        free(names);
+        free(kinds);
+        free(v);
+        edge_decision_clear(d);
+        return -1;
+    }
+    snprintf(d->t[0].name, sizeof d->t[0].name, "%.63s", p->site);
+    names[0] = d->t[0].name;
     kinds[0] = FI_TARGET_SITE;
     d->n = 1;
-    for (size_t i = 0; current && i < fi_policy_target_count(pol) && d->n < EDGE_MAX_TARGETS; i++) {
+    for (size_t i = 0; current && i < fi_policy_target_count(pol); i++) {
         if (fi_policy_target_kind(pol, i) != FI_TARGET_CLUSTER) continue;
         if (p->clusters[0]) {
             char pat[80];
             snprintf(pat, sizeof pat, ",%.64s,", fi_policy_target_name(pol, i));
             if (!strstr(p->clusters, pat)) continue;
         }
-        snprintf(d->names[d->n], sizeof d->names[0], "%s", fi_policy_target_name(pol, i));
-        names[d->n] = d->names[d->n];
+        snprintf(d->t[d->n].name, sizeof d->t[0].name, "%s", fi_policy_target_name(pol, i));
+        names[d->n] = d->t[d->n].name;
         kinds[d->n] = FI_TARGET_CLUSTER;
         d->n++;
     }
@@ -216,24 +234,28 @@ void edge_policy_decide(edge_policy *p, const char *tenant, const char *app, con
     rq.n_labels = (size_t)d->n_eff_labels;
     rq.latency_ms = -1;
     rq.prompt_tokens = prompt_tokens;
-    fi_verdict v[EDGE_MAX_TARGETS];
     fi_policy_decide_names(current ? pol : NULL, now, &rq, names, kinds, (size_t)d->n, v);
     for (int i = 0; i < d->n; i++) {
-        d->permitted[i] = v[i].permitted;
-        d->score[i] = v[i].score;
+        edge_target *t = &d->t[i];
+        t->permitted = v[i].permitted;
+        t->score = v[i].score;
         if (v[i].cause == FI_CAUSE_BAD_REQUEST) d->bad_labels = 1;
-        fi_verdict_explain(current ? pol : NULL, &v[i], names[i], d->why[i], sizeof d->why[i]);
+        fi_verdict_explain(current ? pol : NULL, &v[i], names[i], t->why, sizeof t->why);
         size_t rk = 0;
         unsigned nr = v[i].n_rules < FI_VERDICT_MAX_RULES ? v[i].n_rules : FI_VERDICT_MAX_RULES;
         for (unsigned r = 0; current && r < nr; r++)
-            rk += (size_t)snprintf(d->rules[i] + rk, rk < sizeof d->rules[i] ? sizeof d->rules[i] - rk : 0,
+            rk += (size_t)snprintf(t->rules + rk, rk < sizeof t->rules ? sizeof t->rules - rk : 0,
                                    "%s%s", r ? "," : "", fi_policy_rule_id(pol, v[i].rules[r]));
         if (current && !v[i].permitted && !nr && v[i].cause == FI_CAUSE_DEFAULT_DENY)
-            snprintf(d->rules[i], sizeof d->rules[i], "default deny");
+            snprintf(t->rules, sizeof t->rules, "default deny");
         if (!current && !v[i].permitted)
-            snprintf(d->rules[i], sizeof d->rules[i], "no valid policy: on-site only");
+            snprintf(t->rules, sizeof t->rules, "no valid policy: on-site only");
     }
     pthread_rwlock_unlock(&p->lk);
+    free(names);
+    free(kinds);
+    free(v);
+    return 0;
 }
 
 /* Appends r; counts and logs a failure (reason in err). */

@@ -133,9 +133,44 @@ static void test_full_cluster_keeps_it_local(void **state) {
     assert_non_null(strstr(r.head, "X-Fedinfer-Target: core1"));
 }
 
+/* A policy of many clusters: the edge weighs every one. It used to take
+ * the site and the first 15 clusters only, so a request that only the
+ * 41st may serve was answered 403 "default deny" (and audited as a
+ * denial) though the policy permits it and its worker is live. */
+static void test_every_declared_cluster_is_weighed(void **state) {
+    (void)state;
+    harness h;
+    h_worker w;
+    assert_int_equal(h_init(&h), 0);
+    assert_int_equal(h_start(&h), 0);
+    assert_int_equal(h_worker_start_cap(&h, &w, "smol", 1, 4), 0); /* cluster core1 */
+    char pol[4096];
+    int k = snprintf(pol, sizeof pol,
+                     "labels public;\ndefault_label \"public\";\n"
+                     "jurisdiction EU;\nregion eu-a in EU;\nsite clinic in eu-a;\n");
+    for (int i = 0; i < 40; i++)
+        k += snprintf(pol + k, sizeof pol - (size_t)k, "cluster c%02d in eu-a;\n", i);
+    snprintf(pol + k, sizeof pol - (size_t)k,
+             "cluster core1 in eu-a;\npermit \"only core1\" when target within \"core1\";\n");
+    uint8_t pk[32], sk[64];
+    fi_edge *e = h_edge_start(&h, "clinic", "eu-a", pol, pk, sk, "");
+    assert_non_null(e);
+    h_sleep_ms(4 * H_HB_MS); /* the clusters' load reaches the edge */
+    resp r;
+    assert_int_equal(http_post(fi_edge_port(e), NULL, "{\"model\":\"smol\",\"prompt\":\"Hi\",\"max_tokens\":2}",
+                               &r), 0);
+    if (r.status != 200 || !strstr(r.head, "X-Fedinfer-Target: core1"))
+        fail_msg("status %d: %s%s", r.status, r.head, r.body);
+    assert_non_null(strstr(r.head, "X-Fedinfer-Rules: only core1"));
+    fi_edge_destroy(&e);
+    h_worker_stop(&w);
+    h_stop(&h);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_full_cluster_keeps_it_local),
+        cmocka_unit_test_setup_teardown(test_full_cluster_keeps_it_local, setup, teardown),
+        cmocka_unit_test(test_every_declared_cluster_is_weighed),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, NULL, NULL);
 }
