@@ -102,6 +102,9 @@ typedef struct fi_sched_stats {
     int blocks_total;
     int blocks_free;          /* unused, including evictable cached ones */
     int blocks_cached;        /* registered in the prefix cache */
+    int prefix_slots;         /* the prefix table's slots (at least 2 x blocks_total) */
+    int prefix_slots_used;    /* of those, not empty (= blocks_cached): a lookup that
+                                 misses probes a run of these */
     uint64_t steps;           /* forward passes */
     uint64_t prompt_tokens;   /* prompt tokens of admitted sequences */
     uint64_t prefix_hit_tokens; /* of those, taken from the prefix cache */

@@ -82,8 +82,9 @@ struct fi_sched {
     int32_t *free_stack;
     int n_free;
     int lru_head, lru_tail, n_lru;
-    int32_t *table;          /* prefix table: block ids, -1 empty, -2 deleted */
+    int32_t *table;          /* prefix table: block ids, -1 empty (linear probing) */
     size_t table_cap;        /* a power of two */
+    int table_used;          /* slots not empty */
     int n_cached;
     /* sequences */
     s_seq *queue;            /* waiting, in order (preempted ones first) */
@@ -227,7 +228,6 @@ static int s_lookup(const fi_sched *s, const uint8_t h[S_HASH], const uint8_t pa
     for (size_t i = s_slot0(s, h), n = 0; n < s->table_cap; i = (i + 1) & (s->table_cap - 1), n++) {
         int32_t b = s->table[i];
         if (b == -1) return -1;
-        if (b < 0) continue;
         const s_block *k = &s->blk[b];
         if (!memcmp(k->hash, h, S_HASH) && !memcmp(k->parent, parent, S_HASH) &&
             !memcmp(k->toks, toks, sizeof k->toks))
@@ -236,21 +236,36 @@ static int s_lookup(const fi_sched *s, const uint8_t h[S_HASH], const uint8_t pa
     return -1;
 }
 
+/* Deletion shifts the later entries of the probe run back into the hole
+ * (no "deleted" marks: with them every slot ends up marked after enough
+ * churn, and each lookup that misses, the common case, then probes the
+ * whole table). An entry at j may move to the hole at i only if its home
+ * slot is not in (i, j]. */
 static void s_table_remove(fi_sched *s, int b) {
-    for (size_t i = s_slot0(s, s->blk[b].hash), n = 0; n < s->table_cap;
-         i = (i + 1) & (s->table_cap - 1), n++) {
+    const size_t mask = s->table_cap - 1;
+    size_t i = s_slot0(s, s->blk[b].hash);
+    while (s->table[i] != b) {
         if (s->table[i] == -1) return;
-        if (s->table[i] == b) {
-            s->table[i] = -2;
-            return;
+        i = (i + 1) & mask;
+    }
+    for (size_t j = i;;) {
+        j = (j + 1) & mask;
+        if (s->table[j] == -1) break;
+        size_t home = s_slot0(s, s->blk[s->table[j]].hash);
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            s->table[i] = s->table[j];
+            i = j;
         }
     }
+    s->table[i] = -1;
+    s->table_used--;
 }
 
 static void s_table_insert(fi_sched *s, int b) {
     size_t i = s_slot0(s, s->blk[b].hash);
-    while (s->table[i] >= 0) i = (i + 1) & (s->table_cap - 1);
+    while (s->table[i] != -1) i = (i + 1) & (s->table_cap - 1);
     s->table[i] = b;
+    s->table_used++;
 }
 
 /* Blocks an allocation can get: free ones and cached ones nobody uses. */
@@ -299,7 +314,9 @@ static void s_seq_free(s_seq *q) {
 }
 
 static void s_seq_release_blocks(fi_sched *s, s_seq *q) {
-    for (int i = 0; i < q->n_blocks; i++) s_release_block(s, q->table[i]);
+    /* last block first: a chain's later blocks reach the LRU's head, and are
+     * evicted, before its first, without which none of them is found */
+    for (int i = q->n_blocks - 1; i >= 0; i--) s_release_block(s, q->table[i]);
     q->n_blocks = 0;
     q->n_done = 0;
     q->decoding = 0; /* what it had is computed again, as prompt */
@@ -488,6 +505,8 @@ void fi_sched_get_stats(const fi_sched *s, fi_sched_stats *st) {
     st->blocks_total = s->n_blk;
     st->blocks_free = s_available(s);
     st->blocks_cached = s->n_cached;
+    st->prefix_slots = (int)s->table_cap;
+    st->prefix_slots_used = s->table_used;
 }
 
 /* --- submission ------------------------------------------------------- */

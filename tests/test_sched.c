@@ -539,6 +539,74 @@ static void test_router_expects_what_is_reused(void **state) {
     fi_model_destroy(&m);
 }
 
+/* Eviction under memory pressure takes a cached chain's last blocks first:
+ * its first block is what every lookup starts from, so evicting it (as
+ * when blocks were released first to last) loses the whole chain though
+ * most of it is still cached. A pool of 8 blocks: a 97-token prompt caches
+ * 6, an unrelated 33-token one needs 3 (one eviction), and the first
+ * prompt again still finds its first 5 blocks. */
+static void test_eviction_keeps_chains(void **state) {
+    (void)state;
+    fi_model *m = s_model(128);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    fi_sched_opts so = {.kv_bytes = 8 * fi_kv_block_bytes(m), .max_seqs = 1, .n_ctx = 128};
+    fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(s);
+    int32_t a[97], x[33];
+    s_tokens(a, 97, V, 41);
+    s_tokens(x, 33, V, 42);
+    fi_capture o1 = {0}, o2 = {0}, o3 = {0};
+    fi_sched_stats st0, st1, st2;
+    s_submit(s, a, 97, 1, &o1, "t", "z");
+    s_run(s);
+    fi_sched_get_stats(s, &st0);
+    assert_int_equal(st0.blocks_cached, 6);
+    s_submit(s, x, 33, 1, &o2, "t", "z");
+    s_run(s);
+    fi_sched_get_stats(s, &st1);
+    assert_int_equal(st1.evictions - st0.evictions, 1);
+    s_submit(s, a, 97, 1, &o3, "t", "z");
+    s_run(s);
+    fi_sched_get_stats(s, &st2);
+    if (st2.prefix_hit_tokens - st1.prefix_hit_tokens != 5 * FI_KV_BLOCK)
+        fail_msg("after one eviction the prompt found %llu cached tokens, not the %d of its 5 blocks left",
+                 (unsigned long long)(st2.prefix_hit_tokens - st1.prefix_hit_tokens), 5 * FI_KV_BLOCK);
+    s_same(&o3, &o1, "after an eviction", 0);
+    fi_sched_destroy(&s);
+    fi_model_destroy(&m);
+}
+
+/* The prefix table after churn: 300 distinct prompts through a pool of 8
+ * blocks (every one evicting others) leave no slot taken but by a cached
+ * block. With "deleted" marks every slot ended up marked, and each lookup
+ * that missed then probed the whole table. */
+static void test_prefix_table_churn(void **state) {
+    (void)state;
+    fi_model *m = s_model(64);
+    int V = fi_model_config(m)->n_vocab;
+    char err[256];
+    fi_sched_opts so = {.kv_bytes = 8 * fi_kv_block_bytes(m), .max_seqs = 2, .n_ctx = 64};
+    fi_sched *s = fi_sched_new(m, &so, err, sizeof err);
+    assert_non_null(s);
+    fi_sched_stats st;
+    for (int i = 0; i < 300; i++) {
+        int32_t p[40];
+        s_tokens(p, 40, V, 1000 + (uint32_t)i);
+        fi_capture o = {0};
+        s_submit(s, p, 40, 1, &o, "t", "z");
+        s_run(s);
+        fi_sched_get_stats(s, &st);
+        if (st.prefix_slots_used != st.blocks_cached)
+            fail_msg("after prompt %d: %d of the %d slots taken for %d cached blocks", i,
+                     st.prefix_slots_used, st.prefix_slots, st.blocks_cached);
+    }
+    assert_true(st.evictions > 200);
+    assert_true(st.prefix_slots >= 2 * st.blocks_total);
+    fi_sched_destroy(&s);
+    fi_model_destroy(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batched_equals_single),
@@ -550,6 +618,8 @@ int main(void) {
         cmocka_unit_test(test_resubmit_from_on_done),
         cmocka_unit_test(test_counters_and_small_pool),
         cmocka_unit_test(test_router_expects_what_is_reused),
+        cmocka_unit_test(test_eviction_keeps_chains),
+        cmocka_unit_test(test_prefix_table_churn),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
