@@ -156,8 +156,7 @@ static void s_submit(s_lead *L, const Fi__InferRequest *rq) {
     memset(&r, 0, sizeof r);
     r.prompt = ids;
     r.n_prompt = n;
-    int cap = L->rc->max_tokens;
-    r.gen.max_tokens = rq->max_tokens && (int)rq->max_tokens < cap ? (int)rq->max_tokens : cap;
+    r.gen.max_tokens = fi_shard_max_tokens(rq->max_tokens, L->rc->max_tokens);
     r.gen.sampling = fi_shard_sampling(rq);
     r.gen.stop = (const char *const *)rq->stop;
     r.gen.n_stop = rq->n_stop < 4 ? (int)rq->n_stop : 4;

@@ -171,6 +171,13 @@ fi_sampler_params fi_shard_sampling(const Fi__InferRequest *rq);
 int32_t *fi_shard_prompt_tokens(const fi_tok *tok, const Fi__InferRequest *rq, int *n, char *err,
                                 size_t errlen);
 
+/* The tokens a request may generate: the max_tokens it asked for on the
+ * wire (0: not given), at most cap. Compared unsigned: a value of 2^31 or
+ * more is capped like any other too large, not cast to a negative int. */
+static inline int fi_shard_max_tokens(uint32_t asked, int cap) {
+    return asked && asked < (uint32_t)cap ? (int)asked : cap;
+}
+
 #ifdef __cplusplus
 }
 #endif

@@ -183,8 +183,7 @@ static int s_generate(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn em
     if (!(s = fi_session_new(en->model, en->n_ctx, err, errlen))) goto done;
     fi_gen_opts o;
     memset(&o, 0, sizeof o);
-    o.max_tokens = rq->max_tokens && (int)rq->max_tokens < en->max_tokens ? (int)rq->max_tokens
-                                                                          : en->max_tokens;
+    o.max_tokens = fi_shard_max_tokens(rq->max_tokens, en->max_tokens);
     o.sampling = fi_shard_sampling(rq);
     o.stop = (const char *const *)rq->stop;
     o.n_stop = rq->n_stop < 4 ? (int)rq->n_stop : 4;
@@ -223,9 +222,7 @@ static int64_t s_submit(void *ctx, const Fi__InferRequest *rq, const fi_shard_si
     memset(&r, 0, sizeof r);
     r.prompt = ids;
     r.n_prompt = n;
-    r.gen.max_tokens = rq->max_tokens && (int)rq->max_tokens < en->max_tokens
-                           ? (int)rq->max_tokens
-                           : en->max_tokens;
+    r.gen.max_tokens = fi_shard_max_tokens(rq->max_tokens, en->max_tokens);
     r.gen.sampling = fi_shard_sampling(rq);
     r.gen.stop = (const char *const *)rq->stop;
     r.gen.n_stop = rq->n_stop < 4 ? (int)rq->n_stop : 4;

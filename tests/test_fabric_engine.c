@@ -517,6 +517,52 @@ static void test_engine_down_through_fabric(void **state) {
     rmdir(dir);
 }
 
+/* A routed request's max_tokens is a uint32 on the wire: any value above
+ * the worker's cap is capped, 2^31 and more too (they were cast to a
+ * negative int, passed the cap and were refused "max_tokens must be >=
+ * 0"). Through the engine backend itself (n_ctx 64, cap 4). */
+static int s_mt_emit(void *u, const char *t, size_t n) {
+    (void)u, (void)t, (void)n;
+    return 0;
+}
+static void s_mt_done(void *u, const fi_gen_result *r, const char *e) {
+    int *got = u;
+    *got = e && e[0] ? -1 : r->n_generated;
+}
+static void test_max_tokens_from_wire(void **state) {
+    (void)state;
+    if (access(FI_TEST_MODEL, R_OK) != 0) {
+        print_message("skipped: model %s not found\n", FI_TEST_MODEL);
+        skip();
+    }
+    fi_shard_conf conf;
+    fi_shard_conf_default(&conf);
+    snprintf(conf.model, sizeof conf.model, "%s", FI_TEST_MODEL);
+    conf.n_ctx = 64;
+    conf.max_tokens = 4;
+    conf.threads = 1;
+    fi_shard_backend be;
+    char err[512];
+    if (fi_shard_engine_backend(&conf, &be, err, sizeof err) != 0) fail_msg("engine: %s", err);
+    static const uint32_t asked[] = {2, 5, 2000000000u, 2147483648u, 4294967295u};
+    static const int want[] = {2, 4, 4, 4, 4};
+    for (int i = 0; i < 5; i++) {
+        Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+        rq.request_id = (char *)"mt";
+        rq.model = (char *)"smollm2";
+        rq.prompt = (char *)"1, 2, 3,";
+        rq.raw = 1;
+        rq.max_tokens = asked[i];
+        int got = -2;
+        fi_shard_sink sink = {s_mt_emit, s_mt_done, &got};
+        if (be.submit(be.ctx, &rq, &sink, err, sizeof err) < 0)
+            fail_msg("max_tokens %u refused: %s", asked[i], err);
+        while (be.step(be.ctx, err, sizeof err) > 0) {}
+        if (got != want[i]) fail_msg("max_tokens %u: %d generated, not %d", asked[i], got, want[i]);
+    }
+    be.destroy(be.ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampling_from_wire),
@@ -524,6 +570,7 @@ int main(void) {
         cmocka_unit_test(test_engine_backend_failure),
         cmocka_unit_test(test_engine_down),
         cmocka_unit_test(test_engine_down_through_fabric),
+        cmocka_unit_test(test_max_tokens_from_wire),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
