@@ -308,6 +308,7 @@ typedef struct s_sinkbuf {
     char text[512];
     size_t len;
     int done;
+    int n_generated;
     char error[512];
 } s_sinkbuf;
 
@@ -322,21 +323,21 @@ static int s_sink_emit(void *user, const char *t, size_t n) {
 }
 
 static void s_sink_done(void *user, const fi_gen_result *res, const char *error) {
-    (void)res;
     s_sinkbuf *b = user;
     b->done = 1;
+    b->n_generated = res ? res->n_generated : 0;
     snprintf(b->error, sizeof b->error, "%s", error ? error : "");
 }
 
 /* One greedy request through the engine's batched calls, as the serving
- * thread makes them: 0 with its text, or -1 (err: why it was refused or
- * why its step failed). */
-static int s_one(fi_shard_backend *be, s_sinkbuf *b, char *err, size_t errlen) {
+ * thread makes them, asking for max_tokens: 0 with its text, or -1 (err:
+ * why it was refused or why its step failed). */
+static int s_one_max(fi_shard_backend *be, uint32_t max_tokens, s_sinkbuf *b, char *err, size_t errlen) {
     Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
     rq.request_id = (char *)"f1";
     rq.model = (char *)"smollm2";
     rq.prompt = (char *)"Name a planet.";
-    rq.max_tokens = 8;
+    rq.max_tokens = max_tokens;
     memset(b, 0, sizeof *b);
     fi_shard_sink sink = {.emit = s_sink_emit, .done = s_sink_done, .user = b};
     if (be->submit(be->ctx, &rq, &sink, err, errlen) < 0) return -1;
@@ -344,6 +345,10 @@ static int s_one(fi_shard_backend *be, s_sinkbuf *b, char *err, size_t errlen) {
     while (pending > 0)
         if ((pending = be->step(be->ctx, err, errlen)) < 0) return -1;
     return b->done && !b->error[0] ? 0 : -1;
+}
+
+static int s_one(fi_shard_backend *be, s_sinkbuf *b, char *err, size_t errlen) {
+    return s_one_max(be, 8, b, err, errlen);
 }
 
 /* The worker's backend fails for good, as a GPU's can: the request in
@@ -520,15 +525,7 @@ static void test_engine_down_through_fabric(void **state) {
 /* A routed request's max_tokens is a uint32 on the wire: any value above
  * the worker's cap is capped, 2^31 and more too (they were cast to a
  * negative int, passed the cap and were refused "max_tokens must be >=
- * 0"). Through the engine backend itself (n_ctx 64, cap 4). */
-static int s_mt_emit(void *u, const char *t, size_t n) {
-    (void)u, (void)t, (void)n;
-    return 0;
-}
-static void s_mt_done(void *u, const fi_gen_result *r, const char *e) {
-    int *got = u;
-    *got = e && e[0] ? -1 : r->n_generated;
-}
+ * 0"). Through the engine backend itself, its cap 4. */
 static void test_max_tokens_from_wire(void **state) {
     (void)state;
     if (access(FI_TEST_MODEL, R_OK) != 0) {
@@ -547,18 +544,11 @@ static void test_max_tokens_from_wire(void **state) {
     static const uint32_t asked[] = {2, 5, 2000000000u, 2147483648u, 4294967295u};
     static const int want[] = {2, 4, 4, 4, 4};
     for (int i = 0; i < 5; i++) {
-        Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
-        rq.request_id = (char *)"mt";
-        rq.model = (char *)"smollm2";
-        rq.prompt = (char *)"1, 2, 3,";
-        rq.raw = 1;
-        rq.max_tokens = asked[i];
-        int got = -2;
-        fi_shard_sink sink = {s_mt_emit, s_mt_done, &got};
-        if (be.submit(be.ctx, &rq, &sink, err, sizeof err) < 0)
-            fail_msg("max_tokens %u refused: %s", asked[i], err);
-        while (be.step(be.ctx, err, sizeof err) > 0) {}
-        if (got != want[i]) fail_msg("max_tokens %u: %d generated, not %d", asked[i], got, want[i]);
+        s_sinkbuf b;
+        if (s_one_max(&be, asked[i], &b, err, sizeof err) != 0)
+            fail_msg("max_tokens %u refused: %s%s", asked[i], err, b.error);
+        if (b.n_generated != want[i])
+            fail_msg("max_tokens %u: %d generated, not %d", asked[i], b.n_generated, want[i]);
     }
     be.destroy(be.ctx);
 }
