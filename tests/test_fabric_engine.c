@@ -351,21 +351,27 @@ static int s_one(fi_shard_backend *be, s_sinkbuf *b, char *err, size_t errlen) {
     return s_one_max(be, 8, b, err, errlen);
 }
 
+/* The engine's configuration for the default model (one thread); the
+ * test is skipped without the model. */
+static void s_engine_conf(fi_shard_conf *conf, int n_ctx, int max_tokens) {
+    if (access(FI_TEST_MODEL, R_OK) != 0) {
+        print_message("skipped: model %s not found\n", FI_TEST_MODEL);
+        skip();
+    }
+    fi_shard_conf_default(conf);
+    snprintf(conf->model, sizeof conf->model, "%s", FI_TEST_MODEL);
+    conf->n_ctx = n_ctx;
+    conf->max_tokens = max_tokens;
+    conf->threads = 1;
+}
+
 /* The worker's backend fails for good, as a GPU's can: the request in
  * that step ends with the backend's message, the engine takes a new
  * backend at once, and the next request gets the answer the first got. */
 static void test_engine_backend_failure(void **state) {
     (void)state;
-    if (access(FI_TEST_MODEL, R_OK) != 0) {
-        print_message("SKIPPED: model %s not found\n", FI_TEST_MODEL);
-        skip();
-    }
     fi_shard_conf conf;
-    fi_shard_conf_default(&conf);
-    snprintf(conf.model, sizeof conf.model, "%s", FI_TEST_MODEL);
-    conf.n_ctx = 256;
-    conf.max_tokens = 16;
-    conf.threads = 1;
+    s_engine_conf(&conf, 256, 16);
     char err[512];
     fi_shard_backend be;
     assert_int_equal(fi_shard_engine_backend(&conf, &be, err, sizeof err), 0);
@@ -395,20 +401,13 @@ static void test_engine_backend_failure(void **state) {
  * is skipped without the model. */
 static void s_pinned_conf(char *dir, char *model, size_t mlen, fi_shard_conf *conf) {
     char pin[65];
-    if (access(FI_TEST_MODEL, R_OK) != 0) {
-        print_message("skipped: model %s not found\n", FI_TEST_MODEL);
-        skip();
-    }
+    s_engine_conf(conf, 256, 16);
     snprintf(dir, 64, "/tmp/test_fabric_engine.XXXXXX");
     assert_non_null(mkdtemp(dir));
     snprintf(model, mlen, "%s/model.gguf", dir);
     assert_int_equal(model_copy(FI_TEST_MODEL, model, pin), 0);
-    fi_shard_conf_default(conf);
     snprintf(conf->model, sizeof conf->model, "%s", model);
     snprintf(conf->model_sha256, sizeof conf->model_sha256, "%s", pin);
-    conf->n_ctx = 256;
-    conf->max_tokens = 16;
-    conf->threads = 1;
 }
 
 /* A failure while the model file no longer matches the deployment's pin
@@ -528,16 +527,8 @@ static void test_engine_down_through_fabric(void **state) {
  * 0"). Through the engine backend itself, its cap 4. */
 static void test_max_tokens_from_wire(void **state) {
     (void)state;
-    if (access(FI_TEST_MODEL, R_OK) != 0) {
-        print_message("skipped: model %s not found\n", FI_TEST_MODEL);
-        skip();
-    }
     fi_shard_conf conf;
-    fi_shard_conf_default(&conf);
-    snprintf(conf.model, sizeof conf.model, "%s", FI_TEST_MODEL);
-    conf.n_ctx = 64;
-    conf.max_tokens = 4;
-    conf.threads = 1;
+    s_engine_conf(&conf, 64, 4);
     fi_shard_backend be;
     char err[512];
     if (fi_shard_engine_backend(&conf, &be, err, sizeof err) != 0) fail_msg("engine: %s", err);
