@@ -42,7 +42,8 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
     if (!(e->policy = edge_policy_new(c->policy_dir, c->policy_key, c->db, c->site, c->clusters, err,
                                      errlen)))
         goto fail;
-    if (c->auth && !(e->tokens = edge_auth_open(c->db, err, errlen))) goto fail;
+    /* c->db: edge_policy_new has just checked the file */
+    if (c->auth && !(e->tokens = edge_auth_open(c->db, 0, err, errlen))) goto fail;
     if (c->coordinator[0] && edge_remote_new(e, &e->remote, err, errlen) != 0) goto fail;
     if (edge_http_start(e, err, errlen) != 0) goto fail;
     /* the backend the load landed on: a GPU when one is visible (a

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "edge_impl.h"
+#include "fi_db.h"
 #include "fi_wire.h"
 
 typedef struct s_auth {
@@ -24,7 +25,6 @@ typedef struct s_auth {
 } s_auth;
 
 static const char *s_schema =
-    "PRAGMA busy_timeout=5000;"
     "CREATE TABLE IF NOT EXISTS edge_tokens(hash TEXT PRIMARY KEY, tenant TEXT NOT NULL,"
     " application TEXT NOT NULL, created INTEGER NOT NULL, revoked INTEGER);";
 
@@ -34,21 +34,29 @@ void edge_token_hash(const char *token, char out[65]) {
     sodium_bin2hex(out, 65, h, sizeof h);
 }
 
-void *edge_auth_open(const char *db, char *err, size_t errlen) {
+void *edge_auth_open(const char *db, int check, char *err, size_t errlen) {
     s_auth *a = calloc(1, sizeof *a);
     if (!a) {
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
-    if (sqlite3_open(db, &a->db) != SQLITE_OK ||
-        sqlite3_exec(a->db, s_schema, NULL, NULL, NULL) != SQLITE_OK) {
-        snprintf(err, errlen, "%s: %s", db, a->db ? sqlite3_errmsg(a->db) : "cannot open");
-        sqlite3_close(a->db);
-        free(a);
-        return NULL;
+    int rc = sqlite3_open(db, &a->db);
+    if (rc == SQLITE_OK) rc = sqlite3_busy_timeout(a->db, 5000);
+    if (rc == SQLITE_OK) {
+        if (check && fi_db_check(a->db, db, err, errlen) != 0) goto fail; /* damaged, or locked: err says */
+        rc = sqlite3_exec(a->db, s_schema, NULL, NULL, NULL);
+    }
+    if (rc != SQLITE_OK) {
+        const char *why = a->db ? sqlite3_errmsg(a->db) : "cannot open";
+        if (!fi_db_damaged(rc, db, why, err, errlen)) snprintf(err, errlen, "%s: %s", db, why);
+        goto fail;
     }
     pthread_mutex_init(&a->mu, NULL);
     return a;
+fail:
+    sqlite3_close(a->db);
+    free(a);
+    return NULL;
 }
 
 void edge_auth_close(void **ap) {
@@ -87,7 +95,7 @@ int edge_auth_check(void *ap, const char *token, char *tenant, size_t tlen, char
 
 int edge_token_add(const char *db, const char *tenant, const char *app, char *token, size_t toklen,
                    char *err, size_t errlen) {
-    void *ap = edge_auth_open(db, err, errlen);
+    void *ap = edge_auth_open(db, 1, err, errlen);
     if (!ap) return -1;
     s_auth *a = ap;
     unsigned char rnd[20];
@@ -121,7 +129,7 @@ int edge_token_add(const char *db, const char *tenant, const char *app, char *to
 }
 
 int edge_token_revoke(const char *db, const char *token_or_hash, char *err, size_t errlen) {
-    void *ap = edge_auth_open(db, err, errlen);
+    void *ap = edge_auth_open(db, 1, err, errlen);
     if (!ap) return -1;
     s_auth *a = ap;
     char hash[65];
@@ -145,7 +153,7 @@ int edge_token_revoke(const char *db, const char *token_or_hash, char *err, size
 int edge_token_sync(const char *db, const Fi__AppTokenSync *sy, int *added, int *revoked,
                     char *err, size_t errlen) {
     *added = *revoked = 0;
-    void *ap = edge_auth_open(db, err, errlen);
+    void *ap = edge_auth_open(db, 0, err, errlen); /* while serving: checked at start */
     if (!ap) return -1;
     s_auth *a = ap;
     int rc = sqlite3_exec(a->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) == SQLITE_OK ? 0 : -1;

@@ -344,8 +344,12 @@ struct fi_client_opts;
 int edge_remote_client_opts(const fi_edge_conf *c, struct fi_client_opts *o, char *err,
                             size_t errlen);
 
-/* Bearer tokens (edge_auth.c), stored hashed in the edge's SQLite. */
-void *edge_auth_open(const char *db, char *err, size_t errlen);
+/* Bearer tokens (edge_auth.c), stored hashed in the edge's SQLite. With
+ * check, the whole file is checked first (fi_db_check: a damaged one is
+ * refused, naming it): at the start of a command; not for a file the
+ * process checked already (the edge's own, by edge_policy_new) or while
+ * serving. NULL with a message. */
+void *edge_auth_open(const char *db, int check, char *err, size_t errlen);
 void edge_auth_close(void **a);
 /* 1 with tenant and app filled when token is valid, else 0. */
 int edge_auth_check(void *a, const char *token, char *tenant, size_t tlen, char *app, size_t alen);

@@ -27,6 +27,7 @@
 #include "edge_impl.h"
 #include "fi_audit.h"
 #include "fi_bundle.h"
+#include "fi_db.h"
 
 struct edge_policy {
     char dir[FI_CONF_STR_MAX];       /* held bundle ("" : none configured) */
@@ -107,15 +108,21 @@ edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db
         if (fi_bundle_pub_load(pubkey, p->trusted[0], err, errlen) != 0) goto fail;
         p->have_key = 1;
     }
+    /* the audit log checks the whole file (fi_db_check): a damaged page
+     * anywhere stops the edge here, not at the request whose record meets
+     * it; the second connection to the same file needs no second check */
     if (!(p->audit = fi_audit_open(db, err, errlen))) goto fail;
-    if (sqlite3_open(db, &p->db) != SQLITE_OK ||
-        sqlite3_exec(p->db,
-                     "PRAGMA busy_timeout=5000;"
-                     "CREATE TABLE IF NOT EXISTS edge_upload(id INTEGER PRIMARY KEY CHECK(id=1),"
-                     " seq INTEGER NOT NULL);"
-                     "INSERT OR IGNORE INTO edge_upload(id, seq) VALUES(1, 0);",
-                     NULL, NULL, NULL) != SQLITE_OK) {
-        snprintf(err, errlen, "%s: %s", db, p->db ? sqlite3_errmsg(p->db) : "cannot open");
+    int rc = sqlite3_open(db, &p->db);
+    if (rc == SQLITE_OK)
+        rc = sqlite3_exec(p->db,
+                          "PRAGMA busy_timeout=5000;"
+                          "CREATE TABLE IF NOT EXISTS edge_upload(id INTEGER PRIMARY KEY CHECK(id=1),"
+                          " seq INTEGER NOT NULL);"
+                          "INSERT OR IGNORE INTO edge_upload(id, seq) VALUES(1, 0);",
+                          NULL, NULL, NULL);
+    if (rc != SQLITE_OK) {
+        const char *why = p->db ? sqlite3_errmsg(p->db) : "cannot open";
+        if (!fi_db_damaged(rc, db, why, err, errlen)) snprintf(err, errlen, "%s: %s", db, why);
         goto fail;
     }
     edge_policy_reload(p);

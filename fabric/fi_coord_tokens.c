@@ -10,6 +10,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "fi_db.h"
+
 #define S_MAX_LIST 2048 /* tokens in one list reply, at most (the newest; it must fit
                            FI_WIRE_MAX_MSG: about 330 bytes a token at most) */
 #define S_SYNC_PAGE 1024 /* tokens in one AppTokenSync; a site's whole set goes in pages */
@@ -24,18 +26,25 @@ fi_apptok *fi_apptok_open(const char *db, char *err, size_t errlen) {
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
-    if (sqlite3_open(db, &t->db) != SQLITE_OK ||
-        sqlite3_exec(t->db,
-                     "PRAGMA busy_timeout=5000;"
-                     "CREATE TABLE IF NOT EXISTS app_tokens(hash TEXT PRIMARY KEY, site TEXT NOT NULL,"
-                     " tenant TEXT NOT NULL, application TEXT NOT NULL, created INTEGER NOT NULL,"
-                     " revoked INTEGER NOT NULL DEFAULT 0, author TEXT NOT NULL);",
-                     NULL, NULL, NULL) != SQLITE_OK) {
-        snprintf(err, errlen, "%s: app_tokens: %s", db, t->db ? sqlite3_errmsg(t->db) : "cannot open");
-        fi_apptok_destroy(&t);
-        return NULL;
+    int rc = sqlite3_open(db, &t->db);
+    if (rc == SQLITE_OK) rc = sqlite3_busy_timeout(t->db, 5000);
+    if (rc == SQLITE_OK) {
+        if (fi_db_check(t->db, db, err, errlen) != 0) goto fail; /* damaged, or locked: err says */
+        rc = sqlite3_exec(t->db,
+                          "CREATE TABLE IF NOT EXISTS app_tokens(hash TEXT PRIMARY KEY, site TEXT NOT NULL,"
+                          " tenant TEXT NOT NULL, application TEXT NOT NULL, created INTEGER NOT NULL,"
+                          " revoked INTEGER NOT NULL DEFAULT 0, author TEXT NOT NULL);",
+                          NULL, NULL, NULL);
+    }
+    if (rc != SQLITE_OK) {
+        const char *why = t->db ? sqlite3_errmsg(t->db) : "cannot open";
+        if (!fi_db_damaged(rc, db, why, err, errlen)) snprintf(err, errlen, "%s: app_tokens: %s", db, why);
+        goto fail;
     }
     return t;
+fail:
+    fi_apptok_destroy(&t);
+    return NULL;
 }
 
 void fi_apptok_busy_timeout(fi_apptok *t, int ms) { sqlite3_busy_timeout(t->db, ms); }

@@ -25,7 +25,7 @@ extern "C" {
 typedef struct fi_apptok fi_apptok;
 
 /* Opens (creating the table) on the coordinator's database file. NULL with
- * a message. */
+ * a message; a damaged file among the refusals (fi_db_check). */
 fi_apptok *fi_apptok_open(const char *db, char *err, size_t errlen);
 void fi_apptok_destroy(fi_apptok **t);
 /* How long a write waits for another process's lock before it fails

@@ -10,6 +10,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "fi_db.h"
+
 struct fi_store {
     sqlite3 *db; /* the open database */
 };
@@ -37,17 +39,21 @@ fi_store *fi_store_open(const char *path, char *err, size_t errlen) {
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
-    if (sqlite3_open_v2(path, &st->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL) !=
-        SQLITE_OK) {
-        snprintf(err, errlen, "%s: %s", path, st->db ? sqlite3_errmsg(st->db) : "cannot open");
+    int rc = sqlite3_open_v2(path, &st->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL);
+    if (rc != SQLITE_OK) {
+        const char *why = st->db ? sqlite3_errmsg(st->db) : "cannot open";
+        if (!fi_db_damaged(rc, path, why, err, errlen)) snprintf(err, errlen, "%s: %s", path, why);
         goto fail;
     }
     sqlite3_busy_timeout(st->db, 5000);
+    /* damage anywhere in the file: refused now, not when a request meets it */
+    if (fi_db_check(st->db, path, err, errlen) != 0) goto fail;
     char *msg = NULL;
-    if (sqlite3_exec(st->db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
-                             "PRAGMA foreign_keys=ON;", NULL, NULL, &msg) != SQLITE_OK ||
-        sqlite3_exec(st->db, s_schema, NULL, NULL, &msg) != SQLITE_OK) {
-        snprintf(err, errlen, "%s: %s", path, msg ? msg : "schema failed");
+    if ((rc = sqlite3_exec(st->db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
+                                   "PRAGMA foreign_keys=ON;", NULL, NULL, &msg)) != SQLITE_OK ||
+        (rc = sqlite3_exec(st->db, s_schema, NULL, NULL, &msg)) != SQLITE_OK) {
+        const char *why = msg ? msg : "schema failed";
+        if (!fi_db_damaged(rc, path, why, err, errlen)) snprintf(err, errlen, "%s: %s", path, why);
         sqlite3_free(msg);
         goto fail;
     }

@@ -36,7 +36,8 @@ typedef struct fi_peer_rec {
 } fi_peer_rec;
 
 /* Opens (creating when absent) the database at path. NULL with a message
- * in err on failure. */
+ * in err on failure; a damaged file among the refusals (fi_db_check: the
+ * whole file is checked first). */
 fi_store *fi_store_open(const char *path, char *err, size_t errlen);
 void fi_store_destroy(fi_store **st);
 /* How long a write waits for another process's lock before it fails

@@ -54,11 +54,14 @@ typedef struct fi_audit_record {
  * JSON errors with it too. */
 void fi_text_clean(char *s);
 
-/* Opens (creating if needed) the log at path. NULL with a message in err. */
+/* Opens (creating if needed) the log at path. NULL with a message in err;
+ * a damaged file among the refusals (fi_db_check: the whole file is
+ * checked first). */
 fi_audit *fi_audit_open(const char *path, char *err, size_t cap) FI_WUR;
 /* Opens the existing log at path for reading only (verify, query): never
- * creates or changes the file. A missing file, or one without an audit
- * table, is refused naming it. Appends on it fail. NULL with a message. */
+ * creates or changes the file. A missing file, one without an audit
+ * table, or a damaged one (fi_db_check) is refused naming it. Appends on
+ * it fail. NULL with a message. */
 fi_audit *fi_audit_open_readonly(const char *path, char *err, size_t cap) FI_WUR;
 void fi_audit_destroy(fi_audit **self_p);
 /* How long a write waits for another connection's lock before it fails

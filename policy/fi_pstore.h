@@ -39,7 +39,8 @@ typedef struct fi_pstore_version {
 } fi_pstore_version;
 
 /* Opens (creating if needed) the store at path. Owned result, or NULL with
- * a message in err. */
+ * a message in err; a damaged file among the refusals (fi_db_check: the
+ * whole file is checked first). */
 fi_pstore *fi_pstore_open(const char *path, char *err, size_t cap) FI_WUR;
 void fi_pstore_destroy(fi_pstore **self_p);
 /* How long a write waits for another process's lock before it fails

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include "fi_audit.h"
+#include "fi_db.h"
 
 struct fi_audit {
     sqlite3 *db; /* the open database */
@@ -58,19 +59,28 @@ fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
     fi_audit *a = s_new(err, cap);
     if (!a) return NULL;
     char *msg = NULL;
-    if (sqlite3_open_v2(path, &a->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL) != SQLITE_OK ||
-        sqlite3_busy_timeout(a->db, 5000) != SQLITE_OK || sqlite3_exec(a->db, s_schema, NULL, NULL, &msg) != SQLITE_OK) {
-        snprintf(err, cap, "cannot open audit log %s: %s", path, msg ? msg : sqlite3_errmsg(a->db));
+    int rc = sqlite3_open_v2(path, &a->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL);
+    if (rc == SQLITE_OK) rc = sqlite3_busy_timeout(a->db, 5000);
+    if (rc == SQLITE_OK) {
+        if (fi_db_check(a->db, path, err, cap) != 0) goto fail; /* damaged, or locked: err says */
+        rc = sqlite3_exec(a->db, s_schema, NULL, NULL, &msg);
+    }
+    if (rc != SQLITE_OK) {
+        const char *why = msg ? msg : a->db ? sqlite3_errmsg(a->db) : "out of memory";
+        if (!fi_db_damaged(rc, path, why, err, cap)) snprintf(err, cap, "cannot open audit log %s: %s", path, why);
         sqlite3_free(msg);
-        fi_audit_destroy(&a);
-        return NULL;
+        goto fail;
     }
     return a;
+fail:
+    fi_audit_destroy(&a);
+    return NULL;
 }
 
 /* Opens path read-only as a URI with the given parameters (path's %, ?
- * and # escaped) and checks that it holds an audit log. 0, 1 when it
- * could not be read at all (SQLITE_CANTOPEN: worth another mode), -1. */
+ * and # escaped) and checks that it holds an audit log and is not damaged
+ * (fi_db_check). 0, 1 when it could not be read at all (SQLITE_CANTOPEN:
+ * worth another mode), -1. */
 static int s_open_ro(fi_audit *a, const char *path, const char *params, char *err, size_t cap) {
     char uri[4200];
     /* an empty authority before an absolute path ("//x" would be a host);
@@ -85,18 +95,22 @@ static int s_open_ro(fi_audit *a, const char *path, const char *params, char *er
     snprintf(uri + k, sizeof uri - k, "?%s", params);
     sqlite3_stmt *st = NULL;
     int rc = sqlite3_open_v2(uri, &a->db, SQLITE_OPEN_READONLY | SQLITE_OPEN_URI, NULL);
+    if (rc == SQLITE_OK) rc = sqlite3_busy_timeout(a->db, 5000);
     if (rc == SQLITE_OK)
         rc = sqlite3_prepare_v2(a->db, "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'audit'",
                                 -1, &st, NULL);
     if (rc == SQLITE_OK) rc = sqlite3_step(st);
     int tables = rc == SQLITE_ROW ? sqlite3_column_int(st, 0) : 0;
     const int code = a->db ? sqlite3_extended_errcode(a->db) & 0xff : rc;
-    if (rc != SQLITE_ROW)
-        snprintf(err, cap, "cannot read audit log %s: %s", path, a->db ? sqlite3_errmsg(a->db) : "out of memory");
-    else if (tables != 1)
+    if (rc != SQLITE_ROW) {
+        const char *why = a->db ? sqlite3_errmsg(a->db) : "out of memory";
+        if (!fi_db_damaged(code, path, why, err, cap)) snprintf(err, cap, "cannot read audit log %s: %s", path, why);
+    } else if (tables != 1) {
         snprintf(err, cap, "%s is not an audit log (it has no audit table)", path);
+    }
     sqlite3_finalize(st);
-    if (rc == SQLITE_ROW && tables == 1) return 0;
+    /* a damaged page anywhere is said now, not halfway through a listing */
+    if (rc == SQLITE_ROW && tables == 1 && fi_db_check(a->db, path, err, cap) == 0) return 0;
     sqlite3_close(a->db);
     a->db = NULL;
     return rc != SQLITE_ROW && code == SQLITE_CANTOPEN ? 1 : -1;
@@ -134,7 +148,6 @@ fi_audit *fi_audit_open_readonly(const char *path, char *err, size_t cap) {
         free(a);
         return NULL;
     }
-    sqlite3_busy_timeout(a->db, 5000);
     return a;
 }
 

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fi_db.h"
 #include "fi_pstore.h"
 
 struct fi_pstore {
@@ -42,14 +43,22 @@ fi_pstore *fi_pstore_open(const char *path, char *err, size_t cap) {
         return NULL;
     }
     char *msg = NULL;
-    if (sqlite3_open_v2(path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL) != SQLITE_OK ||
-        sqlite3_busy_timeout(s->db, 5000) != SQLITE_OK || sqlite3_exec(s->db, s_schema, NULL, NULL, &msg) != SQLITE_OK) {
-        snprintf(err, cap, "cannot open policy store %s: %s", path, msg ? msg : sqlite3_errmsg(s->db));
+    int rc = sqlite3_open_v2(path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL);
+    if (rc == SQLITE_OK) rc = sqlite3_busy_timeout(s->db, 5000);
+    if (rc == SQLITE_OK) {
+        if (fi_db_check(s->db, path, err, cap) != 0) goto fail; /* damaged, or locked: err says */
+        rc = sqlite3_exec(s->db, s_schema, NULL, NULL, &msg);
+    }
+    if (rc != SQLITE_OK) {
+        const char *why = msg ? msg : s->db ? sqlite3_errmsg(s->db) : "out of memory";
+        if (!fi_db_damaged(rc, path, why, err, cap)) snprintf(err, cap, "cannot open policy store %s: %s", path, why);
         sqlite3_free(msg);
-        fi_pstore_destroy(&s);
-        return NULL;
+        goto fail;
     }
     return s;
+fail:
+    fi_pstore_destroy(&s);
+    return NULL;
 }
 
 void fi_pstore_busy_timeout(fi_pstore *self, int ms) { sqlite3_busy_timeout(self->db, ms); }

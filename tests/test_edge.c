@@ -29,6 +29,7 @@
 #include <jansson.h>
 #include <sqlite3.h>
 
+#include "db_damage.h"
 #include "fi_audit.h"
 #include "fi_bundle.h"
 #include "edge_impl.h" /* edge_conf_restart_keys, the agent's model */
@@ -1103,6 +1104,45 @@ static void test_audit_unavailable(void **state) {
     fx_stop(f);
 }
 
+/* An edge whose database has a page damaged in the middle (a failing
+ * disk, a stray write) refuses to start, naming the file and saying it is
+ * damaged, and so does `fedinfer edge token add` on it: before, it
+ * started, and the requests whose audit records met the page were
+ * answered 503 audit_unavailable, for good. */
+static void test_damaged_db_refused_at_start(void **state) {
+    (void)state;
+    fx *f = fx_start(1, 1, 1);
+    const char *b = "{\"model\":\"smollm2-135m\",\"max_tokens\":2,\"temperature\":0,"
+                    "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    resp r;
+    assert_int_equal(http(f->port, "POST", "/v1/chat/completions", "X-Data-Class: phi\r\n", b, &r), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    fi_edge_destroy(&f->e);
+    char db[256], conf[256], err[768], tok[128];
+    snprintf(db, sizeof db, "%s/edge.db", f->dir);
+    snprintf(conf, sizeof conf, "%s/edge.conf", f->dir);
+    if (fi_test_audit_fill(db, 2000, err, sizeof err) != 0) fail_msg("%s", err);
+    fi_edge_conf c;
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(conf, &c, err, sizeof err), 0);
+    /* intact: it starts */
+    if (!(f->e = fi_edge_new(&c, err, sizeof err))) fail_msg("intact database: %s", err);
+    fi_edge_destroy(&f->e);
+    int page = fi_test_db_damage(db, err, sizeof err);
+    if (page < 0) fail_msg("%s", err);
+    printf("damaged page %d\n", page);
+    assert_null(fi_edge_new(&c, err, sizeof err));
+    printf("edge: %s\n", err);
+    assert_non_null(strstr(err, db));
+    assert_non_null(strstr(err, "database is damaged"));
+    assert_int_equal(edge_token_add(db, "t", "a", tok, sizeof tok, err, sizeof err), -1);
+    printf("token add: %s\n", err);
+    assert_non_null(strstr(err, db));
+    assert_non_null(strstr(err, "database is damaged"));
+    fx_stop(f);
+}
+
 /* No bundle, a tampered one, or an expired policy: on site only. */
 static void test_fail_closed(void **state) {
     (void)state;
@@ -1618,6 +1658,7 @@ int main(void) {
         cmocka_unit_test(test_conf_errors),
         cmocka_unit_test(test_fail_closed),
         cmocka_unit_test(test_audit_unavailable),
+        cmocka_unit_test(test_damaged_db_refused_at_start),
         cmocka_unit_test(test_engine_backend_failure),
         cmocka_unit_test(test_engine_down),
         cmocka_unit_test(test_engine_failure_mid_stream),

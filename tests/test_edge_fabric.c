@@ -357,7 +357,7 @@ static fi_msg *apptok_call(fx *f, const char *op, const char *site, const char *
 static int edge_takes(fx *f, const char *token, char *tenant, char *app) {
     char db[400], err[256];
     snprintf(db, sizeof db, "%s/edge.db", f->h.dir);
-    void *a = edge_auth_open(db, err, sizeof err);
+    void *a = edge_auth_open(db, 1, err, sizeof err);
     assert_non_null(a);
     int ok = edge_auth_check(a, token, tenant, 64, app, 64);
     edge_auth_close(&a);
@@ -449,7 +449,7 @@ static void test_token_sync_unit(void **state) {
     assert_int_equal(edge_token_sync(db, &sy, &added, &revoked, err, sizeof err), 0);
     assert_int_equal(added, 1);
     assert_int_equal(revoked, 1);
-    void *a = edge_auth_open(db, err, sizeof err);
+    void *a = edge_auth_open(db, 1, err, sizeof err);
     assert_int_equal(edge_auth_check(a, "fie_one-one-one", tenant, 64, app, 64), 1);
     assert_int_equal(edge_auth_check(a, "fie_two-two-two", tenant, 64, app, 64), 0);
     /* A later sync that says t2 is active does not revive it. */

@@ -21,6 +21,7 @@
 #include <sys/wait.h>
 #include <fcntl.h>
 
+#include "db_damage.h"
 #include "fabric/harness.h"
 #include "fi_audit.h"
 #include "fi_bundle.h"
@@ -306,6 +307,42 @@ static void test_coordinator_kill9_restart(void **state) {
     fi_client_destroy(&edge);
 }
 
+/* A coordinator whose database has a damaged page in the middle refuses
+ * to start: it exits with status 1 at once (no crash, no hang), and its
+ * message names the file and says it is damaged (before, it started and
+ * failed the requests that reached the page). */
+static void test_coordinator_refuses_damaged_db(void **state) {
+    procs *p = *state;
+    char err[512], blob[1000], id[32];
+    fi_store *st = fi_store_open(p->h.db, err, sizeof err);
+    if (!st) fail_msg("%s", err);
+    memset(blob, 'b', sizeof blob);
+    for (int i = 0; i < 150; i++) {
+        snprintf(id, sizeof id, "batch-%d", i);
+        assert_int_equal(fi_store_audit_put(st, "edge-fpr", id, (uint64_t)i * 10 + 1, 10, blob, sizeof blob), 0);
+    }
+    fi_store_destroy(&st);
+    int page = fi_test_db_damage(p->h.db, err, sizeof err);
+    if (page < 0) fail_msg("%s", err);
+    assert_true((p->coord = s_start_coord(p)) > 0);
+    int status = 0;
+    pid_t done = 0;
+    for (int i = 0; i < 200 && (done = waitpid(p->coord, &status, WNOHANG)) == 0; i++) h_sleep_ms(50);
+    if (done != p->coord) fail_msg("the coordinator still runs 10 s after start on a damaged database");
+    p->coord = 0;
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 1);
+    char log[300], text[2048] = "";
+    snprintf(log, sizeof log, "%s/coord.log", p->h.dir);
+    FILE *f = fopen(log, "r");
+    assert_non_null(f);
+    text[fread(text, 1, sizeof text - 1, f)] = 0;
+    fclose(f);
+    printf("damaged page %d; coordinator: %s", page, text);
+    assert_non_null(strstr(text, p->h.db));
+    assert_non_null(strstr(text, "database is damaged"));
+}
+
 static void test_worker_kill9_fails_requests(void **state) {
     procs *p = *state;
     char err[256];
@@ -567,6 +604,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_coordinator_kill9_restart, setup, teardown),
         cmocka_unit_test_setup_teardown(test_worker_kill9_fails_requests, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_coordinator_refuses_damaged_db, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_routing_two_replicas, setup, teardown),
         /* Once failed about one run in three: the worker's client closed
          * its monitor's reader before the socket, and libzmq's I/O thread

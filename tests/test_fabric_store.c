@@ -17,6 +17,7 @@
 
 #include <sqlite3.h>
 
+#include "db_damage.h"
 #include "fi_conf.h"
 #include "fi_coord_audit.h"
 #include "fi_coord_tokens.h"
@@ -460,6 +461,56 @@ static void test_store(void **state) {
     assert_false(fi_store_name_ok(""));
 }
 
+/* Audit batches of about 1 KB: n of them span n / 3 pages and more. */
+static void s_fill_store(const char *db, int n) {
+    char err[512], blob[1000], id[32];
+    fi_store *st = fi_store_open(db, err, sizeof err);
+    if (!st) fail_msg("%s", err);
+    memset(blob, 'a', sizeof blob);
+    for (int i = 0; i < n; i++) {
+        snprintf(id, sizeof id, "batch-%d", i);
+        assert_int_equal(fi_store_audit_put(st, "edge-fpr", id, (uint64_t)i * 10 + 1, 10, blob, sizeof blob), 0);
+    }
+    fi_store_destroy(&st);
+}
+
+/* A page damaged in the middle of the coordinator's database (a failing
+ * disk, a stray write) is found when it is opened, by the fleet store and
+ * by the application tokens (the coordinator's start; the policy store on
+ * the same file is test_policy_bundle's), and the refusal names the file
+ * and says it is damaged: before, both opened and the damage surfaced
+ * when a request reached that page. A new path is still created, an
+ * intact file still opens. */
+static void test_store_damaged(void **state) {
+    s_dir *d = *state;
+    char db[128], err[1024];
+    struct stat sb;
+    snprintf(db, sizeof db, "%s/state.db", d->path);
+    assert_int_equal(stat(db, &sb), -1);
+    fi_apptok *t = fi_apptok_open(db, err, sizeof err);
+    if (!t) fail_msg("new file: %s", err);
+    fi_apptok_destroy(&t);
+    assert_int_equal(stat(db, &sb), 0);
+    s_fill_store(db, 150);
+    fi_store *st = fi_store_open(db, err, sizeof err);
+    if (!st) fail_msg("intact store: %s", err);
+    fi_store_destroy(&st);
+    if (!(t = fi_apptok_open(db, err, sizeof err))) fail_msg("intact store, tokens: %s", err);
+    fi_apptok_destroy(&t);
+
+    int page = fi_test_db_damage(db, err, sizeof err);
+    if (page < 0) fail_msg("%s", err);
+    printf("damaged page %d\n", page);
+    assert_null(fi_store_open(db, err, sizeof err));
+    printf("store: %s\n", err);
+    assert_non_null(strstr(err, db));
+    assert_non_null(strstr(err, "database is damaged"));
+    assert_null(fi_apptok_open(db, err, sizeof err));
+    printf("tokens: %s\n", err);
+    assert_non_null(strstr(err, db));
+    assert_non_null(strstr(err, "database is damaged"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_keys, setup, teardown),
@@ -469,6 +520,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_routing_writer_stops_in_time, setup, teardown),
         cmocka_unit_test_setup_teardown(test_conf, setup, teardown),
         cmocka_unit_test_setup_teardown(test_store, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_store_damaged, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

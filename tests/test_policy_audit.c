@@ -17,6 +17,7 @@
 #include <cmocka.h>
 #include <sqlite3.h>
 
+#include "db_damage.h"
 #include "fi_audit.h"
 
 typedef struct fx {
@@ -188,6 +189,62 @@ static void test_open_readonly(void **state) {
     snprintf(odd.path, sizeof odd.path, "%.200s a%%41?b#c:memory:", f->path);
     s_teardown_files(&odd);
     assert_int_equal(chdir(cwd), 0);
+}
+
+/* A page damaged in the middle of the file (a failing disk, a stray
+ * write) is found when the log is opened, by the writer (an edge, the
+ * coordinator) and by the readers (fedctl audit, audit verify), and the
+ * refusal names the file and says it is damaged: before, the open
+ * succeeded and the damage surfaced only when an append or a query
+ * reached that page. */
+static void test_damaged_page_refused(void **state) {
+    fx *f = *state;
+    char err[600];
+    struct stat st;
+    /* a fresh path is still created, and an intact log still opens */
+    fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+    if (!a) fail_msg("new log: %s", err);
+    fi_audit_destroy(&a);
+    assert_int_equal(stat(f->path, &st), 0);
+    if (fi_test_audit_fill(f->path, 2000, err, sizeof err) != 0) fail_msg("%s", err);
+    a = fi_audit_open(f->path, err, sizeof err);
+    if (!a) fail_msg("intact log: %s", err);
+    fi_audit_destroy(&a);
+    a = fi_audit_open_readonly(f->path, err, sizeof err);
+    if (!a) fail_msg("intact log, read-only: %s", err);
+    fi_audit_destroy(&a);
+
+    int page = fi_test_db_damage(f->path, err, sizeof err);
+    if (page < 0) fail_msg("%s", err);
+    printf("damaged page %d\n", page);
+    assert_null(fi_audit_open(f->path, err, sizeof err));
+    printf("writer: %s\n", err);
+    assert_non_null(strstr(err, f->path));
+    assert_non_null(strstr(err, "database is damaged"));
+    assert_non_null(strstr(err, "restore it from a backup"));
+    assert_null(fi_audit_open_readonly(f->path, err, sizeof err));
+    printf("reader: %s\n", err);
+    assert_non_null(strstr(err, f->path));
+    assert_non_null(strstr(err, "database is damaged"));
+}
+
+/* A file that is no database at all (a mistyped path to a text file, a
+ * file cut or overwritten from its start) is refused the same way. */
+static void test_not_a_database_refused(void **state) {
+    fx *f = *state;
+    char err[600];
+    FILE *out = fopen(f->path, "w");
+    assert_non_null(out);
+    for (int i = 0; i < 200; i++) fprintf(out, "not an SQLite file, line %d\n", i);
+    fclose(out);
+    assert_null(fi_audit_open(f->path, err, sizeof err));
+    printf("writer: %s\n", err);
+    assert_non_null(strstr(err, f->path));
+    assert_non_null(strstr(err, "database is damaged"));
+    assert_null(fi_audit_open_readonly(f->path, err, sizeof err));
+    printf("reader: %s\n", err);
+    assert_non_null(strstr(err, f->path));
+    assert_non_null(strstr(err, "database is damaged"));
 }
 
 static void test_triggers_refuse(void **state) {
@@ -440,6 +497,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_intact, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_open_readonly, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_damaged_page_refused, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_not_a_database_refused, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_triggers_refuse, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_edit_detected, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_type_and_nul_edits_detected, s_setup, s_teardown),

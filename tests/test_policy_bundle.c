@@ -20,6 +20,7 @@
 #include <cmocka.h>
 #include <sqlite3.h>
 
+#include "db_damage.h"
 #include "fi_bundle.h"
 #include "fi_pstore.h"
 
@@ -545,6 +546,38 @@ static void test_store_failure(void **state) {
     fi_pstore_destroy(&s);
 }
 
+/* A page damaged in the middle of the store (a failing disk, a stray
+ * write) is found when the store is opened (the coordinator's start,
+ * fedctl policy --store), and the refusal names the file and says it is
+ * damaged; before, the open succeeded and the damage surfaced when a
+ * read or an apply reached that page. A new path is still created, an
+ * intact store still opens. */
+static void test_store_damaged(void **state) {
+    fx *f = *state;
+    char path[512], err[800], comment[400];
+    snprintf(path, sizeof path, "%s/damaged.db", f->dir);
+    fi_pstore *s = fi_pstore_open(path, err, sizeof err);
+    if (!s) fail_msg("new store: %s", err);
+    memset(comment, 'c', sizeof comment - 1);
+    comment[sizeof comment - 1] = 0;
+    uint64_t v = 0;
+    for (int i = 0; i < 60; i++)
+        assert_int_equal(fi_pstore_apply(s, i % 2 ? POLICY : POLICY2, strlen(i % 2 ? POLICY : POLICY2), "a",
+                                         comment, f->sk, NOW, 3600, &v, err, sizeof err),
+                         0);
+    fi_pstore_destroy(&s);
+    s = fi_pstore_open(path, err, sizeof err);
+    if (!s) fail_msg("intact store: %s", err);
+    fi_pstore_destroy(&s);
+    int page = fi_test_db_damage(path, err, sizeof err);
+    if (page < 0) fail_msg("%s", err);
+    printf("damaged page %d\n", page);
+    assert_null(fi_pstore_open(path, err, sizeof err));
+    printf("open: %s\n", err);
+    assert_non_null(strstr(err, path));
+    assert_non_null(strstr(err, "database is damaged"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_good_bundle),
@@ -558,6 +591,7 @@ int main(void) {
         cmocka_unit_test(test_store),
         cmocka_unit_test(test_store_reserve),
         cmocka_unit_test(test_store_failure),
+        cmocka_unit_test(test_store_damaged),
     };
     return cmocka_run_group_tests(tests, s_setup, s_teardown);
 }

@@ -17,6 +17,7 @@
 #include <cmocka.h>
 #include <sqlite3.h>
 
+#include "db_damage.h"
 #include "fi_audit.h"
 
 typedef struct fx {
@@ -237,6 +238,29 @@ static void test_store_bundle_diff_audit(void **state) {
     s_has(f, "BROKEN: record 2 was edited");
 }
 
+/* A damaged file given to fedctl (a log to list or verify, a store) is
+ * refused at once, with exit status 1 and a message that names it and
+ * says it is damaged (before: audit verify and the listing failed midway
+ * with "database disk image is malformed", the store opened). */
+static void test_damaged_files_refused(void **state) {
+    fx *f = *state;
+    char path[600], err[600];
+    snprintf(path, sizeof path, "%s/damaged.db", f->dir);
+    if (fi_test_audit_fill(path, 2000, err, sizeof err) != 0) fail_msg("%s", err);
+    assert_int_equal(s_run(f, "audit verify --db damaged.db"), 0);
+    s_has(f, "intact: 2000 records");
+    int page = fi_test_db_damage(path, err, sizeof err);
+    if (page < 0) fail_msg("%s", err);
+    const char *cmds[] = {"audit verify --db damaged.db", "audit --db damaged.db --label phi",
+                          "policy history --store damaged.db"};
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+        assert_int_equal(s_run(f, "%s", cmds[i]), 1);
+        printf("fedctl %s: %s", cmds[i], f->out);
+        s_has(f, "damaged.db: database is damaged: ");
+        if (strstr(f->out, "req-")) fail_msg("records listed from a damaged log:\n%s", f->out);
+    }
+}
+
 static void test_bench_runs(void **state) {
     fx *f = *state;
     assert_int_equal(s_run(f, "policy bench '%s/eu-hospital.policy' --iterations 2000", f->ex), 0);
@@ -250,6 +274,7 @@ int main(void) {
         cmocka_unit_test(test_help),
         cmocka_unit_test(test_check_test_explain_flows),
         cmocka_unit_test(test_store_bundle_diff_audit),
+        cmocka_unit_test(test_damaged_files_refused),
         cmocka_unit_test(test_bench_runs),
     };
     return cmocka_run_group_tests(tests, s_setup, s_teardown);
