@@ -44,7 +44,7 @@ extern "C" {
  * (SQLITE_CORRUPT when the check listed problems) with a message in err:
  *
  *   PATH: database is damaged: Page 7: btreeInitPage() returns error code
- *   11 (restore it from a backup, or move it aside to start empty)
+ *   11 (restore it from a backup)
  *
  * for damage or a file that is not a database (SQLITE_CORRUPT,
  * SQLITE_NOTADB), "PATH: cannot check the database: ..." for anything else

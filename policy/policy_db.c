@@ -9,7 +9,11 @@
 #include "fi_db.h"
 
 /* what a damaged message ends with, whatever had to be cut before it */
-static const char s_advice[] = " (restore it from a backup, or move it aside to start empty)";
+/* Only a backup: a new, empty file in its place is no repair (an edge's
+ * empty audit log restarts the chain the coordinator holds, which then
+ * refuses its uploads as a rewritten history; an empty coordinator
+ * database forgets every enrolled key). */
+static const char s_advice[] = " (restore it from a backup)";
 static const char s_damaged_head[] = ": database is damaged: ";
 
 /* Writes "PATH: database is damaged: PROBLEMS (advice)", cutting problems
