@@ -84,6 +84,14 @@ fi_gguf *fi_gguf_open_memory(const void *buf, size_t len, const char *name, char
 /* Unmaps and frees; sets *g to NULL. Safe on NULL. */
 void fi_gguf_close(fi_gguf **g);
 
+/* Whether the file a handle maps still has the size it had at open (the
+ * handle keeps it open: a file replaced by rename is still the one
+ * mapped). 0 when it has, or the handle reads memory; -1 with a message
+ * naming `name` when it changed in place: reading the mapping past a
+ * shrunk file's end would kill the process (SIGBUS), so the model must
+ * not read its weights from it again. */
+int fi_gguf_check_size(const fi_gguf *g, const char *name, char *err, size_t errlen);
+
 /* The SHA-256 of the whole file, as read through the handle, in 64
  * lower-case hex digits: what a deployment pins (model_sha256). */
 void fi_gguf_sha256(const fi_gguf *g, char hex[65]);

@@ -47,6 +47,7 @@ struct fi_gguf {
     const uint8_t *base;     /* the file's bytes (our mapping or the caller's buffer) */
     size_t size;             /* bytes in the file */
     int mapped;              /* 1 when base is our mmap (unmapped at close) */
+    int fd;                  /* the mapped file, kept open to ask its size now; -1: none */
     uint32_t version;        /* 2 or 3 */
     uint32_t alignment;      /* general.alignment, or 32 */
     uint64_t data_offset;    /* start of the data section, from the file's start */
@@ -668,6 +669,7 @@ static fi_gguf *s_open(const uint8_t *base, size_t size, int mapped, const char 
     g->base = base;
     g->size = size;
     g->mapped = mapped;
+    g->fd = -1;
     g->hash_seed = s_seed(g);
     g->alignment = FI_GGUF_DEFAULT_ALIGNMENT;
     if (s_parse(g, &r) < 0) {
@@ -934,12 +936,34 @@ fi_gguf *fi_gguf_open(const char *path, char *err, size_t errlen)
     }
     void *p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
     int e = errno;
-    close(fd);
     if (p == MAP_FAILED) {
+        close(fd);
         s_fail(&r, 0, "cannot mmap %zu bytes: %s", size, strerror(e));
         return NULL;
     }
-    return s_open(p, size, 1, path, err, errlen);
+    fi_gguf *g = s_open(p, size, 1, path, err, errlen);
+    if (g)
+        g->fd = fd; /* fi_gguf_check_size asks it */
+    else
+        close(fd);
+    return g;
+}
+
+int fi_gguf_check_size(const fi_gguf *g, const char *name, char *err, size_t errlen)
+{
+    struct stat st;
+    if (!g->mapped || g->fd < 0)
+        return 0;
+    if (fstat(g->fd, &st) < 0) {
+        snprintf(err, errlen, "%s: cannot stat the loaded file: %s", name, strerror(errno));
+        return -1;
+    }
+    if ((uint64_t)st.st_size != (uint64_t)g->size) {
+        snprintf(err, errlen, "%s: the loaded file changed size in place (%zu bytes at the load, %lld "
+                 "now): it is not the model that was loaded", name, g->size, (long long)st.st_size);
+        return -1;
+    }
+    return 0;
 }
 
 void fi_gguf_close(fi_gguf **gp)
@@ -955,6 +979,8 @@ void fi_gguf_close(fi_gguf **gp)
     free(g->tensor_index);
     if (g->mapped)
         munmap((void *)g->base, g->size);
+    if (g->fd >= 0)
+        close(g->fd);
     free(g);
     *gp = NULL;
 }

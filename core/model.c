@@ -689,8 +689,11 @@ int fi_model_reset_backend(fi_model *m, char *err, size_t errlen) {
               pools == 1 ? "is" : "are");
         return -1;
     }
-    /* the weights come from the mapping again: a file changed in place
-     * since the load would give others than the deployment pinned */
+    /* the weights come from the mapping again: a file shrunk in place
+     * since the load would fault the process where the mapping passes its
+     * end, and one changed in place would give others than the
+     * deployment pinned */
+    if (fi_gguf_check_size(m->gguf, m->path, err, errlen) != 0) return -1;
     if (m->pin[0] && s_check_sha256(m->gguf, m->path, m->pin, err, errlen) != 0) return -1;
     /* the load's options; asked for AUTO, the CPU after them, as
      * fi_model_load would have done (a device whose process context a

@@ -777,6 +777,35 @@ static void test_backend_reset(void **state) {
     fi_model_destroy(&m);
 }
 
+/* The model file shrunk in place after the load (a copy of another file
+ * over it): a reset, which binds the weights from the file's mapping
+ * again, refuses naming the change instead of reading past the file's new
+ * end (SIGBUS killed the process); the model stays failed, not gone. */
+static void test_backend_reset_file_shrunk(void **state) {
+    (void)state;
+    char err[512], why[256];
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.tied = 0;
+    o.wtype = FI_DTYPE_Q4_1;
+    const char *path = s_write(&o);
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU};
+    fi_model *m = fi_model_load(path, &mo, err, sizeof err);
+    if (!m) fail_msg("load failed: %s", err);
+    fi_fault_backend *f = fi_fault_wrap(fi_model_backend(m));
+    assert_non_null(f);
+    fi_fault_set(f, 1);
+    assert_int_equal(fi_model_backend_failed(m, why, sizeof why), 1);
+    assert_int_equal(truncate(path, 4096), 0);
+    assert_int_equal(fi_model_reset_backend(m, err, sizeof err), -1);
+    printf("  reset refused: %s\n", err);
+    assert_non_null(strstr(err, "changed size in place"));
+    assert_non_null(strstr(err, path));
+    assert_int_equal(fi_model_backend_failed(m, why, sizeof why), 1);
+    unlink(path);
+    fi_model_destroy(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_eval_greedy),
@@ -796,6 +825,7 @@ int main(void) {
         cmocka_unit_test(test_plan_tensor_parallel),
         cmocka_unit_test(test_plan_errors),
         cmocka_unit_test(test_backend_reset),
+        cmocka_unit_test(test_backend_reset_file_shrunk),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
