@@ -38,6 +38,10 @@ int fi_textstream_mark(fi_textstream *ts, const char *piece, size_t len);
  * the flush, comes out as U+FFFD. */
 const char *fi_textstream_take(fi_textstream *ts, int flush, size_t *len);
 
+/* Forgets all text pushed and taken, as if new (the stop strings stay):
+ * for a generation that starts again from its beginning. */
+void fi_textstream_reset(fi_textstream *ts);
+
 #ifdef __cplusplus
 }
 #endif

@@ -50,6 +50,12 @@ fail:
     return NULL;
 }
 
+void fi_textstream_reset(fi_textstream *ts) {
+    ts->len = 0;
+    ts->out = 0;
+    ts->stop_at = (size_t)-1;
+}
+
 void fi_textstream_destroy(fi_textstream **tsp) {
     if (!tsp || !*tsp) return;
     fi_textstream *ts = *tsp;

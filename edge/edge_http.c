@@ -1154,6 +1154,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     }
     job->prompt = ids;
     job->n_prompt = n_ids;
+    job->stream = r->stream;
     job->sp = r->sp;
     job->max_tokens = r->max_tokens;
     job->timeout_s = lim.request_timeout_s;

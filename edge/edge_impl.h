@@ -76,6 +76,7 @@ typedef struct edge_job {
     double timeout_s;            /* whole request, from submission */
     char tenant[64];             /* from the bearer token ("" without one) */
     char zone[64];               /* residency zone of the cached state (edge_decision.zone) */
+    int stream;                  /* the client reads the text as it comes (SSE) */
 
     /* the executor's own */
     int engine_retries;          /* local: times run again after its backend failed */
@@ -114,6 +115,10 @@ int edge_job_emit(edge_job *j, const char *bytes, size_t len);
 /* Executor side: the end. Releases held text, records usage. Idempotent:
  * the first end (finish or fail) wins. */
 void edge_job_finish(edge_job *j, const char *finish, int n_prompt, int n_gen);
+/* Whether none of the job's text can have reached its client (it is not a
+ * stream, or a stream with no text yet), so that it may run again from its
+ * beginning; with reset, its text so far is then dropped. 1 or 0. */
+int edge_job_unseen(edge_job *j, int reset);
 void edge_job_fail(edge_job *j, int http_status, const char *code, const char *msg);
 double edge_now(void);
 /* The CLOCK_REALTIME time ms milliseconds from now, for pthread_cond_timedwait. */

@@ -133,6 +133,19 @@ void edge_job_finish(edge_job *j, const char *finish, int n_prompt, int n_gen) {
     pthread_mutex_unlock(&j->mu);
 }
 
+int edge_job_unseen(edge_job *j, int reset) {
+    pthread_mutex_lock(&j->mu);
+    int unseen = !j->done && (!j->stream || j->out_len == 0);
+    if (unseen && reset) {
+        fi_textstream_reset(j->ts);
+        j->out_len = 0;
+        j->out[0] = 0;
+        j->t_first = 0;
+    }
+    pthread_mutex_unlock(&j->mu);
+    return unseen;
+}
+
 void edge_job_fail(edge_job *j, int http_status, const char *code, const char *msg) {
     pthread_mutex_lock(&j->mu);
     if (!j->done) {

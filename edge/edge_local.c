@@ -12,12 +12,13 @@
  * the job's (edge_job_emit); the scheduler hands it text as it is made.
  *
  * A backend that fails for good (a GPU's failures are sticky) fails every
- * request the scheduler holds (those that had sent nothing yet run once
- * more on the new backend: s_settle), and the thread then replaces it
- * (fi_model_reset_backend) and makes a new scheduler, without a restart of
- * the agent. While it cannot, the engine is down (s_engine: the router
- * sends requests elsewhere, submissions are refused) and it tries again
- * after a pause that grows to 30 s.
+ * request the scheduler holds (those none of whose text can have reached
+ * the client run once more on the new backend: s_settle), and the thread
+ * then replaces it (fi_model_reset_backend) and makes a new scheduler,
+ * without a restart of the agent; requests that come meanwhile wait in the
+ * queue. While it cannot, the engine is down (s_engine: the router sends
+ * requests elsewhere, submissions are refused) and it tries again after a
+ * pause that grows to 30 s.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,8 +35,9 @@ typedef struct s_run {
     int stop_hit;           /* a stop string ended it */
     int oom;                /* edge_job_emit ran out of memory */
     int why;                /* cancelled by us: 499, 503 or 504 (0: not) */
-    char *deferred;         /* failed before its first token: the error, until
-                               s_settle knows whether the backend failed for good */
+    char *deferred;         /* failed before any of its text could reach the
+                               client: the error, until s_settle knows whether
+                               the backend failed for good */
     struct s_local *l;
     struct s_run *next;
 } s_run;
@@ -131,17 +133,17 @@ static void s_add_counters(fi_sched_stats *a, const fi_sched_stats *b) {
     a->completed += b->completed;
 }
 
-/* The runs whose request failed before its first token (s_on_done kept
- * them): when the backend failed for good, back to the front of the line,
- * in their order, to run once more on the new backend (nothing reached the
- * client yet); else failed as they would have been. */
+/* The runs whose request failed before any of its text could reach the
+ * client (s_on_done kept them): when the backend failed for good, back to
+ * the front of the line, in their order, their text so far dropped, to run
+ * once more on the new backend; else failed as they would have been. */
 static void s_settle(s_local *l, s_run *runs, int dead) {
     int cap = l->queue_max + l->concurrency;
     for (s_run *r = runs; r; r = r->next) { /* newest first: the oldest ends up first */
         if (!r->deferred) continue;
         edge_job *j = r->job;
         r->job = NULL;
-        if (dead) {
+        if (dead && edge_job_unseen(j, 1)) {
             j->engine_retries++;
             pthread_mutex_lock(&l->mu); /* its slot becomes a place in the line */
             l->n_active--;
@@ -160,18 +162,19 @@ static void s_settle(s_local *l, s_run *runs, int dead) {
 }
 
 /* The backend failed for good (why): the failed step has ended every
- * request the scheduler held. Replaces the backend and the scheduler;
- * while that fails, the engine is down (submissions refused, what waits
- * answered 503) and it tries again with a growing pause. Returns with
- * l->sched NULL only when the agent stops meanwhile. */
+ * request the scheduler held. Replaces the backend and the scheduler.
+ * During the first try requests are still taken, and wait in the queue
+ * (a replacement that works takes well under a second for the default
+ * model; a big pinned model's file is hashed again first). Once a try has
+ * failed the engine is down (submissions refused, what waits answered
+ * 503) and it tries again with a growing pause. Returns with l->sched
+ * NULL only when the agent stops meanwhile. */
 static void s_recover(s_local *l, const char *why) {
     char err[512];
     int cap = l->queue_max + l->concurrency;
     fi_sched_stats old;
     fi_sched_get_stats(l->sched, &old);
     pthread_mutex_lock(&l->mu);
-    l->down = 1;
-    snprintf(l->down_why, sizeof l->down_why, "%s", why);
     s_add_counters(&l->base, &old);
     l->st = l->base; /* no blocks while down */
     pthread_mutex_unlock(&l->mu);
@@ -192,6 +195,7 @@ static void s_recover(s_local *l, const char *why) {
         fprintf(stderr, "fedinfer edge: local engine is down: %s (again in %d ms)\n", err,
                 pause_ms);
         pthread_mutex_lock(&l->mu);
+        l->down = 1;
         snprintf(l->down_why, sizeof l->down_why, "%.200s; replacing it failed: %.400s", why,
                  err);
         while (l->n_waiting > 0) { /* handed over before the engine went down */
@@ -223,9 +227,9 @@ static int s_on_text(void *user, const char *text, size_t len) {
 static void s_on_done(void *user, const fi_gen_result *res, const char *error) {
     s_run *r = user;
     edge_job *j = r->job;
-    if (error && r->l->in_step && res && res->n_generated == 0 && !r->why &&
-        j->engine_retries == 0 && (r->deferred = strdup(error)) != NULL)
-        return; /* nothing sent yet: it may run again on a new backend (s_settle) */
+    if (error && r->l->in_step && !r->why && j->engine_retries == 0 && edge_job_unseen(j, 0) &&
+        (r->deferred = strdup(error)) != NULL)
+        return; /* nothing reached the client: it may run again on a new backend (s_settle) */
     s_release_slot(r->l); /* before the client can learn of the end */
     if (error) edge_job_fail(j, 500, "engine_error", error);
     else if (r->oom) edge_job_fail(j, 500, "internal_error", "out of memory");

@@ -1610,24 +1610,24 @@ static void test_disconnect_cancels_unstreamed(void **state) {
     fx_stop(f);
 }
 
-/* A stream that has sent text when the backend fails for good is not run
- * again (its client has part of an answer): it ends with the engine's
- * error, while the engine replaces its backend. */
-static void test_engine_failure_mid_stream(void **state) {
-    (void)state;
-    fx *f = fx_start(1, 1, 1);
+/* On agent f, with fb wrapping its engine's backend: a stream of "1, 2,
+ * 3," until its first text, then the backend fails for good; the stream
+ * ends with the engine's error (it had sent text, so it is not run
+ * again). Returns when the stream has ended. */
+static void s_stream_until_failure(fx *f, fi_fault_backend *fb) {
     const char *b = "{\"model\":\"smollm2-135m\",\"prompt\":\"1, 2, 3,\",\"temperature\":0,"
                     "\"max_tokens\":64,\"stream\":true}";
     int fd = s_connect_send(f->port, "/v1/completions", b);
     char buf[65536];
     size_t got = 0;
+    buf[0] = 0;
     while (got < sizeof buf - 1 && !strstr(buf, "data: {")) { /* its first text */
         ssize_t k = recv(fd, buf + got, sizeof buf - 1 - got, 0);
         assert_true(k > 0);
         got += (size_t)k;
         buf[got] = 0;
     }
-    fi_fault_set(fi_fault_wrap(fi_model_backend(f->e->model)), 1);
+    fi_fault_set(fb, 1);
     for (ssize_t k; got < sizeof buf - 1 && (k = recv(fd, buf + got, sizeof buf - 1 - got, 0)) > 0;)
         got += (size_t)k;
     buf[got] = 0;
@@ -1636,8 +1636,90 @@ static void test_engine_failure_mid_stream(void **state) {
     printf("  the stream ends: %.200s\n", tail ? tail - 80 : buf + (got > 300 ? got - 300 : 0));
     assert_non_null(tail);
     assert_non_null(strstr(buf, "injected failure"));
+}
+
+/* A stream that has sent text when the backend fails for good is not run
+ * again (its client has part of an answer): it ends with the engine's
+ * error, while the engine replaces its backend. */
+static void test_engine_failure_mid_stream(void **state) {
+    (void)state;
+    fx *f = fx_start(1, 1, 1);
+    /* the wrapper goes in while the engine is idle; it fails mid-stream */
+    fi_fault_backend *fb = fi_fault_wrap(fi_model_backend(f->e->model));
+    assert_non_null(fb);
+    s_stream_until_failure(f, fb);
     assert_true(s_metrics_line(f->port, "fedinfer_edge_local_engine_resets_total 1"));
     fx_stop(f);
+}
+
+/* A request that is not a stream has sent nothing when the backend fails
+ * for good after its first tokens: it runs again from its beginning on the
+ * new backend, and its client gets the whole answer it would have got (it
+ * was answered 500 engine_error). */
+static void test_engine_failure_unstreamed_reruns(void **state) {
+    (void)state;
+    fx *f = fx_start(1, 1, 1);
+    const char *b = "{\"model\":\"smollm2-135m\",\"prompt\":\"1, 2, 3,\",\"temperature\":0,"
+                    "\"max_tokens\":48}";
+    resp r;
+    assert_int_equal(http(f->port, "POST", "/v1/completions", NULL, b, &r), 0);
+    assert_int_equal(r.status, 200);
+    char before[512];
+    snprintf(before, sizeof before, "%s", s_completion_text(&r));
+    resp_free(&r);
+    fi_fault_backend *fb = fi_fault_wrap(fi_model_backend(f->e->model));
+    assert_non_null(fb);
+    long tokens0 = metric(f->port, "fedinfer_engine_decode_tokens_total");
+    int fd = s_connect_send(f->port, "/v1/completions", b);
+    for (int i = 0; i < 500 && metric(f->port, "fedinfer_engine_decode_tokens_total") < tokens0 + 4; i++)
+        usleep(2 * 1000);
+    fi_fault_set(fb, 1);
+    long at_failure = metric(f->port, "fedinfer_engine_decode_tokens_total") - tokens0;
+    char buf[16384];
+    size_t got = 0;
+    for (ssize_t k; got < sizeof buf - 1 && (k = recv(fd, buf + got, sizeof buf - 1 - got, 0)) > 0;)
+        got += (size_t)k;
+    buf[got] = 0;
+    close(fd);
+    const char *body = strstr(buf, "\r\n\r\n");
+    printf("  the backend failed after about %ld tokens; the answer: %.40s\n", at_failure, buf);
+    assert_true(at_failure >= 4);
+    if (strncmp(buf + 8, " 200 ", 5) != 0 || !body) fail_msg("%s", buf);
+    resp again = {0};
+    again.body = (char *)body + 4;
+    assert_string_equal(s_completion_text(&again), before);
+    assert_true(s_metrics_line(f->port, "fedinfer_edge_local_engine_resets_total 1"));
+    fx_stop(f);
+}
+
+/* While a replacement that will work is under way (here: the pinned
+ * model's file hashed again first), a new request waits in the queue and
+ * is served by the new backend; it was refused 503 (the engine was "down"
+ * from the failure on). */
+static void test_request_during_replacement(void **state) {
+    (void)state;
+    char dir[64] = "/tmp/test_edge_repl.XXXXXX", model[128], pin[65];
+    assert_non_null(mkdtemp(dir));
+    snprintf(model, sizeof model, "%s/model.gguf", dir);
+    assert_int_equal(model_copy(FI_TEST_MODEL, model, pin), 0);
+    s_fx_model = model;
+    s_fx_pin = pin;
+    fx *f = fx_start(1, 1, 2);
+    s_fx_model = s_fx_pin = NULL;
+    fi_fault_backend *fb = fi_fault_wrap(fi_model_backend(f->e->model));
+    assert_non_null(fb);
+    s_stream_until_failure(f, fb); /* the engine now replaces its backend */
+    const char *b = "{\"model\":\"smollm2-135m\",\"max_tokens\":6,\"temperature\":0,"
+                    "\"prompt\":\"1, 2, 3,\"}";
+    resp r;
+    assert_int_equal(http(f->port, "POST", "/v1/completions", "X-Data-Class: phi\r\n", b, &r), 0);
+    printf("  sent during the replacement: %d %.200s\n", r.status, r.body);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    assert_true(s_metrics_line(f->port, "fedinfer_edge_local_engine_resets_total 1"));
+    fx_stop(f);
+    unlink(model);
+    rmdir(dir);
 }
 
 int main(void) {
@@ -1662,6 +1744,8 @@ int main(void) {
         cmocka_unit_test(test_engine_backend_failure),
         cmocka_unit_test(test_engine_down),
         cmocka_unit_test(test_engine_failure_mid_stream),
+        cmocka_unit_test(test_engine_failure_unstreamed_reruns),
+        cmocka_unit_test(test_request_during_replacement),
         cmocka_unit_test(test_queue_full),
         cmocka_unit_test(test_stop_answers_everyone),
         cmocka_unit_test(test_no_429_within_capacity),
