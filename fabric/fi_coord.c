@@ -94,6 +94,7 @@ struct fi_coord {
     uint64_t next_req;             /* for requests */
     uint64_t n_routed;             /* routing choices made: the tie key of hash-less requests */
     uint64_t next_beat_ms;         /* when heartbeats go out next */
+    int loads_truncated;           /* the last heartbeat to edges left rows out (logged once) */
     s_affinity affinity[S_AFFINITY]; /* conversations and their last worker */
 };
 
@@ -1095,44 +1096,118 @@ static uint32_t s_sat_add(uint32_t a, uint32_t b) {
     return a > UINT32_MAX - b ? UINT32_MAX : a + b;
 }
 
+/* The most bytes one ClusterLoad row takes in a Heartbeat: two names of
+ * at most 63 bytes (FI_STORE_NAME_MAX, S_MODEL_NAME; tag and length 1
+ * byte each), six uint32 (tag 1, varint at most 5), and the row's own tag
+ * and length (3). The rows the coordinator can send at most must fit the
+ * wire's message limit with room for the rest of the Heartbeat. */
+#define S_LOAD_ROW_MAX (2 * (2 + 63) + 6 * (1 + 5) + 3)
+#define S_BEAT_SLACK 64 /* envelope, sent_ms, clusters_truncated */
+_Static_assert((uint64_t)FI_WIRE_MAX_LOAD_ROWS * S_LOAD_ROW_MAX + S_BEAT_SLACK <= FI_WIRE_MAX_MSG,
+               "FI_WIRE_MAX_LOAD_ROWS rows of the longest names must fit one message");
+
+/* One (cluster, model) that a live worker serves, before merging. */
+typedef struct s_pair {
+    const char *cluster;     /* the worker's site */
+    const s_model *model;    /* the model and the worker's capacity for it */
+    const s_peer *w;         /* the worker */
+} s_pair;
+
+static int s_pair_cmp(const void *a, const void *b) {
+    const s_pair *x = a, *y = b;
+    int d = strcmp(x->cluster, y->cluster);
+    return d ? d : strcmp(x->model->name, y->model->name);
+}
+
 /* The load of each (cluster, model) for the edges' routers, encoded as a
- * heartbeat; NULL when no worker is live. */
+ * heartbeat (with no rows when no worker is live), in the order of
+ * cluster then model names. At most FI_WIRE_MAX_LOAD_ROWS rows, and only
+ * as many as keep the message within max_msg; the rest are left out and
+ * the heartbeat says so (clusters_truncated), as it does when out of
+ * memory: an edge then reads a pair it is not told about as unknown, not
+ * as one without a live worker. NULL when out of memory even for that. */
 static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, size_t *len) {
-    Fi__ClusterLoad rows[64], *ptrs[64];
-    size_t n = 0;
+    size_t n_pairs = 0;
     for (size_t i = 0; i < c->n_peers; i++) {
         const s_peer *w = &c->peers[i];
-        if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
-        for (int k = 0; k < w->n_models; k++) {
-            size_t j = 0;
-            while (j < n && (strcmp(rows[j].cluster, w->rec.site) ||
-                             strcmp(rows[j].model, w->models[k].name)))
-                j++;
-            if (j == n) {
-                if (n == 64) continue;
-                fi__cluster_load__init(&rows[n]);
-                rows[n].cluster = (char *)w->rec.site;
-                rows[n].model = (char *)w->models[k].name;
-                ptrs[n] = &rows[n];
-                n++;
+        if (w->rec.role == FI__ROLE__ROLE_CLUSTER && w->hello) n_pairs += (size_t)w->n_models;
+    }
+    s_pair *pairs = n_pairs ? malloc(n_pairs * sizeof *pairs) : NULL;
+    size_t rows_cap = n_pairs < FI_WIRE_MAX_LOAD_ROWS ? n_pairs : FI_WIRE_MAX_LOAD_ROWS;
+    Fi__ClusterLoad *rows = rows_cap ? malloc(rows_cap * sizeof *rows) : NULL;
+    Fi__ClusterLoad **ptrs = rows_cap ? malloc(rows_cap * sizeof *ptrs) : NULL;
+    const char *why = n_pairs && (!pairs || !rows || !ptrs) ? "out of memory" : NULL;
+    int truncated = why != NULL;
+    size_t n = 0;
+    if (!truncated && n_pairs) {
+        size_t k = 0;
+        for (size_t i = 0; i < c->n_peers; i++) {
+            const s_peer *w = &c->peers[i];
+            if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
+            for (int m = 0; m < w->n_models; m++) pairs[k++] = (s_pair){w->rec.site, &w->models[m], w};
+        }
+        qsort(pairs, n_pairs, sizeof *pairs, s_pair_cmp);
+        size_t max_msg = c->o.max_msg > 0 && (size_t)c->o.max_msg < FI_WIRE_MAX_MSG
+                             ? (size_t)c->o.max_msg
+                             : FI_WIRE_MAX_MSG;
+        size_t bytes = S_BEAT_SLACK;
+        for (size_t i = 0; i < n_pairs;) {
+            size_t j = i; /* pairs[i..j) make one row */
+            while (j < n_pairs && !s_pair_cmp(&pairs[i], &pairs[j])) j++;
+            if (n == FI_WIRE_MAX_LOAD_ROWS) {
+                why = "FI_WIRE_MAX_LOAD_ROWS";
+                truncated = 1;
+                break;
             }
-            rows[j].workers++;
-            rows[j].capacity = s_sat_add(rows[j].capacity, w->models[k].capacity);
-            rows[j].in_flight = s_sat_add(rows[j].in_flight, w->in_flight);
-            rows[j].queued = s_sat_add(rows[j].queued, w->queued);
-            rows[j].kv_blocks_free = s_sat_add(rows[j].kv_blocks_free, w->kv_free);
-            rows[j].kv_blocks_total = s_sat_add(rows[j].kv_blocks_total, w->kv_total);
+            Fi__ClusterLoad *r = &rows[n];
+            fi__cluster_load__init(r);
+            r->cluster = (char *)pairs[i].cluster;
+            r->model = (char *)pairs[i].model->name;
+            for (; i < j; i++) {
+                const s_peer *w = pairs[i].w;
+                uint32_t cap = pairs[i].model->capacity;
+                r->workers++;
+                r->capacity = s_sat_add(r->capacity, cap);
+                r->in_flight = s_sat_add(r->in_flight, w->in_flight);
+                r->queued = s_sat_add(r->queued, w->queued);
+                r->kv_blocks_free = s_sat_add(r->kv_blocks_free, w->kv_free);
+                r->kv_blocks_total = s_sat_add(r->kv_blocks_total, w->kv_total);
+            }
+            size_t rl = fi__cluster_load__get_packed_size(r) + 4; /* and its tag and length */
+            if (bytes + rl > max_msg) {
+                why = "max_msg";
+                truncated = 1;
+                break;
+            }
+            bytes += rl;
+            ptrs[n++] = r;
         }
     }
-    if (!n) return NULL;
     Fi__Heartbeat h = FI__HEARTBEAT__INIT;
     h.sent_ms = now;
     h.n_clusters = n;
     h.clusters = ptrs;
+    h.clusters_truncated = truncated;
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_HEARTBEAT;
     m.heartbeat = &h;
-    return fi_wire_encode(&m, len);
+    uint8_t *beat = fi_wire_encode(&m, len);
+    if (!beat && n) { /* out of memory: a heartbeat that says nothing of the clusters */
+        h.n_clusters = n = 0;
+        h.clusters_truncated = truncated = 1;
+        why = "out of memory";
+        beat = fi_wire_encode(&m, len);
+    }
+    if (truncated && !c->loads_truncated)
+        s_log("heartbeats to edges carry %zu (cluster, model) rows, not all (%s): edges read "
+              "the others as unknown", n, why);
+    else if (!truncated && c->loads_truncated)
+        s_log("heartbeats to edges carry every (cluster, model) row again (%zu)", n);
+    c->loads_truncated = truncated;
+    free(pairs);
+    free(rows);
+    free(ptrs);
+    return beat;
 }
 
 /* Which message types each role may send on the fabric endpoint. */
@@ -1364,14 +1439,13 @@ static void s_monitor(fi_coord *c, void *mon) {
 }
 
 /* Every edge's heartbeat: the load of each (cluster, model) with a live
- * worker, all of them (none listed: none live), which the edges' routers
- * go by. */
+ * worker (s_cluster_loads: all of them, none listed: none live, unless it
+ * says it left some out), which the edges' routers go by. */
 static void s_tell_edges(fi_coord *c) {
     uint64_t now = fi_wire_now_ms();
     size_t len = 0;
     uint8_t *beat = s_cluster_loads(c, now, &len);
-    if (!beat) beat = fi_wire_heartbeat(now, &len);
-    if (!beat) return;
+    if (!beat) return; /* out of memory: the edges' view goes stale, then unknown */
     for (size_t i = 0; i < c->n_peers; i++) {
         const s_peer *p = &c->peers[i];
         if (p->rec.role != FI__ROLE__ROLE_EDGE) continue;

@@ -555,21 +555,129 @@ static void s_listen(fi_client *edge, int ms) {
 static void test_edge_view_follows_workers(void **state) {
     harness *h = *state;
     fi_client *edge = s_new_edge(h, "s6");
-    fi_cluster_load L[FI_CLIENT_MAX_LOADS];
+    fi_cluster_load L[4];
+    int trunc = -1;
     uint64_t heard = 0;
     h_worker w;
     assert_int_equal(h_worker_start_cap(h, &w, "solo", 0, 2), 0);
     s_listen(edge, 3 * H_HB_MS);
-    assert_int_equal(fi_client_cluster_loads(edge, L, FI_CLIENT_MAX_LOADS, &heard), 1);
+    assert_int_equal(fi_client_cluster_loads(edge, L, 4, &heard, &trunc), 1);
+    assert_int_equal(trunc, 0);
     assert_string_equal(L[0].model, "solo");
     assert_int_equal(L[0].workers, 1);
     assert_int_equal(L[0].capacity, 2);
     h_worker_stop(&w);
     /* the coordinator notices within its liveness, then tells the edges */
     s_listen(edge, (H_LIVENESS + 3) * H_HB_MS);
-    assert_int_equal(fi_client_cluster_loads(edge, L, FI_CLIENT_MAX_LOADS, &heard), 0);
+    assert_int_equal(fi_client_cluster_loads(edge, L, 4, &heard, &trunc), 0);
+    assert_int_equal(trunc, 0);
     assert_true(heard > 0 && fi_wire_now_ms() - heard <= 3 * H_HB_MS);
     fi_client_destroy(&edge);
+}
+
+/* n clusters c00, c01, ... each with one echo worker of model, in h. */
+static h_worker *s_clusters(harness *h, int n, const char *model) {
+    h_worker *w = calloc((size_t)n, sizeof *w);
+    assert_non_null(w);
+    for (int i = 0; i < n; i++) {
+        char site[16];
+        snprintf(site, sizeof site, "c%02d", i);
+        fi_shard_backend be = fi_shard_echo_backend(4, 0);
+        assert_int_equal(h_worker_start_be(h, &w[i], model, site, &be, 4), 0);
+        w[i].owns_be = 1;
+    }
+    return w;
+}
+
+static void s_clusters_stop(h_worker **w, int n) {
+    for (int i = 0; i < n; i++) h_worker_stop(&(*w)[i]);
+    free(*w);
+    *w = NULL;
+}
+
+/* The edge's rows now: malloc'd, *n of them, truncated or not. */
+static fi_cluster_load *s_rows(fi_client *edge, int *n, int *trunc) {
+    uint64_t heard = 0;
+    *n = fi_client_cluster_loads(edge, NULL, 0, &heard, trunc);
+    fi_cluster_load *L = calloc((size_t)*n + 1, sizeof *L);
+    assert_non_null(L);
+    assert_int_equal(fi_client_cluster_loads(edge, L, *n, &heard, trunc), *n);
+    assert_true(heard > 0);
+    return L;
+}
+
+/* Edges hear of every (cluster, model) with a live worker, however many:
+ * 66 clusters, 66 rows (the coordinator sent the first 64, and the edge
+ * read the 65th and 66th as clusters without a live worker). */
+static void test_edge_view_many_clusters(void **state) {
+    harness *h = *state;
+    enum { NC = 66 };
+    h_worker *w = s_clusters(h, NC, "mX");
+    fi_client *edge = s_new_edge(h, "s15");
+    s_listen(edge, 4 * H_HB_MS);
+    int n = 0, trunc = -1;
+    fi_cluster_load *L = s_rows(edge, &n, &trunc);
+    assert_int_equal(trunc, 0);
+    assert_int_equal(n, NC);
+    for (int i = 0; i < NC; i++) { /* in order of cluster names */
+        char site[16];
+        snprintf(site, sizeof site, "c%02d", i);
+        assert_string_equal(L[i].cluster, site);
+        assert_string_equal(L[i].model, "mX");
+        assert_int_equal(L[i].workers, 1);
+        assert_int_equal(L[i].capacity, 4);
+    }
+    free(L);
+    fi_client_destroy(&edge);
+    s_clusters_stop(&w, NC);
+}
+
+static int setup_small_msg(void **state) {
+    harness *h = calloc(1, sizeof *h);
+    if (!h || h_init(h)) return -1;
+    h->max_msg = 4096;
+    if (h_start(h)) return -1;
+    *state = h;
+    return 0;
+}
+
+/* A heartbeat keeps within the coordinator's message limit (max_msg,
+ * here 4 KiB; FI_WIRE_MAX_LOAD_ROWS rows at most anyway): the rows that
+ * do not fit are left out, and the heartbeat says so, so that an edge
+ * reads the clusters it is not told about as unknown rather than as
+ * clusters without a live worker. */
+static void test_edge_view_truncated(void **state) {
+    harness *h = *state;
+    enum { NC = 66 };
+    char model[61];
+    memset(model, 'm', 60);
+    model[60] = 0;
+    h_worker *w = s_clusters(h, NC, model); /* rows of about 80 bytes: some 50 fit */
+    fi_client *edge = s_new_edge(h, "s16");
+    s_listen(edge, 4 * H_HB_MS);
+    int n = 0, trunc = -1;
+    fi_cluster_load *L = s_rows(edge, &n, &trunc);
+    print_message("max_msg 4096: %d of %d rows sent, truncated %d\n", n, NC, trunc);
+    assert_int_equal(trunc, 1);
+    assert_true(n > 10 && n < NC);
+    for (int i = 0; i < n; i++) { /* the first ones in name order */
+        char site[16];
+        snprintf(site, sizeof site, "c%02d", i);
+        assert_string_equal(L[i].cluster, site);
+    }
+    free(L);
+    /* once the others are gone, the one left fits: the rows are whole
+     * again */
+    for (int i = 0; i < NC - 1; i++) h_worker_stop(&w[i]);
+    s_listen(edge, (H_LIVENESS + 3) * H_HB_MS);
+    L = s_rows(edge, &n, &trunc);
+    assert_int_equal(trunc, 0); /* one row fits */
+    assert_int_equal(n, 1);
+    assert_string_equal(L[0].cluster, "c65");
+    free(L);
+    fi_client_destroy(&edge);
+    h_worker_stop(&w[NC - 1]);
+    free(w);
 }
 
 /* A worker answers a request with a code about the edge's connection
@@ -796,6 +904,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_edge_view_many_clusters, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_edge_view_truncated, setup_small_msg, teardown),
         cmocka_unit_test_setup_teardown(test_worker_cannot_disconnect_edge, setup, teardown),
         cmocka_unit_test_setup_teardown(test_only_edges_upload_their_site, setup, teardown),
         cmocka_unit_test_setup_teardown(test_replaced_key_continues_log, setup, teardown),
