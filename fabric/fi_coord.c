@@ -1096,6 +1096,8 @@ static uint32_t s_sat_add(uint32_t a, uint32_t b) {
     return a > UINT32_MAX - b ? UINT32_MAX : a + b;
 }
 
+static uint32_t s_min_u32(uint32_t a, uint32_t b) { return a < b ? a : b; }
+
 /* The most bytes one ClusterLoad row takes in a Heartbeat: two names of
  * at most 63 bytes (FI_STORE_NAME_MAX, S_MODEL_NAME; tag and length 1
  * byte each), six uint32 (tag 1, varint at most 5), and the row's own tag
@@ -1125,7 +1127,18 @@ static int s_pair_cmp(const void *a, const void *b) {
  * as many as keep the message within max_msg; the rest are left out and
  * the heartbeat says so (clusters_truncated), as it does when out of
  * memory: an edge then reads a pair it is not told about as unknown, not
- * as one without a live worker. NULL when out of memory even for that. */
+ * as one without a live worker. NULL when out of memory even for that.
+ *
+ * A worker serving several models is counted in the row of each: its
+ * models share its slots and its KV pool, and the coordinator admits a
+ * request for model k to a worker while the worker's open requests, of
+ * every model, are under its capacity for k (s_on_infer). So a row takes
+ * each worker's open and queued requests, each at most the worker's
+ * capacity for the row's model: the row's capacity minus its in_flight is
+ * then the room the coordinator would admit into, and a worker busy with
+ * another model does not hide the free slots of the others (unclamped,
+ * its count could exceed its share of the row's capacity and make the
+ * row look full). The KV blocks are the worker's pool, in each row alike. */
 static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, size_t *len) {
     size_t n_pairs = 0;
     for (size_t i = 0; i < c->n_peers; i++) {
@@ -1168,8 +1181,8 @@ static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, size_t *len) {
                 uint32_t cap = pairs[i].model->capacity;
                 r->workers++;
                 r->capacity = s_sat_add(r->capacity, cap);
-                r->in_flight = s_sat_add(r->in_flight, w->in_flight);
-                r->queued = s_sat_add(r->queued, w->queued);
+                r->in_flight = s_sat_add(r->in_flight, s_min_u32(w->in_flight, cap));
+                r->queued = s_sat_add(r->queued, s_min_u32(w->queued, cap));
                 r->kv_blocks_free = s_sat_add(r->kv_blocks_free, w->kv_free);
                 r->kv_blocks_total = s_sat_add(r->kv_blocks_total, w->kv_total);
             }

@@ -680,6 +680,108 @@ static void test_edge_view_truncated(void **state) {
     free(w);
 }
 
+/* A raw worker of site (a fi_client that answers nothing): models[i]
+ * with capacity caps[i]. */
+static fi_client *s_raw_worker(harness *h, const char *site, int n, const char *const *models,
+                               const uint32_t *caps) {
+    fi_keypair kp;
+    char err[256];
+    assert_int_equal(fi_keys_generate(&kp), 0);
+    assert_int_equal(h_enrol_direct(h, &kp, FI__ROLE__ROLE_CLUSTER, site, "r1"), 0);
+    fi_client_opts o;
+    h_client_opts(h, &o, &kp, FI__ROLE__ROLE_CLUSTER);
+    o.n_models = n;
+    for (int i = 0; i < n; i++) {
+        snprintf(o.models[i], sizeof o.models[i], "%s", models[i]);
+        o.capacity[i] = caps[i];
+    }
+    fi_client *c = fi_client_new(&o, err, sizeof err);
+    assert_non_null(c);
+    assert_int_equal(fi_client_wait_ready(c, 5000, err, sizeof err), 0);
+    return c;
+}
+
+/* Keeps the edge and the raw workers talking for ms; counts the Infers
+ * each worker got in got[]. */
+static void s_pump(fi_client *edge, fi_client **w, int nw, int *got, int ms) {
+    uint64_t end = fi_wire_now_ms() + (uint64_t)ms;
+    while (fi_wire_now_ms() < end) {
+        char err[128];
+        for (int i = 0; i < nw; i++) {
+            fi_msg *m = NULL;
+            if (fi_client_recv(w[i], 0, &m, err, sizeof err) == 1 &&
+                m->body_case == FI__ENVELOPE__BODY_INFER)
+                got[i]++;
+            fi_wire_free(&m);
+        }
+        fi_msg *m = NULL;
+        (void)fi_client_recv(edge, 5, &m, err, sizeof err);
+        fi_wire_free(&m);
+    }
+}
+
+/* The row of (cluster, model) the edge holds now; fails when none. */
+static fi_cluster_load s_row(fi_client *edge, const char *cluster, const char *model) {
+    fi_cluster_load L[8];
+    uint64_t heard = 0;
+    int n = fi_client_cluster_loads(edge, L, 8, &heard, NULL);
+    for (int i = 0; i < n && i < 8; i++)
+        if (!strcmp(L[i].cluster, cluster) && !strcmp(L[i].model, model)) return L[i];
+    fail_msg("no row for %s/%s", cluster, model);
+    return L[0];
+}
+
+/* A worker serving two models counts in the row of each with its open
+ * requests of both (they share its slots: the coordinator admits a
+ * request for m1 while its open requests are under its m1 capacity), but
+ * at most its capacity for the row's model: here A (m1: 2, m2: 8) has 6
+ * m2 requests open and B (m1: 2) none, and the m1 row says 2 of 4 busy,
+ * which is the room the coordinator admits into. It said 6 of 4: full,
+ * and an edge kept m1 requests away from B's free slots. */
+static void test_edge_view_multi_model_worker(void **state) {
+    harness *h = *state;
+    const char *ab[2] = {"m1", "m2"};
+    uint32_t cap_a[2] = {2, 8}, cap_b[1] = {2};
+    fi_client *w[2] = {s_raw_worker(h, "cm", 2, ab, cap_a), s_raw_worker(h, "cm", 1, ab, cap_b)};
+    fi_client *edge = s_new_edge(h, "s17");
+    int got[2] = {0, 0};
+    for (int i = 0; i < 6; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "mm-%d", i);
+        Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+        rq.request_id = id;
+        rq.model = (char *)"m2";
+        rq.prompt = (char *)"x";
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_INFER;
+        m.infer = &rq;
+        assert_int_equal(fi_client_send(edge, &m), 0);
+    }
+    s_pump(edge, w, 2, got, 4 * H_HB_MS);
+    assert_int_equal(got[0], 6);
+    fi_cluster_load r1 = s_row(edge, "cm", "m1"), r2 = s_row(edge, "cm", "m2");
+    print_message("m1 row: %u of %u busy, %u workers; m2 row: %u of %u\n", r1.in_flight,
+                  r1.capacity, r1.workers, r2.in_flight, r2.capacity);
+    assert_int_equal(r1.workers, 2);
+    assert_int_equal(r1.capacity, 4);
+    assert_int_equal(r1.in_flight, 2);
+    assert_int_equal(r2.capacity, 8);
+    assert_int_equal(r2.in_flight, 6);
+    /* and the room is real: an m1 request goes to B */
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)"mm-m1";
+    rq.model = (char *)"m1";
+    rq.prompt = (char *)"x";
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_INFER;
+    m.infer = &rq;
+    assert_int_equal(fi_client_send(edge, &m), 0);
+    s_pump(edge, w, 2, got, 3 * H_HB_MS);
+    assert_int_equal(got[1], 1);
+    fi_client_destroy(&edge);
+    for (int i = 0; i < 2; i++) fi_client_destroy(&w[i]);
+}
+
 /* A worker answers a request with a code about the edge's connection
  * (revoked): it is the request's error only, as an engine error, and the
  * edge stays connected and served. */
@@ -906,6 +1008,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_many_clusters, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_truncated, setup_small_msg, teardown),
+        cmocka_unit_test_setup_teardown(test_edge_view_multi_model_worker, setup, teardown),
         cmocka_unit_test_setup_teardown(test_worker_cannot_disconnect_edge, setup, teardown),
         cmocka_unit_test_setup_teardown(test_only_edges_upload_their_site, setup, teardown),
         cmocka_unit_test_setup_teardown(test_replaced_key_continues_log, setup, teardown),
