@@ -1052,8 +1052,11 @@ static void s_on_apptok(fi_coord *c, s_peer *op, const Fi__AppTokenRequest *rq) 
 /* A worker's reported load and prefix filter. A report with a count
  * beyond S_MAX_REPORTED, more free KV blocks than blocks, or a filter
  * that is not a power of two of 64..65536 bytes is dropped with a log line
- * naming the field; the worker then claims no cached prefix (its old
- * filter goes too), so a bad report never keeps an old cache score alive. */
+ * naming the field, and so is what the worker said before: it then claims
+ * no cached prefix and reports no load (its old filter and counts go),
+ * so a bad report never keeps an old cache score or an old load alive;
+ * its load is what the coordinator counts itself (in_flight), as for a
+ * worker that never reported, until a good report comes. */
 #define S_MAX_REPORTED (1u << 30)
 static void s_take_load(s_peer *w, const Fi__WorkerLoad *l) {
     size_t n = l->prefix_filter.len;
@@ -1066,6 +1069,7 @@ static void s_take_load(s_peer *w, const Fi__WorkerLoad *l) {
     if (bad) {
         s_log("peer %s: load report dropped: bad %s", w->rec.fpr, bad);
         n = 0;
+        w->running = w->queued = w->kv_free = w->kv_total = 0;
     } else {
         w->running = l->running;
         w->queued = l->queued;

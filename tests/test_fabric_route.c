@@ -367,6 +367,27 @@ static void test_bad_report_drops_old_filter(void **state) {
     for (int i = 0; i < 2; i++) fi_client_destroy(&w[i]);
 }
 
+/* A bad load report takes the worker's old counts away too, not only its
+ * filter: here worker 0 reported 7 of 8 running, then a report the
+ * coordinator rejects; it is then as loaded as the coordinator counts it
+ * (nothing open) and takes the next request from worker 1 (4 of 8
+ * running). The old 7 stayed, and kept traffic away from it for as long
+ * as it sent bad reports. */
+static void test_bad_report_drops_old_load(void **state) {
+    fx *f = *state;
+    fi_client *w[2] = {s_raw_worker(f, "core1", "mC", 8), s_raw_worker(f, "core1", "mC", 8)};
+    fi_client_set_load(w[0], 7, 0, 0, 0, NULL, 0);
+    fi_client_set_load(w[1], 4, 0, 0, 0, NULL, 0);
+    (void)s_pump(f, w, 2, 5 * H_HB_MS, NULL, NULL);
+    s_send_infer(f, "load-1", "mC", NULL, 0, NULL);
+    assert_int_equal(s_pump(f, w, 2, 3 * H_HB_MS, NULL, NULL), 1);
+    fi_client_set_load(w[0], 0, 0, 5, 4, NULL, 0); /* more free blocks than blocks */
+    (void)s_pump(f, w, 2, 5 * H_HB_MS, NULL, NULL);
+    s_send_infer(f, "load-2", "mC", NULL, 0, NULL);
+    assert_int_equal(s_pump(f, w, 2, 3 * H_HB_MS, NULL, NULL), 0);
+    for (int i = 0; i < 2; i++) fi_client_destroy(&w[i]);
+}
+
 /* Workers the policy denies never crowd out a permitted one, however
  * many: 64 denied (eu-b, for a "pinned" request) connect first, then one
  * permitted; the request goes to it. And when only denied ones have room
@@ -511,6 +532,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_goes_to_holder),
         cmocka_unit_test(test_forbidden_holder_never_chosen),
         cmocka_unit_test(test_bad_report_drops_old_filter),
+        cmocka_unit_test(test_bad_report_drops_old_load),
         cmocka_unit_test(test_denied_workers_hide_nothing),
         cmocka_unit_test(test_pushed_bundle_checked),
     };
