@@ -478,6 +478,42 @@ static int s_permits(fi_coord *c, s_verdicts *vs, const Fi__InferRequest *rq, co
     return ok;
 }
 
+/* The residency zone the worker is told for rq from edge e, verdict v:
+ * the worker salts its prefix cache with it (and the tenant), and the
+ * edge salted its prefix hashes with rq->zone.
+ * - With a policy (policy_check_key): the origin's zone in the policy
+ *   that permitted the request (v->zone), else the origin site; never the
+ *   edge's word, since the zone is the policy's residency decision (an
+ *   edge with another bundle, or none, must not choose it).
+ * - Without one, the coordinator decides nothing from the zone, so the
+ *   edge's own (1..FI_WIRE_MAX_NAME bytes; else the origin site): its
+ *   hashes then match the worker's filter. Sending the origin site here
+ *   made every edge's hashes miss (the edge salts with its policy's
+ *   jurisdiction), and cache-aware routing was dead without a word. It is
+ *   safe: the tenant the worker salts with is qualified with the origin
+ *   site of the edge's key (fi_wire_cache_tenant), and the salt takes
+ *   both with their lengths, so whatever zone an edge names, its requests
+ *   can share cached blocks only with requests of its own site: an edge
+ *   can split its own site's cache, never reach another site's. */
+static const char *s_fwd_zone(const fi_coord *c, const s_peer *e, const Fi__InferRequest *rq,
+                              const fi_coord_verdict *v) {
+    if (c->o.policy) return v->zone[0] ? v->zone : e->rec.site;
+    if (rq->zone && rq->zone[0] && strlen(rq->zone) <= FI_WIRE_MAX_NAME) return rq->zone;
+    return e->rec.site;
+}
+
+/* 1 when the edge's prefix hashes can match the filter of a worker told
+ * zone: they were salted with rq->zone. When the zones differ (the
+ * coordinator's policy puts the origin in another zone than the edge's
+ * does: an edge that has not installed the pushed bundle yet), a match
+ * could only be a false positive of the filter. The coordinator does not
+ * tell edges its zone (the Hello reply could, but the zone follows the
+ * policy, which changes after Hello; the edge gets the pushed bundle and
+ * then agrees). */
+static int s_hashes_match_zone(const Fi__InferRequest *rq, const char *zone) {
+    return !strcmp(rq->zone ? rq->zone : "", zone);
+}
+
 static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     const char *rid = rq->request_id ? rq->request_id : "";
     if (!rid[0] || strlen(rid) > FI_WIRE_MAX_ID || !rq->model || !rq->model[0] ||
@@ -549,8 +585,11 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
         cd->rc.capacity = w->models[k].capacity;
         cd->rc.running = w->running;
         cd->rc.queued = w->queued;
-        cd->rc.filter = w->filter;
-        cd->rc.filter_len = w->filter_len;
+        /* the edge's hashes against its filter only when they were salted
+         * with the zone it will be told (else they would only mislead) */
+        int zone_ok = s_hashes_match_zone(rq, s_fwd_zone(c, e, rq, &v));
+        cd->rc.filter = zone_ok ? w->filter : NULL;
+        cd->rc.filter_len = zone_ok ? w->filter_len : 0;
         cd->rc.pref = v.score;
         cd->rc.affinity = aff && aff->key == conv && aff->worker == w->serial;
         memcpy(&cd->rc.id, w->rec.pub, sizeof cd->rc.id); /* its key: stable across reconnects */
@@ -578,10 +617,14 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     int hit = 0;
     int pick = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, key, &hit);
     s_peer *w = cands[pick].w;
-    char rules[512];
-    snprintf(rules, sizeof rules, "%s%sworker %s; prefix hit %d of %zu blocks; load %.2f%s",
+    const char *zone = s_fwd_zone(c, e, rq, &cands[pick].v);
+    char rules[512], zone_note[160] = "";
+    if (rq->n_prefix_hashes && !s_hashes_match_zone(rq, zone))
+        snprintf(zone_note, sizeof zone_note, " (hashes of zone '%.40s' ignored: the worker's is '%.40s')",
+                 rq->zone ? rq->zone : "", zone);
+    snprintf(rules, sizeof rules, "%s%sworker %s; prefix hit %d of %zu blocks%s; load %.2f%s",
              c->o.policy ? cands[pick].v.rules : "no policy re-check",
-             "; ", w->rec.fpr, hit, rq->n_prefix_hashes, fi_route_load(&rcs[pick]),
+             "; ", w->rec.fpr, hit, rq->n_prefix_hashes, zone_note, fi_route_load(&rcs[pick]),
              rcs[pick].affinity ? "; same conversation" : "");
     if (c->n_reqs == c->cap_reqs) {
         size_t cap = c->cap_reqs ? 2 * c->cap_reqs : 64;
@@ -602,8 +645,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     r->worker = w->serial;
     r->started_ms = fi_wire_now_ms();
     /* The worker sees the coordinator's id, the origin known from the
-     * edge's key, the residency zone of that origin in the policy that
-     * permitted it (else the origin site itself) and the tenant qualified
+     * edge's key, the residency zone (s_fwd_zone) and the tenant qualified
      * with the origin site (fi_wire_cache_tenant), whatever the edge wrote:
      * the worker salts its prefix cache with the last two, so no two sites
      * or zones share cached state. */
@@ -615,7 +657,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     Fi__InferRequest fwd = *rq;
     fwd.request_id = cid;
     fwd.origin = &origin;
-    fwd.zone = cands[pick].v.zone[0] ? cands[pick].v.zone : e->rec.site;
+    fwd.zone = (char *)zone;
     fwd.tenant = tenant;
     /* What only the router and the policy need stays here: the end user's
      * id, the hashes, the application and the prompt's size. */

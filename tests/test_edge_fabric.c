@@ -268,10 +268,12 @@ static void test_routed_chat_fields(void **state) {
     assert_string_equal(sn.stop0, "zzz");
     assert_string_equal(sn.user, ""); /* the end user's id stays at the coordinator */
     /* The edge salts with its policy's jurisdiction of the site (EU); the
-     * coordinator, which here holds no policy, sends the origin site
-     * instead, whatever the edge wrote: the worker never takes an edge's
-     * word for its zone. */
-    assert_string_equal(sn.zone, "berlin-clinic");
+     * coordinator, which here holds no policy, forwards it, so that the
+     * worker salts as the edge hashed (it sent the origin site, and the
+     * edge's prefix hashes never matched). Safe: the tenant is qualified
+     * with the site of the edge's key (below), so the edge's zone can
+     * only split its own site's cache. */
+    assert_string_equal(sn.zone, "EU");
     /* and the tenant (none here: no tokens) qualified with the site */
     assert_string_equal(sn.tenant, "13:berlin-clinic/");
     assert_int_equal(sn.n_hashes, 0); /* this edge has no model: no tokenizer */

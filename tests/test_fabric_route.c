@@ -27,6 +27,7 @@ typedef struct s_replica {
     const char *name;                     /* prefix of its answers */
     pthread_mutex_t mu;
     uint8_t bits[FI_SHARD_FILTER_BYTES];  /* prompts served so far */
+    char zone[64];                        /* the zone the last request was salted with */
 } s_replica;
 
 /* The prompt's bytes as tokens, hashed with the salt (tenant, zone) as
@@ -49,6 +50,7 @@ static int s_gen(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit, v
     int n = s_hashes(rq->tenant, rq->zone, rq->prompt, h, 128);
     pthread_mutex_lock(&r->mu);
     for (int i = 0; i < n; i++) fi_prefix_filter_add(r->bits, sizeof r->bits, h[i]);
+    snprintf(r->zone, sizeof r->zone, "%s", rq->zone ? rq->zone : "");
     pthread_mutex_unlock(&r->mu);
     return emit(eu, r->name, strlen(r->name)) ? 0 : 0;
 }
@@ -80,12 +82,10 @@ typedef struct fx {
     uint8_t sk[64];              /* the policy-signing key (policy_check_key's pair) */
 } fx;
 
-static int setup(void **state) {
-    fx *f = calloc(1, sizeof *f);
+/* The signed policy in the coordinator's store, and its key in the
+ * configuration o (policy_check_key). */
+static void s_policy_on(fx *f, fi_coord_opts *o) {
     char err[256], path[400];
-    assert_int_equal(h_init(&f->h), 0);
-    /* The signed policy in the coordinator's store, and its key in the
-     * configuration (policy_check_key). */
     uint8_t pk[32], sk[64];
     assert_int_equal(fi_bundle_keygen(pk, sk), 0);
     memcpy(f->sk, sk, sizeof f->sk);
@@ -100,9 +100,20 @@ static int setup(void **state) {
     assert_int_equal(fi_store_bundle_put(st, 1, b, bl, "op"), 0);
     fi_store_destroy(&st);
     free(b);
+    snprintf(o->policy_check_key, sizeof o->policy_check_key, "%s/sign.key.pub", f->h.dir);
+}
+
+/* The coordinator (with its policy re-check when policy, else without:
+ * "the check is off"), two replicas core1 and core2 of model m, and an
+ * edge of site clinic. */
+static fx *s_setup(int policy) {
+    fx *f = calloc(1, sizeof *f);
+    char err[256];
+    assert_non_null(f);
+    assert_int_equal(h_init(&f->h), 0);
     fi_coord_opts o;
     h_opts(&f->h, &o, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*");
-    snprintf(o.policy_check_key, sizeof o.policy_check_key, "%s/sign.key.pub", f->h.dir);
+    if (policy) s_policy_on(f, &o);
     f->h.c = fi_coord_new(&o, &f->h.coord, err, sizeof err);
     assert_non_null(f->h.c);
     snprintf(f->h.ep, sizeof f->h.ep, "%s", fi_coord_endpoint(f->h.c, 0));
@@ -120,7 +131,16 @@ static int setup(void **state) {
     assert_int_equal(h_enrol_direct(&f->h, &ek, FI__ROLE__ROLE_EDGE, "clinic", "eu-a"), 0);
     f->edge = h_client(&f->h, &ek, FI__ROLE__ROLE_EDGE);
     assert_non_null(f->edge);
-    *state = f;
+    return f;
+}
+
+static int setup(void **state) {
+    *state = s_setup(1);
+    return 0;
+}
+
+static int setup_no_policy(void **state) {
+    *state = s_setup(0);
     return 0;
 }
 
@@ -133,21 +153,22 @@ static int teardown(void **state) {
     return 0;
 }
 
-/* Sends a request with the prompt's prefix hashes; returns the replica
- * that answered (0, 1) or -1 with the error code in *code. */
-static int s_ask_in(fx *f, const char *id, const char *prompt, const char *label,
-                    const char *cluster, int *code) {
+/* Sends a request with the prompt's prefix hashes, salted with
+ * hash_zone, saying zone; returns the replica that answered (0, 1) or -1
+ * with the error code in *code. */
+static int s_ask_zoned(fx *f, const char *id, const char *prompt, const char *label,
+                       const char *cluster, const char *hash_zone, const char *zone, int *code) {
     /* hashed as the edge hashes: the tenant qualified with its site */
     char salt[FI_WIRE_CACHE_TENANT_MAX];
     assert_int_equal(fi_wire_cache_tenant("clinic", "tenant", salt), 0);
     uint64_t h[128];
-    int n = s_hashes(salt, "EU", prompt, h, 128);
+    int n = s_hashes(salt, hash_zone, prompt, h, 128);
     Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
     rq.request_id = (char *)id;
     rq.model = (char *)"m";
     rq.prompt = (char *)prompt;
     rq.tenant = (char *)"tenant";
-    rq.zone = (char *)"EU";
+    rq.zone = (char *)zone;
     rq.prefix_hashes = h;
     rq.n_prefix_hashes = (size_t)n;
     rq.cluster = (char *)cluster;
@@ -162,6 +183,12 @@ static int s_ask_in(fx *f, const char *id, const char *prompt, const char *label
     *code = res.error;
     if (res.error) return -1;
     return !strcmp(t.buf, "core1") ? 0 : !strcmp(t.buf, "core2") ? 1 : -1;
+}
+
+/* As the edge asks, its zone EU (its policy's jurisdiction of clinic). */
+static int s_ask_in(fx *f, const char *id, const char *prompt, const char *label,
+                    const char *cluster, int *code) {
+    return s_ask_zoned(f, id, prompt, label, cluster, "EU", "EU", code);
 }
 
 static int s_ask(fx *f, const char *id, const char *prompt, const char *label, int *code) {
@@ -215,6 +242,105 @@ static void test_prefix_goes_to_holder(void **state) {
         snprintf(id, sizeof id, "p0-%d", i);
         assert_int_equal(s_ask(f, id, s_prompt[0], NULL, &code), 1 - win[0]);
     }
+}
+
+/* Which replica a full tie sends prompt to (both idle, nothing cached),
+ * with the edge's hashes salted with zone: fi_route_pick's rendezvous on
+ * the workers' keys, as the coordinator ranks them. */
+static int s_tie(fx *f, const char *prompt, const char *zone) {
+    char salt[FI_WIRE_CACHE_TENANT_MAX];
+    assert_int_equal(fi_wire_cache_tenant("clinic", "tenant", salt), 0);
+    uint64_t h[128];
+    int n = s_hashes(salt, zone, prompt, h, 128);
+    fi_route_cand c[2];
+    memset(c, 0, sizeof c);
+    for (int i = 0; i < 2; i++) {
+        c[i].capacity = 8;
+        memcpy(&c[i].id, f->w[i].kp.pub, sizeof c[i].id);
+    }
+    return fi_route_pick(c, 2, h, n, fi_route_key(h, n, 0), NULL);
+}
+
+/* Makes the replica that loses prompt's tie hold it (the edge sends it
+ * there, zone EU, as the edge hashes and says), lets the filters travel,
+ * then sends 6 requests with hashes salted with hash_zone, saying zone:
+ * how many went to the holder (*holder). */
+static int s_to_holder(fx *f, const char *prompt, const char *hash_zone, const char *zone,
+                       int *holder) {
+    int code;
+    *holder = 1 - s_tie(f, prompt, "EU");
+    assert_int_equal(s_ask_in(f, "warm", prompt, NULL, *holder ? "core2" : "core1", &code), *holder);
+    s_beats(f);
+    int to_holder = 0;
+    for (int i = 0; i < 6; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "z%d", i);
+        to_holder += s_ask_zoned(f, id, prompt, NULL, "", hash_zone, zone, &code) == *holder;
+    }
+    return to_holder;
+}
+
+/* A coordinator without a policy forwards the edge's zone (here EU, its
+ * policy's jurisdiction of the site): the worker salts as the edge
+ * hashed, and the replica holding the prefix gets every request sharing
+ * it. It forwarded the origin site, the edge's hashes never matched, and
+ * the holder got 0 of 6 (each went by the tie). */
+static void test_zone_as_edge(void **state) {
+    fx *f = *state;
+    static char prompt[600];
+    memset(prompt, 'b', 512);
+    prompt[512] = 0;
+    int holder;
+    int n = s_to_holder(f, prompt, "EU", "EU", &holder);
+    pthread_mutex_lock(&f->rep[holder].mu);
+    char zone[64];
+    snprintf(zone, sizeof zone, "%s", f->rep[holder].zone);
+    pthread_mutex_unlock(&f->rep[holder].mu);
+    print_message("no policy: the worker salted with zone '%s'; %d of 6 to the holder\n", zone, n);
+    assert_string_equal(zone, "EU");
+    assert_int_equal(n, 6);
+}
+
+/* Without a policy, a zone the coordinator cannot carry (over 63 bytes)
+ * or none is replaced by the origin site. */
+static void test_zone_bad_is_site(void **state) {
+    fx *f = *state;
+    int code;
+    char big[80];
+    memset(big, 'z', 64);
+    big[64] = 0;
+    const char *zones[2] = {big, ""};
+    for (int i = 0; i < 2; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "bz%d", i);
+        int r = s_ask_zoned(f, id, "a short prompt", NULL, "core1", zones[i], zones[i], &code);
+        assert_int_equal(r, 0);
+        pthread_mutex_lock(&f->rep[0].mu);
+        assert_string_equal(f->rep[0].zone, "clinic");
+        pthread_mutex_unlock(&f->rep[0].mu);
+    }
+}
+
+/* With a policy, the worker is told the origin's zone in it (EU here),
+ * whatever the edge says; an edge whose own policy puts it in another
+ * zone (XX) salted its hashes with that, so they cannot match the
+ * worker's filter but by a false positive: they are not scored. Here the
+ * hashes are salted with EU nonetheless, so that they would match: the
+ * requests go by the tie, not to the holder (they went to the holder). */
+static void test_zone_mismatch_hashes_ignored(void **state) {
+    fx *f = *state;
+    static char prompt[600];
+    memset(prompt, 'k', 512);
+    prompt[512] = 0;
+    int holder;
+    assert_int_equal(s_to_holder(f, prompt, "EU", "XX", &holder), 0);
+    pthread_mutex_lock(&f->rep[1 - holder].mu);
+    assert_string_equal(f->rep[1 - holder].zone, "EU"); /* the policy's, not the edge's */
+    pthread_mutex_unlock(&f->rep[1 - holder].mu);
+    /* and with the zones agreeing, the holder (of another prompt: both
+     * hold this one now) */
+    memset(prompt, 'l', 512);
+    assert_int_equal(s_to_holder(f, prompt, "EU", "EU", &holder), 6);
 }
 
 typedef struct s_scan {
@@ -322,6 +448,7 @@ static void s_send_infer(fx *f, const char *id, const char *model, const uint64_
     rq.model = (char *)model;
     rq.prompt = (char *)"x";
     rq.tenant = (char *)"tenant";
+    rq.zone = (char *)"EU"; /* as the edge says (its hashes are salted with it) */
     rq.prefix_hashes = (uint64_t *)h;
     rq.n_prefix_hashes = (size_t)nh;
     rq.labels = label ? labels : NULL;
@@ -535,6 +662,9 @@ int main(void) {
         cmocka_unit_test(test_bad_report_drops_old_load),
         cmocka_unit_test(test_denied_workers_hide_nothing),
         cmocka_unit_test(test_pushed_bundle_checked),
+        cmocka_unit_test(test_zone_mismatch_hashes_ignored),
+        cmocka_unit_test_setup_teardown(test_zone_as_edge, setup_no_policy, teardown),
+        cmocka_unit_test_setup_teardown(test_zone_bad_is_site, setup_no_policy, teardown),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
