@@ -127,10 +127,16 @@ void fi_sched_get_stats(const fi_sched *s, fi_sched_stats *st);
 int fi_prefix_hashes(const char *tenant, const char *zone, const int32_t *toks, int n,
                      uint64_t *out, int max);
 
-/* A compact summary of the cached chains: a Bloom filter (3 probes) of the
- * hashes of every cached block, nbytes long (a power of two, 64..65536).
- * Returns 0, or -1 for a bad size. With a bad size, fi_prefix_filter_add
- * does nothing and fi_prefix_filter_has and _match find nothing. */
+/* A compact summary of the cached chains: a Bloom filter
+ * (FI_PREFIX_FILTER_PROBES probes) of the hashes of every cached block,
+ * nbytes long (a power of two, FI_PREFIX_FILTER_MIN..MAX). Returns 0, or
+ * -1 for a bad size. With a bad size, fi_prefix_filter_add does nothing
+ * and fi_prefix_filter_has and _match find nothing. A filter whose bits
+ * are a fraction `fill` set answers a hash it does not hold with
+ * probability about fill^FI_PREFIX_FILTER_PROBES. */
+#define FI_PREFIX_FILTER_PROBES 3
+#define FI_PREFIX_FILTER_MIN 64
+#define FI_PREFIX_FILTER_MAX 65536
 int fi_sched_prefix_filter(const fi_sched *s, uint8_t *bits, size_t nbytes);
 void fi_prefix_filter_add(uint8_t *bits, size_t nbytes, uint64_t h);
 int fi_prefix_filter_has(const uint8_t *bits, size_t nbytes, uint64_t h);
