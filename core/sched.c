@@ -163,6 +163,13 @@ static int s_filter_size_ok(size_t nbytes) {
            (nbytes & (nbytes - 1)) == 0;
 }
 
+size_t fi_prefix_filter_bytes(int blocks) {
+    uint64_t bits = (uint64_t)(blocks > 0 ? blocks : 0) * FI_PREFIX_FILTER_BITS_PER_BLOCK;
+    size_t n = FI_PREFIX_FILTER_MIN;
+    while (n < FI_PREFIX_FILTER_MAX && (uint64_t)n * 8 < bits) n *= 2;
+    return n;
+}
+
 /* Probe i of hash h in a filter of nb bits (a power of two): double
  * hashing over h's two halves, (h + i * h2) mod nb with h2 the high half
  * (odd, so that the probes differ). A chain hash is uniform, so the

@@ -370,6 +370,45 @@ static void test_prefix_filter_false_rate(void **state) {
     }
 }
 
+/* A filter sized for a pool (fi_prefix_filter_bytes: 10 bits a block, a
+ * power of two of 64..65536 bytes) holding every block of the pool
+ * answers about 1-2% of hashes it does not hold; the fixed 1 KiB filter
+ * every worker reported answered most of them once the pool held
+ * thousands of blocks (measured here too). */
+static void test_prefix_filter_size(void **state) {
+    (void)state;
+    assert_int_equal(fi_prefix_filter_bytes(-5), 64);
+    assert_int_equal(fi_prefix_filter_bytes(0), 64);
+    assert_int_equal(fi_prefix_filter_bytes(51), 64);   /* 510 bits */
+    assert_int_equal(fi_prefix_filter_bytes(52), 128);  /* 520 bits */
+    assert_int_equal(fi_prefix_filter_bytes(347), 512); /* SmolLM2-135M, 256 MiB */
+    assert_int_equal(fi_prefix_filter_bytes(5000), 8192);
+    assert_int_equal(fi_prefix_filter_bytes(52428), 65536);
+    assert_int_equal(fi_prefix_filter_bytes(1 << 30), 65536);
+    static const int pools[] = {300, 3000, 12000, 40000};
+    for (size_t k = 0; k < sizeof pools / sizeof *pools; k++) {
+        size_t nb = fi_prefix_filter_bytes(pools[k]);
+        uint8_t *sized = calloc(nb, 1), fixed[1024] = {0};
+        assert_non_null(sized);
+        uint64_t x = 99; /* uniform 64-bit values, as BLAKE2b chain hashes are */
+        for (int b = 0; b < pools[k]; b++) {
+            uint64_t v = s_mix(&x);
+            fi_prefix_filter_add(sized, nb, v);
+            fi_prefix_filter_add(fixed, sizeof fixed, v);
+        }
+        int fp_sized = 0, fp_fixed = 0;
+        for (int q = 0; q < 10000; q++) {
+            uint64_t v = s_mix(&x);
+            fp_sized += fi_prefix_filter_has(sized, nb, v);
+            fp_fixed += fi_prefix_filter_has(fixed, sizeof fixed, v);
+        }
+        print_message("%5d blocks: %5zu-byte filter %.2f%% false, 1 KiB filter %.2f%%\n", pools[k], nb,
+                      fp_sized / 100.0, fp_fixed / 100.0);
+        assert_true(fp_sized < 250); /* 2.5% */
+        free(sized);
+    }
+}
+
 typedef struct hook {
     int calls;
     int fail_at;
@@ -653,6 +692,7 @@ int main(void) {
         cmocka_unit_test(test_cancel_and_errors),
         cmocka_unit_test(test_prefix_filter),
         cmocka_unit_test(test_prefix_filter_false_rate),
+        cmocka_unit_test(test_prefix_filter_size),
         cmocka_unit_test(test_forward_hook),
         cmocka_unit_test(test_resubmit_from_on_done),
         cmocka_unit_test(test_counters_and_small_pool),
