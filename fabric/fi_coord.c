@@ -55,6 +55,7 @@ typedef struct s_peer {
     uint32_t kv_free, kv_total;    /* clusters: reported KV-cache blocks */
     uint8_t *filter;               /* clusters: reported prefix filter (owned), NULL: none */
     size_t filter_len;             /* its bytes */
+    uint32_t filter_ones;          /* its bits set (its fill, for the router) */
 } s_peer;
 
 /* The worker that served a conversation (a user of an edge) last. */
@@ -590,6 +591,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
         int zone_ok = s_hashes_match_zone(rq, s_fwd_zone(c, e, rq, &v));
         cd->rc.filter = zone_ok ? w->filter : NULL;
         cd->rc.filter_len = zone_ok ? w->filter_len : 0;
+        cd->rc.filter_ones = zone_ok ? w->filter_ones : 0;
         cd->rc.pref = v.score;
         cd->rc.affinity = aff && aff->key == conv && aff->worker == w->serial;
         memcpy(&cd->rc.id, w->rec.pub, sizeof cd->rc.id); /* its key: stable across reconnects */
@@ -1132,9 +1134,11 @@ static void s_take_load(s_peer *w, const Fi__WorkerLoad *l) {
         free(w->filter);
         w->filter = NULL;
         w->filter_len = 0;
+        w->filter_ones = 0;
         return;
     }
     memcpy(w->filter, l->prefix_filter.data, n);
+    w->filter_ones = fi_route_filter_ones(w->filter, n);
 }
 
 /* a + b, at most UINT32_MAX (the rows' sums of reported counts) */

@@ -618,6 +618,87 @@ static void test_route_order(void **state) {
     assert_int_equal(fi_prefix_filter_has(NULL, 0, h[0]), 0);
 }
 
+/* splitmix64: well-mixed 64-bit values, as BLAKE2b chain hashes are. */
+static uint64_t s_mix(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* A saturated filter (here 1 KiB over thousands of cached blocks: the
+ * size every worker reported, and what a pool past 52428 blocks still
+ * gets per block) claims most cold prompts; since a hit outranks load, a
+ * busy worker (7 of 8) that holds nothing of a prompt beat an idle one
+ * that truly holds its first 2 blocks. The router now takes off each
+ * match the run the filter's fill explains by chance (fi_route_pick):
+ * the busy worker wins at most 1% of them (0.2%, 0, 0; it won 2.3%,
+ * 32% and 88% with 3000, 6000 and 12000 blocks), while a true long hit (32
+ * blocks) on that busy worker still wins where the filter still says
+ * something (3000, 6000 blocks; at 12000 it is 99% full and says
+ * nothing), and every time on a filter sized for its pool. */
+static void test_saturated_filter(void **state) {
+    (void)state;
+    static const int sizes[] = {300, 1000, 3000, 6000, 12000};
+    const int Q = 1000;
+    for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
+        for (int sized = 0; sized < 2; sized++) {
+            size_t nb = sized ? fi_prefix_filter_bytes(sizes[s]) : 1024;
+            uint8_t *sat = calloc(nb, 1), *full = malloc(nb), holds[1024];
+            assert_non_null(sat);
+            assert_non_null(full);
+            uint64_t x = 12345 + (uint64_t)s;
+            for (int b = 0; b < sizes[s]; b++) fi_prefix_filter_add(sat, nb, s_mix(&x));
+            double fill = (double)fi_route_filter_ones(sat, nb) / (double)(nb * 8);
+            int claims = 0, busy_cold = 0, busy_true = 0;
+            for (int q = 0; q < Q; q++) {
+                int32_t toks[512];
+                for (int i = 0; i < 512; i++) toks[i] = 5000 + q * 1031 + i;
+                uint64_t h[32];
+                int nh = fi_prefix_hashes("t", "EU", toks, 512, h, 32);
+                assert_int_equal(nh, 32);
+                fi_route_cand c[2];
+                memset(c, 0, sizeof c);
+                c[0].capacity = c[1].capacity = 8;
+                c[0].in_flight = 7; /* nearly full */
+                c[0].id = 1, c[1].id = 2;
+                /* cold for the busy one; the idle one truly holds 2 blocks */
+                memset(holds, 0, sizeof holds);
+                fi_prefix_filter_add(holds, sizeof holds, h[0]);
+                fi_prefix_filter_add(holds, sizeof holds, h[1]);
+                c[0].filter = sat, c[0].filter_len = nb;
+                c[1].filter = holds, c[1].filter_len = sizeof holds;
+                claims += fi_prefix_filter_match(sat, nb, h, 8) > 0;
+                busy_cold += fi_route_pick(c, 2, h, 8, (uint64_t)q, NULL) == 0;
+                /* the busy one truly holds all 32 blocks; the idle one nothing */
+                memcpy(full, sat, nb);
+                for (int i = 0; i < nh; i++) fi_prefix_filter_add(full, nb, h[i]);
+                c[0].filter = full;
+                c[1].filter = NULL;
+                busy_true += fi_route_pick(c, 2, h, nh, (uint64_t)q, NULL) == 0;
+            }
+            print_message("%5d blocks in %5zu bytes (fill %.2f, chance run %2d): cold prompts "
+                          "claimed %5.1f%%; busy beat the idle holder of 2 blocks %4.1f%%; "
+                          "busy's true 32-block hit won %5.1f%%\n",
+                          sizes[s], nb, fill, fi_route_false_run(fi_route_filter_ones(sat, nb), nb, 32),
+                          100.0 * claims / Q, 100.0 * busy_cold / Q, 100.0 * busy_true / Q);
+            assert_true(busy_cold <= Q / 100);
+            if (sized || sizes[s] <= 6000) assert_int_equal(busy_true, Q);
+            free(sat);
+            free(full);
+        }
+    }
+    /* the chance run: none for a filter under 31% full, all for a full one */
+    uint8_t f[64];
+    memset(f, 0, sizeof f);
+    assert_int_equal(fi_route_false_run(fi_route_filter_ones(f, sizeof f), sizeof f, 8), 0);
+    memset(f, 0x55, sizeof f); /* half full: fp 1/8, 1/64: one block */
+    assert_int_equal(fi_route_filter_ones(f, sizeof f), 256);
+    assert_int_equal(fi_route_false_run(256, sizeof f, 8), 1);
+    memset(f, 0xff, sizeof f);
+    assert_int_equal(fi_route_false_run(fi_route_filter_ones(f, sizeof f), sizeof f, 8), 8);
+}
+
 static int s_push(fx *f, uint64_t v, const char *b, size_t bl) {
     return h_push_bundle(&f->h, v, b, bl);
 }
@@ -656,6 +737,7 @@ static void test_pushed_bundle_checked(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_route_order),
+        cmocka_unit_test(test_saturated_filter),
         cmocka_unit_test(test_prefix_goes_to_holder),
         cmocka_unit_test(test_forbidden_holder_never_chosen),
         cmocka_unit_test(test_bad_report_drops_old_filter),
