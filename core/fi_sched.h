@@ -127,11 +127,27 @@ void fi_sched_get_stats(const fi_sched *s, fi_sched_stats *st);
 int fi_prefix_hashes(const char *tenant, const char *zone, const int32_t *toks, int n,
                      uint64_t *out, int max);
 
-/* A compact summary of the cached chains: a Bloom filter (3 probes) of the
- * hashes of every cached block, nbytes long (a power of two, 64..65536).
- * Returns 0, or -1 for a bad size. With a bad size, fi_prefix_filter_add
- * does nothing and fi_prefix_filter_has and _match find nothing. */
+/* A compact summary of the cached chains: a Bloom filter
+ * (FI_PREFIX_FILTER_PROBES probes) of the hashes of every cached block,
+ * nbytes long (a power of two, FI_PREFIX_FILTER_MIN..MAX). Returns 0, or
+ * -1 for a bad size. With a bad size, fi_prefix_filter_add does nothing
+ * and fi_prefix_filter_has and _match find nothing. A filter whose bits
+ * are a fraction `fill` set answers a hash it does not hold with
+ * probability about fill^FI_PREFIX_FILTER_PROBES. */
+#define FI_PREFIX_FILTER_PROBES 3
+#define FI_PREFIX_FILTER_MIN 64
+#define FI_PREFIX_FILTER_MAX 65536
 int fi_sched_prefix_filter(const fi_sched *s, uint8_t *bits, size_t nbytes);
+/* The size of the prefix filter of a pool of `blocks` KV blocks (its
+ * blocks_total; fewer than 0 count as 0): FI_PREFIX_FILTER_BITS_PER_BLOCK
+ * bits per block, rounded up to a power of two and clamped to
+ * FI_PREFIX_FILTER_MIN..MAX bytes. With every block cached, such a filter
+ * is at most 26% full and answers a hash it does not hold with
+ * probability at most about (1 - e^(-3/10))^3, 1.7%; a fixed size instead
+ * fills up on a large pool until it claims every prompt. Past 52428
+ * blocks it is 64 KiB, with fewer bits per block. */
+#define FI_PREFIX_FILTER_BITS_PER_BLOCK 10
+size_t fi_prefix_filter_bytes(int blocks);
 void fi_prefix_filter_add(uint8_t *bits, size_t nbytes, uint64_t h);
 int fi_prefix_filter_has(const uint8_t *bits, size_t nbytes, uint64_t h);
 /* How many leading hashes of h[0..n) the filter holds (stops at the first

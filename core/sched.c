@@ -159,23 +159,42 @@ int fi_prefix_hashes(const char *tenant, const char *zone, const int32_t *toks, 
 }
 
 static int s_filter_size_ok(size_t nbytes) {
-    return nbytes >= 64 && nbytes <= 65536 && (nbytes & (nbytes - 1)) == 0;
+    return nbytes >= FI_PREFIX_FILTER_MIN && nbytes <= FI_PREFIX_FILTER_MAX &&
+           (nbytes & (nbytes - 1)) == 0;
+}
+
+size_t fi_prefix_filter_bytes(int blocks) {
+    uint64_t bits = (uint64_t)(blocks > 0 ? blocks : 0) * FI_PREFIX_FILTER_BITS_PER_BLOCK;
+    size_t n = FI_PREFIX_FILTER_MIN;
+    while (n < FI_PREFIX_FILTER_MAX && (uint64_t)n * 8 < bits) n *= 2;
+    return n;
+}
+
+/* Probe i of hash h in a filter of nb bits (a power of two): double
+ * hashing over h's two halves, (h + i * h2) mod nb with h2 the high half
+ * (odd, so that the probes differ). A chain hash is uniform, so the
+ * halves are independent. h2 must not come from h's low bits (it was
+ * h * constant): every probe was then a function of h mod nb, and the
+ * filter answered as one probe does: a hash it does not hold matched
+ * with probability about n/nb for n hashes added (10% of them at 10 bits
+ * a hash), not about fill^3 (under 2%). */
+static uint64_t s_probe(uint64_t h, int i, uint64_t nb) {
+    uint64_t h2 = (h >> 32) | 1;
+    return (h + (uint64_t)i * h2) & (nb - 1);
 }
 
 void fi_prefix_filter_add(uint8_t *bits, size_t nbytes, uint64_t h) {
     if (!s_filter_size_ok(nbytes)) return;
-    uint64_t nb = (uint64_t)nbytes * 8, h2 = (h * 0x9E3779B97F4A7C15ull) | 1;
-    for (int i = 0; i < 3; i++) {
-        uint64_t b = (h + (uint64_t)i * h2) & (nb - 1);
+    for (int i = 0; i < FI_PREFIX_FILTER_PROBES; i++) {
+        uint64_t b = s_probe(h, i, (uint64_t)nbytes * 8);
         bits[b >> 3] |= (uint8_t)(1u << (b & 7));
     }
 }
 
 int fi_prefix_filter_has(const uint8_t *bits, size_t nbytes, uint64_t h) {
     if (!s_filter_size_ok(nbytes)) return 0;
-    uint64_t nb = (uint64_t)nbytes * 8, h2 = (h * 0x9E3779B97F4A7C15ull) | 1;
-    for (int i = 0; i < 3; i++) {
-        uint64_t b = (h + (uint64_t)i * h2) & (nb - 1);
+    for (int i = 0; i < FI_PREFIX_FILTER_PROBES; i++) {
+        uint64_t b = s_probe(h, i, (uint64_t)nbytes * 8);
         if (!(bits[b >> 3] & (1u << (b & 7)))) return 0;
     }
     return 1;

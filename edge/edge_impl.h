@@ -341,7 +341,8 @@ int edge_remote_new(fi_edge *e, edge_exec *out, char *err, size_t errlen);
  * model: 1 with *out filled; 0 when no live worker there serves the
  * model (a recent heartbeat left it out: it lists every cluster with a
  * live worker); -1 when nothing is known (no heartbeat for a few
- * periods, or none yet). */
+ * periods, or none yet, or the last one left it out but said that it
+ * left rows out: clusters_truncated). */
 int edge_remote_cluster_load(fi_edge *e, const char *cluster, const char *model,
                              edge_cluster_load *out);
 struct fi_client_opts;

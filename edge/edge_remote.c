@@ -58,9 +58,11 @@ typedef struct s_remote {
     int64_t upload_last;        /* its last seq */
     uint64_t upload_at;         /* when it was sent */
     uint64_t said_version;      /* policy version the client says in Hello */
-    /* clusters' load from the coordinator's heartbeats, under mu */
-    fi_cluster_load loads[FI_CLIENT_MAX_LOADS];
+    /* clusters' load from the coordinator's heartbeats, under mu (the
+     * thread alone writes them) */
+    fi_cluster_load *loads;     /* owned */
     int n_loads;
+    int loads_truncated;        /* the heartbeat left rows out: a missing one is unknown */
     uint64_t loads_ms;          /* when the heartbeat that carried them came (0: none) */
 } s_remote;
 
@@ -382,6 +384,30 @@ static void s_upload(s_remote *r) {
     free(batch);
 }
 
+/* Copies the clusters' load of the coordinator's last heartbeat, when a
+ * new one came, for the HTTP threads' router. Out of memory, it keeps no
+ * rows and marks them truncated: every cluster reads as unknown. */
+static void s_take_loads(s_remote *r) {
+    uint64_t heard = 0;
+    int trunc = 0;
+    int n = fi_client_cluster_loads(r->client, NULL, 0, &heard, &trunc);
+    if (heard == r->loads_ms) return; /* read by this thread alone without mu: it writes it */
+    fi_cluster_load *l = n > 0 ? malloc((size_t)n * sizeof *l) : NULL;
+    if (n > 0 && !l) {
+        n = 0;
+        trunc = 1;
+    }
+    if (n > 0) n = fi_client_cluster_loads(r->client, l, n, &heard, &trunc);
+    pthread_mutex_lock(&r->mu);
+    fi_cluster_load *old = r->loads;
+    r->loads = l;
+    r->n_loads = n;
+    r->loads_truncated = trunc;
+    r->loads_ms = heard;
+    pthread_mutex_unlock(&r->mu);
+    free(old);
+}
+
 static void *s_run(void *arg) {
     s_remote *r = arg;
     char err[512];
@@ -408,14 +434,7 @@ static void *s_run(void *arg) {
             fi_client_set_policy_version(r->client, held);
             r->said_version = held;
         }
-        fi_cluster_load loads[FI_CLIENT_MAX_LOADS];
-        uint64_t heard = 0;
-        int n_loads = fi_client_cluster_loads(r->client, loads, FI_CLIENT_MAX_LOADS, &heard);
-        pthread_mutex_lock(&r->mu);
-        memcpy(r->loads, loads, (size_t)n_loads * sizeof *loads);
-        r->n_loads = n_loads;
-        r->loads_ms = heard;
-        pthread_mutex_unlock(&r->mu);
+        s_take_loads(r);
         int online = fi_client_ready(r->client);
         atomic_store(&r->online, online);
         if (online != was_online)
@@ -487,6 +506,7 @@ static void s_destroy(void *ctx) {
     fi_client_destroy(&r->client);
     free(r->open);
     free(r->inbox);
+    free(r->loads);
     zmq_close(r->wake_tx);
     zmq_close(r->wake_rx);
     zmq_ctx_term(r->zctx);
@@ -509,9 +529,10 @@ int edge_remote_cluster_load(fi_edge *e, const char *cluster, const char *model,
     uint64_t now = fi_wire_now_ms(), fresh = 5u * (uint64_t)e->conf.heartbeat_ms;
     pthread_mutex_lock(&r->mu);
     /* a recent heartbeat lists every cluster with a live worker: one it
-     * leaves out has none; an old one (or none) says nothing */
+     * leaves out has none, unless it said it left some out; an old one (or
+     * none) says nothing */
     if (r->loads_ms && now - r->loads_ms <= fresh) {
-        rc = 0;
+        rc = r->loads_truncated ? -1 : 0;
         for (int i = 0; i < r->n_loads; i++) {
             const fi_cluster_load *l = &r->loads[i];
             if (strcmp(l->cluster, cluster) || strcmp(l->model, model)) continue;

@@ -39,9 +39,10 @@ struct fi_client {
     Fi__WorkerLoad load;    /* its counters (prefix_filter points into filter) */
     uint8_t *filter;        /* its prefix filter (owned) */
     uint64_t load_sent_ms;  /* when the load was last sent */
-    fi_cluster_load loads[FI_CLIENT_MAX_LOADS]; /* edges: clusters' load, last heard */
-    int n_loads;
-    uint64_t loads_ms;              /* when the last heartbeat (and its loads) came */
+    fi_cluster_load *loads; /* edges: clusters' load, last heard (owned) */
+    int n_loads, cap_loads; /* rows in loads / allocated */
+    int loads_truncated;    /* those rows are not all the live ones */
+    uint64_t loads_ms;      /* when the last heartbeat (and its loads) came */
 };
 
 void fi_client_set_load(fi_client *c, uint32_t running, uint32_t queued, uint32_t kv_free,
@@ -63,20 +64,40 @@ void fi_client_set_load(fi_client *c, uint32_t running, uint32_t queued, uint32_
     c->have_load = 1;
 }
 
-int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max, uint64_t *heard_ms) {
+int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max, uint64_t *heard_ms,
+                            int *truncated) {
     int n = c->n_loads < max ? c->n_loads : max;
-    memcpy(out, c->loads, (size_t)n * sizeof *out);
+    if (n > 0) memcpy(out, c->loads, (size_t)n * sizeof *out);
     *heard_ms = c->loads_ms;
-    return n;
+    if (truncated) *truncated = c->loads_truncated;
+    return c->n_loads;
 }
 
 /* Keeps what the coordinator's heartbeat says about the clusters: every
- * heartbeat carries all the live ones, so one without rows means none is
- * live (the old rows must not outlive their workers). */
+ * heartbeat carries all the live ones (or says it does not), so one
+ * without rows means none is live (the old rows must not outlive their
+ * workers). Rows beyond FI_CLIENT_MAX_LOADS, or that memory cannot hold,
+ * are dropped and the whole marked truncated. */
 static void s_take_loads(fi_client *c, const Fi__Heartbeat *h) {
     c->n_loads = 0;
     c->loads_ms = fi_wire_now_ms();
-    for (size_t i = 0; i < h->n_clusters && c->n_loads < FI_CLIENT_MAX_LOADS; i++) {
+    c->loads_truncated = h->clusters_truncated;
+    size_t want = h->n_clusters;
+    if (want > FI_CLIENT_MAX_LOADS) {
+        want = FI_CLIENT_MAX_LOADS;
+        c->loads_truncated = 1;
+    }
+    if (want > (size_t)c->cap_loads) {
+        fi_cluster_load *nl = realloc(c->loads, want * sizeof *nl);
+        if (nl) {
+            c->loads = nl;
+            c->cap_loads = (int)want;
+        } else {
+            want = (size_t)c->cap_loads;
+            c->loads_truncated = 1;
+        }
+    }
+    for (size_t i = 0; i < h->n_clusters && c->n_loads < (int)want; i++) {
         const Fi__ClusterLoad *l = h->clusters[i];
         if (!l->cluster || !l->model) continue;
         fi_cluster_load *o = &c->loads[c->n_loads++];
@@ -230,6 +251,7 @@ void fi_client_destroy(fi_client **cp) {
     if (c->ctx) zmq_ctx_term(c->ctx);
     fi_keys_wipe(&c->o.kp);
     free(c->filter);
+    free(c->loads);
     free(c);
     *cp = NULL;
 }

@@ -91,10 +91,9 @@ void fi_client_set_policy_version(fi_client *c, uint64_t version);
 void fi_client_set_load(fi_client *c, uint32_t running, uint32_t queued, uint32_t kv_free,
                         uint32_t kv_total, const uint8_t *filter, size_t filter_len);
 
-/* (cluster, model) rows kept from a heartbeat: as many as the coordinator
- * sends (the first 64; a fleet with more pairs has the rest read as not
- * live, which keeps requests local rather than routing them blind). */
-#define FI_CLIENT_MAX_LOADS 64
+/* (cluster, model) rows kept from a heartbeat at most: the coordinator's
+ * bound (a heartbeat with more is kept as truncated). */
+#define FI_CLIENT_MAX_LOADS FI_WIRE_MAX_LOAD_ROWS
 /* One cluster's load for one model, as the coordinator last said. */
 typedef struct fi_cluster_load {
     char cluster[64];       /* the policy's cluster (the workers' site) */
@@ -104,11 +103,17 @@ typedef struct fi_cluster_load {
     uint32_t in_flight;     /* requests open on them */
     uint32_t queued;        /* waiting at the workers, reported */
 } fi_cluster_load;
-/* Edges: the clusters' load from the coordinator's last heartbeat (which
- * lists every cluster with a live worker: none listed, none live);
- * returns how many were written (<= max), with when that heartbeat was
- * heard in *heard_ms (fi_wire_now_ms; 0: none yet). */
-int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max, uint64_t *heard_ms);
+/* Edges: the clusters' load from the coordinator's last heartbeat. Copies
+ * its first max rows to out (out may be NULL when max is 0) and returns
+ * how many rows it had, which may be more than max (call again with room
+ * for them); when that heartbeat was heard goes to *heard_ms
+ * (fi_wire_now_ms; 0: none yet), and to *truncated (may be NULL) whether
+ * its rows stop short of every live (cluster, model): 0, they list every
+ * one with a live worker (none listed: none live); 1, the coordinator left
+ * some out (FI_WIRE_MAX_LOAD_ROWS, its message limit, out of memory) or
+ * we could not keep them all, and a pair not listed says nothing. */
+int fi_client_cluster_loads(const fi_client *c, fi_cluster_load *out, int max, uint64_t *heard_ms,
+                            int *truncated);
 
 /* Workers: changes the capacity announced for model i (0 withdraws it:
  * the coordinator routes no new request there, as for a worker that is

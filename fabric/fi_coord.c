@@ -55,6 +55,7 @@ typedef struct s_peer {
     uint32_t kv_free, kv_total;    /* clusters: reported KV-cache blocks */
     uint8_t *filter;               /* clusters: reported prefix filter (owned), NULL: none */
     size_t filter_len;             /* its bytes */
+    uint32_t filter_ones;          /* its bits set (its fill, for the router) */
 } s_peer;
 
 /* The worker that served a conversation (a user of an edge) last. */
@@ -94,6 +95,7 @@ struct fi_coord {
     uint64_t next_req;             /* for requests */
     uint64_t n_routed;             /* routing choices made: the tie key of hash-less requests */
     uint64_t next_beat_ms;         /* when heartbeats go out next */
+    int loads_truncated;           /* the last heartbeat to edges left rows out (logged once) */
     s_affinity affinity[S_AFFINITY]; /* conversations and their last worker */
 };
 
@@ -477,6 +479,42 @@ static int s_permits(fi_coord *c, s_verdicts *vs, const Fi__InferRequest *rq, co
     return ok;
 }
 
+/* The residency zone the worker is told for rq from edge e, verdict v:
+ * the worker salts its prefix cache with it (and the tenant), and the
+ * edge salted its prefix hashes with rq->zone.
+ * - With a policy (policy_check_key): the origin's zone in the policy
+ *   that permitted the request (v->zone), else the origin site; never the
+ *   edge's word, since the zone is the policy's residency decision (an
+ *   edge with another bundle, or none, must not choose it).
+ * - Without one, the coordinator decides nothing from the zone, so the
+ *   edge's own (1..FI_WIRE_MAX_NAME bytes; else the origin site): its
+ *   hashes then match the worker's filter. Sending the origin site here
+ *   made every edge's hashes miss (the edge salts with its policy's
+ *   jurisdiction), and cache-aware routing was dead without a word. It is
+ *   safe: the tenant the worker salts with is qualified with the origin
+ *   site of the edge's key (fi_wire_cache_tenant), and the salt takes
+ *   both with their lengths, so whatever zone an edge names, its requests
+ *   can share cached blocks only with requests of its own site: an edge
+ *   can split its own site's cache, never reach another site's. */
+static const char *s_fwd_zone(const fi_coord *c, const s_peer *e, const Fi__InferRequest *rq,
+                              const fi_coord_verdict *v) {
+    if (c->o.policy) return v->zone[0] ? v->zone : e->rec.site;
+    if (rq->zone && rq->zone[0] && strlen(rq->zone) <= FI_WIRE_MAX_NAME) return rq->zone;
+    return e->rec.site;
+}
+
+/* 1 when the edge's prefix hashes can match the filter of a worker told
+ * zone: they were salted with rq->zone. When the zones differ (the
+ * coordinator's policy puts the origin in another zone than the edge's
+ * does: an edge that has not installed the pushed bundle yet), a match
+ * could only be a false positive of the filter. The coordinator does not
+ * tell edges its zone (the Hello reply could, but the zone follows the
+ * policy, which changes after Hello; the edge gets the pushed bundle and
+ * then agrees). */
+static int s_hashes_match_zone(const Fi__InferRequest *rq, const char *zone) {
+    return !strcmp(rq->zone ? rq->zone : "", zone);
+}
+
 static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     const char *rid = rq->request_id ? rq->request_id : "";
     if (!rid[0] || strlen(rid) > FI_WIRE_MAX_ID || !rq->model || !rq->model[0] ||
@@ -548,8 +586,12 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
         cd->rc.capacity = w->models[k].capacity;
         cd->rc.running = w->running;
         cd->rc.queued = w->queued;
-        cd->rc.filter = w->filter;
-        cd->rc.filter_len = w->filter_len;
+        /* the edge's hashes against its filter only when they were salted
+         * with the zone it will be told (else they would only mislead) */
+        int zone_ok = s_hashes_match_zone(rq, s_fwd_zone(c, e, rq, &v));
+        cd->rc.filter = zone_ok ? w->filter : NULL;
+        cd->rc.filter_len = zone_ok ? w->filter_len : 0;
+        cd->rc.filter_ones = zone_ok ? w->filter_ones : 0;
         cd->rc.pref = v.score;
         cd->rc.affinity = aff && aff->key == conv && aff->worker == w->serial;
         memcpy(&cd->rc.id, w->rec.pub, sizeof cd->rc.id); /* its key: stable across reconnects */
@@ -577,10 +619,14 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     int hit = 0;
     int pick = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, key, &hit);
     s_peer *w = cands[pick].w;
-    char rules[512];
-    snprintf(rules, sizeof rules, "%s%sworker %s; prefix hit %d of %zu blocks; load %.2f%s",
+    const char *zone = s_fwd_zone(c, e, rq, &cands[pick].v);
+    char rules[512], zone_note[160] = "";
+    if (rq->n_prefix_hashes && !s_hashes_match_zone(rq, zone))
+        snprintf(zone_note, sizeof zone_note, " (hashes of zone '%.40s' ignored: the worker's is '%.40s')",
+                 rq->zone ? rq->zone : "", zone);
+    snprintf(rules, sizeof rules, "%s%sworker %s; prefix hit %d of %zu blocks%s; load %.2f%s",
              c->o.policy ? cands[pick].v.rules : "no policy re-check",
-             "; ", w->rec.fpr, hit, rq->n_prefix_hashes, fi_route_load(&rcs[pick]),
+             "; ", w->rec.fpr, hit, rq->n_prefix_hashes, zone_note, fi_route_load(&rcs[pick]),
              rcs[pick].affinity ? "; same conversation" : "");
     if (c->n_reqs == c->cap_reqs) {
         size_t cap = c->cap_reqs ? 2 * c->cap_reqs : 64;
@@ -601,8 +647,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     r->worker = w->serial;
     r->started_ms = fi_wire_now_ms();
     /* The worker sees the coordinator's id, the origin known from the
-     * edge's key, the residency zone of that origin in the policy that
-     * permitted it (else the origin site itself) and the tenant qualified
+     * edge's key, the residency zone (s_fwd_zone) and the tenant qualified
      * with the origin site (fi_wire_cache_tenant), whatever the edge wrote:
      * the worker salts its prefix cache with the last two, so no two sites
      * or zones share cached state. */
@@ -614,7 +659,7 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     Fi__InferRequest fwd = *rq;
     fwd.request_id = cid;
     fwd.origin = &origin;
-    fwd.zone = cands[pick].v.zone[0] ? cands[pick].v.zone : e->rec.site;
+    fwd.zone = (char *)zone;
     fwd.tenant = tenant;
     /* What only the router and the policy need stays here: the end user's
      * id, the hashes, the application and the prompt's size. */
@@ -1051,8 +1096,11 @@ static void s_on_apptok(fi_coord *c, s_peer *op, const Fi__AppTokenRequest *rq) 
 /* A worker's reported load and prefix filter. A report with a count
  * beyond S_MAX_REPORTED, more free KV blocks than blocks, or a filter
  * that is not a power of two of 64..65536 bytes is dropped with a log line
- * naming the field; the worker then claims no cached prefix (its old
- * filter goes too), so a bad report never keeps an old cache score alive. */
+ * naming the field, and so is what the worker said before: it then claims
+ * no cached prefix and reports no load (its old filter and counts go),
+ * so a bad report never keeps an old cache score or an old load alive;
+ * its load is what the coordinator counts itself (in_flight), as for a
+ * worker that never reported, until a good report comes. */
 #define S_MAX_REPORTED (1u << 30)
 static void s_take_load(s_peer *w, const Fi__WorkerLoad *l) {
     size_t n = l->prefix_filter.len;
@@ -1065,6 +1113,7 @@ static void s_take_load(s_peer *w, const Fi__WorkerLoad *l) {
     if (bad) {
         s_log("peer %s: load report dropped: bad %s", w->rec.fpr, bad);
         n = 0;
+        w->running = w->queued = w->kv_free = w->kv_total = 0;
     } else {
         w->running = l->running;
         w->queued = l->queued;
@@ -1085,9 +1134,11 @@ static void s_take_load(s_peer *w, const Fi__WorkerLoad *l) {
         free(w->filter);
         w->filter = NULL;
         w->filter_len = 0;
+        w->filter_ones = 0;
         return;
     }
     memcpy(w->filter, l->prefix_filter.data, n);
+    w->filter_ones = fi_route_filter_ones(w->filter, n);
 }
 
 /* a + b, at most UINT32_MAX (the rows' sums of reported counts) */
@@ -1095,44 +1146,131 @@ static uint32_t s_sat_add(uint32_t a, uint32_t b) {
     return a > UINT32_MAX - b ? UINT32_MAX : a + b;
 }
 
+static uint32_t s_min_u32(uint32_t a, uint32_t b) { return a < b ? a : b; }
+
+/* The most bytes one ClusterLoad row takes in a Heartbeat: two names of
+ * at most 63 bytes (FI_STORE_NAME_MAX, S_MODEL_NAME; tag and length 1
+ * byte each), six uint32 (tag 1, varint at most 5), and the row's own tag
+ * and length (3). The rows the coordinator can send at most must fit the
+ * wire's message limit with room for the rest of the Heartbeat. */
+#define S_LOAD_ROW_MAX (2 * (2 + 63) + 6 * (1 + 5) + 3)
+#define S_BEAT_SLACK 64 /* envelope, sent_ms, clusters_truncated */
+_Static_assert((uint64_t)FI_WIRE_MAX_LOAD_ROWS * S_LOAD_ROW_MAX + S_BEAT_SLACK <= FI_WIRE_MAX_MSG,
+               "FI_WIRE_MAX_LOAD_ROWS rows of the longest names must fit one message");
+
+/* One (cluster, model) that a live worker serves, before merging. */
+typedef struct s_pair {
+    const char *cluster;     /* the worker's site */
+    const s_model *model;    /* the model and the worker's capacity for it */
+    const s_peer *w;         /* the worker */
+} s_pair;
+
+static int s_pair_cmp(const void *a, const void *b) {
+    const s_pair *x = a, *y = b;
+    int d = strcmp(x->cluster, y->cluster);
+    return d ? d : strcmp(x->model->name, y->model->name);
+}
+
 /* The load of each (cluster, model) for the edges' routers, encoded as a
- * heartbeat; NULL when no worker is live. */
+ * heartbeat (with no rows when no worker is live), in the order of
+ * cluster then model names. At most FI_WIRE_MAX_LOAD_ROWS rows, and only
+ * as many as keep the message within max_msg; the rest are left out and
+ * the heartbeat says so (clusters_truncated), as it does when out of
+ * memory: an edge then reads a pair it is not told about as unknown, not
+ * as one without a live worker. NULL when out of memory even for that.
+ *
+ * A worker serving several models is counted in the row of each: its
+ * models share its slots and its KV pool, and the coordinator admits a
+ * request for model k to a worker while the worker's open requests, of
+ * every model, are under its capacity for k (s_on_infer). So a row takes
+ * each worker's open and queued requests, each at most the worker's
+ * capacity for the row's model: the row's capacity minus its in_flight is
+ * then the room the coordinator would admit into, and a worker busy with
+ * another model does not hide the free slots of the others (unclamped,
+ * its count could exceed its share of the row's capacity and make the
+ * row look full). The KV blocks are the worker's pool, in each row alike. */
 static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, size_t *len) {
-    Fi__ClusterLoad rows[64], *ptrs[64];
-    size_t n = 0;
+    size_t n_pairs = 0;
     for (size_t i = 0; i < c->n_peers; i++) {
         const s_peer *w = &c->peers[i];
-        if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
-        for (int k = 0; k < w->n_models; k++) {
-            size_t j = 0;
-            while (j < n && (strcmp(rows[j].cluster, w->rec.site) ||
-                             strcmp(rows[j].model, w->models[k].name)))
-                j++;
-            if (j == n) {
-                if (n == 64) continue;
-                fi__cluster_load__init(&rows[n]);
-                rows[n].cluster = (char *)w->rec.site;
-                rows[n].model = (char *)w->models[k].name;
-                ptrs[n] = &rows[n];
-                n++;
+        if (w->rec.role == FI__ROLE__ROLE_CLUSTER && w->hello) n_pairs += (size_t)w->n_models;
+    }
+    s_pair *pairs = n_pairs ? malloc(n_pairs * sizeof *pairs) : NULL;
+    size_t rows_cap = n_pairs < FI_WIRE_MAX_LOAD_ROWS ? n_pairs : FI_WIRE_MAX_LOAD_ROWS;
+    Fi__ClusterLoad *rows = rows_cap ? malloc(rows_cap * sizeof *rows) : NULL;
+    Fi__ClusterLoad **ptrs = rows_cap ? malloc(rows_cap * sizeof *ptrs) : NULL;
+    const char *why = n_pairs && (!pairs || !rows || !ptrs) ? "out of memory" : NULL;
+    int truncated = why != NULL;
+    size_t n = 0;
+    if (!truncated && n_pairs) {
+        size_t k = 0;
+        for (size_t i = 0; i < c->n_peers; i++) {
+            const s_peer *w = &c->peers[i];
+            if (w->rec.role != FI__ROLE__ROLE_CLUSTER || !w->hello) continue;
+            for (int m = 0; m < w->n_models; m++) pairs[k++] = (s_pair){w->rec.site, &w->models[m], w};
+        }
+        qsort(pairs, n_pairs, sizeof *pairs, s_pair_cmp);
+        size_t max_msg = c->o.max_msg > 0 && (size_t)c->o.max_msg < FI_WIRE_MAX_MSG
+                             ? (size_t)c->o.max_msg
+                             : FI_WIRE_MAX_MSG;
+        size_t bytes = S_BEAT_SLACK;
+        for (size_t i = 0; i < n_pairs;) {
+            size_t j = i; /* pairs[i..j) make one row */
+            while (j < n_pairs && !s_pair_cmp(&pairs[i], &pairs[j])) j++;
+            if (n == FI_WIRE_MAX_LOAD_ROWS) {
+                why = "FI_WIRE_MAX_LOAD_ROWS";
+                truncated = 1;
+                break;
             }
-            rows[j].workers++;
-            rows[j].capacity = s_sat_add(rows[j].capacity, w->models[k].capacity);
-            rows[j].in_flight = s_sat_add(rows[j].in_flight, w->in_flight);
-            rows[j].queued = s_sat_add(rows[j].queued, w->queued);
-            rows[j].kv_blocks_free = s_sat_add(rows[j].kv_blocks_free, w->kv_free);
-            rows[j].kv_blocks_total = s_sat_add(rows[j].kv_blocks_total, w->kv_total);
+            Fi__ClusterLoad *r = &rows[n];
+            fi__cluster_load__init(r);
+            r->cluster = (char *)pairs[i].cluster;
+            r->model = (char *)pairs[i].model->name;
+            for (; i < j; i++) {
+                const s_peer *w = pairs[i].w;
+                uint32_t cap = pairs[i].model->capacity;
+                r->workers++;
+                r->capacity = s_sat_add(r->capacity, cap);
+                r->in_flight = s_sat_add(r->in_flight, s_min_u32(w->in_flight, cap));
+                r->queued = s_sat_add(r->queued, s_min_u32(w->queued, cap));
+                r->kv_blocks_free = s_sat_add(r->kv_blocks_free, w->kv_free);
+                r->kv_blocks_total = s_sat_add(r->kv_blocks_total, w->kv_total);
+            }
+            size_t rl = fi__cluster_load__get_packed_size(r) + 4; /* and its tag and length */
+            if (bytes + rl > max_msg) {
+                why = "max_msg";
+                truncated = 1;
+                break;
+            }
+            bytes += rl;
+            ptrs[n++] = r;
         }
     }
-    if (!n) return NULL;
     Fi__Heartbeat h = FI__HEARTBEAT__INIT;
     h.sent_ms = now;
     h.n_clusters = n;
     h.clusters = ptrs;
+    h.clusters_truncated = truncated;
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_HEARTBEAT;
     m.heartbeat = &h;
-    return fi_wire_encode(&m, len);
+    uint8_t *beat = fi_wire_encode(&m, len);
+    if (!beat && n) { /* out of memory: a heartbeat that says nothing of the clusters */
+        h.n_clusters = n = 0;
+        h.clusters_truncated = truncated = 1;
+        why = "out of memory";
+        beat = fi_wire_encode(&m, len);
+    }
+    if (truncated && !c->loads_truncated)
+        s_log("heartbeats to edges carry %zu (cluster, model) rows, not all (%s): edges read "
+              "the others as unknown", n, why);
+    else if (!truncated && c->loads_truncated)
+        s_log("heartbeats to edges carry every (cluster, model) row again (%zu)", n);
+    c->loads_truncated = truncated;
+    free(pairs);
+    free(rows);
+    free(ptrs);
+    return beat;
 }
 
 /* Which message types each role may send on the fabric endpoint. */
@@ -1364,14 +1502,13 @@ static void s_monitor(fi_coord *c, void *mon) {
 }
 
 /* Every edge's heartbeat: the load of each (cluster, model) with a live
- * worker, all of them (none listed: none live), which the edges' routers
- * go by. */
+ * worker (s_cluster_loads: all of them, none listed: none live, unless it
+ * says it left some out), which the edges' routers go by. */
 static void s_tell_edges(fi_coord *c) {
     uint64_t now = fi_wire_now_ms();
     size_t len = 0;
     uint8_t *beat = s_cluster_loads(c, now, &len);
-    if (!beat) beat = fi_wire_heartbeat(now, &len);
-    if (!beat) return;
+    if (!beat) return; /* out of memory: the edges' view goes stale, then unknown */
     for (size_t i = 0; i < c->n_peers; i++) {
         const s_peer *p = &c->peers[i];
         if (p->rec.role != FI__ROLE__ROLE_EDGE) continue;

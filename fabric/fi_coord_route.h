@@ -7,7 +7,18 @@
  * widen the set, it only orders it. Among them, in this order:
  *   1. the expected prefix-cache hit: how many leading blocks of the
  *      request's prompt (its fi_prefix_hashes) the worker's reported
- *      Bloom filter holds (fi_prefix_filter_match), more is better;
+ *      Bloom filter holds (fi_prefix_filter_match), less the run that a
+ *      filter this full shows for a prompt it does not hold, more is
+ *      better. A filter with a fraction `fill` of its bits set answers a
+ *      hash it does not hold with probability fp = fill^3 (its 3 probes),
+ *      so a cold prompt matches k leading blocks with probability fp^k;
+ *      the runs it reaches with odds above 1 in FI_ROUTE_FALSE_RUN_ODDS
+ *      (r blocks: fp^r > 1/odds) are not counted, and a match of k counts
+ *      as k - r. A sized filter (fi_prefix_filter_bytes) stays under 2%
+ *      false and loses nothing; a saturated one (a small filter over a
+ *      large pool: every cold prompt "hit", and since the hit outranks
+ *      load, a busy worker took cold traffic from idle ones) counts only
+ *      a run longer than chance explains, and a full one nothing;
  *   2. conversation affinity: the worker that served this user last;
  *   3. load: open requests and reported queue over capacity, lower is
  *      better;
@@ -31,12 +42,17 @@
 extern "C" {
 #endif
 
+/* A filter's chance runs are not counted when a cold prompt reaches them
+ * with odds above 1 in this (fi_route_pick). */
+#define FI_ROUTE_FALSE_RUN_ODDS 32
+
 typedef struct fi_route_cand {
     uint32_t in_flight;       /* requests open on it (the coordinator's count) */
     uint32_t capacity;        /* announced for the model, > 0 */
     uint32_t running, queued; /* reported with its heartbeats */
     const uint8_t *filter;    /* its prefix filter, NULL: none */
     size_t filter_len;        /* bytes (a power of two, 64..65536) */
+    uint32_t filter_ones;     /* bits set in filter (fi_route_filter_ones); 0: counted when needed */
     int64_t pref;             /* the policy's prefer score */
     int affinity;             /* 1: served this request's user last */
     uint64_t id;              /* stable and distinct per worker (from its key): full ties */
@@ -45,8 +61,18 @@ typedef struct fi_route_cand {
 /* Load of a candidate: max(open, reported running + queued) / capacity. */
 double fi_route_load(const fi_route_cand *c);
 
+/* Bits set in a filter of len bytes (its fill, for fi_route_pick). */
+uint32_t fi_route_filter_ones(const uint8_t *filter, size_t len);
+
+/* The leading blocks of a prompt that a filter of len bytes with ones
+ * bits set matches by chance with odds above 1 in
+ * FI_ROUTE_FALSE_RUN_ODDS, at most nh: what fi_route_pick takes off its
+ * match (0 for a filter under 31% full; nh for a full one). */
+int fi_route_false_run(uint32_t ones, size_t len, int nh);
+
 /* The index in c[0..n) to route to (n >= 1; every candidate permitted),
- * with the expected hit in blocks in *hit (may be NULL). h: the request's
+ * with the expected hit in blocks (the match less its chance run) in
+ * *hit (may be NULL). h: the request's
  * prefix hashes (nh may be 0). key: what breaks a full tie (fi_route_key).
  * The order is total and does not depend on the candidates' positions.
  * -1 when n is 0. */

@@ -292,12 +292,14 @@ int fi_group_serve(fi_group *g, fi_model *m, fi_client *c, const fi_group_rank_c
         double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
         if (now - last_load >= 0.1) {
             fi_sched_stats st;
-            uint8_t filter[1024];
             fi_sched_get_stats(L.s, &st);
-            int have = fi_sched_prefix_filter(L.s, filter, sizeof filter) == 0;
+            size_t nb = fi_prefix_filter_bytes(st.blocks_total); /* ~10 bits per block */
+            uint8_t *filter = malloc(nb);
+            int have = filter && fi_sched_prefix_filter(L.s, filter, nb) == 0;
             fi_client_set_load(c, (uint32_t)st.running, (uint32_t)st.queued,
                                (uint32_t)st.blocks_free, (uint32_t)st.blocks_total,
-                               have ? filter : NULL, sizeof filter);
+                               have ? filter : NULL, nb);
+            free(filter);
             last_load = now;
         }
     }

@@ -59,9 +59,11 @@ typedef struct fi_shard_backend {
     void (*destroy)(void *ctx); /* optional */
     void *ctx;                  /* the backend's state */
     /* Optional: the backend's prefix-cache summary for the router, into
-     * bits (nbytes, a power of two): fi_sched_prefix_filter for a backend
-     * with a prefix cache. 0, or -1 when it has none now. Called on the
-     * generator thread between requests. */
+     * bits (nbytes, a power of two of 64..65536: FI_SHARD_FILTER_BYTES
+     * for a one-at-a-time backend, fi_prefix_filter_bytes of its pool for
+     * a batched one): fi_sched_prefix_filter for a backend with a prefix
+     * cache. 0, or -1 when it has none now. Called on the generator (or
+     * serving) thread between requests (or steps). */
     int (*prefix_filter)(void *ctx, uint8_t *bits, size_t nbytes);
     /* Optional, a batched backend (the engine over fi_sched): every call on
      * one serving thread. submit queues rq (copied) and returns its id
@@ -84,7 +86,11 @@ typedef struct fi_shard_backend {
     int (*up)(void *ctx);
 } fi_shard_backend;
 
-/* Bytes of the prefix filter a worker reports (fi_fabric.proto WorkerLoad). */
+/* Bytes of the prefix filter a one-at-a-time backend (fi_shard_serve's
+ * generate; it reports no KV pool) is asked for. A batched backend's is
+ * sized from the KV pool its load reports (fi_prefix_filter_bytes of the
+ * blocks in all), and so is a shard group leader's: a fixed size fills up
+ * on a large pool until the filter claims every prompt. */
 #define FI_SHARD_FILTER_BYTES 1024
 
 /* The echo backend: streams "echo: " and the prompt back in pieces of

@@ -15,8 +15,9 @@
  *                    'q'              stop: cancel everything and return
  *   serving -> loop  'm' + envelope   forward to the coordinator
  *                    'd' + id         the request has ended
- *                    'l' + 4 x u32    running, queued, KV free, KV total
- *                    'f' + filter     the backend's prefix filter
+ *                    'l' + 5 x u32    running, queued, KV free, KV total, up
+ *                    'f' + filter     the backend's prefix filter, sized from
+ *                                     the KV total (fi_prefix_filter_bytes)
  *
  * A cancelled request forwards nothing more (the coordinator has
  * forgotten it); its end still comes back as 'd', so the loop's count of
@@ -50,6 +51,7 @@ struct s_bgen {
     s_slot **slots;              /* open requests */
     int n_slots, cap_slots;
     uint64_t report_ms;          /* when load was last sent */
+    uint8_t *bits;               /* the filter's buffer, FI_PREFIX_FILTER_MAX bytes */
 };
 
 /* Passes an encoded message (buf, freed here; NULL: out of memory) to the loop. */
@@ -169,14 +171,17 @@ static void s_report(s_bgen *g, int force) {
     if (g->be->up) l[4] = (uint32_t)(g->be->up(g->be->ctx) != 0);
     zmq_send(g->pipe, "l", 1, ZMQ_SNDMORE);
     zmq_send(g->pipe, l, sizeof l, 0);
-    uint8_t bits[FI_SHARD_FILTER_BYTES];
+    /* about 10 bits per block of the pool (a backend that reports no
+     * load: the one-at-a-time size) */
+    size_t nb = g->be->load ? fi_prefix_filter_bytes(l[3] > INT32_MAX ? INT32_MAX : (int)l[3])
+                            : FI_SHARD_FILTER_BYTES;
     if (!l[4]) { /* down: no prefix is here any more */
-        memset(bits, 0, sizeof bits);
+        memset(g->bits, 0, nb);
         zmq_send(g->pipe, "f", 1, ZMQ_SNDMORE);
-        zmq_send(g->pipe, bits, sizeof bits, 0);
-    } else if (g->be->prefix_filter && g->be->prefix_filter(g->be->ctx, bits, sizeof bits) == 0) {
+        zmq_send(g->pipe, g->bits, nb, 0);
+    } else if (g->be->prefix_filter && g->be->prefix_filter(g->be->ctx, g->bits, nb) == 0) {
         zmq_send(g->pipe, "f", 1, ZMQ_SNDMORE);
-        zmq_send(g->pipe, bits, sizeof bits, 0);
+        zmq_send(g->pipe, g->bits, nb, 0);
     }
 }
 
@@ -261,8 +266,8 @@ typedef struct s_loop {
     unsigned gen;                /* reconnect count the open requests belong to */
     uint32_t load[5];            /* running, queued, KV free, KV total, up */
     uint32_t withdrawn;          /* down: the capacity to announce again (0: up) */
-    uint8_t filter[FI_SHARD_FILTER_BYTES];
-    int have_filter;
+    uint8_t *filter;             /* the backend's last prefix filter, FI_PREFIX_FILTER_MAX bytes */
+    size_t filter_len;           /* its size (0: none yet) */
 } s_loop;
 
 static void s_tell(s_loop *s, char kind, const void *payload, size_t len) {
@@ -335,9 +340,9 @@ static void s_loop_from_serving(s_loop *s) {
                 }
         } else if (kind == 'l' && n == sizeof s->load) {
             memcpy(s->load, zmq_msg_data(&p), n);
-        } else if (kind == 'f' && n == sizeof s->filter) {
+        } else if (kind == 'f' && n >= FI_PREFIX_FILTER_MIN && n <= FI_PREFIX_FILTER_MAX) {
             memcpy(s->filter, zmq_msg_data(&p), n);
-            s->have_filter = 1;
+            s->filter_len = n;
         }
         zmq_msg_close(&p);
     }
@@ -357,9 +362,11 @@ int fi_shard_serve_batched(fi_client *c, const fi_shard_backend *be, int max_ope
     s.gen = fi_client_reconnects(c);
     s.load[4] = 1; /* up until the serving thread says otherwise */
     s.open = calloc((size_t)s.max_open, sizeof *s.open);
+    s.filter = malloc(FI_PREFIX_FILTER_MAX);
+    g.bits = malloc(FI_PREFIX_FILTER_MAX);
     void *ctx = zmq_ctx_new();
     pthread_t th;
-    if (!s.open || !ctx || !(s.pipe = zmq_socket(ctx, ZMQ_PAIR)) ||
+    if (!s.open || !s.filter || !g.bits || !ctx || !(s.pipe = zmq_socket(ctx, ZMQ_PAIR)) ||
         !(g.pipe = zmq_socket(ctx, ZMQ_PAIR)) || zmq_bind(s.pipe, S_PIPE) != 0 ||
         zmq_connect(g.pipe, S_PIPE) != 0) {
         snprintf(err, errlen, "shard: cannot set up the serving thread's pipe");
@@ -397,7 +404,7 @@ int fi_shard_serve_batched(fi_client *c, const fi_shard_backend *be, int max_ope
             fprintf(stderr, "shard: the engine is up again: model announced\n");
         }
         fi_client_set_load(c, s.load[0], s.load[1], s.load[2], s.load[3],
-                           s.have_filter ? s.filter : NULL, sizeof s.filter);
+                           s.filter_len ? s.filter : NULL, s.filter_len);
     }
     rc = fatal ? -1 : 0;
     if (fatal) snprintf(err, errlen, "%s", why);
@@ -411,5 +418,7 @@ done:
     if (g.pipe) zmq_close(g.pipe);
     if (ctx) zmq_ctx_term(ctx);
     free(s.open);
+    free(s.filter);
+    free(g.bits);
     return rc;
 }

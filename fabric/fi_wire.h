@@ -40,6 +40,11 @@ extern "C" {
 #define FI_WIRE_MAX_POLICY (448u * 1024u)
 #define FI_WIRE_MAX_COMMENT 500
 #define FI_WIRE_MAX_FILTER 256
+/* ClusterLoad rows of one Heartbeat at most: the coordinator sends no
+ * more (and sets clusters_truncated when there are), a client keeps no
+ * more. 4096 rows of the longest names (63 bytes) encode in under 700
+ * KiB, within FI_WIRE_MAX_MSG (checked in fi_coord.c). */
+#define FI_WIRE_MAX_LOAD_ROWS 4096
 
 typedef Fi__Envelope fi_msg;
 typedef Fi__Envelope__BodyCase fi_msg_type;

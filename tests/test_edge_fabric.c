@@ -268,10 +268,12 @@ static void test_routed_chat_fields(void **state) {
     assert_string_equal(sn.stop0, "zzz");
     assert_string_equal(sn.user, ""); /* the end user's id stays at the coordinator */
     /* The edge salts with its policy's jurisdiction of the site (EU); the
-     * coordinator, which here holds no policy, sends the origin site
-     * instead, whatever the edge wrote: the worker never takes an edge's
-     * word for its zone. */
-    assert_string_equal(sn.zone, "berlin-clinic");
+     * coordinator, which here holds no policy, forwards it, so that the
+     * worker salts as the edge hashed (it sent the origin site, and the
+     * edge's prefix hashes never matched). Safe: the tenant is qualified
+     * with the site of the edge's key (below), so the edge's zone can
+     * only split its own site's cache. */
+    assert_string_equal(sn.zone, "EU");
     /* and the tenant (none here: no tokens) qualified with the site */
     assert_string_equal(sn.tenant, "13:berlin-clinic/");
     assert_int_equal(sn.n_hashes, 0); /* this edge has no model: no tokenizer */
@@ -682,6 +684,69 @@ static void test_check_head(void **state) {
             fail_msg("head %zu refused: %s", i, msg);
 }
 
+/* --- many clusters: a harness of its own -------------------------------- */
+
+/* 66 clusters c00..c65, each with one echo worker of model, behind a
+ * coordinator whose message limit is max_msg (0: the default), and an
+ * edge (site berlin) whose policy declares and permits c65 alone: a
+ * request for model reaches c65's worker and is answered, whether the
+ * coordinator's heartbeats list c65 (every row) or leave it out and say
+ * so (truncated). The edge answered 503 "no live worker" while c65 had
+ * one: the heartbeat held the first 64 rows, and a row left out read as
+ * none live. */
+static void s_many_clusters(int max_msg, const char *model) {
+    enum { NC = 66 };
+    harness h;
+    assert_int_equal(h_init(&h), 0);
+    h.max_msg = max_msg;
+    assert_int_equal(h_start(&h), 0);
+    h_worker *w = calloc(NC, sizeof *w);
+    assert_non_null(w);
+    for (int i = 0; i < NC; i++) {
+        char site[16];
+        snprintf(site, sizeof site, "c%02d", i);
+        fi_shard_backend be = fi_shard_echo_backend(4, 0);
+        assert_int_equal(h_worker_start_be(&h, &w[i], model, site, &be, 4), 0);
+        w[i].owns_be = 1;
+    }
+    const char *pol = "labels public;\ndefault_label \"public\";\njurisdiction EU;\n"
+                      "region eu-central in EU;\nsite berlin in eu-central;\n"
+                      "cluster c65 in eu-central;\n"
+                      "permit \"only c65\" when target within \"c65\";\n";
+    uint8_t pk[32], sk[64];
+    fi_edge *e = h_edge_start(&h, "berlin", "eu-central", pol, pk, sk, "");
+    h_sleep_ms(6 * H_HB_MS); /* the clusters' load reaches the edge */
+    char body[256];
+    snprintf(body, sizeof body, "{\"model\":\"%s\",\"prompt\":\"hello c65\",\"max_tokens\":20}",
+             model);
+    resp r;
+    assert_int_equal(http_post(fi_edge_port(e), NULL, body, &r), 0);
+    print_message("max_msg %d: status %d, %.200s\n", max_msg, r.status, r.body);
+    assert_int_equal(r.status, 200);
+    assert_true(has(&r, "X-Fedinfer-Target: c65"));
+    assert_true(has(&r, "echo: hello c65"));
+    fi_edge_destroy(&e);
+    for (int i = 0; i < NC; i++) h_worker_stop(&w[i]);
+    free(w);
+    h_stop(&h);
+}
+
+/* every row in the heartbeat */
+static void test_many_clusters(void **state) {
+    (void)state;
+    s_many_clusters(0, "mX");
+}
+
+/* c65's row left out (rows of a 60-byte model name, a 4 KiB message
+ * limit: some 50 fit), and the heartbeat says so */
+static void test_many_clusters_truncated(void **state) {
+    (void)state;
+    char model[61];
+    memset(model, 'm', 60);
+    model[60] = 0;
+    s_many_clusters(4096, model);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_check_head),
@@ -695,6 +760,8 @@ int main(void) {
         cmocka_unit_test(test_routed_finish_reasons),
         cmocka_unit_test(test_pushed_bundles),
         cmocka_unit_test(test_audit_upload_and_offline),
+        cmocka_unit_test(test_many_clusters),
+        cmocka_unit_test(test_many_clusters_truncated),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

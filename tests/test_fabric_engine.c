@@ -99,7 +99,7 @@ static void test_engine_through_fabric(void **state) {
     rq.max_tokens = 16;
     rq.temperature = 0; /* greedy */
     rq.tenant = (char *)"oncology"; /* the prefix cache's salt, with the zone: */
-    rq.zone = (char *)"EU"; /* which the coordinator (no policy here) replaces by the origin site */
+    rq.zone = (char *)"EU"; /* which the coordinator (no policy here) forwards */
     int rc = -1;
     for (int i = 0; i < 50 && rc != 0; i++) { /* until the worker has said Hello */
         memset(&t, 0, sizeof t);
@@ -218,9 +218,10 @@ static void test_engine_through_fabric(void **state) {
      * computes for the same chat (edge_http.c: the chat template, encoded
      * with its special tokens, fi_prefix_hashes with the tenant qualified
      * with the site, fi_wire_cache_tenant, and the zone) with the zone the
-     * coordinator sent (the origin site, as it holds no policy), and not
+     * coordinator sent (the edge's own, as it holds no policy), and not
      * under another tenant's, nor under the tenant alone, nor under the
-     * zone the client wrote. */
+     * origin site as the zone (what the coordinator sent before: the
+     * edge's hashes then never matched). */
     uint8_t bits[FI_SHARD_FILTER_BYTES];
     assert_int_equal(w.be.prefix_filter(w.be.ctx, bits, sizeof bits), 0);
     int n_ids = 0;
@@ -235,14 +236,14 @@ static void test_engine_through_fabric(void **state) {
     char onc[FI_WIRE_CACHE_TENANT_MAX], rad[FI_WIRE_CACHE_TENANT_MAX];
     assert_int_equal(fi_wire_cache_tenant("clinic-7", "oncology", onc), 0);
     assert_int_equal(fi_wire_cache_tenant("clinic-7", "radiology", rad), 0);
-    int nh = fi_prefix_hashes(onc, "clinic-7", toks, n_ids, hs, 64);
+    int nh = fi_prefix_hashes(onc, "EU", toks, n_ids, hs, 64);
     assert_true(nh >= 2);
     assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), nh);
-    nh = fi_prefix_hashes(rad, "clinic-7", toks, n_ids, hs, 64);
+    nh = fi_prefix_hashes(rad, "EU", toks, n_ids, hs, 64);
     assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), 0);
-    nh = fi_prefix_hashes("oncology", "clinic-7", toks, n_ids, hs, 64);
+    nh = fi_prefix_hashes("oncology", "EU", toks, n_ids, hs, 64);
     assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), 0);
-    nh = fi_prefix_hashes(onc, "EU", toks, n_ids, hs, 64);
+    nh = fi_prefix_hashes(onc, "clinic-7", toks, n_ids, hs, 64);
     assert_int_equal(fi_prefix_filter_match(bits, sizeof bits, hs, nh), 0);
     free(toks);
     fi_model_destroy(&edge_model);
@@ -544,6 +545,56 @@ static void test_max_tokens_from_wire(void **state) {
     be.destroy(be.ctx);
 }
 
+/* A batched backend that serves nothing and reports a pool of 5000 KV
+ * blocks; it keeps the size of the prefix filter it is asked for. */
+static atomic_int s_filter_asked;
+static int64_t s_pool_submit(void *ctx, const Fi__InferRequest *rq, const fi_shard_sink *sink,
+                             char *err, size_t errlen) {
+    (void)ctx, (void)rq, (void)sink;
+    snprintf(err, errlen, "serves nothing");
+    return -1;
+}
+static int s_pool_cancel(void *ctx, int64_t id) {
+    (void)ctx, (void)id;
+    return -1;
+}
+static int s_pool_step(void *ctx, char *err, size_t errlen) {
+    (void)ctx, (void)err, (void)errlen;
+    return 0;
+}
+static void s_pool_load(void *ctx, uint32_t *running, uint32_t *queued, uint32_t *kv_free,
+                        uint32_t *kv_total) {
+    (void)ctx;
+    *running = *queued = 0;
+    *kv_free = *kv_total = 5000;
+}
+static int s_pool_filter(void *ctx, uint8_t *bits, size_t nbytes) {
+    (void)ctx;
+    memset(bits, 0, nbytes);
+    atomic_store(&s_filter_asked, (int)nbytes);
+    return 0;
+}
+
+/* A batched worker's prefix filter is sized from its KV pool
+ * (fi_prefix_filter_bytes: 5000 blocks, 8 KiB), not the fixed 1 KiB that
+ * a pool of thousands of cached blocks fills until it claims every
+ * prompt. */
+static void test_filter_sized_from_pool(void **state) {
+    (void)state;
+    harness h;
+    assert_int_equal(h_init(&h), 0);
+    assert_int_equal(h_start(&h), 0);
+    atomic_store(&s_filter_asked, 0);
+    fi_shard_backend be = {.name = "pool", .submit = s_pool_submit, .cancel = s_pool_cancel,
+                           .step = s_pool_step, .load = s_pool_load, .prefix_filter = s_pool_filter};
+    h_worker w;
+    assert_int_equal(h_worker_start_be(&h, &w, "pooled", "core1", &be, 4), 0);
+    for (int i = 0; i < 200 && !atomic_load(&s_filter_asked); i++) h_sleep_ms(10);
+    assert_int_equal(atomic_load(&s_filter_asked), 8192);
+    h_worker_stop(&w);
+    h_stop(&h);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampling_from_wire),
@@ -552,6 +603,7 @@ int main(void) {
         cmocka_unit_test(test_engine_down),
         cmocka_unit_test(test_engine_down_through_fabric),
         cmocka_unit_test(test_max_tokens_from_wire),
+        cmocka_unit_test(test_filter_sized_from_pool),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

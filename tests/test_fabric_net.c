@@ -555,21 +555,231 @@ static void s_listen(fi_client *edge, int ms) {
 static void test_edge_view_follows_workers(void **state) {
     harness *h = *state;
     fi_client *edge = s_new_edge(h, "s6");
-    fi_cluster_load L[FI_CLIENT_MAX_LOADS];
+    fi_cluster_load L[4];
+    int trunc = -1;
     uint64_t heard = 0;
     h_worker w;
     assert_int_equal(h_worker_start_cap(h, &w, "solo", 0, 2), 0);
     s_listen(edge, 3 * H_HB_MS);
-    assert_int_equal(fi_client_cluster_loads(edge, L, FI_CLIENT_MAX_LOADS, &heard), 1);
+    assert_int_equal(fi_client_cluster_loads(edge, L, 4, &heard, &trunc), 1);
+    assert_int_equal(trunc, 0);
     assert_string_equal(L[0].model, "solo");
     assert_int_equal(L[0].workers, 1);
     assert_int_equal(L[0].capacity, 2);
     h_worker_stop(&w);
     /* the coordinator notices within its liveness, then tells the edges */
     s_listen(edge, (H_LIVENESS + 3) * H_HB_MS);
-    assert_int_equal(fi_client_cluster_loads(edge, L, FI_CLIENT_MAX_LOADS, &heard), 0);
+    assert_int_equal(fi_client_cluster_loads(edge, L, 4, &heard, &trunc), 0);
+    assert_int_equal(trunc, 0);
     assert_true(heard > 0 && fi_wire_now_ms() - heard <= 3 * H_HB_MS);
     fi_client_destroy(&edge);
+}
+
+/* n clusters c00, c01, ... each with one echo worker of model, in h. */
+static h_worker *s_clusters(harness *h, int n, const char *model) {
+    h_worker *w = calloc((size_t)n, sizeof *w);
+    assert_non_null(w);
+    for (int i = 0; i < n; i++) {
+        char site[16];
+        snprintf(site, sizeof site, "c%02d", i);
+        fi_shard_backend be = fi_shard_echo_backend(4, 0);
+        assert_int_equal(h_worker_start_be(h, &w[i], model, site, &be, 4), 0);
+        w[i].owns_be = 1;
+    }
+    return w;
+}
+
+static void s_clusters_stop(h_worker **w, int n) {
+    for (int i = 0; i < n; i++) h_worker_stop(&(*w)[i]);
+    free(*w);
+    *w = NULL;
+}
+
+/* The edge's rows now: malloc'd, *n of them, truncated or not. */
+static fi_cluster_load *s_rows(fi_client *edge, int *n, int *trunc) {
+    uint64_t heard = 0;
+    *n = fi_client_cluster_loads(edge, NULL, 0, &heard, trunc);
+    fi_cluster_load *L = calloc((size_t)*n + 1, sizeof *L);
+    assert_non_null(L);
+    assert_int_equal(fi_client_cluster_loads(edge, L, *n, &heard, trunc), *n);
+    assert_true(heard > 0);
+    return L;
+}
+
+/* Edges hear of every (cluster, model) with a live worker, however many:
+ * 66 clusters, 66 rows (the coordinator sent the first 64, and the edge
+ * read the 65th and 66th as clusters without a live worker). */
+static void test_edge_view_many_clusters(void **state) {
+    harness *h = *state;
+    enum { NC = 66 };
+    h_worker *w = s_clusters(h, NC, "mX");
+    fi_client *edge = s_new_edge(h, "s15");
+    s_listen(edge, 4 * H_HB_MS);
+    int n = 0, trunc = -1;
+    fi_cluster_load *L = s_rows(edge, &n, &trunc);
+    assert_int_equal(trunc, 0);
+    assert_int_equal(n, NC);
+    for (int i = 0; i < NC; i++) { /* in order of cluster names */
+        char site[16];
+        snprintf(site, sizeof site, "c%02d", i);
+        assert_string_equal(L[i].cluster, site);
+        assert_string_equal(L[i].model, "mX");
+        assert_int_equal(L[i].workers, 1);
+        assert_int_equal(L[i].capacity, 4);
+    }
+    free(L);
+    fi_client_destroy(&edge);
+    s_clusters_stop(&w, NC);
+}
+
+static int setup_small_msg(void **state) {
+    harness *h = calloc(1, sizeof *h);
+    if (!h || h_init(h)) return -1;
+    h->max_msg = 4096;
+    if (h_start(h)) return -1;
+    *state = h;
+    return 0;
+}
+
+/* A heartbeat keeps within the coordinator's message limit (max_msg,
+ * here 4 KiB; FI_WIRE_MAX_LOAD_ROWS rows at most anyway): the rows that
+ * do not fit are left out, and the heartbeat says so, so that an edge
+ * reads the clusters it is not told about as unknown rather than as
+ * clusters without a live worker. */
+static void test_edge_view_truncated(void **state) {
+    harness *h = *state;
+    enum { NC = 66 };
+    char model[61];
+    memset(model, 'm', 60);
+    model[60] = 0;
+    h_worker *w = s_clusters(h, NC, model); /* rows of about 80 bytes: some 50 fit */
+    fi_client *edge = s_new_edge(h, "s16");
+    s_listen(edge, 4 * H_HB_MS);
+    int n = 0, trunc = -1;
+    fi_cluster_load *L = s_rows(edge, &n, &trunc);
+    print_message("max_msg 4096: %d of %d rows sent, truncated %d\n", n, NC, trunc);
+    assert_int_equal(trunc, 1);
+    assert_true(n > 10 && n < NC);
+    for (int i = 0; i < n; i++) { /* the first ones in name order */
+        char site[16];
+        snprintf(site, sizeof site, "c%02d", i);
+        assert_string_equal(L[i].cluster, site);
+    }
+    free(L);
+    /* once the others are gone, the one left fits: the rows are whole
+     * again */
+    for (int i = 0; i < NC - 1; i++) h_worker_stop(&w[i]);
+    s_listen(edge, (H_LIVENESS + 3) * H_HB_MS);
+    L = s_rows(edge, &n, &trunc);
+    assert_int_equal(trunc, 0); /* one row fits */
+    assert_int_equal(n, 1);
+    assert_string_equal(L[0].cluster, "c65");
+    free(L);
+    fi_client_destroy(&edge);
+    h_worker_stop(&w[NC - 1]);
+    free(w);
+}
+
+/* A raw worker of site (a fi_client that answers nothing): models[i]
+ * with capacity caps[i]. */
+static fi_client *s_raw_worker(harness *h, const char *site, int n, const char *const *models,
+                               const uint32_t *caps) {
+    fi_keypair kp;
+    char err[256];
+    assert_int_equal(fi_keys_generate(&kp), 0);
+    assert_int_equal(h_enrol_direct(h, &kp, FI__ROLE__ROLE_CLUSTER, site, "r1"), 0);
+    fi_client_opts o;
+    h_client_opts(h, &o, &kp, FI__ROLE__ROLE_CLUSTER);
+    o.n_models = n;
+    for (int i = 0; i < n; i++) {
+        snprintf(o.models[i], sizeof o.models[i], "%s", models[i]);
+        o.capacity[i] = caps[i];
+    }
+    fi_client *c = fi_client_new(&o, err, sizeof err);
+    assert_non_null(c);
+    assert_int_equal(fi_client_wait_ready(c, 5000, err, sizeof err), 0);
+    return c;
+}
+
+/* Keeps the edge and the raw workers talking for ms; counts the Infers
+ * each worker got in got[]. */
+static void s_pump(fi_client *edge, fi_client **w, int nw, int *got, int ms) {
+    uint64_t end = fi_wire_now_ms() + (uint64_t)ms;
+    while (fi_wire_now_ms() < end) {
+        char err[128];
+        for (int i = 0; i < nw; i++) {
+            fi_msg *m = NULL;
+            if (fi_client_recv(w[i], 0, &m, err, sizeof err) == 1 &&
+                m->body_case == FI__ENVELOPE__BODY_INFER)
+                got[i]++;
+            fi_wire_free(&m);
+        }
+        fi_msg *m = NULL;
+        (void)fi_client_recv(edge, 5, &m, err, sizeof err);
+        fi_wire_free(&m);
+    }
+}
+
+/* The row of (cluster, model) the edge holds now; fails when none. */
+static fi_cluster_load s_row(fi_client *edge, const char *cluster, const char *model) {
+    fi_cluster_load L[8];
+    uint64_t heard = 0;
+    int n = fi_client_cluster_loads(edge, L, 8, &heard, NULL);
+    for (int i = 0; i < n && i < 8; i++)
+        if (!strcmp(L[i].cluster, cluster) && !strcmp(L[i].model, model)) return L[i];
+    fail_msg("no row for %s/%s", cluster, model);
+    return L[0];
+}
+
+/* A worker serving two models counts in the row of each with its open
+ * requests of both (they share its slots: the coordinator admits a
+ * request for m1 while its open requests are under its m1 capacity), but
+ * at most its capacity for the row's model: here A (m1: 2, m2: 8) has 6
+ * m2 requests open and B (m1: 2) none, and the m1 row says 2 of 4 busy,
+ * which is the room the coordinator admits into. It said 6 of 4: full,
+ * and an edge kept m1 requests away from B's free slots. */
+static void test_edge_view_multi_model_worker(void **state) {
+    harness *h = *state;
+    const char *ab[2] = {"m1", "m2"};
+    uint32_t cap_a[2] = {2, 8}, cap_b[1] = {2};
+    fi_client *w[2] = {s_raw_worker(h, "cm", 2, ab, cap_a), s_raw_worker(h, "cm", 1, ab, cap_b)};
+    fi_client *edge = s_new_edge(h, "s17");
+    int got[2] = {0, 0};
+    for (int i = 0; i < 6; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "mm-%d", i);
+        Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+        rq.request_id = id;
+        rq.model = (char *)"m2";
+        rq.prompt = (char *)"x";
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_INFER;
+        m.infer = &rq;
+        assert_int_equal(fi_client_send(edge, &m), 0);
+    }
+    s_pump(edge, w, 2, got, 4 * H_HB_MS);
+    assert_int_equal(got[0], 6);
+    fi_cluster_load r1 = s_row(edge, "cm", "m1"), r2 = s_row(edge, "cm", "m2");
+    print_message("m1 row: %u of %u busy, %u workers; m2 row: %u of %u\n", r1.in_flight,
+                  r1.capacity, r1.workers, r2.in_flight, r2.capacity);
+    assert_int_equal(r1.workers, 2);
+    assert_int_equal(r1.capacity, 4);
+    assert_int_equal(r1.in_flight, 2);
+    assert_int_equal(r2.capacity, 8);
+    assert_int_equal(r2.in_flight, 6);
+    /* and the room is real: an m1 request goes to B */
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)"mm-m1";
+    rq.model = (char *)"m1";
+    rq.prompt = (char *)"x";
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_INFER;
+    m.infer = &rq;
+    assert_int_equal(fi_client_send(edge, &m), 0);
+    s_pump(edge, w, 2, got, 3 * H_HB_MS);
+    assert_int_equal(got[1], 1);
+    fi_client_destroy(&edge);
+    for (int i = 0; i < 2; i++) fi_client_destroy(&w[i]);
 }
 
 /* A worker answers a request with a code about the edge's connection
@@ -796,6 +1006,9 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_edge_view_many_clusters, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_edge_view_truncated, setup_small_msg, teardown),
+        cmocka_unit_test_setup_teardown(test_edge_view_multi_model_worker, setup, teardown),
         cmocka_unit_test_setup_teardown(test_worker_cannot_disconnect_edge, setup, teardown),
         cmocka_unit_test_setup_teardown(test_only_edges_upload_their_site, setup, teardown),
         cmocka_unit_test_setup_teardown(test_replaced_key_continues_log, setup, teardown),

@@ -27,6 +27,7 @@ typedef struct s_replica {
     const char *name;                     /* prefix of its answers */
     pthread_mutex_t mu;
     uint8_t bits[FI_SHARD_FILTER_BYTES];  /* prompts served so far */
+    char zone[64];                        /* the zone the last request was salted with */
 } s_replica;
 
 /* The prompt's bytes as tokens, hashed with the salt (tenant, zone) as
@@ -49,6 +50,7 @@ static int s_gen(void *ctx, const Fi__InferRequest *rq, fi_shard_emit_fn emit, v
     int n = s_hashes(rq->tenant, rq->zone, rq->prompt, h, 128);
     pthread_mutex_lock(&r->mu);
     for (int i = 0; i < n; i++) fi_prefix_filter_add(r->bits, sizeof r->bits, h[i]);
+    snprintf(r->zone, sizeof r->zone, "%s", rq->zone ? rq->zone : "");
     pthread_mutex_unlock(&r->mu);
     return emit(eu, r->name, strlen(r->name)) ? 0 : 0;
 }
@@ -80,12 +82,10 @@ typedef struct fx {
     uint8_t sk[64];              /* the policy-signing key (policy_check_key's pair) */
 } fx;
 
-static int setup(void **state) {
-    fx *f = calloc(1, sizeof *f);
+/* The signed policy in the coordinator's store, and its key in the
+ * configuration o (policy_check_key). */
+static void s_policy_on(fx *f, fi_coord_opts *o) {
     char err[256], path[400];
-    assert_int_equal(h_init(&f->h), 0);
-    /* The signed policy in the coordinator's store, and its key in the
-     * configuration (policy_check_key). */
     uint8_t pk[32], sk[64];
     assert_int_equal(fi_bundle_keygen(pk, sk), 0);
     memcpy(f->sk, sk, sizeof f->sk);
@@ -100,9 +100,20 @@ static int setup(void **state) {
     assert_int_equal(fi_store_bundle_put(st, 1, b, bl, "op"), 0);
     fi_store_destroy(&st);
     free(b);
+    snprintf(o->policy_check_key, sizeof o->policy_check_key, "%s/sign.key.pub", f->h.dir);
+}
+
+/* The coordinator (with its policy re-check when policy, else without:
+ * "the check is off"), two replicas core1 and core2 of model m, and an
+ * edge of site clinic. */
+static fx *s_setup(int policy) {
+    fx *f = calloc(1, sizeof *f);
+    char err[256];
+    assert_non_null(f);
+    assert_int_equal(h_init(&f->h), 0);
     fi_coord_opts o;
     h_opts(&f->h, &o, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*");
-    snprintf(o.policy_check_key, sizeof o.policy_check_key, "%s/sign.key.pub", f->h.dir);
+    if (policy) s_policy_on(f, &o);
     f->h.c = fi_coord_new(&o, &f->h.coord, err, sizeof err);
     assert_non_null(f->h.c);
     snprintf(f->h.ep, sizeof f->h.ep, "%s", fi_coord_endpoint(f->h.c, 0));
@@ -120,7 +131,16 @@ static int setup(void **state) {
     assert_int_equal(h_enrol_direct(&f->h, &ek, FI__ROLE__ROLE_EDGE, "clinic", "eu-a"), 0);
     f->edge = h_client(&f->h, &ek, FI__ROLE__ROLE_EDGE);
     assert_non_null(f->edge);
-    *state = f;
+    return f;
+}
+
+static int setup(void **state) {
+    *state = s_setup(1);
+    return 0;
+}
+
+static int setup_no_policy(void **state) {
+    *state = s_setup(0);
     return 0;
 }
 
@@ -133,21 +153,22 @@ static int teardown(void **state) {
     return 0;
 }
 
-/* Sends a request with the prompt's prefix hashes; returns the replica
- * that answered (0, 1) or -1 with the error code in *code. */
-static int s_ask_in(fx *f, const char *id, const char *prompt, const char *label,
-                    const char *cluster, int *code) {
+/* Sends a request with the prompt's prefix hashes, salted with
+ * hash_zone, saying zone; returns the replica that answered (0, 1) or -1
+ * with the error code in *code. */
+static int s_ask_zoned(fx *f, const char *id, const char *prompt, const char *label,
+                       const char *cluster, const char *hash_zone, const char *zone, int *code) {
     /* hashed as the edge hashes: the tenant qualified with its site */
     char salt[FI_WIRE_CACHE_TENANT_MAX];
     assert_int_equal(fi_wire_cache_tenant("clinic", "tenant", salt), 0);
     uint64_t h[128];
-    int n = s_hashes(salt, "EU", prompt, h, 128);
+    int n = s_hashes(salt, hash_zone, prompt, h, 128);
     Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
     rq.request_id = (char *)id;
     rq.model = (char *)"m";
     rq.prompt = (char *)prompt;
     rq.tenant = (char *)"tenant";
-    rq.zone = (char *)"EU";
+    rq.zone = (char *)zone;
     rq.prefix_hashes = h;
     rq.n_prefix_hashes = (size_t)n;
     rq.cluster = (char *)cluster;
@@ -162,6 +183,12 @@ static int s_ask_in(fx *f, const char *id, const char *prompt, const char *label
     *code = res.error;
     if (res.error) return -1;
     return !strcmp(t.buf, "core1") ? 0 : !strcmp(t.buf, "core2") ? 1 : -1;
+}
+
+/* As the edge asks, its zone EU (its policy's jurisdiction of clinic). */
+static int s_ask_in(fx *f, const char *id, const char *prompt, const char *label,
+                    const char *cluster, int *code) {
+    return s_ask_zoned(f, id, prompt, label, cluster, "EU", "EU", code);
 }
 
 static int s_ask(fx *f, const char *id, const char *prompt, const char *label, int *code) {
@@ -215,6 +242,105 @@ static void test_prefix_goes_to_holder(void **state) {
         snprintf(id, sizeof id, "p0-%d", i);
         assert_int_equal(s_ask(f, id, s_prompt[0], NULL, &code), 1 - win[0]);
     }
+}
+
+/* Which replica a full tie sends prompt to (both idle, nothing cached),
+ * with the edge's hashes salted with zone: fi_route_pick's rendezvous on
+ * the workers' keys, as the coordinator ranks them. */
+static int s_tie(fx *f, const char *prompt, const char *zone) {
+    char salt[FI_WIRE_CACHE_TENANT_MAX];
+    assert_int_equal(fi_wire_cache_tenant("clinic", "tenant", salt), 0);
+    uint64_t h[128];
+    int n = s_hashes(salt, zone, prompt, h, 128);
+    fi_route_cand c[2];
+    memset(c, 0, sizeof c);
+    for (int i = 0; i < 2; i++) {
+        c[i].capacity = 8;
+        memcpy(&c[i].id, f->w[i].kp.pub, sizeof c[i].id);
+    }
+    return fi_route_pick(c, 2, h, n, fi_route_key(h, n, 0), NULL);
+}
+
+/* Makes the replica that loses prompt's tie hold it (the edge sends it
+ * there, zone EU, as the edge hashes and says), lets the filters travel,
+ * then sends 6 requests with hashes salted with hash_zone, saying zone:
+ * how many went to the holder (*holder). */
+static int s_to_holder(fx *f, const char *prompt, const char *hash_zone, const char *zone,
+                       int *holder) {
+    int code;
+    *holder = 1 - s_tie(f, prompt, "EU");
+    assert_int_equal(s_ask_in(f, "warm", prompt, NULL, *holder ? "core2" : "core1", &code), *holder);
+    s_beats(f);
+    int to_holder = 0;
+    for (int i = 0; i < 6; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "z%d", i);
+        to_holder += s_ask_zoned(f, id, prompt, NULL, "", hash_zone, zone, &code) == *holder;
+    }
+    return to_holder;
+}
+
+/* A coordinator without a policy forwards the edge's zone (here EU, its
+ * policy's jurisdiction of the site): the worker salts as the edge
+ * hashed, and the replica holding the prefix gets every request sharing
+ * it. It forwarded the origin site, the edge's hashes never matched, and
+ * the holder got 0 of 6 (each went by the tie). */
+static void test_zone_as_edge(void **state) {
+    fx *f = *state;
+    static char prompt[600];
+    memset(prompt, 'b', 512);
+    prompt[512] = 0;
+    int holder;
+    int n = s_to_holder(f, prompt, "EU", "EU", &holder);
+    pthread_mutex_lock(&f->rep[holder].mu);
+    char zone[64];
+    snprintf(zone, sizeof zone, "%s", f->rep[holder].zone);
+    pthread_mutex_unlock(&f->rep[holder].mu);
+    print_message("no policy: the worker salted with zone '%s'; %d of 6 to the holder\n", zone, n);
+    assert_string_equal(zone, "EU");
+    assert_int_equal(n, 6);
+}
+
+/* Without a policy, a zone the coordinator cannot carry (over 63 bytes)
+ * or none is replaced by the origin site. */
+static void test_zone_bad_is_site(void **state) {
+    fx *f = *state;
+    int code;
+    char big[80];
+    memset(big, 'z', 64);
+    big[64] = 0;
+    const char *zones[2] = {big, ""};
+    for (int i = 0; i < 2; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "bz%d", i);
+        int r = s_ask_zoned(f, id, "a short prompt", NULL, "core1", zones[i], zones[i], &code);
+        assert_int_equal(r, 0);
+        pthread_mutex_lock(&f->rep[0].mu);
+        assert_string_equal(f->rep[0].zone, "clinic");
+        pthread_mutex_unlock(&f->rep[0].mu);
+    }
+}
+
+/* With a policy, the worker is told the origin's zone in it (EU here),
+ * whatever the edge says; an edge whose own policy puts it in another
+ * zone (XX) salted its hashes with that, so they cannot match the
+ * worker's filter but by a false positive: they are not scored. Here the
+ * hashes are salted with EU nonetheless, so that they would match: the
+ * requests go by the tie, not to the holder (they went to the holder). */
+static void test_zone_mismatch_hashes_ignored(void **state) {
+    fx *f = *state;
+    static char prompt[600];
+    memset(prompt, 'k', 512);
+    prompt[512] = 0;
+    int holder;
+    assert_int_equal(s_to_holder(f, prompt, "EU", "XX", &holder), 0);
+    pthread_mutex_lock(&f->rep[1 - holder].mu);
+    assert_string_equal(f->rep[1 - holder].zone, "EU"); /* the policy's, not the edge's */
+    pthread_mutex_unlock(&f->rep[1 - holder].mu);
+    /* and with the zones agreeing, the holder (of another prompt: both
+     * hold this one now) */
+    memset(prompt, 'l', 512);
+    assert_int_equal(s_to_holder(f, prompt, "EU", "EU", &holder), 6);
 }
 
 typedef struct s_scan {
@@ -322,6 +448,7 @@ static void s_send_infer(fx *f, const char *id, const char *model, const uint64_
     rq.model = (char *)model;
     rq.prompt = (char *)"x";
     rq.tenant = (char *)"tenant";
+    rq.zone = (char *)"EU"; /* as the edge says (its hashes are salted with it) */
     rq.prefix_hashes = (uint64_t *)h;
     rq.n_prefix_hashes = (size_t)nh;
     rq.labels = label ? labels : NULL;
@@ -364,6 +491,27 @@ static void test_bad_report_drops_old_filter(void **state) {
     (void)s_pump(f, w, 2, 5 * H_HB_MS, NULL, NULL);
     s_send_infer(f, "bad-4", "mA", h, nh, NULL);
     assert_int_equal(s_pump(f, w, 2, 3 * H_HB_MS, NULL, NULL), 1);
+    for (int i = 0; i < 2; i++) fi_client_destroy(&w[i]);
+}
+
+/* A bad load report takes the worker's old counts away too, not only its
+ * filter: here worker 0 reported 7 of 8 running, then a report the
+ * coordinator rejects; it is then as loaded as the coordinator counts it
+ * (nothing open) and takes the next request from worker 1 (4 of 8
+ * running). The old 7 stayed, and kept traffic away from it for as long
+ * as it sent bad reports. */
+static void test_bad_report_drops_old_load(void **state) {
+    fx *f = *state;
+    fi_client *w[2] = {s_raw_worker(f, "core1", "mC", 8), s_raw_worker(f, "core1", "mC", 8)};
+    fi_client_set_load(w[0], 7, 0, 0, 0, NULL, 0);
+    fi_client_set_load(w[1], 4, 0, 0, 0, NULL, 0);
+    (void)s_pump(f, w, 2, 5 * H_HB_MS, NULL, NULL);
+    s_send_infer(f, "load-1", "mC", NULL, 0, NULL);
+    assert_int_equal(s_pump(f, w, 2, 3 * H_HB_MS, NULL, NULL), 1);
+    fi_client_set_load(w[0], 0, 0, 5, 4, NULL, 0); /* more free blocks than blocks */
+    (void)s_pump(f, w, 2, 5 * H_HB_MS, NULL, NULL);
+    s_send_infer(f, "load-2", "mC", NULL, 0, NULL);
+    assert_int_equal(s_pump(f, w, 2, 3 * H_HB_MS, NULL, NULL), 0);
     for (int i = 0; i < 2; i++) fi_client_destroy(&w[i]);
 }
 
@@ -470,6 +618,87 @@ static void test_route_order(void **state) {
     assert_int_equal(fi_prefix_filter_has(NULL, 0, h[0]), 0);
 }
 
+/* splitmix64: well-mixed 64-bit values, as BLAKE2b chain hashes are. */
+static uint64_t s_mix(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* A saturated filter (here 1 KiB over thousands of cached blocks: the
+ * size every worker reported, and what a pool past 52428 blocks still
+ * gets per block) claims most cold prompts; since a hit outranks load, a
+ * busy worker (7 of 8) that holds nothing of a prompt beat an idle one
+ * that truly holds its first 2 blocks. The router now takes off each
+ * match the run the filter's fill explains by chance (fi_route_pick):
+ * the busy worker wins at most 1% of them (0.2%, 0, 0; it won 2.3%,
+ * 32% and 88% with 3000, 6000 and 12000 blocks), while a true long hit (32
+ * blocks) on that busy worker still wins where the filter still says
+ * something (3000, 6000 blocks; at 12000 it is 99% full and says
+ * nothing), and every time on a filter sized for its pool. */
+static void test_saturated_filter(void **state) {
+    (void)state;
+    static const int sizes[] = {300, 1000, 3000, 6000, 12000};
+    const int Q = 1000;
+    for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
+        for (int sized = 0; sized < 2; sized++) {
+            size_t nb = sized ? fi_prefix_filter_bytes(sizes[s]) : 1024;
+            uint8_t *sat = calloc(nb, 1), *full = malloc(nb), holds[1024];
+            assert_non_null(sat);
+            assert_non_null(full);
+            uint64_t x = 12345 + (uint64_t)s;
+            for (int b = 0; b < sizes[s]; b++) fi_prefix_filter_add(sat, nb, s_mix(&x));
+            double fill = (double)fi_route_filter_ones(sat, nb) / (double)(nb * 8);
+            int claims = 0, busy_cold = 0, busy_true = 0;
+            for (int q = 0; q < Q; q++) {
+                int32_t toks[512];
+                for (int i = 0; i < 512; i++) toks[i] = 5000 + q * 1031 + i;
+                uint64_t h[32];
+                int nh = fi_prefix_hashes("t", "EU", toks, 512, h, 32);
+                assert_int_equal(nh, 32);
+                fi_route_cand c[2];
+                memset(c, 0, sizeof c);
+                c[0].capacity = c[1].capacity = 8;
+                c[0].in_flight = 7; /* nearly full */
+                c[0].id = 1, c[1].id = 2;
+                /* cold for the busy one; the idle one truly holds 2 blocks */
+                memset(holds, 0, sizeof holds);
+                fi_prefix_filter_add(holds, sizeof holds, h[0]);
+                fi_prefix_filter_add(holds, sizeof holds, h[1]);
+                c[0].filter = sat, c[0].filter_len = nb;
+                c[1].filter = holds, c[1].filter_len = sizeof holds;
+                claims += fi_prefix_filter_match(sat, nb, h, 8) > 0;
+                busy_cold += fi_route_pick(c, 2, h, 8, (uint64_t)q, NULL) == 0;
+                /* the busy one truly holds all 32 blocks; the idle one nothing */
+                memcpy(full, sat, nb);
+                for (int i = 0; i < nh; i++) fi_prefix_filter_add(full, nb, h[i]);
+                c[0].filter = full;
+                c[1].filter = NULL;
+                busy_true += fi_route_pick(c, 2, h, nh, (uint64_t)q, NULL) == 0;
+            }
+            print_message("%5d blocks in %5zu bytes (fill %.2f, chance run %2d): cold prompts "
+                          "claimed %5.1f%%; busy beat the idle holder of 2 blocks %4.1f%%; "
+                          "busy's true 32-block hit won %5.1f%%\n",
+                          sizes[s], nb, fill, fi_route_false_run(fi_route_filter_ones(sat, nb), nb, 32),
+                          100.0 * claims / Q, 100.0 * busy_cold / Q, 100.0 * busy_true / Q);
+            assert_true(busy_cold <= Q / 100);
+            if (sized || sizes[s] <= 6000) assert_int_equal(busy_true, Q);
+            free(sat);
+            free(full);
+        }
+    }
+    /* the chance run: none for a filter under 31% full, all for a full one */
+    uint8_t f[64];
+    memset(f, 0, sizeof f);
+    assert_int_equal(fi_route_false_run(fi_route_filter_ones(f, sizeof f), sizeof f, 8), 0);
+    memset(f, 0x55, sizeof f); /* half full: fp 1/8, 1/64: one block */
+    assert_int_equal(fi_route_filter_ones(f, sizeof f), 256);
+    assert_int_equal(fi_route_false_run(256, sizeof f, 8), 1);
+    memset(f, 0xff, sizeof f);
+    assert_int_equal(fi_route_false_run(fi_route_filter_ones(f, sizeof f), sizeof f, 8), 8);
+}
+
 static int s_push(fx *f, uint64_t v, const char *b, size_t bl) {
     return h_push_bundle(&f->h, v, b, bl);
 }
@@ -508,11 +737,16 @@ static void test_pushed_bundle_checked(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_route_order),
+        cmocka_unit_test(test_saturated_filter),
         cmocka_unit_test(test_prefix_goes_to_holder),
         cmocka_unit_test(test_forbidden_holder_never_chosen),
         cmocka_unit_test(test_bad_report_drops_old_filter),
+        cmocka_unit_test(test_bad_report_drops_old_load),
         cmocka_unit_test(test_denied_workers_hide_nothing),
         cmocka_unit_test(test_pushed_bundle_checked),
+        cmocka_unit_test(test_zone_mismatch_hashes_ignored),
+        cmocka_unit_test_setup_teardown(test_zone_as_edge, setup_no_policy, teardown),
+        cmocka_unit_test_setup_teardown(test_zone_bad_is_site, setup_no_policy, teardown),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -332,6 +332,83 @@ static void test_prefix_filter(void **state) {
     fi_model_destroy(&m);
 }
 
+/* splitmix64: the next of a sequence of well-mixed 64-bit values. */
+static uint64_t s_mix(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* A filter answers a hash it does not hold about as often as its fill
+ * says (fill^FI_PREFIX_FILTER_PROBES), which the coordinator's router
+ * counts on to tell a likely false hit. Its probes came from the hash's
+ * low bits alone, and it answered about n/bits of them whatever the
+ * fill: 12.4% where fill^3 is 3.0% (1000 hashes in 1 KiB), 4.5% where it
+ * is 0.2% (3000 in 8 KiB). */
+static void test_prefix_filter_false_rate(void **state) {
+    (void)state;
+    static const struct { size_t nbytes; int n; } cases[] = {{1024, 300}, {1024, 1000},
+                                                             {8192, 3000}, {512, 1000}};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        uint8_t *f = calloc(cases[k].nbytes, 1);
+        assert_non_null(f);
+        uint64_t x = 99; /* uniform values, as BLAKE2b chain hashes are */
+        for (int b = 0; b < cases[k].n; b++) fi_prefix_filter_add(f, cases[k].nbytes, s_mix(&x));
+        int ones = 0;
+        for (size_t i = 0; i < cases[k].nbytes; i++) ones += __builtin_popcount(f[i]);
+        double fill = (double)ones / (double)(cases[k].nbytes * 8);
+        double expect = fill * fill * fill;
+        int fp = 0;
+        const int Q = 100000;
+        for (int q = 0; q < Q; q++) fp += fi_prefix_filter_has(f, cases[k].nbytes, s_mix(&x));
+        double got = (double)fp / Q;
+        print_message("%5d hashes in %5zu bytes: fill %.3f, fill^3 %.4f, false %.4f\n", cases[k].n,
+                      cases[k].nbytes, fill, expect, got);
+        assert_true(got < 1.3 * expect + 0.001);
+        free(f);
+    }
+}
+
+/* A filter sized for a pool (fi_prefix_filter_bytes: 10 bits a block, a
+ * power of two of 64..65536 bytes) holding every block of the pool
+ * answers about 1-2% of hashes it does not hold; the fixed 1 KiB filter
+ * every worker reported answered most of them once the pool held
+ * thousands of blocks (measured here too). */
+static void test_prefix_filter_size(void **state) {
+    (void)state;
+    assert_int_equal(fi_prefix_filter_bytes(-5), 64);
+    assert_int_equal(fi_prefix_filter_bytes(0), 64);
+    assert_int_equal(fi_prefix_filter_bytes(51), 64);   /* 510 bits */
+    assert_int_equal(fi_prefix_filter_bytes(52), 128);  /* 520 bits */
+    assert_int_equal(fi_prefix_filter_bytes(347), 512); /* SmolLM2-135M, 256 MiB */
+    assert_int_equal(fi_prefix_filter_bytes(5000), 8192);
+    assert_int_equal(fi_prefix_filter_bytes(52428), 65536);
+    assert_int_equal(fi_prefix_filter_bytes(1 << 30), 65536);
+    static const int pools[] = {300, 3000, 12000, 40000};
+    for (size_t k = 0; k < sizeof pools / sizeof *pools; k++) {
+        size_t nb = fi_prefix_filter_bytes(pools[k]);
+        uint8_t *sized = calloc(nb, 1), fixed[1024] = {0};
+        assert_non_null(sized);
+        uint64_t x = 99; /* uniform 64-bit values, as BLAKE2b chain hashes are */
+        for (int b = 0; b < pools[k]; b++) {
+            uint64_t v = s_mix(&x);
+            fi_prefix_filter_add(sized, nb, v);
+            fi_prefix_filter_add(fixed, sizeof fixed, v);
+        }
+        int fp_sized = 0, fp_fixed = 0;
+        for (int q = 0; q < 10000; q++) {
+            uint64_t v = s_mix(&x);
+            fp_sized += fi_prefix_filter_has(sized, nb, v);
+            fp_fixed += fi_prefix_filter_has(fixed, sizeof fixed, v);
+        }
+        print_message("%5d blocks: %5zu-byte filter %.2f%% false, 1 KiB filter %.2f%%\n", pools[k], nb,
+                      fp_sized / 100.0, fp_fixed / 100.0);
+        assert_true(fp_sized < 250); /* 2.5% */
+        free(sized);
+    }
+}
+
 typedef struct hook {
     int calls;
     int fail_at;
@@ -614,6 +691,8 @@ int main(void) {
         cmocka_unit_test(test_pool_exhaustion),
         cmocka_unit_test(test_cancel_and_errors),
         cmocka_unit_test(test_prefix_filter),
+        cmocka_unit_test(test_prefix_filter_false_rate),
+        cmocka_unit_test(test_prefix_filter_size),
         cmocka_unit_test(test_forward_hook),
         cmocka_unit_test(test_resubmit_from_on_done),
         cmocka_unit_test(test_counters_and_small_pool),

@@ -247,7 +247,7 @@ int main(int argc, char **argv) {
     Fi__ClusterLoad cl = FI__CLUSTER_LOAD__INIT, *clp[1] = {&cl};
     cl.cluster = (char *)"core1", cl.model = (char *)"smol", cl.workers = 2, cl.capacity = 8;
     Fi__Heartbeat hbl = FI__HEARTBEAT__INIT;
-    hbl.sent_ms = 5, hbl.load = &wl, hbl.n_clusters = 1, hbl.clusters = clp;
+    hbl.sent_ms = 5, hbl.load = &wl, hbl.n_clusters = 1, hbl.clusters = clp, hbl.clusters_truncated = 1;
     m.body_case = FI__ENVELOPE__BODY_HEARTBEAT, m.heartbeat = &hbl;
     rc |= s_seed(d, "heartbeat_load", &m);
     Fi__ChatMessage cm0 = FI__CHAT_MESSAGE__INIT, cm1 = FI__CHAT_MESSAGE__INIT;
