@@ -318,7 +318,12 @@ static int s_routing(bench *b, int mode, int refresh_n, const s_route_load *w, d
                         fi_sched_new(b->m, &so, err, sizeof err)};
     int rc = -1, n = w->sys_tokens + w->doc_tokens + 16;
     int32_t *p = malloc((size_t)n * sizeof *p);
-    uint8_t *bits = calloc(2, 1024); /* each replica's filter as the router sees it */
+    /* each replica's filter as the router sees it, sized as a worker sizes
+     * its own from its pool (fi_prefix_filter_bytes) */
+    fi_sched_stats st0 = {0};
+    if (rep[0]) fi_sched_get_stats(rep[0], &st0);
+    size_t fb = fi_prefix_filter_bytes(st0.blocks_total);
+    uint8_t *bits = calloc(2, fb);
     req *rs = calloc((size_t)w->n_req, sizeof *rs);
     uint64_t h[64];
     if (!rep[0] || !rep[1] || !p || !bits || !rs) {
@@ -343,12 +348,12 @@ static int s_routing(bench *b, int mode, int refresh_n, const s_route_load *w, d
                 int nh = fi_prefix_hashes("acme", "bench", p, n - 1, h, 64);
                 if (mode == 1 || (mode == 2 && i % refresh_n == 0))
                     for (int r = 0; r < 2; r++)
-                        if (fi_sched_prefix_filter(rep[r], bits + r * 1024, 1024)) goto done;
+                        if (fi_sched_prefix_filter(rep[r], bits + r * fb, fb)) goto done;
                 fi_bench_replica rr[2];
                 for (int r = 0; r < 2; r++) {
                     fi_sched_stats st;
                     fi_sched_get_stats(rep[r], &st);
-                    rr[r] = (fi_bench_replica){mode == 3 ? NULL : bits + r * 1024, 1024,
+                    rr[r] = (fi_bench_replica){mode == 3 ? NULL : bits + r * fb, fb,
                                                (uint32_t)st.running, (uint32_t)st.queued, 8,
                                                0x5eed0000u + (uint64_t)r};
                 }
