@@ -185,12 +185,12 @@ static void test_prefix_512(void **state) {
  * positions): they cannot all be resident; all complete, unchanged. */
 static void test_pool_pressure(void **state) {
     (void)state;
-    int32_t p[6][512];
+    int32_t p[6][512 + 64];
     int n[6];
     fi_capture got[6], solo[6];
     for (int i = 0; i < 6; i++) {
         int np;
-        n[i] = s_doc_prompt(s_questions[i], p[i], 512 + 64, &np) - 512 + 150;
+        n[i] = s_doc_prompt(s_questions[i], p[i], (int)(sizeof p[i] / sizeof p[i][0]), &np) - 512 + 150;
         memmove(p[i], p[i] + 512 - 150, (size_t)n[i] * sizeof(int32_t)); /* a 150-token tail */
         p[i][0] = (int32_t)(100 + i);                                   /* each its own */
     }
