@@ -127,9 +127,11 @@ int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_
  * on from another source's log (an edge whose key was replaced keeps its
  * local log): when origin is given and exactly one held source that the
  * adopt check (fi_audit_set_adopt_check) allows ends at the record before
- * the batch, with the batch's first record chained to its head, source
- * takes that head over (and err, on success, names the source it
- * continues; else err is "").
+ * the batch, with the batch's first record chained to its head, or at a
+ * record of the batch with the same hash (the old key's last batch was
+ * taken but its acknowledgement lost, and it comes again), source takes
+ * that head over (and err, on success, names the source it continues;
+ * else err is "").
  * 0, 1 refused (err says why), -1 database error. */
 int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, const fi_audit_record *recs, size_t n,
                     size_t *taken, char *err, size_t cap) FI_WUR;

@@ -347,34 +347,47 @@ static int s_source_head(fi_audit *self, const char *source, int64_t *seq, char 
     return r == SQLITE_ROW || r == SQLITE_DONE ? 0 : -1;
 }
 
-/* A source without a head whose first record continues another source's
- * log (a key replaced: the same edge, the same local log, a new key): the
- * one held source whose head is the record before first and to whose head
- * first is chained. Its row is taken over by source (inside the caller's
- * transaction); its name goes to from. 1 taken over, 0 none (or more than
- * one: ambiguous), -1 database error. */
+/* A source without a head whose batch continues another source's log (a
+ * key replaced: the same edge, the same local log, a new key): the one
+ * held source whose head is either the record before the batch, with the
+ * batch's first record chained to it, or a record of the batch itself
+ * (the old key's last batch was taken but its acknowledgement lost, so the
+ * edge sends it again under the new key). Its row is taken over by source
+ * (inside the caller's transaction); its name goes to from, its head to
+ * held and head. 1 taken over, 0 none (or more than one: ambiguous), -1
+ * database error. */
 static int s_adopt_source(fi_audit *self, const char *source, const char *origin,
-                          const fi_audit_record *first, int64_t *held, char head[65], char *from,
+                          const fi_audit_record *recs, size_t n, int64_t *held, char head[65], char *from,
                           size_t from_cap) {
     sqlite3_stmt *st = NULL;
+    const fi_audit_record *first = &recs[0];
     if (first->seq < 2 || !origin || !self->may_adopt) return 0;
-    if (sqlite3_prepare_v2(self->db, "SELECT source, hash FROM audit_sources WHERE seq = ?", -1, &st, NULL) !=
-        SQLITE_OK)
+    if (sqlite3_prepare_v2(self->db, "SELECT source, seq, hash FROM audit_sources WHERE seq BETWEEN ? AND ?", -1,
+                           &st, NULL) != SQLITE_OK)
         return -1;
     sqlite3_bind_int64(st, 1, first->seq - 1);
+    sqlite3_bind_int64(st, 2, recs[n - 1].seq);
     int found = 0, r;
+    int64_t at = 0;
     char name[256] = "", hash[65] = "";
     while ((r = sqlite3_step(st)) == SQLITE_ROW) {
-        const char *s = (const char *)sqlite3_column_text(st, 0), *h = (const char *)sqlite3_column_text(st, 1);
-        char want[65];
-        fi_audit_chain_hash(h ? h : "", first, want);
-        if (!s || strcmp(s, source) == 0 || strcmp(want, first->hash)) continue;
+        const char *s = (const char *)sqlite3_column_text(st, 0), *h = (const char *)sqlite3_column_text(st, 2);
+        int64_t seq = sqlite3_column_int64(st, 1);
+        if (!s || !h || strcmp(s, source) == 0) continue;
+        if (seq == first->seq - 1) {
+            char want[65];
+            fi_audit_chain_hash(h, first, want);
+            if (strcmp(want, first->hash)) continue;
+        } else if (strcmp(recs[seq - first->seq].hash, h)) {
+            continue; /* the batch holds that record, but not the one held */
+        }
         /* only a source the owner says this uploader may continue (the
          * coordinator: a replaced key of an edge of the same site) */
         if (!self->may_adopt(self->adopt_user, s, origin)) continue;
         if (found++) break; /* two logs end where this one goes on: take neither */
         snprintf(name, sizeof name, "%s", s);
         snprintf(hash, sizeof hash, "%s", h);
+        at = seq;
     }
     sqlite3_finalize(st);
     if (r != SQLITE_ROW && r != SQLITE_DONE) return -1;
@@ -385,7 +398,7 @@ static int s_adopt_source(fi_audit *self, const char *source, const char *origin
     r = sqlite3_step(st);
     sqlite3_finalize(st);
     if (r != SQLITE_DONE) return -1;
-    *held = first->seq - 1;
+    *held = at;
     snprintf(head, 65, "%s", hash);
     snprintf(from, from_cap, "%s", name);
     return 1;
@@ -436,7 +449,7 @@ int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, cons
     if (s_source_head(self, source, &held, head) != 0) goto dberr_tx;
     char adopted[256] = "";
     if (held == 0 && n && recs[0].seq > 1 &&
-        s_adopt_source(self, source, origin, &recs[0], &held, head, adopted, sizeof adopted) < 0)
+        s_adopt_source(self, source, origin, recs, n, &held, head, adopted, sizeof adopted) < 0)
         goto dberr_tx;
     int refused = 0;
     if (n && recs[0].seq > held + 1) {

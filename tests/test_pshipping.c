@@ -711,6 +711,41 @@ static void test_ingest(void **state) {
     fi_audit_destroy(&a);
 }
 
+/* A key replaced while its last batch's acknowledgement was lost: the
+ * edge sends that batch again, under the new key, from its old mark. The
+ * new key goes on from the record the old one's head is in the batch
+ * (it was refused forever: "records 1..3 were never received"); a batch
+ * whose record at that head differs is still refused. */
+static void test_ingest_adopt_after_lost_ack(void **state) {
+    fx *f = *state;
+    char path[400], err[512];
+    snprintf(path, sizeof path, "%s/ingest-ack.db", f->h.dir);
+    fi_audit *a = fi_audit_open(path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_set_adopt_check(a, s_may_adopt, NULL);
+    fi_audit_record r[8], w[5];
+    size_t taken = 0;
+    s_records(r, 1, 8, "s1", "", "permit");
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s1", r, 5, &taken, err, sizeof err), 0);
+    assert_int_equal(taken, 5); /* its ack lost: the edge's mark stays at 3 */
+    s_records(w, 4, 5, "s1", r[2].hash, "deny"); /* 4..8 rewritten */
+    assert_int_equal(fi_audit_ingest(a, "edge-a2", "s1", w, 5, &taken, err, sizeof err), 1);
+    assert_non_null(strstr(err, "never received"));
+    if (fi_audit_ingest(a, "edge-a2", "s1", r + 3, 5, &taken, err, sizeof err) != 0)
+        fail_msg("the new key's resent batch 4..8: %s", err);
+    assert_int_equal(taken, 3);
+    assert_string_equal(err, "continues the log of source edge-a");
+    int64_t seq = 0;
+    char head[65];
+    assert_int_equal(fi_audit_source_head(a, "edge-a2", &seq, head, err, sizeof err), 0);
+    assert_int_equal(seq, 8);
+    assert_string_equal(head, r[7].hash);
+    fi_audit_check ck;
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
+    assert_int_equal(ck.records, 8);
+    fi_audit_destroy(&a);
+}
+
 /* The new message types have names and pass the decoder; an unknown
  * field inside one is malformed. */
 static void test_wire_types(void **state) {
@@ -755,6 +790,7 @@ int main(void) {
         cmocka_unit_test(test_wire_types),
         cmocka_unit_test_setup_teardown(test_help, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ingest, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ingest_adopt_after_lost_ack, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ship_and_audit, setup, teardown),
         cmocka_unit_test_setup_teardown(test_pushed_version_taken, setup, teardown),
     };
