@@ -173,7 +173,8 @@ typedef struct edge_policy edge_policy;
 edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db, const char *site,
                              const char *clusters, char *err, size_t errlen);
 /* A record that is not a policy decision of ours: the coordinator's
- * denial of a routed request ("deny"), with its reason as rules. */
+ * refusal of a routed request ("deny": its policy check; "unavailable":
+ * no room or no live worker), with its reason as rules. */
 void edge_policy_audit_note(edge_policy *p, const char *request_id, const char *model,
                             const char *labels, const char *decision, const char *target,
                             const char *rules);

@@ -235,6 +235,20 @@ static int s_find(s_remote *r, const char *rid) {
     return -1;
 }
 
+/* The coordinator's refusal of a request the edge recorded as permitted
+ * there: a second record of the request says what became of it ("deny":
+ * its policy check; "unavailable": no room or no worker), so the log does
+ * not show a permit for a request that was not served. */
+static void s_audit_note(s_remote *r, const edge_job *j, const char *decision, const char *msg) {
+    char labels[256] = "";
+    for (int k = 0; k < j->n_labels; k++)
+        snprintf(labels + strlen(labels), sizeof labels - strlen(labels), "%s%s", k ? "," : "",
+                 j->labels[k]);
+    char rules[300];
+    snprintf(rules, sizeof rules, "coordinator: %.280s", msg);
+    edge_policy_audit_note(r->e->policy, j->id, j->model, labels, decision, j->target, rules);
+}
+
 static void s_on_error(s_remote *r, const Fi__Error *er) {
     int i = s_find(r, er->request_id);
     const char *msg = er->message ? er->message : "";
@@ -254,27 +268,19 @@ static void s_on_error(s_remote *r, const Fi__Error *er) {
         status = 403;
         code = "policy_denied";
         snprintf(text, sizeof text, "denied by the coordinator's policy check: %s", msg);
-        {
-            edge_job *j = r->open[i].job;
-            char labels[256] = "";
-            for (int k = 0; k < j->n_labels; k++)
-                snprintf(labels + strlen(labels), sizeof labels - strlen(labels), "%s%s",
-                         k ? "," : "", j->labels[k]);
-            char rules[300];
-            snprintf(rules, sizeof rules, "coordinator: %.280s", msg);
-            edge_policy_audit_note(r->e->policy, j->id, j->model, labels, "deny", j->target,
-                                   rules);
-        }
+        s_audit_note(r, r->open[i].job, "deny", msg);
         break;
     case FI__ERROR_CODE__ERR_BUSY:
         status = 429;
         code = "rate_limit_exceeded";
         snprintf(text, sizeof text, "the cluster is busy: %s", msg);
+        s_audit_note(r, r->open[i].job, "unavailable", msg);
         break;
     case FI__ERROR_CODE__ERR_NO_WORKER:
         status = 503;
         code = "target_unavailable";
         snprintf(text, sizeof text, "no cluster serves the model now: %s", msg);
+        s_audit_note(r, r->open[i].job, "unavailable", msg);
         break;
     default:
         snprintf(text, sizeof text, "the cluster failed the request (%s): %s",

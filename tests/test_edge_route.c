@@ -21,6 +21,7 @@
 #include <cmocka.h>
 
 #include "fabric/harness_edge.h"
+#include "fi_audit.h"
 #include "fi_bundle.h"
 #include "fi_edge.h"
 
@@ -80,6 +81,31 @@ static void *s_long(void *arg) {
     return NULL;
 }
 
+/* Whether the coordinator of h comes to see one request open at the
+ * cluster worker within 2 s. */
+static int s_cluster_holds_one(harness *h) {
+    int open = 0;
+    for (int i = 0; i < 100 && !open; i++) {
+        h_sleep_ms(20);
+        fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+        assert_non_null(op);
+        Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
+        m.status_request = &sq;
+        fi_msg *rep = NULL;
+        char err[256];
+        if (fi_client_call(op, &m, FI__ENVELOPE__BODY_STATUS_REPLY, 3000, &rep, err, sizeof err) == 1 &&
+            rep->body_case == FI__ENVELOPE__BODY_STATUS_REPLY)
+            for (size_t k = 0; k < rep->status_reply->n_peers; k++)
+                open |= rep->status_reply->peers[k]->role == FI__ROLE__ROLE_CLUSTER &&
+                        rep->status_reply->peers[k]->in_flight == 1;
+        fi_wire_free(&rep);
+        fi_client_destroy(&op);
+    }
+    return open;
+}
+
 static void test_full_cluster_keeps_it_local(void **state) {
     fx *f = *state;
     resp r;
@@ -96,26 +122,7 @@ static void test_full_cluster_keeps_it_local(void **state) {
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, s_long, &bg), 0);
     /* ...(the coordinator has it open)... */
-    int open = 0;
-    for (int i = 0; i < 100 && !open; i++) {
-        h_sleep_ms(20);
-        fi_client *op = h_client(&f->h, &f->h.op, FI__ROLE__ROLE_OPERATOR);
-        assert_non_null(op);
-        Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
-        fi_msg m = FI__ENVELOPE__INIT;
-        m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
-        m.status_request = &sq;
-        fi_msg *rep = NULL;
-        char err[256];
-        if (fi_client_call(op, &m, FI__ENVELOPE__BODY_STATUS_REPLY, 3000, &rep, err, sizeof err) == 1 &&
-            rep->body_case == FI__ENVELOPE__BODY_STATUS_REPLY)
-            for (size_t k = 0; k < rep->status_reply->n_peers; k++)
-                open |= rep->status_reply->peers[k]->role == FI__ROLE__ROLE_CLUSTER &&
-                        rep->status_reply->peers[k]->in_flight == 1;
-        fi_wire_free(&rep);
-        fi_client_destroy(&op);
-    }
-    if (!open) {
+    if (!s_cluster_holds_one(&f->h)) {
         pthread_join(th, NULL);
         fail_msg("the long request did not reach the cluster: %d %s", bg.r.status, bg.r.head);
     }
@@ -167,10 +174,66 @@ static void test_every_declared_cluster_is_weighed(void **state) {
     h_stop(&h);
 }
 
+/* The edge records a routed request as permitted at the cluster before it
+ * sends it; when the coordinator then refuses it (the only permitted
+ * cluster is full: 429), a second record of the request says so
+ * ("unavailable", with the coordinator's reason), so the edge's log does
+ * not show a permit for a request that was not served. */
+static int s_find_rec(const fi_audit_record *r, void *arg) {
+    fi_audit_record *want = arg;
+    if (!strcmp(r->request_id, want->request_id) && !strcmp(r->decision, "unavailable")) {
+        snprintf((char *)want->rules, 300, "%s", r->rules);
+        return 1;
+    }
+    return 0;
+}
+
+static void test_refused_by_coordinator_is_recorded(void **state) {
+    (void)state;
+    harness h;
+    h_worker w;
+    assert_int_equal(h_init(&h), 0);
+    assert_int_equal(h_start(&h), 0);
+    assert_int_equal(h_worker_start_cap(&h, &w, "smol", 50, 1), 0); /* one slot, slow */
+    const char *pol = "labels public;\ndefault_label \"public\";\n"
+                      "jurisdiction EU;\nregion eu-a in EU;\nsite clinic in eu-a;\ncluster core1 in eu-a;\n"
+                      "permit \"on the cluster\" when target within \"core1\";\n";
+    uint8_t pk[32], sk[64];
+    fi_edge *e = h_edge_start(&h, "clinic", "eu-a", pol, pk, sk, "");
+    int port = fi_edge_port(e);
+    h_sleep_ms(4 * H_HB_MS);
+    s_bg bg = {port, {0, "", ""}};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, s_long, &bg), 0);
+    if (!s_cluster_holds_one(&h)) fail_msg("the long request did not reach the cluster");
+    resp r;
+    assert_int_equal(http_post(port, NULL, "{\"model\":\"smol\",\"prompt\":\"Hi\",\"max_tokens\":2}", &r), 0);
+    printf("  with the cluster full: %d %.200s\n", r.status, r.body);
+    assert_int_equal(r.status, 429);
+    const char *p = strstr(r.head, "X-Request-Id: ");
+    assert_non_null(p);
+    char id[128];
+    assert_int_equal(sscanf(p + 14, "%127[^\r\n]", id), 1);
+    pthread_join(th, NULL);
+    fi_edge_destroy(&e); /* the log is complete */
+    char path[512], err[512], rules[300] = "";
+    snprintf(path, sizeof path, "%s/edge.db", h.dir);
+    fi_audit *a = fi_audit_open_readonly(path, err, sizeof err);
+    if (!a) fail_msg("%s", err);
+    fi_audit_record want = {.request_id = id, .rules = rules};
+    assert_int_equal(fi_audit_query(a, NULL, s_find_rec, &want, err, sizeof err), 0);
+    fi_audit_destroy(&a);
+    printf("  recorded: unavailable, %s\n", rules);
+    if (!strstr(rules, "coordinator: ")) fail_msg("no 'unavailable' record of %s", id);
+    h_worker_stop(&w);
+    h_stop(&h);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_full_cluster_keeps_it_local, setup, teardown),
         cmocka_unit_test(test_every_declared_cluster_is_weighed),
+        cmocka_unit_test(test_refused_by_coordinator_is_recorded),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
