@@ -30,6 +30,8 @@
 #define S_MAX_CANDS 64     /* workers considered for one request */
 #define S_AFFINITY 1024    /* remembered conversations (direct-mapped) */
 #define S_MAX_HASHES 512   /* prefix hashes of a request taken */
+#define S_DRAIN_MS 20      /* one socket's turn at the loop, at most */
+#define S_ENROL_HWM 64     /* enrolment messages that may wait per connection */
 
 typedef struct s_model {
     char name[S_MODEL_NAME]; /* model a worker serves */
@@ -1406,10 +1408,14 @@ static void s_on_enrol(fi_coord *c, const void *rid, size_t rid_len, const char 
     (void)s_send_msg(c, c->enrol, rid, rid_len, &out);
 }
 
-/* Reads and handles up to a batch of messages from one ROUTER socket.
- * Returns -1 on a fatal socket error. */
+/* Reads and handles up to a batch of messages from one ROUTER socket, for
+ * at most S_DRAIN_MS (the loop then polls both sockets again, so that one
+ * peer's flood cannot hold up the other socket's messages or the
+ * heartbeats). Returns -1 on a fatal socket error. */
 static int s_drain(fi_coord *c, void *sock) {
-    for (int n = 0; n < 256; n++) {
+    uint64_t t0 = fi_wire_now_ms();
+    size_t max = sock == c->enrol ? FI_WIRE_MAX_ENROL : (size_t)c->o.max_msg;
+    for (int n = 0; n < 256 && fi_wire_now_ms() - t0 < S_DRAIN_MS; n++) {
         zmq_msg_t id, body;
         zmq_msg_init(&id);
         if (zmq_msg_recv(&id, sock, ZMQ_DONTWAIT) < 0) {
@@ -1454,8 +1460,8 @@ static int s_drain(fi_coord *c, void *sock) {
         Fi__ErrorCode code = FI__ERROR_CODE__ERR_UNSPECIFIED;
         char err[160];
         fi_msg *m = extra ? NULL
-                          : fi_wire_decode(zmq_msg_data(&body), zmq_msg_size(&body),
-                                           (size_t)c->o.max_msg, &code, err, sizeof err);
+                          : fi_wire_decode(zmq_msg_data(&body), zmq_msg_size(&body), max, &code, err,
+                                           sizeof err);
         if (extra) {
             code = FI__ERROR_CODE__ERR_MALFORMED;
             snprintf(err, sizeof err, "a message is one frame; got several");
@@ -1588,8 +1594,13 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
         snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(zmq_errno()));
         goto fail;
     }
+    /* the enrolment endpoint admits any key: its messages are small, and
+     * few may wait */
+    fi_sockopts se = so;
+    se.max_msg = (int)FI_WIRE_MAX_ENROL;
+    se.hwm = S_ENROL_HWM;
     if (fi_sock_server(c->router, &c->kp, FI_ZAP_DOMAIN_FABRIC, &so, err, errlen) != 0 ||
-        fi_sock_server(c->enrol, &c->kp, FI_ZAP_DOMAIN_ENROL, &so, err, errlen) != 0)
+        fi_sock_server(c->enrol, &c->kp, FI_ZAP_DOMAIN_ENROL, &se, err, errlen) != 0)
         goto fail;
     for (int i = 0; i < 2; i++) {
         const char *ep = i ? "inproc://fi-coord-monitor-enrol" : "inproc://fi-coord-monitor";

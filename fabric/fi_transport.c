@@ -2,6 +2,7 @@
  * fi_transport.c - socket set-up and the ZAP handler. See fi_transport.h.
  */
 #include "fi_transport.h"
+#include "fi_wire.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -28,7 +29,7 @@ void fi_sockopts_default(fi_sockopts *o) {
 
 /* The limits every fabric socket carries, whatever its side. */
 static int s_limits(void *s, const fi_sockopts *o, char *err, size_t errlen) {
-    int64_t maxmsg = o->max_msg;
+    int64_t maxmsg = (int64_t)o->max_msg + FI_WIRE_CURVE_SLACK; /* the codec checks max_msg itself */
     int linger = 0, keepalive = 1, idle = 30, intvl = 10, cnt = 3;
     int ttl = o->heartbeat_timeout_ms;
     S_SET(ZMQ_MAXMSGSIZE, maxmsg);

@@ -40,6 +40,28 @@ static int s_strict(const ProtobufCMessage *m, int depth) {
     return 0;
 }
 
+/* protobuf-c's allocator for one decode: malloc and free, as the default
+ * one (fi_wire_free frees with it), within a budget. */
+typedef struct s_budget {
+    size_t left;  /* bytes that may still be allocated */
+    int over;     /* an allocation was refused */
+} s_budget;
+
+static void *s_budget_alloc(void *data, size_t size) {
+    s_budget *b = data;
+    if (size > b->left) {
+        b->over = 1;
+        return NULL;
+    }
+    b->left -= size;
+    return malloc(size);
+}
+
+static void s_budget_free(void *data, void *p) {
+    (void)data;
+    free(p);
+}
+
 fi_msg *fi_wire_decode(const void *buf, size_t len, size_t max, Fi__ErrorCode *code, char *err,
                        size_t errlen) {
     if (max == 0 || max > FI_WIRE_MAX_MSG) max = FI_WIRE_MAX_MSG;
@@ -48,10 +70,16 @@ fi_msg *fi_wire_decode(const void *buf, size_t len, size_t max, Fi__ErrorCode *c
         snprintf(err, errlen, "message of %zu bytes is over the limit of %zu", len, max);
         return NULL;
     }
-    fi_msg *m = fi__envelope__unpack(NULL, len, buf);
+    s_budget b = {FI_WIRE_EXPAND * len + FI_WIRE_EXPAND_SLACK, 0};
+    ProtobufCAllocator a = {s_budget_alloc, s_budget_free, &b};
+    fi_msg *m = fi__envelope__unpack(&a, len, buf);
     if (!m) {
         *code = FI__ERROR_CODE__ERR_MALFORMED;
-        snprintf(err, errlen, "message of %zu bytes is not a valid envelope", len);
+        if (b.over)
+            snprintf(err, errlen, "message of %zu bytes would take more than %zu bytes decoded", len,
+                     (size_t)(FI_WIRE_EXPAND * len + FI_WIRE_EXPAND_SLACK));
+        else
+            snprintf(err, errlen, "message of %zu bytes is not a valid envelope", len);
         return NULL;
     }
     if (m->version != FI_WIRE_VERSION) {

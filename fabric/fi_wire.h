@@ -31,6 +31,20 @@ extern "C" {
 /* Default and hard upper bound of one message, bytes. Sockets are given
  * the same bound as ZMQ_MAXMSGSIZE, so larger frames never reach us. */
 #define FI_WIRE_MAX_MSG (1u << 20)
+/* What decoding a message may allocate, at most: FI_WIRE_EXPAND times its
+ * size plus FI_WIRE_EXPAND_SLACK. Real messages take a few times their
+ * size; a message of empty repeated sub-messages (two bytes each on the
+ * wire, a struct of a hundred and more decoded) would take a hundred
+ * times, and seconds of a coordinator's only thread. */
+#define FI_WIRE_EXPAND 16u
+#define FI_WIRE_EXPAND_SLACK (64u * 1024u)
+/* The size limit of the coordinator's enrolment endpoint, which anyone
+ * with a key may reach: an Enrol message is a few hundred bytes. */
+#define FI_WIRE_MAX_ENROL (16u * 1024u)
+/* What CURVE adds to a message on the socket (its frame's box and
+ * nonce): the sockets' own size limit is the message limit plus this, so
+ * that every message the codec accepts also passes the socket. */
+#define FI_WIRE_CURVE_SLACK 256u
 /* Longest request id we take, bytes. */
 #define FI_WIRE_MAX_ID 64
 #define FI_WIRE_MAX_BIAS 300 /* logit_bias entries of an InferRequest (FI_SAMPLER_MAX_BIAS) */
@@ -53,7 +67,9 @@ typedef Fi__Envelope__BodyCase fi_msg_type;
  * caller (fi_wire_free), or NULL with *code set to the error to answer
  * with (FI__ERROR_CODE__ERR_MALFORMED, _TOO_LARGE, _BAD_VERSION,
  * _UNKNOWN_TYPE) and a message in err naming what is wrong. max: the size
- * limit, 0 for FI_WIRE_MAX_MSG. */
+ * limit, 0 for FI_WIRE_MAX_MSG. A message that would allocate more than
+ * FI_WIRE_EXPAND times its size decoded is refused as malformed, before
+ * it has. */
 fi_msg *fi_wire_decode(const void *buf, size_t len, size_t max, Fi__ErrorCode *code, char *err,
                        size_t errlen);
 /* Frees a decoded message and sets *m to NULL; safe on NULL. */

@@ -227,6 +227,55 @@ static void test_cache_tenant(void **state) {
     assert_int_equal(fi_wire_cache_tenant("s", n64, a), -1);
 }
 
+/* A message that decodes into far more than its size (400,000 empty
+ * repeated sub-messages: two bytes each on the wire, a struct each
+ * decoded, some 60 MB from 800 KB) is refused as malformed, within its
+ * decoding budget, instead of taking the memory and the time (a tenth of
+ * a second each, on a coordinator's only thread). A real message of the
+ * same size still decodes. */
+static void test_expansion_refused(void **state) {
+    (void)state;
+    enum { N = 400000 };
+    Fi__AuditRecord empty = FI__AUDIT_RECORD__INIT;
+    Fi__AuditRecord **recs = malloc(N * sizeof *recs);
+    assert_non_null(recs);
+    for (int i = 0; i < N; i++) recs[i] = &empty;
+    Fi__AuditRecords ar = FI__AUDIT_RECORDS__INIT;
+    ar.records = recs;
+    ar.n_records = N;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_AUDIT_RECORDS;
+    m.audit_records = &ar;
+    size_t len = 0;
+    uint8_t *buf = fi_wire_encode(&m, &len);
+    assert_non_null(buf);
+    assert_true(len < FI_WIRE_MAX_MSG);
+    Fi__ErrorCode code = FI__ERROR_CODE__ERR_UNSPECIFIED;
+    char err[256];
+    fi_msg *out = fi_wire_decode(buf, len, 0, &code, err, sizeof err);
+    if (out) fail_msg("a message of %zu bytes that expands about a hundredfold was decoded", len);
+    assert_int_equal(code, FI__ERROR_CODE__ERR_MALFORMED);
+    print_message("%s\n", err);
+    assert_non_null(strstr(err, "decoded"));
+    free(buf);
+    /* 1,000 records with their strings (about 900 KB): decoded */
+    Fi__AuditRecord full = FI__AUDIT_RECORD__INIT;
+    char text[300];
+    memset(text, 'x', sizeof text - 1);
+    text[sizeof text - 1] = 0;
+    full.request_id = full.rules = full.labels = text;
+    ar.n_records = 1000;
+    for (int i = 0; i < 1000; i++) recs[i] = &full;
+    buf = fi_wire_encode(&m, &len);
+    assert_non_null(buf);
+    out = fi_wire_decode(buf, len, 0, &code, err, sizeof err);
+    if (!out) fail_msg("a real message of %zu bytes: %s", len, err);
+    assert_int_equal(out->audit_records->n_records, 1000);
+    fi_wire_free(&out);
+    free(buf);
+    free(recs);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_type_roundtrips),
@@ -234,6 +283,7 @@ int main(void) {
         cmocka_unit_test(test_chunk),
         cmocka_unit_test(test_names),
         cmocka_unit_test(test_cache_tenant),
+        cmocka_unit_test(test_expansion_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
