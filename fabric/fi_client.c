@@ -599,12 +599,13 @@ static int s_enrol(const fi_client_opts *o, const char *enrol_endpoint, const ch
     m.enrol = &en;
     size_t len = 0;
     uint8_t *buf = fi_wire_encode(&m, &len);
-    if (!buf || zmq_send(s, buf, len, ZMQ_DONTWAIT) < 0) {
-        free(buf);
+    int sent = buf && zmq_send(s, buf, len, ZMQ_DONTWAIT) >= 0;
+    if (buf) sodium_memzero(buf, len); /* it holds the token */
+    free(buf);
+    if (!sent) {
         snprintf(err, errlen, "cannot send the enrolment");
         goto done;
     }
-    free(buf);
     zmq_pollitem_t items[2] = {{s, 0, ZMQ_POLLIN, 0}, {mon, 0, ZMQ_POLLIN, 0}};
     uint64_t deadline = fi_wire_now_ms() + (uint64_t)timeout_ms;
     for (;;) {

@@ -21,6 +21,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <sodium.h>
 #include <zmq.h>
 
 #define S_MAX_MODELS 8
@@ -223,6 +224,22 @@ static int s_send_msg(fi_coord *c, void *sock, const void *rid, size_t rid_len, 
     size_t len = 0;
     uint8_t *buf = fi_wire_encode(m, &len);
     return s_send(c, sock, rid, rid_len, buf, &len);
+}
+
+/* s_send_msg for a message that holds a secret (an enrolment token): the
+ * encoded copy is wiped before it is freed. */
+static int s_send_secret(fi_coord *c, void *sock, const void *rid, size_t rid_len, const fi_msg *m) {
+    size_t len = 0;
+    uint8_t *buf = fi_wire_encode(m, &len);
+    if (!buf) return -1;
+    int rc = zmq_send(sock, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
+                     zmq_send(sock, buf, len, ZMQ_DONTWAIT) >= 0
+                 ? 0
+                 : -1;
+    sodium_memzero(buf, len);
+    free(buf);
+    (void)c;
+    return rc;
 }
 
 static void s_send_error(fi_coord *c, void *sock, const void *rid, size_t rid_len,
@@ -861,6 +878,7 @@ static void s_on_token(fi_coord *c, s_peer *op, const Fi__TokenRequest *tr) {
     }
     fi_keys_token_hash(tok, hash);
     if (fi_store_token_add(c->st, hash, tr->role, site, region, expires, err, sizeof err) != 0) {
+        sodium_memzero(tok, sizeof tok);
         s_log("token: %s", err);
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL, err);
         return;
@@ -873,7 +891,8 @@ static void s_on_token(fi_coord *c, s_peer *op, const Fi__TokenRequest *tr) {
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_TOKEN_REPLY;
     m.token_reply = &r;
-    (void)s_send_msg(c, c->router, op->rid, op->rid_len, &m);
+    (void)s_send_secret(c, c->router, op->rid, op->rid_len, &m);
+    sodium_memzero(tok, sizeof tok);
 }
 
 /* What a revoke would leave: whether fpr is enrolled (and revoked), and
