@@ -617,20 +617,23 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
         rcs[n++] = cd->rc;
     }
     if (n == 0) {
+        /* every refusal is recorded, as what is served is */
         char msg[256], where[80] = "";
-        if (rq->cluster && rq->cluster[0])
-            snprintf(where, sizeof where, " in cluster '%.64s'", rq->cluster);
+        const char *cluster = rq->cluster ? rq->cluster : "";
+        fi_coord_verdict v0 = vs.n ? vs.v[0] : (fi_coord_verdict){0};
+        if (cluster[0]) snprintf(where, sizeof where, " in cluster '%.64s'", cluster);
         if (permitted_full) {
             snprintf(msg, sizeof msg, "every permitted worker serving model '%.64s'%s is at capacity",
                      rq->model, where);
+            s_audit_route(c, e, rq, "unavailable", cluster, msg, v0.digest);
             s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY, msg);
         } else if (denied) {
-            fi_coord_verdict v0 = vs.n ? vs.v[0] : (fi_coord_verdict){0};
             s_audit_route(c, e, rq, "deny", "", vs.first_reason, v0.digest);
             s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_UNAUTHORISED,
                          vs.first_reason);
         } else {
             snprintf(msg, sizeof msg, "no live worker serves model '%.64s'%s", rq->model, where);
+            s_audit_route(c, e, rq, "unavailable", cluster, msg, v0.digest);
             s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_NO_WORKER, msg);
         }
         return;

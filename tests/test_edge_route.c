@@ -178,13 +178,28 @@ static void test_every_declared_cluster_is_weighed(void **state) {
  * sends it; when the coordinator then refuses it (the only permitted
  * cluster is full: 429), a second record of the request says so
  * ("unavailable", with the coordinator's reason), so the edge's log does
- * not show a permit for a request that was not served. */
+ * not show a permit for a request that was not served; the coordinator
+ * records its refusal in its own log. */
 static int s_find_rec(const fi_audit_record *r, void *arg) {
     fi_audit_record *want = arg;
     if (!strcmp(r->request_id, want->request_id) && !strcmp(r->decision, "unavailable")) {
         snprintf((char *)want->rules, 300, "%s", r->rules);
         return 1;
     }
+    return 0;
+}
+
+/* The coordinator's own record of the refusal of request id (its log also
+ * holds the edge's uploaded records, whose rules start "coordinator: "). */
+typedef struct s_own {
+    const char *id;
+    int found;
+} s_own;
+
+static int s_find_own(const fi_audit_record *r, void *arg) {
+    s_own *o = arg;
+    o->found |= !strcmp(r->request_id, o->id) && !strcmp(r->decision, "unavailable") &&
+                !strncmp(r->rules, "every permitted worker", 22);
     return 0;
 }
 
@@ -225,6 +240,11 @@ static void test_refused_by_coordinator_is_recorded(void **state) {
     fi_audit_destroy(&a);
     printf("  recorded: unavailable, %s\n", rules);
     if (!strstr(rules, "coordinator: ")) fail_msg("no 'unavailable' record of %s", id);
+    /* and the coordinator's own log records its refusal too */
+    fi_coord_audit_wait(h.c);
+    s_own own = {id, 0};
+    assert_int_equal(fi_audit_query(fi_ship_audit(fi_coord_ship(h.c)), NULL, s_find_own, &own, err, sizeof err), 0);
+    if (!own.found) fail_msg("the coordinator has no record of its own of refusing %s", id);
     h_worker_stop(&w);
     h_stop(&h);
 }
