@@ -362,6 +362,19 @@ static void test_last_operator_kept(void **state) {
     fi_client_destroy(&op);
 }
 
+/* Sends, without waiting for the answer, an inference request (id, model,
+ * prompt) from the edge client c. */
+static void s_send_infer(fi_client *c, const char *id, const char *model, const char *prompt) {
+    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+    rq.request_id = (char *)id;
+    rq.model = (char *)model;
+    rq.prompt = (char *)prompt;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_INFER;
+    m.infer = &rq;
+    assert_int_equal(fi_client_send(c, &m), 0);
+}
+
 /* Another process holding the fleet database's write lock (a sqlite3
  * shell, a backup) fails an operator's request soon, saying why; the
  * coordinator does not stall its loop (SQLite's 5 s wait there stopped
@@ -497,14 +510,7 @@ static void test_capacity_and_cancel(void **state) {
     assert_non_null(edge);
     h_worker w;
     assert_int_equal(h_worker_start_cap(h, &w, "one", 50, 1), 0);
-    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
-    rq.request_id = (char *)"first";
-    rq.model = (char *)"one";
-    rq.prompt = (char *)"a fairly long prompt to keep the only slot busy for a while";
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_INFER;
-    m.infer = &rq;
-    assert_int_equal(fi_client_send(edge, &m), 0);
+    s_send_infer(edge, "first", "one", "a fairly long prompt to keep the only slot busy for a while");
     /* The second finds the worker at capacity: busy, not "no worker". */
     h_text t;
     fi_client_result res;
@@ -513,6 +519,7 @@ static void test_capacity_and_cancel(void **state) {
     /* Cancel the first: the slot frees, and no more of its stream comes. */
     Fi__Cancel cn = FI__CANCEL__INIT;
     cn.request_id = (char *)"first";
+    fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_CANCEL;
     m.cancel = &cn;
     assert_int_equal(fi_client_send(edge, &m), 0);
@@ -748,14 +755,7 @@ static void test_edge_view_multi_model_worker(void **state) {
     for (int i = 0; i < 6; i++) {
         char id[16];
         snprintf(id, sizeof id, "mm-%d", i);
-        Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
-        rq.request_id = id;
-        rq.model = (char *)"m2";
-        rq.prompt = (char *)"x";
-        fi_msg m = FI__ENVELOPE__INIT;
-        m.body_case = FI__ENVELOPE__BODY_INFER;
-        m.infer = &rq;
-        assert_int_equal(fi_client_send(edge, &m), 0);
+        s_send_infer(edge, id, "m2", "x");
     }
     s_pump(edge, w, 2, got, 4 * H_HB_MS);
     assert_int_equal(got[0], 6);
@@ -768,14 +768,7 @@ static void test_edge_view_multi_model_worker(void **state) {
     assert_int_equal(r2.capacity, 8);
     assert_int_equal(r2.in_flight, 6);
     /* and the room is real: an m1 request goes to B */
-    Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
-    rq.request_id = (char *)"mm-m1";
-    rq.model = (char *)"m1";
-    rq.prompt = (char *)"x";
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_INFER;
-    m.infer = &rq;
-    assert_int_equal(fi_client_send(edge, &m), 0);
+    s_send_infer(edge, "mm-m1", "m1", "x");
     s_pump(edge, w, 2, got, 3 * H_HB_MS);
     assert_int_equal(got[1], 1);
     fi_client_destroy(&edge);

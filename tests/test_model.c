@@ -728,6 +728,16 @@ static void test_plan_errors(void **state) {
     fi_model_destroy(&m);
 }
 
+/* The tiny model of the backend tests: Q4_1 weights, an output matrix of
+ * its own. */
+static fi_gw_llama_opts s_q4_untied(void) {
+    fi_gw_llama_opts o;
+    fi_gw_llama_defaults(&o);
+    o.tied = 0;
+    o.wtype = FI_DTYPE_Q4_1;
+    return o;
+}
+
 /* A backend that fails for good (as a GPU's does) is replaced without a
  * restart: passes fail with its message, fi_model_backend_failed says so,
  * the reset waits for the model's sessions to go, and the new backend
@@ -735,10 +745,7 @@ static void test_plan_errors(void **state) {
 static void test_backend_reset(void **state) {
     (void)state;
     char err[512], why[256];
-    fi_gw_llama_opts o;
-    fi_gw_llama_defaults(&o);
-    o.tied = 0;
-    o.wtype = FI_DTYPE_Q4_1;
+    fi_gw_llama_opts o = s_q4_untied();
     fi_model *m = s_load(&o, FI_SIMD_AUTO, 1);
     const fi_config *c = fi_model_config(m);
     size_t V = (size_t)c->n_vocab;
@@ -784,10 +791,7 @@ static void test_backend_reset(void **state) {
 static void test_backend_reset_file_shrunk(void **state) {
     (void)state;
     char err[512], why[256];
-    fi_gw_llama_opts o;
-    fi_gw_llama_defaults(&o);
-    o.tied = 0;
-    o.wtype = FI_DTYPE_Q4_1;
+    fi_gw_llama_opts o = s_q4_untied();
     const char *path = s_write(&o);
     fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU};
     fi_model *m = fi_model_load(path, &mo, err, sizeof err);
