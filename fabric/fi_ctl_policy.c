@@ -464,32 +464,56 @@ int fi_ctl_policy(int argc, char **argv) {
 
 static int s_audit_verify(int argc, char **argv) {
     if (s_help(argc, argv)) {
-        printf("usage: fedctl audit verify [--head HASH] [--config FILE]\n\n"
+        printf("usage: fedctl audit verify [--head HASH | --head SEQ:HASH] [--config FILE]\n\n"
                "Asks the coordinator to walk the hash chain of its audit log; exit status 1\n"
-               "when a record was removed, edited or reordered. Prints the record count and\n"
-               "the head hash; with --head, also fails when the head differs from HASH\n"
-               "(records cut off the end).\n" S_CONF_HELP "\nOffline: fedctl audit verify --db DB [--head HASH]\n");
+               "when a record was removed, edited or reordered. Prints the record count, the\n"
+               "head hash and a checkpoint SEQ:HASH to keep elsewhere; with --head HASH, also\n"
+               "fails when the head differs from HASH (records cut off the end); with --head\n"
+               "SEQ:HASH, when record SEQ is gone or no longer has HASH (a log that has grown\n"
+               "since passes).\n" S_CONF_HELP
+               "\nOffline: fedctl audit verify --db DB [--head HASH | --head SEQ:HASH]\n");
         return 0;
     }
     static const char *const names[] = {"--head=", "--config=", NULL};
     s_args a;
     if (s_parse("audit verify", argc, argv, names, &a)) return 2;
     if (a.n_pos) {
-        fprintf(stderr, "usage: fedctl audit verify [--head HASH] [--config FILE]\n");
+        fprintf(stderr, "usage: fedctl audit verify [--head HASH | --head SEQ:HASH] [--config FILE]\n");
         return 2;
     }
+    fi_client *c = fi_ctl_connect("audit verify", a.val[1]);
+    if (!c) return 1;
     Fi__AuditVerifyRequest vq = FI__AUDIT_VERIFY_REQUEST__INIT;
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST;
     m.audit_verify_request = &vq;
-    fi_msg *r = s_ask("audit verify", a.val[1], &m, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY);
-    if (!r) return 1;
+    fi_msg *r = fi_ctl_call("audit verify", c, &m, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY, NULL);
+    if (!r) {
+        fi_client_destroy(&c);
+        return 1;
+    }
     const Fi__AuditVerifyReply *v = r->audit_verify_reply;
+    fi_audit_point pt;
+    int at = a.val[0] && fi_audit_point_parse(a.val[0], &pt) == 0;
     int rc = 0;
+    char why[300];
+    if (v->intact && at) { /* record SEQ, as the coordinator holds it now */
+        Fi__AuditQuery q = FI__AUDIT_QUERY__INIT;
+        q.after_seq = (uint64_t)pt.seq - 1;
+        if (s_audit_pages("audit verify", c, &q, fi_audit_point_row, &pt) != 0) {
+            fi_wire_free(&r);
+            fi_client_destroy(&c);
+            return 1;
+        }
+    }
+    fi_client_destroy(&c);
     if (!v->intact) {
         printf("coordinator audit log: BROKEN: %s\n", v->what);
         rc = 1;
-    } else if (a.val[0] && strcmp(a.val[0], v->head)) {
+    } else if (at && fi_audit_point_check(&pt, (int64_t)v->records, why, sizeof why)) {
+        printf("coordinator audit log: chain intact over %llu records but %s\n", (unsigned long long)v->records, why);
+        rc = 1;
+    } else if (a.val[0] && !at && strcmp(a.val[0], v->head)) {
         printf("coordinator audit log: chain intact over %llu records but its head %s differs from the expected %s "
                "(records cut off?)\n",
                (unsigned long long)v->records, v->head, a.val[0]);
@@ -497,6 +521,7 @@ static int s_audit_verify(int argc, char **argv) {
     } else {
         printf("coordinator audit log: intact: %llu records, head %s\n", (unsigned long long)v->records,
                v->head[0] ? v->head : "(empty)");
+        if (v->records) printf("checkpoint %llu:%s\n", (unsigned long long)v->records, v->head);
     }
     fi_wire_free(&r);
     return rc;
@@ -509,7 +534,7 @@ int fi_ctl_audit(int argc, char **argv) {
         printf("usage: fedctl audit [--since T] [--until T] [--site SITE] [--label L] [--target T]\n"
                "                    [--decision permit|deny|fallback] [--request ID] [--rule ID]\n"
                "                    [--limit N] [--config FILE]\n"
-               "       fedctl audit verify [--head HASH] [--config FILE]\n\n"
+               "       fedctl audit verify [--head HASH | --head SEQ:HASH] [--config FILE]\n\n"
                "Lists the decisions recorded in the coordinator's audit log (the records the\n"
                "edges uploaded), oldest first; with --limit, the newest N. --origin is --site.\n"
                "Times: YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ or Unix seconds.\n" S_CONF_HELP

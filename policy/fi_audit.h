@@ -155,6 +155,25 @@ typedef struct fi_audit_check {
  * says where and how: removed, edited or reordered), -1 on a database error. */
 int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) FI_WUR;
 
+/* A checkpoint of a log: record seq and its chain hash, noted by an
+ * operator as "SEQ:HASH" from `fedctl audit verify` and checked later, when
+ * the log may have grown: the record must still be there with that hash,
+ * else records were cut off the end (or the log rewritten). */
+typedef struct fi_audit_point {
+    int64_t seq;
+    char want[65];  /* the hash noted */
+    int found;      /* the record seq was met (fi_audit_point_row) */
+    char got[65];   /* its hash now */
+} fi_audit_point;
+/* Parses "SEQ:HASH" (SEQ >= 1, HASH 64 hex digits) into p. 0, or -1. */
+int fi_audit_point_parse(const char *spec, fi_audit_point *p);
+/* A fi_audit_query callback (arg: the point), for records after
+ * point->seq - 1: takes the record seq and stops. */
+int fi_audit_point_row(const fi_audit_record *r, void *arg);
+/* After the query: 0 when the record is there with the hash noted; else 1
+ * with a message in err naming what changed. */
+int fi_audit_point_check(const fi_audit_point *p, int64_t records, char *err, size_t cap);
+
 #ifdef __cplusplus
 }
 #endif

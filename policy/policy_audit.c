@@ -705,3 +705,44 @@ int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) 
     snprintf(out->head, sizeof out->head, "%s", expect_prev);
     return broken;
 }
+
+int fi_audit_point_parse(const char *spec, fi_audit_point *p) {
+    memset(p, 0, sizeof *p);
+    const char *colon = spec ? strchr(spec, ':') : NULL;
+    if (!colon || colon == spec || strlen(colon + 1) != 64) return -1;
+    int64_t seq = 0;
+    for (const char *c = spec; c < colon; c++) {
+        if (*c < '0' || *c > '9' || seq > (INT64_MAX - 9) / 10) return -1;
+        seq = seq * 10 + (*c - '0');
+    }
+    for (const char *c = colon + 1; *c; c++)
+        if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f'))) return -1;
+    if (seq < 1) return -1;
+    p->seq = seq;
+    memcpy(p->want, colon + 1, 65);
+    return 0;
+}
+
+int fi_audit_point_row(const fi_audit_record *r, void *arg) {
+    fi_audit_point *p = arg;
+    if (r->seq < p->seq) return 0;
+    if (r->seq == p->seq) {
+        p->found = 1;
+        snprintf(p->got, sizeof p->got, "%s", r->hash);
+    }
+    return 1;
+}
+
+int fi_audit_point_check(const fi_audit_point *p, int64_t records, char *err, size_t cap) {
+    if (!p->found) {
+        snprintf(err, cap, "record %lld of the checkpoint is gone: the log holds %lld records (records cut off the end)",
+                 (long long)p->seq, (long long)records);
+        return 1;
+    }
+    if (strcmp(p->got, p->want)) {
+        snprintf(err, cap, "record %lld now has the chain hash %s, not the %s of the checkpoint (the log was rewritten "
+                 "from there on)", (long long)p->seq, p->got, p->want);
+        return 1;
+    }
+    return 0;
+}

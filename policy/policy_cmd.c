@@ -933,10 +933,12 @@ int fi_audit_print_row(const fi_audit_record *r, void *arg) {
 
 static int s_audit_verify(int argc, char **argv) {
     if (s_help(argc, argv)) {
-        printf("usage: fedctl audit verify --db DB [--head HASH]\n\n"
+        printf("usage: fedctl audit verify --db DB [--head HASH | --head SEQ:HASH]\n\n"
                "Walks the hash chain of the audit log DB; exit status 1 when a record was removed,\n"
-               "edited or reordered. Prints the record count and the head hash; with --head, also\n"
-               "fails when the head differs from HASH (records cut off the end).\n");
+               "edited or reordered. Prints the record count, the head hash and a checkpoint\n"
+               "SEQ:HASH to keep elsewhere; with --head HASH, also fails when the head differs\n"
+               "from HASH (records cut off the end); with --head SEQ:HASH, when record SEQ is gone\n"
+               "or no longer has HASH (a log that has grown since passes).\n");
         return 0;
     }
     const char *const verify_with[] = {"--db", "--head", NULL};
@@ -945,7 +947,7 @@ static int s_audit_verify(int argc, char **argv) {
     const char *db = s_opt(argc, argv, "--db", NULL, &bad);
     const char *head = s_opt(argc, argv, "--head", NULL, &bad);
     if (bad || !db) {
-        fprintf(stderr, "usage: fedctl audit verify --db DB [--head HASH]\n");
+        fprintf(stderr, "usage: fedctl audit verify --db DB [--head HASH | --head SEQ:HASH]\n");
         return 2;
     }
     char err[400];
@@ -955,7 +957,13 @@ static int s_audit_verify(int argc, char **argv) {
         return 1;
     }
     fi_audit_check ck;
+    fi_audit_point pt;
+    int at = head && fi_audit_point_parse(head, &pt) == 0;
     int r = fi_audit_verify(a, &ck, err, sizeof err);
+    if (r == 0 && at) {
+        fi_audit_filter f = {.after_seq = pt.seq - 1};
+        if (fi_audit_query(a, &f, fi_audit_point_row, &pt, err, sizeof err) != 0) r = -1;
+    }
     fi_audit_destroy(&a);
     if (r < 0) {
         fprintf(stderr, "fedctl audit verify: %s\n", err);
@@ -965,12 +973,17 @@ static int s_audit_verify(int argc, char **argv) {
         printf("%s: BROKEN: %s\n", db, ck.what);
         return 1;
     }
-    if (head && strcmp(head, ck.head)) {
+    if (at && fi_audit_point_check(&pt, ck.records, err, sizeof err)) {
+        printf("%s: chain intact over %lld records but %s\n", db, (long long)ck.records, err);
+        return 1;
+    }
+    if (head && !at && strcmp(head, ck.head)) {
         printf("%s: chain intact over %lld records but its head %s differs from the expected %s (records cut off?)\n",
                db, (long long)ck.records, ck.head, head);
         return 1;
     }
     printf("%s: intact: %lld records, head %s\n", db, (long long)ck.records, ck.head[0] ? ck.head : "(empty)");
+    if (ck.records) printf("checkpoint %lld:%s\n", (long long)ck.records, ck.head);
     return 0;
 }
 
@@ -980,7 +993,7 @@ int fi_cmd_audit(int argc, char **argv) {
         printf("usage: fedctl audit --db DB [--since T] [--until T] [--origin|--site SITE] [--label L]\n"
                "                    [--target T] [--decision permit|deny|fallback] [--request ID]\n"
                "                    [--rule ID] [--limit N]\n"
-               "       fedctl audit verify --db DB [--head HASH]\n\n"
+               "       fedctl audit verify --db DB [--head HASH | --head SEQ:HASH]\n\n"
                "Lists the decisions recorded in the audit log DB (an edge's or the coordinator's),\n"
                "oldest first (with --limit, the newest N). Times: YYYY-MM-DD,\n"
                "YYYY-MM-DDTHH:MM:SSZ or Unix seconds.\n");

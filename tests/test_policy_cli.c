@@ -225,11 +225,35 @@ static void test_store_bundle_diff_audit(void **state) {
     assert_int_equal(s_run(f, "policy bundle --store store.db --out x.bundle --contents"), 2);
     assert_int_equal(s_run(f, "audit verify --db audit.db"), 0);
     s_has(f, "intact: 2 records");
+    /* a checkpoint noted now still holds once the log has grown; the
+     * plain head does not, and neither does a checkpoint whose record is
+     * cut off the end */
+    char point[100], h2[70];
+    const char *cp = strstr(f->out, "checkpoint ");
+    assert_non_null(cp);
+    assert_int_equal(sscanf(cp, "checkpoint %99s", point), 1);
+    assert_int_equal(sscanf(point, "2:%69s", h2), 1);
+    s_seed_audit(f, "audit.db");
+    assert_int_equal(s_run(f, "audit verify --db audit.db --head %s", point), 0);
+    s_has(f, "intact: 4 records");
+    cp = strstr(f->out, "checkpoint ");
+    char point4[100];
+    assert_non_null(cp);
+    assert_int_equal(sscanf(cp, "checkpoint %99s", point4), 1);
+    assert_int_equal(s_run(f, "audit verify --db audit.db --head %s", h2), 1);
+    assert_int_equal(s_run(f, "audit verify --db audit.db --head 2:%064d", 0), 1);
+    s_has(f, "not the 0000");
     assert_int_equal(s_run(f, "audit verify --db audit.db --head 00"), 1);
     char path[600];
     snprintf(path, sizeof path, "%s/audit.db", f->dir);
     sqlite3 *db;
     assert_int_equal(sqlite3_open(path, &db), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(db, "DROP TRIGGER audit_no_delete; DELETE FROM audit WHERE seq=4", NULL, NULL, NULL),
+                     SQLITE_OK);
+    assert_int_equal(s_run(f, "audit verify --db audit.db"), 0); /* a cut end alone looks intact */
+    assert_int_equal(s_run(f, "audit verify --db audit.db --head %s", point4), 1);
+    s_has(f, "record 4 of the checkpoint is gone");
+    assert_int_equal(s_run(f, "audit verify --db audit.db --head %s", point), 0);
     assert_int_equal(sqlite3_exec(db, "DROP TRIGGER audit_no_update; UPDATE audit SET target='virginia-gpu' WHERE seq=2",
                                   NULL, NULL, NULL),
                      SQLITE_OK);

@@ -447,6 +447,20 @@ static void test_ship_and_audit(void **state) {
     if (strstr(f->out, "req-")) fail_msg("--site filter:\n%s", f->out);
     assert_int_equal(s_fedctl(f, "audit verify"), 0);
     s_has(f, "intact: 5 records");
+    {
+        /* the checkpoint it prints holds; another hash at 5, or a record
+         * the log does not hold, does not */
+        char point[100], head5[70];
+        const char *cp = strstr(f->out, "checkpoint ");
+        assert_non_null(cp);
+        assert_int_equal(sscanf(cp, "checkpoint %99s", point), 1);
+        assert_int_equal(sscanf(point, "5:%69s", head5), 1);
+        assert_int_equal(s_fedctl(f, "audit verify --head %s", point), 0);
+        assert_int_equal(s_fedctl(f, "audit verify --head 6:%s", head5), 1);
+        s_has(f, "record 6 of the checkpoint is gone");
+        assert_int_equal(s_fedctl(f, "audit verify --head 5:%064d", 0), 1);
+        s_has(f, "not the 0000");
+    }
     assert_int_equal(s_fedctl(f, "policy history"), 0);
     s_has(f, opfpr);
     s_has(f, "rollback to version 1: too wide");
