@@ -486,14 +486,14 @@ int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, cons
         if (s_append_tx(self, &c) != 0) goto dberr_tx;
         k++;
     }
-    if (k) {
+    if (k || adopted[0]) { /* the new head; or, adopted with nothing new, the head taken over */
         sqlite3_stmt *st = NULL;
         if (sqlite3_prepare_v2(self->db, "INSERT OR REPLACE INTO audit_sources(source, seq, hash) VALUES(?,?,?)", -1,
                                &st, NULL) != SQLITE_OK)
             goto dberr_tx;
         sqlite3_bind_text(st, 1, source, -1, SQLITE_TRANSIENT);
-        sqlite3_bind_int64(st, 2, recs[n - 1].seq);
-        sqlite3_bind_text(st, 3, recs[n - 1].hash, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_int64(st, 2, k ? recs[n - 1].seq : held);
+        sqlite3_bind_text(st, 3, k ? recs[n - 1].hash : head, -1, SQLITE_TRANSIENT);
         int r = sqlite3_step(st);
         sqlite3_finalize(st);
         if (r != SQLITE_DONE) goto dberr_tx;

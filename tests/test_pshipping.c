@@ -758,6 +758,25 @@ static void test_ingest_adopt_after_lost_ack(void **state) {
     assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
     assert_int_equal(ck.records, 8);
     fi_audit_destroy(&a);
+
+    /* the batch sent again holds nothing new (no decision between the lost
+     * acknowledgement and the new key): the new key still takes the head
+     * over, and its next batch goes on from there (it lost both heads and
+     * was refused for good) */
+    snprintf(path, sizeof path, "%s/ingest-ack2.db", f->h.dir);
+    a = fi_audit_open(path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_set_adopt_check(a, s_may_adopt, NULL);
+    assert_int_equal(fi_audit_ingest(a, "edge-a", "s1", r, 5, &taken, err, sizeof err), 0);
+    assert_int_equal(fi_audit_ingest(a, "edge-a2", "s1", r + 3, 2, &taken, err, sizeof err), 0);
+    assert_int_equal(taken, 0);
+    assert_string_equal(err, "continues the log of source edge-a");
+    assert_int_equal(fi_audit_source_head(a, "edge-a2", &seq, head, err, sizeof err), 0);
+    assert_int_equal(seq, 5);
+    if (fi_audit_ingest(a, "edge-a2", "s1", r + 5, 3, &taken, err, sizeof err) != 0)
+        fail_msg("the new key's next batch 6..8: %s", err);
+    assert_int_equal(taken, 3);
+    fi_audit_destroy(&a);
 }
 
 /* The new message types have names and pass the decoder; an unknown
