@@ -326,14 +326,19 @@ static void test_zone_bad_is_site(void **state) {
  * zone (XX) salted its hashes with that, so they cannot match the
  * worker's filter but by a false positive: they are not scored. Here the
  * hashes are salted with EU nonetheless, so that they would match: the
- * requests go by the tie, not to the holder (they went to the holder). */
+ * requests go by the tie and the load, not all to the holder (all 6 went
+ * to the holder, a hit outranking load). The first goes by the tie, to the
+ * other; later ones may meet a load the last heartbeat still reported, so
+ * their count is not fixed. */
 static void test_zone_mismatch_hashes_ignored(void **state) {
     fx *f = *state;
     static char prompt[600];
     memset(prompt, 'k', 512);
     prompt[512] = 0;
     int holder;
-    assert_int_equal(s_to_holder(f, prompt, "EU", "XX", &holder), 0);
+    int n = s_to_holder(f, prompt, "EU", "XX", &holder);
+    print_message("zones differ: %d of 6 to the holder\n", n);
+    assert_true(n < 6);
     pthread_mutex_lock(&f->rep[1 - holder].mu);
     assert_string_equal(f->rep[1 - holder].zone, "EU"); /* the policy's, not the edge's */
     pthread_mutex_unlock(&f->rep[1 - holder].mu);
