@@ -11,6 +11,7 @@ struct fi_fault_backend {
     void *ictx;               /* and its context */
     fi_backend_ops ops;       /* ours */
     atomic_int fail;
+    atomic_int after;         /* > 0: syncs to pass before failing (fi_fault_after) */
 };
 
 #define F(ctx) ((fi_fault_backend *)(ctx))
@@ -43,6 +44,8 @@ static void f_weight_release(void *ctx, fi_weight *w) {
     F(ctx)->in->weight_release(F(ctx)->ictx, w);
 }
 static int f_sync(void *ctx) {
+    if (atomic_load(&F(ctx)->after) > 0 && atomic_fetch_sub(&F(ctx)->after, 1) == 1)
+        atomic_store(&F(ctx)->fail, 1); /* this pass is the one that fails */
     return FAILED(ctx) ? -1 : F(ctx)->in->sync(F(ctx)->ictx);
 }
 static void f_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
@@ -138,4 +141,8 @@ fi_fault_backend *fi_fault_wrap(fi_backend *be) {
 
 void fi_fault_set(fi_fault_backend *f, int fail) {
     atomic_store(&f->fail, fail);
+}
+
+void fi_fault_after(fi_fault_backend *f, int passes) {
+    atomic_store(&f->after, passes);
 }

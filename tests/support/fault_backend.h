@@ -19,5 +19,9 @@ typedef struct fi_fault_backend fi_fault_backend;
 fi_fault_backend *fi_fault_wrap(fi_backend *be);
 /* From any thread. */
 void fi_fault_set(fi_fault_backend *f, int fail);
+/* The backend fails in the passes-th forward pass from now (each pass
+ * ends with one sync, which then reports the failure), as a device lost
+ * in the middle of a request. */
+void fi_fault_after(fi_fault_backend *f, int passes);
 
 #endif /* FAULT_BACKEND_H */
