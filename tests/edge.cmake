@@ -2,10 +2,10 @@
 # (label asan); the Python client tests and end-to-end scripts need the
 # venv that examples/setup.sh creates.
 # test_edge_coord and test_edge_fabric need no model. test_edge runs the
-# real model behind the HTTP server: under the sanitizers (Debug, ~20x
-# slower) it is built with FI_EDGE_TEST_QUICK (fewer clients and tokens,
-# time limits of 240 s) and takes about 80 s on 2 cores, so it stays in
-# the asan pass too.
+# real model behind the HTTP server: under the sanitizers (tests/run.sh
+# builds them at -O1, several times slower) it is built with
+# FI_EDGE_TEST_QUICK (fewer clients and tokens, time limits of 240 s) and
+# takes about 75 s on 2 cores, so it stays in the asan pass too.
 foreach(t test_edge test_edge_coord test_edge_fabric test_edge_route)
   if(TARGET ${t})
     set_tests_properties(${t} PROPERTIES LABELS asan TIMEOUT 300)
