@@ -120,27 +120,47 @@ static int s_print(void *user, const char *text, size_t len) {
     return 0;
 }
 
-/* Reads all of stdin into a malloc'd string. */
-static char *s_read_stdin(void) {
-    size_t cap = 4096, len = 0;
-    char *buf = malloc(cap);
-    if (!buf) return NULL;
+/* The most of a prompt read from stdin: far past any model's context. */
+#define S_STDIN_MAX ((size_t)64 << 20)
+
+/* Reads all of stdin into a malloc'd string. NULL with the reason in err:
+ * out of memory, a read error, more than S_STDIN_MAX bytes, or a NUL byte
+ * (the prompt would end there without a word; the same text on the
+ * command line cannot hold one). */
+static char *s_read_stdin(char *err, size_t cap) {
+    size_t bcap = 4096, len = 0;
+    char *buf = malloc(bcap);
+    if (!buf) goto oom;
     size_t n;
-    while ((n = fread(buf + len, 1, cap - len - 1, stdin)) > 0) {
+    while ((n = fread(buf + len, 1, bcap - len - 1, stdin)) > 0) {
         len += n;
-        if (cap - len < 2) {
-            if (cap > (size_t)64 << 20) break; /* 64 MiB of prompt is plenty */
-            char *nb = realloc(buf, cap * 2);
-            if (!nb) {
-                free(buf);
-                return NULL;
-            }
-            buf = nb;
-            cap *= 2;
+        if (len > S_STDIN_MAX) {
+            snprintf(err, cap, "the prompt on stdin is longer than %zu MiB", S_STDIN_MAX >> 20);
+            goto fail;
         }
+        if (bcap - len < 2) {
+            char *nb = realloc(buf, bcap * 2);
+            if (!nb) goto oom;
+            buf = nb;
+            bcap *= 2;
+        }
+    }
+    if (ferror(stdin)) {
+        snprintf(err, cap, "cannot read the prompt from stdin: %s", strerror(errno));
+        goto fail;
+    }
+    const char *z = memchr(buf, 0, len);
+    if (z) {
+        snprintf(err, cap, "the prompt on stdin has a NUL byte at offset %zu", (size_t)(z - buf));
+        goto fail;
     }
     buf[len] = 0;
     return buf;
+oom:
+    snprintf(err, cap, "out of memory reading the prompt");
+fail:
+    free(buf);
+    return NULL;
 }
 
 int fi_cmd_run(int argc, char **argv) {
@@ -231,8 +251,9 @@ int fi_cmd_run(int argc, char **argv) {
 
     /* the prompt: arguments joined by spaces, or stdin */
     char *prompt = NULL;
+    char perr[128] = "out of memory reading the prompt";
     if (optind >= argc || (optind == argc - 1 && !strcmp(argv[optind], "-"))) {
-        prompt = s_read_stdin();
+        prompt = s_read_stdin(perr, sizeof perr);
     } else {
         size_t len = 1;
         for (int i = optind; i < argc; i++) len += strlen(argv[i]) + 1;
@@ -246,8 +267,8 @@ int fi_cmd_run(int argc, char **argv) {
         }
     }
     if (!prompt) {
-        fprintf(stderr, "fedinfer: out of memory reading the prompt\n");
-        return 1;
+        fprintf(stderr, "fedinfer: %s\n", perr);
+        return strncmp(perr, "out of memory", 13) ? 2 : 1;
     }
 
     int status = 1;
@@ -285,6 +306,16 @@ int fi_cmd_run(int argc, char **argv) {
     } else {
         /* the chat template's markers as special tokens, the messages as
          * plain text (fi_tok_chat_ids) */
+        const char *bad = !fi_tok_can_encode(tok, prompt, strlen(prompt)) ? "prompt"
+                          : system && !fi_tok_can_encode(tok, system, strlen(system)) ? "--system text"
+                          : NULL;
+        if (bad) {
+            /* refused as --raw refuses it, rather than answered without
+             * the bytes the vocabulary has no token for */
+            fprintf(stderr, "fedinfer: the %s has bytes this model's vocabulary cannot encode\n", bad);
+            status = 2;
+            goto done;
+        }
         fi_chat_msg msgs[2];
         int n = 0;
         if (system) msgs[n++] = (fi_chat_msg){"system", system};

@@ -19,6 +19,19 @@ if(TARGET fedinfer)
      $f run -m \"$m\" --presence-penalty 3 x 2>err.txt; test $? = 2 && grep -q -- --presence-penalty err.txt")
   set_tests_properties(cli_run_penalties PROPERTIES LABELS "model" REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
 endif()
+# fedinfer run refuses a prompt it would otherwise answer with part of it
+# silently gone (exit 2, naming what): a NUL byte on stdin (the prompt
+# ended there), bytes the vocabulary cannot encode in chat mode (left out,
+# as if the user had sent less) and in the --system text.
+if(TARGET fedinfer)
+  add_test(NAME cli_run_bad_prompt COMMAND sh -c
+    "m='${FEDINFER_DEFAULT_MODEL}'; f='$<TARGET_FILE:fedinfer>'
+     printf 'Say hello\\000 and then' | $f run -m \"$m\" -t 1 -n 1 - 2>err.txt; test $? = 2 && grep -q 'NUL byte at offset 9' err.txt || exit 1
+     $f run -m \"$m\" -t 1 -n 1 \"$(printf '\\377\\376')\" 2>err.txt; test $? = 2 && grep -q 'prompt has bytes' err.txt || exit 1
+     $f run -m \"$m\" -t 1 -n 1 --system \"$(printf 'be brief\\004')\" hi 2>err.txt; test $? = 2 && grep -q 'system text has bytes' err.txt || exit 1
+     printf 'Say hello' | $f run -m \"$m\" -t 1 -n 1 - >/dev/null")
+  set_tests_properties(cli_run_bad_prompt PROPERTIES LABELS "model" REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
+endif()
 # bench --serve's routing figures come from the coordinator's own router
 # (fi_route_pick, given by the fedinfer binary): its hit rate on the
 # bench's sequential workload beats round-robin's, with current filters and
