@@ -124,6 +124,7 @@ int edge_token_add(const char *db, const char *tenant, const char *app, char *to
     if (rc) snprintf(err, errlen, "%s: %s", db, sqlite3_errmsg(a->db));
     sqlite3_finalize(st);
     sodium_memzero(rnd, sizeof rnd);
+    sodium_memzero(hex, sizeof hex);
     edge_auth_close(&ap);
     return rc;
 }

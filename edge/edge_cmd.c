@@ -11,6 +11,7 @@
  * shutdown_grace_s to finish, then are cancelled.
  */
 #include <getopt.h>
+#include <sodium.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -119,6 +120,7 @@ static int s_token(int argc, char **argv) {
             return 1;
         }
         printf("%s\n", tok);
+        sodium_memzero(tok, sizeof tok);
         return 0;
     }
     if (!strcmp(verb, "revoke") && optind + 1 == argc - 1) {

@@ -390,6 +390,7 @@ int fi_client_recv_or(fi_client *c, int timeout_ms, void *other, fi_msg **out, c
             fi_msg *m = fi_wire_decode(zmq_msg_data(&msg), zmq_msg_size(&msg), 0, &code, derr,
                                        sizeof derr);
             int more = zmq_msg_more(&msg);
+            if (fi_wire_has_secret(m)) sodium_memzero(zmq_msg_data(&msg), zmq_msg_size(&msg));
             zmq_msg_close(&msg);
             while (more) { /* the coordinator never sends several frames */
                 zmq_msg_init(&msg);

@@ -184,6 +184,7 @@ done:
     fi_client_destroy(&c);
     fi_group_destroy(&g);
     fi_model_destroy(&m);
+    fi_keys_wipe(&o.kp); /* the copy, where an error came before fi_client_new took it */
     fi_keys_wipe(&kp);
     return rc_;
 }

@@ -1499,6 +1499,8 @@ static int s_drain(fi_coord *c, void *sock) {
         } else {
             s_on_enrol(c, rid, rid_len, uid, addr, m);
         }
+        /* an enrolment's frame holds its token, even one that did not decode */
+        if (sock != c->router || fi_wire_has_secret(m)) sodium_memzero(zmq_msg_data(&body), zmq_msg_size(&body));
         fi_wire_free(&m);
         zmq_msg_close(&id);
         zmq_msg_close(&body);

@@ -8,6 +8,7 @@
  */
 #include "fi_wire.h"
 
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,8 +108,27 @@ fi_msg *fi_wire_decode(const void *buf, size_t len, size_t max, Fi__ErrorCode *c
     return m;
 }
 
+/* The token m carries, or NULL. An absent string is protobuf-c's shared
+ * empty string: strlen 0, never written. */
+static char *s_secret(const fi_msg *m) {
+    if (m->body_case == FI__ENVELOPE__BODY_ENROL && m->enrol) return m->enrol->token;
+    if (m->body_case == FI__ENVELOPE__BODY_TOKEN_REPLY && m->token_reply) return m->token_reply->token;
+    return NULL;
+}
+
+int fi_wire_has_secret(const fi_msg *m) {
+    const char *s = m ? s_secret(m) : NULL;
+    return s && s[0];
+}
+
+void fi_wire_wipe_secret(fi_msg *m) {
+    char *s = m ? s_secret(m) : NULL;
+    if (s && s[0]) sodium_memzero(s, strlen(s));
+}
+
 void fi_wire_free(fi_msg **m) {
     if (!m || !*m) return;
+    fi_wire_wipe_secret(*m);
     fi__envelope__free_unpacked(*m, NULL);
     *m = NULL;
 }

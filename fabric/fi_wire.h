@@ -72,8 +72,15 @@ typedef Fi__Envelope__BodyCase fi_msg_type;
  * it has. */
 fi_msg *fi_wire_decode(const void *buf, size_t len, size_t max, Fi__ErrorCode *code, char *err,
                        size_t errlen);
-/* Frees a decoded message and sets *m to NULL; safe on NULL. */
+/* Frees a decoded message and sets *m to NULL; safe on NULL. The secret a
+ * message can carry (an enrolment token: Enrol, TokenReply) is wiped
+ * first (sodium_memzero). */
 void fi_wire_free(fi_msg **m);
+/* Whether m carries a secret (see fi_wire_free): the frame it was decoded
+ * from is to be wiped too. */
+int fi_wire_has_secret(const fi_msg *m);
+/* Wipes the secret m carries, if any (what fi_wire_free does first). */
+void fi_wire_wipe_secret(fi_msg *m);
 
 /* Encodes m (version is forced to FI_WIRE_VERSION). Returns a malloc'd
  * buffer the caller frees and its size in *len, or NULL when out of memory

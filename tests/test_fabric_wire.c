@@ -227,6 +227,50 @@ static void test_cache_tenant(void **state) {
     assert_int_equal(fi_wire_cache_tenant("s", n64, a), -1);
 }
 
+/* The enrolment token an Enrol or a TokenReply carries is a secret: the
+ * codec says so (the receiver wipes the frame too) and wipes it before
+ * the message's memory is freed; other messages carry none. */
+static void test_secrets_wiped(void **state) {
+    (void)state;
+    Fi__Enrol en = FI__ENROL__INIT;
+    en.token = "fit_0123456789abcdef0123456789abcdef01234567";
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_ENROL;
+    m.enrol = &en;
+    fi_msg *d = s_roundtrip(&m);
+    assert_true(fi_wire_has_secret(d));
+    size_t n = strlen(d->enrol->token);
+    assert_int_equal(n, strlen(en.token));
+    fi_wire_wipe_secret(d);
+    for (size_t i = 0; i < n; i++)
+        assert_int_equal(d->enrol->token[i], 0);
+    fi_wire_free(&d);
+
+    Fi__TokenReply tr = FI__TOKEN_REPLY__INIT;
+    tr.token = "fit_secret";
+    m.body_case = FI__ENVELOPE__BODY_TOKEN_REPLY;
+    m.token_reply = &tr;
+    d = s_roundtrip(&m);
+    assert_true(fi_wire_has_secret(d));
+    fi_wire_wipe_secret(d);
+    assert_int_equal(d->token_reply->token[0], 0);
+    assert_false(fi_wire_has_secret(d)); /* nothing left to wipe */
+    fi_wire_free(&d);
+
+    Fi__Enrol none = FI__ENROL__INIT; /* no token: protobuf-c's shared "" */
+    m.body_case = FI__ENVELOPE__BODY_ENROL;
+    m.enrol = &none;
+    d = s_roundtrip(&m);
+    assert_false(fi_wire_has_secret(d));
+    fi_wire_free(&d);
+    Fi__StatusRequest sr = FI__STATUS_REQUEST__INIT;
+    m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
+    m.status_request = &sr;
+    d = s_roundtrip(&m);
+    assert_false(fi_wire_has_secret(d));
+    fi_wire_free(&d);
+}
+
 /* A message that decodes into far more than its size (400,000 empty
  * repeated sub-messages: two bytes each on the wire, a struct each
  * decoded, some 60 MB from 800 KB) is refused as malformed, within its
@@ -284,6 +328,7 @@ int main(void) {
         cmocka_unit_test(test_names),
         cmocka_unit_test(test_cache_tenant),
         cmocka_unit_test(test_expansion_refused),
+        cmocka_unit_test(test_secrets_wiped),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
