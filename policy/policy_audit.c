@@ -397,7 +397,9 @@ void fi_audit_chain_hash(const char *prev_hex, const fi_audit_record *rec, char 
     s_chain(prev_hex ? prev_hex : "", &c, out);
 }
 
-/* rec as its source encoded it: without the provenance this log adds. */
+/* rec as its source encoded it: without the provenance this log adds
+ * (read back from this log, its seq is still this log's: the caller puts
+ * the source's back). */
 static fi_audit_record s_as_sent(const fi_audit_record *rec) {
     fi_audit_record c = *rec;
     c.source = "";
@@ -903,7 +905,8 @@ static int s_seed(fi_audit *self, const char *sql, s_srcs *m, int *oom) {
  * checked) against its source's run in m and takes it into the run. 0, 1
  * broken (out says why), -1 out of memory. */
 static int s_check_source(s_srcs *m, const fi_audit_record *rec, fi_audit_check *out) {
-    fi_audit_record sent = s_as_sent(rec);
+    fi_audit_record sent = s_as_sent(rec); /* as the source hashed it: its number, no provenance */
+    sent.seq = rec->source_seq;
     char h[65];
     s_src *e = s_src_find(m, rec->source), *from = NULL;
     if (e && e->live) {
