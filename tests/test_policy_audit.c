@@ -659,8 +659,7 @@ static void test_source_run_checked(void **state) {
         printf("variant %d: %s\n", variant, ck.what);
         assert_non_null(strstr(ck.what, "source edge-a"));
         static const char *const want[] = {"record 3 (source edge-a, its record 3) does not match its source hash",
-                                           "record 3 (source edge-a, its record 4) does not follow the source's "
-                                           "record 2",
+                                           "record 3 (source edge-a, its record 4) does not follow the source's record 2",
                                            "record 1 (source edge-a) starts the source's run at its record 2"};
         assert_non_null(strstr(ck.what, want[variant]));
         fi_audit_destroy(&a);
