@@ -51,9 +51,13 @@ static char *s_dup(const fi_audit_record *r, fi_audit_record *out) {
     for (int i = 0; i < 10; i++) {
         size_t n = strlen(f[i] ? f[i] : "") + 1;
         memcpy(p, f[i] ? f[i] : "", n);
+        /* as the log will store them: the chain hashed here (the source
+         * hash of the records) must be the one verify recomputes */
+        fi_text_clean(p);
         *dst[i] = p;
         p += n;
     }
+    out->source = NULL; /* the log's ingest sets provenance */
     return s;
 }
 

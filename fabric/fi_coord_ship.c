@@ -478,19 +478,23 @@ static uint8_t *s_get(fi_ship *s, const Fi__PolicyGet *g, size_t *len) {
 
 /* --- audit ----------------------------------------------------------------- */
 
+static const char *s_nz_str(const char *s) { return s ? s : ""; }
+
 /* One record copied out of a query callback: the struct and its strings
  * in one allocation. */
 static Fi__AuditRecord *s_rec_copy(const fi_audit_record *r, size_t *bytes) {
-    const char *src[12] = {r->request_id, r->tenant, r->application, r->origin, r->labels, r->model,
-                           r->decision,   r->target, r->rules,       r->policy_digest, r->hash, NULL};
+    const char *src[14] = {r->request_id, r->tenant,        r->application, r->origin, r->labels,
+                           r->model,      r->decision,      r->target,      r->rules,  r->policy_digest,
+                           r->hash,       s_nz_str(r->source), r->source_hash, NULL};
     size_t need = sizeof(Fi__AuditRecord);
     for (int i = 0; src[i]; i++) need += strlen(src[i]) + 1;
     Fi__AuditRecord *a = malloc(need);
     if (!a) return NULL;
     fi__audit_record__init(a);
     char *p = (char *)(a + 1);
-    char **dst[11] = {&a->request_id, &a->tenant, &a->application, &a->origin, &a->labels, &a->model,
-                      &a->decision,   &a->target, &a->rules,       &a->policy_digest, &a->hash};
+    char **dst[13] = {&a->request_id, &a->tenant, &a->application,   &a->origin, &a->labels,
+                      &a->model,      &a->decision, &a->target,      &a->rules,  &a->policy_digest,
+                      &a->hash,       &a->source, &a->source_hash};
     for (int i = 0; src[i]; i++) {
         size_t n = strlen(src[i]) + 1;
         memcpy(p, src[i], n);
@@ -501,7 +505,9 @@ static Fi__AuditRecord *s_rec_copy(const fi_audit_record *r, size_t *bytes) {
     a->time_ms = r->time;
     a->latency_ms = r->latency_ms;
     a->prompt_tokens = r->prompt_tokens;
-    *bytes = need + 64;
+    a->source_seq = r->source_seq > 0 ? (uint64_t)r->source_seq : 0;
+    a->received_ms = r->received;
+    *bytes = need + 96;
     return a;
 }
 

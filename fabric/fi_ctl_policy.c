@@ -349,6 +349,10 @@ static int s_audit_pages(const char *verb, fi_client *c, Fi__AuditQuery *q, int 
             rec.rules = x->rules;
             rec.policy_digest = x->policy_digest;
             snprintf(rec.hash, sizeof rec.hash, "%s", x->hash);
+            rec.source = x->source;
+            rec.source_seq = (int64_t)x->source_seq;
+            snprintf(rec.source_hash, sizeof rec.source_hash, "%s", x->source_hash ? x->source_hash : "");
+            rec.received = x->received_ms;
             if (fn(&rec, arg)) {
                 fi_wire_free(&r);
                 return 0;

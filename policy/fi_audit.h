@@ -8,13 +8,40 @@
  * record n), with hash_0 = 32 zero bytes and the encoding of each field as
  * a 4-byte little-endian length and its bytes, numbers in decimal.
  *
+ * Provenance. A record taken from another log (fi_audit_ingest: an edge's
+ * upload at the coordinator, or the coordinator's own routing records,
+ * source "coordinator:router") also carries its source (the uploader's key
+ * fingerprint), its sequence number and chain hash in the source's own log
+ * (source_seq, source_hash) and when this log took it (received, Unix ms;
+ * its time is the source's clock). Such a record, and only such a record
+ * (source not ""), has these four fields appended to its encoding, in the
+ * same form (source, source_seq, source_hash, received), after
+ * policy_digest. A record without a source (an edge's own decision, every
+ * record of a log written before provenance existed) is encoded exactly as
+ * before, so those logs and every source's own hashes verify unchanged.
+ * The source_hash of a record is what the source computed:
+ * fi_audit_chain_hash of the record with its provenance cleared, linked to
+ * the source's previous record.
+ *
  * Triggers refuse UPDATE and DELETE. Someone who bypasses them (editing the
  * file) is caught by fi_audit_verify: an edited record no longer hashes to
  * its stored hash, a removed one leaves a gap in the sequence numbers and a
- * broken link, reordered records break the links. Cutting records off the
- * end leaves a shorter valid chain: compare the head hash and count that
- * verify reports with a copy kept elsewhere (the coordinator keeps the
- * edges' heads when they upload).
+ * broken link, reordered records break the links; stripping or editing a
+ * record's provenance breaks its hash too. Verify also follows each
+ * source's own chain through the log (consecutive source_seq, each
+ * source_hash the source's chain hash of the record) and checks the head
+ * held per source (audit_sources) against the source's last record, so
+ * records cut from the end of one source's run while other records follow
+ * them, or an edited head, are reported. Cutting records off the end of
+ * the whole log, together with a matching edit of audit_sources, leaves a
+ * shorter valid log: compare the head hash and count that verify reports
+ * with a checkpoint kept elsewhere (fi_audit_point).
+ *
+ * A log made before provenance existed gets the four columns when
+ * fi_audit_open opens it (its records keep "" / 0), and the heads it held
+ * then are copied to audit_sources_legacy: each source's run goes on from
+ * there. fi_audit_open_readonly reads such a log unchanged (the columns
+ * read as "" / 0).
  */
 #ifndef FI_AUDIT_H
 #define FI_AUDIT_H
@@ -45,6 +72,12 @@ typedef struct fi_audit_record {
     const char *rules;         /* deciding rule ids, comma-separated */
     const char *policy_digest; /* hex SHA-256 of the deciding policy; "" for fallback */
     char hash[65];             /* this record's chain hash, hex (set by append, read back) */
+    /* Provenance (see the top): "" / 0 for the log's own records; set by
+     * fi_audit_ingest, never taken from the records it is given. */
+    const char *source;        /* the log it came from (uploader's key fingerprint) */
+    int64_t source_seq;        /* its sequence number in that log */
+    char source_hash[65];      /* its chain hash in that log, hex */
+    int64_t received;          /* when this log took it, Unix milliseconds */
 } fi_audit_record;
 
 /* Makes s valid UTF-8 in place: every byte that does not belong to a
@@ -122,7 +155,10 @@ int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_
  * (the source's log was rewritten); or, when origin is given, a record's
  * origin is another site. Records up to the held head are skipped, so a
  * batch sent twice is taken once. Taken records are appended with this
- * log's own seq and hash. *taken gets how many were new.
+ * log's own seq and hash, and with their provenance: source, their seq and
+ * hash in the source's log, and the time now as received. The records'
+ * own provenance fields are ignored (cleared before their hashes are
+ * checked). *taken gets how many were new.
  * A source with nothing held whose batch does not start at record 1 may go
  * on from another source's log (an edge whose key was replaced keeps its
  * local log): when origin is given and exactly one held source that the
@@ -151,8 +187,15 @@ typedef struct fi_audit_check {
     char what[256];   /* what is wrong, when broken */
 } fi_audit_check;
 
-/* Walks the whole chain. Returns 0 when intact, 1 when broken (out->what
- * says where and how: removed, edited or reordered), -1 on a database error. */
+/* Walks the whole chain, in one read transaction: the log's own chain,
+ * then each source's run (consecutive source_seq from 1, or from the
+ * record after another source's last one, a replaced key's log taken
+ * over; each source_hash the source's chain hash), then each head in
+ * audit_sources against its source's last record. Returns 0 when intact,
+ * 1 when broken (out->what says where and how: removed, edited or
+ * reordered, naming the record and source; out->bad_seq is the record, or
+ * for a head that does not match, the source's last record in this log,
+ * or the log's last when it has none), -1 on a database error. */
 int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) FI_WUR;
 
 /* A checkpoint of a log: record seq and its chain hash, noted by an

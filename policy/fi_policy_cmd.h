@@ -59,7 +59,9 @@ int64_t fi_policy_cmd_time(const char *s);
 
 /* Shared with the fabric's console verbs: a Unix time as
  * "YYYY-MM-DDTHH:MM:SSZ" (UTC) in buf, and one audit record printed as a
- * row of `fedctl audit` (an fi_audit_query callback; arg unused). */
+ * row of `fedctl audit` (an fi_audit_query callback; arg unused); a record
+ * taken from another log gets a second, indented line with its provenance
+ * ("from SOURCE #SEQ HASH received TIME"). */
 void fi_fmt_utc(int64_t t, char *buf, size_t cap);
 int fi_audit_print_row(const fi_audit_record *r, void *arg);
 

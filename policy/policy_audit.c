@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "fi_audit.h"
 #include "fi_db.h"
@@ -18,6 +19,9 @@ struct fi_audit {
      * uploader of origin (NULL: never) */
     int (*may_adopt)(void *user, const char *old_source, const char *origin);
     void *adopt_user;
+    int prov;    /* the audit table has the provenance columns (not: a log made before them, read-only) */
+    int sources; /* the file has audit_sources (the held heads) */
+    int legacy;  /* it has audit_sources_legacy (the heads held when the columns were added) */
 };
 
 static const char *s_schema =
@@ -30,7 +34,9 @@ static const char *s_schema =
     " origin TEXT NOT NULL, labels TEXT NOT NULL, model TEXT NOT NULL,"
     " latency_ms INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL,"
     " decision TEXT NOT NULL, target TEXT NOT NULL, rules TEXT NOT NULL, policy_digest TEXT NOT NULL,"
-    " prev_hash TEXT NOT NULL, hash TEXT NOT NULL);"
+    " prev_hash TEXT NOT NULL, hash TEXT NOT NULL,"
+    " source TEXT NOT NULL DEFAULT '', source_seq INTEGER NOT NULL DEFAULT 0,"
+    " source_hash TEXT NOT NULL DEFAULT '', received INTEGER NOT NULL DEFAULT 0);"
     "CREATE INDEX IF NOT EXISTS audit_time ON audit(time);"
     "CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit"
     " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;"
@@ -39,9 +45,72 @@ static const char *s_schema =
     "CREATE TABLE IF NOT EXISTS audit_sources("
     " source TEXT PRIMARY KEY, seq INTEGER NOT NULL, hash TEXT NOT NULL);";
 
-#define COLS                                                                                                     \
+/* A log made before provenance existed (fi_audit_open adds the columns;
+ * a read-only handle reads them as absent). Its heads of that time are
+ * kept, so that each source's run goes on from them in verify. */
+static const char *s_migrate_sql =
+    "ALTER TABLE audit ADD COLUMN source TEXT NOT NULL DEFAULT '';"
+    "ALTER TABLE audit ADD COLUMN source_seq INTEGER NOT NULL DEFAULT 0;"
+    "ALTER TABLE audit ADD COLUMN source_hash TEXT NOT NULL DEFAULT '';"
+    "ALTER TABLE audit ADD COLUMN received INTEGER NOT NULL DEFAULT 0;"
+    "CREATE TABLE audit_sources_legacy(source TEXT PRIMARY KEY, seq INTEGER NOT NULL, hash TEXT NOT NULL);"
+    "INSERT INTO audit_sources_legacy(source, seq, hash) SELECT source, seq, hash FROM audit_sources;"
+    "CREATE TRIGGER audit_legacy_no_update BEFORE UPDATE ON audit_sources_legacy"
+    " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;"
+    "CREATE TRIGGER audit_legacy_no_delete BEFORE DELETE ON audit_sources_legacy"
+    " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;";
+
+#define COLS_BASE                                                                                                \
     "seq, time, request_id, tenant, application, origin, labels, model, latency_ms, prompt_tokens, decision, " \
     "target, rules, policy_digest, prev_hash, hash"
+#define COLS COLS_BASE ", source, source_seq, source_hash, received"
+/* the same columns from a log without provenance */
+#define COLS_OLD COLS_BASE ", '', 0, '', 0"
+#define N_COLS 20
+
+/* 1 when table exists, 0 when not, -1 on an error. */
+static int s_has_table(sqlite3 *db, const char *table) {
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(db, "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?", -1, &st,
+                           NULL) != SQLITE_OK)
+        return -1;
+    sqlite3_bind_text(st, 1, table, -1, SQLITE_STATIC);
+    int r = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int(st, 0) > 0 : -1;
+    sqlite3_finalize(st);
+    return r;
+}
+
+/* 1 when the audit table has the provenance columns, 0 when not, -1. */
+static int s_has_prov(sqlite3 *db) {
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(db, "SELECT count(*) FROM pragma_table_info('audit') WHERE name = 'source'", -1, &st,
+                           NULL) != SQLITE_OK)
+        return -1;
+    int r = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int(st, 0) > 0 : -1;
+    sqlite3_finalize(st);
+    return r;
+}
+
+/* Notes which tables and columns the file has. 0 or -1 (SQLite error). */
+static int s_probe(fi_audit *a) {
+    if ((a->prov = s_has_prov(a->db)) < 0 || (a->sources = s_has_table(a->db, "audit_sources")) < 0 ||
+        (a->legacy = s_has_table(a->db, "audit_sources_legacy")) < 0)
+        return -1;
+    return 0;
+}
+
+/* Adds the provenance columns to a log made before them, in one
+ * transaction (another writer may have done it meanwhile). SQLite code. */
+static int s_migrate(fi_audit *a, char **msg) {
+    int rc = s_has_prov(a->db);
+    if (rc != 0) return rc == 1 ? SQLITE_OK : sqlite3_errcode(a->db);
+    if ((rc = sqlite3_exec(a->db, "BEGIN IMMEDIATE", NULL, NULL, msg)) != SQLITE_OK) return rc;
+    int has = s_has_prov(a->db);
+    rc = has < 0 ? sqlite3_errcode(a->db) : has ? SQLITE_OK : sqlite3_exec(a->db, s_migrate_sql, NULL, NULL, msg);
+    if (rc == SQLITE_OK) rc = sqlite3_exec(a->db, "COMMIT", NULL, NULL, msg);
+    if (rc != SQLITE_OK) sqlite3_exec(a->db, "ROLLBACK", NULL, NULL, NULL);
+    return rc;
+}
 
 /* A handle without a database yet; NULL (said) when out of memory or
  * libsodium cannot start. */
@@ -64,6 +133,8 @@ fi_audit *fi_audit_open(const char *path, char *err, size_t cap) {
     if (rc == SQLITE_OK) {
         if (fi_db_check(a->db, path, err, cap) != 0) goto fail; /* damaged, or locked: err says */
         rc = sqlite3_exec(a->db, s_schema, NULL, NULL, &msg);
+        if (rc == SQLITE_OK) rc = s_migrate(a, &msg);
+        if (rc == SQLITE_OK && s_probe(a) != 0) rc = sqlite3_errcode(a->db);
     }
     if (rc != SQLITE_OK) {
         const char *why = msg ? msg : a->db ? sqlite3_errmsg(a->db) : "out of memory";
@@ -109,6 +180,10 @@ static int s_open_ro(fi_audit *a, const char *path, const char *params, char *er
         snprintf(err, cap, "%s is not an audit log (it has no audit table)", path);
     }
     sqlite3_finalize(st);
+    if (rc == SQLITE_ROW && tables == 1 && s_probe(a) != 0) {
+        snprintf(err, cap, "cannot read audit log %s: %s", path, sqlite3_errmsg(a->db));
+        tables = -1;
+    }
     /* a damaged page anywhere is said now, not halfway through a listing */
     if (rc == SQLITE_ROW && tables == 1 && fi_db_check(a->db, path, err, cap) == 0) return 0;
     sqlite3_close(a->db);
@@ -202,45 +277,105 @@ void fi_text_clean(char *s) {
     }
 }
 
-static void s_put(crypto_hash_sha256_state *h, const char *s) {
-    if (!s) s = "";
-    uint32_t n = (uint32_t)strlen(s);
-    uint8_t le[4] = {(uint8_t)n, (uint8_t)(n >> 8), (uint8_t)(n >> 16), (uint8_t)(n >> 24)};
-    crypto_hash_sha256_update(h, le, 4);
-    crypto_hash_sha256_update(h, (const uint8_t *)s, n);
+/* The encoding of a record on its way into SHA-256, gathered in a buffer
+ * so that the hash is fed in a few large pieces rather than two small
+ * ones per field (verify hashes every record, some twice). */
+typedef struct s_enc {
+    crypto_hash_sha256_state h; /* the hash being computed */
+    size_t k;                   /* bytes waiting in b */
+    uint8_t b[1024];            /* encoding not yet hashed */
+} s_enc;
+
+static void s_enc_bytes(s_enc *e, const void *p, size_t n) {
+    if (e->k + n > sizeof e->b) {
+        crypto_hash_sha256_update(&e->h, e->b, e->k);
+        e->k = 0;
+        if (n > sizeof e->b) {
+            crypto_hash_sha256_update(&e->h, p, n);
+            return;
+        }
+    }
+    memcpy(e->b + e->k, p, n);
+    e->k += n;
 }
 
-static void s_put_i(crypto_hash_sha256_state *h, int64_t x) {
-    char b[32];
-    snprintf(b, sizeof b, "%lld", (long long)x);
-    s_put(h, b);
+/* A field: 4-byte little-endian length, then its bytes. */
+static void s_put_n(s_enc *e, const char *s, size_t n) {
+    uint32_t n32 = (uint32_t)n;
+    uint8_t le[4] = {(uint8_t)n32, (uint8_t)(n32 >> 8), (uint8_t)(n32 >> 16), (uint8_t)(n32 >> 24)};
+    s_enc_bytes(e, le, 4);
+    s_enc_bytes(e, s, n);
+}
+
+static void s_put(s_enc *e, const char *s) {
+    if (!s) s = "";
+    s_put_n(e, s, strlen(s));
+}
+
+/* A number, in decimal (as "%lld" writes it). */
+static void s_put_i(s_enc *e, int64_t x) {
+    char b[24], *p = b + sizeof b;
+    uint64_t u = x < 0 ? 0 - (uint64_t)x : (uint64_t)x;
+    do {
+        *--p = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (x < 0) *--p = '-';
+    s_put_n(e, p, (size_t)(b + sizeof b - p));
+}
+
+static int s_hex_val(char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                                                                                       : -1;
+}
+
+/* 64 hex digits, and nothing else, into out[32]. 0 or -1. */
+static int s_hex32(const char *hex, uint8_t out[32]) {
+    for (int i = 0; i < 32; i++) {
+        int hi = s_hex_val(hex[2 * i]), lo = hi < 0 ? -1 : s_hex_val(hex[2 * i + 1]);
+        if (lo < 0) return -1;
+        out[i] = (uint8_t)(hi << 4 | lo);
+    }
+    return hex[64] ? -1 : 0;
 }
 
 /* hash = SHA-256(prev || fields), hex into out[65]. prev_hex "" = genesis. */
 static void s_chain(const char *prev_hex, const fi_audit_record *r, char out[65]) {
     uint8_t prev[32] = {0}, d[32];
-    size_t got;
-    if (prev_hex[0] && (sodium_hex2bin(prev, 32, prev_hex, strlen(prev_hex), NULL, &got, NULL) || got != 32))
+    if (prev_hex[0] && s_hex32(prev_hex, prev) != 0)
         memset(prev, 0xff, 32); /* a malformed link never matches a real hash */
-    crypto_hash_sha256_state h;
-    crypto_hash_sha256_init(&h);
-    crypto_hash_sha256_update(&h, prev, 32);
-    s_put_i(&h, r->seq);
-    s_put_i(&h, r->time);
-    s_put(&h, r->request_id);
-    s_put(&h, r->tenant);
-    s_put(&h, r->application);
-    s_put(&h, r->origin);
-    s_put(&h, r->labels);
-    s_put(&h, r->model);
-    s_put_i(&h, r->latency_ms);
-    s_put_i(&h, r->prompt_tokens);
-    s_put(&h, r->decision);
-    s_put(&h, r->target);
-    s_put(&h, r->rules);
-    s_put(&h, r->policy_digest);
-    crypto_hash_sha256_final(&h, d);
-    sodium_bin2hex(out, 65, d, 32);
+    s_enc e;
+    crypto_hash_sha256_init(&e.h);
+    e.k = 0;
+    s_enc_bytes(&e, prev, 32);
+    s_put_i(&e, r->seq);
+    s_put_i(&e, r->time);
+    s_put(&e, r->request_id);
+    s_put(&e, r->tenant);
+    s_put(&e, r->application);
+    s_put(&e, r->origin);
+    s_put(&e, r->labels);
+    s_put(&e, r->model);
+    s_put_i(&e, r->latency_ms);
+    s_put_i(&e, r->prompt_tokens);
+    s_put(&e, r->decision);
+    s_put(&e, r->target);
+    s_put(&e, r->rules);
+    s_put(&e, r->policy_digest);
+    if (r->source && r->source[0]) { /* provenance: only a record taken from another log has it */
+        s_put(&e, r->source);
+        s_put_i(&e, r->source_seq);
+        s_put(&e, r->source_hash);
+        s_put_i(&e, r->received);
+    }
+    crypto_hash_sha256_update(&e.h, e.b, e.k);
+    crypto_hash_sha256_final(&e.h, d);
+    static const char digits[] = "0123456789abcdef";
+    for (int i = 0; i < 32; i++) {
+        out[2 * i] = digits[d[i] >> 4];
+        out[2 * i + 1] = digits[d[i] & 15];
+    }
+    out[64] = '\0';
 }
 
 static const char *s_nz(const char *s) { return s ? s : ""; }
@@ -257,14 +392,28 @@ void fi_audit_chain_hash(const char *prev_hex, const fi_audit_record *rec, char 
     c.target = s_nz(c.target);
     c.rules = s_nz(c.rules);
     c.policy_digest = s_nz(c.policy_digest);
+    c.source = s_nz(c.source);
+    c.source_hash[sizeof c.source_hash - 1] = '\0';
     s_chain(prev_hex ? prev_hex : "", &c, out);
+}
+
+/* rec as its source encoded it: without the provenance this log adds
+ * (read back from this log, its seq is still this log's: the caller puts
+ * the source's back). */
+static fi_audit_record s_as_sent(const fi_audit_record *rec) {
+    fi_audit_record c = *rec;
+    c.source = "";
+    c.source_seq = 0;
+    c.source_hash[0] = '\0';
+    c.received = 0;
+    return c;
 }
 
 /* Appends rec inside the caller's transaction. 0 or -1 (SQLite error). */
 static int s_append_tx(fi_audit *self, fi_audit_record *rec) {
     sqlite3_stmt *st = NULL;
     char prev[65] = "";
-    char *own[10] = {0}; /* the record's texts, cleaned (below) */
+    char *own[11] = {0}; /* the record's texts, cleaned (below) */
     if (sqlite3_prepare_v2(self->db, "SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1", -1, &st, NULL) !=
         SQLITE_OK)
         goto dberr_tx;
@@ -279,10 +428,12 @@ static int s_append_tx(fi_audit *self, fi_audit_record *rec) {
     sqlite3_finalize(st);
     st = NULL;
     fi_audit_record c = *rec;
+    c.source_hash[sizeof c.source_hash - 1] = '\0';
+    if (!c.source || !c.source[0]) c = s_as_sent(&c); /* the log's own: no provenance */
     /* every text as valid UTF-8 (fi_text_clean), chained and stored so:
      * a record that JSON cannot carry would stall its source's uploads */
     const char **f[] = {&c.request_id, &c.tenant, &c.application, &c.origin, &c.labels,
-                        &c.model, &c.decision, &c.target, &c.rules, &c.policy_digest};
+                        &c.model, &c.decision, &c.target, &c.rules, &c.policy_digest, &c.source};
     _Static_assert(sizeof f / sizeof f[0] == sizeof own / sizeof own[0], "one copy per text");
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
         *f[i] = s_nz(*f[i]);
@@ -294,8 +445,8 @@ static int s_append_tx(fi_audit *self, fi_audit_record *rec) {
         *f[i] = own[i];
     }
     s_chain(prev, &c, rec->hash);
-    if (sqlite3_prepare_v2(self->db, "INSERT INTO audit(" COLS ") VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", -1, &st,
-                           NULL) != SQLITE_OK)
+    if (sqlite3_prepare_v2(self->db, "INSERT INTO audit(" COLS ") VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                           -1, &st, NULL) != SQLITE_OK)
         goto dberr_tx;
     sqlite3_bind_int64(st, 1, c.seq);
     sqlite3_bind_int64(st, 2, c.time);
@@ -305,6 +456,10 @@ static int s_append_tx(fi_audit *self, fi_audit_record *rec) {
     sqlite3_bind_int64(st, 10, c.prompt_tokens);
     const char *t[] = {c.decision, c.target, c.rules, c.policy_digest, prev, rec->hash};
     for (int i = 0; i < 6; i++) sqlite3_bind_text(st, 11 + i, t[i], -1, SQLITE_TRANSIENT);
+    sqlite3_bind_text(st, 17, c.source, -1, SQLITE_TRANSIENT);
+    sqlite3_bind_int64(st, 18, c.source_seq);
+    sqlite3_bind_text(st, 19, c.source_hash, -1, SQLITE_TRANSIENT);
+    sqlite3_bind_int64(st, 20, c.received);
     if (sqlite3_step(st) != SQLITE_DONE) goto dberr_tx;
     sqlite3_finalize(st);
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) free(own[i]);
@@ -376,7 +531,8 @@ static int s_adopt_source(fi_audit *self, const char *source, const char *origin
         if (!s || !h || strcmp(s, source) == 0) continue;
         if (seq == first->seq - 1) {
             char want[65];
-            fi_audit_chain_hash(h, first, want);
+            fi_audit_record sent = s_as_sent(first);
+            fi_audit_chain_hash(h, &sent, want);
             if (strcmp(want, first->hash)) continue;
         } else if (strcmp(recs[seq - first->seq].hash, h)) {
             continue; /* the batch holds that record, but not the one held */
@@ -435,7 +591,8 @@ int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, cons
         }
         if (i) {
             char h[65];
-            fi_audit_chain_hash(recs[i - 1].hash, r, h);
+            fi_audit_record sent = s_as_sent(r);
+            fi_audit_chain_hash(recs[i - 1].hash, &sent, h);
             if (strcmp(h, r->hash)) {
                 snprintf(err, cap, "audit batch: record %lld does not hash to its chain hash (edited, or not linked "
                          "to record %lld)", (long long)r->seq, (long long)r->seq - 1);
@@ -467,7 +624,8 @@ int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, cons
             refused = 1;
         } else if (r->seq == held + 1 && i == 0) {
             char h[65];
-            fi_audit_chain_hash(held ? head : "", r, h);
+            fi_audit_record sent = s_as_sent(r);
+            fi_audit_chain_hash(held ? head : "", &sent, h);
             if (strcmp(h, r->hash)) {
                 snprintf(err, cap, "audit batch: record %lld does not link to the last record received (%lld) or "
                          "was edited", (long long)r->seq, (long long)held);
@@ -480,9 +638,16 @@ int fi_audit_ingest(fi_audit *self, const char *source, const char *origin, cons
         return 1;
     }
     size_t k = 0;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
     for (size_t i = 0; i < n; i++) {
         if (recs[i].seq <= held) continue;
-        fi_audit_record c = recs[i];
+        /* provenance from what this log knows, never from the records */
+        fi_audit_record c = s_as_sent(&recs[i]);
+        c.source = source;
+        c.source_seq = recs[i].seq;
+        snprintf(c.source_hash, sizeof c.source_hash, "%s", recs[i].hash);
+        c.received = (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
         if (s_append_tx(self, &c) != 0) goto dberr_tx;
         k++;
     }
@@ -572,16 +737,18 @@ int fi_audit_log_decision(fi_audit *self, const fi_policy *pol, const fi_request
  * values as read back, so an edit that changes only a column's type, or
  * hides bytes behind a NUL, would otherwise keep the hash. Call before
  * any other column accessor (they convert). */
+static int s_integer_col(int i) { return i == 0 || i == 1 || i == 8 || i == 9 || i == 17 || i == 19; }
+
 static const char *s_stored_as_written(sqlite3_stmt *st) {
-    static const char *const names[] = {"seq", "time", "request_id", "tenant", "application", "origin",
-                                        "labels", "model", "latency_ms", "prompt_tokens", "decision",
-                                        "target", "rules", "policy_digest", "prev_hash", "hash"};
-    for (int i = 0; i < 16; i++) {
-        int integer = i == 0 || i == 1 || i == 8 || i == 9;
-        if (sqlite3_column_type(st, i) != (integer ? SQLITE_INTEGER : SQLITE_TEXT)) return names[i];
+    static const char *const names[N_COLS] = {"seq", "time", "request_id", "tenant", "application", "origin",
+                                              "labels", "model", "latency_ms", "prompt_tokens", "decision",
+                                              "target", "rules", "policy_digest", "prev_hash", "hash",
+                                              "source", "source_seq", "source_hash", "received"};
+    for (int i = 0; i < N_COLS; i++) {
+        if (sqlite3_column_type(st, i) != (s_integer_col(i) ? SQLITE_INTEGER : SQLITE_TEXT)) return names[i];
     }
-    for (int i = 0; i < 16; i++) {
-        if (i == 0 || i == 1 || i == 8 || i == 9) continue;
+    for (int i = 0; i < N_COLS; i++) {
+        if (s_integer_col(i)) continue;
         const char *t = (const char *)sqlite3_column_text(st, i);
         if (!t || (size_t)sqlite3_column_bytes(st, i) != strlen(t)) return names[i];
     }
@@ -599,9 +766,13 @@ static void s_read(sqlite3_stmt *st, fi_audit_record *r, const char **prev) {
     const char **t[] = {&r->decision, &r->target, &r->rules, &r->policy_digest};
     for (int i = 0; i < 4; i++) *t[i] = (const char *)sqlite3_column_text(st, 10 + i);
     *prev = (const char *)sqlite3_column_text(st, 14);
-    snprintf(r->hash, sizeof r->hash, "%s", (const char *)sqlite3_column_text(st, 15));
+    snprintf(r->hash, sizeof r->hash, "%s", s_nz((const char *)sqlite3_column_text(st, 15)));
+    r->source = (const char *)sqlite3_column_text(st, 16);
+    r->source_seq = sqlite3_column_int64(st, 17);
+    snprintf(r->source_hash, sizeof r->source_hash, "%s", s_nz((const char *)sqlite3_column_text(st, 18)));
+    r->received = sqlite3_column_int64(st, 19);
     const char **all[] = {&r->request_id, &r->tenant, &r->application, &r->origin, &r->labels, &r->model,
-                          &r->decision, &r->target, &r->rules, &r->policy_digest, prev};
+                          &r->decision, &r->target, &r->rules, &r->policy_digest, prev, &r->source};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         if (!*all[i]) *all[i] = "";
 }
@@ -610,12 +781,14 @@ int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_
                    char *err, size_t cap) {
     static const fi_audit_filter none;
     if (!f) f = &none;
-    const char *sql =
-        "SELECT * FROM (SELECT " COLS " FROM audit WHERE time >= ?1 AND (?2 = 0 OR time < ?2)"
-        " AND (?3 IS NULL OR origin = ?3) AND (?4 IS NULL OR instr(',' || labels || ',', ',' || ?4 || ',') > 0)"
-        " AND (?5 IS NULL OR target = ?5) AND (?6 IS NULL OR decision = ?6) AND (?7 IS NULL OR request_id = ?7)"
-        " AND (?8 IS NULL OR instr(',' || rules || ',', ',' || ?8 || ',') > 0) AND seq > ?10"
-        " ORDER BY seq DESC LIMIT ?9) ORDER BY seq";
+#define S_QUERY(cols)                                                                                           \
+    "SELECT * FROM (SELECT " cols " FROM audit WHERE time >= ?1 AND (?2 = 0 OR time < ?2)"                      \
+    " AND (?3 IS NULL OR origin = ?3) AND (?4 IS NULL OR instr(',' || labels || ',', ',' || ?4 || ',') > 0)"  \
+    " AND (?5 IS NULL OR target = ?5) AND (?6 IS NULL OR decision = ?6) AND (?7 IS NULL OR request_id = ?7)"  \
+    " AND (?8 IS NULL OR instr(',' || rules || ',', ',' || ?8 || ',') > 0) AND seq > ?10"                     \
+    " ORDER BY seq DESC LIMIT ?9) ORDER BY seq"
+    const char *sql = self->prov ? S_QUERY(COLS) : S_QUERY(COLS_OLD);
+#undef S_QUERY
     sqlite3_stmt *st = NULL;
     if (sqlite3_prepare_v2(self->db, sql, -1, &st, NULL) != SQLITE_OK) {
         snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
@@ -643,13 +816,256 @@ int fi_audit_query(fi_audit *self, const fi_audit_filter *f, int (*fn)(const fi_
     return r == SQLITE_DONE ? 0 : -1;
 }
 
+/* --- verify: each source's run ------------------------------------------- */
+
+/* What verify knows of one source's run through the log. */
+typedef struct s_src {
+    char *name;    /* the source, owned; NULL: an empty slot */
+    int64_t last;  /* its last record's source_seq */
+    char hash[65]; /* that record's source_hash */
+    int64_t at;    /* that record's seq here (0: a head from audit_sources_legacy) */
+    int live;      /* its run may go on (0: another source took it over) */
+    int headed;    /* an audit_sources row is its head */
+} s_src;
+
+/* Sources by name: open addressing, at most half full. */
+typedef struct s_srcs {
+    s_src *v;   /* slots */
+    size_t cap; /* slots, a power of two (0: none yet) */
+    size_t n;   /* used */
+} s_srcs;
+
+static size_t s_name_hash(const char *s) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return (size_t)h;
+}
+
+static s_src *s_src_find(const s_srcs *m, const char *name) {
+    if (!m->cap) return NULL;
+    for (size_t i = s_name_hash(name) & (m->cap - 1);; i = (i + 1) & (m->cap - 1)) {
+        if (!m->v[i].name) return NULL;
+        if (!strcmp(m->v[i].name, name)) return &m->v[i];
+    }
+}
+
+/* Adds name (not there yet), zeroed. NULL when out of memory. */
+static s_src *s_src_add(s_srcs *m, const char *name) {
+    if ((m->n + 1) * 2 > m->cap) {
+        size_t cap = m->cap ? m->cap * 2 : 16;
+        s_src *v = calloc(cap, sizeof *v);
+        if (!v) return NULL;
+        for (size_t k = 0; k < m->cap; k++) {
+            if (!m->v[k].name) continue;
+            size_t i = s_name_hash(m->v[k].name) & (cap - 1);
+            while (v[i].name) i = (i + 1) & (cap - 1);
+            v[i] = m->v[k];
+        }
+        free(m->v);
+        m->v = v;
+        m->cap = cap;
+    }
+    size_t i = s_name_hash(name) & (m->cap - 1);
+    while (m->v[i].name) i = (i + 1) & (m->cap - 1);
+    if (!(m->v[i].name = strdup(name))) return NULL;
+    m->n++;
+    return &m->v[i];
+}
+
+static void s_srcs_free(s_srcs *m) {
+    for (size_t i = 0; i < m->cap; i++) free(m->v[i].name);
+    free(m->v);
+    memset(m, 0, sizeof *m);
+}
+
+/* Seeds m with the heads of sql's rows (source, seq, hash): the runs of a
+ * log made before provenance go on from the heads it held then. 0 or -1
+ * (an SQLite error, or out of memory: *oom). */
+static int s_seed(fi_audit *self, const char *sql, s_srcs *m, int *oom) {
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(self->db, sql, -1, &st, NULL) != SQLITE_OK) return -1;
+    int r;
+    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
+        const char *name = (const char *)sqlite3_column_text(st, 0), *h = (const char *)sqlite3_column_text(st, 2);
+        if (!name || s_src_find(m, name)) continue;
+        s_src *e = s_src_add(m, name);
+        if (!e) {
+            *oom = 1;
+            break;
+        }
+        e->last = sqlite3_column_int64(st, 1);
+        snprintf(e->hash, sizeof e->hash, "%s", s_nz(h));
+        e->live = 1;
+    }
+    sqlite3_finalize(st);
+    return *oom || (r != SQLITE_ROW && r != SQLITE_DONE) ? -1 : 0;
+}
+
+/* Checks rec (a record of source rec->source, the log's own chain already
+ * checked) against its source's run in m and takes it into the run. 0, 1
+ * broken (out says why), -1 out of memory. */
+static int s_check_source(s_srcs *m, const fi_audit_record *rec, fi_audit_check *out) {
+    fi_audit_record sent = s_as_sent(rec); /* as the source hashed it: its number, no provenance */
+    sent.seq = rec->source_seq;
+    char h[65];
+    s_src *e = s_src_find(m, rec->source), *from = NULL;
+    if (e && e->live) {
+        if (rec->source_seq != e->last + 1) {
+            snprintf(out->what, sizeof out->what,
+                     "record %lld (source %.64s, its record %lld) does not follow the source's record %lld: the "
+                     "source's records are missing, repeated or reordered, or the provenance edited",
+                     (long long)rec->seq, rec->source, (long long)rec->source_seq, (long long)e->last);
+            out->bad_seq = rec->seq;
+            return 1;
+        }
+        fi_audit_chain_hash(e->hash, &sent, h);
+    } else if (rec->source_seq == 1) {
+        fi_audit_chain_hash("", &sent, h);
+    } else {
+        /* a replaced key's log taken over (fi_audit_ingest's adoption):
+         * another source's run ends at the record before, linked to it */
+        for (size_t i = 0; i < m->cap && !from; i++) {
+            s_src *t = &m->v[i];
+            if (!t->name || !t->live || t == e || t->last != rec->source_seq - 1) continue;
+            fi_audit_chain_hash(t->hash, &sent, h);
+            if (!strcmp(h, rec->source_hash)) from = t;
+        }
+        if (!from) {
+            snprintf(out->what, sizeof out->what,
+                     "record %lld (source %.64s) starts the source's run at its record %lld, which is neither "
+                     "record 1 nor linked to another source's last record (records removed, or the provenance "
+                     "edited)",
+                     (long long)rec->seq, rec->source, (long long)rec->source_seq);
+            out->bad_seq = rec->seq;
+            return 1;
+        }
+        from->live = 0;
+    }
+    if (strcmp(h, rec->source_hash)) {
+        snprintf(out->what, sizeof out->what,
+                 "record %lld (source %.64s, its record %lld) does not match its source hash: edited, or not "
+                 "linked to the source's record %lld",
+                 (long long)rec->seq, rec->source, (long long)rec->source_seq, (long long)rec->source_seq - 1);
+        out->bad_seq = rec->seq;
+        return 1;
+    }
+    if (!e && !(e = s_src_add(m, rec->source))) return -1;
+    e->last = rec->source_seq;
+    memcpy(e->hash, rec->source_hash, sizeof e->hash);
+    e->at = rec->seq;
+    e->live = 1;
+    return 0;
+}
+
+/* One held head that names no live run (its source's log was taken over
+ * by that source with nothing new yet, or the table was edited). */
+typedef struct s_orphan {
+    char name[256];
+    int64_t seq;
+    char hash[65];
+} s_orphan;
+
+/* Checks every head in audit_sources against the last record of its
+ * source's run. 0, 1 broken (out says why), -1 (SQLite error, or out of
+ * memory: *oom). */
+static int s_check_heads(fi_audit *self, s_srcs *m, fi_audit_check *out, int *oom) {
+    sqlite3_stmt *st = NULL;
+    s_orphan *orph = NULL;
+    size_t n_orph = 0, cap_orph = 0;
+    int broken = 0, r;
+    if (sqlite3_prepare_v2(self->db, "SELECT source, seq, hash FROM audit_sources ORDER BY source", -1, &st, NULL) !=
+        SQLITE_OK)
+        return -1;
+    while (!broken && (r = sqlite3_step(st)) == SQLITE_ROW) {
+        const char *name = s_nz((const char *)sqlite3_column_text(st, 0));
+        const char *h = s_nz((const char *)sqlite3_column_text(st, 2));
+        int64_t seq = sqlite3_column_int64(st, 1);
+        s_src *e = s_src_find(m, name);
+        if (e && e->live) {
+            e->headed = 1;
+            if (seq == e->last && !strcmp(h, e->hash)) continue;
+            snprintf(out->what, sizeof out->what,
+                     seq > e->last ? "source %.64s's head is its record %lld, but its last record here is its "
+                                     "record %lld: records cut from the end of its run, or audit_sources edited"
+                                   : "source %.64s's head (its record %lld) does not match its last record here "
+                                     "(its record %lld): records cut from the end of its run, or audit_sources "
+                                     "edited",
+                     name, (long long)seq, (long long)e->last);
+            out->bad_seq = e->at ? e->at : out->records;
+            broken = 1;
+            break;
+        }
+        if (n_orph == cap_orph) {
+            size_t c = cap_orph ? cap_orph * 2 : 8;
+            s_orphan *v = realloc(orph, c * sizeof *v);
+            if (!v) {
+                *oom = 1;
+                break;
+            }
+            orph = v;
+            cap_orph = c;
+        }
+        snprintf(orph[n_orph].name, sizeof orph[n_orph].name, "%s", name);
+        orph[n_orph].seq = seq;
+        snprintf(orph[n_orph].hash, sizeof orph[n_orph].hash, "%s", h);
+        n_orph++;
+    }
+    int dberr = !broken && !*oom && r != SQLITE_DONE;
+    sqlite3_finalize(st);
+    if (dberr || *oom) {
+        free(orph);
+        return -1;
+    }
+    /* a head that took over another source's run with nothing new yet:
+     * that run, headless, ends at it */
+    for (size_t k = 0; !broken && k < n_orph; k++) {
+        s_src *t = NULL;
+        for (size_t i = 0; i < m->cap && !t; i++) {
+            s_src *c = &m->v[i];
+            if (c->name && c->live && !c->headed && c->last == orph[k].seq && !strcmp(c->hash, orph[k].hash)) t = c;
+        }
+        if (t) {
+            t->headed = 1;
+            continue;
+        }
+        snprintf(out->what, sizeof out->what,
+                 "source %.64s's head (its record %lld) matches no record of it here: records cut from the end of "
+                 "its run, or audit_sources edited",
+                 orph[k].name, (long long)orph[k].seq);
+        out->bad_seq = out->records;
+        broken = 1;
+    }
+    free(orph);
+    for (size_t i = 0; !broken && i < m->cap; i++) {
+        s_src *e = &m->v[i];
+        if (!e->name || !e->live || e->headed) continue;
+        snprintf(out->what, sizeof out->what,
+                 "source %.64s has records here (the last its record %lld) but no head in audit_sources: the table "
+                 "was edited",
+                 e->name, (long long)e->last);
+        out->bad_seq = e->at ? e->at : out->records;
+        broken = 1;
+    }
+    return broken;
+}
+
 int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) {
     memset(out, 0, sizeof *out);
     sqlite3_stmt *st = NULL;
-    if (sqlite3_prepare_v2(self->db, "SELECT " COLS " FROM audit ORDER BY seq", -1, &st, NULL) != SQLITE_OK) {
-        snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
-        return -1;
-    }
+    s_srcs m = {0};
+    int oom = 0;
+    /* one snapshot: the heads read at the end belong to the records read */
+    if (sqlite3_exec(self->db, "BEGIN", NULL, NULL, NULL) != SQLITE_OK) goto dberr;
+    if (self->legacy && s_seed(self, "SELECT source, seq, hash FROM audit_sources_legacy", &m, &oom) != 0)
+        goto dberr;
+    /* a log made before provenance, read as it is: its heads are its runs' */
+    if (!self->prov && !self->legacy && self->sources &&
+        s_seed(self, "SELECT source, seq, hash FROM audit_sources", &m, &oom) != 0)
+        goto dberr;
+    if (sqlite3_prepare_v2(self->db, self->prov ? "SELECT " COLS " FROM audit ORDER BY seq"
+                                                : "SELECT " COLS_OLD " FROM audit ORDER BY seq",
+                           -1, &st, NULL) != SQLITE_OK)
+        goto dberr;
     char expect_prev[65] = "";
     int64_t expect_seq = 1;
     int r, broken = 0;
@@ -693,17 +1109,36 @@ int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) 
             broken = 1;
             break;
         }
+        if (!rec.source[0] && (rec.source_seq || rec.source_hash[0] || rec.received)) {
+            /* the hash covers provenance only with a source */
+            snprintf(out->what, sizeof out->what,
+                     "record %lld was edited: it has provenance (source_seq, source_hash or received) but no source",
+                     (long long)rec.seq);
+            out->bad_seq = rec.seq;
+            broken = 1;
+            break;
+        }
+        if (rec.source[0] && (broken = s_check_source(&m, &rec, out)) != 0) {
+            if (broken < 0) oom = 1;
+            break;
+        }
         snprintf(expect_prev, sizeof expect_prev, "%s", rec.hash);
         expect_seq++;
     }
-    if (!broken && r != SQLITE_DONE) {
-        snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
-        sqlite3_finalize(st);
-        return -1;
-    }
+    if (oom || (!broken && r != SQLITE_DONE)) goto dberr;
     sqlite3_finalize(st);
+    st = NULL;
+    if (!broken && self->sources && (broken = s_check_heads(self, &m, out, &oom)) < 0) goto dberr;
+    s_srcs_free(&m);
+    sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL); /* read only: ends the snapshot */
     snprintf(out->head, sizeof out->head, "%s", expect_prev);
     return broken;
+dberr:
+    snprintf(err, cap, "audit log: %s", oom ? "out of memory" : sqlite3_errmsg(self->db));
+    sqlite3_finalize(st);
+    s_srcs_free(&m);
+    sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL);
+    return -1;
 }
 
 int fi_audit_point_parse(const char *spec, fi_audit_point *p) {

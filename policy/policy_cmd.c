@@ -920,14 +920,25 @@ int fi_cmd_policy(int argc, char **argv) {
 
 /* -------------------------------------------------------------------- audit */
 
-int fi_audit_print_row(const fi_audit_record *r, void *arg) {
-    (void)arg;
+/* A Unix time in ms as "YYYY-MM-DDTHH:MM:SS.mmmZ" in buf. */
+static void s_fmt_utc_ms(int64_t ms, char *buf, size_t cap) {
     char t[32];
-    fi_fmt_utc(r->time / 1000, t, sizeof t);
+    fi_fmt_utc(ms / 1000, t, sizeof t);
     size_t tl = strlen(t);
     if (tl && t[tl - 1] == 'Z') t[tl - 1] = '\0'; /* the fraction goes before the Z */
-    printf("%-6lld %s.%03lldZ %-14s %-16s %-20s %-8s %-16s %s\n", (long long)r->seq, t, (long long)(r->time % 1000),
-           r->request_id, r->origin, r->labels, r->decision, r->target[0] ? r->target : "-", r->rules);
+    snprintf(buf, cap, "%s.%03lldZ", t, (long long)(ms % 1000));
+}
+
+int fi_audit_print_row(const fi_audit_record *r, void *arg) {
+    (void)arg;
+    char t[48];
+    s_fmt_utc_ms(r->time, t, sizeof t);
+    printf("%-6lld %s %-14s %-16s %-20s %-8s %-16s %s\n", (long long)r->seq, t, r->request_id, r->origin, r->labels,
+           r->decision, r->target[0] ? r->target : "-", r->rules);
+    if (r->source && r->source[0]) { /* taken from another log: which, where in it, and when */
+        s_fmt_utc_ms(r->received, t, sizeof t);
+        printf("       from %s #%lld %s received %s\n", r->source, (long long)r->source_seq, r->source_hash, t);
+    }
     return 0;
 }
 

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -493,6 +494,422 @@ static void test_log_decision(void **state) {
     fi_policy_destroy(&p);
 }
 
+
+/* --- provenance ----------------------------------------------------------- */
+
+/* n records of a source's own log from seq first on, chained to prev ("":
+ * genesis), as the source computes them. */
+static void s_src_records(fi_audit_record *r, int64_t first, size_t n, const char *prev, const char *site) {
+    for (size_t i = 0; i < n; i++) {
+        memset(&r[i], 0, sizeof r[i]);
+        r[i].seq = first + (int64_t)i;
+        r[i].time = 1800000000000LL + r[i].seq;
+        r[i].request_id = "q";
+        r[i].origin = site;
+        r[i].labels = "public";
+        r[i].latency_ms = -1;
+        r[i].prompt_tokens = -1;
+        r[i].decision = "permit";
+        r[i].target = site;
+        fi_audit_chain_hash(i ? r[i - 1].hash : prev, &r[i], r[i].hash);
+    }
+}
+
+/* A record as read back, its strings copied. */
+typedef struct s_got {
+    int64_t seq, source_seq, received;
+    char source[64], source_hash[65], hash[65];
+} s_got;
+
+typedef struct s_gots {
+    int n;
+    s_got v[16];
+} s_gots;
+
+static int s_get(const fi_audit_record *r, void *arg) {
+    s_gots *g = arg;
+    if (g->n < 16) {
+        s_got *x = &g->v[g->n++];
+        x->seq = r->seq;
+        x->source_seq = r->source_seq;
+        x->received = r->received;
+        snprintf(x->source, sizeof x->source, "%s", r->source);
+        snprintf(x->source_hash, sizeof x->source_hash, "%s", r->source_hash);
+        snprintf(x->hash, sizeof x->hash, "%s", r->hash);
+    }
+    return 0;
+}
+
+static void s_ingest(fi_audit *a, const char *source, const fi_audit_record *r, size_t n, size_t want_taken) {
+    char err[300];
+    size_t taken = 99;
+    if (fi_audit_ingest(a, source, "s1", r, n, &taken, err, sizeof err) != 0) fail_msg("ingest %s: %s", source, err);
+    assert_int_equal(taken, want_taken);
+}
+
+static int64_t s_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* (a) An ingested record keeps where it came from: the source, its number
+ * and hash in the source's log, and when it was taken; provenance the
+ * records themselves carry is not believed. The log's own records have
+ * none. */
+static void test_ingest_keeps_provenance(void **state) {
+    fx *f = *state;
+    char err[300];
+    s_fill(f, 1); /* one record of the log's own */
+    fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_record r[3];
+    s_src_records(r, 1, 3, "", "s1");
+    for (int i = 0; i < 3; i++) { /* what an uploader might claim */
+        r[i].source = "someone-else";
+        r[i].source_seq = 42;
+        snprintf(r[i].source_hash, sizeof r[i].source_hash, "%064d", 7);
+        r[i].received = 5;
+    }
+    int64_t t0 = s_now_ms();
+    s_ingest(a, "edge-a", r, 3, 3);
+    int64_t t1 = s_now_ms();
+    s_gots g = {0};
+    assert_int_equal(fi_audit_query(a, NULL, s_get, &g, err, sizeof err), 0);
+    assert_int_equal(g.n, 4);
+    assert_string_equal(g.v[0].source, "");
+    assert_true(g.v[0].source_seq == 0 && g.v[0].received == 0 && g.v[0].source_hash[0] == 0);
+    for (int i = 0; i < 3; i++) {
+        const s_got *x = &g.v[i + 1];
+        assert_true(x->seq == i + 2);
+        assert_string_equal(x->source, "edge-a");
+        assert_true(x->source_seq == i + 1);
+        assert_string_equal(x->source_hash, r[i].hash);
+        assert_string_not_equal(x->hash, r[i].hash); /* the log's own chain */
+        assert_true(x->received >= t0 && x->received <= t1);
+    }
+    fi_audit_check ck;
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
+    assert_true(ck.records == 4);
+    fi_audit_destroy(&a);
+}
+
+/* (b) Provenance edited in the file, or stripped, breaks the record's
+ * hash; verify names the record. */
+static void test_provenance_edit_detected(void **state) {
+    static const struct {
+        const char *sql;
+        int64_t bad;
+    } e[] = {
+        {"UPDATE audit SET source_hash = (SELECT source_hash FROM audit WHERE seq = 2) WHERE seq = 3", 3},
+        {"UPDATE audit SET source = 'edge-b' WHERE seq = 2", 2},
+        {"UPDATE audit SET source_seq = 7 WHERE seq = 4", 4},
+        {"UPDATE audit SET received = received + 1 WHERE seq = 2", 2},
+        {"UPDATE audit SET source = '', source_seq = 0, source_hash = '', received = 0 WHERE seq = 3", 3},
+        {"UPDATE audit SET source = '' WHERE seq = 3", 3},
+    };
+    fx *f = *state;
+    char err[300];
+    fi_audit_record r[4];
+    s_src_records(r, 1, 4, "", "s1");
+    for (size_t i = 0; i < sizeof e / sizeof e[0]; i++) {
+        s_teardown_files(f);
+        fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+        assert_non_null(a);
+        s_ingest(a, "edge-a", r, 4, 4);
+        fi_audit_destroy(&a);
+        assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+        assert_int_equal(s_sql(f, e[i].sql), SQLITE_OK);
+        fi_audit_check ck;
+        assert_int_equal(s_verify(f, &ck), 1);
+        printf("%s\n  -> %s\n", e[i].sql, ck.what);
+        assert_true(ck.bad_seq == e[i].bad);
+        char want[32];
+        snprintf(want, sizeof want, "record %lld ", (long long)e[i].bad);
+        assert_non_null(strstr(ck.what, want));
+    }
+}
+
+/* A record whose log hash was written over a wrong source chain (the log's
+ * own chain intact: fi_audit_append takes provenance as given) is caught
+ * by the per-source check: a source hash that is not the source's, a run
+ * that skips a record, one that starts in the middle. */
+static void test_source_run_checked(void **state) {
+    fx *f = *state;
+    char err[300];
+    fi_audit_record r[4];
+    s_src_records(r, 1, 4, "", "s1");
+    for (int variant = 0; variant < 3; variant++) {
+        s_teardown_files(f);
+        fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+        assert_non_null(a);
+        for (int i = 0; i < 4; i++) {
+            if (variant == 1 && i == 2) continue; /* its record 3 left out */
+            if (variant == 2 && i == 0) continue; /* its record 1 left out */
+            fi_audit_record c = r[i];
+            c.source = "edge-a";
+            c.source_seq = r[i].seq;
+            memcpy(c.source_hash, r[i].hash, sizeof c.source_hash);
+            if (variant == 0 && i == 2) memcpy(c.source_hash, r[1].hash, sizeof c.source_hash);
+            c.received = 1;
+            assert_int_equal(fi_audit_append(a, &c, err, sizeof err), 0);
+        }
+        fi_audit_check ck;
+        assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 1);
+        printf("variant %d: %s\n", variant, ck.what);
+        assert_non_null(strstr(ck.what, "source edge-a"));
+        static const char *const want[] = {"record 3 (source edge-a, its record 3) does not match its source hash",
+                                           "record 3 (source edge-a, its record 4) does not follow the source's record 2",
+                                           "record 1 (source edge-a) starts the source's run at its record 2"};
+        assert_non_null(strstr(ck.what, want[variant]));
+        fi_audit_destroy(&a);
+    }
+}
+
+/* (c) The head held per source must be its last record here: records cut
+ * off the end of the log leave their source's head pointing past its run;
+ * an edited or removed head is found too. Cutting the end together with
+ * the heads is still not found without a checkpoint kept elsewhere. */
+static void test_heads_checked(void **state) {
+    static const struct {
+        const char *sql, *what;
+    } e[] = {
+        {"DELETE FROM audit WHERE seq = 7",
+         "source edge-b's head is its record 2, but its last record here is its record 1: records cut from the end "
+         "of its run"},
+        {"DELETE FROM audit WHERE seq >= 6",
+         "source edge-b's head (its record 2) matches no record of it here: records cut from the end of its run"},
+        {"UPDATE audit_sources SET seq = 6 WHERE source = 'edge-a'",
+         "source edge-a's head is its record 6, but its last record here is its record 5"},
+        {"UPDATE audit_sources SET hash = (SELECT source_hash FROM audit WHERE seq = 4) WHERE source = 'edge-a'",
+         "source edge-a's head (its record 5) does not match its last record here (its record 5)"},
+        {"DELETE FROM audit_sources WHERE source = 'edge-a'",
+         "source edge-a has records here (the last its record 5) but no head in audit_sources"},
+    };
+    fx *f = *state;
+    char err[300];
+    fi_audit_record ra[5], rb[2];
+    s_src_records(ra, 1, 5, "", "s1");
+    s_src_records(rb, 1, 2, "", "s1");
+    for (size_t i = 0; i <= sizeof e / sizeof e[0]; i++) {
+        s_teardown_files(f);
+        fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+        assert_non_null(a);
+        s_ingest(a, "edge-a", ra, 5, 5); /* log records 1..5 */
+        s_ingest(a, "edge-b", rb, 2, 2); /* 6..7 */
+        fi_audit_destroy(&a);
+        fi_audit_check ck;
+        assert_int_equal(s_verify(f, &ck), 0);
+        assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+        if (i == sizeof e / sizeof e[0]) {
+            /* the end cut and its source's head moved back with it: a
+             * shorter, consistent log (a checkpoint kept elsewhere finds it) */
+            assert_int_equal(s_sql(f, "DELETE FROM audit WHERE seq = 7;"
+                                      "UPDATE audit_sources SET seq = 1, hash = (SELECT source_hash FROM audit"
+                                      " WHERE seq = 6) WHERE source = 'edge-b'"),
+                             SQLITE_OK);
+            assert_int_equal(s_verify(f, &ck), 0);
+            assert_true(ck.records == 6);
+            break;
+        }
+        assert_int_equal(s_sql(f, e[i].sql), SQLITE_OK);
+        assert_int_equal(s_verify(f, &ck), 1);
+        printf("%s\n  -> %s\n", e[i].sql, ck.what);
+        if (!strstr(ck.what, e[i].what)) fail_msg("got: %s\nwant: %s", ck.what, e[i].what);
+    }
+}
+
+/* The schema of a log made before provenance, as policy_audit.c wrote it. */
+static const char *OLD_SCHEMA =
+    "PRAGMA journal_mode=WAL;"
+    "CREATE TABLE audit(seq INTEGER PRIMARY KEY, time INTEGER NOT NULL,"
+    " request_id TEXT NOT NULL, tenant TEXT NOT NULL, application TEXT NOT NULL,"
+    " origin TEXT NOT NULL, labels TEXT NOT NULL, model TEXT NOT NULL,"
+    " latency_ms INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL,"
+    " decision TEXT NOT NULL, target TEXT NOT NULL, rules TEXT NOT NULL, policy_digest TEXT NOT NULL,"
+    " prev_hash TEXT NOT NULL, hash TEXT NOT NULL);"
+    "CREATE INDEX audit_time ON audit(time);"
+    "CREATE TRIGGER audit_no_update BEFORE UPDATE ON audit"
+    " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;"
+    "CREATE TRIGGER audit_no_delete BEFORE DELETE ON audit"
+    " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;"
+    "CREATE TABLE audit_sources(source TEXT PRIMARY KEY, seq INTEGER NOT NULL, hash TEXT NOT NULL);";
+
+/* An old coordinator's log, written with raw SQL and the old chain rule:
+ * one record of its own, then edge-a's records 1..3 (without provenance)
+ * and edge-a's head 3. */
+static void s_old_log(const fx *f, const fi_audit_record *ra) {
+    sqlite3 *db;
+    assert_int_equal(sqlite3_open(f->path, &db), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(db, OLD_SCHEMA, NULL, NULL, NULL), SQLITE_OK);
+    sqlite3_stmt *st;
+    assert_int_equal(sqlite3_prepare_v2(db, "INSERT INTO audit VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", -1, &st,
+                                        NULL),
+                     SQLITE_OK);
+    char prev[65] = "";
+    for (int i = 0; i < 4; i++) {
+        fi_audit_record c;
+        if (i == 0) {
+            memset(&c, 0, sizeof c);
+            c.time = 1700000000000LL;
+            c.request_id = "own";
+            c.origin = c.labels = c.model = c.tenant = c.application = "";
+            c.decision = "deny";
+            c.target = c.rules = c.policy_digest = "";
+            c.latency_ms = c.prompt_tokens = -1;
+        } else {
+            c = ra[i - 1];
+            c.tenant = c.application = c.model = c.rules = c.policy_digest = "";
+        }
+        c.seq = i + 1;
+        fi_audit_chain_hash(prev, &c, c.hash);
+        sqlite3_bind_int64(st, 1, c.seq);
+        sqlite3_bind_int64(st, 2, c.time);
+        const char *t[] = {c.request_id, c.tenant, c.application, c.origin, c.labels, c.model};
+        for (int k = 0; k < 6; k++) sqlite3_bind_text(st, 3 + k, t[k], -1, SQLITE_TRANSIENT);
+        sqlite3_bind_int64(st, 9, c.latency_ms);
+        sqlite3_bind_int64(st, 10, c.prompt_tokens);
+        const char *u[] = {c.decision, c.target, c.rules, c.policy_digest, prev, c.hash};
+        for (int k = 0; k < 6; k++) sqlite3_bind_text(st, 11 + k, u[k], -1, SQLITE_TRANSIENT);
+        assert_int_equal(sqlite3_step(st), SQLITE_DONE);
+        sqlite3_reset(st);
+        memcpy(prev, c.hash, sizeof prev);
+    }
+    sqlite3_finalize(st);
+    char sql[300];
+    snprintf(sql, sizeof sql, "INSERT INTO audit_sources VALUES('edge-a', 3, '%s')", ra[2].hash);
+    assert_int_equal(sqlite3_exec(db, sql, NULL, NULL, NULL), SQLITE_OK);
+    sqlite3_close(db);
+}
+
+/* (d) A log made before provenance verifies read-only without a change to
+ * the file; fi_audit_open adds the columns; it verifies, edge-a goes on
+ * from the head held before (with provenance now), a new source starts,
+ * and it verifies again, also read-only. */
+static void test_old_log_upgraded(void **state) {
+    fx *f = *state;
+    char err[300];
+    fi_audit_record ra[5], rb[2];
+    s_src_records(ra, 1, 5, "", "s1");
+    for (int i = 0; i < 5; i++) ra[i].tenant = ra[i].application = ra[i].model = ra[i].rules = ra[i].policy_digest = "";
+    s_src_records(rb, 1, 2, "", "s1");
+    s_old_log(f, ra);
+    struct stat st0, st1;
+    assert_int_equal(stat(f->path, &st0), 0);
+    fi_audit *a = fi_audit_open_readonly(f->path, err, sizeof err);
+    if (!a) fail_msg("old log, read-only: %s", err);
+    fi_audit_check ck;
+    if (fi_audit_verify(a, &ck, err, sizeof err) != 0) fail_msg("old log, read-only: %s %s", err, ck.what);
+    assert_true(ck.records == 4);
+    s_gots g = {0};
+    assert_int_equal(fi_audit_query(a, NULL, s_get, &g, err, sizeof err), 0);
+    assert_int_equal(g.n, 4);
+    assert_string_equal(g.v[3].source, "");
+    fi_audit_destroy(&a);
+    assert_int_equal(stat(f->path, &st1), 0);
+    assert_true(st0.st_size == st1.st_size && st0.st_mtime == st1.st_mtime);
+    char *got = NULL;
+    assert_int_not_equal(s_first_field(f, "source", &got), 0); /* no column added */
+    free(got);
+
+    a = fi_audit_open(f->path, err, sizeof err);
+    if (!a) fail_msg("old log: %s", err);
+    if (fi_audit_verify(a, &ck, err, sizeof err) != 0) fail_msg("upgraded: %s %s", err, ck.what);
+    assert_true(ck.records == 4);
+    s_ingest(a, "edge-a", ra + 2, 3, 2); /* 3 again, 4 and 5 new */
+    s_ingest(a, "edge-b", rb, 2, 2);
+    if (fi_audit_verify(a, &ck, err, sizeof err) != 0) fail_msg("upgraded, ingested: %s", ck.what);
+    assert_true(ck.records == 8);
+    memset(&g, 0, sizeof g);
+    assert_int_equal(fi_audit_query(a, NULL, s_get, &g, err, sizeof err), 0);
+    assert_string_equal(g.v[3].source, "");
+    assert_string_equal(g.v[4].source, "edge-a");
+    assert_true(g.v[4].source_seq == 4);
+    assert_string_equal(g.v[4].source_hash, ra[3].hash);
+    assert_string_equal(g.v[7].source, "edge-b");
+    fi_audit_destroy(&a);
+    a = fi_audit_open(f->path, err, sizeof err); /* opened again: nothing to add */
+    assert_non_null(a);
+    fi_audit_destroy(&a);
+    a = fi_audit_open_readonly(f->path, err, sizeof err);
+    assert_non_null(a);
+    if (fi_audit_verify(a, &ck, err, sizeof err) != 0) fail_msg("upgraded, read-only: %s", ck.what);
+    assert_true(ck.records == 8);
+    fi_audit_destroy(&a);
+    /* the first record with provenance must still follow the old head */
+    assert_int_equal(s_sql(f, "DROP TRIGGER audit_legacy_no_update;"
+                              "UPDATE audit_sources_legacy SET seq = 2 WHERE source = 'edge-a'"),
+                     SQLITE_OK);
+    assert_int_equal(s_verify(f, &ck), 1);
+    printf("legacy head edited: %s\n", ck.what);
+    assert_true(ck.bad_seq == 5);
+}
+
+static int s_may_adopt(void *user, const char *old_source, const char *origin) {
+    (void)user;
+    return !strcmp(old_source, "edge-a") && !strcmp(origin, "s1");
+}
+
+/* (e) A replaced key goes on with the old key's log: verify follows the
+ * run across the two sources, also when the new key took the head over
+ * with nothing new; a run that claims to go on from a record it is not
+ * linked to is found. */
+static void test_adoption_verified(void **state) {
+    fx *f = *state;
+    char err[300];
+    fi_audit_record r[8];
+    s_src_records(r, 1, 8, "", "s1");
+    fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_set_adopt_check(a, s_may_adopt, NULL);
+    s_ingest(a, "edge-a", r, 3, 3);
+    s_ingest(a, "edge-a2", r + 3, 2, 2); /* takes edge-a's log over at 4 */
+    fi_audit_check ck;
+    if (fi_audit_verify(a, &ck, err, sizeof err) != 0) fail_msg("adopted: %s", ck.what);
+    fi_audit_destroy(&a);
+
+    /* taken over with nothing new (the old key's last batch sent again),
+     * then going on */
+    s_teardown_files(f);
+    a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_set_adopt_check(a, s_may_adopt, NULL);
+    s_ingest(a, "edge-a", r, 5, 5);
+    s_ingest(a, "edge-a2", r + 3, 2, 0);
+    if (fi_audit_verify(a, &ck, err, sizeof err) != 0) fail_msg("adopted, nothing new: %s", ck.what);
+    s_ingest(a, "edge-a2", r + 5, 3, 3);
+    if (fi_audit_verify(a, &ck, err, sizeof err) != 0) fail_msg("adopted, then new: %s", ck.what);
+    assert_true(ck.records == 8);
+    fi_audit_destroy(&a);
+    /* the adopting run's link edited in the file */
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    assert_int_equal(s_sql(f, "UPDATE audit SET source_hash = (SELECT source_hash FROM audit WHERE seq = 5)"
+                              " WHERE seq = 6"),
+                     SQLITE_OK);
+    assert_int_equal(s_verify(f, &ck), 1);
+    assert_true(ck.bad_seq == 6);
+
+    /* a new key whose first record is not linked to the old key's last
+     * (the log's own chain intact: written with fi_audit_append) */
+    s_teardown_files(f);
+    a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    for (int i = 0; i < 5; i++) {
+        fi_audit_record c = r[i];
+        c.source = i < 3 ? "edge-a" : "edge-a2";
+        c.source_seq = r[i].seq;
+        memcpy(c.source_hash, r[i].hash, sizeof c.source_hash);
+        c.received = 1;
+        if (i == 3) fi_audit_chain_hash(r[1].hash, &r[i], c.source_hash); /* linked to 2, not 3 */
+        assert_int_equal(fi_audit_append(a, &c, err, sizeof err), 0);
+    }
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 1);
+    printf("broken adoption: %s\n", ck.what);
+    assert_true(ck.bad_seq == 4);
+    assert_non_null(strstr(ck.what, "record 4 (source edge-a2) starts the source's run at its record 4"));
+    fi_audit_destroy(&a);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_intact, s_setup, s_teardown),
@@ -510,6 +927,12 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_truncation_changes_head, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_query, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_log_decision, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_ingest_keeps_provenance, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_provenance_edit_detected, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_source_run_checked, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_heads_checked, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_old_log_upgraded, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_adoption_verified, s_setup, s_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

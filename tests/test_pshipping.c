@@ -299,6 +299,25 @@ static fi_msg *s_upload(fi_client *edge, const char *id, int64_t first, uint64_t
     return s_call(edge, FI__ENVELOPE__BODY_AUDIT_UPLOAD, &au, FI__ENVELOPE__BODY_ACK);
 }
 
+/* batch with provenance members put into each record, as an uploader
+ * might claim them (malloc'd): the coordinator must not believe them. */
+static char *s_forge_provenance(const char *batch) {
+    static const char add[] = "\"source\":\"forged-src\",\"source_seq\":77,\"received\":5,\"source_hash\":"
+                              "\"0000000000000000000000000000000000000000000000000000000000000000\",";
+    size_t n = strlen(batch), k = 0;
+    char *out = malloc(n * 4 + 1);
+    assert_non_null(out);
+    for (const char *p = batch; *p; p++) {
+        out[k++] = *p;
+        if (*p == '{') {
+            memcpy(out + k, add, sizeof add - 1);
+            k += sizeof add - 1;
+        }
+    }
+    out[k] = '\0';
+    return out;
+}
+
 static void test_ship_and_audit(void **state) {
     fx *f = *state;
     char opfpr[FI_KEYS_FPR_LEN], d1[65];
@@ -388,7 +407,10 @@ static void test_ship_and_audit(void **state) {
     char *b45 = h_audit_batch("berlin-clinic", 4, 2, h3, h5);
     assert_non_null(b13);
     assert_non_null(b45);
-    r = s_upload(edge, "a1-3", 1, 3, b13);
+    /* the first upload claims provenance of its own: taken, and ignored */
+    char *forged = s_forge_provenance(b13);
+    r = s_upload(edge, "a1-3", 1, 3, forged);
+    free(forged);
     assert_int_equal(r->body_case, FI__ENVELOPE__BODY_ACK);
     assert_string_equal(r->ack->ref, "a1-3");
     fi_wire_free(&r);
@@ -437,6 +459,19 @@ static void test_ship_and_audit(void **state) {
         char id[32];
         snprintf(id, sizeof id, "req-%d ", i);
         if (s_count(f->out, id) != 1) fail_msg("%s not exactly once in:\n%s", id, f->out);
+    }
+    {
+        /* each record's provenance: the edge's key, its number there, its
+         * hash there (h5 for its record 5), from the authenticated
+         * connection, never from the batch */
+        char edgefpr[FI_KEYS_FPR_LEN], want[200];
+        fi_keys_fingerprint(f->edge.pub, edgefpr);
+        assert_int_equal(s_count(f->out, edgefpr), 5);
+        snprintf(want, sizeof want, "from %s #5 %s received ", edgefpr, h5);
+        s_has(f, want);
+        snprintf(want, sizeof want, "from %s #1 ", edgefpr);
+        s_has(f, want);
+        if (strstr(f->out, "forged-src") || strstr(f->out, "#77")) fail_msg("uploaded provenance shown:\n%s", f->out);
     }
     assert_int_equal(s_fedctl(f, "audit --request req-4"), 0);
     s_has(f, "req-4");
