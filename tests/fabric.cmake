@@ -44,7 +44,8 @@ if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   target_compile_options(fuzz_wire PRIVATE -fsanitize=fuzzer,address,undefined)
   target_link_options(fuzz_wire PRIVATE -fsanitize=fuzzer,address,undefined)
   pkg_check_modules(FI_FUZZ_PROTOBUFC REQUIRED IMPORTED_TARGET libprotobuf-c)
-  target_link_libraries(fuzz_wire PRIVATE PkgConfig::FI_FUZZ_PROTOBUFC)
+  pkg_check_modules(FI_FUZZ_SODIUM REQUIRED IMPORTED_TARGET libsodium) # fi_wire_free wipes tokens
+  target_link_libraries(fuzz_wire PRIVATE PkgConfig::FI_FUZZ_PROTOBUFC PkgConfig::FI_FUZZ_SODIUM)
   add_test(NAME fuzz_wire
            COMMAND bash -c "rm -rf '${FI_FUZZ_CORPUS}' && mkdir -p '${FI_FUZZ_CORPUS}' && \
 '$<TARGET_FILE:fuzz_wire_seeds>' '${FI_FUZZ_CORPUS}' && \
