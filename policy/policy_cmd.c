@@ -446,6 +446,21 @@ int fi_policy_replay_record(const fi_audit_record *r, void *arg) {
     return 0;
 }
 
+/* Writes the labels of mask (joined by ",", "(no labels)" for none) into
+ * buf. Labels may be 1023 bytes long, so the text may not fit: it is then
+ * cut and ends with "...". cap is at least 4. */
+static void s_label_set_text(const char *const *labels, size_t nl, uint32_t mask, char *buf, size_t cap) {
+    size_t k = 0;
+    buf[0] = 0;
+    if (!mask) {
+        snprintf(buf, cap, "(no labels)");
+        return;
+    }
+    for (size_t l = 0; l < nl && k < cap; l++)
+        if (mask >> l & 1) k += (size_t)snprintf(buf + k, cap - k, "%s%s", k ? "," : "", labels[l]);
+    if (k >= cap) memcpy(buf + cap - 4, "...", 4);
+}
+
 int fi_policy_diff_flows(const fi_policy *op, const char *active_name, const fi_policy *np, const char *new_name) {
     const char *labels[MAXU], *sites[4096], *targets[4096];
     size_t nl = 0, ns = 0, nt = 0;
@@ -478,11 +493,8 @@ int fi_policy_diff_flows(const fi_policy *op, const char *active_name, const fi_
                 fi_flow a = s_flow_by_name(op, labels, m, nl, sites[o], targets[t], wo, sizeof wo);
                 fi_flow b = s_flow_by_name(np, labels, m, nl, sites[o], targets[t], wn, sizeof wn);
                 if (a == b) continue;
-                char ms[512] = "";
-                size_t k = 0;
-                for (size_t l = 0; l < nl; l++)
-                    if (m >> l & 1) k += (size_t)snprintf(ms + k, sizeof ms - k, "%s%s", k ? "," : "", labels[l]);
-                if (!m) snprintf(ms, sizeof ms, "(no labels)");
+                char ms[512];
+                s_label_set_text(labels, nl, m, ms, sizeof ms);
                 const char *kind = b == FI_FLOW_ALLOW || (b == FI_FLOW_MAYBE && a == FI_FLOW_DENY) ? "opens "
                                    : b == FI_FLOW_DENY || (b == FI_FLOW_MAYBE && a == FI_FLOW_ALLOW) ? "closes"
                                                                                                    : "changes";

@@ -285,6 +285,40 @@ static void test_damaged_files_refused(void **state) {
     }
 }
 
+/* Writes text to a file in the scratch directory. */
+static void s_write(fx *f, const char *name, const char *text) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", f->dir, name);
+    FILE *c = fopen(path, "w");
+    assert_non_null(c);
+    fputs(text, c);
+    assert_int_equal(fclose(c), 0);
+}
+
+/* policy diff with three labels of 300 bytes: the label set of a changed
+ * flow no longer fits the 512 bytes kept for it, and is cut with "..."
+ * (before: the offset ran past the buffer and snprintf was given a wrapped
+ * size, a stack overflow found by a review). */
+static void test_diff_long_labels(void **state) {
+    fx *f = *state;
+    char a[301], b[301], c[301], head[1600];
+    memset(a, 'a', 300);
+    memset(b, 'b', 300);
+    memset(c, 'c', 300);
+    a[300] = b[300] = c[300] = 0;
+    snprintf(head, sizeof head, "labels %s, %s, %s;\ndefault_label \"%s\";\njurisdiction J; region r in J; site s in r;\n",
+             a, b, c, a);
+    char text[2000];
+    snprintf(text, sizeof text, "%spermit \"all\";\n", head);
+    s_write(f, "long-old.policy", text);
+    snprintf(text, sizeof text, "%sforbid \"none\";\npermit \"all\";\n", head);
+    s_write(f, "long-new.policy", text);
+    assert_int_equal(s_run(f, "policy diff long-new.policy --active long-old.policy"), 0);
+    s_has(f, "- closes aaaa");
+    s_has(f, "bbbb... from s to s: yes -> no");
+    s_has(f, "0 flow(s) opened, 8 closed");
+}
+
 static void test_bench_runs(void **state) {
     fx *f = *state;
     assert_int_equal(s_run(f, "policy bench '%s/eu-hospital.policy' --iterations 2000", f->ex), 0);
@@ -299,6 +333,7 @@ int main(void) {
         cmocka_unit_test(test_check_test_explain_flows),
         cmocka_unit_test(test_store_bundle_diff_audit),
         cmocka_unit_test(test_damaged_files_refused),
+        cmocka_unit_test(test_diff_long_labels),
         cmocka_unit_test(test_bench_runs),
     };
     return cmocka_run_group_tests(tests, s_setup, s_teardown);
