@@ -737,6 +737,12 @@ int p_check_and_compile(fi_policy *pol, fi_diags *d) {
         s_err(&ck, pol->default_line, pol->default_col, hint, "unknown label \"%s\" in default_label%s%s",
               p_str(pol, pol->default_label), "", "");
     }
+    if (pol->n_labels && pol->default_label == SYM_NONE)
+        p_diag(d, FI_DIAG_WARNING, pol->labels_line, pol->labels_col,
+               "add `default_label \"...\";` naming the label of unlabeled requests (the most restrictive one "
+               "is the safe choice)",
+               "the policy declares labels but no default_label: every request without labels is denied "
+               "(bad request)");
     if (pol->n_rules > FI_POLICY_MAX_RULES) {
         p_diag(d, FI_DIAG_ERROR, 0, 0, "split the policy", "too many rules: %u (at most %d)", pol->n_rules,
                FI_POLICY_MAX_RULES);

@@ -50,10 +50,20 @@ static void s_wild(const fi_policy *pol, uint32_t mask, size_t origin_site, p_re
         }
 }
 
+/* A request without labels under a policy that declares labels but names
+ * no default_label is refused (p_bind), whatever the rules say. */
+static bool s_unlabeled_refused(const fi_policy *pol, uint32_t mask) {
+    return !mask && pol->n_labels && pol->default_label == SYM_NONE;
+}
+
 fi_flow fi_policy_flow(const fi_policy *pol, uint32_t label_mask, size_t origin_site, size_t target, char *why,
                        size_t why_cap) {
     if (why && why_cap) why[0] = 0;
     if (origin_site >= pol->n_sites || target >= pol->n_targets) return FI_FLOW_DENY;
+    if (s_unlabeled_refused(pol, label_mask)) {
+        if (why && why_cap) snprintf(why, why_cap, "no labels and no default_label");
+        return FI_FLOW_DENY;
+    }
     p_req rq;
     s_wild(pol, label_mask, origin_site, &rq);
     p_ctx c = {pol, &rq, (uint32_t)target, NULL, 0};
@@ -122,6 +132,8 @@ void fi_policy_flows_print(const fi_policy *pol, bool all, FILE *out) {
             pol->n_sites, pol->n_targets, nsets, pol->n_labels);
     if (pol->default_label != SYM_NONE)
         fprintf(out, "; no labels means the default label \"%s\"", p_str(pol, pol->default_label));
+    else if (s_unlabeled_refused(pol, 0))
+        fprintf(out, "; no labels is refused: there is no default_label");
     fprintf(out, ")\n");
     fprintf(out, "yes: always permitted; no: never; maybe: depends on tenant, application, model, latency or prompt size\n\n");
     size_t wo = 6, wt = 6;
@@ -242,7 +254,7 @@ void p_analyse(const fi_policy *pol, fi_diags *d) {
     }
     memset(maybe_shadow, 1, R);
     for (uint32_t r = 0; r < R; r++) shadower[r] = -1;
-    for (uint32_t mask = 0; mask < nsets; mask++)
+    for (uint32_t mask = s_unlabeled_refused(pol, 0) ? 1 : 0; mask < nsets; mask++)
         for (uint32_t o = 0; o < pol->n_sites; o++) {
             p_req rq;
             s_wild(pol, mask, o, &rq);

@@ -1036,6 +1036,10 @@ static int s_statement(parser *ps) {
         s_is_kw(ps, "cluster"))
         return s_entity(ps);
     if (s_is_kw(ps, "labels")) {
+        if (!pol->labels_line) {
+            pol->labels_line = ps->t.line;
+            pol->labels_col = ps->t.col;
+        }
         s_next(ps);
         for (;;) {
             unsigned line = ps->t.line, col = ps->t.col;

@@ -18,7 +18,7 @@
 
 #include "fi_policy.h"
 
-static const char *TOPO = "labels public, pii, phi;\n"
+static const char *TOPO = "labels public, pii, phi; default_label \"public\";\n"
                           "jurisdiction EU;\njurisdiction DE in EU;\njurisdiction US;\n"
                           "region de-r in DE;\nregion us-r in US;\n"
                           "site s-de in de-r;\nsite s-us in us-r;\n"
