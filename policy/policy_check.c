@@ -406,6 +406,23 @@ static const char *s_op_text(uint8_t op) {
     return op <= OP_HAS ? t[op] : "?";
 }
 
+/* Warns when node n (==, != or in) compares a place exactly with the
+ * entity sym while other jurisdictions are nested inside it: `within` is
+ * probably meant. left is what the hint puts before `within`. */
+static void s_warn_exact(checker *ck, const p_node *n, uint32_t sym, const char *left) {
+    const fi_policy *pol = ck->pol;
+    int32_t e = s_entity_by_sym(pol, sym, pol->n_ents);
+    bool has_child = false;
+    for (uint32_t i = 0; e >= 0 && i < pol->n_ents; i++)
+        has_child |= pol->ents[i].parent == e && pol->ents[i].kind == EK_JUR;
+    if (!has_child) return;
+    char hint[200];
+    snprintf(hint, sizeof hint, "write `%s within \"%s\"` to include what is nested inside it", left, p_str(pol, sym));
+    p_diag(ck->d, FI_DIAG_WARNING, n->line, n->col, hint,
+           "`%s` compares exactly: it is false for jurisdictions nested inside \"%s\"", s_op_text(n->op),
+           p_str(pol, sym));
+}
+
 static void s_mismatch(checker *ck, const p_node *n, const char *hint, uint8_t ta, uint8_t tb) {
     char msg[200];
     snprintf(msg, sizeof msg, "type mismatch: `%s` cannot compare %s with %s", s_op_text(n->op),
@@ -488,20 +505,7 @@ static uint8_t s_type(checker *ck, uint32_t ni) {
         if (s_is_label_attr(B) && A->op == OP_SET) s_check_label_lits(ck, A);
         /* Exact comparison with a jurisdiction or region that holds others. */
         const p_node *lit = (ka && B->op == OP_STR) ? B : (kb && A->op == OP_STR) ? A : NULL;
-        if (lit && lit->type == VT_LOC) {
-            int32_t e = s_entity_by_sym(pol, lit->lit.sym, pol->n_ents);
-            bool has_child = false;
-            for (uint32_t i = 0; e >= 0 && i < pol->n_ents; i++)
-                has_child |= pol->ents[i].parent == e && pol->ents[i].kind == EK_JUR;
-            if (has_child) {
-                char hint[200];
-                snprintf(hint, sizeof hint, "write `%s within \"%s\"` to include what is nested inside it",
-                         A == lit ? "..." : "target", p_str(pol, lit->lit.sym));
-                p_diag(ck->d, FI_DIAG_WARNING, n->line, n->col, hint,
-                       "`%s` compares exactly: it is false for jurisdictions nested inside \"%s\"",
-                       s_op_text(n->op), p_str(pol, lit->lit.sym));
-            }
-        }
+        if (lit && lit->type == VT_LOC) s_warn_exact(ck, n, lit->lit.sym, A == lit ? "..." : "target");
         return n->type = VT_BOOL;
     }
     case OP_LT:
@@ -542,6 +546,9 @@ static uint8_t s_type(checker *ck, uint32_t ni) {
                 tmp.lit.type = VT_STR;
                 tmp.lit.sym = pol->pool[B->lit.off + i];
                 s_check_entity_lit(ck, &tmp, s_loc_kinds(A));
+                /* each element is compared exactly, as with == */
+                if (tmp.type == VT_LOC)
+                    s_warn_exact(ck, n, tmp.lit.sym, A->scope == SC_TGT ? "target" : "request.origin.site");
             }
         }
         return n->type = VT_BOOL;

@@ -167,6 +167,14 @@ static void test_warnings(void **state) {
     /* exact comparison with a jurisdiction holding others */
     s_expect_warning("permit \"eu\" when target.jurisdiction == \"EU\";\n",
                      "`==` compares exactly: it is false for jurisdictions nested inside \"EU\"");
+    /* and with `in` on a set literal, for each element (before: no
+     * warning, so a forbid on ["US"] missed what is nested in US; found by
+     * a review) */
+    s_expect_warning("permit \"all\";\nforbid \"no eu\" when target.jurisdiction in [\"US\", \"EU\"];\n",
+                     "t.policy:12:21: warning: `in` compares exactly: it is false for jurisdictions nested inside \"EU\"");
+    s_expect_warning("permit \"eu\" when request.origin.jurisdiction in [\"EU\"];\n",
+                     "write `request.origin.site within \"EU\"`");
+    s_expect_clean("permit \"us\" when target.jurisdiction in [\"US\", \"DE\"];\n");
     /* and the same rules written well are clean */
     s_expect_clean("permit \"eu\" when target within \"EU\";\n"
                    "forbid \"gpu\" when target has gpu and target.gpu == \"h200\" and \"phi\" in request.labels;\n"
