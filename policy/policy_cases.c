@@ -160,8 +160,10 @@ static char *s_dup(const char *s) {
     return d;
 }
 
-/* [ "a", "b" ] into a new array; -1 on error. */
-static int s_list(lx *l, char ***out, size_t *n) {
+/* [ "a", "b" ] into a new array; -1 on error. With unique (what the list
+ * is, for the message), an element given twice is an error: such a list
+ * is compared as a set. */
+static int s_list(lx *l, char ***out, size_t *n, const char *unique) {
     *out = NULL;
     *n = 0;
     if (s_expect(l, '[', "'[' to start a list", "lists are written [\"a\", \"b\"]")) return -1;
@@ -177,6 +179,13 @@ static int s_list(lx *l, char ***out, size_t *n) {
             s_err(l, "at most 256 elements", "']'");
             return -1;
         }
+        for (size_t i = 0; unique && i < *n; i++)
+            if (!strcmp(v[i], l->s)) {
+                p_diag(l->d, FI_DIAG_ERROR, l->tl, l->tc, "name each target once",
+                       "\"%s\" is given twice in the %s list", l->s, unique);
+                l->errors++;
+                return -1;
+            }
         if (!(v[(*n)++] = s_dup(l->s))) return -1;
         s_next(l);
         if (!s_accept(l, ',') && l->k != ']') {
@@ -254,7 +263,7 @@ static int s_field(lx *l, s_case *c) {
             if (s_expect(l, '=', "'='", "expect permitted = [\"a\"];")) return -1;
             s_free_list(c->permitted, c->n_permitted);
             c->has_permitted = true;
-            if (s_list(l, &c->permitted, &c->n_permitted)) return -1;
+            if (s_list(l, &c->permitted, &c->n_permitted, "expect permitted")) return -1;
         } else if (!strcmp(what, "chosen")) {
             if (s_expect(l, '=', "'='", "expect chosen = \"t\";")) return -1;
             c->has_chosen = true;
@@ -321,10 +330,10 @@ static int s_field(lx *l, s_case *c) {
     else if (!strcmp(key, "model")) rc = s_set_str(l, &c->model);
     else if (!strcmp(key, "labels")) {
         s_free_list(c->labels, c->req.n_labels);
-        rc = s_list(l, &c->labels, &c->req.n_labels);
+        rc = s_list(l, &c->labels, &c->req.n_labels, NULL);
     } else if (!strcmp(key, "targets")) {
         s_free_list(c->targets, c->n_targets);
-        rc = s_list(l, &c->targets, &c->n_targets);
+        rc = s_list(l, &c->targets, &c->n_targets, "targets");
     } else if (!strcmp(key, "latency_ms") || !strcmp(key, "prompt_tokens")) {
         if (l->k != 'n' || l->num < 0) {
             s_err(l, "a whole number >= 0", "a number");

@@ -244,6 +244,21 @@ static void test_cases_syntax(void **state) {
         assert_true(x->line > 0);
         fi_diags_destroy(&e);
     }
+    /* a permitted (or targets) list is a set: an element given twice is
+     * refused (before: ["berlin", "berlin"] passed where berlin and sf were
+     * permitted, as the counts matched; found by a review) */
+    const char *dups[] = {"case \"x\" { origin = \"s\";\n  expect permitted = [\"berlin\", \"berlin\"]; }",
+                          "case \"x\" { origin = \"s\";\n  targets = [\"a\", \"berlin\", \"berlin\"]; }"};
+    const char *dup_msgs[] = {"c:2:33: error: \"berlin\" is given twice in the expect permitted list",
+                              "c:2:29: error: \"berlin\" is given twice in the targets list"};
+    for (size_t i = 0; i < 2; i++) {
+        fi_diags *e = fi_diags_new();
+        assert_null(fi_cases_parse(dups[i], strlen(dups[i]), e));
+        char line[400] = "";
+        if (fi_diags_count(e)) fi_diag_format(fi_diags_get(e, 0), "c", line, sizeof line);
+        if (!strstr(line, dup_msgs[i])) fail_msg("expected %s, got %s", dup_msgs[i], line);
+        fi_diags_destroy(&e);
+    }
     fi_diags_destroy(&d);
     char err[300];
     char *argv[] = {"origin=s", "labels=a,b", "model=m", "latency_ms=9"};
