@@ -11,6 +11,7 @@
 #include "policy_impl.h"
 
 #define MAX_LIST 256 /* labels or target names in one case */
+#define MAX_CASES_BYTES ((size_t)8 << 20) /* a cases file; a larger one is refused */
 
 typedef struct s_expect_denied {
     char *target;   /* target name */
@@ -407,20 +408,40 @@ fi_cases *fi_cases_load(const char *path, fi_diags *d) {
     }
     char *buf = NULL;
     size_t len = 0, cap = 0;
-    for (;;) {
+    bool nomem = false;
+    /* one byte past the limit tells a file over it from one at it */
+    while (len <= MAX_CASES_BYTES) {
         if (len == cap) {
-            if (cap >= (8u << 20)) break;
             cap = cap ? cap * 2 : 65536;
+            if (cap > MAX_CASES_BYTES + 1) cap = MAX_CASES_BYTES + 1;
             char *n = realloc(buf, cap);
-            if (!n) break;
+            if (!n) {
+                nomem = true;
+                break;
+            }
             buf = n;
         }
         size_t k = fread(buf + len, 1, cap - len, f);
         len += k;
         if (!k) break;
     }
+    int rerr = ferror(f) ? errno : 0;
+    bool failed = ferror(f) != 0;
     fclose(f);
-    fi_cases *cs = fi_cases_parse(buf ? buf : "", len, d);
+    fi_cases *cs = NULL;
+    if (failed)
+        p_diag(d, FI_DIAG_ERROR, 0, 0, NULL, "cannot read cases file %s: %s", path,
+               rerr ? strerror(rerr) : "read error");
+    else if (nomem)
+        p_diag(d, FI_DIAG_ERROR, 0, 0, NULL, "cannot read cases file %s: out of memory", path);
+    else if (len > MAX_CASES_BYTES)
+        p_diag(d, FI_DIAG_ERROR, 0, 0, "split the cases into several files",
+               "cases file %s is larger than the limit of %zu MiB", path, MAX_CASES_BYTES >> 20);
+    else if ((cs = fi_cases_parse(buf ? buf : "", len, d)) && !cs->n) {
+        p_diag(d, FI_DIAG_ERROR, 0, 0, "a cases file holds case \"name\" { ... } blocks",
+               "cases file %s holds no cases", path);
+        fi_cases_destroy(&cs);
+    }
     free(buf);
     return cs;
 }

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -271,12 +272,63 @@ static void test_cases_syntax(void **state) {
     assert_non_null(strstr(err, "origin"));
 }
 
+/* Loads path and expects NULL with an error containing want. */
+static void s_expect_load_error(const char *path, const char *want) {
+    fi_diags *e = fi_diags_new();
+    fi_cases *cs = fi_cases_load(path, e);
+    char line[600] = "";
+    if (fi_diags_count(e)) fi_diag_format(fi_diags_get(e, 0), NULL, line, sizeof line);
+    if (cs || !strstr(line, want)) fail_msg("loading %s: expected an error containing \"%s\", got %s", path, want, line);
+    fi_diags_destroy(&e);
+}
+
+/* A cases file that cannot be read (a directory), one over the 8 MiB limit
+ * or one without cases is an error (before: "0 cases" and exit status 0
+ * for the first and last, the second silently cut at 8 MiB; found by a
+ * review). */
+static void test_cases_load_errors(void **state) {
+    (void)state;
+    char dir[64] = "/tmp/fi_cases_test_XXXXXX", path[128];
+    assert_non_null(mkdtemp(dir));
+    s_expect_load_error(dir, "cannot read cases file");
+    snprintf(path, sizeof path, "%s/empty.cases", dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("# nothing here\n", f);
+    assert_int_equal(fclose(f), 0);
+    s_expect_load_error(path, "holds no cases");
+    /* a valid case, then comments past 8 MiB */
+    f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("case \"x\" { origin = \"s\"; }\n", f);
+    for (int i = 0; i < 8 * 1024; i++) {
+        char line[1024];
+        memset(line, ' ', sizeof line);
+        line[0] = '#';
+        line[sizeof line - 1] = '\n';
+        assert_int_equal(fwrite(line, 1, sizeof line, f), sizeof line);
+    }
+    assert_int_equal(fclose(f), 0);
+    s_expect_load_error(path, "is larger than the limit of 8 MiB");
+    /* under the limit it loads */
+    assert_int_equal(truncate(path, 1 << 20), 0);
+    fi_diags *e = fi_diags_new();
+    fi_cases *cs = fi_cases_load(path, e);
+    assert_non_null(cs);
+    assert_int_equal(fi_cases_count(cs), 1);
+    fi_cases_destroy(&cs);
+    fi_diags_destroy(&e);
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(rmdir(dir), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_empty_and_comments), cmocka_unit_test(test_full_syntax),
         cmocka_unit_test(test_many_errors_reported), cmocka_unit_test(test_depth_limit),
         cmocka_unit_test(test_missing_file), cmocka_unit_test(test_bad_corpus),
         cmocka_unit_test(test_examples_clean), cmocka_unit_test(test_cases_syntax),
+        cmocka_unit_test(test_cases_load_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
