@@ -46,6 +46,7 @@ extern "C" {
 #define FI_POLICY_MAX_LABELS 16     /* declared data labels (flows are 2^labels) */
 #define FI_POLICY_MAX_RULES 4096    /* permit + forbid + prefer rules */
 #define FI_POLICY_MAX_TARGETS 4096  /* sites + clusters */
+#define FI_POLICY_MAX_ATTRS 256     /* distinct attribute names over all targets */
 #define FI_POLICY_MAX_DEPTH 64      /* nesting of parentheses and `not` */
 #define FI_POLICY_MAX_REQ_LABELS 64 /* labels carried by one request */
 #define FI_VERDICT_MAX_RULES 4      /* rule ids kept per verdict (count is exact) */

@@ -225,6 +225,7 @@ typedef struct parser {
     int errors;       /* syntax errors so far */
     int depth;        /* nesting of conditions */
     bool oom;
+    bool halt;        /* a limit was passed: parse no further */
 } parser;
 
 static const char *s_tok_name(tok_kind k) {
@@ -836,6 +837,16 @@ static uint32_t s_name(parser *ps, const char *what, const char *hint) {
 static int s_rule(parser *ps) {
     fi_policy *pol = ps->pol;
     unsigned line = ps->t.line, col = ps->t.col;
+    /* Refused here, before the rest is read: the checks of a rule set of
+     * any size need not be bounded then. */
+    if (pol->n_rules == FI_POLICY_MAX_RULES) {
+        p_diag(ps->d, FI_DIAG_ERROR, line, col, "split the policy",
+               "too many rules: this is rule %d, at most %d are allowed", FI_POLICY_MAX_RULES + 1,
+               FI_POLICY_MAX_RULES);
+        ps->errors++;
+        ps->halt = true;
+        return -1;
+    }
     uint8_t effect = s_is_kw(ps, "permit") ? FI_PERMIT : s_is_kw(ps, "forbid") ? FI_FORBID : FI_PREFER;
     s_next(ps);
     if (ps->t.k != T_STRING || !ps->t.slen)
@@ -1131,7 +1142,7 @@ int p_parse(fi_policy *pol, const char *text, size_t len, fi_diags *d) {
     s_next(&ps);
     while (ps.t.k != T_EOF && !ps.oom) {
         if (s_statement(&ps)) {
-            if (ps.oom || ps.errors >= MAX_DIAGS) break;
+            if (ps.oom || ps.halt || ps.errors >= MAX_DIAGS) break;
             s_recover(&ps);
         }
     }

@@ -248,6 +248,49 @@ static void test_analysis_budget_counts_terms(void **state) {
     }
 }
 
+/* Parses src (owned by the caller) and returns its first diagnostic,
+ * formatted, in line. Returns whether the policy was built. */
+static bool s_first_diag(const char *src, char *line, size_t cap) {
+    fi_diags *d = fi_diags_new();
+    fi_policy *p = fi_policy_parse(src, strlen(src), d);
+    bool built = p != NULL;
+    line[0] = 0;
+    if (fi_diags_count(d)) fi_diag_format(fi_diags_get(d, 0), "t.policy", line, cap);
+    fi_policy_destroy(&p);
+    fi_diags_destroy(&d);
+    return built;
+}
+
+/* Rules past 4,096 are refused while parsing, naming the first rule over,
+ * and attribute names past 256 are refused (before: 160,000 rules went
+ * through an O(R^2) check of duplicate ids first, and attributes had no
+ * limit and O(A^2) checks; found by a review). Attributes of one name on
+ * many targets are fine. */
+static void test_limits_named(void **state) {
+    (void)state;
+    size_t cap = 1 << 20, k = 0;
+    char *src = malloc(cap), line[700];
+    assert_non_null(src);
+    k += (size_t)snprintf(src + k, cap - k, "jurisdiction J; region r in J; site s in r;\n");
+    for (int r = 0; r < 4097; r++) k += (size_t)snprintf(src + k, cap - k, "permit \"r%d\";\n", r);
+    assert_false(s_first_diag(src, line, sizeof line));
+    if (!strstr(line, "t.policy:4098:1: error: too many rules: this is rule 4097, at most 4096"))
+        fail_msg("got %s", line);
+    k = (size_t)snprintf(src, cap, "jurisdiction J; region r in J; site s in r { ");
+    for (int a = 0; a < 257; a++) k += (size_t)snprintf(src + k, cap - k, "a%d = 1; ", a);
+    k += (size_t)snprintf(src + k, cap - k, "}\npermit \"all\";\n");
+    assert_false(s_first_diag(src, line, sizeof line));
+    if (!strstr(line, "error: too many attribute names: \"a256\" is one more than the 256 allowed"))
+        fail_msg("got %s", line);
+    k = (size_t)snprintf(src, cap, "jurisdiction J; region r in J; site s in r;\n");
+    for (int c = 0; c < 1000; c++)
+        k += (size_t)snprintf(src + k, cap - k, "cluster c%d in r { x = %d; y = \"a\"; z = [\"b\"]; }\n", c, c);
+    k += (size_t)snprintf(src + k, cap - k, "permit \"all\" when target has x and target.x > 3;\n");
+    assert_true(s_first_diag(src, line, sizeof line));
+    assert_string_equal(line, "");
+    free(src);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_errors),
@@ -255,6 +298,7 @@ int main(void) {
         cmocka_unit_test(test_errors_block_use),
         cmocka_unit_test(test_hint_suggestions),
         cmocka_unit_test(test_analysis_budget_counts_terms),
+        cmocka_unit_test(test_limits_named),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
