@@ -1017,14 +1017,28 @@ static int s_entity(parser *ps) {
     return 0;
 }
 
-/* Parses "YYYY-MM-DDTHH:MM:SSZ" into Unix seconds; -1 when malformed. */
+/* The number written in the n digits at s; -1 unless they are all digits. */
+static int s_digits(const char *s, int n) {
+    int v = 0;
+    for (int i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    return v;
+}
+
+/* Parses "YYYY-MM-DDTHH:MM:SSZ" into Unix seconds; -1 when malformed:
+ * exactly these characters, digits where the format has them, and a time
+ * that exists (every field survives timegm unchanged: no 02-31, 24:00 or
+ * leap second), from 1970 on. */
 static int64_t s_parse_time(const char *s) {
-    int Y, M, D, h, m, sec;
-    char z;
-    if (strlen(s) != 20 || sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2d%c", &Y, &M, &D, &h, &m, &sec, &z) != 7 ||
-        z != 'Z')
-        return -1;
-    if (M < 1 || M > 12 || D < 1 || D > 31 || h > 23 || m > 59 || sec > 60 || Y < 1970) return -1;
+    static const char shape[] = "dddd-dd-ddTdd:dd:ddZ";
+    if (strlen(s) != sizeof shape - 1) return -1;
+    for (size_t i = 0; i < sizeof shape - 1; i++)
+        if (shape[i] == 'd' ? s[i] < '0' || s[i] > '9' : s[i] != shape[i]) return -1;
+    int Y = s_digits(s, 4), M = s_digits(s + 5, 2), D = s_digits(s + 8, 2);
+    int h = s_digits(s + 11, 2), m = s_digits(s + 14, 2), sec = s_digits(s + 17, 2);
+    if (Y < 1970) return -1;
     struct tm tm = {0};
     tm.tm_year = Y - 1900;
     tm.tm_mon = M - 1;
@@ -1035,8 +1049,10 @@ static int64_t s_parse_time(const char *s) {
     time_t t = timegm(&tm);
     if (t == (time_t)-1) return -1;
     struct tm back;
-    gmtime_r(&t, &back);
-    if (back.tm_mday != D) return -1; /* 2026-02-31 and the like */
+    if (!gmtime_r(&t, &back)) return -1;
+    if (back.tm_year != Y - 1900 || back.tm_mon != M - 1 || back.tm_mday != D || back.tm_hour != h ||
+        back.tm_min != m || back.tm_sec != sec)
+        return -1;
     return (int64_t)t;
 }
 

@@ -272,6 +272,42 @@ static void test_cases_syntax(void **state) {
     assert_non_null(strstr(err, "origin"));
 }
 
+/* expires takes exactly "YYYY-MM-DDTHH:MM:SSZ" with digits where the
+ * format has them and a time that exists; the error names the string's
+ * line:col (before: sscanf's %2d took "-1", "+1" and " 5", so
+ * "2030-01-01T05:-1:00Z" was 04:59; found by a review). */
+static void test_expires_strict(void **state) {
+    (void)state;
+    const char *bad[] = {"2030-01-01T05:-1:00Z", "2030-01-01T05:00:-1Z", "2030-+1-01T00:00:00Z",
+                         "2030-01-01T 5:00:00Z", "2030-01-01T23:59:60Z", "2030-02-29T00:00:00Z",
+                         "2030-01-01T24:00:00Z", "2030-13-01T00:00:00Z", "2030-00-10T00:00:00Z",
+                         "1969-12-31T23:59:59Z", "2030-01-01t00:00:00Z", "2030-01-01T00:00:00z",
+                         "+030-01-01T00:00:00Z", "2030-01-00T00:00:00Z"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char src[200], want[120], line[600] = "";
+        snprintf(src, sizeof src, "# the time\n  expires \"%s\";\n", bad[i]);
+        snprintf(want, sizeof want, "t:2:11: error: malformed time \"%s\"", bad[i]);
+        fi_diags *d = fi_diags_new();
+        fi_policy *p = fi_policy_parse(src, strlen(src), d);
+        if (fi_diags_count(d)) fi_diag_format(fi_diags_get(d, 0), "t", line, sizeof line);
+        if (p || !strstr(line, want)) fail_msg("expires \"%s\": expected %s, got %s", bad[i], want, line);
+        fi_diags_destroy(&d);
+    }
+    const char *good[] = {"2030-01-01T05:00:00Z", "2028-02-29T23:59:59Z", "1970-01-01T00:00:01Z"};
+    const int64_t when[] = {1893474000, 1835481599, 1};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        char src[200];
+        snprintf(src, sizeof src, "expires \"%s\";\n", good[i]);
+        fi_diags *d = fi_diags_new();
+        fi_policy *p = fi_policy_parse(src, strlen(src), d);
+        if (!p) fi_diags_print(d, "t", stderr);
+        assert_non_null(p);
+        assert_true(fi_policy_expires(p) == when[i]);
+        fi_policy_destroy(&p);
+        fi_diags_destroy(&d);
+    }
+}
+
 /* Loads path and expects NULL with an error containing want. */
 static void s_expect_load_error(const char *path, const char *want) {
     fi_diags *e = fi_diags_new();
@@ -328,7 +364,7 @@ int main(void) {
         cmocka_unit_test(test_many_errors_reported), cmocka_unit_test(test_depth_limit),
         cmocka_unit_test(test_missing_file), cmocka_unit_test(test_bad_corpus),
         cmocka_unit_test(test_examples_clean), cmocka_unit_test(test_cases_syntax),
-        cmocka_unit_test(test_cases_load_errors),
+        cmocka_unit_test(test_cases_load_errors), cmocka_unit_test(test_expires_strict),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
