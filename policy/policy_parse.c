@@ -1103,9 +1103,10 @@ static int s_statement(parser *ps) {
                    "default_label given twice");
             ps->errors++;
         }
+        /* where the name is, wherever it is written */
+        pol->default_line = ps->t.line;
+        pol->default_col = ps->t.col;
         pol->default_label = s_name(ps, "a label name after default_label", "default_label \"internal\";");
-        pol->default_line = line;
-        pol->default_col = col + 14;
         if (pol->default_label == SYM_NONE) return -1;
         return s_expect(ps, T_SEMI, "after the default label", "default_label \"internal\";");
     }
