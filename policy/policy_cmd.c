@@ -788,6 +788,17 @@ static int s_bundle(int argc, char **argv) {
         fprintf(stderr, "usage: fedctl policy bundle --store DB [--version N] --out FILE [--content]\n");
         return 2;
     }
+    /* a whole number >= 1, all of it: "x" or "2x" is not the latest */
+    unsigned long long vn = 0;
+    if (ver) {
+        char *e = NULL;
+        errno = 0;
+        vn = ver[0] >= '0' && ver[0] <= '9' ? strtoull(ver, &e, 10) : 0;
+        if (!vn || *e || errno) {
+            fprintf(stderr, "fedctl policy bundle: --version wants a whole number >= 1, not '%s'\n", ver);
+            return 2;
+        }
+    }
     char err[400];
     fi_pstore *s = fi_pstore_open(store, err, sizeof err);
     if (!s) {
@@ -797,7 +808,7 @@ static int s_bundle(int argc, char **argv) {
     char *content = NULL, *bundle = NULL;
     size_t clen = 0, blen = 0;
     fi_pstore_version sv;
-    int r = fi_pstore_get(s, ver ? strtoull(ver, NULL, 10) : 0, &sv, &content, &clen, &bundle, &blen, err, sizeof err);
+    int r = fi_pstore_get(s, vn, &sv, &content, &clen, &bundle, &blen, err, sizeof err);
     fi_pstore_destroy(&s);
     if (r) {
         fprintf(stderr, "fedctl policy bundle: %s\n", r > 0 ? "no such version in the store" : err);

@@ -172,6 +172,17 @@ static void test_store_bundle_diff_audit(void **state) {
     assert_int_equal(s_run(f, "policy bundle --store store.db --version 2 --out v2.bundle"), 0);
     assert_int_equal(s_run(f, "policy bundle --store store.db --out v3.bundle"), 0);
     assert_int_equal(s_run(f, "policy bundle --store store.db --version 1 --out v1.bundle"), 0);
+    /* a --version that is not a whole number >= 1 is refused, never taken
+     * for the latest (before: "x" exported version 3 with exit status 0;
+     * found by a review) */
+    const char *bad_versions[] = {"x", "2x", "0", "-1", "", " 2", "99999999999999999999999"};
+    for (size_t i = 0; i < sizeof bad_versions / sizeof bad_versions[0]; i++) {
+        assert_int_equal(s_run(f, "policy bundle --store store.db --version '%s' --out bad.bundle", bad_versions[i]), 2);
+        s_has(f, "--version wants a whole number >= 1");
+        char bpath[400];
+        snprintf(bpath, sizeof bpath, "%s/bad.bundle", f->dir);
+        if (!access(bpath, F_OK)) fail_msg("--version '%s' wrote a bundle", bad_versions[i]);
+    }
     snprintf(cmd, sizeof cmd, "mkdir -p '%s/edge'", f->dir);
     assert_int_equal(system(cmd), 0);
     assert_int_equal(s_run(f, "policy install v2.bundle --dir edge --trust signing.key.pub"), 0);
