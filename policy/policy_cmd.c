@@ -95,13 +95,14 @@ static const char *s_pos(int argc, char **argv, int want, const char *const *wit
     return NULL;
 }
 
-/* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad. */
+/* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad.
+ * Seconds above INT64_MAX / 1000 are bad: callers take milliseconds. */
 int64_t fi_policy_cmd_time(const char *s) {
     int Y, M, D, h = 0, m = 0, sec = 0;
     char *e;
     errno = 0;
     long long x = strtoll(s, &e, 10);
-    if (*s && !*e && !errno && x >= 0) return x; /* Unix seconds */
+    if (*s && !*e && !errno && x >= 0) return x <= FI_POLICY_CMD_TIME_MAX ? x : -1; /* Unix seconds */
     size_t n = strlen(s);
     if (!((n == 20 && sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2dZ", &Y, &M, &D, &h, &m, &sec) == 6) ||
           (n == 10 && sscanf(s, "%4d-%2d-%2d", &Y, &M, &D) == 3)))

@@ -209,6 +209,7 @@ static void test_store_bundle_diff_audit(void **state) {
     s_has(f, "req-pii");
     if (strstr(f->out, "req-phi")) fail_msg("--since let an earlier record through:\n%s", f->out);
     assert_int_equal(s_run(f, "audit --db audit.db --since yesterday"), 2);
+    assert_int_equal(s_run(f, "audit --db audit.db --since 99999999999999999"), 2); /* ms would overflow */
     /* the active version taken from the store: version 3 has version 1's content */
     assert_int_equal(s_run(f, "policy diff new.policy --store store.db"), 0);
     s_has(f, "compared with the active version 3 of store.db");

@@ -434,6 +434,23 @@ static void test_no_default_label_fails_closed(void **state) {
     fi_policy_destroy(&p);
 }
 
+/* Console times: Unix seconds are taken only while their milliseconds
+ * fit in an int64_t (before: `fedctl audit --since 99999999999999999`
+ * overflowed t0 * 1000, undefined behaviour; found by a review). */
+static void test_cmd_time_range(void **state) {
+    (void)state;
+    char s[40];
+    snprintf(s, sizeof s, "%lld", (long long)FI_POLICY_CMD_TIME_MAX);
+    assert_true(fi_policy_cmd_time(s) == INT64_MAX / 1000);
+    snprintf(s, sizeof s, "%lld", (long long)FI_POLICY_CMD_TIME_MAX + 1);
+    assert_true(fi_policy_cmd_time(s) == -1);
+    assert_true(fi_policy_cmd_time("99999999999999999") == -1);
+    assert_true(fi_policy_cmd_time("9223372036854775807") == -1);
+    assert_true(fi_policy_cmd_time("1800000000") == 1800000000);
+    assert_true(fi_policy_cmd_time("2027-01-15") == 1799971200);
+    assert_true(fi_policy_cmd_time("-5") == -1);
+}
+
 static void test_candidates_subset(void **state) {
     (void)state;
     fi_policy *p = s_build("permit \"eu\" when target within \"EU\";\nprefer \"c\" score 3 when target.kind == \"cluster\";\n");
@@ -652,6 +669,7 @@ int main(void) {
         cmocka_unit_test(test_scores),
         cmocka_unit_test(test_bad_requests),
         cmocka_unit_test(test_no_default_label_fails_closed),
+        cmocka_unit_test(test_cmd_time_range),
         cmocka_unit_test(test_candidates_subset),
         cmocka_unit_test(test_fallback),
         cmocka_unit_test(test_expiry),
