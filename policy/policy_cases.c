@@ -189,7 +189,12 @@ static int s_list(lx *l, char ***out, size_t *n, const char *unique) {
             }
         if (!(v[(*n)++] = s_dup(l->s))) return -1;
         s_next(l);
-        if (!s_accept(l, ',') && l->k != ']') {
+        if (s_accept(l, ',')) {
+            if (l->k == ']') { /* no trailing ',' */
+                s_err(l, "drop the ',' before ']'", "a string after ','");
+                return -1;
+            }
+        } else if (l->k != ']') {
             s_err(l, "separate elements with ','", "',' or ']'");
             return -1;
         }

@@ -568,6 +568,8 @@ static int s_literal(parser *ps, p_value *v, const char *context) {
             s_next(ps);
             if (ps->t.k == T_COMMA) {
                 s_next(ps);
+                if (ps->t.k == T_RBRACK) /* the grammar has no trailing ',' */
+                    return s_expected(ps, "a string after ',' in the set", "drop the ',' before ']'");
                 continue;
             }
             if (ps->t.k != T_RBRACK)

@@ -236,7 +236,8 @@ static void test_cases_syntax(void **state) {
     fi_cases_destroy(&cs);
     const char *bad[] = {"case \"x\" { origin = 3; }", "case \"x\" { nope = \"a\"; }",
                          "case \"x\" { labels = [\"a\"; }", "case x { }", "case \"x\" { expect maybe = []; }",
-                         "case \"x\" { labels = [\"a\"]; }"};
+                         "case \"x\" { labels = [\"a\"]; }",
+                         "case \"x\" { origin = \"s\"; labels = [\"a\",]; }"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         fi_diags *e = fi_diags_new();
         assert_null(fi_cases_parse(bad[i], strlen(bad[i]), e));
