@@ -1097,7 +1097,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
         S_AUDIT("deny", "", "bad request");
         free(ids);
         rc = s_error(e, c, 400, "bad_label", "X-Data-Class", hdr_pol,
-                     "a label is not declared by the policy (version %s): %s", d->version,
+                     "the request's labels are refused by the policy (version %s): %s", d->version,
                      d->t[0].why);
         goto done;
     }

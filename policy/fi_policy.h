@@ -46,6 +46,7 @@ extern "C" {
 #define FI_POLICY_MAX_LABELS 16     /* declared data labels (flows are 2^labels) */
 #define FI_POLICY_MAX_RULES 4096    /* permit + forbid + prefer rules */
 #define FI_POLICY_MAX_TARGETS 4096  /* sites + clusters */
+#define FI_POLICY_MAX_ATTRS 256     /* distinct attribute names over all targets */
 #define FI_POLICY_MAX_DEPTH 64      /* nesting of parentheses and `not` */
 #define FI_POLICY_MAX_REQ_LABELS 64 /* labels carried by one request */
 #define FI_VERDICT_MAX_RULES 4      /* rule ids kept per verdict (count is exact) */
@@ -166,16 +167,27 @@ typedef enum fi_cause {
     FI_CAUSE_PERMIT = 0,       /* permitted: rules[] are the matching permits */
     FI_CAUSE_FORBID = 1,       /* denied: rules[] are the matching forbids */
     FI_CAUSE_DEFAULT_DENY = 2, /* denied: no permit matched */
-    FI_CAUSE_BAD_REQUEST = 3,  /* denied: origin or a label unknown to the policy */
+    FI_CAUSE_BAD_REQUEST = 3,  /* denied: origin or a label unknown to the policy, or no labels
+                                  where the policy declares labels but no default_label (fi_bad) */
     FI_CAUSE_FALLBACK = 4,     /* no usable policy: only the origin site */
     FI_CAUSE_UNKNOWN_TARGET = 5 /* fi_policy_decide_names: target not in the policy */
 } fi_cause;
+
+/* What made a request bad (FI_CAUSE_BAD_REQUEST). */
+typedef enum fi_bad {
+    FI_BAD_NONE = 0,            /* not a bad request (or bad target indices) */
+    FI_BAD_ORIGIN = 1,          /* the origin site is not a site of the policy */
+    FI_BAD_LABEL = 2,           /* a label the policy does not declare */
+    FI_BAD_TOO_MANY_LABELS = 3, /* more than FI_POLICY_MAX_REQ_LABELS labels */
+    FI_BAD_NO_LABELS = 4        /* no labels, and the policy declares labels but no default_label */
+} fi_bad;
 
 /* The decision for one candidate target. */
 typedef struct fi_verdict {
     uint32_t target;                      /* target index (fallback: index in the caller's list) */
     bool permitted;                       /* may process the request */
     uint8_t cause;                        /* fi_cause */
+    uint8_t bad;                          /* fi_bad: what was wrong when cause is FI_CAUSE_BAD_REQUEST */
     uint16_t n_rules;                     /* matching rules of the deciding kind (exact) */
     uint16_t rules[FI_VERDICT_MAX_RULES]; /* the first of them, in file order */
     uint8_t rule_errored;                 /* bit i: rules[i] matched because it could not be evaluated */
@@ -187,8 +199,10 @@ typedef struct fi_verdict {
 /* Decides the request for n candidate targets (indices from
  * fi_policy_target_find; targets == NULL means every target, and then n
  * must be fi_policy_target_count()). Writes out[0..n). Never allocates and
- * never fails for bad request data: an unknown origin site or label denies
- * every target with FI_CAUSE_BAD_REQUEST. Returns 0, or -1 when a target
+ * never fails for bad request data: an unknown origin site or label, or a
+ * request without labels when the policy declares labels but names no
+ * default_label, denies every target with FI_CAUSE_BAD_REQUEST (and says
+ * which in the verdicts' bad). Returns 0, or -1 when a target
  * index is out of range, targets is NULL and n is not the target count
  * (out[0..n) are then all denied), or n exceeds FI_POLICY_MAX_TARGETS (out
  * is not written). Does not look at expiry; see fi_policy_current(). */

@@ -18,6 +18,7 @@
 #define FI_POLICY_CMD_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "fi_audit.h"
 
@@ -54,7 +55,13 @@ typedef struct fi_policy_replay {
 } fi_policy_replay;
 int fi_policy_replay_record(const fi_audit_record *r, void *arg);
 
-/* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad. */
+/* The largest time fi_policy_cmd_time takes, in Unix seconds: its value
+ * in milliseconds still fits in an int64_t. */
+#define FI_POLICY_CMD_TIME_MAX (INT64_MAX / 1000)
+
+/* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad,
+ * including seconds above FI_POLICY_CMD_TIME_MAX (whose milliseconds, as
+ * the audit filters use them, would overflow). */
 int64_t fi_policy_cmd_time(const char *s);
 
 /* Shared with the fabric's console verbs: a Unix time as

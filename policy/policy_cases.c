@@ -11,6 +11,7 @@
 #include "policy_impl.h"
 
 #define MAX_LIST 256 /* labels or target names in one case */
+#define MAX_CASES_BYTES ((size_t)8 << 20) /* a cases file; a larger one is refused */
 
 typedef struct s_expect_denied {
     char *target;   /* target name */
@@ -160,8 +161,10 @@ static char *s_dup(const char *s) {
     return d;
 }
 
-/* [ "a", "b" ] into a new array; -1 on error. */
-static int s_list(lx *l, char ***out, size_t *n) {
+/* [ "a", "b" ] into a new array; -1 on error. With unique (what the list
+ * is, for the message), an element given twice is an error: such a list
+ * is compared as a set. */
+static int s_list(lx *l, char ***out, size_t *n, const char *unique) {
     *out = NULL;
     *n = 0;
     if (s_expect(l, '[', "'[' to start a list", "lists are written [\"a\", \"b\"]")) return -1;
@@ -177,9 +180,21 @@ static int s_list(lx *l, char ***out, size_t *n) {
             s_err(l, "at most 256 elements", "']'");
             return -1;
         }
+        for (size_t i = 0; unique && i < *n; i++)
+            if (!strcmp(v[i], l->s)) {
+                p_diag(l->d, FI_DIAG_ERROR, l->tl, l->tc, "name each target once",
+                       "\"%s\" is given twice in the %s list", l->s, unique);
+                l->errors++;
+                return -1;
+            }
         if (!(v[(*n)++] = s_dup(l->s))) return -1;
         s_next(l);
-        if (!s_accept(l, ',') && l->k != ']') {
+        if (s_accept(l, ',')) {
+            if (l->k == ']') { /* no trailing ',' */
+                s_err(l, "drop the ',' before ']'", "a string after ','");
+                return -1;
+            }
+        } else if (l->k != ']') {
             s_err(l, "separate elements with ','", "',' or ']'");
             return -1;
         }
@@ -254,7 +269,7 @@ static int s_field(lx *l, s_case *c) {
             if (s_expect(l, '=', "'='", "expect permitted = [\"a\"];")) return -1;
             s_free_list(c->permitted, c->n_permitted);
             c->has_permitted = true;
-            if (s_list(l, &c->permitted, &c->n_permitted)) return -1;
+            if (s_list(l, &c->permitted, &c->n_permitted, "expect permitted")) return -1;
         } else if (!strcmp(what, "chosen")) {
             if (s_expect(l, '=', "'='", "expect chosen = \"t\";")) return -1;
             c->has_chosen = true;
@@ -321,10 +336,10 @@ static int s_field(lx *l, s_case *c) {
     else if (!strcmp(key, "model")) rc = s_set_str(l, &c->model);
     else if (!strcmp(key, "labels")) {
         s_free_list(c->labels, c->req.n_labels);
-        rc = s_list(l, &c->labels, &c->req.n_labels);
+        rc = s_list(l, &c->labels, &c->req.n_labels, NULL);
     } else if (!strcmp(key, "targets")) {
         s_free_list(c->targets, c->n_targets);
-        rc = s_list(l, &c->targets, &c->n_targets);
+        rc = s_list(l, &c->targets, &c->n_targets, "targets");
     } else if (!strcmp(key, "latency_ms") || !strcmp(key, "prompt_tokens")) {
         if (l->k != 'n' || l->num < 0) {
             s_err(l, "a whole number >= 0", "a number");
@@ -398,20 +413,40 @@ fi_cases *fi_cases_load(const char *path, fi_diags *d) {
     }
     char *buf = NULL;
     size_t len = 0, cap = 0;
-    for (;;) {
+    bool nomem = false;
+    /* one byte past the limit tells a file over it from one at it */
+    while (len <= MAX_CASES_BYTES) {
         if (len == cap) {
-            if (cap >= (8u << 20)) break;
             cap = cap ? cap * 2 : 65536;
+            if (cap > MAX_CASES_BYTES + 1) cap = MAX_CASES_BYTES + 1;
             char *n = realloc(buf, cap);
-            if (!n) break;
+            if (!n) {
+                nomem = true;
+                break;
+            }
             buf = n;
         }
         size_t k = fread(buf + len, 1, cap - len, f);
         len += k;
         if (!k) break;
     }
+    int rerr = ferror(f) ? errno : 0;
+    bool failed = ferror(f) != 0;
     fclose(f);
-    fi_cases *cs = fi_cases_parse(buf ? buf : "", len, d);
+    fi_cases *cs = NULL;
+    if (failed)
+        p_diag(d, FI_DIAG_ERROR, 0, 0, NULL, "cannot read cases file %s: %s", path,
+               rerr ? strerror(rerr) : "read error");
+    else if (nomem)
+        p_diag(d, FI_DIAG_ERROR, 0, 0, NULL, "cannot read cases file %s: out of memory", path);
+    else if (len > MAX_CASES_BYTES)
+        p_diag(d, FI_DIAG_ERROR, 0, 0, "split the cases into several files",
+               "cases file %s is larger than the limit of %zu MiB", path, MAX_CASES_BYTES >> 20);
+    else if ((cs = fi_cases_parse(buf ? buf : "", len, d)) && !cs->n) {
+        p_diag(d, FI_DIAG_ERROR, 0, 0, "a cases file holds case \"name\" { ... } blocks",
+               "cases file %s holds no cases", path);
+        fi_cases_destroy(&cs);
+    }
     free(buf);
     return cs;
 }

@@ -193,6 +193,18 @@ static void s_topology(checker *ck) {
 
 static int s_attributes(checker *ck) {
     fi_policy *pol = ck->pol;
+    /* By symbol: the attribute definition (index in pol->attrs) and the
+     * last assignment seen (an entity's assignments are consecutive), so
+     * that the checks are linear in the number of assignments. */
+    uint32_t ns = pol->n_syms ? pol->n_syms : 1;
+    uint32_t *attr_of = malloc(ns * sizeof *attr_of), *last_as = malloc(ns * sizeof *last_as);
+    if (!attr_of || !last_as) {
+        free(attr_of);
+        free(last_as);
+        return -1;
+    }
+    for (uint32_t i = 0; i < ns; i++) attr_of[i] = last_as[i] = UINT32_MAX;
+    bool too_many = false;
     for (uint32_t k = 0; k < pol->n_assigns; k++) {
         p_assign *as = &pol->assigns[k];
         p_entity *e = &pol->ents[as->ent];
@@ -210,28 +222,41 @@ static int s_attributes(checker *ck) {
                   "attribute \"%s\" on %s \"%s\"", an, p_kind_name(e->kind), p_str(pol, e->name));
             continue;
         }
-        for (uint32_t j = 0; j < k; j++)
-            if (pol->assigns[j].ent == as->ent && pol->assigns[j].name == as->name) {
-                char hint[80];
-                snprintf(hint, sizeof hint, "first set at %u:%u", pol->assigns[j].line, pol->assigns[j].col);
-                s_err(ck, as->line, as->col, hint, "duplicate attribute \"%s\" on \"%s\"%s", an,
-                      p_str(pol, e->name), "");
+        uint32_t j = last_as[as->name];
+        if (j != UINT32_MAX && pol->assigns[j].ent == as->ent) {
+            char hint[80];
+            snprintf(hint, sizeof hint, "first set at %u:%u", pol->assigns[j].line, pol->assigns[j].col);
+            s_err(ck, as->line, as->col, hint, "duplicate attribute \"%s\" on \"%s\"%s", an,
+                  p_str(pol, e->name), "");
+        } else {
+            last_as[as->name] = k;
+        }
+        uint32_t a = attr_of[as->name];
+        if (a == UINT32_MAX) {
+            if (pol->n_attrs == FI_POLICY_MAX_ATTRS) {
+                if (!too_many)
+                    s_err(ck, as->line, as->col, "use fewer attribute names (a set attribute holds many values)",
+                          "too many attribute names: \"%s\" is one more than the %d allowed%s", an,
+                          FI_POLICY_MAX_ATTRS, "");
+                too_many = true;
+                continue;
             }
-        uint32_t a = 0;
-        while (a < pol->n_attrs && pol->attrs[a].name != as->name) a++;
-        if (a == pol->n_attrs) {
             if (pol->n_attrs == pol->cap_attrs) {
                 uint32_t cap = pol->cap_attrs ? pol->cap_attrs * 2 : 8;
                 p_attrdef *n = realloc(pol->attrs, cap * sizeof *n);
-                if (!n) return -1;
+                if (!n) {
+                    free(attr_of);
+                    free(last_as);
+                    return -1;
+                }
                 pol->attrs = n;
                 pol->cap_attrs = cap;
             }
+            a = attr_of[as->name] = pol->n_attrs++;
             pol->attrs[a].name = as->name;
             pol->attrs[a].type = as->val.type;
             pol->attrs[a].line = as->line;
             pol->attrs[a].col = as->col;
-            pol->n_attrs++;
         } else if (pol->attrs[a].type != as->val.type) {
             char hint[160];
             snprintf(hint, sizeof hint, "it was first given %s at %u:%u; an attribute has one type on every target",
@@ -240,12 +265,16 @@ static int s_attributes(checker *ck) {
                   s_type_name(as->val.type), "");
         }
     }
+    free(last_as);
     /* targets and the value table */
     pol->targets = calloc(pol->n_targets ? pol->n_targets : 1, sizeof *pol->targets);
     pol->sites = calloc(pol->n_targets ? pol->n_targets : 1, sizeof *pol->sites);
     pol->tvals = calloc((size_t)(pol->n_targets ? pol->n_targets : 1) * (pol->n_attrs ? pol->n_attrs : 1),
                         sizeof *pol->tvals);
-    if (!pol->targets || !pol->sites || !pol->tvals) return -1;
+    if (!pol->targets || !pol->sites || !pol->tvals) {
+        free(attr_of);
+        return -1;
+    }
     uint32_t t = 0;
     for (uint32_t i = 0; i < pol->n_ents; i++) {
         p_entity *e = &pol->ents[i];
@@ -258,10 +287,11 @@ static int s_attributes(checker *ck) {
         p_assign *as = &pol->assigns[k];
         p_entity *e = &pol->ents[as->ent];
         if (e->target < 0) continue;
-        for (uint32_t a = 0; a < pol->n_attrs; a++)
-            if (pol->attrs[a].name == as->name && pol->attrs[a].type == as->val.type)
-                pol->tvals[(size_t)e->target * pol->n_attrs + a] = as->val;
+        uint32_t a = attr_of[as->name];
+        if (a != UINT32_MAX && pol->attrs[a].type == as->val.type)
+            pol->tvals[(size_t)e->target * pol->n_attrs + a] = as->val;
     }
+    free(attr_of);
     return 0;
 }
 
@@ -406,6 +436,23 @@ static const char *s_op_text(uint8_t op) {
     return op <= OP_HAS ? t[op] : "?";
 }
 
+/* Warns when node n (==, != or in) compares a place exactly with the
+ * entity sym while other jurisdictions are nested inside it: `within` is
+ * probably meant. left is what the hint puts before `within`. */
+static void s_warn_exact(checker *ck, const p_node *n, uint32_t sym, const char *left) {
+    const fi_policy *pol = ck->pol;
+    int32_t e = s_entity_by_sym(pol, sym, pol->n_ents);
+    bool has_child = false;
+    for (uint32_t i = 0; e >= 0 && i < pol->n_ents; i++)
+        has_child |= pol->ents[i].parent == e && pol->ents[i].kind == EK_JUR;
+    if (!has_child) return;
+    char hint[200];
+    snprintf(hint, sizeof hint, "write `%s within \"%s\"` to include what is nested inside it", left, p_str(pol, sym));
+    p_diag(ck->d, FI_DIAG_WARNING, n->line, n->col, hint,
+           "`%s` compares exactly: it is false for jurisdictions nested inside \"%s\"", s_op_text(n->op),
+           p_str(pol, sym));
+}
+
 static void s_mismatch(checker *ck, const p_node *n, const char *hint, uint8_t ta, uint8_t tb) {
     char msg[200];
     snprintf(msg, sizeof msg, "type mismatch: `%s` cannot compare %s with %s", s_op_text(n->op),
@@ -488,20 +535,7 @@ static uint8_t s_type(checker *ck, uint32_t ni) {
         if (s_is_label_attr(B) && A->op == OP_SET) s_check_label_lits(ck, A);
         /* Exact comparison with a jurisdiction or region that holds others. */
         const p_node *lit = (ka && B->op == OP_STR) ? B : (kb && A->op == OP_STR) ? A : NULL;
-        if (lit && lit->type == VT_LOC) {
-            int32_t e = s_entity_by_sym(pol, lit->lit.sym, pol->n_ents);
-            bool has_child = false;
-            for (uint32_t i = 0; e >= 0 && i < pol->n_ents; i++)
-                has_child |= pol->ents[i].parent == e && pol->ents[i].kind == EK_JUR;
-            if (has_child) {
-                char hint[200];
-                snprintf(hint, sizeof hint, "write `%s within \"%s\"` to include what is nested inside it",
-                         A == lit ? "..." : "target", p_str(pol, lit->lit.sym));
-                p_diag(ck->d, FI_DIAG_WARNING, n->line, n->col, hint,
-                       "`%s` compares exactly: it is false for jurisdictions nested inside \"%s\"",
-                       s_op_text(n->op), p_str(pol, lit->lit.sym));
-            }
-        }
+        if (lit && lit->type == VT_LOC) s_warn_exact(ck, n, lit->lit.sym, A == lit ? "..." : "target");
         return n->type = VT_BOOL;
     }
     case OP_LT:
@@ -542,6 +576,9 @@ static uint8_t s_type(checker *ck, uint32_t ni) {
                 tmp.lit.type = VT_STR;
                 tmp.lit.sym = pol->pool[B->lit.off + i];
                 s_check_entity_lit(ck, &tmp, s_loc_kinds(A));
+                /* each element is compared exactly, as with == */
+                if (tmp.type == VT_LOC)
+                    s_warn_exact(ck, n, tmp.lit.sym, A->scope == SC_TGT ? "target" : "request.origin.site");
             }
         }
         return n->type = VT_BOOL;
@@ -737,21 +774,36 @@ int p_check_and_compile(fi_policy *pol, fi_diags *d) {
         s_err(&ck, pol->default_line, pol->default_col, hint, "unknown label \"%s\" in default_label%s%s",
               p_str(pol, pol->default_label), "", "");
     }
+    if (pol->n_labels && pol->default_label == SYM_NONE)
+        p_diag(d, FI_DIAG_WARNING, pol->labels_line, pol->labels_col,
+               "add `default_label \"...\";` naming the label of unlabeled requests (the most restrictive one "
+               "is the safe choice)",
+               "the policy declares labels but no default_label: every request without labels is denied "
+               "(bad request)");
     if (pol->n_rules > FI_POLICY_MAX_RULES) {
         p_diag(d, FI_DIAG_ERROR, 0, 0, "split the policy", "too many rules: %u (at most %d)", pol->n_rules,
                FI_POLICY_MAX_RULES);
         ck.errors++;
     }
+    /* the first rule with each id, by symbol: linear */
+    uint32_t *first_rule = malloc((pol->n_syms ? pol->n_syms : 1) * sizeof *first_rule);
+    if (!first_rule) goto oom;
+    for (uint32_t s = 0; s < pol->n_syms; s++) first_rule[s] = UINT32_MAX;
     for (uint32_t r = 0; r < pol->n_rules; r++) {
         p_rule *ru = &pol->rules[r];
-        for (uint32_t q = 0; q < r; q++)
-            if (pol->rules[q].id == ru->id) {
-                char hint[120];
-                snprintf(hint, sizeof hint, "rule ids are unique; the first is at %u:%u", pol->rules[q].line,
-                         pol->rules[q].col);
-                s_err(&ck, ru->line, ru->col, hint, "duplicate rule id \"%s\"%s%s", p_str(pol, ru->id), "", "");
-                break;
-            }
+        uint32_t q = first_rule[ru->id];
+        if (q == UINT32_MAX) {
+            first_rule[ru->id] = r;
+        } else {
+            char hint[120];
+            snprintf(hint, sizeof hint, "rule ids are unique; the first is at %u:%u", pol->rules[q].line,
+                     pol->rules[q].col);
+            s_err(&ck, ru->line, ru->col, hint, "duplicate rule id \"%s\"%s%s", p_str(pol, ru->id), "", "");
+        }
+    }
+    free(first_rule);
+    for (uint32_t r = 0; r < pol->n_rules; r++) {
+        p_rule *ru = &pol->rules[r];
         if (ru->cond == NODE_NONE) continue;
         uint8_t t = s_type(&ck, ru->cond);
         if (t == VT_BOOL && pol->nodes[ru->cond].op == OP_ATTR) {

@@ -95,13 +95,14 @@ static const char *s_pos(int argc, char **argv, int want, const char *const *wit
     return NULL;
 }
 
-/* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad. */
+/* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad.
+ * Seconds above INT64_MAX / 1000 are bad: callers take milliseconds. */
 int64_t fi_policy_cmd_time(const char *s) {
     int Y, M, D, h = 0, m = 0, sec = 0;
     char *e;
     errno = 0;
     long long x = strtoll(s, &e, 10);
-    if (*s && !*e && !errno && x >= 0) return x; /* Unix seconds */
+    if (*s && !*e && !errno && x >= 0) return x <= FI_POLICY_CMD_TIME_MAX ? x : -1; /* Unix seconds */
     size_t n = strlen(s);
     if (!((n == 20 && sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2dZ", &Y, &M, &D, &h, &m, &sec) == 6) ||
           (n == 10 && sscanf(s, "%4d-%2d-%2d", &Y, &M, &D) == 3)))
@@ -446,6 +447,21 @@ int fi_policy_replay_record(const fi_audit_record *r, void *arg) {
     return 0;
 }
 
+/* Writes the labels of mask (joined by ",", "(no labels)" for none) into
+ * buf. Labels may be 1023 bytes long, so the text may not fit: it is then
+ * cut and ends with "...". cap is at least 4. */
+static void s_label_set_text(const char *const *labels, size_t nl, uint32_t mask, char *buf, size_t cap) {
+    size_t k = 0;
+    buf[0] = 0;
+    if (!mask) {
+        snprintf(buf, cap, "(no labels)");
+        return;
+    }
+    for (size_t l = 0; l < nl && k < cap; l++)
+        if (mask >> l & 1) k += (size_t)snprintf(buf + k, cap - k, "%s%s", k ? "," : "", labels[l]);
+    if (k >= cap) memcpy(buf + cap - 4, "...", 4);
+}
+
 int fi_policy_diff_flows(const fi_policy *op, const char *active_name, const fi_policy *np, const char *new_name) {
     const char *labels[MAXU], *sites[4096], *targets[4096];
     size_t nl = 0, ns = 0, nt = 0;
@@ -478,11 +494,8 @@ int fi_policy_diff_flows(const fi_policy *op, const char *active_name, const fi_
                 fi_flow a = s_flow_by_name(op, labels, m, nl, sites[o], targets[t], wo, sizeof wo);
                 fi_flow b = s_flow_by_name(np, labels, m, nl, sites[o], targets[t], wn, sizeof wn);
                 if (a == b) continue;
-                char ms[512] = "";
-                size_t k = 0;
-                for (size_t l = 0; l < nl; l++)
-                    if (m >> l & 1) k += (size_t)snprintf(ms + k, sizeof ms - k, "%s%s", k ? "," : "", labels[l]);
-                if (!m) snprintf(ms, sizeof ms, "(no labels)");
+                char ms[512];
+                s_label_set_text(labels, nl, m, ms, sizeof ms);
                 const char *kind = b == FI_FLOW_ALLOW || (b == FI_FLOW_MAYBE && a == FI_FLOW_DENY) ? "opens "
                                    : b == FI_FLOW_DENY || (b == FI_FLOW_MAYBE && a == FI_FLOW_ALLOW) ? "closes"
                                                                                                    : "changes";
@@ -776,6 +789,17 @@ static int s_bundle(int argc, char **argv) {
         fprintf(stderr, "usage: fedctl policy bundle --store DB [--version N] --out FILE [--content]\n");
         return 2;
     }
+    /* a whole number >= 1, all of it: "x" or "2x" is not the latest */
+    unsigned long long vn = 0;
+    if (ver) {
+        char *e = NULL;
+        errno = 0;
+        vn = ver[0] >= '0' && ver[0] <= '9' ? strtoull(ver, &e, 10) : 0;
+        if (!vn || *e || errno) {
+            fprintf(stderr, "fedctl policy bundle: --version wants a whole number >= 1, not '%s'\n", ver);
+            return 2;
+        }
+    }
     char err[400];
     fi_pstore *s = fi_pstore_open(store, err, sizeof err);
     if (!s) {
@@ -785,7 +809,7 @@ static int s_bundle(int argc, char **argv) {
     char *content = NULL, *bundle = NULL;
     size_t clen = 0, blen = 0;
     fi_pstore_version sv;
-    int r = fi_pstore_get(s, ver ? strtoull(ver, NULL, 10) : 0, &sv, &content, &clen, &bundle, &blen, err, sizeof err);
+    int r = fi_pstore_get(s, vn, &sv, &content, &clen, &bundle, &blen, err, sizeof err);
     fi_pstore_destroy(&s);
     if (r) {
         fprintf(stderr, "fedctl policy bundle: %s\n", r > 0 ? "no such version in the store" : err);

@@ -292,13 +292,17 @@ static uint32_t s_bind_str(const fi_policy *pol, const char *s) {
     return s ? p_lookup(pol, s) : SYM_NONE;
 }
 
-int p_bind(const fi_policy *pol, const fi_request *r, p_req *out, const char **bad) {
+/* Binds r to out. 0, or -1 with *bad (fi_bad) saying what is wrong. A
+ * request without labels carries the default label; with none named, it
+ * carries no label only when the policy declares none (fail closed: an
+ * empty set would pass every `request.labels <= [...]`). */
+int p_bind(const fi_policy *pol, const fi_request *r, p_req *out, uint8_t *bad) {
     memset(out, 0, sizeof *out);
-    *bad = NULL;
+    *bad = FI_BAD_NONE;
     uint32_t o = r->origin_site ? p_lookup(pol, r->origin_site) : SYM_UNKNOWN;
     int32_t e = o < pol->n_syms ? pol->sym_ent[o] : -1;
     if (e < 0 || pol->ents[e].kind != EK_SITE) {
-        *bad = "origin";
+        *bad = FI_BAD_ORIGIN;
         return -1;
     }
     out->origin = e;
@@ -311,13 +315,13 @@ int p_bind(const fi_policy *pol, const fi_request *r, p_req *out, const char **b
     out->latency = r->latency_ms;
     out->prompt = r->prompt_tokens;
     if (r->n_labels > FI_POLICY_MAX_REQ_LABELS) {
-        *bad = "labels";
+        *bad = FI_BAD_TOO_MANY_LABELS;
         return -1;
     }
     for (size_t i = 0; i < r->n_labels; i++) {
         uint32_t s = r->labels[i] ? p_lookup(pol, r->labels[i]) : SYM_UNKNOWN;
         if (s >= pol->n_syms || pol->sym_label[s] < 0) {
-            *bad = "label";
+            *bad = FI_BAD_LABEL;
             return -1;
         }
         uint32_t j = out->n_labels;
@@ -335,28 +339,32 @@ int p_bind(const fi_policy *pol, const fi_request *r, p_req *out, const char **b
     if (!out->n_labels && pol->default_label != SYM_NONE) {
         out->labels[0] = pol->default_label;
         out->n_labels = 1;
+    } else if (!out->n_labels && pol->n_labels) {
+        *bad = FI_BAD_NO_LABELS;
+        return -1;
     }
     return 0;
 }
 
 /* --------------------------------------------------------------- decisions */
 
-static void s_deny_all(const uint32_t *targets, size_t n, fi_verdict *out, uint8_t cause) {
+static void s_deny_all(const uint32_t *targets, size_t n, fi_verdict *out, uint8_t cause, uint8_t bad) {
     for (size_t i = 0; i < n; i++) {
         memset(&out[i], 0, sizeof out[i]);
         out[i].target = targets ? targets[i] : (uint32_t)i;
         out[i].cause = cause;
+        out[i].bad = bad;
     }
 }
 
 static int s_check_targets(const fi_policy *pol, const uint32_t *targets, size_t n, fi_verdict *out) {
     if (n > FI_POLICY_MAX_TARGETS || (!targets && n != pol->n_targets)) {
-        s_deny_all(NULL, n > FI_POLICY_MAX_TARGETS ? 0 : n, out, FI_CAUSE_BAD_REQUEST);
+        s_deny_all(NULL, n > FI_POLICY_MAX_TARGETS ? 0 : n, out, FI_CAUSE_BAD_REQUEST, FI_BAD_NONE);
         return -1;
     }
     for (size_t i = 0; targets && i < n; i++)
         if (targets[i] >= pol->n_targets) {
-            s_deny_all(NULL, n, out, FI_CAUSE_BAD_REQUEST);
+            s_deny_all(NULL, n, out, FI_CAUSE_BAD_REQUEST, FI_BAD_NONE);
             return -1;
         }
     return 0;
@@ -406,9 +414,9 @@ int fi_policy_decide(const fi_policy *pol, const fi_request *req, const uint32_t
                      fi_verdict *out) {
     if (s_check_targets(pol, targets, n, out)) return -1;
     p_req rq;
-    const char *bad;
+    uint8_t bad;
     if (p_bind(pol, req, &rq, &bad)) {
-        s_deny_all(targets, n, out, FI_CAUSE_BAD_REQUEST);
+        s_deny_all(targets, n, out, FI_CAUSE_BAD_REQUEST, bad);
         return 0;
     }
     const uint32_t w = pol->words;
@@ -475,9 +483,9 @@ int fi_policy_decide_slow(const fi_policy *pol, const fi_request *req, const uin
                           fi_verdict *out) {
     if (s_check_targets(pol, targets, n, out)) return -1;
     p_req rq;
-    const char *bad;
+    uint8_t bad;
     if (p_bind(pol, req, &rq, &bad)) {
-        s_deny_all(targets, n, out, FI_CAUSE_BAD_REQUEST);
+        s_deny_all(targets, n, out, FI_CAUSE_BAD_REQUEST, bad);
         return 0;
     }
     uint64_t fh[MAXW], fe[MAXW], ph[MAXW], pr[MAXW];
@@ -523,6 +531,17 @@ static void s_cat(char *buf, size_t cap, size_t *k, const char *fmt, const char 
     if (*k >= cap) *k = cap - 1;
 }
 
+/* Why a request is bad, for a fi_bad. */
+static const char *s_bad_text(uint8_t bad) {
+    switch (bad) {
+    case FI_BAD_ORIGIN: return "the request's origin site is not a site of the policy";
+    case FI_BAD_LABEL: return "the request names a label the policy does not declare";
+    case FI_BAD_TOO_MANY_LABELS: return "the request has too many labels";
+    case FI_BAD_NO_LABELS: return "the request has no labels and the policy names no default_label";
+    default: return "the request names an origin site or label the policy does not know";
+    }
+}
+
 void fi_verdict_explain(const fi_policy *pol, const fi_verdict *v, const char *name, char *buf, size_t cap) {
     if (!cap) return;
     buf[0] = 0;
@@ -532,10 +551,7 @@ void fi_verdict_explain(const fi_policy *pol, const fi_verdict *v, const char *n
     s_cat(buf, cap, &k, "%s %s: ", v->permitted ? "permitted" : "denied", name);
     switch (v->cause) {
     case FI_CAUSE_DEFAULT_DENY: s_cat(buf, cap, &k, "%sno permit matched (default deny)", "", ""); return;
-    case FI_CAUSE_BAD_REQUEST:
-        s_cat(buf, cap, &k, "%sthe request names an origin site or label the policy does not know (fail closed)",
-              "", "");
-        return;
+    case FI_CAUSE_BAD_REQUEST: s_cat(buf, cap, &k, "%s (fail closed)", s_bad_text(v->bad), ""); return;
     case FI_CAUSE_UNKNOWN_TARGET:
         s_cat(buf, cap, &k, "%sthe target is not in the policy (fail closed)", "", "");
         return;
@@ -573,13 +589,13 @@ void fi_policy_rule_trace(const fi_policy *pol, const fi_request *req, uint32_t 
     if (!cap) return;
     buf[0] = 0;
     p_req rq;
-    const char *bad;
+    uint8_t bad;
     if (rule >= pol->n_rules || target >= pol->n_targets) {
         snprintf(buf, cap, "error: no such rule or target");
         return;
     }
     if (p_bind(pol, req, &rq, &bad)) {
-        snprintf(buf, cap, "error: the request's %s is unknown to the policy", bad);
+        snprintf(buf, cap, "error: %s", s_bad_text(bad));
         return;
     }
     char err[200] = "";

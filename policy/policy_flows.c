@@ -19,12 +19,17 @@
  * a closer look would decide, because it treats two mentions of the same
  * attribute as independent.
  */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "policy_impl.h"
 
-#define ANALYSIS_BUDGET 20000000ull /* rule evaluations the validator may spend */
+/* Work the validator may spend on its analysis, in condition terms
+ * evaluated: label sets x origins x targets x (terms of every condition,
+ * elements of set literals included, + one per rule). At about 150 million
+ * terms a second, the budget is a third of a second at worst. */
+#define ANALYSIS_BUDGET 50000000ull
 
 /* Binds a wild request for a label mask and an origin site number. */
 static void s_wild(const fi_policy *pol, uint32_t mask, size_t origin_site, p_req *rq) {
@@ -45,10 +50,20 @@ static void s_wild(const fi_policy *pol, uint32_t mask, size_t origin_site, p_re
         }
 }
 
+/* A request without labels under a policy that declares labels but names
+ * no default_label is refused (p_bind), whatever the rules say. */
+static bool s_unlabeled_refused(const fi_policy *pol, uint32_t mask) {
+    return !mask && pol->n_labels && pol->default_label == SYM_NONE;
+}
+
 fi_flow fi_policy_flow(const fi_policy *pol, uint32_t label_mask, size_t origin_site, size_t target, char *why,
                        size_t why_cap) {
     if (why && why_cap) why[0] = 0;
     if (origin_site >= pol->n_sites || target >= pol->n_targets) return FI_FLOW_DENY;
+    if (s_unlabeled_refused(pol, label_mask)) {
+        if (why && why_cap) snprintf(why, why_cap, "no labels and no default_label");
+        return FI_FLOW_DENY;
+    }
     p_req rq;
     s_wild(pol, label_mask, origin_site, &rq);
     p_ctx c = {pol, &rq, (uint32_t)target, NULL, 0};
@@ -117,6 +132,8 @@ void fi_policy_flows_print(const fi_policy *pol, bool all, FILE *out) {
             pol->n_sites, pol->n_targets, nsets, pol->n_labels);
     if (pol->default_label != SYM_NONE)
         fprintf(out, "; no labels means the default label \"%s\"", p_str(pol, pol->default_label));
+    else if (s_unlabeled_refused(pol, 0))
+        fprintf(out, "; no labels is refused: there is no default_label");
     fprintf(out, ")\n");
     fprintf(out, "yes: always permitted; no: never; maybe: depends on tenant, application, model, latency or prompt size\n\n");
     size_t wo = 6, wt = 6;
@@ -196,9 +213,23 @@ void fi_policy_flows_print(const fi_policy *pol, bool all, FILE *out) {
 
 /* ------------------------------------------------------------- validation */
 
+/* The analysis's cost in condition terms evaluated (see ANALYSIS_BUDGET),
+ * saturating at ULLONG_MAX: a rule's evaluation walks its condition, so a
+ * few rules of thousands of terms cost as much as thousands of rules. */
+static unsigned long long s_analysis_cost(const fi_policy *pol) {
+    unsigned long long terms = pol->n_rules, cost = 1ull << pol->n_labels;
+    for (uint32_t i = 0; i < pol->n_nodes; i++)
+        terms += 1ull + (pol->nodes[i].op == OP_SET ? pol->nodes[i].lit.n : 0);
+    if (__builtin_mul_overflow(cost, (unsigned long long)pol->n_sites, &cost) ||
+        __builtin_mul_overflow(cost, (unsigned long long)pol->n_targets, &cost) ||
+        __builtin_mul_overflow(cost, terms, &cost))
+        return ULLONG_MAX;
+    return cost;
+}
+
 void p_analyse(const fi_policy *pol, fi_diags *d) {
     uint32_t nsets = 1u << pol->n_labels;
-    unsigned long long cost = (unsigned long long)nsets * pol->n_sites * pol->n_targets * (pol->n_rules + 1);
+    unsigned long long cost = s_analysis_cost(pol);
     if (!pol->n_rules) return;
     if (!pol->n_sites || !pol->n_targets) {
         p_diag(d, FI_DIAG_WARNING, 0, 0, "declare at least one site and one target",
@@ -207,7 +238,8 @@ void p_analyse(const fi_policy *pol, fi_diags *d) {
     }
     if (cost > ANALYSIS_BUDGET) {
         p_diag(d, FI_DIAG_WARNING, 0, 0, "use fewer labels or sites to get the full analysis",
-               "rule analysis skipped: %llu evaluations exceed the budget of %llu", cost, ANALYSIS_BUDGET);
+               "rule analysis skipped: %llu condition terms to evaluate exceed the budget of %llu", cost,
+               ANALYSIS_BUDGET);
         return;
     }
     uint32_t R = pol->n_rules, T = pol->n_targets;
@@ -222,7 +254,7 @@ void p_analyse(const fi_policy *pol, fi_diags *d) {
     }
     memset(maybe_shadow, 1, R);
     for (uint32_t r = 0; r < R; r++) shadower[r] = -1;
-    for (uint32_t mask = 0; mask < nsets; mask++)
+    for (uint32_t mask = s_unlabeled_refused(pol, 0) ? 1 : 0; mask < nsets; mask++)
         for (uint32_t o = 0; o < pol->n_sites; o++) {
             p_req rq;
             s_wild(pol, mask, o, &rq);

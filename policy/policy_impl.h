@@ -136,6 +136,8 @@ struct fi_policy {
     uint32_t labels[FI_POLICY_MAX_LABELS]; /* label symbols in declaration order */
     unsigned label_line[FI_POLICY_MAX_LABELS];
     uint32_t n_labels;
+    unsigned labels_line;                  /* the first labels statement; 0: none */
+    unsigned labels_col;
     uint32_t default_label;                /* symbol or SYM_NONE */
     unsigned default_line;
     unsigned default_col;
@@ -224,7 +226,7 @@ const char *p_attr_name(const fi_policy *pol, uint8_t scope, uint32_t attr);
 const char *p_kind_name(uint8_t ek);
 
 /* policy_eval.c */
-int p_bind(const fi_policy *pol, const fi_request *r, p_req *out, const char **bad);
+int p_bind(const fi_policy *pol, const fi_request *r, p_req *out, uint8_t *bad);
 uint8_t p_eval(const p_ctx *c, uint32_t node);
 uint8_t p_eval_rule(const p_ctx *c, const p_rule *r);
 

@@ -225,6 +225,7 @@ typedef struct parser {
     int errors;       /* syntax errors so far */
     int depth;        /* nesting of conditions */
     bool oom;
+    bool halt;        /* a limit was passed: parse no further */
 } parser;
 
 static const char *s_tok_name(tok_kind k) {
@@ -567,6 +568,8 @@ static int s_literal(parser *ps, p_value *v, const char *context) {
             s_next(ps);
             if (ps->t.k == T_COMMA) {
                 s_next(ps);
+                if (ps->t.k == T_RBRACK) /* the grammar has no trailing ',' */
+                    return s_expected(ps, "a string after ',' in the set", "drop the ',' before ']'");
                 continue;
             }
             if (ps->t.k != T_RBRACK)
@@ -836,6 +839,16 @@ static uint32_t s_name(parser *ps, const char *what, const char *hint) {
 static int s_rule(parser *ps) {
     fi_policy *pol = ps->pol;
     unsigned line = ps->t.line, col = ps->t.col;
+    /* Refused here, before the rest is read: the checks of a rule set of
+     * any size need not be bounded then. */
+    if (pol->n_rules == FI_POLICY_MAX_RULES) {
+        p_diag(ps->d, FI_DIAG_ERROR, line, col, "split the policy",
+               "too many rules: this is rule %d, at most %d are allowed", FI_POLICY_MAX_RULES + 1,
+               FI_POLICY_MAX_RULES);
+        ps->errors++;
+        ps->halt = true;
+        return -1;
+    }
     uint8_t effect = s_is_kw(ps, "permit") ? FI_PERMIT : s_is_kw(ps, "forbid") ? FI_FORBID : FI_PREFER;
     s_next(ps);
     if (ps->t.k != T_STRING || !ps->t.slen)
@@ -1006,14 +1019,28 @@ static int s_entity(parser *ps) {
     return 0;
 }
 
-/* Parses "YYYY-MM-DDTHH:MM:SSZ" into Unix seconds; -1 when malformed. */
+/* The number written in the n digits at s; -1 unless they are all digits. */
+static int s_digits(const char *s, int n) {
+    int v = 0;
+    for (int i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    return v;
+}
+
+/* Parses "YYYY-MM-DDTHH:MM:SSZ" into Unix seconds; -1 when malformed:
+ * exactly these characters, digits where the format has them, and a time
+ * that exists (every field survives timegm unchanged: no 02-31, 24:00 or
+ * leap second), from 1970 on. */
 static int64_t s_parse_time(const char *s) {
-    int Y, M, D, h, m, sec;
-    char z;
-    if (strlen(s) != 20 || sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2d%c", &Y, &M, &D, &h, &m, &sec, &z) != 7 ||
-        z != 'Z')
-        return -1;
-    if (M < 1 || M > 12 || D < 1 || D > 31 || h > 23 || m > 59 || sec > 60 || Y < 1970) return -1;
+    static const char shape[] = "dddd-dd-ddTdd:dd:ddZ";
+    if (strlen(s) != sizeof shape - 1) return -1;
+    for (size_t i = 0; i < sizeof shape - 1; i++)
+        if (shape[i] == 'd' ? s[i] < '0' || s[i] > '9' : s[i] != shape[i]) return -1;
+    int Y = s_digits(s, 4), M = s_digits(s + 5, 2), D = s_digits(s + 8, 2);
+    int h = s_digits(s + 11, 2), m = s_digits(s + 14, 2), sec = s_digits(s + 17, 2);
+    if (Y < 1970) return -1;
     struct tm tm = {0};
     tm.tm_year = Y - 1900;
     tm.tm_mon = M - 1;
@@ -1024,8 +1051,10 @@ static int64_t s_parse_time(const char *s) {
     time_t t = timegm(&tm);
     if (t == (time_t)-1) return -1;
     struct tm back;
-    gmtime_r(&t, &back);
-    if (back.tm_mday != D) return -1; /* 2026-02-31 and the like */
+    if (!gmtime_r(&t, &back)) return -1;
+    if (back.tm_year != Y - 1900 || back.tm_mon != M - 1 || back.tm_mday != D || back.tm_hour != h ||
+        back.tm_min != m || back.tm_sec != sec)
+        return -1;
     return (int64_t)t;
 }
 
@@ -1036,6 +1065,10 @@ static int s_statement(parser *ps) {
         s_is_kw(ps, "cluster"))
         return s_entity(ps);
     if (s_is_kw(ps, "labels")) {
+        if (!pol->labels_line) {
+            pol->labels_line = ps->t.line;
+            pol->labels_col = ps->t.col;
+        }
         s_next(ps);
         for (;;) {
             unsigned line = ps->t.line, col = ps->t.col;
@@ -1072,9 +1105,10 @@ static int s_statement(parser *ps) {
                    "default_label given twice");
             ps->errors++;
         }
+        /* where the name is, wherever it is written */
+        pol->default_line = ps->t.line;
+        pol->default_col = ps->t.col;
         pol->default_label = s_name(ps, "a label name after default_label", "default_label \"internal\";");
-        pol->default_line = line;
-        pol->default_col = col + 14;
         if (pol->default_label == SYM_NONE) return -1;
         return s_expect(ps, T_SEMI, "after the default label", "default_label \"internal\";");
     }
@@ -1127,7 +1161,7 @@ int p_parse(fi_policy *pol, const char *text, size_t len, fi_diags *d) {
     s_next(&ps);
     while (ps.t.k != T_EOF && !ps.oom) {
         if (s_statement(&ps)) {
-            if (ps.oom || ps.errors >= MAX_DIAGS) break;
+            if (ps.oom || ps.halt || ps.errors >= MAX_DIAGS) break;
             s_recover(&ps);
         }
     }

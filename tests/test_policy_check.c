@@ -18,7 +18,7 @@
 
 #include "fi_policy.h"
 
-static const char *TOPO = "labels public, pii, phi;\n"
+static const char *TOPO = "labels public, pii, phi; default_label \"public\";\n"
                           "jurisdiction EU;\njurisdiction DE in EU;\njurisdiction US;\n"
                           "region de-r in DE;\nregion us-r in US;\n"
                           "site s-de in de-r;\nsite s-us in us-r;\n"
@@ -167,6 +167,14 @@ static void test_warnings(void **state) {
     /* exact comparison with a jurisdiction holding others */
     s_expect_warning("permit \"eu\" when target.jurisdiction == \"EU\";\n",
                      "`==` compares exactly: it is false for jurisdictions nested inside \"EU\"");
+    /* and with `in` on a set literal, for each element (before: no
+     * warning, so a forbid on ["US"] missed what is nested in US; found by
+     * a review) */
+    s_expect_warning("permit \"all\";\nforbid \"no eu\" when target.jurisdiction in [\"US\", \"EU\"];\n",
+                     "t.policy:12:21: warning: `in` compares exactly: it is false for jurisdictions nested inside \"EU\"");
+    s_expect_warning("permit \"eu\" when request.origin.jurisdiction in [\"EU\"];\n",
+                     "write `request.origin.site within \"EU\"`");
+    s_expect_clean("permit \"us\" when target.jurisdiction in [\"US\", \"DE\"];\n");
     /* and the same rules written well are clean */
     s_expect_clean("permit \"eu\" when target within \"EU\";\n"
                    "forbid \"gpu\" when target has gpu and target.gpu == \"h200\" and \"phi\" in request.labels;\n"
@@ -194,12 +202,103 @@ static void test_hint_suggestions(void **state) {
     s_expect_error("permit \"x\" when target.zzzzzz == \"m\";\n", "target attributes: kind, name, site, region, jurisdiction, cost, gpu");
 }
 
+/* The analysis budget counts the terms of the conditions, not only the
+ * rules: 40 sites and 20 rules of 2,000 terms each are 128 million terms
+ * to evaluate, so the analysis is skipped with a warning (before: the cost
+ * was taken as 40 x 40 x 2 x 21 rule evaluations, under the budget, and a
+ * policy of 234 KB took 20 s of the coordinator's loop to validate; found
+ * by a review). The example policies keep their full analysis. */
+static void test_analysis_budget_counts_terms(void **state) {
+    (void)state;
+    size_t cap = 1 << 20, k = 0;
+    char *src = malloc(cap);
+    assert_non_null(src);
+    k += (size_t)snprintf(src + k, cap - k, "labels a;\ndefault_label a;\njurisdiction J;\nregion r in J;\n");
+    for (int i = 0; i < 40; i++) k += (size_t)snprintf(src + k, cap - k, "site s%d in r;\n", i);
+    for (int r = 0; r < 20; r++) {
+        k += (size_t)snprintf(src + k, cap - k, "permit \"r%d\" when true", r);
+        for (int t = 0; t < 999; t++) k += (size_t)snprintf(src + k, cap - k, " and true");
+        k += (size_t)snprintf(src + k, cap - k, ";\n");
+    }
+    assert_true(k < cap);
+    fi_diags *d = fi_diags_new();
+    fi_policy *p = fi_policy_parse(src, k, d);
+    assert_non_null(p);
+    char text[700] = "";
+    for (size_t i = 0; i < fi_diags_count(d); i++) fi_diag_format(fi_diags_get(d, i), "t.policy", text, sizeof text);
+    if (!strstr(text, "rule analysis skipped: 128000000 condition terms"))
+        fail_msg("expected the analysis to be skipped, got:\n%s", text);
+    fi_policy_destroy(&p);
+    fi_diags_destroy(&d);
+    free(src);
+    /* the examples: analysed in full (no "skipped") */
+    const char *ex[] = {"eu-hospital", "us-bank", "sovereign"};
+    for (size_t i = 0; i < sizeof ex / sizeof ex[0]; i++) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/../examples/policies/%s.policy", FI_TEST_DIR, ex[i]);
+        d = fi_diags_new();
+        p = fi_policy_load(path, d);
+        assert_non_null(p);
+        for (size_t j = 0; j < fi_diags_count(d); j++) {
+            fi_diag_format(fi_diags_get(d, j), path, text, sizeof text);
+            if (strstr(text, "skipped")) fail_msg("%s", text);
+        }
+        fi_policy_destroy(&p);
+        fi_diags_destroy(&d);
+    }
+}
+
+/* Parses src (owned by the caller) and returns its first diagnostic,
+ * formatted, in line. Returns whether the policy was built. */
+static bool s_first_diag(const char *src, char *line, size_t cap) {
+    fi_diags *d = fi_diags_new();
+    fi_policy *p = fi_policy_parse(src, strlen(src), d);
+    bool built = p != NULL;
+    line[0] = 0;
+    if (fi_diags_count(d)) fi_diag_format(fi_diags_get(d, 0), "t.policy", line, cap);
+    fi_policy_destroy(&p);
+    fi_diags_destroy(&d);
+    return built;
+}
+
+/* Rules past 4,096 are refused while parsing, naming the first rule over,
+ * and attribute names past 256 are refused (before: 160,000 rules went
+ * through an O(R^2) check of duplicate ids first, and attributes had no
+ * limit and O(A^2) checks; found by a review). Attributes of one name on
+ * many targets are fine. */
+static void test_limits_named(void **state) {
+    (void)state;
+    size_t cap = 1 << 20, k = 0;
+    char *src = malloc(cap), line[700];
+    assert_non_null(src);
+    k += (size_t)snprintf(src + k, cap - k, "jurisdiction J; region r in J; site s in r;\n");
+    for (int r = 0; r < 4097; r++) k += (size_t)snprintf(src + k, cap - k, "permit \"r%d\";\n", r);
+    assert_false(s_first_diag(src, line, sizeof line));
+    if (!strstr(line, "t.policy:4098:1: error: too many rules: this is rule 4097, at most 4096"))
+        fail_msg("got %s", line);
+    k = (size_t)snprintf(src, cap, "jurisdiction J; region r in J; site s in r { ");
+    for (int a = 0; a < 257; a++) k += (size_t)snprintf(src + k, cap - k, "a%d = 1; ", a);
+    k += (size_t)snprintf(src + k, cap - k, "}\npermit \"all\";\n");
+    assert_false(s_first_diag(src, line, sizeof line));
+    if (!strstr(line, "error: too many attribute names: \"a256\" is one more than the 256 allowed"))
+        fail_msg("got %s", line);
+    k = (size_t)snprintf(src, cap, "jurisdiction J; region r in J; site s in r;\n");
+    for (int c = 0; c < 1000; c++)
+        k += (size_t)snprintf(src + k, cap - k, "cluster c%d in r { x = %d; y = \"a\"; z = [\"b\"]; }\n", c, c);
+    k += (size_t)snprintf(src + k, cap - k, "permit \"all\" when target has x and target.x > 3;\n");
+    assert_true(s_first_diag(src, line, sizeof line));
+    assert_string_equal(line, "");
+    free(src);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_warnings),
         cmocka_unit_test(test_errors_block_use),
         cmocka_unit_test(test_hint_suggestions),
+        cmocka_unit_test(test_analysis_budget_counts_terms),
+        cmocka_unit_test(test_limits_named),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

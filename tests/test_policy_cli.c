@@ -172,6 +172,17 @@ static void test_store_bundle_diff_audit(void **state) {
     assert_int_equal(s_run(f, "policy bundle --store store.db --version 2 --out v2.bundle"), 0);
     assert_int_equal(s_run(f, "policy bundle --store store.db --out v3.bundle"), 0);
     assert_int_equal(s_run(f, "policy bundle --store store.db --version 1 --out v1.bundle"), 0);
+    /* a --version that is not a whole number >= 1 is refused, never taken
+     * for the latest (before: "x" exported version 3 with exit status 0;
+     * found by a review) */
+    const char *bad_versions[] = {"x", "2x", "0", "-1", "", " 2", "99999999999999999999999"};
+    for (size_t i = 0; i < sizeof bad_versions / sizeof bad_versions[0]; i++) {
+        assert_int_equal(s_run(f, "policy bundle --store store.db --version '%s' --out bad.bundle", bad_versions[i]), 2);
+        s_has(f, "--version wants a whole number >= 1");
+        char bpath[400];
+        snprintf(bpath, sizeof bpath, "%s/bad.bundle", f->dir);
+        if (!access(bpath, F_OK)) fail_msg("--version '%s' wrote a bundle", bad_versions[i]);
+    }
     snprintf(cmd, sizeof cmd, "mkdir -p '%s/edge'", f->dir);
     assert_int_equal(system(cmd), 0);
     assert_int_equal(s_run(f, "policy install v2.bundle --dir edge --trust signing.key.pub"), 0);
@@ -198,6 +209,7 @@ static void test_store_bundle_diff_audit(void **state) {
     s_has(f, "req-pii");
     if (strstr(f->out, "req-phi")) fail_msg("--since let an earlier record through:\n%s", f->out);
     assert_int_equal(s_run(f, "audit --db audit.db --since yesterday"), 2);
+    assert_int_equal(s_run(f, "audit --db audit.db --since 99999999999999999"), 2); /* ms would overflow */
     /* the active version taken from the store: version 3 has version 1's content */
     assert_int_equal(s_run(f, "policy diff new.policy --store store.db"), 0);
     s_has(f, "compared with the active version 3 of store.db");
@@ -285,6 +297,40 @@ static void test_damaged_files_refused(void **state) {
     }
 }
 
+/* Writes text to a file in the scratch directory. */
+static void s_write(fx *f, const char *name, const char *text) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", f->dir, name);
+    FILE *c = fopen(path, "w");
+    assert_non_null(c);
+    fputs(text, c);
+    assert_int_equal(fclose(c), 0);
+}
+
+/* policy diff with three labels of 300 bytes: the label set of a changed
+ * flow no longer fits the 512 bytes kept for it, and is cut with "..."
+ * (before: the offset ran past the buffer and snprintf was given a wrapped
+ * size, a stack overflow found by a review). */
+static void test_diff_long_labels(void **state) {
+    fx *f = *state;
+    char a[301], b[301], c[301], head[1600];
+    memset(a, 'a', 300);
+    memset(b, 'b', 300);
+    memset(c, 'c', 300);
+    a[300] = b[300] = c[300] = 0;
+    snprintf(head, sizeof head, "labels %s, %s, %s;\ndefault_label \"%s\";\njurisdiction J; region r in J; site s in r;\n",
+             a, b, c, a);
+    char text[2000];
+    snprintf(text, sizeof text, "%spermit \"all\";\n", head);
+    s_write(f, "long-old.policy", text);
+    snprintf(text, sizeof text, "%sforbid \"none\";\npermit \"all\";\n", head);
+    s_write(f, "long-new.policy", text);
+    assert_int_equal(s_run(f, "policy diff long-new.policy --active long-old.policy"), 0);
+    s_has(f, "- closes aaaa");
+    s_has(f, "bbbb... from s to s: yes -> no");
+    s_has(f, "0 flow(s) opened, 8 closed");
+}
+
 static void test_bench_runs(void **state) {
     fx *f = *state;
     assert_int_equal(s_run(f, "policy bench '%s/eu-hospital.policy' --iterations 2000", f->ex), 0);
@@ -299,6 +345,7 @@ int main(void) {
         cmocka_unit_test(test_check_test_explain_flows),
         cmocka_unit_test(test_store_bundle_diff_audit),
         cmocka_unit_test(test_damaged_files_refused),
+        cmocka_unit_test(test_diff_long_labels),
         cmocka_unit_test(test_bench_runs),
     };
     return cmocka_run_group_tests(tests, s_setup, s_teardown);

@@ -373,6 +373,84 @@ static void test_bad_requests(void **state) {
     fi_policy_destroy(&p);
 }
 
+/* A policy that declares labels but names no default_label: a request
+ * without labels is denied as a bad request, and the validator warns
+ * (before: it carried the empty set, so `request.labels <= ["public"]`
+ * held and it was permitted everywhere; found by a review). A policy
+ * without labels still takes requests without labels. */
+static void test_no_default_label_fails_closed(void **state) {
+    (void)state;
+    const char *text = "labels public, internal, pii, phi;\n"
+                       "jurisdiction EU;\njurisdiction DE in EU;\nregion eu-central in DE;\n"
+                       "site berlin in eu-central;\ncluster fra in eu-central { cost = 3; }\n"
+                       "permit \"public anywhere\" when request.labels <= [\"public\"];\n";
+    fi_diags *d = fi_diags_new();
+    fi_policy *p = fi_policy_parse(text, strlen(text), d);
+    assert_non_null(p);
+    assert_int_equal(fi_diags_warnings(d), 1);
+    char line[512];
+    fi_diag_format(fi_diags_get(d, 0), "t", line, sizeof line);
+    if (!strstr(line, "t:1:1: warning: the policy declares labels but no default_label"))
+        fail_msg("expected the warning, got %s", line);
+    fi_diags_destroy(&d);
+    size_t n = fi_policy_target_count(p);
+    fi_verdict v[4];
+    fi_request r = {"t", NULL, NULL, "berlin", NULL, NULL, 0, -1, -1};
+    assert_int_equal(fi_policy_decide(p, &r, NULL, n, v), 0);
+    for (size_t i = 0; i < n; i++) {
+        assert_false(v[i].permitted);
+        assert_int_equal(v[i].cause, FI_CAUSE_BAD_REQUEST);
+        assert_int_equal(v[i].bad, FI_BAD_NO_LABELS);
+    }
+    fi_verdict_explain(p, &v[0], NULL, line, sizeof line);
+    assert_string_equal(line, "denied berlin: the request has no labels and the policy names no default_label "
+                              "(fail closed)");
+    assert_int_equal(fi_policy_decide_slow(p, &r, NULL, n, v), 0);
+    assert_false(v[0].permitted);
+    assert_int_equal(v[0].cause, FI_CAUSE_BAD_REQUEST);
+    /* the flows say so too */
+    char why[128];
+    assert_int_equal(fi_policy_flow(p, 0, 0, 0, why, sizeof why), FI_FLOW_DENY);
+    assert_string_equal(why, "no labels and no default_label");
+    /* labelled requests are decided as before */
+    const char *pub[] = {"public"};
+    r.labels = pub;
+    r.n_labels = 1;
+    assert_int_equal(fi_policy_decide(p, &r, NULL, n, v), 0);
+    assert_true(v[0].permitted && v[1].permitted);
+    fi_policy_destroy(&p);
+    /* no labels declared: nothing to default to, nothing refused */
+    const char *bare = "jurisdiction EU;\nregion r in EU;\nsite s in r;\npermit \"all\";\n";
+    d = fi_diags_new();
+    p = fi_policy_parse(bare, strlen(bare), d);
+    assert_non_null(p);
+    assert_int_equal(fi_diags_warnings(d), 0);
+    fi_diags_destroy(&d);
+    r.origin_site = "s";
+    r.labels = NULL;
+    r.n_labels = 0;
+    assert_int_equal(fi_policy_decide(p, &r, NULL, 1, v), 0);
+    assert_true(v[0].permitted);
+    fi_policy_destroy(&p);
+}
+
+/* Console times: Unix seconds are taken only while their milliseconds
+ * fit in an int64_t (before: `fedctl audit --since 99999999999999999`
+ * overflowed t0 * 1000, undefined behaviour; found by a review). */
+static void test_cmd_time_range(void **state) {
+    (void)state;
+    char s[40];
+    snprintf(s, sizeof s, "%lld", (long long)FI_POLICY_CMD_TIME_MAX);
+    assert_true(fi_policy_cmd_time(s) == INT64_MAX / 1000);
+    snprintf(s, sizeof s, "%lld", (long long)FI_POLICY_CMD_TIME_MAX + 1);
+    assert_true(fi_policy_cmd_time(s) == -1);
+    assert_true(fi_policy_cmd_time("99999999999999999") == -1);
+    assert_true(fi_policy_cmd_time("9223372036854775807") == -1);
+    assert_true(fi_policy_cmd_time("1800000000") == 1800000000);
+    assert_true(fi_policy_cmd_time("2027-01-15") == 1799971200);
+    assert_true(fi_policy_cmd_time("-5") == -1);
+}
+
 static void test_candidates_subset(void **state) {
     (void)state;
     fi_policy *p = s_build("permit \"eu\" when target within \"EU\";\nprefer \"c\" score 3 when target.kind == \"cluster\";\n");
@@ -590,6 +668,8 @@ int main(void) {
         cmocka_unit_test(test_errors_block_explained),
         cmocka_unit_test(test_scores),
         cmocka_unit_test(test_bad_requests),
+        cmocka_unit_test(test_no_default_label_fails_closed),
+        cmocka_unit_test(test_cmd_time_range),
         cmocka_unit_test(test_candidates_subset),
         cmocka_unit_test(test_fallback),
         cmocka_unit_test(test_expiry),

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -235,13 +236,29 @@ static void test_cases_syntax(void **state) {
     fi_cases_destroy(&cs);
     const char *bad[] = {"case \"x\" { origin = 3; }", "case \"x\" { nope = \"a\"; }",
                          "case \"x\" { labels = [\"a\"; }", "case x { }", "case \"x\" { expect maybe = []; }",
-                         "case \"x\" { labels = [\"a\"]; }"};
+                         "case \"x\" { labels = [\"a\"]; }",
+                         "case \"x\" { origin = \"s\"; labels = [\"a\",]; }"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         fi_diags *e = fi_diags_new();
         assert_null(fi_cases_parse(bad[i], strlen(bad[i]), e));
         const fi_diag *x = fi_diags_get(e, 0);
         assert_non_null(x);
         assert_true(x->line > 0);
+        fi_diags_destroy(&e);
+    }
+    /* a permitted (or targets) list is a set: an element given twice is
+     * refused (before: ["berlin", "berlin"] passed where berlin and sf were
+     * permitted, as the counts matched; found by a review) */
+    const char *dups[] = {"case \"x\" { origin = \"s\";\n  expect permitted = [\"berlin\", \"berlin\"]; }",
+                          "case \"x\" { origin = \"s\";\n  targets = [\"a\", \"berlin\", \"berlin\"]; }"};
+    const char *dup_msgs[] = {"c:2:33: error: \"berlin\" is given twice in the expect permitted list",
+                              "c:2:29: error: \"berlin\" is given twice in the targets list"};
+    for (size_t i = 0; i < 2; i++) {
+        fi_diags *e = fi_diags_new();
+        assert_null(fi_cases_parse(dups[i], strlen(dups[i]), e));
+        char line[400] = "";
+        if (fi_diags_count(e)) fi_diag_format(fi_diags_get(e, 0), "c", line, sizeof line);
+        if (!strstr(line, dup_msgs[i])) fail_msg("expected %s, got %s", dup_msgs[i], line);
         fi_diags_destroy(&e);
     }
     fi_diags_destroy(&d);
@@ -256,12 +273,99 @@ static void test_cases_syntax(void **state) {
     assert_non_null(strstr(err, "origin"));
 }
 
+/* expires takes exactly "YYYY-MM-DDTHH:MM:SSZ" with digits where the
+ * format has them and a time that exists; the error names the string's
+ * line:col (before: sscanf's %2d took "-1", "+1" and " 5", so
+ * "2030-01-01T05:-1:00Z" was 04:59; found by a review). */
+static void test_expires_strict(void **state) {
+    (void)state;
+    const char *bad[] = {"2030-01-01T05:-1:00Z", "2030-01-01T05:00:-1Z", "2030-+1-01T00:00:00Z",
+                         "2030-01-01T 5:00:00Z", "2030-01-01T23:59:60Z", "2030-02-29T00:00:00Z",
+                         "2030-01-01T24:00:00Z", "2030-13-01T00:00:00Z", "2030-00-10T00:00:00Z",
+                         "1969-12-31T23:59:59Z", "2030-01-01t00:00:00Z", "2030-01-01T00:00:00z",
+                         "+030-01-01T00:00:00Z", "2030-01-00T00:00:00Z"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char src[200], want[120], line[600] = "";
+        snprintf(src, sizeof src, "# the time\n  expires \"%s\";\n", bad[i]);
+        snprintf(want, sizeof want, "t:2:11: error: malformed time \"%s\"", bad[i]);
+        fi_diags *d = fi_diags_new();
+        fi_policy *p = fi_policy_parse(src, strlen(src), d);
+        if (fi_diags_count(d)) fi_diag_format(fi_diags_get(d, 0), "t", line, sizeof line);
+        if (p || !strstr(line, want)) fail_msg("expires \"%s\": expected %s, got %s", bad[i], want, line);
+        fi_diags_destroy(&d);
+    }
+    const char *good[] = {"2030-01-01T05:00:00Z", "2028-02-29T23:59:59Z", "1970-01-01T00:00:01Z"};
+    const int64_t when[] = {1893474000, 1835481599, 1};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        char src[200];
+        snprintf(src, sizeof src, "expires \"%s\";\n", good[i]);
+        fi_diags *d = fi_diags_new();
+        fi_policy *p = fi_policy_parse(src, strlen(src), d);
+        if (!p) fi_diags_print(d, "t", stderr);
+        assert_non_null(p);
+        assert_true(fi_policy_expires(p) == when[i]);
+        fi_policy_destroy(&p);
+        fi_diags_destroy(&d);
+    }
+}
+
+/* Loads path and expects NULL with an error containing want. */
+static void s_expect_load_error(const char *path, const char *want) {
+    fi_diags *e = fi_diags_new();
+    fi_cases *cs = fi_cases_load(path, e);
+    char line[600] = "";
+    if (fi_diags_count(e)) fi_diag_format(fi_diags_get(e, 0), NULL, line, sizeof line);
+    if (cs || !strstr(line, want)) fail_msg("loading %s: expected an error containing \"%s\", got %s", path, want, line);
+    fi_diags_destroy(&e);
+}
+
+/* A cases file that cannot be read (a directory), one over the 8 MiB limit
+ * or one without cases is an error (before: "0 cases" and exit status 0
+ * for the first and last, the second silently cut at 8 MiB; found by a
+ * review). */
+static void test_cases_load_errors(void **state) {
+    (void)state;
+    char dir[64] = "/tmp/fi_cases_test_XXXXXX", path[128];
+    assert_non_null(mkdtemp(dir));
+    s_expect_load_error(dir, "cannot read cases file");
+    snprintf(path, sizeof path, "%s/empty.cases", dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("# nothing here\n", f);
+    assert_int_equal(fclose(f), 0);
+    s_expect_load_error(path, "holds no cases");
+    /* a valid case, then comments past 8 MiB */
+    f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("case \"x\" { origin = \"s\"; }\n", f);
+    for (int i = 0; i < 8 * 1024; i++) {
+        char line[1024];
+        memset(line, ' ', sizeof line);
+        line[0] = '#';
+        line[sizeof line - 1] = '\n';
+        assert_int_equal(fwrite(line, 1, sizeof line, f), sizeof line);
+    }
+    assert_int_equal(fclose(f), 0);
+    s_expect_load_error(path, "is larger than the limit of 8 MiB");
+    /* under the limit it loads */
+    assert_int_equal(truncate(path, 1 << 20), 0);
+    fi_diags *e = fi_diags_new();
+    fi_cases *cs = fi_cases_load(path, e);
+    assert_non_null(cs);
+    assert_int_equal(fi_cases_count(cs), 1);
+    fi_cases_destroy(&cs);
+    fi_diags_destroy(&e);
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(rmdir(dir), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_empty_and_comments), cmocka_unit_test(test_full_syntax),
         cmocka_unit_test(test_many_errors_reported), cmocka_unit_test(test_depth_limit),
         cmocka_unit_test(test_missing_file), cmocka_unit_test(test_bad_corpus),
         cmocka_unit_test(test_examples_clean), cmocka_unit_test(test_cases_syntax),
+        cmocka_unit_test(test_cases_load_errors), cmocka_unit_test(test_expires_strict),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
