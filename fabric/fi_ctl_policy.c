@@ -292,9 +292,12 @@ static int s_bundle(int argc, char **argv) {
     static const char *const names[] = {"--version=", "--out=", "--content", "--config=", NULL};
     s_args a;
     if (s_parse("policy bundle", argc, argv, names, &a)) return 2;
-    char *e = NULL;
-    unsigned long long v = a.val[0] ? strtoull(a.val[0], &e, 10) : 0;
-    if (a.n_pos || !a.val[1] || (e && *e)) {
+    uint64_t v = 0; /* 0: the active version */
+    if (a.val[0] && fi_policy_cmd_version(a.val[0], &v) != 0) {
+        fprintf(stderr, "fedctl policy bundle: --version wants a whole number >= 1, not '%s'\n", a.val[0]);
+        return 2;
+    }
+    if (a.n_pos || !a.val[1]) {
         fprintf(stderr, "usage: fedctl policy bundle [--version N] --out FILE [--content] [--config FILE]\n");
         return 2;
     }

@@ -64,6 +64,11 @@ int fi_policy_replay_record(const fi_audit_record *r, void *arg);
  * the audit filters use them, would overflow). */
 int64_t fi_policy_cmd_time(const char *s);
 
+/* Parses a policy version given on the command line: a whole number >= 1,
+ * all of it ("x", "2x", "-1", "" and "0" are refused, never taken as "the
+ * latest"). 0, or -1 if bad. */
+int fi_policy_cmd_version(const char *s, uint64_t *v);
+
 /* Shared with the fabric's console verbs: a Unix time as
  * "YYYY-MM-DDTHH:MM:SSZ" (UTC) in buf, and one audit record printed as a
  * row of `fedctl audit` (an fi_audit_query callback; arg unused); a record

@@ -97,6 +97,16 @@ static const char *s_pos(int argc, char **argv, int want, const char *const *wit
 
 /* Parses "YYYY-MM-DDTHH:MM:SSZ", "YYYY-MM-DD" or Unix seconds; -1 if bad.
  * Seconds above INT64_MAX / 1000 are bad: callers take milliseconds. */
+int fi_policy_cmd_version(const char *s, uint64_t *v) {
+    /* a whole number >= 1, all of it: "x" or "2x" is not the latest */
+    char *e = NULL;
+    errno = 0;
+    unsigned long long n = s[0] >= '0' && s[0] <= '9' ? strtoull(s, &e, 10) : 0;
+    if (!n || *e || errno) return -1;
+    *v = (uint64_t)n;
+    return 0;
+}
+
 int64_t fi_policy_cmd_time(const char *s) {
     int Y, M, D, h = 0, m = 0, sec = 0;
     char *e;
@@ -789,16 +799,10 @@ static int s_bundle(int argc, char **argv) {
         fprintf(stderr, "usage: fedctl policy bundle --store DB [--version N] --out FILE [--content]\n");
         return 2;
     }
-    /* a whole number >= 1, all of it: "x" or "2x" is not the latest */
-    unsigned long long vn = 0;
-    if (ver) {
-        char *e = NULL;
-        errno = 0;
-        vn = ver[0] >= '0' && ver[0] <= '9' ? strtoull(ver, &e, 10) : 0;
-        if (!vn || *e || errno) {
-            fprintf(stderr, "fedctl policy bundle: --version wants a whole number >= 1, not '%s'\n", ver);
-            return 2;
-        }
+    uint64_t vn = 0;
+    if (ver && fi_policy_cmd_version(ver, &vn) != 0) {
+        fprintf(stderr, "fedctl policy bundle: --version wants a whole number >= 1, not '%s'\n", ver);
+        return 2;
     }
     char err[400];
     fi_pstore *s = fi_pstore_open(store, err, sizeof err);

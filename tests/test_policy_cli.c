@@ -182,6 +182,10 @@ static void test_store_bundle_diff_audit(void **state) {
         char bpath[400];
         snprintf(bpath, sizeof bpath, "%s/bad.bundle", f->dir);
         if (!access(bpath, F_OK)) fail_msg("--version '%s' wrote a bundle", bad_versions[i]);
+        /* the online verb refuses it too, before it connects (it took
+         * "-1" as 2^64 - 1 and "0" or "" as the active version) */
+        assert_int_equal(s_run(f, "policy bundle --version '%s' --out bad.bundle", bad_versions[i]), 2);
+        s_has(f, "--version wants a whole number >= 1");
     }
     snprintf(cmd, sizeof cmd, "mkdir -p '%s/edge'", f->dir);
     assert_int_equal(system(cmd), 0);
