@@ -95,7 +95,7 @@ struct fi_coord {
     s_req *reqs;                   /* open requests */
     size_t n_reqs, cap_reqs;       /* used / allocated */
     uint64_t next_serial;          /* for peers */
-    uint64_t next_req;             /* for requests */
+    uint64_t next_req;             /* for requests (ids start at random: fi_coord_new) */
     uint64_t n_routed;             /* routing choices made: the tie key of hash-less requests */
     uint64_t next_beat_ms;         /* when heartbeats go out next */
     int loads_truncated;           /* the last heartbeat to edges left rows out (logged once) */
@@ -208,15 +208,23 @@ static void s_req_remove(fi_coord *c, s_req *r) {
 
 /* Sends one encoded message to a peer without blocking. On failure (queue
  * full, peer gone) the message is dropped and -1 returned. Frees buf. */
+/* 0, or -1 with errno: EMSGSIZE when buf is NULL (its encoder failed: over
+ * FI_WIRE_MAX_MSG, or out of memory), EHOSTUNREACH when the peer's
+ * connection is gone (ZMQ_ROUTER_MANDATORY), EAGAIN when its queue is full. */
 static int s_send(fi_coord *c, void *sock, const void *rid, size_t rid_len, uint8_t *buf,
                   const size_t *len) {
-    int rc = -1;
+    int rc = -1, e = EMSGSIZE;
     /* len by pointer: read after buf's encoder has written it. */
-    if (buf && zmq_send(sock, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
-        zmq_send(sock, buf, *len, ZMQ_DONTWAIT) >= 0)
-        rc = 0;
+    if (buf) {
+        if (zmq_send(sock, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
+            zmq_send(sock, buf, *len, ZMQ_DONTWAIT) >= 0)
+            rc = 0;
+        else
+            e = zmq_errno();
+    }
     free(buf);
     (void)c;
+    if (rc) errno = e;
     return rc;
 }
 
@@ -638,6 +646,13 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
         }
         return;
     }
+    /* The best candidate gets it. One whose connection is gone (its
+     * process died and the heartbeats have not yet said so: the socket
+     * finds no such peer) is dropped, and removed after this request, and
+     * the next best permitted one is tried. */
+    uint64_t gone[S_MAX_CANDS];
+    int n_gone = 0;
+    for (;;) {
     int hit = 0;
     int pick = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, key, &hit);
     s_peer *w = cands[pick].w;
@@ -694,11 +709,23 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     m.body_case = FI__ENVELOPE__BODY_INFER;
     m.infer = &fwd;
     if (s_send_msg(c, c->router, w->rid, w->rid_len, &m) != 0) {
-        s_audit_route(c, e, rq, "unavailable", w->rec.site, "the worker's queue is full",
-                      cands[pick].v.digest);
-        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY,
-                     "the worker's queue is full");
-        return;
+        int why = errno;
+        if (why == EHOSTUNREACH) {
+            gone[n_gone++] = w->serial;
+            if (n > 1) {
+                cands[pick] = cands[n - 1];
+                rcs[pick] = rcs[n - 1];
+                n--;
+                continue;
+            }
+        }
+        const char *msg = why == EMSGSIZE      ? "the request is too large to forward"
+                          : why == EHOSTUNREACH ? "the worker's connection is gone"
+                                                : "the worker's queue is full";
+        s_audit_route(c, e, rq, "unavailable", w->rec.site, msg, cands[pick].v.digest);
+        s_send_error(c, c->router, e->rid, e->rid_len, rid,
+                     why == EMSGSIZE ? FI__ERROR_CODE__ERR_TOO_LARGE : FI__ERROR_CODE__ERR_BUSY, msg);
+        break;
     }
     /* Recorded once it is on its way. */
     s_audit_route(c, e, rq, "permit", w->rec.site, rules, cands[pick].v.digest);
@@ -709,6 +736,12 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     c->n_reqs++;
     e->in_flight++;
     w->in_flight++;
+    break;
+    }
+    for (int i = 0; i < n_gone; i++) {
+        s_peer *p = s_peer_by_serial(c, gone[i]);
+        if (p) s_peer_remove(c, p, "its connection is gone", 0);
+    }
 }
 
 /* A chunk, final result or error from a worker: back to the request's
@@ -1576,6 +1609,10 @@ static void s_tick(fi_coord *c) {
 }
 
 fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, size_t errlen) {
+    if (sodium_init() < 0) {
+        snprintf(err, errlen, "libsodium cannot initialise");
+        return NULL;
+    }
     fi_coord *c = calloc(1, sizeof *c);
     if (!c) {
         snprintf(err, errlen, "out of memory");
@@ -1584,6 +1621,13 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
     c->o = *o;
     fi_coord_policy_attach(&c->o); /* the residency re-check, fi_coord_policy.c */
     c->kp = *kp;
+    /* The ids workers see start at a random point of 2^62, not at 1: a
+     * worker may still hold a reply for a request of the coordinator's
+     * last run and send it after reconnecting, and under an id counted
+     * from 1 again it would reach the edge that now holds that id. */
+    uint64_t r0;
+    randombytes_buf(&r0, sizeof r0);
+    c->next_req = r0 & ((UINT64_C(1) << 62) - 1);
     fi_sockopts so;
     fi_sockopts_default(&so);
     so.heartbeat_ms = o->heartbeat_ms;

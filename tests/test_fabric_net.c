@@ -987,6 +987,123 @@ static void test_sites_never_share_cache_salt(void **state) {
     fi_client_destroy(&b);
 }
 
+/* Waits up to ms for an Infer at worker w: its coordinator id in id. */
+static int s_wait_infer(fi_client *w, int ms, char *id, size_t idlen) {
+    uint64_t end = fi_wire_now_ms() + (uint64_t)ms;
+    while (fi_wire_now_ms() < end) {
+        fi_msg *m = NULL;
+        char err[128];
+        int got = fi_client_recv(w, 20, &m, err, sizeof err) == 1 && m->body_case == FI__ENVELOPE__BODY_INFER;
+        if (got) snprintf(id, idlen, "%s", m->infer->request_id);
+        fi_wire_free(&m);
+        if (got) return 0;
+    }
+    return -1;
+}
+
+/* A worker's late reply to a request of the coordinator's last run, sent
+ * after it reconnects to the restarted coordinator, reaches no edge. The
+ * ids the workers saw were counted from 1 in each run, so the reply to
+ * site A's "c1" went to site B, whose request was "c1" again (found by a
+ * review). */
+static void test_restart_ids_never_reused(void **state) {
+    harness *h = *state;
+    static const char *const models[] = {"m"};
+    static const uint32_t caps[] = {4};
+    fi_client *w = s_raw_worker(h, "core1", 1, models, caps);
+    fi_client *a = s_new_edge(h, "site-a");
+    s_send_infer(a, "a-1", "m", "site A's private prompt");
+    char id1[64], id2[64], err[256];
+    assert_int_equal(s_wait_infer(w, 3000, id1, sizeof id1), 0);
+    /* the coordinator restarts on the same endpoint and database */
+    char ep[sizeof h->ep];
+    snprintf(ep, sizeof ep, "%s", h->ep);
+    unsigned r0 = fi_client_reconnects(w);
+    h_halt(h);
+    fi_coord_opts o;
+    h_opts(h, &o, ep, "tcp://127.0.0.1:*");
+    h->c = fi_coord_new(&o, &h->coord, err, sizeof err);
+    assert_non_null(h->c);
+    atomic_store(&h->stop, 0);
+    assert_int_equal(pthread_create(&h->th, NULL, h_coord_main, h), 0);
+    for (int i = 0; i < 300 && !(fi_client_reconnects(w) != r0 && fi_client_ready(w)); i++) {
+        fi_msg *m = NULL;
+        (void)fi_client_recv(w, 20, &m, err, sizeof err);
+        fi_wire_free(&m);
+    }
+    assert_true(fi_client_ready(w));
+    fi_client *b = s_new_edge(h, "site-b");
+    s_send_infer(b, "b-1", "m", "site B's prompt");
+    assert_int_equal(s_wait_infer(w, 3000, id2, sizeof id2), 0);
+    print_message("the worker's ids: %s (first run), %s (after the restart)\n", id1, id2);
+    assert_string_not_equal(id1, id2);
+    /* the late answer to the first run's request */
+    size_t len = 0;
+    assert_int_equal(fi_client_send_encoded(w, fi_wire_chunk(id1, 0, "site A's answer", 15, &len), &len), 0);
+    uint64_t end = fi_wire_now_ms() + 1000;
+    while (fi_wire_now_ms() < end) {
+        fi_msg *m = NULL;
+        if (fi_client_recv(b, 20, &m, err, sizeof err) == 1 && m->body_case == FI__ENVELOPE__BODY_CHUNK)
+            fail_msg("site B got a chunk for '%s': '%s'", m->chunk->request_id, m->chunk->text);
+        fi_wire_free(&m);
+    }
+    fi_client_destroy(&a);
+    fi_client_destroy(&b);
+    fi_client_destroy(&w);
+}
+
+/* A worker whose connection is gone (its process died; the heartbeats
+ * have not yet said so) is not routed to: the request goes to the other
+ * permitted worker, and the gone one is removed at once. Requests failed
+ * with "the worker's queue is full" until liveness ran out, though the
+ * other worker was idle (found by a review). */
+static void test_gone_worker_skipped(void **state) {
+    harness *h = *state;
+    static const char *const models[] = {"m"};
+    static const uint32_t caps[] = {4};
+    fi_client *w[2];
+    for (int i = 0; i < 2; i++) w[i] = s_raw_worker(h, "core1", 1, models, caps);
+    fi_client *e = s_new_edge(h, "site-a");
+    fi_client_destroy(&w[0]); /* its TCP connection closes now */
+    h_sleep_ms(100);
+    int failed = 0, served = 0;
+    char err[256];
+    for (int i = 0; i < 20; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "r%d", i);
+        s_send_infer(e, id, "m", "hello");
+        uint64_t end = fi_wire_now_ms() + 300;
+        int done = 0;
+        while (fi_wire_now_ms() < end && !done) {
+            fi_msg *m = NULL;
+            if (fi_client_recv(e, 5, &m, err, sizeof err) == 1) {
+                if (m->body_case == FI__ENVELOPE__BODY_ERROR && !strcmp(m->error->request_id, id)) {
+                    print_message("%s: %s\n", id, m->error->message);
+                    failed++, done = 1;
+                } else if (m->body_case == FI__ENVELOPE__BODY_FINAL && !strcmp(m->final->request_id, id)) {
+                    done = 1;
+                }
+            }
+            fi_wire_free(&m);
+            if (fi_client_recv(w[1], 0, &m, err, sizeof err) == 1 && m->body_case == FI__ENVELOPE__BODY_INFER) {
+                served++;
+                Fi__FinalResult fr = FI__FINAL_RESULT__INIT;
+                fr.request_id = m->infer->request_id;
+                fi_msg fm = FI__ENVELOPE__INIT;
+                fm.body_case = FI__ENVELOPE__BODY_FINAL;
+                fm.final = &fr;
+                assert_int_equal(fi_client_send(w[1], &fm), 0);
+            }
+            fi_wire_free(&m);
+        }
+    }
+    print_message("20 requests, one of two workers gone: %d failed, %d served\n", failed, served);
+    assert_int_equal(failed, 0);
+    assert_int_equal(served, 20);
+    fi_client_destroy(&e);
+    fi_client_destroy(&w[1]);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_every_message_type, setup, teardown),
@@ -1007,6 +1124,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_replaced_key_continues_log, setup, teardown),
         cmocka_unit_test_setup_teardown(test_pushed_bundle_reaches_late_edge, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sites_never_share_cache_salt, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_restart_ids_never_reused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_gone_worker_skipped, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
