@@ -168,6 +168,13 @@ int fi_group_conf_load(const char *path, fi_group_conf *g, char *err, size_t err
             goto done;
         }
         snprintf(g->endpoint[r], sizeof g->endpoint[r], "%s", raw->ep[r]);
+        for (int q = 0; q < r; q++)
+            if (!strcmp(g->endpoint[q], g->endpoint[r])) {
+                /* else the second rank's bind fails, naming no file */
+                snprintf(err, errlen, "%s: ranks %d and %d have the same endpoint (%s): each rank needs its own",
+                         path, q, r, g->endpoint[r]);
+                goto done;
+            }
         char kp[FI_CONF_STR_MAX], kerr[256];
         if (s_resolve(path, raw->key[r], kp, sizeof kp) != 0) {
             snprintf(err, errlen, "%s: %s: path too long", path, s_key_names[r]);

@@ -242,6 +242,15 @@ static void test_bad_files(void **state) {
     fclose(fp);
     assert_int_equal(fi_group_conf_load(f->path, &g, err, sizeof err), -1);
     assert_non_null(strstr(err, "same key"));
+    /* Two ranks on one endpoint: refused naming the file, not left to the
+     * second rank's bind (found by a review). */
+    fp = fopen(f->path, "w");
+    fprintf(fp, "group = g\nworld = 2\nendpoint.0 = tcp://a:1\nkey.0 = rank0.pub\n"
+                "endpoint.1 = tcp://a:1\nkey.1 = rank1.pub\n");
+    fclose(fp);
+    assert_int_equal(fi_group_conf_load(f->path, &g, err, sizeof err), -1);
+    printf("refused as expected: %s\n", err);
+    assert_non_null(strstr(err, "ranks 0 and 1 have the same endpoint (tcp://a:1)"));
 }
 
 static void test_plan_digest(void **state) {
