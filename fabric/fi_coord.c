@@ -771,16 +771,25 @@ static void s_on_worker_reply(fi_coord *c, s_peer *w, fi_msg *m) {
     char *saved = *idp;
     *idp = r->edge_rid;
     int rc = e ? s_send_msg(c, c->router, e->rid, e->rid_len, m) : -1;
+    int why = e ? errno : 0;
     *idp = saved;
-    if (rc != 0 && !last) {
-        /* The sender is gone or not reading: stop the work. */
-        Fi__Cancel cn = FI__CANCEL__INIT;
-        cn.request_id = (char *)id;
-        fi_msg cm = FI__ENVELOPE__INIT;
-        cm.body_case = FI__ENVELOPE__BODY_CANCEL;
-        cm.cancel = &cn;
-        (void)s_send_msg(c, c->router, w->rid, w->rid_len, &cm);
-        if (e)
+    if (rc != 0) {
+        /* The sender is gone or not reading, or the reply under the
+         * sender's id (up to 64 bytes, longer than ours) is over the size
+         * limit: stop the work, and tell the sender, which else would wait
+         * for an answer that never comes. */
+        if (!last) {
+            Fi__Cancel cn = FI__CANCEL__INIT;
+            cn.request_id = (char *)id;
+            fi_msg cm = FI__ENVELOPE__INIT;
+            cm.body_case = FI__ENVELOPE__BODY_CANCEL;
+            cm.cancel = &cn;
+            (void)s_send_msg(c, c->router, w->rid, w->rid_len, &cm);
+        }
+        if (e && why == EMSGSIZE)
+            s_send_error(c, c->router, e->rid, e->rid_len, r->edge_rid, FI__ERROR_CODE__ERR_ENGINE,
+                         "the worker's reply is over the message size limit");
+        else if (e && !last)
             s_send_error(c, c->router, e->rid, e->rid_len, r->edge_rid, FI__ERROR_CODE__ERR_BUSY,
                          "stream dropped: the receiver's queue is full");
         last = 1;

@@ -1104,6 +1104,47 @@ static void test_gone_worker_skipped(void **state) {
     fi_client_destroy(&w[1]);
 }
 
+/* A worker's reply that fits the size limit under the coordinator's id
+ * but not under the edge's (ids of up to 64 bytes against ~20) is not
+ * relayed: the edge is told, instead of waiting for ever (the request was
+ * ended in silence; found by a review). */
+static void test_reply_too_large_answered(void **state) {
+    harness *h = *state;
+    static const char *const models[] = {"m"};
+    static const uint32_t caps[] = {4};
+    fi_client *w = s_raw_worker(h, "core1", 1, models, caps);
+    fi_client *e = s_new_edge(h, "site-a");
+    char rid[65], cid[64], err[256];
+    memset(rid, 'r', 64), rid[64] = '\0';
+    s_send_infer(e, rid, "m", "hello");
+    assert_int_equal(s_wait_infer(w, 3000, cid, sizeof cid), 0);
+    size_t n = FI_WIRE_MAX_MSG - 60;
+    char *big = malloc(n + 1);
+    assert_non_null(big);
+    memset(big, 'x', n), big[n] = '\0';
+    size_t len = 0;
+    uint8_t *buf = fi_wire_error(cid, FI__ERROR_CODE__ERR_ENGINE, big, &len);
+    assert_non_null(buf);
+    assert_true(len <= FI_WIRE_MAX_MSG);
+    assert_int_equal(fi_client_send_encoded(w, buf, &len), 0);
+    free(big);
+    int told = 0;
+    uint64_t end = fi_wire_now_ms() + 3000;
+    while (fi_wire_now_ms() < end && !told) {
+        fi_msg *m = NULL;
+        if (fi_client_recv(e, 20, &m, err, sizeof err) == 1 && m->body_case == FI__ENVELOPE__BODY_ERROR &&
+            !strcmp(m->error->request_id, rid)) {
+            print_message("the edge is told: %s\n", m->error->message);
+            assert_non_null(strstr(m->error->message, "size limit"));
+            told = 1;
+        }
+        fi_wire_free(&m);
+    }
+    assert_true(told);
+    fi_client_destroy(&e);
+    fi_client_destroy(&w);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_every_message_type, setup, teardown),
@@ -1126,6 +1167,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_sites_never_share_cache_salt, setup, teardown),
         cmocka_unit_test_setup_teardown(test_restart_ids_never_reused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_gone_worker_skipped, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_reply_too_large_answered, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
