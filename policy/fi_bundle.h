@@ -92,7 +92,8 @@ fi_bundle_status fi_bundle_verify(const char *buf, size_t len, const uint8_t (*t
 
 /* ----------------------------------------------------------- edge side */
 
-/* Installs a bundle into the edge's directory dir: verifies it (against the
+/* Installs a bundle into the edge's directory dir (created, mode 0700,
+ * when missing; its parent must exist): verifies it (against the
  * version currently held there), checks that its policy validates, then
  * replaces dir/current.bundle atomically (write, fsync, rename) and raises
  * the high-water mark dir/version. On refusal the held bundle stays. err

@@ -446,9 +446,16 @@ fi_bundle_status fi_bundle_install(const char *dir, const char *buf, size_t len,
                                    const uint8_t (*trusted)[FI_BUNDLE_PK_BYTES], size_t n_trusted, int64_t now,
                                    char *err, size_t cap) {
     err[0] = 0;
-    /* Without the lock (no such folder, or one we may not write) the
-     * install cannot write either: it fails with its own reason, the
-     * bundle's or the folder's. */
+    /* The folder is made by the first install (an edge's policy_dir, which
+     * nothing else creates: every pushed bundle was refused, and the edge
+     * stayed fail-closed), mode 0700; its parent must exist. */
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        snprintf(err, cap, "cannot create the policy folder %s: %s", dir, strerror(errno));
+        return FI_BUNDLE_IO;
+    }
+    /* Without the lock (a folder we may not write) the install cannot
+     * write either: it fails with its own reason, the bundle's or the
+     * folder's. */
     int lk = s_lock(dir, 0);
     fi_bundle_status st = s_install(dir, buf, len, trusted, n_trusted, now, err, cap);
     s_unlock(lk);

@@ -357,12 +357,22 @@ static void test_policy_expiry_fails_closed(void **state) {
     const char *text = "expires \"2027-01-01T00:00:00Z\";\njurisdiction X;\n";
     int64_t exp = 1798761600;
     char sub[300];
+    /* the folder is not there yet: the first install makes it, 0700 (an
+     * edge's policy_dir that nothing had made refused every bundle) */
     snprintf(sub, sizeof sub, "%s/exp", f->dir);
-    assert_int_equal(mkdir(sub, 0700), 0);
     char *b = s_sign(f, NULL, 1, exp - 100, exp + 1000, text, &len);
+    char nested[320];
+    snprintf(nested, sizeof nested, "%s/no-parent/exp", f->dir);
+    assert_int_equal(fi_bundle_install(nested, b, len, (const uint8_t(*)[FI_BUNDLE_PK_BYTES])f->pk, 1, exp - 50, err,
+                                       sizeof err),
+                     FI_BUNDLE_IO);
+    assert_non_null(strstr(err, "cannot create the policy folder"));
     err[0] = 0;
     assert_int_equal(fi_bundle_install(sub, b, len, (const uint8_t(*)[FI_BUNDLE_PK_BYTES])f->pk, 1, exp - 50, err, sizeof err),
                      FI_BUNDLE_OK);
+    struct stat sb;
+    assert_int_equal(stat(sub, &sb), 0);
+    assert_int_equal(sb.st_mode & 0777, 0700);
     fi_policy *pol;
     uint64_t ver;
     /* the bundle is still valid but its policy has expired */
