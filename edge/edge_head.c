@@ -61,6 +61,7 @@ int edge_front_check_head(const char *h, size_t n, long max_body, char *code, si
             return s_fail(code, clen, msg, mlen, 505, "http_version_not_supported",
                           "the version '%.*s' is not served here (HTTP/1.x is)", v, (int)(vl > 32 ? 32 : vl));
     }
+    int lines = 0;
     while (line && line + 1 < end) {
         const char *s = line + 1;
         const char *e = memchr(s, '\n', (size_t)(end - s));
@@ -69,6 +70,11 @@ int edge_front_check_head(const char *h, size_t n, long max_body, char *code, si
         size_t len = (size_t)(e - s);
         if (len && s[len - 1] == '\r') len--;
         if (len == 0) break; /* the blank line ends the head */
+        if (++lines > EDGE_HEAD_MAX_LINES) {
+            snprintf(code, clen, "request_header_too_large");
+            snprintf(msg, mlen, "the request head has more than %d header lines", EDGE_HEAD_MAX_LINES);
+            return 431;
+        }
         if (*s == ' ' || *s == '\t')
             return s_fail(code, clen, msg, mlen, 400, "invalid_request",
                           "the header line '%.*s' continues the one before (obsolete line folding)", s,

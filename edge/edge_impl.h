@@ -303,15 +303,19 @@ struct sockaddr_in;
 edge_front *edge_front_start(fi_edge *e, const struct sockaddr_in *sa, int *port, char *err,
                              size_t errlen);
 void edge_front_stop(edge_front **f);
+/* Header lines a request head may hold (Apache's LimitRequestFields):
+ * libmicrohttpd spends its per-connection memory on each, and a head of a
+ * thousand short lines, 12 KB, ran its 64 KiB out (its HTML 431). */
+#define EDGE_HEAD_MAX_LINES 100
 /* The check on a complete request head (h, n bytes up to its blank line),
  * for what libmicrohttpd would answer with an HTML page, or not at all:
  * 0 when it may go on; else 400 (a control byte, a header line without a
  * name and colon, folded or with whitespace before its colon, a
  * Content-Length that is not a number, two that differ, or one beside
- * Transfer-Encoding), 413 (a Content-Length over 2^64-1), 501 (a
- * Transfer-Encoding other than chunked) or 505 (a version other than
- * HTTP/1.x), with an OpenAI error code and a message. Empty lines before
- * the request line are skipped. */
+ * Transfer-Encoding), 413 (a Content-Length over 2^64-1), 431 (more than
+ * EDGE_HEAD_MAX_LINES header lines), 501 (a Transfer-Encoding other than
+ * chunked) or 505 (a version other than HTTP/1.x), with an OpenAI error
+ * code and a message. Empty lines before the request line are skipped. */
 int edge_front_check_head(const char *h, size_t n, long max_body, char *code, size_t clen,
                           char *msg, size_t mlen);
 

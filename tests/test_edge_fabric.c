@@ -665,6 +665,16 @@ static void test_check_head(void **state) {
         if (st != refused[i].status || !strstr(msg, refused[i].says))
             fail_msg("head %zu: %d '%s'", i, st, msg);
     }
+    /* EDGE_HEAD_MAX_LINES header lines pass, one more does not */
+    char many[4096];
+    for (int lines = EDGE_HEAD_MAX_LINES; lines <= EDGE_HEAD_MAX_LINES + 1; lines++) {
+        int k = snprintf(many, sizeof many, "GET /x HTTP/1.1\r\n");
+        for (int i = 0; i < lines; i++) k += snprintf(many + k, sizeof many - (size_t)k, "X%d: v\r\n", i);
+        snprintf(many + k, sizeof many - (size_t)k, "\r\n");
+        int st = edge_front_check_head(many, strlen(many), 100, code, sizeof code, msg, sizeof msg);
+        assert_int_equal(st, lines > EDGE_HEAD_MAX_LINES ? 431 : 0);
+    }
+    assert_non_null(strstr(msg, "more than 100 header lines"));
     const char *nul = "GET /x HTTP/1.1\r\nX: a\0b\r\n\r\n";
     assert_int_equal(edge_front_check_head(nul, 27, 100, code, sizeof code, msg, sizeof msg), 400);
     assert_non_null(strstr(msg, "0x00"));
