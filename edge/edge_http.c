@@ -521,7 +521,15 @@ static int s_parse(fi_edge *e, json_t *root, s_req *r, const char **code, const 
         }
     } else {
         v = json_object_get(root, "prompt");
-        if (json_is_array(v) && json_array_size(v) == 1) v = json_array_get(v, 0);
+        if (json_is_array(v) && json_array_size(v) == 1 && json_is_string(json_array_get(v, 0)))
+            v = json_array_get(v, 0);
+        if (json_is_array(v) && json_array_size(v) > 0) {
+            /* valid in OpenAI's API, not served here: said so by name */
+            *code = "unsupported_parameter";
+            BAD("prompt", "'prompt' as %s is not supported by this agent (a string, or an array of one "
+                "string, is)", json_array_size(v) > 1 && json_is_string(json_array_get(v, 0))
+                                   ? "an array of several prompts" : "an array of token ids");
+        }
         if (!json_is_string(v)) BAD("prompt", "'prompt' must be a string");
         if (strlen(json_string_value(v)) != json_string_length(v))
             BAD("prompt", "'prompt' holds a NUL character");

@@ -655,6 +655,23 @@ static void test_unsupported_parameters(void **state) {
         if (strcmp(error_param(&r), bad[i].param)) fail_msg("%s: param %s", bad[i].extra, error_param(&r));
         resp_free(&r);
     }
+    /* prompt arrays: one string is served; token ids and several prompts,
+     * valid in OpenAI's API, are refused by name (they were told "'prompt'
+     * must be a string"; found by a review) */
+    static const char *const prompts[][2] = {
+        {"[1,2,3]", "an array of token ids"}, {"[\"a\",\"b\"]", "an array of several prompts"}, {"[\"hi\"]", NULL}};
+    for (size_t i = 0; i < sizeof prompts / sizeof prompts[0]; i++) {
+        snprintf(body, sizeof body, "%s\"prompt\":%s}", H, prompts[i][0]);
+        assert_int_equal(http(s_fx->port, "POST", "/v1/completions", NULL, body, &r), 0);
+        if (!prompts[i][1]) {
+            if (r.status != 200) fail_msg("prompt %s: status %d: %s", prompts[i][0], r.status, r.body);
+        } else {
+            if (r.status != 400 || strcmp(error_code(&r), "unsupported_parameter") ||
+                strcmp(error_param(&r), "prompt") || !strstr(r.body, prompts[i][1]))
+                fail_msg("prompt %s: %d %s", prompts[i][0], r.status, r.body);
+        }
+        resp_free(&r);
+    }
     /* default values, as SDKs send them, are served */
     snprintf(body, sizeof body,
              "%s\"response_format\":{\"type\":\"text\"},\"tools\":[],\"tool_choice\":\"none\","
