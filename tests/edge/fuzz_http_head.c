@@ -1,8 +1,8 @@
 /*
  * fuzz_http_head.c - libFuzzer target for the edge's check of a request
  * head (edge/edge_head.c), which reads bytes straight from the network
- * before libmicrohttpd does: any bytes must be judged (0, 400, 413, 501
- * or 505 with a code and a message), never read past the
+ * before libmicrohttpd does: any bytes must be judged (0, 400, 413, 431,
+ * 501 or 505 with a code and a message), never read past the
  * buffer, crash or hang. Also fi_text_clean, which makes a client's
  * bytes quoted in an error valid UTF-8: its output must be, and as long.
  *
@@ -21,7 +21,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char code[40] = "", msg[256] = "";
     int st = edge_front_check_head((const char *)data, size, 1 << 20, code, sizeof code, msg,
                                    sizeof msg);
-    if (st != 0 && st != 400 && st != 413 && st != 501 && st != 505) abort();
+    if (st != 0 && st != 400 && st != 413 && st != 431 && st != 501 && st != 505) abort();
     if (st && (!code[0] || !msg[0])) abort();
     if (strlen(msg) >= sizeof msg || strlen(code) >= sizeof code) abort();
     char *t = malloc(size + 1);
