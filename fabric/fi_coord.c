@@ -206,11 +206,11 @@ static void s_req_remove(fi_coord *c, s_req *r) {
     *r = c->reqs[--c->n_reqs];
 }
 
-/* Sends one encoded message to a peer without blocking. On failure (queue
- * full, peer gone) the message is dropped and -1 returned. Frees buf. */
-/* 0, or -1 with errno: EMSGSIZE when buf is NULL (its encoder failed: over
- * FI_WIRE_MAX_MSG, or out of memory), EHOSTUNREACH when the peer's
- * connection is gone (ZMQ_ROUTER_MANDATORY), EAGAIN when its queue is full. */
+/* Sends one encoded message to a peer without blocking; frees buf. 0, or
+ * -1 (the message dropped) with errno: EMSGSIZE when buf is NULL (its
+ * encoder failed: over FI_WIRE_MAX_MSG, or out of memory), EHOSTUNREACH
+ * when the peer's connection is gone (ZMQ_ROUTER_MANDATORY), EAGAIN when
+ * its queue is full. */
 static int s_send(fi_coord *c, void *sock, const void *rid, size_t rid_len, uint8_t *buf,
                   const size_t *len) {
     int rc = -1, e = EMSGSIZE;
@@ -653,90 +653,90 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
     uint64_t gone[S_MAX_CANDS];
     int n_gone = 0;
     for (;;) {
-    int hit = 0;
-    int pick = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, key, &hit);
-    s_peer *w = cands[pick].w;
-    const char *zone = s_fwd_zone(c, e, rq, &cands[pick].v);
-    char rules[512], zone_note[160] = "";
-    if (rq->n_prefix_hashes && !s_hashes_match_zone(rq, zone))
-        snprintf(zone_note, sizeof zone_note, " (hashes of zone '%.40s' ignored: the worker's is '%.40s')",
-                 rq->zone ? rq->zone : "", zone);
-    snprintf(rules, sizeof rules, "%s%sworker %s; prefix hit %d of %zu blocks%s; load %.2f%s",
-             c->o.policy ? cands[pick].v.rules : "no policy re-check",
-             "; ", w->rec.fpr, hit, rq->n_prefix_hashes, zone_note, fi_route_load(&rcs[pick]),
-             rcs[pick].affinity ? "; same conversation" : "");
-    if (c->n_reqs == c->cap_reqs) {
-        size_t cap = c->cap_reqs ? 2 * c->cap_reqs : 64;
-        s_req *nr = realloc(c->reqs, cap * sizeof *nr);
-        if (!nr) {
-            s_audit_route(c, e, rq, "error", w->rec.site, "out of memory", cands[pick].v.digest);
-            s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_INTERNAL,
-                         "out of memory");
-            return;
-        }
-        c->reqs = nr;
-        c->cap_reqs = cap;
-    }
-    s_req *r = &c->reqs[c->n_reqs];
-    r->id = ++c->next_req;
-    snprintf(r->edge_rid, sizeof r->edge_rid, "%s", rid);
-    r->edge = e->serial;
-    r->worker = w->serial;
-    r->started_ms = fi_wire_now_ms();
-    /* The worker sees the coordinator's id, the origin known from the
-     * edge's key, the residency zone (s_fwd_zone) and the tenant qualified
-     * with the origin site (fi_wire_cache_tenant), whatever the edge wrote:
-     * the worker salts its prefix cache with the last two, so no two sites
-     * or zones share cached state. */
-    char cid[32];
-    snprintf(cid, sizeof cid, "c%llu", (unsigned long long)r->id);
-    Fi__Origin origin = FI__ORIGIN__INIT;
-    origin.site = e->rec.site;
-    origin.region = e->rec.region;
-    Fi__InferRequest fwd = *rq;
-    fwd.request_id = cid;
-    fwd.origin = &origin;
-    fwd.zone = (char *)zone;
-    fwd.tenant = tenant;
-    /* What only the router and the policy need stays here: the end user's
-     * id, the hashes, the application and the prompt's size. */
-    fwd.user = (char *)"";
-    fwd.application = (char *)"";
-    fwd.prompt_tokens = 0;
-    fwd.n_prefix_hashes = 0;
-    fwd.prefix_hashes = NULL;
-    fi_msg m = FI__ENVELOPE__INIT;
-    m.body_case = FI__ENVELOPE__BODY_INFER;
-    m.infer = &fwd;
-    if (s_send_msg(c, c->router, w->rid, w->rid_len, &m) != 0) {
-        int why = errno;
-        if (why == EHOSTUNREACH) {
-            gone[n_gone++] = w->serial;
-            if (n > 1) {
-                cands[pick] = cands[n - 1];
-                rcs[pick] = rcs[n - 1];
-                n--;
-                continue;
+        int hit = 0;
+        int pick = fi_route_pick(rcs, n, rq->prefix_hashes, (int)rq->n_prefix_hashes, key, &hit);
+        s_peer *w = cands[pick].w;
+        const char *zone = s_fwd_zone(c, e, rq, &cands[pick].v);
+        char rules[512], zone_note[160] = "";
+        if (rq->n_prefix_hashes && !s_hashes_match_zone(rq, zone))
+            snprintf(zone_note, sizeof zone_note, " (hashes of zone '%.40s' ignored: the worker's is '%.40s')",
+                     rq->zone ? rq->zone : "", zone);
+        snprintf(rules, sizeof rules, "%s%sworker %s; prefix hit %d of %zu blocks%s; load %.2f%s",
+                 c->o.policy ? cands[pick].v.rules : "no policy re-check",
+                 "; ", w->rec.fpr, hit, rq->n_prefix_hashes, zone_note, fi_route_load(&rcs[pick]),
+                 rcs[pick].affinity ? "; same conversation" : "");
+        if (c->n_reqs == c->cap_reqs) {
+            size_t cap = c->cap_reqs ? 2 * c->cap_reqs : 64;
+            s_req *nr = realloc(c->reqs, cap * sizeof *nr);
+            if (!nr) {
+                s_audit_route(c, e, rq, "error", w->rec.site, "out of memory", cands[pick].v.digest);
+                s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_INTERNAL,
+                             "out of memory");
+                return;
             }
+            c->reqs = nr;
+            c->cap_reqs = cap;
         }
-        const char *msg = why == EMSGSIZE      ? "the request is too large to forward"
-                          : why == EHOSTUNREACH ? "the worker's connection is gone"
-                                                : "the worker's queue is full";
-        s_audit_route(c, e, rq, "unavailable", w->rec.site, msg, cands[pick].v.digest);
-        s_send_error(c, c->router, e->rid, e->rid_len, rid,
-                     why == EMSGSIZE ? FI__ERROR_CODE__ERR_TOO_LARGE : FI__ERROR_CODE__ERR_BUSY, msg);
+        s_req *r = &c->reqs[c->n_reqs];
+        r->id = ++c->next_req;
+        snprintf(r->edge_rid, sizeof r->edge_rid, "%s", rid);
+        r->edge = e->serial;
+        r->worker = w->serial;
+        r->started_ms = fi_wire_now_ms();
+        /* The worker sees the coordinator's id, the origin known from the
+         * edge's key, the residency zone (s_fwd_zone) and the tenant qualified
+         * with the origin site (fi_wire_cache_tenant), whatever the edge wrote:
+         * the worker salts its prefix cache with the last two, so no two sites
+         * or zones share cached state. */
+        char cid[32];
+        snprintf(cid, sizeof cid, "c%llu", (unsigned long long)r->id);
+        Fi__Origin origin = FI__ORIGIN__INIT;
+        origin.site = e->rec.site;
+        origin.region = e->rec.region;
+        Fi__InferRequest fwd = *rq;
+        fwd.request_id = cid;
+        fwd.origin = &origin;
+        fwd.zone = (char *)zone;
+        fwd.tenant = tenant;
+        /* What only the router and the policy need stays here: the end user's
+         * id, the hashes, the application and the prompt's size. */
+        fwd.user = (char *)"";
+        fwd.application = (char *)"";
+        fwd.prompt_tokens = 0;
+        fwd.n_prefix_hashes = 0;
+        fwd.prefix_hashes = NULL;
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_INFER;
+        m.infer = &fwd;
+        if (s_send_msg(c, c->router, w->rid, w->rid_len, &m) != 0) {
+            int why = errno;
+            if (why == EHOSTUNREACH) {
+                gone[n_gone++] = w->serial;
+                if (n > 1) {
+                    cands[pick] = cands[n - 1];
+                    rcs[pick] = rcs[n - 1];
+                    n--;
+                    continue;
+                }
+            }
+            const char *msg = why == EMSGSIZE      ? "the request is too large to forward"
+                              : why == EHOSTUNREACH ? "the worker's connection is gone"
+                                                    : "the worker's queue is full";
+            s_audit_route(c, e, rq, "unavailable", w->rec.site, msg, cands[pick].v.digest);
+            s_send_error(c, c->router, e->rid, e->rid_len, rid,
+                         why == EMSGSIZE ? FI__ERROR_CODE__ERR_TOO_LARGE : FI__ERROR_CODE__ERR_BUSY, msg);
+            break;
+        }
+        /* Recorded once it is on its way. */
+        s_audit_route(c, e, rq, "permit", w->rec.site, rules, cands[pick].v.digest);
+        if (aff) {
+            aff->key = conv;
+            aff->worker = w->serial;
+        }
+        c->n_reqs++;
+        e->in_flight++;
+        w->in_flight++;
         break;
-    }
-    /* Recorded once it is on its way. */
-    s_audit_route(c, e, rq, "permit", w->rec.site, rules, cands[pick].v.digest);
-    if (aff) {
-        aff->key = conv;
-        aff->worker = w->serial;
-    }
-    c->n_reqs++;
-    e->in_flight++;
-    w->in_flight++;
-    break;
     }
     for (int i = 0; i < n_gone; i++) {
         s_peer *p = s_peer_by_serial(c, gone[i]);
