@@ -123,11 +123,12 @@ static int s_print(void *user, const char *text, size_t len) {
 /* The most of a prompt read from stdin: far past any model's context. */
 #define S_STDIN_MAX ((size_t)64 << 20)
 
-/* Reads all of stdin into a malloc'd string. NULL with the reason in err:
- * out of memory, a read error, more than S_STDIN_MAX bytes, or a NUL byte
- * (the prompt would end there without a word; the same text on the
- * command line cannot hold one). */
-static char *s_read_stdin(char *err, size_t cap) {
+/* Reads all of stdin into a malloc'd string. NULL with the reason in err
+ * and the exit status in *status: 1, out of memory; 2, a read error, more
+ * than S_STDIN_MAX bytes, or a NUL byte (the prompt would end there
+ * without a word; the same text on the command line cannot hold one). */
+static char *s_read_stdin(int *status, char *err, size_t cap) {
+    *status = 2;
     size_t bcap = 4096, len = 0;
     char *buf = malloc(bcap);
     if (!buf) goto oom;
@@ -158,6 +159,7 @@ static char *s_read_stdin(char *err, size_t cap) {
     return buf;
 oom:
     snprintf(err, cap, "out of memory reading the prompt");
+    *status = 1;
 fail:
     free(buf);
     return NULL;
@@ -252,8 +254,9 @@ int fi_cmd_run(int argc, char **argv) {
     /* the prompt: arguments joined by spaces, or stdin */
     char *prompt = NULL;
     char perr[128] = "out of memory reading the prompt";
+    int pstatus = 1;
     if (optind >= argc || (optind == argc - 1 && !strcmp(argv[optind], "-"))) {
-        prompt = s_read_stdin(perr, sizeof perr);
+        prompt = s_read_stdin(&pstatus, perr, sizeof perr);
     } else {
         size_t len = 1;
         for (int i = optind; i < argc; i++) len += strlen(argv[i]) + 1;
@@ -268,7 +271,7 @@ int fi_cmd_run(int argc, char **argv) {
     }
     if (!prompt) {
         fprintf(stderr, "fedinfer: %s\n", perr);
-        return strncmp(perr, "out of memory", 13) ? 2 : 1;
+        return pstatus;
     }
 
     int status = 1;
