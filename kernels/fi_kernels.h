@@ -207,7 +207,21 @@ typedef struct fi_backend_ops {
      * host memory), found by the threads that make the rows while they are
      * in their caches (greedy decoding: no second pass over the logits). */
     void (*matmul_argmax)(void *ctx, float *y, int32_t *idx, const fi_weight *w, const float *x, int n);
+    /* Optional (NULL: graph_begin): graph_begin with sig, sig_len bytes
+     * (at most FI_GRAPH_SIG_MAX) that determine every argument of the calls
+     * up to graph_end, apart from the bytes their to_backend calls pass:
+     * two steps of one key with equal sig make the same calls, in the same
+     * order, with the same pointers and sizes (the engine puts in its
+     * buffers and the batch's shape). When the key's last recorded step had
+     * an equal sig and nothing of the backend's own has moved since, the
+     * backend relaunches that recording instead of recording again: the
+     * operations in between are then only checked against the recording
+     * (a call that differs fails the backend, naming the call), and each
+     * to_backend refreshes the bytes the recording copies. */
+    int (*graph_begin_sig)(void *ctx, int key, size_t upload, const void *sig, size_t sig_len);
 } fi_backend_ops;
+
+#define FI_GRAPH_SIG_MAX 256 /* most bytes of a graph_begin_sig signature */
 
 #define FI_MATMUL_N_MAX 4 /* most products in one matmul_n call */
 

@@ -77,6 +77,9 @@ FI_MUST_CHECK int fi_cuda_backend_set_graphs(fi_backend *b, int on);
  * instantiated (the others updated the previous one of their key in
  * place). */
 void fi_cuda_backend_graph_stats(const fi_backend *b, long *launched, long *instantiated);
+/* Of the graphs launched, how many were relaunched without recording
+ * (graph_begin_sig with the signature of the key's last recording). */
+long fi_cuda_backend_graph_replays(const fi_backend *b);
 
 /* Kernel timing with CUDA events, for the benchmark: while on, every
  * operation is bracketed by two events, and fi_cuda_backend_kernel_ms
