@@ -1002,8 +1002,35 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
      * sequences) goes to the backend as one recorded graph, one per batch
      * size, where the backend can. */
     size_t ib = (size_t)n * sizeof(int32_t);
-    int graph = n == b->n_out && !m->allreduce && !m->plan.no_embed && ops->graph_begin &&
-                ops->graph_begin(bc, n, 4 * ib + tables * sizeof(int32_t)) == 0;
+    /* output rows 0..n_out-1 in order (decode): one rmsnorm for them all,
+     * and a step that a signature describes */
+    int rows_in_order = 1;
+    for (int i = 0; i < b->n_out && rows_in_order; i++)
+        rows_in_order = b->out_rows[i] == i;
+    float *lg = logits && ops->host_memory ? logits : kv->logits;
+    int graph = 0;
+    if (n == b->n_out && !m->allreduce && !m->plan.no_embed && ops->graph_begin) {
+        size_t upload = 4 * ib + tables * sizeof(int32_t);
+        if (ops->graph_begin_sig && rows_in_order) {
+            /* every argument of the step's calls follows from these; see
+             * graph_begin_sig in fi_kernels.h */
+            struct {
+                const void *m, *kv, *tables, *lg;
+                int n, n_seqs, max_blocks;
+            } sig;
+            memset(&sig, 0, sizeof sig); /* no stray padding bytes */
+            sig.m = m;
+            sig.kv = kv;
+            sig.tables = kv->tables;
+            sig.lg = lg;
+            sig.n = n;
+            sig.n_seqs = b->n_seqs;
+            sig.max_blocks = b->max_blocks;
+            graph = ops->graph_begin_sig(bc, n, upload, &sig, sizeof sig) == 0;
+        } else {
+            graph = ops->graph_begin(bc, n, upload) == 0;
+        }
+    }
     if ((!m->plan.no_embed && ops->to_backend(bc, kv->toks, b->tok, ib)) ||
         ops->to_backend(bc, kv->pos, b->pos, ib) || ops->to_backend(bc, kv->seq, b->seq, ib) ||
         ops->to_backend(bc, kv->slot, kv->slot_host, ib) ||
@@ -1018,15 +1045,18 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
         if (graph) (void)ops->graph_end(bc);
         return -1;
     }
-    /* the logits straight into the caller's buffer where backend memory is
-     * the host's (n_out x n_vocab floats: 3 MiB for 16 sequences) */
-    float *lg = logits && ops->host_memory ? logits : kv->logits;
-    /* each row's argmax found with the rows where the backend can (else
+    /* lg: the logits straight into the caller's buffer where backend memory
+     * is the host's (n_out x n_vocab floats: 3 MiB for 16 sequences); each
+     * row's argmax found with the rows where the backend can (else
      * b->argmax is left as it is: the caller looks where it needs one) */
     if (b->n_out) {
-        for (int i = 0; i < b->n_out; i++)
-            ops->rmsnorm(bc, kv->xb + (size_t)i * c->dim, kv->x + (size_t)b->out_rows[i] * c->dim,
-                         m->output_norm, 1, c->dim, c->norm_eps);
+        if (rows_in_order)
+            ops->rmsnorm(bc, kv->xb, kv->x, m->output_norm, b->n_out, c->dim, c->norm_eps);
+        else
+            for (int i = 0; i < b->n_out; i++)
+                ops->rmsnorm(bc, kv->xb + (size_t)i * c->dim,
+                             kv->x + (size_t)b->out_rows[i] * c->dim, m->output_norm, 1, c->dim,
+                             c->norm_eps);
         if (b->argmax && logits && ops->matmul_argmax && ops->host_memory)
             ops->matmul_argmax(bc, lg, b->argmax, &m->output, kv->xb, b->n_out);
         else

@@ -65,6 +65,12 @@
 #define S_GRAPH_KEYS 64                      /* graphs kept: keys (batch sizes) 1..64 */
 #define S_STAGE_SLACK (16 * 16)              /* alignment of up to 16 staged copies */
 #define S_XH_MIN ((size_t)1 << 18)           /* fp16 activations made at start */
+#define S_MV_MAX_N 8                         /* most tokens of a k_matvec product */
+#define S_MV_THREADS 256                     /* k_matvec block: 8 rows */
+#define S_AG_THREADS 128                     /* k_attention_g block */
+#define S_AG_TILE 128                        /* positions per k_attention_g tile */
+#define S_AG_MAX_G 8                         /* most query heads per KV head */
+#define S_ROPE_POS 8192                      /* positions in the RoPE angle table */
 
 /* Operations as the profile splits them (fi_cuda_backend_profile_ops). */
 enum {
@@ -78,7 +84,12 @@ enum {
     S_OP_SWIGLU,
     S_OP_ADD,
     S_OP_ARGMAX,
-    S_N_OPS
+    S_N_OPS,
+    /* below: only as names of calls in a graph's record, never timed */
+    S_REC_TO_BACKEND = S_N_OPS,
+    S_REC_MATMUL_N,
+    S_REC_MATMUL_ADD,
+    S_REC_STORE_F16
 };
 static const char *const s_op_names[S_N_OPS] = {
     "matmul (cuBLASLt)", "matmul (small n)", "get_rows", "rmsnorm", "rope",
@@ -139,6 +150,29 @@ typedef struct s_cuda {
     size_t stage_used;           /* bytes of it used by this capture */
     long n_graphs;               /* graphs launched */
     long n_instantiated;         /* of which instantiated (not updated) */
+    long n_replays;              /* of which relaunched without recording */
+    /* graph_begin_sig: each key's recording, and the calls of this one */
+    struct {
+        uint8_t sig[FI_GRAPH_SIG_MAX];
+        size_t sig_len;           /* 0: no signature (plain graph_begin) */
+        uint64_t gen;             /* c->gen at recording */
+        uint64_t hash;            /* of the recorded calls and arguments */
+        long calls;               /* calls recorded */
+    } rec[S_GRAPH_KEYS + 1];
+    uint8_t pending_sig[FI_GRAPH_SIG_MAX]; /* the capture's signature */
+    size_t pending_sig_len;
+    int replaying;               /* between graph_begin_sig and graph_end, relaunching */
+    uint64_t hash;               /* running hash of this capture's or replay's calls */
+    long calls;                  /* and their number */
+    uint64_t gen;                /* bumped when anything a recording points into moves */
+    int matvec;                  /* products of up to 8 tokens by k_matvec (else cuBLASLt) */
+    int att_g;                   /* k_attention_g where it applies (else k_attention) */
+    unsigned *att_count;         /* per (token, KV head): k_attention_g blocks done */
+    size_t att_count_elems;      /* its capacity */
+    float2 *rope_tab;            /* (cos, sin) of position p, pair i at p * half + i */
+    size_t rope_elems;           /* its capacity */
+    int rope_hd;                 /* head_dim of the table (0: none) */
+    float rope_theta;            /* its theta */
 } s_cuda;
 
 /* --- errors ------------------------------------------------------------ */
@@ -178,6 +212,49 @@ static int s_enter(s_cuda *c) {
         return 0;
     return s_ok(c, cudaSetDevice(c->device), "cudaSetDevice");
 }
+
+/* --- graph records ----------------------------------------------------- */
+
+/* FNV-1a, one 64-bit word at a time. */
+static uint64_t s_mix(uint64_t h, uint64_t v) {
+    for (int i = 0; i < 8; i++) {
+        h ^= (v >> (8 * i)) & 0xffu;
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static uint64_t s_fbits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+#define S_P(p) ((uint64_t)(uintptr_t)(p))
+
+/* While a graph is recorded or relaunched, adds a call (its kind and every
+ * argument) to the running hash that graph_end compares with the key's
+ * recording. Returns 1 when relaunching: the call is then only checked,
+ * not issued, since the recorded graph already holds it. */
+static int s_note(s_cuda *c, int op, const uint64_t *v, int nv) {
+    if (!c->capturing)
+        return 0;
+    uint64_t h = s_mix(c->hash, (uint64_t)op);
+    for (int i = 0; i < nv; i++)
+        h = s_mix(h, v[i]);
+    c->hash = h;
+    c->calls++;
+    return c->replaying;
+}
+
+/* In an operation returning void: notes the call and returns when it is
+ * only checked. */
+#define S_NOTE(c, op, ...)                                                   \
+    do {                                                                     \
+        const uint64_t v_[] = {__VA_ARGS__};                                 \
+        if (s_note((c), (op), v_, (int)(sizeof v_ / sizeof v_[0])))          \
+            return;                                                          \
+    } while (0)
 
 /* --- profiling --------------------------------------------------------- */
 
@@ -302,44 +379,103 @@ __global__ static void k_to_half(__half *y, const float *x, size_t n) {
         y[i] = __float2half_rn(x[i]);
 }
 
-/* Quantised matrix-vector products for n <= FI_CUDA_QUANT_MAX_N tokens:
- * one warp per output row; lane l takes blocks l, l+32, ...; x is fp32. */
-__global__ static void k_matvec_q(float *y, const uint8_t *w, int t, int rows, int cols,
-                                  size_t row_bytes, size_t blk_bytes, const float *x, int n) {
-    int warp = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
+/* The weights of one k_matvec launch: up to FI_MATMUL_N_MAX matrices with
+ * the same cols sharing one x; the launch's rows are those of w[0], then
+ * w[1], ... (end[i]: rows of w[0..i]). */
+typedef struct s_mv_args {
+    const __half *h[FI_MATMUL_N_MAX];  /* fp16 rows, or NULL: */
+    const uint8_t *q[FI_MATMUL_N_MAX]; /* GGUF blocks of type type[i] */
+    float *y[FI_MATMUL_N_MAX];         /* n x rows of w[i] */
+    int end[FI_MATMUL_N_MAX];
+    int type[FI_MATMUL_N_MAX];
+    int row_bytes[FI_MATMUL_N_MAX];
+    int blk_bytes[FI_MATMUL_N_MAX];
+    int count;
+    float *acc; /* matmul_add (count 1): acc += y, element by element */
+} s_mv_args;
+
+/* Matrix-vector products of n <= S_MV_MAX_N tokens: one warp per output
+ * row, x read as fp32 (no conversion). fp16 rows: lane l takes elements
+ * 8l..8l+7, then 256 further on, in 16-byte loads (cols % 8 == 0, x
+ * 16-byte aligned: the host checks). Quantised rows: lane l takes blocks
+ * l, l+32, ... A row's result depends only on its weight row and x, so
+ * matmul, matmul_n and matmul_add give the same bits. */
+__global__ static void __launch_bounds__(S_MV_THREADS)
+k_matvec(s_mv_args a, const float *x, int cols, int n) {
+    int gw = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x & 31;
-    if (warp >= rows)
+    if (gw >= a.end[a.count - 1])
         return;
-    const uint8_t *row = w + (size_t)warp * row_bytes;
-    int nb = cols / S_QK;
-    float acc[FI_CUDA_QUANT_MAX_N];
+    int i = 0;
+    for (int j = 0; j + 1 < a.count; j++)
+        i += gw >= a.end[j];
+    int first = i ? a.end[i - 1] : 0, rows = a.end[i] - first, r = gw - first;
+    float acc[S_MV_MAX_N];
 #pragma unroll
-    for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++)
+    for (int k = 0; k < S_MV_MAX_N; k++)
         acc[k] = 0.0f;
-    for (int b = lane; b < nb; b += 32) {
-        const uint8_t *blk = row + (size_t)b * blk_bytes;
-        float v[S_QK];
+    if (a.h[i]) {
+        const __half *row = a.h[i] + (size_t)r * cols;
+        for (int c0 = lane * 8; c0 < cols; c0 += 256) {
+            uint4 u = *(const uint4 *)(row + c0);
+            const __half2 *h2 = (const __half2 *)&u;
+            float wf[8];
 #pragma unroll
-        for (int j = 0; j < S_QK; j++)
-            v[j] = s_block_elem(t, blk, j);
+            for (int j = 0; j < 4; j++) {
+                float2 f = __half22float2(h2[j]);
+                wf[2 * j] = f.x;
+                wf[2 * j + 1] = f.y;
+            }
 #pragma unroll
-        for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++) {
-            if (k < n) {
-                const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
-                float s = 0.0f;
+            for (int k = 0; k < S_MV_MAX_N; k++) {
+                if (k < n) {
+                    const float4 *xp = (const float4 *)(x + (size_t)k * cols + c0);
+                    float4 x0 = xp[0], x1 = xp[1];
+                    float s = acc[k];
+                    s = fmaf(wf[0], x0.x, s);
+                    s = fmaf(wf[1], x0.y, s);
+                    s = fmaf(wf[2], x0.z, s);
+                    s = fmaf(wf[3], x0.w, s);
+                    s = fmaf(wf[4], x1.x, s);
+                    s = fmaf(wf[5], x1.y, s);
+                    s = fmaf(wf[6], x1.z, s);
+                    s = fmaf(wf[7], x1.w, s);
+                    acc[k] = s;
+                }
+            }
+        }
+    } else {
+        const uint8_t *row = a.q[i] + (size_t)r * a.row_bytes[i];
+        int t = a.type[i], nb = cols / S_QK;
+        for (int b = lane; b < nb; b += 32) {
+            const uint8_t *blk = row + (size_t)b * a.blk_bytes[i];
+            float v[S_QK];
 #pragma unroll
-                for (int j = 0; j < S_QK; j++)
-                    s = fmaf(v[j], xk[j], s);
-                acc[k] += s;
+            for (int j = 0; j < S_QK; j++)
+                v[j] = s_block_elem(t, blk, j);
+#pragma unroll
+            for (int k = 0; k < S_MV_MAX_N; k++) {
+                if (k < n) {
+                    const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
+                    float s = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < S_QK; j++)
+                        s = fmaf(v[j], xk[j], s);
+                    acc[k] += s;
+                }
             }
         }
     }
 #pragma unroll
-    for (int k = 0; k < FI_CUDA_QUANT_MAX_N; k++) {
+    for (int k = 0; k < S_MV_MAX_N; k++) {
         if (k < n) {
             float s = s_warp_sum(acc[k]);
-            if (lane == 0)
-                y[(size_t)k * rows + warp] = s;
+            if (lane == 0) {
+                size_t at = (size_t)k * rows + r;
+                a.y[i][at] = s;
+                if (a.acc)
+                    a.acc[at] += s;
+            }
         }
     }
 }
@@ -369,17 +505,35 @@ __global__ static void k_rmsnorm(float *y, const float *x, const float *g, int d
         yr[i] = xr[i] * scale * g[i];
 }
 
-/* One thread per (token, pair index i); the angle in double, as the CPU
- * reference computes it, then every head. */
+/* The rotation of pair i at position p, in double as the CPU reference
+ * computes it, rounded to float. */
+__device__ static inline float2 s_rope_cs(int p, int i, int head_dim, float theta) {
+    double ang = (double)p * pow((double)theta, -2.0 * i / head_dim);
+    return make_float2((float)cos(ang), (float)sin(ang));
+}
+
+/* tab[p * half + i] = s_rope_cs(p, i) for p < S_ROPE_POS. */
+__global__ static void k_rope_table(float2 *tab, int head_dim, float theta) {
+    int half = head_dim / 2;
+    size_t total = (size_t)S_ROPE_POS * half;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x)
+        tab[e] = s_rope_cs((int)(e / half), (int)(e % half), head_dim, theta);
+}
+
+/* One thread per (token, pair index i): the rotation from tab (when given
+ * and the position is in it: the same values) or computed, then every
+ * head. */
 __global__ static void k_rope(float *x, int n, int n_heads, int head_dim, const int32_t *pos,
-                              float theta) {
+                              float theta, const float2 *tab) {
     int half = head_dim / 2;
     size_t total = (size_t)n * half;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
          e += (size_t)gridDim.x * blockDim.x) {
-        int t = (int)(e / half), i = (int)(e % half);
-        double ang = (double)pos[t] * pow((double)theta, -2.0 * i / head_dim);
-        float cs = (float)cos(ang), sn = (float)sin(ang);
+        int t = (int)(e / half), i = (int)(e % half), p = pos[t];
+        float2 r = tab && p >= 0 && p < S_ROPE_POS ? tab[(size_t)p * half + i]
+                                                   : s_rope_cs(p, i, head_dim, theta);
+        float cs = r.x, sn = r.y;
         float *row = x + (size_t)t * n_heads * head_dim;
         for (int h = 0; h < n_heads; h++) {
             float *p = row + (size_t)h * head_dim + 2 * i;
@@ -506,6 +660,218 @@ k_attention(float *out, float *part, const float *q, const uint16_t *kc, const u
     }
 }
 
+__device__ static inline float s_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* Attention for head_dim 32, 64 or 128 and up to S_AG_MAX_G query heads
+ * per KV head: one block per (token t, KV head kh, split), taking the G
+ * query heads of kh together so that each K and V row is read once for
+ * all of them. The split takes tiles s, s+S, s+2S, ... of S_AG_TILE
+ * positions of 0..pos[t]. Per tile:
+ *   1. thread i scores position i of the tile for the G heads (its K row
+ *      in 16-byte loads, q from shared memory);
+ *   2. the block's max and sum of exp per head update an online softmax;
+ *   3. thread (sub, d2) adds p * V to dims 2*d2, 2*d2+1 for the tile's
+ *      positions sub, sub + nsub, ... (half2 loads, coalesced).
+ * With one split the result goes to out; otherwise each block writes
+ * (max, sum, o[hd]) per head as k_attention does, and the last block of
+ * (t, kh) to finish (count[t * n_kv_heads + kh], reset by that block)
+ * merges the splits in split order, so no second launch is needed. */
+__global__ static void __launch_bounds__(S_AG_THREADS)
+k_attention_g(float *out, float *part, unsigned *count, const float *q, const uint16_t *kc,
+              const uint16_t *vc, const int32_t *pos, const int32_t *seq, const int32_t *tables,
+              int max_blocks, int bs, int n_heads, int n_kv_heads, int hd) {
+    __shared__ float sq[S_AG_MAX_G * 128];
+    __shared__ float sp[S_AG_MAX_G][S_AG_TILE];
+    __shared__ size_t srow[S_AG_TILE];
+    __shared__ float smax[S_AG_THREADS / 32][S_AG_MAX_G], ssum[S_AG_THREADS / 32][S_AG_MAX_G];
+    __shared__ float so[2 * S_AG_THREADS * S_AG_MAX_G];
+    __shared__ float sm[S_AG_MAX_G], sl[S_AG_MAX_G];
+    __shared__ int last;
+    const int G = n_heads / n_kv_heads;
+    const int tk = blockIdx.x, t = tk / n_kv_heads, kh = tk % n_kv_heads;
+    const int split = blockIdx.y, n_split = gridDim.y;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
+    const int kv_dim = n_kv_heads * hd, h2 = hd / 2, nsub = S_AG_THREADS / h2;
+    const int d2 = tid % h2, sub = tid / h2;
+    const float *qr = q + (size_t)t * n_heads * hd + (size_t)kh * G * hd;
+    for (int i = tid; i < G * hd; i += S_AG_THREADS)
+        sq[i] = qr[i];
+    const float scale = 1.0f / sqrtf((float)hd); /* as the CPU computes it */
+    const int np = pos[t] + 1;
+    const int32_t *tbl = tables + (size_t)seq[t] * max_blocks;
+    float m[S_AG_MAX_G], l[S_AG_MAX_G], a0[S_AG_MAX_G], a1[S_AG_MAX_G];
+#pragma unroll
+    for (int g = 0; g < S_AG_MAX_G; g++) {
+        m[g] = -INFINITY;
+        l[g] = a0[g] = a1[g] = 0.0f;
+    }
+    __syncthreads();
+    for (int c0 = split * S_AG_TILE; c0 < np; c0 += n_split * S_AG_TILE) {
+        const int cn = np - c0 < S_AG_TILE ? np - c0 : S_AG_TILE;
+        float sc[S_AG_MAX_G];
+#pragma unroll
+        for (int g = 0; g < S_AG_MAX_G; g++)
+            sc[g] = -INFINITY;
+        if (tid < cn) {
+            int p = c0 + tid;
+            size_t row = (size_t)tbl[p / bs] * bs + (size_t)(p % bs);
+            srow[tid] = row;
+            const uint16_t *kr = kc + row * kv_dim + (size_t)kh * hd;
+#pragma unroll
+            for (int g = 0; g < S_AG_MAX_G; g++)
+                if (g < G)
+                    sc[g] = 0.0f;
+            for (int d = 0; d < hd; d += 8) {
+                uint4 u = *(const uint4 *)(kr + d);
+                const __half2 *k2 = (const __half2 *)&u;
+                float kf[8];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    float2 f = __half22float2(k2[j]);
+                    kf[2 * j] = f.x;
+                    kf[2 * j + 1] = f.y;
+                }
+#pragma unroll
+                for (int g = 0; g < S_AG_MAX_G; g++) {
+                    if (g < G) {
+                        const float *qg = sq + g * hd + d;
+                        float s = sc[g];
+#pragma unroll
+                        for (int j = 0; j < 8; j++)
+                            s = fmaf(qg[j], kf[j], s);
+                        sc[g] = s;
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < S_AG_MAX_G; g++)
+                if (g < G)
+                    sc[g] *= scale;
+        }
+#pragma unroll
+        for (int g = 0; g < S_AG_MAX_G; g++) {
+            if (g < G) {
+                float v = s_warp_max(sc[g]);
+                if (lane == 0)
+                    smax[warp][g] = v;
+            }
+        }
+        __syncthreads();
+        float r[S_AG_MAX_G];
+#pragma unroll
+        for (int g = 0; g < S_AG_MAX_G; g++) {
+            r[g] = 1.0f;
+            if (g < G) {
+                float tm = smax[0][g];
+                for (int w = 1; w < S_AG_THREADS / 32; w++)
+                    tm = fmaxf(tm, smax[w][g]);
+                float mn = fmaxf(m[g], tm); /* finite: the tile has a position */
+                r[g] = expf(m[g] - mn);     /* 0 on the first tile */
+                m[g] = mn;
+                float e = tid < cn ? expf(sc[g] - mn) : 0.0f;
+                sp[g][tid] = e;
+                e = s_warp_sum(e);
+                if (lane == 0)
+                    ssum[warp][g] = e;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < S_AG_MAX_G; g++) {
+            if (g < G) {
+                float ts = 0.0f;
+                for (int w = 0; w < S_AG_THREADS / 32; w++)
+                    ts += ssum[w][g];
+                l[g] = l[g] * r[g] + ts;
+                a0[g] *= r[g];
+                a1[g] *= r[g];
+            }
+        }
+#pragma unroll 4
+        for (int i = sub; i < cn; i += nsub) {
+            const uint16_t *vr = vc + srow[i] * kv_dim + (size_t)kh * hd;
+            float2 vf = __half22float2(*(const __half2 *)(vr + 2 * d2));
+#pragma unroll
+            for (int g = 0; g < S_AG_MAX_G; g++) {
+                if (g < G) {
+                    float pg = sp[g][i];
+                    a0[g] = fmaf(pg, vf.x, a0[g]);
+                    a1[g] = fmaf(pg, vf.y, a1[g]);
+                }
+            }
+        }
+        __syncthreads(); /* sp, srow and the sums are refilled next */
+    }
+#pragma unroll
+    for (int g = 0; g < S_AG_MAX_G; g++) {
+        if (g < G) {
+            so[(sub * G + g) * hd + 2 * d2] = a0[g];
+            so[(sub * G + g) * hd + 2 * d2 + 1] = a1[g];
+        }
+    }
+    if (tid == 0) {
+#pragma unroll
+        for (int g = 0; g < S_AG_MAX_G; g++) {
+            if (g < G) {
+                sm[g] = m[g];
+                sl[g] = l[g];
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * hd; i += S_AG_THREADS) {
+        int g = i / hd, d = i % hd, h = kh * G + g;
+        float v = 0.0f;
+        for (int sb = 0; sb < nsub; sb++)
+            v += so[(sb * G + g) * hd + d];
+        if (n_split == 1) {
+            out[(size_t)t * n_heads * hd + (size_t)h * hd + d] = v / sl[g];
+        } else {
+            float *pp = part + ((size_t)(t * n_heads + h) * n_split + split) * (size_t)(hd + 2);
+            if (d == 0) {
+                pp[0] = sm[g];
+                pp[1] = sl[g];
+            }
+            pp[2 + d] = v;
+        }
+    }
+    if (n_split == 1)
+        return;
+    /* the last block of (t, kh) merges: see the header */
+    __threadfence();
+    __syncthreads();
+    if (tid == 0)
+        last = atomicAdd(&count[tk], 1u) == (unsigned)n_split - 1;
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence();
+    for (int i = tid; i < G * hd; i += S_AG_THREADS) {
+        int g = i / hd, d = i % hd, h = kh * G + g;
+        const float *pp = part + (size_t)(t * n_heads + h) * n_split * (size_t)(hd + 2);
+        float M = -INFINITY;
+        for (int s = 0; s < n_split; s++)
+            M = fmaxf(M, __ldcg(pp + (size_t)s * (hd + 2)));
+        float L = 0.0f, v = 0.0f;
+        for (int s = 0; s < n_split; s++) {
+            const float *ps = pp + (size_t)s * (hd + 2);
+            float ms = __ldcg(ps);
+            if (ms != -INFINITY) {
+                float f = expf(ms - M);
+                L += __ldcg(ps + 1) * f;
+                v += __ldcg(ps + 2 + d) * f;
+            }
+        }
+        out[(size_t)t * n_heads * hd + (size_t)h * hd + d] = v / L;
+    }
+    if (tid == 0)
+        count[tk] = 0; /* ready for the next launch */
+}
+
 /* Attention, second pass (only with splits): one block per (token, head). */
 __global__ static void k_attention_merge(float *out, const float *part, int n_heads, int hd,
                                          int n_split) {
@@ -589,6 +955,7 @@ static int s_grow(s_cuda *c, void **buf, size_t *cap, size_t need, size_t elem, 
         return -1;
     }
     size_t n = need + need / 4;
+    c->gen++; /* recorded graphs point into the old buffer */
     if (*buf && !s_ok(c, cudaFree(*buf), "cudaFree (scratch)"))
         return -1;
     *buf = NULL;
@@ -614,6 +981,7 @@ static void *s_alloc(void *ctx, size_t bytes) {
     if (!s_enter(c) || !s_not_capturing(c, "alloc"))
         return NULL;
     void *p = NULL;
+    c->gen++; /* the caller's buffers may now sit where freed ones were */
     cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
     if (e != cudaSuccess) {
         /* not sticky: the caller sees NULL and may go on */
@@ -634,6 +1002,7 @@ static void s_free(void *ctx, void *p) {
     if (!p || !s_not_capturing(c, "free"))
         return;
     (void)cudaSetDevice(c->device);
+    c->gen++;
     /* a failure here is reported by the next operation that checks */
     cudaError_t e = cudaFree(p);
     if (e != cudaSuccess && !c->failed)
@@ -644,6 +1013,8 @@ static int s_to_backend(void *ctx, void *dst, const void *src, size_t bytes) {
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c))
         return -1;
+    const uint64_t v[] = {S_P(dst), (uint64_t)bytes};
+    int check_only = s_note(c, S_REC_TO_BACKEND, v, 2);
     if (c->capturing && bytes) {
         size_t at = (c->stage_used + 15) / 16 * 16;
         if (at + bytes > S_STAGE_BYTES) {
@@ -654,6 +1025,8 @@ static int s_to_backend(void *ctx, void *dst, const void *src, size_t bytes) {
         memcpy(c->stage + at, src, bytes);
         c->stage_used = at + bytes;
         src = c->stage + at;
+        if (check_only) /* the recording copies from there */
+            return 0;
     }
     /* From pageable memory this returns once src has been staged, so the
      * caller may reuse src at once. */
@@ -763,6 +1136,7 @@ static int s_weight_upload(void *ctx, fi_weight *w) {
         goto fail;
     w->dev = cw;
     c->uploaded++;
+    c->gen++;
     return 0;
 fail:
     if (raw)
@@ -777,6 +1151,7 @@ static void s_weight_release(void *ctx, fi_weight *w) {
     if (!s_not_capturing(c, "weight_release"))
         return;
     (void)cudaSetDevice(c->device);
+    c->gen++;
     s_weight_free((s_cweight *)w->dev);
     w->dev = NULL;
 }
@@ -871,24 +1246,61 @@ static void s_gemm(s_cuda *c, float *y, const __half *w, const __half *xh, int m
             what);
 }
 
-static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
-    s_cuda *c = (s_cuda *)ctx;
-    if (!s_enter(c) || n <= 0)
-        return;
+/* y[i] += x[i], after s_enter and the call's note. */
+static void s_add_do(s_cuda *c, float *y, const float *x, size_t n) {
+    s_prof_begin(c);
+    k_add<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(y, x, n);
+    s_launched(c, "k_add");
+    s_prof_end(c, S_OP_ADD);
+}
+
+/* Whether k_matvec takes the product of w with n tokens of x. */
+static int s_mv_takes(const s_cuda *c, const fi_weight *w, const float *x, int n) {
+    const s_cweight *cw = (const s_cweight *)w->dev;
+    if (!cw || n > S_MV_MAX_N)
+        return 0;
+    if (cw->q) /* blocks: always (a GEMM would dequantise the whole matrix first) */
+        return 1;
+    return c->matvec && w->cols % 8 == 0 && (uintptr_t)x % 16 == 0;
+}
+
+/* Adds w as weight i of a k_matvec launch (rows after those already in). */
+static void s_mv_add(s_mv_args *a, int i, const fi_weight *w, float *y) {
+    const s_cweight *cw = (const s_cweight *)w->dev;
+    a->h[i] = cw->h;
+    a->q[i] = cw->h ? NULL : cw->q;
+    a->y[i] = y;
+    a->end[i] = (i ? a->end[i - 1] : 0) + w->rows;
+    a->type[i] = (int)w->type;
+    a->row_bytes[i] = (int)w->row_bytes;
+    a->blk_bytes[i] = (int)s_blk_bytes(w->type);
+    a->count = i + 1;
+}
+
+static void s_mv_launch(s_cuda *c, const s_mv_args *a, const float *x, int cols, int n) {
+    size_t threads = (size_t)a->end[a->count - 1] * 32;
+    s_prof_begin(c);
+    k_matvec<<<(unsigned)((threads + S_MV_THREADS - 1) / S_MV_THREADS), S_MV_THREADS, 0,
+               c->stream>>>(*a, x, cols, n);
+    s_launched(c, "k_matvec");
+    s_prof_end(c, S_OP_MATVEC);
+}
+
+/* matmul, after s_enter and the call's note. */
+static void s_matmul_do(s_cuda *c, float *y, const fi_weight *w, const float *x, int n) {
     const s_cweight *cw = (const s_cweight *)w->dev;
     if (!cw) {
         s_set_err(c, "cuda: %s%s", "matmul on a weight that was not uploaded", "");
         return;
     }
-    s_prof_begin(c);
-    if (cw->q && n <= FI_CUDA_QUANT_MAX_N) {
-        unsigned threads = 128, blocks = (unsigned)(((size_t)w->rows * 32 + threads - 1) / threads);
-        k_matvec_q<<<blocks, threads, 0, c->stream>>>(y, cw->q, (int)w->type, w->rows, w->cols,
-                                                      w->row_bytes, s_blk_bytes(w->type), x, n);
-        s_launched(c, "k_matvec_q");
-        s_prof_end(c, S_OP_MATVEC);
+    if (s_mv_takes(c, w, x, n)) {
+        s_mv_args a;
+        memset(&a, 0, sizeof a);
+        s_mv_add(&a, 0, w, y);
+        s_mv_launch(c, &a, x, w->cols, n);
         return;
     }
+    s_prof_begin(c);
     const __half *wh = cw->h;
     if (!wh) {
         /* quantised mode, many tokens: dequantise into the scratch */
@@ -910,6 +1322,71 @@ static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, in
     s_prof_end(c, S_OP_GEMM);
 }
 
+static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, int n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0)
+        return;
+    S_NOTE(c, S_OP_GEMM, S_P(y), S_P(w->dev), (uint64_t)w->rows, (uint64_t)w->cols, S_P(x),
+           (uint64_t)n);
+    s_matmul_do(c, y, w, x, n);
+}
+
+/* y[i] = W[i] x: one k_matvec launch when it takes every product, else
+ * each as matmul does it (so the same bits either way). */
+static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
+                       const float *x, int n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0 || count <= 0)
+        return;
+    if (count > FI_MATMUL_N_MAX) {
+        s_set_err(c, "cuda: matmul_n: %s%s", "more products than FI_MATMUL_N_MAX", "");
+        return;
+    }
+    uint64_t v[2 + 3 * FI_MATMUL_N_MAX + 2];
+    int nv = 0, all = 1;
+    v[nv++] = (uint64_t)count;
+    for (int i = 0; i < count; i++) {
+        v[nv++] = S_P(y[i]);
+        v[nv++] = S_P(w[i]->dev);
+        v[nv++] = (uint64_t)w[i]->rows << 32 | (uint32_t)w[i]->cols;
+        all = all && w[i]->cols == w[0]->cols && s_mv_takes(c, w[i], x, n);
+    }
+    v[nv++] = S_P(x);
+    v[nv++] = (uint64_t)n;
+    if (s_note(c, S_REC_MATMUL_N, v, nv))
+        return;
+    if (!all) {
+        for (int i = 0; i < count; i++)
+            s_matmul_do(c, y[i], w[i], x, n);
+        return;
+    }
+    s_mv_args a;
+    memset(&a, 0, sizeof a);
+    for (int i = 0; i < count; i++)
+        s_mv_add(&a, i, w[i], y[i]);
+    s_mv_launch(c, &a, x, w[0]->cols, n);
+}
+
+/* acc += W x through y, in the product's launch where k_matvec takes it. */
+static void s_matmul_add(void *ctx, float *acc, float *y, const fi_weight *w, const float *x,
+                         int n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0)
+        return;
+    S_NOTE(c, S_REC_MATMUL_ADD, S_P(acc), S_P(y), S_P(w->dev), (uint64_t)w->rows,
+           (uint64_t)w->cols, S_P(x), (uint64_t)n);
+    if (!s_mv_takes(c, w, x, n)) {
+        s_matmul_do(c, y, w, x, n);
+        s_add_do(c, acc, y, (size_t)n * w->rows);
+        return;
+    }
+    s_mv_args a;
+    memset(&a, 0, sizeof a);
+    s_mv_add(&a, 0, w, y);
+    a.acc = acc;
+    s_mv_launch(c, &a, x, w->cols, n);
+}
+
 /* --- small ops --------------------------------------------------------- */
 
 static void s_get_rows(void *ctx, float *y, const fi_weight *w, const int32_t *tok, int n) {
@@ -921,6 +1398,7 @@ static void s_get_rows(void *ctx, float *y, const fi_weight *w, const int32_t *t
         s_set_err(c, "cuda: %s%s", "get_rows on a weight that was not uploaded", "");
         return;
     }
+    S_NOTE(c, S_OP_GET_ROWS, S_P(y), S_P(cw), S_P(tok), (uint64_t)n);
     size_t total = (size_t)n * w->cols;
     s_prof_begin(c);
     k_get_rows<<<s_blocks(total, S_THREADS), S_THREADS, 0, c->stream>>>(
@@ -934,6 +1412,7 @@ static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || n <= 0)
         return;
+    S_NOTE(c, S_OP_RMSNORM, S_P(y), S_P(x), S_P(g), (uint64_t)n, (uint64_t)dim, s_fbits(eps));
     s_prof_begin(c);
     k_rmsnorm<<<(unsigned)n, dim >= 1024 ? 1024 : 256, 0, c->stream>>>(y, x, g, dim, eps);
     s_launched(c, "k_rmsnorm");
@@ -945,11 +1424,62 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || n <= 0)
         return;
+    /* the angles' table, (re)made outside a graph for this (head_dim,
+     * theta); positions beyond it, or another pair, compute their own */
+    if (!c->capturing && head_dim >= 2 && (c->rope_hd != head_dim || c->rope_theta != theta)) {
+        size_t elems = (size_t)S_ROPE_POS * (head_dim / 2);
+        c->rope_hd = 0;
+        if (s_grow(c, (void **)&c->rope_tab, &c->rope_elems, elems, sizeof(float2),
+                   "cudaMalloc (rope table)"))
+            return;
+        c->gen++; /* recorded graphs read the old contents */
+        k_rope_table<<<s_blocks(elems, S_THREADS), S_THREADS, 0, c->stream>>>(c->rope_tab, head_dim, theta);
+        s_launched(c, "k_rope_table");
+        c->rope_hd = head_dim;
+        c->rope_theta = theta;
+    }
+    const float2 *tab = c->rope_hd == head_dim && c->rope_theta == theta ? c->rope_tab : NULL;
+    S_NOTE(c, S_OP_ROPE, S_P(x), (uint64_t)n, (uint64_t)n_heads, (uint64_t)head_dim, S_P(pos),
+           s_fbits(theta), S_P(tab));
     size_t total = (size_t)n * (head_dim / 2);
     s_prof_begin(c);
-    k_rope<<<s_blocks(total, 128), 128, 0, c->stream>>>(x, n, n_heads, head_dim, pos, theta);
+    k_rope<<<s_blocks(total, 128), 128, 0, c->stream>>>(x, n, n_heads, head_dim, pos, theta, tab);
     s_launched(c, "k_rope");
     s_prof_end(c, S_OP_ROPE);
+}
+
+/* Attention through k_attention_g (see the kernel), after the checks. */
+static void s_attention_g(s_cuda *c, float *out, const float *q, const uint16_t *k,
+                          const uint16_t *v, int n, const int32_t *pos, const fi_kv_map *map,
+                          int n_heads, int n_kv_heads, int head_dim) {
+    long items = (long)n * n_kv_heads;
+    int split = 1;
+    if (items < 2L * c->n_sm) {
+        split = (int)((2L * c->n_sm + items - 1) / items);
+        if (split > S_ATT_MAX_SPLIT)
+            split = S_ATT_MAX_SPLIT;
+    }
+    if (split > 1) {
+        size_t had = c->att_count_elems;
+        if (s_grow(c, (void **)&c->att_part, &c->att_part_floats,
+                   (size_t)n * n_heads * split * (size_t)(head_dim + 2), sizeof(float),
+                   "cudaMalloc (attention partials)") ||
+            s_grow(c, (void **)&c->att_count, &c->att_count_elems, (size_t)items,
+                   sizeof(unsigned), "cudaMalloc (attention counters)"))
+            return;
+        /* counters start at 0; each launch's merging blocks leave them so */
+        if (c->att_count_elems != had &&
+            !s_ok(c, cudaMemsetAsync(c->att_count, 0, c->att_count_elems * sizeof(unsigned), c->stream),
+                  "cudaMemsetAsync (attention counters)"))
+            return;
+    }
+    s_prof_begin(c);
+    dim3 grid((unsigned)items, (unsigned)split);
+    k_attention_g<<<grid, S_AG_THREADS, 0, c->stream>>>(
+        out, c->att_part, c->att_count, q, k, v, pos, map->seq, map->tables, map->max_blocks,
+        map->block_size, n_heads, n_kv_heads, head_dim);
+    s_launched(c, "k_attention_g");
+    s_prof_end(c, S_OP_ATTENTION);
 }
 
 static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
@@ -962,6 +1492,17 @@ static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k
         char hd[32];
         snprintf(hd, sizeof hd, "%d", head_dim);
         s_set_err(c, "cuda: attention: head_dim %s is larger than the kernel's %s", hd, "256");
+        return;
+    }
+    S_NOTE(c, S_OP_ATTENTION, S_P(out), S_P(q), S_P(k), S_P(v), (uint64_t)n, S_P(pos),
+           S_P(map->seq), S_P(map->tables), (uint64_t)map->max_blocks,
+           (uint64_t)map->block_size, (uint64_t)n_heads << 32 | (uint32_t)n_kv_heads,
+           (uint64_t)head_dim);
+    int G = n_kv_heads > 0 ? n_heads / n_kv_heads : 0;
+    if (c->att_g && (head_dim == 32 || head_dim == 64 || head_dim == 128) && G >= 1 &&
+        G <= S_AG_MAX_G && G * n_kv_heads == n_heads && (uintptr_t)k % 16 == 0 &&
+        (uintptr_t)v % 16 == 0) {
+        s_attention_g(c, out, q, k, v, n, pos, map, n_heads, n_kv_heads, head_dim);
         return;
     }
     long items = (long)n * n_heads;
@@ -994,6 +1535,7 @@ static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || !n)
         return;
+    S_NOTE(c, S_REC_STORE_F16, S_P(dst), S_P(src), (uint64_t)n);
     s_prof_begin(c);
     k_store_f16<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(dst, src, n);
     s_launched(c, "k_store_f16");
@@ -1016,6 +1558,7 @@ static void s_kv_store(void *ctx, uint16_t *cache, const float *src, int n, cons
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || n <= 0 || row <= 0)
         return;
+    S_NOTE(c, S_OP_KV_STORE, S_P(cache), S_P(src), (uint64_t)n, S_P(slot), (uint64_t)row);
     size_t total = (size_t)n * row;
     s_prof_begin(c);
     k_kv_store<<<s_blocks(total, S_THREADS), S_THREADS, 0, c->stream>>>(cache, src, n, slot, row);
@@ -1027,6 +1570,7 @@ static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || !n)
         return;
+    S_NOTE(c, S_OP_SWIGLU, S_P(g), S_P(u), (uint64_t)n);
     s_prof_begin(c);
     k_swiglu<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(g, u, n);
     s_launched(c, "k_swiglu");
@@ -1037,10 +1581,8 @@ static void s_add(void *ctx, float *y, const float *x, size_t n) {
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || !n)
         return;
-    s_prof_begin(c);
-    k_add<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(y, x, n);
-    s_launched(c, "k_add");
-    s_prof_end(c, S_OP_ADD);
+    S_NOTE(c, S_OP_ADD, S_P(y), S_P(x), (uint64_t)n);
+    s_add_do(c, y, x, n);
 }
 
 static int s_argmax(void *ctx, int32_t *out, const float *x, int n) {
@@ -1062,10 +1604,12 @@ static int s_argmax(void *ctx, int32_t *out, const float *x, int n) {
 
 /* --- graphs ------------------------------------------------------------ */
 
-static int s_graph_begin(void *ctx, int key, size_t upload) {
-    s_cuda *c = (s_cuda *)ctx;
+/* graph_begin, and graph_begin_sig with a signature (sig_len > 0): a
+ * relaunch when it equals that of the key's recording and c->gen has not
+ * moved since. */
+static int s_graph_start(s_cuda *c, int key, size_t upload, const void *sig, size_t sig_len) {
     if (!c->graphs || c->profile || c->capturing || key < 1 || key > S_GRAPH_KEYS ||
-        upload > S_STAGE_BYTES - S_STAGE_SLACK || !s_enter(c))
+        upload > S_STAGE_BYTES - S_STAGE_SLACK || sig_len > FI_GRAPH_SIG_MAX || !s_enter(c))
         return -1;
     if (!c->key_seen[key]) {
         c->key_seen[key] = 1; /* this step directly: see the header */
@@ -1075,12 +1619,53 @@ static int s_graph_begin(void *ctx, int key, size_t upload) {
     if (c->graph_launched &&
         !s_ok(c, cudaEventSynchronize(c->graph_done), "cudaEventSynchronize (graph)"))
         return -1;
+    c->stage_used = 0;
+    c->hash = 14695981039346656037ull;
+    c->calls = 0;
+    c->key = key;
+    if (sig_len && c->exec[key] && c->rec[key].sig_len == sig_len && c->rec[key].gen == c->gen &&
+        !memcmp(c->rec[key].sig, sig, sig_len)) {
+        c->replaying = 1;
+        c->capturing = 1; /* the same rules as a recording */
+        return 0;
+    }
+    c->rec[key].sig_len = 0; /* the key's graph is about to change */
     if (!s_ok(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal),
               "cudaStreamBeginCapture"))
         return -1;
-    c->stage_used = 0;
+    if (sig_len)
+        memcpy(c->pending_sig, sig, sig_len);
+    c->pending_sig_len = sig_len;
     c->capturing = 1;
-    c->key = key;
+    return 0;
+}
+
+static int s_graph_begin(void *ctx, int key, size_t upload) {
+    return s_graph_start((s_cuda *)ctx, key, upload, NULL, 0);
+}
+
+static int s_graph_begin_sig(void *ctx, int key, size_t upload, const void *sig, size_t sig_len) {
+    return s_graph_start((s_cuda *)ctx, key, upload, sig, sig_len);
+}
+
+/* Keeps the signature, calls and hash of the key's new recording. */
+static void s_cuda_rec_keep(s_cuda *c) {
+    int k = c->key;
+    c->rec[k].sig_len = c->pending_sig_len;
+    if (c->pending_sig_len)
+        memcpy(c->rec[k].sig, c->pending_sig, c->pending_sig_len);
+    c->rec[k].gen = c->gen;
+    c->rec[k].hash = c->hash;
+    c->rec[k].calls = c->calls;
+}
+
+/* Launches the key's executable graph after a recording or a relaunch. */
+static int s_graph_launch(s_cuda *c) {
+    if (!s_ok(c, cudaGraphLaunch(c->exec[c->key], c->stream), "cudaGraphLaunch") ||
+        !s_ok(c, cudaEventRecord(c->graph_done, c->stream), "cudaEventRecord (graph)"))
+        return -1;
+    c->graph_launched = 1;
+    c->n_graphs++;
     return 0;
 }
 
@@ -1090,6 +1675,23 @@ static int s_graph_end(void *ctx) {
         return -1;
     c->capturing = 0;
     (void)cudaSetDevice(c->device);
+    if (c->replaying) {
+        c->replaying = 0;
+        if (c->failed)
+            return -1;
+        if (c->hash != c->rec[c->key].hash || c->calls != c->rec[c->key].calls) {
+            char key[32];
+            snprintf(key, sizeof key, "%d", c->key);
+            c->rec[c->key].sig_len = 0;
+            s_set_err(c, "cuda: graph replay of key %s: %s", key,
+                      "the calls differ from the recording with the same signature (nothing ran)");
+            return -1;
+        }
+        if (s_graph_launch(c))
+            return -1;
+        c->n_replays++;
+        return 0;
+    }
     cudaGraph_t g = NULL;
     cudaError_t e = cudaStreamEndCapture(c->stream, &g);
     if (!s_ok(c, e, "cudaStreamEndCapture") || c->failed) {
@@ -1117,11 +1719,9 @@ static int s_graph_end(void *ctx) {
         c->n_instantiated++;
     }
     (void)cudaGraphDestroy(g);
-    if (!s_ok(c, cudaGraphLaunch(*ex, c->stream), "cudaGraphLaunch") ||
-        !s_ok(c, cudaEventRecord(c->graph_done, c->stream), "cudaEventRecord (graph)"))
+    if (s_graph_launch(c))
         return -1;
-    c->graph_launched = 1;
-    c->n_graphs++;
+    s_cuda_rec_keep(c);
     return 0;
 }
 
@@ -1132,7 +1732,7 @@ static void s_destroy(void *ctx) {
     if (!c)
         return;
     (void)cudaSetDevice(c->device);
-    if (c->capturing) {
+    if (c->capturing && !c->replaying) {
         cudaGraph_t g = NULL;
         if (cudaStreamEndCapture(c->stream, &g) == cudaSuccess && g)
             (void)cudaGraphDestroy(g);
@@ -1151,7 +1751,8 @@ static void s_destroy(void *ctx) {
         s_plan_free(&c->plans[i]);
     if (c->lt)
         cublasLtDestroy(c->lt);
-    void *bufs[] = {c->workspace, c->xh, c->wscratch, c->att_part, c->arg_dev};
+    void *bufs[] = {c->workspace, c->xh, c->wscratch, c->att_part, c->arg_dev, c->att_count,
+                    c->rope_tab};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i])
             (void)cudaFree(bufs[i]);
@@ -1193,10 +1794,11 @@ static const fi_backend_ops s_cuda_ops = {
     /* .graph_begin = */ s_graph_begin,
     /* .graph_end = */ s_graph_end,
     /* .kv_store = */ s_kv_store,
-    /* .matmul_n = */ NULL, /* one cuBLASLt call per product */
+    /* .matmul_n = */ s_matmul_n,
     /* .host_memory = */ 0,
-    /* .matmul_add = */ NULL, /* matmul, then add */
+    /* .matmul_add = */ s_matmul_add,
     /* .matmul_argmax = */ NULL, /* matmul, then the engine's argmax of the host logits */
+    /* .graph_begin_sig = */ s_graph_begin_sig,
 };
 
 extern "C" int fi_cuda_device_count(char *err, size_t errlen) {
@@ -1248,6 +1850,20 @@ extern "C" fi_backend *fi_cuda_backend_new(int device, char *err, size_t errlen)
         goto fail;
     }
     c->graphs = !(genv && !strcmp(genv, "0"));
+    /* the newer kernels, each with a switch back for comparisons */
+    c->matvec = c->att_g = 1;
+    {
+        const char *names[] = {"FEDINFER_CUDA_MATVEC", "FEDINFER_CUDA_ATTN_G"};
+        int *flags[] = {&c->matvec, &c->att_g};
+        for (int i = 0; i < 2; i++) {
+            const char *e = getenv(names[i]);
+            if (e && *e && strcmp(e, "0") && strcmp(e, "1")) {
+                snprintf(err, errlen, "%s must be '0' or '1', not '%.32s'", names[i], e);
+                goto fail;
+            }
+            *flags[i] = !(e && !strcmp(e, "0"));
+        }
+    }
     if (!s_ok(c, cudaSetDevice(device), "cudaSetDevice") ||
         !s_ok(c, cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties") ||
         !s_ok(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "cudaStreamCreate") ||
@@ -1267,7 +1883,11 @@ extern "C" fi_backend *fi_cuda_backend_new(int device, char *err, size_t errlen)
      * partials (fewer than 4 * n_sm (token, head, split) blocks) */
     if (s_grow(c, (void **)&c->xh, &c->xh_elems, S_XH_MIN, sizeof(__half), "cudaMalloc (fp16 activations)") ||
         s_grow(c, (void **)&c->att_part, &c->att_part_floats, (size_t)4 * c->n_sm * (S_ATT_MAX_HD + 2),
-               sizeof(float), "cudaMalloc (attention partials)")) {
+               sizeof(float), "cudaMalloc (attention partials)") ||
+        s_grow(c, (void **)&c->att_count, &c->att_count_elems, (size_t)4 * c->n_sm, sizeof(unsigned),
+               "cudaMalloc (attention counters)") ||
+        !s_ok(c, cudaMemsetAsync(c->att_count, 0, c->att_count_elems * sizeof(unsigned), c->stream),
+              "cudaMemsetAsync (attention counters)")) {
         snprintf(err, errlen, "%s", c->err);
         goto fail;
     }
@@ -1373,6 +1993,10 @@ extern "C" int fi_cuda_backend_set_graphs(fi_backend *b, int on) {
         return -1;
     ((s_cuda *)b->ctx)->graphs = on != 0;
     return 0;
+}
+
+extern "C" long fi_cuda_backend_graph_replays(const fi_backend *b) {
+    return fi_cuda_backend_is(b) ? ((const s_cuda *)b->ctx)->n_replays : 0;
 }
 
 extern "C" void fi_cuda_backend_graph_stats(const fi_backend *b, long *launched,
