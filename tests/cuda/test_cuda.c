@@ -11,14 +11,21 @@
  * each run, so an element the kernel does not write fails the comparison.
  * Bounds: errors are measured against the largest magnitude of the CPU
  * result; products of fp16 operands get 1e-2, everything else is tighter,
- * and store_f16 must match bit for bit.
+ * and store_f16 must match bit for bit. The fused operations (matmul_n,
+ * matmul_add) must also give the bits of the GPU's own unfused calls.
+ *
+ * Graphs: recorded steps give the results of direct calls with each step's
+ * new uploads; with graph_begin_sig a step of the signature of its key's
+ * last recording is relaunched (counted), and a relaunch that makes other
+ * calls than the recording fails the backend.
  *
  * The model end to end, on a small random-weight model written by the test
  * and on the default model when it is present: greedy tokens
  * equal to the CPU backend's up to the first near tie (the CPU's top-2 logit
  * gap below NEAR_TIE), and logits with cosine similarity >= COS_MIN and a
  * top-1 logit within LOGIT_TOL, for the decoded steps and for a prefill
- * with all logits; in both weight modes (fp16 and quantised-read).
+ * with all logits; in both weight modes (fp16 and quantised-read). With
+ * graphs on, a few steps of one session alone must be relaunched.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -50,6 +57,7 @@
 #define COS_MIN 0.999   /* logits cosine similarity floor */
 #define LOGIT_TOL 0.25  /* top-1 logit difference allowed */
 #define GREEDY_STEPS 24 /* decoded tokens compared per prompt */
+#define ALONE_STEPS 4   /* then decoded by one GPU session alone (relaunches) */
 
 /* --- helpers ------------------------------------------------------------ */
 
@@ -234,6 +242,32 @@ static fi_weight make_weight(rng *r, fi_dtype t, int rows, int cols) {
     return w;
 }
 
+/* The GPU's copy of host weight w (weight_upload); the test fails with
+ * the backend's message when the upload does. */
+static fi_weight gpu_weight(pair *p, const fi_weight *w) {
+    fi_weight wg = *w;
+    int rc = p->gpu->ops->weight_upload(p->gpu->ctx, &wg);
+    if (rc)
+        fprintf(stderr, "upload: %s\n", p->gpu->ops->last_error(p->gpu->ctx));
+    assert_int_equal(rc, 0);
+    return wg;
+}
+
+/* got must hold the bits of same (another way to the same result on the
+ * GPU, which the contract says gives the same bits) and be within tol of
+ * the CPU's ref; n floats each. One line says both. */
+static void check_same(const char *what, const float *got, const float *same, const float *ref,
+                       size_t n, double tol) {
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += memcmp(got + i, same + i, sizeof *got) != 0;
+    double e = rel_err(got, ref, n);
+    printf("  %-44s %zu of %zu bits differ (must be 0), rel err %.3g (bound %.3g)\n", what, bad,
+           n, e, tol);
+    assert_int_equal(bad, 0);
+    assert_true(e <= tol);
+}
+
 /* --- operations --------------------------------------------------------- */
 
 static const fi_dtype ALL_TYPES[] = {FI_DTYPE_F32,  FI_DTYPE_F16,  FI_DTYPE_BF16,
@@ -245,11 +279,7 @@ static void run_matmul(pair *p, const char *test) {
     const int ns[] = {1, 3, 8, 9, 33, 256};
     for (size_t ti = 0; ti < sizeof ALL_TYPES / sizeof ALL_TYPES[0]; ti++) {
         fi_weight wc = make_weight(&r, ALL_TYPES[ti], rows, cols);
-        fi_weight wg = wc;
-        int rc = p->gpu->ops->weight_upload(p->gpu->ctx, &wg);
-        if (rc)
-            fprintf(stderr, "upload: %s\n", p->gpu->ops->last_error(p->gpu->ctx));
-        assert_int_equal(rc, 0);
+        fi_weight wg = gpu_weight(p, &wc);
         for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
             int n = ns[k];
             float *x = fvec((size_t)n * cols), *yc = fvec((size_t)n * rows),
@@ -283,13 +313,155 @@ static void test_matmul_quant(void **state) {
     run_matmul(*state, "matmul_quant");
 }
 
+/* Rows of the weights of one matmul_n call, 0 past the last; all have
+ * MATMUL_N_COLS columns, as matmul_n requires. */
+#define MATMUL_N_COLS 576
+static const int MATMUL_N_GROUPS[][FI_MATMUL_N_MAX] = {
+    {576, 192, 192}, /* Q, K, V */
+    {1536, 1536},    /* gate, up */
+    {100},           /* a single product */
+};
+
+/* matmul_n gives each product the bits of the GPU's own matmul of that
+ * weight, and is within TOL_GEMM of the CPU. matmul_n runs first, so that
+ * nothing the reference matmuls leave behind (x prepared for them) can
+ * help it. */
+static void run_matmul_n(pair *p, const char *test) {
+    if (!p->gpu->ops->matmul_n)
+        fail_msg("ops->matmul_n is NULL: the CUDA backend must provide it");
+    rng r = rng_for(test);
+    const int cols = MATMUL_N_COLS;
+    const int ns[] = {1, 2, 5, 8, 9, 33};
+    const size_t ngroups = sizeof MATMUL_N_GROUPS / sizeof MATMUL_N_GROUPS[0];
+    for (size_t ti = 0; ti < sizeof ALL_TYPES / sizeof ALL_TYPES[0]; ti++) {
+        for (size_t gi = 0; gi < ngroups; gi++) {
+            const int *rows = MATMUL_N_GROUPS[gi];
+            fi_weight wc[FI_MATMUL_N_MAX], wg[FI_MATMUL_N_MAX];
+            const fi_weight *wp[FI_MATMUL_N_MAX];
+            int count = 0;
+            for (; count < FI_MATMUL_N_MAX && rows[count]; count++) {
+                wc[count] = make_weight(&r, ALL_TYPES[ti], rows[count], cols);
+                wg[count] = gpu_weight(p, &wc[count]);
+                wp[count] = &wg[count];
+            }
+            for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+                int n = ns[k];
+                float *x = fvec((size_t)n * cols);
+                fill(&r, x, (size_t)n * cols, -1, 1);
+                float *dx = dev_from(p->gpu, x, (size_t)n * cols * sizeof(float));
+                float *dy[FI_MATMUL_N_MAX], *dref[FI_MATMUL_N_MAX];
+                for (int i = 0; i < count; i++) {
+                    dy[i] = dev_poisoned(p->gpu, (size_t)n * rows[i] * sizeof(float));
+                    dref[i] = dev_poisoned(p->gpu, (size_t)n * rows[i] * sizeof(float));
+                }
+                p->gpu->ops->matmul_n(p->gpu->ctx, count, dy, wp, dx, n);
+                for (int i = 0; i < count; i++)
+                    p->gpu->ops->matmul(p->gpu->ctx, dref[i], &wg[i], dx, n);
+                for (int i = 0; i < count; i++) {
+                    size_t ny = (size_t)n * rows[i];
+                    float *yg = fvec(ny), *yref = fvec(ny), *yc = fvec(ny);
+                    to_host(p->gpu, yg, dy[i], ny * sizeof(float));
+                    to_host(p->gpu, yref, dref[i], ny * sizeof(float));
+                    p->cpu->ops->matmul(p->cpu->ctx, yc, &wc[i], x, n);
+                    char what[96];
+                    snprintf(what, sizeof what, "matmul_n %s %dx%d (%d of %d) n=%d",
+                             fi_dtype_name(ALL_TYPES[ti]), rows[i], cols, i + 1, count, n);
+                    check_same(what, yg, yref, yc, ny, TOL_GEMM);
+                    free(yg);
+                    free(yref);
+                    free(yc);
+                    p->gpu->ops->free(p->gpu->ctx, dy[i]);
+                    p->gpu->ops->free(p->gpu->ctx, dref[i]);
+                }
+                p->gpu->ops->free(p->gpu->ctx, dx);
+                free(x);
+            }
+            for (int i = 0; i < count; i++) {
+                p->gpu->ops->weight_release(p->gpu->ctx, &wg[i]);
+                free((void *)wc[i].data);
+            }
+        }
+    }
+}
+
+static void test_matmul_n_f16(void **state) {
+    run_matmul_n(*state, "matmul_n_f16");
+}
+
+static void test_matmul_n_quant(void **state) {
+    run_matmul_n(*state, "matmul_n_quant");
+}
+
+/* matmul_add leaves in y the bits of the GPU's matmul and in acc those of
+ * that matmul then the GPU's add (run after matmul_add, on a second copy
+ * of acc), and both are within TOL_GEMM of the CPU's matmul then add. */
+static void run_matmul_add(pair *p, const char *test) {
+    if (!p->gpu->ops->matmul_add)
+        fail_msg("ops->matmul_add is NULL: the CUDA backend must provide it");
+    rng r = rng_for(test);
+    const int shapes[][2] = {{576, 576}, {576, 1536}}; /* rows x cols: attention out, down */
+    const int ns[] = {1, 3, 8, 9, 40};
+    for (size_t ti = 0; ti < sizeof ALL_TYPES / sizeof ALL_TYPES[0]; ti++) {
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            const int rows = shapes[si][0], cols = shapes[si][1];
+            fi_weight wc = make_weight(&r, ALL_TYPES[ti], rows, cols);
+            fi_weight wg = gpu_weight(p, &wc);
+            for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+                int n = ns[k];
+                size_t nx = (size_t)n * cols, ny = (size_t)n * rows;
+                float *x = fvec(nx), *acc = fvec(ny), *yc = fvec(ny), *accc = fvec(ny);
+                fill(&r, x, nx, -1, 1);
+                fill(&r, acc, ny, -1, 1);
+                memcpy(accc, acc, ny * sizeof(float));
+                p->cpu->ops->matmul(p->cpu->ctx, yc, &wc, x, n);
+                p->cpu->ops->add(p->cpu->ctx, accc, yc, ny);
+                float *dx = dev_from(p->gpu, x, nx * sizeof(float));
+                float *dacc = dev_from(p->gpu, acc, ny * sizeof(float));
+                float *dacc2 = dev_from(p->gpu, acc, ny * sizeof(float));
+                float *dy = dev_poisoned(p->gpu, ny * sizeof(float));
+                float *dy2 = dev_poisoned(p->gpu, ny * sizeof(float));
+                p->gpu->ops->matmul_add(p->gpu->ctx, dacc, dy, &wg, dx, n);
+                p->gpu->ops->matmul(p->gpu->ctx, dy2, &wg, dx, n);
+                p->gpu->ops->add(p->gpu->ctx, dacc2, dy2, ny);
+                float *yg = fvec(ny), *yg2 = fvec(ny), *ag = fvec(ny), *ag2 = fvec(ny);
+                to_host(p->gpu, yg, dy, ny * sizeof(float));
+                to_host(p->gpu, yg2, dy2, ny * sizeof(float));
+                to_host(p->gpu, ag, dacc, ny * sizeof(float));
+                to_host(p->gpu, ag2, dacc2, ny * sizeof(float));
+                char what[96];
+                snprintf(what, sizeof what, "matmul_add %s %dx%d n=%d: y", fi_dtype_name(wc.type),
+                         rows, cols, n);
+                check_same(what, yg, yg2, yc, ny, TOL_GEMM);
+                snprintf(what, sizeof what, "matmul_add %s %dx%d n=%d: acc",
+                         fi_dtype_name(wc.type), rows, cols, n);
+                check_same(what, ag, ag2, accc, ny, TOL_GEMM);
+                float *bufs[] = {dx, dacc, dacc2, dy, dy2};
+                for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+                    p->gpu->ops->free(p->gpu->ctx, bufs[i]);
+                float *hbufs[] = {x, acc, yc, accc, yg, yg2, ag, ag2};
+                for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
+                    free(hbufs[i]);
+            }
+            p->gpu->ops->weight_release(p->gpu->ctx, &wg);
+            free((void *)wc.data);
+        }
+    }
+}
+
+static void test_matmul_add_f16(void **state) {
+    run_matmul_add(*state, "matmul_add_f16");
+}
+
+static void test_matmul_add_quant(void **state) {
+    run_matmul_add(*state, "matmul_add_quant");
+}
+
 static void run_get_rows(pair *p, const char *test, double tol) {
     rng r = rng_for(test);
     const int rows = 1000, cols = 576, n = 37;
     for (size_t ti = 0; ti < sizeof ALL_TYPES / sizeof ALL_TYPES[0]; ti++) {
         fi_weight wc = make_weight(&r, ALL_TYPES[ti], rows, cols);
-        fi_weight wg = wc;
-        assert_int_equal(p->gpu->ops->weight_upload(p->gpu->ctx, &wg), 0);
+        fi_weight wg = gpu_weight(p, &wc);
         int32_t tok[37];
         for (int i = 0; i < n; i++)
             tok[i] = (int32_t)(rng_u32(&r) % rows);
@@ -376,9 +548,73 @@ static void test_rope(void **state) {
     free(xg);
 }
 
+/* rope on both backends, in place: x (host) on the CPU, dx on the GPU
+ * (pos host, dpos its device copy); then checks the GPU's against the
+ * CPU's (xg: room for the GPU's result). */
+static void rope_both(pair *p, const char *what, float *x, float *dx, float *xg, int n, int heads,
+                      int hd, const int32_t *pos, const int32_t *dpos, float theta) {
+    size_t N = (size_t)n * heads * hd;
+    p->cpu->ops->rope(p->cpu->ctx, x, n, heads, hd, pos, theta);
+    p->gpu->ops->rope(p->gpu->ctx, dx, n, heads, hd, dpos, theta);
+    to_host(p->gpu, xg, dx, N * sizeof(float));
+    check(what, xg, x, N, TOL_F32);
+}
+
+/* Positions past the GPU's table of angles (8192 positions; computed in
+ * double beyond), up to 100000, mixed with positions inside it; then the
+ * same rows rotated again with another theta and other positions, then
+ * read as twice the heads of half the head_dim with that theta: every
+ * call's (theta, head_dim) differs from the one before, so a table made
+ * for one and used for another fails the comparison. */
+static void test_rope_far(void **state) {
+    pair *p = *state;
+    rng r = rng_for("rope_far");
+    static const struct {
+        int heads, hd;       /* shape of the rows */
+        float theta, theta2; /* the first call's base, the other calls' */
+    } cfg[] = {
+        {9, 64, 100000.0f, 10000.0f},
+        {3, 64, 100000.0f, 500000.0f},
+        {32, 128, 10000.0f, 100000.0f},
+        {8, 128, 500000.0f, 10000.0f},
+    };
+    static const int32_t edges[] = {0, 8191, 8192, 8193, 65535, 100000};
+    enum { NE = sizeof edges / sizeof edges[0], N = 16 };
+    for (size_t k = 0; k < sizeof cfg / sizeof cfg[0]; k++) {
+        const int heads = cfg[k].heads, hd = cfg[k].hd;
+        int32_t pos[N], pos2[N];
+        for (int i = 0; i < N; i++) {
+            /* half inside the table, half anywhere up to 100000 */
+            pos[i] = i < NE ? edges[i] : (int32_t)(rng_u32(&r) % (i % 2 ? 8192u : 100001u));
+            pos2[i] = (int32_t)(rng_u32(&r) % (i % 2 ? 8192u : 100001u));
+        }
+        pos2[0] = 8192;
+        size_t NN = (size_t)N * heads * hd;
+        float *x = fvec(NN), *xg = fvec(NN);
+        fill(&r, x, NN, -2, 2);
+        float *dx = dev_from(p->gpu, x, NN * sizeof(float));
+        int32_t *dp = dev_from(p->gpu, pos, sizeof pos), *dp2 = dev_from(p->gpu, pos2, sizeof pos2);
+        char what[96];
+        snprintf(what, sizeof what, "rope %d heads hd %d theta %g, to 100000", heads, hd,
+                 cfg[k].theta);
+        rope_both(p, what, x, dx, xg, N, heads, hd, pos, dp, cfg[k].theta);
+        snprintf(what, sizeof what, "  then theta %g, other positions", cfg[k].theta2);
+        rope_both(p, what, x, dx, xg, N, heads, hd, pos2, dp2, cfg[k].theta2);
+        snprintf(what, sizeof what, "  then as %d heads hd %d, theta %g", 2 * heads, hd / 2,
+                 cfg[k].theta2);
+        rope_both(p, what, x, dx, xg, N, 2 * heads, hd / 2, pos, dp, cfg[k].theta2);
+        p->gpu->ops->free(p->gpu->ctx, dx);
+        p->gpu->ops->free(p->gpu->ctx, dp);
+        p->gpu->ops->free(p->gpu->ctx, dp2);
+        free(x);
+        free(xg);
+    }
+}
+
 /* Over a paged cache: the rows of nblk blocks; with nseq sequences, query
  * token t belongs to t % nseq; sequence 0 reads the blocks in reverse,
- * sequence 1 rotated by one, so the block tables are exercised. */
+ * sequence s > 0 rotated by s, so the block tables are exercised (every
+ * sequence's table covers all nblk blocks: max_blocks is nblk). */
 static void run_attention(pair *p, rng *r, int n, int first_pos, int heads, int kv_heads, int hd,
                           int nseq) {
     const int bsz = 16;
@@ -397,7 +633,8 @@ static void run_attention(pair *p, rng *r, int n, int first_pos, int heads, int 
         vc[i] = fi_fp32_to_fp16(tmp[i]);
     int32_t *pos = malloc((size_t)n * sizeof *pos);
     assert_non_null(pos);
-    int32_t *seq = malloc((size_t)n * sizeof *seq), *tbl = malloc((size_t)2 * nblk * sizeof *tbl);
+    size_t ntbl = (size_t)nseq * nblk;
+    int32_t *seq = malloc((size_t)n * sizeof *seq), *tbl = malloc(ntbl * sizeof *tbl);
     assert_non_null(seq);
     assert_non_null(tbl);
     for (int t = 0; t < n; t++) {
@@ -406,7 +643,8 @@ static void run_attention(pair *p, rng *r, int n, int first_pos, int heads, int 
     }
     for (int b = 0; b < nblk; b++) {
         tbl[b] = nblk - 1 - b;
-        tbl[nblk + b] = (b + 1) % nblk;
+        for (int s = 1; s < nseq; s++)
+            tbl[(size_t)s * nblk + b] = (b + s) % nblk;
     }
     fi_kv_map hmap = {.seq = seq, .tables = tbl, .max_blocks = nblk, .block_size = bsz};
     p->cpu->ops->attention(p->cpu->ctx, oc, q, kc, vc, n, pos, &hmap, heads, kv_heads, hd);
@@ -414,7 +652,7 @@ static void run_attention(pair *p, rng *r, int n, int first_pos, int heads, int 
     uint16_t *dk = dev_from(p->gpu, kc, cn * 2), *dv = dev_from(p->gpu, vc, cn * 2);
     int32_t *dp = dev_from(p->gpu, pos, (size_t)n * sizeof *pos);
     int32_t *dseq = dev_from(p->gpu, seq, (size_t)n * sizeof *seq);
-    int32_t *dtbl = dev_from(p->gpu, tbl, (size_t)2 * nblk * sizeof *tbl);
+    int32_t *dtbl = dev_from(p->gpu, tbl, ntbl * sizeof *tbl);
     fi_kv_map dmap = {.seq = dseq, .tables = dtbl, .max_blocks = nblk, .block_size = bsz};
     float *dout = dev_poisoned(p->gpu, qn * 4);
     p->gpu->ops->attention(p->gpu->ctx, dout, dq, dk, dv, n, dp, &dmap, heads, kv_heads, hd);
@@ -449,6 +687,23 @@ static void test_attention(void **state) {
     run_attention(p, &r, 2, 50, 4, 4, 80, 1);     /* head_dim not a multiple of 32 */
     run_attention(p, &r, 8, 200, 9, 3, 64, 2);    /* two sequences in one batch */
     run_attention(p, &r, 64, 1000, 9, 3, 64, 2);  /* batched decode-like, long */
+}
+
+/* The shapes the grouped kernel (one block per token and KV head, head_dim
+ * 32, 64 or 128, up to 8 query heads per KV head) and the old one divide
+ * between them: decode around the block boundaries and far out, a group of
+ * 8, groups of 1, a long prefill, and a batch of 32 sequences. */
+static void test_attention_shapes(void **state) {
+    pair *p = *state;
+    rng r = rng_for("attention_shapes");
+    const int decode_pos[] = {0, 17, 127, 128, 129, 5000};
+    for (size_t i = 0; i < sizeof decode_pos / sizeof decode_pos[0]; i++)
+        run_attention(p, &r, 1, decode_pos[i], 9, 3, 64, 1);
+    run_attention(p, &r, 1, 5000, 32, 4, 128, 1); /* group of 8, decode */
+    run_attention(p, &r, 3, 40, 32, 4, 128, 1);   /* group of 8, a few tokens */
+    run_attention(p, &r, 2, 300, 4, 4, 32, 1);    /* hd 32, group of 1 */
+    run_attention(p, &r, 300, 0, 8, 2, 128, 1);   /* hd 128 prefill */
+    run_attention(p, &r, 32, 700, 9, 3, 64, 32);  /* one token of each of 32 sequences */
 }
 
 static void test_store_f16(void **state) {
@@ -625,6 +880,177 @@ static void test_graph_misuse(void **state) {
     assert_int_equal(g->ops->sync(g->ctx), -1);
 }
 
+/* What a step of test_graph's shape depends on: its buffers and size.
+ * Its signature for graph_begin_sig is these as integers (no padding). */
+typedef struct sig_args {
+    float *dx; /* device: x, uploaded inside the step */
+    float *dy; /* device: y, uploaded before it, then y += x; y = silu(y) * x */
+    size_t n;  /* floats in each */
+} sig_args;
+
+/* One step as in test_graph under graph_begin_sig(key, a's signature),
+ * with fresh x and y, checked against the CPU: a relaunched step must
+ * have used this step's upload of x. Returns graph_begin_sig's result. */
+static int sig_step(pair *p, rng *r, int key, const sig_args *a, const char *what) {
+    fi_backend *g = p->gpu;
+    const size_t n = a->n;
+    const uint64_t sig[3] = {(uint64_t)(uintptr_t)a->dx, (uint64_t)(uintptr_t)a->dy, n};
+    float *x = fvec(n), *y = fvec(n), *want = fvec(n), *got = fvec(n);
+    fill(r, x, n, -1, 1);
+    fill(r, y, n, -1, 1);
+    memcpy(want, y, n * sizeof(float));
+    p->cpu->ops->add(p->cpu->ctx, want, x, n);
+    p->cpu->ops->swiglu(p->cpu->ctx, want, x, n);
+    assert_int_equal(g->ops->to_backend(g->ctx, a->dy, y, n * 4), 0); /* outside */
+    int rc = g->ops->graph_begin_sig(g->ctx, key, n * 4, sig, sizeof sig);
+    assert_int_equal(g->ops->to_backend(g->ctx, a->dx, x, n * 4), 0); /* staged */
+    memset(x, 0, n * 4); /* the staged copy must not read x later */
+    g->ops->add(g->ctx, a->dy, a->dx, n);
+    g->ops->swiglu(g->ctx, a->dy, a->dx, n);
+    if (rc == 0) {
+        int e = g->ops->graph_end(g->ctx);
+        if (e)
+            fprintf(stderr, "graph_end: %s\n", g->ops->last_error(g->ctx));
+        assert_int_equal(e, 0);
+    }
+    to_host(g, got, a->dy, n * 4);
+    check(what, got, want, n, TOL_F32);
+    free(x);
+    free(y);
+    free(want);
+    free(got);
+    return rc;
+}
+
+/* sig_step, expecting graph_begin_sig to return begin and the counters
+ * to grow by one launch when it records or relaunches, and by `replayed`
+ * relaunches. */
+static void sig_step_expect(pair *p, rng *r, int key, const sig_args *a, const char *what,
+                            int begin, int replayed) {
+    long l0, l1, i0, i1, r0 = fi_cuda_backend_graph_replays(p->gpu);
+    fi_cuda_backend_graph_stats(p->gpu, &l0, &i0);
+    int rc = sig_step(p, r, key, a, what);
+    long r1 = fi_cuda_backend_graph_replays(p->gpu);
+    fi_cuda_backend_graph_stats(p->gpu, &l1, &i1);
+    printf("    graph_begin_sig %d (want %d); launched +%ld, instantiated +%ld, relaunched +%ld "
+           "(want %d)\n", rc, begin, l1 - l0, i1 - i0, r1 - r0, replayed);
+    assert_int_equal(rc, begin);
+    assert_int_equal(l1 - l0, begin == 0);
+    assert_int_equal(r1 - r0, replayed);
+}
+
+/* A graph-capable GPU backend with graphs on, and graph_begin_sig. */
+static fi_backend *sig_backend(pair *p) {
+    fi_backend *g = p->gpu;
+    if (!g->ops->graph_begin_sig)
+        fail_msg("ops->graph_begin_sig is NULL: the CUDA backend must provide it");
+    assert_int_equal(fi_cuda_backend_set_graphs(g, 1), 0);
+    return g;
+}
+
+/* Steps with the signature of their key's last recording are relaunched
+ * (the replay counter grows by one each), with each step's new upload; a
+ * step whose signature differs from its key's last recording records again
+ * (one recording per key is kept: so does the old signature after it); and
+ * key 4's steps leave key 3's recording in place. */
+static void test_graph_sig(void **state) {
+    pair *p = *state;
+    fi_backend *g = sig_backend(p);
+    rng r = rng_for("graph_sig");
+    const size_t n = 4096;
+    float *dx = g->ops->alloc(g->ctx, n * 4), *dy = g->ops->alloc(g->ctx, n * 4),
+          *dy2 = g->ops->alloc(g->ctx, n * 4), *dy4 = g->ops->alloc(g->ctx, n * 4);
+    assert_non_null(dx);
+    assert_non_null(dy);
+    assert_non_null(dy2);
+    assert_non_null(dy4);
+    const sig_args a = {dx, dy, n}, b = {dx, dy2, n}, c = {dx, dy4, n / 2};
+    static const struct {
+        int key;          /* graph key */
+        char which;       /* 'a', 'b' (key 3's), 'c' (key 4's) */
+        int begin;        /* graph_begin_sig's result */
+        int replayed;     /* relaunches it adds */
+        const char *what; /* what the step shows */
+    } plan[] = {
+        {3, 'a', -1, 0, "key 3 sig a: first step, direct"},
+        {3, 'a', 0, 0, "key 3 sig a: recorded"},
+        {3, 'a', 0, 1, "key 3 sig a: relaunched"},
+        {3, 'a', 0, 1, "key 3 sig a: relaunched"},
+        {3, 'a', 0, 1, "key 3 sig a: relaunched"},
+        {3, 'a', 0, 1, "key 3 sig a: relaunched"},
+        {3, 'a', 0, 1, "key 3 sig a: relaunched"},
+        {3, 'a', 0, 1, "key 3 sig a: relaunched"},
+        {3, 'b', 0, 0, "key 3 sig b (other y): recorded"},
+        {3, 'a', 0, 0, "key 3 sig a after b: recorded"},
+        {3, 'a', 0, 1, "key 3 sig a: relaunched"},
+        {4, 'c', -1, 0, "key 4 sig c: first step, direct"},
+        {4, 'c', 0, 0, "key 4 sig c: recorded"},
+        {3, 'a', 0, 1, "key 3 sig a after key 4: relaunched"},
+        {4, 'c', 0, 1, "key 4 sig c: relaunched"},
+        {3, 'a', 0, 1, "key 3 sig a: relaunched"},
+    };
+    for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++) {
+        const sig_args *s = plan[i].which == 'a' ? &a : plan[i].which == 'b' ? &b : &c;
+        sig_step_expect(p, &r, plan[i].key, s, plan[i].what, plan[i].begin, plan[i].replayed);
+    }
+    long launched, inst, replays = fi_cuda_backend_graph_replays(g);
+    fi_cuda_backend_graph_stats(g, &launched, &inst);
+    printf("  graphs: %ld launched, %ld instantiated, %ld relaunched\n", launched, inst, replays);
+    /* graphs off: declined, as graph_begin is, and nothing relaunched */
+    assert_int_equal(fi_cuda_backend_set_graphs(g, 0), 0);
+    sig_step_expect(p, &r, 3, &a, "key 3 sig a, graphs off: direct", -1, 0);
+    assert_int_equal(g->ops->sync(g->ctx), 0);
+    assert_null(g->ops->last_error(g->ctx));
+    float *bufs[] = {dx, dy, dy2, dy4};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        g->ops->free(g->ctx, bufs[i]);
+}
+
+/* A relaunched step whose calls differ from the recording's (another
+ * output pointer for add, or swiglu left out) fails the backend: graph_end
+ * returns -1 with a message that says "replay", and the backend stays
+ * failed. */
+static void run_graph_sig_mismatch(pair *p, const char *test, int leave_out) {
+    fi_backend *g = sig_backend(p);
+    rng r = rng_for(test);
+    const size_t n = 1024;
+    float *dx = g->ops->alloc(g->ctx, n * 4), *dy = g->ops->alloc(g->ctx, n * 4),
+          *dother = g->ops->alloc(g->ctx, n * 4), *x = fvec(n);
+    assert_non_null(dx);
+    assert_non_null(dy);
+    assert_non_null(dother);
+    const sig_args a = {dx, dy, n};
+    sig_step_expect(p, &r, 5, &a, "key 5: first step, direct", -1, 0);
+    sig_step_expect(p, &r, 5, &a, "key 5: recorded", 0, 0);
+    sig_step_expect(p, &r, 5, &a, "key 5: relaunched", 0, 1);
+    /* the same signature, other calls */
+    const uint64_t sig[3] = {(uint64_t)(uintptr_t)dx, (uint64_t)(uintptr_t)dy, n};
+    fill(&r, x, n, -1, 1);
+    assert_int_equal(g->ops->graph_begin_sig(g->ctx, 5, n * 4, sig, sizeof sig), 0);
+    assert_int_equal(g->ops->to_backend(g->ctx, dx, x, n * 4), 0);
+    g->ops->add(g->ctx, leave_out ? dy : dother, dx, n);
+    if (!leave_out)
+        g->ops->swiglu(g->ctx, dy, dx, n);
+    assert_int_equal(g->ops->graph_end(g->ctx), -1);
+    const char *e = g->ops->last_error(g->ctx);
+    assert_non_null(e);
+    printf("  %s: %s\n", leave_out ? "swiglu left out" : "add to another buffer", e);
+    assert_non_null(strstr(e, "replay"));
+    assert_int_equal(g->ops->sync(g->ctx), -1);
+    g->ops->free(g->ctx, dx);
+    g->ops->free(g->ctx, dy);
+    g->ops->free(g->ctx, dother);
+    free(x);
+}
+
+static void test_graph_sig_mismatch(void **state) {
+    run_graph_sig_mismatch(*state, "graph_sig_mismatch", 0);
+}
+
+static void test_graph_sig_missing_call(void **state) {
+    run_graph_sig_mismatch(*state, "graph_sig_missing_call", 1);
+}
+
 /* --- the model end to end ------------------------------------------------ */
 
 static double cosine(const float *a, const float *b, int n) {
@@ -657,6 +1083,27 @@ static void check_logits(const char *what, const float *g, const float *c, int V
     assert_true(cs >= COS_MIN);
     assert_true(d1 <= LOGIT_TOL);
     assert_true(bg == bc || gap < NEAR_TIE);
+}
+
+/* ALONE_STEPS more decode steps of the GPU session sg with no other
+ * session of its model in between, so that its steps have one signature
+ * and the backend relaunches them (graph_begin_sig). lc and lg hold the
+ * logits of the same tokens on entry; both sessions take the CPU's choice
+ * each step, so that they stay on the same tokens past a near tie
+ * (check_logits allows the GPU's argmax to differ there). */
+static void decode_alone(fi_session *sc, fi_session *sg, float *lc, float *lg, int V, size_t k) {
+    char err[512], what[64];
+    for (int step = 0;; step++) {
+        double gap;
+        int32_t tc = argmax2(lc, V, &gap);
+        snprintf(what, sizeof what, "prompt %zu, alone %d", k, step);
+        check_logits(what, lg, lc, V);
+        if (step == ALONE_STEPS)
+            break;
+        assert_int_equal(fi_session_eval(sc, &tc, 1, lc, NULL, err, sizeof err), 0);
+        if (fi_session_eval(sg, &tc, 1, lg, NULL, err, sizeof err) != 0)
+            fail_msg("cuda eval: %s", err);
+    }
 }
 
 static void run_model(const char *path, fi_cuda_weights mode, int graphs) {
@@ -743,18 +1190,19 @@ static void run_model(const char *path, fi_cuda_weights mode, int graphs) {
         fi_session_destroy(&s2);
         printf("  prompt %zu: %d greedy tokens identical\n", k, same);
         assert_true(same >= 8 || tie_stop);
+        decode_alone(sc, sg, lc, lg, V, k);
         fi_session_destroy(&sc);
         fi_session_destroy(&sg);
     }
     free(lc);
     free(lg);
-    long launched, inst;
+    long launched, inst, replays = fi_cuda_backend_graph_replays(fi_model_backend(mg));
     fi_cuda_backend_graph_stats(fi_model_backend(mg), &launched, &inst);
-    printf("  graphs: %ld launched, %ld instantiated\n", launched, inst);
+    printf("  graphs: %ld launched, %ld instantiated, %ld relaunched\n", launched, inst, replays);
     if (graphs)
-        assert_true(launched >= 8 && inst <= launched);
+        assert_true(launched >= 8 && inst <= launched && replays > 0 && replays <= launched);
     else
-        assert_int_equal(launched, 0);
+        assert_true(launched == 0 && replays == 0);
     fi_model_destroy(&mg);
     fi_model_destroy(&mc);
 }
@@ -827,17 +1275,26 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_matmul_f16, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_matmul_quant, setup_quant, teardown),
+        cmocka_unit_test_setup_teardown(test_matmul_n_f16, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_matmul_n_quant, setup_quant, teardown),
+        cmocka_unit_test_setup_teardown(test_matmul_add_f16, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_matmul_add_quant, setup_quant, teardown),
         cmocka_unit_test_setup_teardown(test_get_rows_f16, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_get_rows_quant, setup_quant, teardown),
         cmocka_unit_test_setup_teardown(test_rmsnorm, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_rope, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_rope_far, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_attention, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_attention_shapes, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_store_f16, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_swiglu_add, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_argmax, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_error_reported, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_graph, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_graph_misuse, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_graph_sig, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_graph_sig_mismatch, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_graph_sig_missing_call, setup_f16, teardown),
         cmocka_unit_test(test_synthetic_f16),
         cmocka_unit_test(test_synthetic_quant_no_graphs),
         cmocka_unit_test(test_model_f16),
