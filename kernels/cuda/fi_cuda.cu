@@ -167,6 +167,7 @@ typedef struct s_cuda {
     uint64_t gen;                /* bumped when anything a recording points into moves */
     int matvec;                  /* products of up to 8 tokens by k_matvec (else cuBLASLt) */
     int att_g;                   /* k_attention_g where it applies (else k_attention) */
+    int replay;                  /* graph_begin_sig may relaunch (else it records) */
     unsigned *att_count;         /* per (token, KV head): k_attention_g blocks done */
     size_t att_count_elems;      /* its capacity */
     float2 *rope_tab;            /* (cos, sin) of position p, pair i at p * half + i */
@@ -1623,7 +1624,7 @@ static int s_graph_start(s_cuda *c, int key, size_t upload, const void *sig, siz
     c->hash = 14695981039346656037ull;
     c->calls = 0;
     c->key = key;
-    if (sig_len && c->exec[key] && c->rec[key].sig_len == sig_len && c->rec[key].gen == c->gen &&
+    if (sig_len && c->replay && c->exec[key] && c->rec[key].sig_len == sig_len && c->rec[key].gen == c->gen &&
         !memcmp(c->rec[key].sig, sig, sig_len)) {
         c->replaying = 1;
         c->capturing = 1; /* the same rules as a recording */
@@ -1851,11 +1852,10 @@ extern "C" fi_backend *fi_cuda_backend_new(int device, char *err, size_t errlen)
     }
     c->graphs = !(genv && !strcmp(genv, "0"));
     /* the newer kernels, each with a switch back for comparisons */
-    c->matvec = c->att_g = 1;
     {
-        const char *names[] = {"FEDINFER_CUDA_MATVEC", "FEDINFER_CUDA_ATTN_G"};
-        int *flags[] = {&c->matvec, &c->att_g};
-        for (int i = 0; i < 2; i++) {
+        const char *names[] = {"FEDINFER_CUDA_MATVEC", "FEDINFER_CUDA_ATTN_G", "FEDINFER_CUDA_REPLAY"};
+        int *flags[] = {&c->matvec, &c->att_g, &c->replay};
+        for (int i = 0; i < 3; i++) {
             const char *e = getenv(names[i]);
             if (e && *e && strcmp(e, "0") && strcmp(e, "1")) {
                 snprintf(err, errlen, "%s must be '0' or '1', not '%.32s'", names[i], e);

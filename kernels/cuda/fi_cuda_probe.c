@@ -117,15 +117,21 @@ typedef struct model_times {
     double nograph_ms;      /* wall time per decoded token without graphs */
     double greedy_ms;       /* the same with the argmax on the device */
     double step32_tps;      /* tokens/s of 32-token steps */
+    long graphs, replays;   /* graphs launched in the timed decode, relaunched of them */
     int n_ops;              /* kinds of operation in the split below */
     const char *op_name[16];
     double op_ms[16];       /* per decoded token, profiled */
     double op_calls[16];    /* operations per decoded token */
 } model_times;
 
-static int s_model(const char *path, const char *mode, model_times *mt) {
+/* The model in weight mode `mode`, with the newer kernels and graph
+ * relaunches on (1) or off (0, as before them: cuBLASLt for every product,
+ * the warp-per-position attention, a recording every step). */
+static int s_model(const char *path, const char *mode, int newer, model_times *mt) {
     char err[512];
-    if (setenv("FEDINFER_CUDA_WEIGHTS", mode, 1))
+    const char *on = newer ? "1" : "0";
+    if (setenv("FEDINFER_CUDA_WEIGHTS", mode, 1) || setenv("FEDINFER_CUDA_MATVEC", on, 1) ||
+        setenv("FEDINFER_CUDA_ATTN_G", on, 1) || setenv("FEDINFER_CUDA_REPLAY", on, 1))
         return -1;
     fi_model_opts mo = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CUDA};
     fi_model *m = fi_model_load(path, &mo, err, sizeof err);
@@ -165,14 +171,19 @@ static int s_model(const char *path, const char *mode, model_times *mt) {
     mt->decode_tps = n_gen / dt;
     mt->ms_per_token = dt * 1e3 / n_gen;
     /* greedy with the argmax on the device: one integer comes back */
+    fi_backend *be = fi_model_backend(m);
+    long g0, r0 = fi_cuda_backend_graph_replays(be), g1;
+    fi_cuda_backend_graph_stats(be, &g0, NULL);
     fi_session_rewind(s, 64);
     t0 = s_now();
     for (int g = 0; g < n_gen; g++)
         if (fi_session_eval_greedy(s, &id, 1, &id, err, sizeof err))
             goto fail;
     mt->greedy_ms = (s_now() - t0) * 1e3 / n_gen;
+    fi_cuda_backend_graph_stats(be, &g1, NULL);
+    mt->graphs = g1 - g0;
+    mt->replays = fi_cuda_backend_graph_replays(be) - r0;
     /* the same without graphs, then with kernel timing (also no graphs) */
-    fi_backend *be = fi_model_backend(m);
     if (fi_cuda_backend_set_graphs(be, 0))
         goto done;
     fi_session_rewind(s, 64);
@@ -326,10 +337,11 @@ static int s_run(const char *path) {
     }
     fi_backend_destroy(&b);
 
-    const char *modes[] = {"f16", "quant"};
-    for (int i = 0; i < 2; i++) {
+    /* the third: fp16 weights with the kernels of before (see s_model) */
+    const char *modes[] = {"f16", "quant", "f16 old"}, *wmode[] = {"f16", "quant", "f16"};
+    for (int i = 0; i < 3; i++) {
         model_times mt = {0};
-        if (s_model(path, modes[i], &mt) != 0)
+        if (s_model(path, wmode[i], i < 2, &mt) != 0)
             return 1;
         char name[64];
         snprintf(name, sizeof name, "prefill 2048 [%s]", modes[i]);
@@ -350,7 +362,10 @@ static int s_run(const char *path) {
         }
         snprintf(name, sizeof name, "decode b1 device argmax [%s]", modes[i]);
         snprintf(v, sizeof v, "%.1f tok/s", 1e3 / mt.greedy_ms);
-        s_row(name, v, "fi_session_eval_greedy: no logits to the host, graphs on");
+        snprintf(note, sizeof note,
+                 "fi_session_eval_greedy: no logits to the host; %ld graphs, %ld relaunched",
+                 mt.graphs, mt.replays);
+        s_row(name, v, note);
         snprintf(name, sizeof name, "32-token steps [%s]", modes[i]);
         snprintf(v, sizeof v, "%.0f tok/s", mt.step32_tps);
         s_row(name, v, "proxy for batch-32 decode (no cross-session batching yet)");

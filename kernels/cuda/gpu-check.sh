@@ -34,6 +34,8 @@
 #      against summed kernel time), 32-token steps
 #   7. fedinfer bench --serve: the scheduler at 1, 8 and 32 concurrent
 #      requests (aggregate tokens/s, TTFT and TPOT)
+#   8. with MEMCHECK=1: test_cuda under compute-sanitizer's memcheck and
+#      racecheck (slow: minutes)
 # and prints a summary. Exit status 0 only when every step passed; a machine
 # without a device fails at step 2 (a GPU check that ran on no GPU is not a
 # pass).
@@ -97,6 +99,7 @@ if [ "$synthetic" = 1 ]; then
     model=$build/synthetic.gguf
     "$build/fi_cuda_probe" --write-synthetic "$model" || exit 1
 fi
+export FEDINFER_MODEL="$model" # test_cuda's default-model tests read it
 step test_cuda 120 "$build/tests/test_cuda"
 if [ "$rc" = 77 ]; then
     summary="${summary}(test_cuda skipped: no device; this is not a pass)
@@ -121,6 +124,14 @@ step bench 90 "$build/fedinfer" bench -m "$model" --device cuda -r 3 --prompt-to
 step probe 120 "$build/fi_cuda_probe" "$model"
 step serve 90 "$build/fedinfer" bench --serve -m "$model" --device cuda --only concurrency \
     --concurrency 1,8,32 --prompt-tokens 64 --gen-tokens 64
+# MEMCHECK=1: test_cuda again under compute-sanitizer (out-of-bounds and
+# misaligned accesses, uninitialised reads of device memory)
+if [ "${MEMCHECK:-0}" = 1 ]; then
+    step memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$build/tests/test_cuda"
+    # shared-memory races: the attention tests (their kernels share the most)
+    step racecheck 120 env FI_TEST_FILTER='test_att*' compute-sanitizer --tool racecheck \
+        --error-exitcode 3 "$build/tests/test_cuda"
+fi
 
 echo
 echo "--- test_cuda (parity: error / bound; model: cosine, logit diff, greedy agreement)"
@@ -145,6 +156,11 @@ grep '^|' "$log"
 echo
 echo "--- serving: continuous batching on the GPU (decode batch 1 vs 8 vs 32)"
 sed -n '/^=== serve$/,/^=== serve:/p' "$log" | grep -v '^==='
+if [ "${MEMCHECK:-0}" = 1 ]; then
+    echo
+    echo "--- compute-sanitizer"
+    grep -E '^========= (ERROR SUMMARY|RACECHECK SUMMARY)' "$log"
+fi
 
 echo
 echo "--- steps"

@@ -1209,11 +1209,15 @@ static void run_model(const char *path, fi_cuda_weights mode, int graphs) {
 
 /* The default model; skipped when absent (it is not in the repository). */
 static const char *real_model(void) {
-    if (access(FI_TEST_MODEL, R_OK) != 0) {
-        printf("  model %s is absent: run examples/setup.sh\n", FI_TEST_MODEL);
+    /* FEDINFER_MODEL first: gpu-check.sh runs binaries built elsewhere */
+    const char *path = getenv("FEDINFER_MODEL");
+    if (!path || !*path)
+        path = FI_TEST_MODEL;
+    if (access(path, R_OK) != 0) {
+        printf("  model %s is absent: run examples/setup.sh\n", path);
         skip();
     }
-    return FI_TEST_MODEL;
+    return path;
 }
 
 static void test_model_f16(void **state) {
@@ -1272,6 +1276,11 @@ int main(void) {
     g_seed = s && *s ? strtoull(s, NULL, 10) : (uint64_t)time(NULL);
     printf("test_cuda: %d device(s); seed %llu (FI_TEST_SEED=%llu repeats this run)\n", n,
            (unsigned long long)g_seed, (unsigned long long)g_seed);
+    /* FI_TEST_FILTER=PATTERN (cmocka's * and ?) runs only the matching
+     * tests: for the slow runs under compute-sanitizer */
+    const char *filter = getenv("FI_TEST_FILTER");
+    if (filter && *filter)
+        cmocka_set_test_filter(filter);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_matmul_f16, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_matmul_quant, setup_quant, teardown),
