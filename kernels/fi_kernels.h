@@ -219,6 +219,27 @@ typedef struct fi_backend_ops {
      * (a call that differs fails the backend, naming the call), and each
      * to_backend refreshes the bytes the recording copies. */
     int (*graph_begin_sig)(void *ctx, int key, size_t upload, const void *sig, size_t sig_len);
+
+    /* Optional fused operations, for backends that pay per launch (GPUs).
+     * Each gives the same bits as the calls it replaces, which the engine
+     * makes instead where the member is NULL. */
+    /* rmsnorm(ctx, xn, x, g, n, w[0]->cols, eps), then matmul_n(ctx, count,
+     * y, w, xn, n). xn (n x cols, backend memory) may or may not be
+     * written. */
+    void (*norm_matmul_n)(void *ctx, int count, float *const *y, const fi_weight *const *w,
+                          float *xn, const float *x, const float *g, float eps, int n);
+    /* rmsnorm(ctx, xn, x, g, n, wg->cols, eps), matmul_n of {h, u} by {wg,
+     * wu} on xn, then swiglu(ctx, h, u, n * wg->rows): the feed-forward
+     * block's input. xn and u may or may not be written. */
+    void (*norm_matmul_swiglu)(void *ctx, float *h, float *u, const fi_weight *wg,
+                               const fi_weight *wu, float *xn, const float *x, const float *g,
+                               float eps, int n);
+    /* rope(ctx, q, n, n_heads, head_dim, pos, theta), rope(ctx, k, n,
+     * n_kv_heads, ...), kv_store(ctx, kc, k, n, slot, n_kv_heads *
+     * head_dim), kv_store(ctx, vc, v, n, slot, n_kv_heads * head_dim). */
+    void (*rope_store)(void *ctx, float *q, float *k, const float *v, uint16_t *kc, uint16_t *vc,
+                       int n, int n_heads, int n_kv_heads, int head_dim, const int32_t *pos,
+                       float theta, const int32_t *slot);
 } fi_backend_ops;
 
 #define FI_GRAPH_SIG_MAX 256 /* most bytes of a graph_begin_sig signature */
