@@ -941,27 +941,41 @@ static int s_layers(fi_model *m, fi_kvpool *kv, const fi_kv_map *map, int n, cha
     size_t layer_rows = (size_t)kv->n_blocks * FI_KV_BLOCK * (size_t)kv_dim;
     for (int l = 0; l < m->n_local_layers; l++) {
         const layer *L = &m->layers[l];
-        /* attention */
-        ops->rmsnorm(bc, kv->xb, kv->x, L->attn_norm, n, dim, c->norm_eps);
+        /* attention (the backend's fused forms where it has them) */
         float *const qkv[3] = {kv->q, kv->k, kv->v};
         const fi_weight *const wqkv[3] = {&L->wq, &L->wk, &L->wv};
-        s_products(ops, bc, 3, qkv, wqkv, kv->xb, n);
-        ops->rope(bc, kv->q, n, m->n_heads_l, c->head_dim, kv->pos, c->rope_theta);
-        ops->rope(bc, kv->k, n, m->n_kv_l, c->head_dim, kv->pos, c->rope_theta);
+        if (ops->norm_matmul_n) {
+            ops->norm_matmul_n(bc, 3, qkv, wqkv, kv->xb, kv->x, L->attn_norm, c->norm_eps, n);
+        } else {
+            ops->rmsnorm(bc, kv->xb, kv->x, L->attn_norm, n, dim, c->norm_eps);
+            s_products(ops, bc, 3, qkv, wqkv, kv->xb, n);
+        }
         uint16_t *kc = kv->kcache + (size_t)l * layer_rows;
         uint16_t *vc = kv->vcache + (size_t)l * layer_rows;
-        ops->kv_store(bc, kc, kv->k, n, kv->slot, kv_dim);
-        ops->kv_store(bc, vc, kv->v, n, kv->slot, kv_dim);
+        if (ops->rope_store) {
+            ops->rope_store(bc, kv->q, kv->k, kv->v, kc, vc, n, m->n_heads_l, m->n_kv_l,
+                            c->head_dim, kv->pos, c->rope_theta, kv->slot);
+        } else {
+            ops->rope(bc, kv->q, n, m->n_heads_l, c->head_dim, kv->pos, c->rope_theta);
+            ops->rope(bc, kv->k, n, m->n_kv_l, c->head_dim, kv->pos, c->rope_theta);
+            ops->kv_store(bc, kc, kv->k, n, kv->slot, kv_dim);
+            ops->kv_store(bc, vc, kv->v, n, kv->slot, kv_dim);
+        }
         ops->attention(bc, kv->xb, kv->q, kc, vc, n, kv->pos, map, m->n_heads_l, m->n_kv_l,
                        c->head_dim);
         /* q is free again: reuse it */
         if (s_residual(m, kv->x, kv->q, &L->wo, kv->xb, n, err, errlen) != 0) return -1;
         /* feed-forward (SwiGLU) */
-        ops->rmsnorm(bc, kv->xb, kv->x, L->ffn_norm, n, dim, c->norm_eps);
-        float *const gu[2] = {kv->hb, kv->hb2};
-        const fi_weight *const wgu[2] = {&L->w_gate, &L->w_up};
-        s_products(ops, bc, 2, gu, wgu, kv->xb, n);
-        ops->swiglu(bc, kv->hb, kv->hb2, (size_t)n * m->ffn_l);
+        if (ops->norm_matmul_swiglu) {
+            ops->norm_matmul_swiglu(bc, kv->hb, kv->hb2, &L->w_gate, &L->w_up, kv->xb, kv->x,
+                                    L->ffn_norm, c->norm_eps, n);
+        } else {
+            ops->rmsnorm(bc, kv->xb, kv->x, L->ffn_norm, n, dim, c->norm_eps);
+            float *const gu[2] = {kv->hb, kv->hb2};
+            const fi_weight *const wgu[2] = {&L->w_gate, &L->w_up};
+            s_products(ops, bc, 2, gu, wgu, kv->xb, n);
+            ops->swiglu(bc, kv->hb, kv->hb2, (size_t)n * m->ffn_l);
+        }
         if (s_residual(m, kv->x, kv->xb, &L->w_down, kv->hb, n, err, errlen) != 0) return -1;
     }
     return 0;

@@ -89,7 +89,10 @@ enum {
     S_REC_TO_BACKEND = S_N_OPS,
     S_REC_MATMUL_N,
     S_REC_MATMUL_ADD,
-    S_REC_STORE_F16
+    S_REC_STORE_F16,
+    S_REC_NORM_MATMUL_N,
+    S_REC_NORM_MATMUL_SWIGLU,
+    S_REC_ROPE_STORE
 };
 static const char *const s_op_names[S_N_OPS] = {
     "matmul (cuBLASLt)", "matmul (small n)", "get_rows", "rmsnorm", "rope",
@@ -168,6 +171,7 @@ typedef struct s_cuda {
     int matvec;                  /* products of up to 8 tokens by k_matvec (else cuBLASLt) */
     int att_g;                   /* k_attention_g where it applies (else k_attention) */
     int replay;                  /* graph_begin_sig may relaunch (else it records) */
+    int fused;                   /* the fused operations in one launch (else in several) */
     unsigned *att_count;         /* per (token, KV head): k_attention_g blocks done */
     size_t att_count_elems;      /* its capacity */
     float2 *rope_tab;            /* (cos, sin) of position p, pair i at p * half + i */
@@ -392,87 +396,169 @@ typedef struct s_mv_args {
     int row_bytes[FI_MATMUL_N_MAX];
     int blk_bytes[FI_MATMUL_N_MAX];
     int count;
-    float *acc; /* matmul_add (count 1): acc += y, element by element */
+    float *acc;     /* matmul_add (count 1): acc += y, element by element */
+    const float *g; /* rmsnorm weights: x is normalised on the fly */
+    float eps;
+    int swiglu;     /* count 2, equal rows: y[0] = silu(W0 x) * (W1 x), y[1] = W1 x */
 } s_mv_args;
 
-/* Matrix-vector products of n <= S_MV_MAX_N tokens: one warp per output
- * row, x read as fp32 (no conversion). fp16 rows: lane l takes elements
- * 8l..8l+7, then 256 further on, in 16-byte loads (cols % 8 == 0, x
- * 16-byte aligned: the host checks). Quantised rows: lane l takes blocks
- * l, l+32, ... A row's result depends only on its weight row and x, so
- * matmul, matmul_n and matmul_add give the same bits. */
-__global__ static void __launch_bounds__(S_MV_THREADS)
-k_matvec(s_mv_args a, const float *x, int cols, int n) {
-    int gw = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
+/* The sum of x[0..dim) squared, in exactly the order k_rmsnorm takes it
+ * with its block of `threads` threads (thread v sums v, v + threads, ...;
+ * each warp's sums by s_warp_sum; then warp 0 sums the warps' sums), so
+ * that a product on the normalised rows gives the bits of rmsnorm and then
+ * the product. One warp does it: lane l plays thread w*32 + l of warp w. */
+__device__ static inline float s_sumsq_as_block(const float *x, int dim, int threads) {
+    float part = 0.0f;
+    for (int w = 0; w < threads / 32; w++) {
+        float ss = 0.0f;
+        for (int i = w * 32 + (threadIdx.x & 31); i < dim; i += threads)
+            ss = fmaf(x[i], x[i], ss);
+        ss = s_warp_sum(ss);
+        if ((threadIdx.x & 31) == w)
+            part = ss;
+    }
+    return s_warp_sum(part);
+}
+
+/* k_rmsnorm's scale for a row whose squares sum to ss. */
+__device__ static inline float s_norm_scale(float ss, int dim, float eps) {
+    return (float)(1.0 / sqrt((double)ss / dim + (double)eps));
+}
+
+__host__ __device__ static inline int s_norm_threads_dev(int dim) {
+    return dim >= 1024 ? 1024 : 256; /* k_rmsnorm's block size */
+}
+
+/* Lane-partial dot products of row r of weight i with n tokens of x
+ * (normalised as x * scale[k] * g when a.g) into acc[0..n). fp16 rows:
+ * lane l takes 8-element chunks l, l+32, ..., four chunks' loads issued
+ * before their use (cols % 8 == 0, x 16-byte aligned: the host checks).
+ * Quantised rows: lane l takes blocks l, l+32, ... A row's result
+ * depends only on its weight row, x and g, so matmul, matmul_n,
+ * matmul_add and the fused forms give the same bits. */
+__device__ static inline void s_mv_dot(const s_mv_args &a, int i, int r, const float *x, int cols,
+                                       int n, const float *scale, float *acc) {
     int lane = threadIdx.x & 31;
-    if (gw >= a.end[a.count - 1])
-        return;
-    int i = 0;
-    for (int j = 0; j + 1 < a.count; j++)
-        i += gw >= a.end[j];
-    int first = i ? a.end[i - 1] : 0, rows = a.end[i] - first, r = gw - first;
-    float acc[S_MV_MAX_N];
-#pragma unroll
-    for (int k = 0; k < S_MV_MAX_N; k++)
-        acc[k] = 0.0f;
     if (a.h[i]) {
         const __half *row = a.h[i] + (size_t)r * cols;
-        for (int c0 = lane * 8; c0 < cols; c0 += 256) {
-            uint4 u = *(const uint4 *)(row + c0);
-            const __half2 *h2 = (const __half2 *)&u;
-            float wf[8];
+        int nch = cols / 8;
+        for (int c = lane; c < nch; c += 4 * 32) {
+            uint4 u[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (c + 32 * j < nch)
+                    u[j] = __ldg((const uint4 *)(row + (size_t)(c + 32 * j) * 8));
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                float2 f = __half22float2(h2[j]);
-                wf[2 * j] = f.x;
-                wf[2 * j + 1] = f.y;
-            }
+                if (c + 32 * j >= nch)
+                    break;
+                int c0 = (c + 32 * j) * 8;
+                const __half2 *h2 = (const __half2 *)&u[j];
+                float wf[8];
 #pragma unroll
-            for (int k = 0; k < S_MV_MAX_N; k++) {
-                if (k < n) {
-                    const float4 *xp = (const float4 *)(x + (size_t)k * cols + c0);
-                    float4 x0 = xp[0], x1 = xp[1];
-                    float s = acc[k];
-                    s = fmaf(wf[0], x0.x, s);
-                    s = fmaf(wf[1], x0.y, s);
-                    s = fmaf(wf[2], x0.z, s);
-                    s = fmaf(wf[3], x0.w, s);
-                    s = fmaf(wf[4], x1.x, s);
-                    s = fmaf(wf[5], x1.y, s);
-                    s = fmaf(wf[6], x1.z, s);
-                    s = fmaf(wf[7], x1.w, s);
-                    acc[k] = s;
+                for (int e = 0; e < 4; e++) {
+                    float2 f = __half22float2(h2[e]);
+                    wf[2 * e] = f.x;
+                    wf[2 * e + 1] = f.y;
+                }
+                float gf[8];
+                if (a.g) {
+                    float4 g0 = *(const float4 *)(a.g + c0), g1 = *(const float4 *)(a.g + c0 + 4);
+                    gf[0] = g0.x, gf[1] = g0.y, gf[2] = g0.z, gf[3] = g0.w;
+                    gf[4] = g1.x, gf[5] = g1.y, gf[6] = g1.z, gf[7] = g1.w;
+                }
+#pragma unroll
+                for (int k = 0; k < S_MV_MAX_N; k++) {
+                    if (k < n) {
+                        const float4 *xp = (const float4 *)(x + (size_t)k * cols + c0);
+                        float4 x0 = xp[0], x1 = xp[1];
+                        float xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                        if (a.g) {
+#pragma unroll
+                            for (int e = 0; e < 8; e++)
+                                xf[e] = xf[e] * scale[k] * gf[e];
+                        }
+                        float s = acc[k];
+#pragma unroll
+                        for (int e = 0; e < 8; e++)
+                            s = fmaf(wf[e], xf[e], s);
+                        acc[k] = s;
+                    }
                 }
             }
         }
-    } else {
-        const uint8_t *row = a.q[i] + (size_t)r * a.row_bytes[i];
-        int t = a.type[i], nb = cols / S_QK;
-        for (int b = lane; b < nb; b += 32) {
-            const uint8_t *blk = row + (size_t)b * a.blk_bytes[i];
-            float v[S_QK];
+        return;
+    }
+    const uint8_t *row = a.q[i] + (size_t)r * a.row_bytes[i];
+    int t = a.type[i], nb = cols / S_QK;
+    for (int b = lane; b < nb; b += 32) {
+        const uint8_t *blk = row + (size_t)b * a.blk_bytes[i];
+        float v[S_QK];
 #pragma unroll
-            for (int j = 0; j < S_QK; j++)
-                v[j] = s_block_elem(t, blk, j);
+        for (int j = 0; j < S_QK; j++)
+            v[j] = s_block_elem(t, blk, j);
 #pragma unroll
-            for (int k = 0; k < S_MV_MAX_N; k++) {
-                if (k < n) {
-                    const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
-                    float s = 0.0f;
+        for (int k = 0; k < S_MV_MAX_N; k++) {
+            if (k < n) {
+                const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
+                const float *gk = a.g ? a.g + (size_t)b * S_QK : NULL;
+                float s = 0.0f;
 #pragma unroll
-                    for (int j = 0; j < S_QK; j++)
-                        s = fmaf(v[j], xk[j], s);
-                    acc[k] += s;
-                }
+                for (int j = 0; j < S_QK; j++)
+                    s = fmaf(v[j], gk ? xk[j] * scale[k] * gk[j] : xk[j], s);
+                acc[k] += s;
             }
         }
     }
+}
+
+/* Matrix-vector products of n <= S_MV_MAX_N tokens: one warp per output
+ * row (per row pair with a.swiglu), x read as fp32 (no conversion); with
+ * a.g, x normalised on the fly (each block finds the n scales first, warp
+ * k token k). See s_mv_dot. */
+__global__ static void __launch_bounds__(S_MV_THREADS)
+k_matvec(s_mv_args a, const float *x, int cols, int n) {
+    __shared__ float sscale[S_MV_MAX_N];
+    int gw = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
+    int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    if (a.g) {
+        if (warp < n) {
+            float ss = s_sumsq_as_block(x + (size_t)warp * cols, cols, s_norm_threads_dev(cols));
+            if (lane == 0)
+                sscale[warp] = s_norm_scale(ss, cols, a.eps);
+        }
+        __syncthreads();
+    }
+    if (gw >= a.end[a.count - 1])
+        return;
+    int i = 0;
+    if (!a.swiglu)
+        for (int j = 0; j + 1 < a.count; j++)
+            i += gw >= a.end[j];
+    int first = i ? a.end[i - 1] : 0, rows = a.end[i] - first, r = gw - first;
+    float scale[S_MV_MAX_N];
+#pragma unroll
+    for (int k = 0; k < S_MV_MAX_N; k++)
+        scale[k] = a.g && k < n ? sscale[k] : 1.0f;
+    float acc[S_MV_MAX_N], acc2[S_MV_MAX_N];
+#pragma unroll
+    for (int k = 0; k < S_MV_MAX_N; k++)
+        acc[k] = acc2[k] = 0.0f;
+    s_mv_dot(a, i, r, x, cols, n, scale, acc);
+    if (a.swiglu)
+        s_mv_dot(a, 1, r, x, cols, n, scale, acc2);
 #pragma unroll
     for (int k = 0; k < S_MV_MAX_N; k++) {
         if (k < n) {
             float s = s_warp_sum(acc[k]);
-            if (lane == 0) {
-                size_t at = (size_t)k * rows + r;
+            size_t at = (size_t)k * rows + r;
+            if (a.swiglu) {
+                float u = s_warp_sum(acc2[k]);
+                if (lane == 0) {
+                    a.y[0][at] = s / (1.0f + expf(-s)) * u; /* as k_swiglu */
+                    a.y[1][at] = u;
+                }
+            } else if (lane == 0) {
                 a.y[i][at] = s;
                 if (a.acc)
                     a.acc[at] += s;
@@ -513,6 +599,22 @@ __device__ static inline float2 s_rope_cs(int p, int i, int head_dim, float thet
     return make_float2((float)cos(ang), (float)sin(ang));
 }
 
+/* Rotates the pair at p by r = (cos, sin), each product rounded alone (no
+ * fused multiply-add), so that every kernel rotating it gets its bits. */
+__device__ static inline void s_rotate(float *p, float2 r) {
+    float a = p[0], b = p[1];
+    p[0] = __fsub_rn(__fmul_rn(a, r.x), __fmul_rn(b, r.y));
+    p[1] = __fadd_rn(__fmul_rn(a, r.y), __fmul_rn(b, r.x));
+}
+
+/* The rotation of pair i of position p: from tab where it holds it (the
+ * same values), else computed. */
+__device__ static inline float2 s_rope_at(const float2 *tab, int p, int i, int head_dim,
+                                         float theta) {
+    return tab && p >= 0 && p < S_ROPE_POS ? tab[(size_t)p * (head_dim / 2) + i]
+                                           : s_rope_cs(p, i, head_dim, theta);
+}
+
 /* tab[p * half + i] = s_rope_cs(p, i) for p < S_ROPE_POS. */
 __global__ static void k_rope_table(float2 *tab, int head_dim, float theta) {
     int half = head_dim / 2;
@@ -531,16 +633,47 @@ __global__ static void k_rope(float *x, int n, int n_heads, int head_dim, const 
     size_t total = (size_t)n * half;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
          e += (size_t)gridDim.x * blockDim.x) {
-        int t = (int)(e / half), i = (int)(e % half), p = pos[t];
-        float2 r = tab && p >= 0 && p < S_ROPE_POS ? tab[(size_t)p * half + i]
-                                                   : s_rope_cs(p, i, head_dim, theta);
-        float cs = r.x, sn = r.y;
+        int t = (int)(e / half), i = (int)(e % half);
+        float2 r = s_rope_at(tab, pos[t], i, head_dim, theta);
         float *row = x + (size_t)t * n_heads * head_dim;
-        for (int h = 0; h < n_heads; h++) {
-            float *p = row + (size_t)h * head_dim + 2 * i;
-            float a = p[0], b = p[1];
-            p[0] = a * cs - b * sn;
-            p[1] = a * sn + b * cs;
+        for (int h = 0; h < n_heads; h++)
+            s_rotate(row + (size_t)h * head_dim + 2 * i, r);
+    }
+}
+
+/* rope_store: thread e < n * half rotates pair i of token t in every
+ * query and KV head (as k_rope) and stores the KV heads' pairs in the
+ * cache row slot[t]; thread e < n * kv_dim / 2 also stores a pair of v. */
+__global__ static void k_rope_store(float *q, float *k, const float *v, uint16_t *kc,
+                                    uint16_t *vc, int n, int n_heads, int n_kv_heads,
+                                    int head_dim, const int32_t *pos, float theta,
+                                    const float2 *tab, const int32_t *slot) {
+    int half = head_dim / 2, kv_dim = n_kv_heads * head_dim;
+    size_t n_rot = (size_t)n * half, n_v = (size_t)n * (kv_dim / 2);
+    size_t total = n_rot > n_v ? n_rot : n_v;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        if (e < n_rot) {
+            int t = (int)(e / half), i = (int)(e % half);
+            float2 r = s_rope_at(tab, pos[t], i, head_dim, theta);
+            float *qr = q + (size_t)t * n_heads * head_dim + 2 * i;
+            for (int h = 0; h < n_heads; h++)
+                s_rotate(qr + (size_t)h * head_dim, r);
+            float *kr = k + (size_t)t * kv_dim + 2 * i;
+            uint16_t *cr = kc + (size_t)slot[t] * kv_dim + 2 * i;
+            for (int h = 0; h < n_kv_heads; h++) {
+                float *p = kr + (size_t)h * head_dim;
+                s_rotate(p, r);
+                cr[(size_t)h * head_dim] = __half_as_ushort(__float2half_rn(p[0]));
+                cr[(size_t)h * head_dim + 1] = __half_as_ushort(__float2half_rn(p[1]));
+            }
+        }
+        if (e < n_v) {
+            size_t t = e / (kv_dim / 2), j = 2 * (e % (kv_dim / 2));
+            const float *vr = v + t * kv_dim + j;
+            uint16_t *cr = vc + (size_t)slot[t] * kv_dim + j;
+            cr[0] = __half_as_ushort(__float2half_rn(vr[0]));
+            cr[1] = __half_as_ushort(__float2half_rn(vr[1]));
         }
     }
 }
@@ -677,10 +810,12 @@ __device__ static inline float s_warp_max(float v) {
  *   2. the block's max and sum of exp per head update an online softmax;
  *   3. thread (sub, d2) adds p * V to dims 2*d2, 2*d2+1 for the tile's
  *      positions sub, sub + nsub, ... (half2 loads, coalesced).
- * With one split the result goes to out; otherwise each block writes
- * (max, sum, o[hd]) per head as k_attention does, and the last block of
- * (t, kh) to finish (count[t * n_kv_heads + kh], reset by that block)
- * merges the splits in split order, so no second launch is needed. */
+ * Only the first `active` splits have positions (those starting below
+ * pos[t] + 1); the others return at once. With one active split the result
+ * goes to out; otherwise each active block writes (max, sum, o[hd]) per
+ * head as k_attention does, and the last of them to finish (counted in
+ * count[t * n_kv_heads + kh], reset by that block) merges them in split
+ * order, so no second launch is needed. */
 __global__ static void __launch_bounds__(S_AG_THREADS)
 k_attention_g(float *out, float *part, unsigned *count, const float *q, const uint16_t *kc,
               const uint16_t *vc, const int32_t *pos, const int32_t *seq, const int32_t *tables,
@@ -691,10 +826,18 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
     __shared__ float smax[S_AG_THREADS / 32][S_AG_MAX_G], ssum[S_AG_THREADS / 32][S_AG_MAX_G];
     __shared__ float so[2 * S_AG_THREADS * S_AG_MAX_G];
     __shared__ float sm[S_AG_MAX_G], sl[S_AG_MAX_G];
+    __shared__ float mf[S_AG_MAX_G][S_ATT_MAX_SPLIT]; /* merge: each split's factor */
+    __shared__ float mL[S_AG_MAX_G];
     __shared__ int last;
     const int G = n_heads / n_kv_heads;
     const int tk = blockIdx.x, t = tk / n_kv_heads, kh = tk % n_kv_heads;
-    const int split = blockIdx.y, n_split = gridDim.y;
+    const int split = blockIdx.y;
+    const int np = pos[t] + 1;
+    const int tiles = (np + S_AG_TILE - 1) / S_AG_TILE;
+    const int S = (int)gridDim.y; /* splits of the launch: the partials' stride */
+    const int n_split = tiles < S ? tiles : S; /* active */
+    if (split >= n_split)
+        return;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
     const int kv_dim = n_kv_heads * hd, h2 = hd / 2, nsub = S_AG_THREADS / h2;
     const int d2 = tid % h2, sub = tid / h2;
@@ -702,7 +845,6 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
     for (int i = tid; i < G * hd; i += S_AG_THREADS)
         sq[i] = qr[i];
     const float scale = 1.0f / sqrtf((float)hd); /* as the CPU computes it */
-    const int np = pos[t] + 1;
     const int32_t *tbl = tables + (size_t)seq[t] * max_blocks;
     float m[S_AG_MAX_G], l[S_AG_MAX_G], a0[S_AG_MAX_G], a1[S_AG_MAX_G];
 #pragma unroll
@@ -832,7 +974,7 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
         if (n_split == 1) {
             out[(size_t)t * n_heads * hd + (size_t)h * hd + d] = v / sl[g];
         } else {
-            float *pp = part + ((size_t)(t * n_heads + h) * n_split + split) * (size_t)(hd + 2);
+            float *pp = part + ((size_t)(t * n_heads + h) * S + split) * (size_t)(hd + 2);
             if (d == 0) {
                 pp[0] = sm[g];
                 pp[1] = sl[g];
@@ -851,23 +993,34 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
     if (!last)
         return;
     __threadfence();
+    /* each split's factor exp(m_s - M) and the sum L, per head */
+    for (int i = tid; i < G * n_split; i += S_AG_THREADS) {
+        int g = i / n_split, sp_ = i % n_split;
+        mf[g][sp_] = __ldcg(part + ((size_t)(t * n_heads + kh * G + g) * S + sp_) * (size_t)(hd + 2));
+    }
+    __syncthreads();
+    if (tid < G) {
+        float M = -INFINITY;
+        for (int sp_ = 0; sp_ < n_split; sp_++)
+            M = fmaxf(M, mf[tid][sp_]);
+        const float *pp = part + (size_t)(t * n_heads + kh * G + tid) * S * (size_t)(hd + 2);
+        float L = 0.0f;
+        for (int sp_ = 0; sp_ < n_split; sp_++) {
+            float f = expf(mf[tid][sp_] - M); /* every active split has positions */
+            L += __ldcg(pp + (size_t)sp_ * (hd + 2) + 1) * f;
+            mf[tid][sp_] = f;
+        }
+        mL[tid] = L;
+    }
+    __syncthreads();
     for (int i = tid; i < G * hd; i += S_AG_THREADS) {
         int g = i / hd, d = i % hd, h = kh * G + g;
-        const float *pp = part + (size_t)(t * n_heads + h) * n_split * (size_t)(hd + 2);
-        float M = -INFINITY;
-        for (int s = 0; s < n_split; s++)
-            M = fmaxf(M, __ldcg(pp + (size_t)s * (hd + 2)));
-        float L = 0.0f, v = 0.0f;
-        for (int s = 0; s < n_split; s++) {
-            const float *ps = pp + (size_t)s * (hd + 2);
-            float ms = __ldcg(ps);
-            if (ms != -INFINITY) {
-                float f = expf(ms - M);
-                L += __ldcg(ps + 1) * f;
-                v += __ldcg(ps + 2 + d) * f;
-            }
-        }
-        out[(size_t)t * n_heads * hd + (size_t)h * hd + d] = v / L;
+        const float *pp = part + (size_t)(t * n_heads + h) * S * (size_t)(hd + 2) + 2 + d;
+        float v = 0.0f;
+#pragma unroll 8
+        for (int sp_ = 0; sp_ < n_split; sp_++)
+            v += __ldcg(pp + (size_t)sp_ * (hd + 2)) * mf[g][sp_];
+        out[(size_t)t * n_heads * hd + (size_t)h * hd + d] = v / mL[g];
     }
     if (tid == 0)
         count[tk] = 0; /* ready for the next launch */
@@ -1332,6 +1485,9 @@ static void s_matmul(void *ctx, float *y, const fi_weight *w, const float *x, in
     s_matmul_do(c, y, w, x, n);
 }
 
+static void s_matmul_n_do(s_cuda *c, int count, float *const *y, const fi_weight *const *w,
+                          const float *x, int n, int all);
+
 /* y[i] = W[i] x: one k_matvec launch when it takes every product, else
  * each as matmul does it (so the same bits either way). */
 static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
@@ -1356,6 +1512,12 @@ static void s_matmul_n(void *ctx, int count, float *const *y, const fi_weight *c
     v[nv++] = (uint64_t)n;
     if (s_note(c, S_REC_MATMUL_N, v, nv))
         return;
+    s_matmul_n_do(c, count, y, w, x, n, all);
+}
+
+/* matmul_n after the note; all: k_matvec takes every product. */
+static void s_matmul_n_do(s_cuda *c, int count, float *const *y, const fi_weight *const *w,
+                          const float *x, int n, int all) {
     if (!all) {
         for (int i = 0; i < count; i++)
             s_matmul_do(c, y[i], w[i], x, n);
@@ -1408,16 +1570,43 @@ static void s_get_rows(void *ctx, float *y, const fi_weight *w, const int32_t *t
     s_prof_end(c, S_OP_GET_ROWS);
 }
 
+static void s_rmsnorm_do(s_cuda *c, float *y, const float *x, const float *g, int n, int dim,
+                         float eps);
+
 static void s_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n, int dim,
                       float eps) {
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || n <= 0)
         return;
     S_NOTE(c, S_OP_RMSNORM, S_P(y), S_P(x), S_P(g), (uint64_t)n, (uint64_t)dim, s_fbits(eps));
+    s_rmsnorm_do(c, y, x, g, n, dim, eps);
+}
+
+static void s_rmsnorm_do(s_cuda *c, float *y, const float *x, const float *g, int n, int dim,
+                         float eps) {
     s_prof_begin(c);
-    k_rmsnorm<<<(unsigned)n, dim >= 1024 ? 1024 : 256, 0, c->stream>>>(y, x, g, dim, eps);
+    k_rmsnorm<<<(unsigned)n, s_norm_threads_dev(dim), 0, c->stream>>>(y, x, g, dim, eps);
     s_launched(c, "k_rmsnorm");
     s_prof_end(c, S_OP_RMSNORM);
+}
+
+/* The angles' table for (head_dim, theta), (re)made outside a graph;
+ * NULL when there is none for this pair (inside a graph, or on a failure):
+ * the kernels then compute their own, the same values. */
+static const float2 *s_rope_table(s_cuda *c, int head_dim, float theta) {
+    if (!c->capturing && head_dim >= 2 && (c->rope_hd != head_dim || c->rope_theta != theta)) {
+        size_t elems = (size_t)S_ROPE_POS * (head_dim / 2);
+        c->rope_hd = 0;
+        if (s_grow(c, (void **)&c->rope_tab, &c->rope_elems, elems, sizeof(float2),
+                   "cudaMalloc (rope table)"))
+            return NULL;
+        c->gen++; /* recorded graphs read the old contents */
+        k_rope_table<<<s_blocks(elems, S_THREADS), S_THREADS, 0, c->stream>>>(c->rope_tab, head_dim, theta);
+        s_launched(c, "k_rope_table");
+        c->rope_hd = head_dim;
+        c->rope_theta = theta;
+    }
+    return c->rope_hd == head_dim && c->rope_theta == theta ? c->rope_tab : NULL;
 }
 
 static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
@@ -1425,21 +1614,9 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || n <= 0)
         return;
-    /* the angles' table, (re)made outside a graph for this (head_dim,
-     * theta); positions beyond it, or another pair, compute their own */
-    if (!c->capturing && head_dim >= 2 && (c->rope_hd != head_dim || c->rope_theta != theta)) {
-        size_t elems = (size_t)S_ROPE_POS * (head_dim / 2);
-        c->rope_hd = 0;
-        if (s_grow(c, (void **)&c->rope_tab, &c->rope_elems, elems, sizeof(float2),
-                   "cudaMalloc (rope table)"))
-            return;
-        c->gen++; /* recorded graphs read the old contents */
-        k_rope_table<<<s_blocks(elems, S_THREADS), S_THREADS, 0, c->stream>>>(c->rope_tab, head_dim, theta);
-        s_launched(c, "k_rope_table");
-        c->rope_hd = head_dim;
-        c->rope_theta = theta;
-    }
-    const float2 *tab = c->rope_hd == head_dim && c->rope_theta == theta ? c->rope_tab : NULL;
+    const float2 *tab = s_rope_table(c, head_dim, theta);
+    if (c->failed)
+        return;
     S_NOTE(c, S_OP_ROPE, S_P(x), (uint64_t)n, (uint64_t)n_heads, (uint64_t)head_dim, S_P(pos),
            s_fbits(theta), S_P(tab));
     size_t total = (size_t)n * (head_dim / 2);
@@ -1567,11 +1744,17 @@ static void s_kv_store(void *ctx, uint16_t *cache, const float *src, int n, cons
     s_prof_end(c, S_OP_KV_STORE);
 }
 
+static void s_swiglu_do(s_cuda *c, float *g, const float *u, size_t n);
+
 static void s_swiglu(void *ctx, float *g, const float *u, size_t n) {
     s_cuda *c = (s_cuda *)ctx;
     if (!s_enter(c) || !n)
         return;
     S_NOTE(c, S_OP_SWIGLU, S_P(g), S_P(u), (uint64_t)n);
+    s_swiglu_do(c, g, u, n);
+}
+
+static void s_swiglu_do(s_cuda *c, float *g, const float *u, size_t n) {
     s_prof_begin(c);
     k_swiglu<<<s_blocks(n, S_THREADS), S_THREADS, 0, c->stream>>>(g, u, n);
     s_launched(c, "k_swiglu");
@@ -1601,6 +1784,139 @@ static int s_argmax(void *ctx, int32_t *out, const float *x, int n) {
         return -1;
     *out = *c->arg_host;
     return 0;
+}
+
+/* --- fused operations (fi_kernels.h: the same bits as the calls they
+ * replace) --------------------------------------------------------------- */
+
+/* Whether k_matvec can normalise x on the fly for these products. */
+static int s_mv_norm_takes(const s_cuda *c, int count, const fi_weight *const *w, const float *x,
+                           const float *g, int n) {
+    if (!c->fused)
+        return 0;
+    for (int i = 0; i < count; i++)
+        if (w[i]->cols != w[0]->cols || !s_mv_takes(c, w[i], x, n))
+            return 0;
+    return (uintptr_t)g % 16 == 0 && (uintptr_t)x % 16 == 0 && w[0]->cols % 8 == 0;
+}
+
+static void s_norm_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
+                            float *xn, const float *x, const float *g, float eps, int n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0 || count <= 0)
+        return;
+    if (count > FI_MATMUL_N_MAX) {
+        s_set_err(c, "cuda: norm_matmul_n: %s%s", "more products than FI_MATMUL_N_MAX", "");
+        return;
+    }
+    for (int i = 0; i < count; i++)
+        if (!w[i]->dev) {
+            s_set_err(c, "cuda: %s%s", "norm_matmul_n on a weight that was not uploaded", "");
+            return;
+        }
+    uint64_t v[1 + 3 * FI_MATMUL_N_MAX + 5];
+    int nv = 0;
+    v[nv++] = (uint64_t)count;
+    for (int i = 0; i < count; i++) {
+        v[nv++] = S_P(y[i]);
+        v[nv++] = S_P(w[i]->dev);
+        v[nv++] = (uint64_t)w[i]->rows << 32 | (uint32_t)w[i]->cols;
+    }
+    v[nv++] = S_P(xn);
+    v[nv++] = S_P(x);
+    v[nv++] = S_P(g);
+    v[nv++] = s_fbits(eps);
+    v[nv++] = (uint64_t)n;
+    if (s_note(c, S_REC_NORM_MATMUL_N, v, nv))
+        return;
+    int cols = w[0]->cols;
+    if (!s_mv_norm_takes(c, count, w, x, g, n)) {
+        s_rmsnorm_do(c, xn, x, g, n, cols, eps);
+        int all = 1;
+        for (int i = 0; i < count; i++)
+            all = all && w[i]->cols == cols && s_mv_takes(c, w[i], xn, n);
+        s_matmul_n_do(c, count, y, w, xn, n, all);
+        return;
+    }
+    s_mv_args a;
+    memset(&a, 0, sizeof a);
+    for (int i = 0; i < count; i++)
+        s_mv_add(&a, i, w[i], y[i]);
+    a.g = g;
+    a.eps = eps;
+    s_mv_launch(c, &a, x, cols, n);
+}
+
+static void s_norm_matmul_swiglu(void *ctx, float *h, float *u, const fi_weight *wg,
+                                 const fi_weight *wu, float *xn, const float *x, const float *g,
+                                 float eps, int n) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0)
+        return;
+    if (!wg->dev || !wu->dev) {
+        s_set_err(c, "cuda: %s%s", "norm_matmul_swiglu on a weight that was not uploaded", "");
+        return;
+    }
+    S_NOTE(c, S_REC_NORM_MATMUL_SWIGLU, S_P(h), S_P(u), S_P(wg->dev), S_P(wu->dev),
+           (uint64_t)wg->rows << 32 | (uint32_t)wg->cols,
+           (uint64_t)wu->rows << 32 | (uint32_t)wu->cols, S_P(xn), S_P(x), S_P(g), s_fbits(eps),
+           (uint64_t)n);
+    const fi_weight *w[2] = {wg, wu};
+    float *y[2] = {h, u};
+    if (wg->rows != wu->rows || !s_mv_norm_takes(c, 2, w, x, g, n)) {
+        s_rmsnorm_do(c, xn, x, g, n, wg->cols, eps);
+        int all = wg->cols == wu->cols && s_mv_takes(c, wg, xn, n) && s_mv_takes(c, wu, xn, n);
+        s_matmul_n_do(c, 2, y, w, xn, n, all);
+        s_swiglu_do(c, h, u, (size_t)n * wg->rows);
+        return;
+    }
+    s_mv_args a;
+    memset(&a, 0, sizeof a);
+    s_mv_add(&a, 0, wg, h);
+    s_mv_add(&a, 1, wu, u);
+    a.end[0] = a.end[1] = wg->rows; /* one warp per row pair */
+    a.count = 2;
+    a.swiglu = 1;
+    a.g = g;
+    a.eps = eps;
+    s_mv_launch(c, &a, x, wg->cols, n);
+}
+
+static void s_rope_store(void *ctx, float *q, float *k, const float *v, uint16_t *kc,
+                         uint16_t *vc, int n, int n_heads, int n_kv_heads, int head_dim,
+                         const int32_t *pos, float theta, const int32_t *slot) {
+    s_cuda *c = (s_cuda *)ctx;
+    if (!s_enter(c) || n <= 0 || head_dim < 2)
+        return;
+    const float2 *tab = s_rope_table(c, head_dim, theta);
+    if (c->failed)
+        return;
+    S_NOTE(c, S_REC_ROPE_STORE, S_P(q), S_P(k), S_P(v), S_P(kc), S_P(vc), (uint64_t)n,
+           (uint64_t)n_heads << 32 | (uint32_t)n_kv_heads, (uint64_t)head_dim, S_P(pos),
+           s_fbits(theta), S_P(tab), S_P(slot));
+    size_t n_rot = (size_t)n * (head_dim / 2), n_v = (size_t)n * (n_kv_heads * head_dim / 2);
+    size_t total = n_rot > n_v ? n_rot : n_v;
+    if (!c->fused) { /* the four launches it replaces */
+        int kv_dim = n_kv_heads * head_dim;
+        s_prof_begin(c);
+        k_rope<<<s_blocks(n_rot, 128), 128, 0, c->stream>>>(q, n, n_heads, head_dim, pos, theta, tab);
+        s_launched(c, "k_rope");
+        k_rope<<<s_blocks(n_rot, 128), 128, 0, c->stream>>>(k, n, n_kv_heads, head_dim, pos, theta, tab);
+        s_launched(c, "k_rope");
+        s_prof_end(c, S_OP_ROPE);
+        s_prof_begin(c);
+        k_kv_store<<<s_blocks((size_t)n * kv_dim, S_THREADS), S_THREADS, 0, c->stream>>>(kc, k, n, slot, kv_dim);
+        s_launched(c, "k_kv_store");
+        k_kv_store<<<s_blocks((size_t)n * kv_dim, S_THREADS), S_THREADS, 0, c->stream>>>(vc, v, n, slot, kv_dim);
+        s_launched(c, "k_kv_store");
+        s_prof_end(c, S_OP_KV_STORE);
+        return;
+    }
+    s_prof_begin(c);
+    k_rope_store<<<s_blocks(total, 128), 128, 0, c->stream>>>(
+        q, k, v, kc, vc, n, n_heads, n_kv_heads, head_dim, pos, theta, tab, slot);
+    s_launched(c, "k_rope_store");
+    s_prof_end(c, S_OP_ROPE);
 }
 
 /* --- graphs ------------------------------------------------------------ */
@@ -1800,6 +2116,9 @@ static const fi_backend_ops s_cuda_ops = {
     /* .matmul_add = */ s_matmul_add,
     /* .matmul_argmax = */ NULL, /* matmul, then the engine's argmax of the host logits */
     /* .graph_begin_sig = */ s_graph_begin_sig,
+    /* .norm_matmul_n = */ s_norm_matmul_n,
+    /* .norm_matmul_swiglu = */ s_norm_matmul_swiglu,
+    /* .rope_store = */ s_rope_store,
 };
 
 extern "C" int fi_cuda_device_count(char *err, size_t errlen) {
@@ -1853,9 +2172,10 @@ extern "C" fi_backend *fi_cuda_backend_new(int device, char *err, size_t errlen)
     c->graphs = !(genv && !strcmp(genv, "0"));
     /* the newer kernels, each with a switch back for comparisons */
     {
-        const char *names[] = {"FEDINFER_CUDA_MATVEC", "FEDINFER_CUDA_ATTN_G", "FEDINFER_CUDA_REPLAY"};
-        int *flags[] = {&c->matvec, &c->att_g, &c->replay};
-        for (int i = 0; i < 3; i++) {
+        const char *names[] = {"FEDINFER_CUDA_MATVEC", "FEDINFER_CUDA_ATTN_G", "FEDINFER_CUDA_REPLAY",
+                               "FEDINFER_CUDA_FUSED"};
+        int *flags[] = {&c->matvec, &c->att_g, &c->replay, &c->fused};
+        for (int i = 0; i < 4; i++) {
             const char *e = getenv(names[i]);
             if (e && *e && strcmp(e, "0") && strcmp(e, "1")) {
                 snprintf(err, errlen, "%s must be '0' or '1', not '%.32s'", names[i], e);

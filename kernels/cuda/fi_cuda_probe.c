@@ -131,7 +131,8 @@ static int s_model(const char *path, const char *mode, int newer, model_times *m
     char err[512];
     const char *on = newer ? "1" : "0";
     if (setenv("FEDINFER_CUDA_WEIGHTS", mode, 1) || setenv("FEDINFER_CUDA_MATVEC", on, 1) ||
-        setenv("FEDINFER_CUDA_ATTN_G", on, 1) || setenv("FEDINFER_CUDA_REPLAY", on, 1))
+        setenv("FEDINFER_CUDA_ATTN_G", on, 1) || setenv("FEDINFER_CUDA_REPLAY", on, 1) ||
+        setenv("FEDINFER_CUDA_FUSED", on, 1))
         return -1;
     fi_model_opts mo = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CUDA};
     fi_model *m = fi_model_load(path, &mo, err, sizeof err);
