@@ -12,7 +12,9 @@
  * Bounds: errors are measured against the largest magnitude of the CPU
  * result; products of fp16 operands get 1e-2, everything else is tighter,
  * and store_f16 must match bit for bit. The fused operations (matmul_n,
- * matmul_add) must also give the bits of the GPU's own unfused calls.
+ * matmul_add, norm_matmul_n, norm_matmul_swiglu, rope_store) must also
+ * give the bits of the GPU's own unfused calls, and leave their inputs and
+ * the cache rows they do not write as they were.
  *
  * Graphs: recorded steps give the results of direct calls with each step's
  * new uploads; with graph_begin_sig a step of the signature of its key's
@@ -53,6 +55,8 @@
 #define TOL_GEMM 1e-2   /* fp16 operands, fp32 accumulation */
 #define TOL_F32 1e-5    /* fp32 element-wise and reductions */
 #define TOL_ATT 2e-4    /* attention: fp32 softmax over fp16 rows */
+#define TOL_KV 1e-3     /* fp16 cache rows against fp32 (rounding: 2^-11) */
+#define NORM_EPS 1e-5f  /* rmsnorm's eps in the fused tests */
 #define NEAR_TIE 0.1    /* fp16 products may swap logits this close */
 #define COS_MIN 0.999   /* logits cosine similarity floor */
 #define LOGIT_TOL 0.25  /* top-1 logit difference allowed */
@@ -268,6 +272,55 @@ static void check_same(const char *what, const float *got, const float *same, co
     assert_true(e <= tol);
 }
 
+/* got and want, n elements of `size` bytes each, must be equal bit for
+ * bit; one line says how many elements differ. */
+static void check_bits(const char *what, const void *got, const void *want, size_t n,
+                       size_t size) {
+    const uint8_t *a = got, *b = want;
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += memcmp(a + i * size, b + i * size, size) != 0;
+    printf("  %-44s %zu of %zu differ (must be 0)\n", what, bad, n);
+    assert_int_equal(bad, 0);
+}
+
+/* A host copy (malloc'd) of `bytes` bytes of device memory d. */
+static void *from_dev(fi_backend *b, const void *d, size_t bytes) {
+    void *h = malloc(bytes);
+    assert_non_null(h);
+    to_host(b, h, d, bytes);
+    return h;
+}
+
+/* The weights of one matmul_n-like call: random host weights, which the
+ * CPU reads, and the GPU's copies. */
+typedef struct wset {
+    int count;                              /* weights, 1..FI_MATMUL_N_MAX */
+    fi_weight host[FI_MATMUL_N_MAX];        /* make_weight's */
+    fi_weight dev[FI_MATMUL_N_MAX];         /* gpu_weight of each */
+    const fi_weight *devp[FI_MATMUL_N_MAX]; /* &dev[i], as matmul_n takes them */
+} wset;
+
+/* Weights of type t, rows[i] x cols each, for the rows up to the first 0
+ * (at most FI_MATMUL_N_MAX). s must stay where it is (devp points into
+ * it) until wset_release. */
+static void wset_make(pair *p, rng *r, wset *s, fi_dtype t, const int *rows, int cols) {
+    for (s->count = 0; s->count < FI_MATMUL_N_MAX && rows[s->count]; s->count++) {
+        int i = s->count;
+        s->host[i] = make_weight(r, t, rows[i], cols);
+        s->dev[i] = gpu_weight(p, &s->host[i]);
+        s->devp[i] = &s->dev[i];
+    }
+}
+
+static void wset_release(pair *p, wset *s) {
+    for (int i = 0; i < s->count; i++) {
+        p->gpu->ops->weight_release(p->gpu->ctx, &s->dev[i]);
+        free((void *)s->host[i].data);
+    }
+    s->count = 0;
+}
+
 /* --- operations --------------------------------------------------------- */
 
 static const fi_dtype ALL_TYPES[] = {FI_DTYPE_F32,  FI_DTYPE_F16,  FI_DTYPE_BF16,
@@ -336,14 +389,9 @@ static void run_matmul_n(pair *p, const char *test) {
     for (size_t ti = 0; ti < sizeof ALL_TYPES / sizeof ALL_TYPES[0]; ti++) {
         for (size_t gi = 0; gi < ngroups; gi++) {
             const int *rows = MATMUL_N_GROUPS[gi];
-            fi_weight wc[FI_MATMUL_N_MAX], wg[FI_MATMUL_N_MAX];
-            const fi_weight *wp[FI_MATMUL_N_MAX];
-            int count = 0;
-            for (; count < FI_MATMUL_N_MAX && rows[count]; count++) {
-                wc[count] = make_weight(&r, ALL_TYPES[ti], rows[count], cols);
-                wg[count] = gpu_weight(p, &wc[count]);
-                wp[count] = &wg[count];
-            }
+            wset ws;
+            wset_make(p, &r, &ws, ALL_TYPES[ti], rows, cols);
+            const int count = ws.count;
             for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
                 int n = ns[k];
                 float *x = fvec((size_t)n * cols);
@@ -354,15 +402,15 @@ static void run_matmul_n(pair *p, const char *test) {
                     dy[i] = dev_poisoned(p->gpu, (size_t)n * rows[i] * sizeof(float));
                     dref[i] = dev_poisoned(p->gpu, (size_t)n * rows[i] * sizeof(float));
                 }
-                p->gpu->ops->matmul_n(p->gpu->ctx, count, dy, wp, dx, n);
+                p->gpu->ops->matmul_n(p->gpu->ctx, count, dy, ws.devp, dx, n);
                 for (int i = 0; i < count; i++)
-                    p->gpu->ops->matmul(p->gpu->ctx, dref[i], &wg[i], dx, n);
+                    p->gpu->ops->matmul(p->gpu->ctx, dref[i], &ws.dev[i], dx, n);
                 for (int i = 0; i < count; i++) {
                     size_t ny = (size_t)n * rows[i];
                     float *yg = fvec(ny), *yref = fvec(ny), *yc = fvec(ny);
                     to_host(p->gpu, yg, dy[i], ny * sizeof(float));
                     to_host(p->gpu, yref, dref[i], ny * sizeof(float));
-                    p->cpu->ops->matmul(p->cpu->ctx, yc, &wc[i], x, n);
+                    p->cpu->ops->matmul(p->cpu->ctx, yc, &ws.host[i], x, n);
                     char what[96];
                     snprintf(what, sizeof what, "matmul_n %s %dx%d (%d of %d) n=%d",
                              fi_dtype_name(ALL_TYPES[ti]), rows[i], cols, i + 1, count, n);
@@ -376,10 +424,7 @@ static void run_matmul_n(pair *p, const char *test) {
                 p->gpu->ops->free(p->gpu->ctx, dx);
                 free(x);
             }
-            for (int i = 0; i < count; i++) {
-                p->gpu->ops->weight_release(p->gpu->ctx, &wg[i]);
-                free((void *)wc[i].data);
-            }
+            wset_release(p, &ws);
         }
     }
 }
@@ -454,6 +499,188 @@ static void test_matmul_add_f16(void **state) {
 
 static void test_matmul_add_quant(void **state) {
     run_matmul_add(*state, "matmul_add_quant");
+}
+
+/* The inputs of a fused rmsnorm and product: x, n rows of dim in (-3, 3),
+ * and g (dim) in (0.5, 1.5), on the host and on the GPU. */
+typedef struct norm_in {
+    int n, dim;     /* rows of x, and their length */
+    float *x, *g;   /* host */
+    float *dx, *dg; /* the GPU's copies */
+} norm_in;
+
+static norm_in norm_in_new(pair *p, rng *r, int n, int dim) {
+    norm_in in = {.n = n, .dim = dim, .x = fvec((size_t)n * dim), .g = fvec((size_t)dim)};
+    fill(r, in.x, (size_t)n * dim, -3, 3);
+    fill(r, in.g, (size_t)dim, 0.5f, 1.5f);
+    in.dx = dev_from(p->gpu, in.x, (size_t)n * dim * sizeof(float));
+    in.dg = dev_from(p->gpu, in.g, (size_t)dim * sizeof(float));
+    return in;
+}
+
+static void norm_in_free(pair *p, norm_in *in) {
+    p->gpu->ops->free(p->gpu->ctx, in->dx);
+    p->gpu->ops->free(p->gpu->ctx, in->dg);
+    free(in->x);
+    free(in->g);
+}
+
+/* The GPU's rmsnorm of in into a buffer of its own (device memory): the
+ * unfused path's xn. */
+static float *norm_gpu(pair *p, const norm_in *in) {
+    float *dxn = dev_poisoned(p->gpu, (size_t)in->n * in->dim * sizeof(float));
+    p->gpu->ops->rmsnorm(p->gpu->ctx, dxn, in->dx, in->dg, in->n, in->dim, NORM_EPS);
+    return dxn;
+}
+
+/* The CPU's rmsnorm of in (host memory, malloc'd). */
+static float *norm_cpu(pair *p, const norm_in *in) {
+    float *xn = fvec((size_t)in->n * in->dim);
+    p->cpu->ops->rmsnorm(p->cpu->ctx, xn, in->x, in->g, in->n, in->dim, NORM_EPS);
+    return xn;
+}
+
+/* x on the GPU still holds the bits uploaded (a fused call reads it only). */
+static void check_x_kept(pair *p, const char *what, const norm_in *in) {
+    size_t nx = (size_t)in->n * in->dim;
+    float *xg = from_dev(p->gpu, in->dx, nx * sizeof(float));
+    check_bits(what, xg, in->x, nx, sizeof(float));
+    free(xg);
+}
+
+/* norm_matmul_n gives each product the bits of the GPU's rmsnorm into a
+ * buffer of its own then matmul_n on that buffer (run after the fused
+ * call, so that nothing they leave behind can help it), is within
+ * TOL_GEMM of the CPU's rmsnorm then matmul, and leaves x as it was.
+ * Nothing is asserted of xn, which the call may or may not write. */
+static void run_norm_matmul_n(pair *p, const char *test) {
+    fi_backend *g = p->gpu;
+    if (!g->ops->norm_matmul_n)
+        fail_msg("ops->norm_matmul_n is NULL: the CUDA backend must provide it");
+    rng r = rng_for(test);
+    const int cols = MATMUL_N_COLS;
+    const int ns[] = {1, 2, 5, 8, 9, 33};
+    const size_t ngroups = sizeof MATMUL_N_GROUPS / sizeof MATMUL_N_GROUPS[0];
+    for (size_t ti = 0; ti < sizeof ALL_TYPES / sizeof ALL_TYPES[0]; ti++) {
+        for (size_t gi = 0; gi < ngroups; gi++) {
+            const int *rows = MATMUL_N_GROUPS[gi];
+            wset ws;
+            wset_make(p, &r, &ws, ALL_TYPES[ti], rows, cols);
+            for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+                int n = ns[k];
+                norm_in in = norm_in_new(p, &r, n, cols);
+                float *dxn = dev_poisoned(g, (size_t)n * cols * sizeof(float));
+                float *dy[FI_MATMUL_N_MAX], *dref[FI_MATMUL_N_MAX];
+                for (int i = 0; i < ws.count; i++) {
+                    dy[i] = dev_poisoned(g, (size_t)n * rows[i] * sizeof(float));
+                    dref[i] = dev_poisoned(g, (size_t)n * rows[i] * sizeof(float));
+                }
+                g->ops->norm_matmul_n(g->ctx, ws.count, dy, ws.devp, dxn, in.dx, in.dg, NORM_EPS,
+                                      n);
+                float *dxn2 = norm_gpu(p, &in);
+                g->ops->matmul_n(g->ctx, ws.count, dref, ws.devp, dxn2, n);
+                char what[96];
+                snprintf(what, sizeof what, "norm_matmul_n %s (%d products) n=%d: x kept",
+                         fi_dtype_name(ALL_TYPES[ti]), ws.count, n);
+                check_x_kept(p, what, &in);
+                float *xc = norm_cpu(p, &in);
+                for (int i = 0; i < ws.count; i++) {
+                    size_t ny = (size_t)n * rows[i];
+                    float *yg = from_dev(g, dy[i], ny * sizeof(float));
+                    float *yref = from_dev(g, dref[i], ny * sizeof(float)), *yc = fvec(ny);
+                    p->cpu->ops->matmul(p->cpu->ctx, yc, &ws.host[i], xc, n);
+                    snprintf(what, sizeof what, "norm_matmul_n %s %dx%d (%d of %d) n=%d",
+                             fi_dtype_name(ALL_TYPES[ti]), rows[i], cols, i + 1, ws.count, n);
+                    check_same(what, yg, yref, yc, ny, TOL_GEMM);
+                    free(yg);
+                    free(yref);
+                    free(yc);
+                    g->ops->free(g->ctx, dy[i]);
+                    g->ops->free(g->ctx, dref[i]);
+                }
+                g->ops->free(g->ctx, dxn);
+                g->ops->free(g->ctx, dxn2);
+                norm_in_free(p, &in);
+                free(xc);
+            }
+            wset_release(p, &ws);
+        }
+    }
+}
+
+static void test_norm_matmul_n_f16(void **state) {
+    run_norm_matmul_n(*state, "norm_matmul_n_f16");
+}
+
+static void test_norm_matmul_n_quant(void **state) {
+    run_norm_matmul_n(*state, "norm_matmul_n_quant");
+}
+
+/* norm_matmul_swiglu leaves in h the bits of the GPU's rmsnorm, matmul_n
+ * of {gate, up} and swiglu (run after it, on buffers of their own), within
+ * TOL_GEMM of the CPU's rmsnorm, two matmuls and swiglu, and leaves x as
+ * it was. Nothing is asserted of u or xn, which it may or may not write. */
+static void run_norm_matmul_swiglu(pair *p, const char *test) {
+    fi_backend *g = p->gpu;
+    if (!g->ops->norm_matmul_swiglu)
+        fail_msg("ops->norm_matmul_swiglu is NULL: the CUDA backend must provide it");
+    rng r = rng_for(test);
+    /* rows x cols of gate and up: the default model's, and a narrow one
+     * (cols stay a multiple of 32, the quantised types' block) */
+    const int shapes[][2] = {{1536, 576}, {192, 64}};
+    const int ns[] = {1, 3, 8, 9, 40};
+    for (size_t ti = 0; ti < sizeof ALL_TYPES / sizeof ALL_TYPES[0]; ti++) {
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            const int rows = shapes[si][0], cols = shapes[si][1];
+            const int gate_up[FI_MATMUL_N_MAX] = {rows, rows};
+            wset ws;
+            wset_make(p, &r, &ws, ALL_TYPES[ti], gate_up, cols);
+            for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+                int n = ns[k];
+                size_t ny = (size_t)n * rows;
+                norm_in in = norm_in_new(p, &r, n, cols);
+                float *dxn = dev_poisoned(g, (size_t)n * cols * sizeof(float));
+                float *dh = dev_poisoned(g, ny * sizeof(float)),
+                      *du = dev_poisoned(g, ny * sizeof(float));
+                float *dref[2] = {dev_poisoned(g, ny * sizeof(float)),
+                                  dev_poisoned(g, ny * sizeof(float))};
+                g->ops->norm_matmul_swiglu(g->ctx, dh, du, ws.devp[0], ws.devp[1], dxn, in.dx,
+                                           in.dg, NORM_EPS, n);
+                float *dxn2 = norm_gpu(p, &in);
+                g->ops->matmul_n(g->ctx, 2, dref, ws.devp, dxn2, n);
+                g->ops->swiglu(g->ctx, dref[0], dref[1], ny);
+                char what[96];
+                snprintf(what, sizeof what, "norm_matmul_swiglu %s %dx%d n=%d: x kept",
+                         fi_dtype_name(ALL_TYPES[ti]), rows, cols, n);
+                check_x_kept(p, what, &in);
+                float *xc = norm_cpu(p, &in), *hc = fvec(ny), *uc = fvec(ny);
+                p->cpu->ops->matmul(p->cpu->ctx, hc, &ws.host[0], xc, n);
+                p->cpu->ops->matmul(p->cpu->ctx, uc, &ws.host[1], xc, n);
+                p->cpu->ops->swiglu(p->cpu->ctx, hc, uc, ny);
+                float *hg = from_dev(g, dh, ny * sizeof(float));
+                float *href = from_dev(g, dref[0], ny * sizeof(float));
+                snprintf(what, sizeof what, "norm_matmul_swiglu %s %dx%d n=%d: h",
+                         fi_dtype_name(ALL_TYPES[ti]), rows, cols, n);
+                check_same(what, hg, href, hc, ny, TOL_GEMM);
+                float *bufs[] = {dxn, dh, du, dref[0], dref[1], dxn2};
+                for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+                    g->ops->free(g->ctx, bufs[i]);
+                float *hbufs[] = {xc, hc, uc, hg, href};
+                for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
+                    free(hbufs[i]);
+                norm_in_free(p, &in);
+            }
+            wset_release(p, &ws);
+        }
+    }
+}
+
+static void test_norm_matmul_swiglu_f16(void **state) {
+    run_norm_matmul_swiglu(*state, "norm_matmul_swiglu_f16");
+}
+
+static void test_norm_matmul_swiglu_quant(void **state) {
+    run_norm_matmul_swiglu(*state, "norm_matmul_swiglu_quant");
 }
 
 static void run_get_rows(pair *p, const char *test, double tol) {
@@ -732,6 +959,136 @@ static void test_store_f16(void **state) {
     free(x);
     free(hc);
     free(hg);
+}
+
+/* The shape of one layer's RoPE and KV cache rows. */
+typedef struct rope_shape {
+    int heads, kv_heads, hd; /* query heads, KV heads, head_dim */
+    float theta;             /* RoPE base */
+} rope_shape;
+
+/* One rope_store call of n tokens, at the positions pos, into caches of
+ * 2n + 16 rows filled with random bits first, at slots the first n of a
+ * random permutation of the rows, checked as test_rope_store says. */
+static void run_rope_store(pair *p, rng *r, const rope_shape *s, int n, const int32_t *pos) {
+    fi_backend *g = p->gpu;
+    const int kv_dim = s->kv_heads * s->hd, nrows = 2 * n + 16;
+    const size_t qn = (size_t)n * s->heads * s->hd, kn = (size_t)n * kv_dim;
+    const size_t cn = (size_t)nrows * kv_dim;
+    float *q = fvec(qn), *k = fvec(kn), *v = fvec(kn);
+    fill(r, q, qn, -2, 2);
+    fill(r, k, kn, -2, 2);
+    fill(r, v, kn, -2, 2);
+    int32_t *slot = malloc((size_t)nrows * sizeof *slot);
+    uint16_t *poison = malloc(cn * sizeof *poison);
+    assert_non_null(slot);
+    assert_non_null(poison);
+    for (int i = 0; i < nrows; i++)
+        slot[i] = i;
+    for (int i = nrows - 1; i > 0; i--) {
+        int j = (int)(rng_u32(r) % (uint32_t)(i + 1));
+        int32_t t = slot[i];
+        slot[i] = slot[j];
+        slot[j] = t;
+    }
+    for (size_t i = 0; i < cn; i++)
+        poison[i] = (uint16_t)rng_u32(r);
+    /* the fused call's operands, and copies for the unfused calls */
+    const size_t fb = sizeof(float), hb = sizeof(uint16_t);
+    float *dq = dev_from(g, q, qn * fb), *dk = dev_from(g, k, kn * fb);
+    float *dq2 = dev_from(g, q, qn * fb), *dk2 = dev_from(g, k, kn * fb);
+    float *dv = dev_from(g, v, kn * fb);
+    int32_t *dpos = dev_from(g, pos, (size_t)n * sizeof *pos);
+    int32_t *dslot = dev_from(g, slot, (size_t)n * sizeof *slot);
+    uint16_t *dkc = dev_from(g, poison, cn * hb), *dvc = dev_from(g, poison, cn * hb);
+    uint16_t *dkc2 = dev_from(g, poison, cn * hb), *dvc2 = dev_from(g, poison, cn * hb);
+    g->ops->rope_store(g->ctx, dq, dk, dv, dkc, dvc, n, s->heads, s->kv_heads, s->hd, dpos,
+                       s->theta, dslot);
+    g->ops->rope(g->ctx, dq2, n, s->heads, s->hd, dpos, s->theta);
+    g->ops->rope(g->ctx, dk2, n, s->kv_heads, s->hd, dpos, s->theta);
+    g->ops->kv_store(g->ctx, dkc2, dk2, n, dslot, kv_dim);
+    g->ops->kv_store(g->ctx, dvc2, dv, n, dslot, kv_dim);
+    float *qg = from_dev(g, dq, qn * fb), *qg2 = from_dev(g, dq2, qn * fb);
+    float *kg = from_dev(g, dk, kn * fb), *kg2 = from_dev(g, dk2, kn * fb);
+    float *vg = from_dev(g, dv, kn * fb);
+    uint16_t *kcg = from_dev(g, dkc, cn * hb), *kcg2 = from_dev(g, dkc2, cn * hb);
+    uint16_t *vcg = from_dev(g, dvc, cn * hb), *vcg2 = from_dev(g, dvc2, cn * hb);
+    p->cpu->ops->rope(p->cpu->ctx, q, n, s->heads, s->hd, pos, s->theta);
+    p->cpu->ops->rope(p->cpu->ctx, k, n, s->kv_heads, s->hd, pos, s->theta);
+    char what[96];
+    printf("  rope_store heads %d/%d hd %d theta %g n=%d\n", s->heads, s->kv_heads, s->hd,
+           s->theta, n);
+    check_same("  q", qg, qg2, q, qn, TOL_F32);
+    check_same("  k", kg, kg2, k, kn, TOL_F32);
+    check_bits("  v kept", vg, v, kn, fb);
+    check_bits("  k cache, as rope then kv_store", kcg, kcg2, cn, hb);
+    check_bits("  v cache, as kv_store", vcg, vcg2, cn, hb);
+    /* the slot rows hold fp16 of the GPU's roped k and of v, the other
+     * rows the poison still. Against the CPU's roped k, only within
+     * TOL_KV: it is within TOL_F32 of the GPU's, and near a rounding
+     * boundary may round to the neighbouring fp16 value. */
+    uint16_t *wk = malloc(cn * hb), *wv = malloc(cn * hb);
+    assert_non_null(wk);
+    assert_non_null(wv);
+    memcpy(wk, poison, cn * hb);
+    memcpy(wv, poison, cn * hb);
+    float *kcf = fvec(kn);
+    for (int t = 0; t < n; t++)
+        for (int e = 0; e < kv_dim; e++) {
+            size_t src = (size_t)t * kv_dim + e, dst = (size_t)slot[t] * kv_dim + e;
+            wk[dst] = fi_fp32_to_fp16(kg[src]);
+            wv[dst] = fi_fp32_to_fp16(v[src]);
+            kcf[src] = fi_fp16_to_fp32(kcg[dst]);
+        }
+    snprintf(what, sizeof what, "  k cache: fp16(k) at %d slots of %d rows", n, nrows);
+    check_bits(what, kcg, wk, cn, hb);
+    snprintf(what, sizeof what, "  v cache: fp16(v) at %d slots of %d rows", n, nrows);
+    check_bits(what, vcg, wv, cn, hb);
+    check("  k cache rows against the CPU's k", kcf, k, kn, TOL_KV);
+    void *bufs[] = {dq, dk, dv, dq2, dk2, dpos, dslot, dkc, dvc, dkc2, dvc2};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        g->ops->free(g->ctx, bufs[i]);
+    void *hbufs[] = {q, k, v, slot, poison, qg, qg2, kg, kg2,
+                     vg, kcg, kcg2, vcg, vcg2, wk, wv, kcf};
+    for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++)
+        free(hbufs[i]);
+}
+
+/* rope_store leaves in q and k the bits of the GPU's rope of each (run
+ * after it, on copies), within TOL_F32 of the CPU's; in the caches the
+ * bits of the GPU's kv_store of the roped k and of v (on a second pair of
+ * caches), which are fp16 of those values at the slot rows, the rows
+ * outside slot untouched; and v as it was. Positions go up to 20000:
+ * among them 0 and one past the GPU's table of angles (8192 positions);
+ * a single token is at one or the other, by shape. */
+static void test_rope_store(void **state) {
+    pair *p = *state;
+    if (!p->gpu->ops->rope_store)
+        fail_msg("ops->rope_store is NULL: the CUDA backend must provide it");
+    rng r = rng_for("rope_store");
+    static const rope_shape shapes[] = {
+        {9, 3, 64, 100000.0f},   /* the default model */
+        {32, 8, 128, 500000.0f}, /* Llama-3-8B-like */
+        {4, 4, 32, 10000.0f},    /* no grouping, head_dim 32 */
+    };
+    static const int ns[] = {1, 7, 33};
+    enum { NMAX = 33, FAR = 8192, POS_MAX = 20000 };
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+            const int n = ns[k];
+            int32_t pos[NMAX];
+            for (int t = 0; t < n; t++)
+                pos[t] = (int32_t)(rng_u32(&r) % (POS_MAX + 1u));
+            int32_t far = FAR + (int32_t)(rng_u32(&r) % (uint32_t)(POS_MAX - FAR + 1));
+            if (n > 1) {
+                pos[0] = 0;
+                pos[n - 1] = far;
+            } else {
+                pos[0] = si % 2 ? far : 0;
+            }
+            run_rope_store(p, &r, &shapes[si], n, pos);
+        }
+    }
 }
 
 static void test_swiglu_add(void **state) {
@@ -1288,6 +1645,10 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_matmul_n_quant, setup_quant, teardown),
         cmocka_unit_test_setup_teardown(test_matmul_add_f16, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_matmul_add_quant, setup_quant, teardown),
+        cmocka_unit_test_setup_teardown(test_norm_matmul_n_f16, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_norm_matmul_n_quant, setup_quant, teardown),
+        cmocka_unit_test_setup_teardown(test_norm_matmul_swiglu_f16, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_norm_matmul_swiglu_quant, setup_quant, teardown),
         cmocka_unit_test_setup_teardown(test_get_rows_f16, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_get_rows_quant, setup_quant, teardown),
         cmocka_unit_test_setup_teardown(test_rmsnorm, setup_f16, teardown),
@@ -1296,6 +1657,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_attention, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_attention_shapes, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_store_f16, setup_f16, teardown),
+        cmocka_unit_test_setup_teardown(test_rope_store, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_swiglu_add, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_argmax, setup_f16, teardown),
         cmocka_unit_test_setup_teardown(test_error_reported, setup_f16, teardown),
