@@ -42,6 +42,7 @@
  */
 #include <cublasLt.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <math.h>
@@ -402,24 +403,6 @@ typedef struct s_mv_args {
     int swiglu;     /* count 2, equal rows: y[0] = silu(W0 x) * (W1 x), y[1] = W1 x */
 } s_mv_args;
 
-/* The sum of x[0..dim) squared, in exactly the order k_rmsnorm takes it
- * with its block of `threads` threads (thread v sums v, v + threads, ...;
- * each warp's sums by s_warp_sum; then warp 0 sums the warps' sums), so
- * that a product on the normalised rows gives the bits of rmsnorm and then
- * the product. One warp does it: lane l plays thread w*32 + l of warp w. */
-__device__ static inline float s_sumsq_as_block(const float *x, int dim, int threads) {
-    float part = 0.0f;
-    for (int w = 0; w < threads / 32; w++) {
-        float ss = 0.0f;
-        for (int i = w * 32 + (threadIdx.x & 31); i < dim; i += threads)
-            ss = fmaf(x[i], x[i], ss);
-        ss = s_warp_sum(ss);
-        if ((threadIdx.x & 31) == w)
-            part = ss;
-    }
-    return s_warp_sum(part);
-}
-
 /* k_rmsnorm's scale for a row whose squares sum to ss. */
 __device__ static inline float s_norm_scale(float ss, int dim, float eps) {
     return (float)(1.0 / sqrt((double)ss / dim + (double)eps));
@@ -513,19 +496,42 @@ __device__ static inline void s_mv_dot(const s_mv_args &a, int i, int r, const f
 }
 
 /* Matrix-vector products of n <= S_MV_MAX_N tokens: one warp per output
- * row (per row pair with a.swiglu), x read as fp32 (no conversion); with
- * a.g, x normalised on the fly (each block finds the n scales first, warp
- * k token k). See s_mv_dot. */
+ * row (per row pair with a.swiglu), x read as fp32 (no conversion); see
+ * s_mv_dot. With a.g, x is normalised on the fly: each block first finds
+ * the n tokens' scales exactly as k_rmsnorm does with its block of 256
+ * threads (cols < 1024: the host checks), thread v summing the squares of
+ * elements v, v + 256, ..., each warp's sums by s_warp_sum, then warp 0
+ * those of the 8 warps, so that the products see the bits rmsnorm would
+ * have written. */
 __global__ static void __launch_bounds__(S_MV_THREADS)
 k_matvec(s_mv_args a, const float *x, int cols, int n) {
-    __shared__ float sscale[S_MV_MAX_N];
+    __shared__ float sscale[S_MV_MAX_N], part[S_MV_MAX_N][S_MV_THREADS / 32];
     int gw = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     if (a.g) {
-        if (warp < n) {
-            float ss = s_sumsq_as_block(x + (size_t)warp * cols, cols, s_norm_threads_dev(cols));
-            if (lane == 0)
-                sscale[warp] = s_norm_scale(ss, cols, a.eps);
+        float ss[S_MV_MAX_N];
+#pragma unroll
+        for (int k = 0; k < S_MV_MAX_N; k++) {
+            ss[k] = 0.0f;
+            if (k < n)
+                for (int i = threadIdx.x; i < cols; i += S_MV_THREADS)
+                    ss[k] = fmaf(x[(size_t)k * cols + i], x[(size_t)k * cols + i], ss[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < S_MV_MAX_N; k++) {
+            if (k < n) {
+                float v = s_warp_sum(ss[k]);
+                if (lane == 0)
+                    part[k][warp] = v;
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {
+            for (int k = 0; k < n; k++) {
+                float v = s_warp_sum(lane < S_MV_THREADS / 32 ? part[k][lane] : 0.0f);
+                if (lane == 0)
+                    sscale[k] = s_norm_scale(v, cols, a.eps);
+            }
         }
         __syncthreads();
     }
@@ -800,36 +806,45 @@ __device__ static inline float s_warp_max(float v) {
     return v;
 }
 
-/* Attention for head_dim 32, 64 or 128 and up to S_AG_MAX_G query heads
- * per KV head: one block per (token t, KV head kh, split), taking the G
- * query heads of kh together so that each K and V row is read once for
+/* Attention for head_dim HD (32, 64 or 128) and up to S_AG_MAX_G query
+ * heads per KV head: one block per (token t, KV head kh, split), taking the
+ * G query heads of kh together so that each K and V row is read once for
  * all of them. The split takes tiles s, s+S, s+2S, ... of S_AG_TILE
  * positions of 0..pos[t]. Per tile:
- *   1. thread i scores position i of the tile for the G heads (its K row
- *      in 16-byte loads, q from shared memory);
+ *   1. thread i loads the K and V rows of position i of the tile together
+ *      (16-byte loads, all in flight at once), puts the V row in shared
+ *      memory and scores the position for the G heads (q from shared
+ *      memory);
  *   2. the block's max and sum of exp per head update an online softmax;
  *   3. thread (sub, d2) adds p * V to dims 2*d2, 2*d2+1 for the tile's
- *      positions sub, sub + nsub, ... (half2 loads, coalesced).
+ *      positions sub, sub + nsub, ..., reading V from shared memory.
  * Only the first `active` splits have positions (those starting below
  * pos[t] + 1); the others return at once. With one active split the result
  * goes to out; otherwise each active block writes (max, sum, o[hd]) per
  * head as k_attention does, and the last of them to finish (counted in
  * count[t * n_kv_heads + kh], reset by that block) merges them in split
- * order, so no second launch is needed. */
+ * order, so no second launch is needed. GM: the most heads per group
+ * the instance handles (4 or 8: fewer registers for the common groups). */
+template <int HD, int GM>
 __global__ static void __launch_bounds__(S_AG_THREADS)
 k_attention_g(float *out, float *part, unsigned *count, const float *q, const uint16_t *kc,
               const uint16_t *vc, const int32_t *pos, const int32_t *seq, const int32_t *tables,
-              int max_blocks, int bs, int n_heads, int n_kv_heads, int hd) {
-    __shared__ float sq[S_AG_MAX_G * 128];
-    __shared__ float sp[S_AG_MAX_G][S_AG_TILE];
-    __shared__ size_t srow[S_AG_TILE];
-    __shared__ float smax[S_AG_THREADS / 32][S_AG_MAX_G], ssum[S_AG_THREADS / 32][S_AG_MAX_G];
-    __shared__ float so[2 * S_AG_THREADS * S_AG_MAX_G];
-    __shared__ float sm[S_AG_MAX_G], sl[S_AG_MAX_G];
-    __shared__ float mf[S_AG_MAX_G][S_ATT_MAX_SPLIT]; /* merge: each split's factor */
-    __shared__ float mL[S_AG_MAX_G];
+              int max_blocks, int bs, int n_heads, int n_kv_heads) {
+    constexpr int V4 = HD / 8;     /* 16-byte pieces of a row */
+    constexpr int VS = V4 + 1;     /* a staged V row's stride: one piece of padding (banks) */
+    constexpr int H2 = HD / 2;     /* half2 columns */
+    constexpr int NSUB = S_AG_THREADS / H2;
+    constexpr int SV = S_AG_TILE * VS; /* staged V, uint4s */
+    constexpr int SO = 2 * S_AG_THREADS * GM / 4; /* the end's sums, as uint4s */
+    __shared__ __align__(16) uint4 sv[SV > SO ? SV : SO]; /* V tile; at the end, the subsets' sums */
+    __shared__ float sq[GM * HD];
+    __shared__ float sp[GM][S_AG_TILE];
+    __shared__ float smax[S_AG_THREADS / 32][GM], ssum[S_AG_THREADS / 32][GM];
+    __shared__ float sm[GM], sl[GM];
+    __shared__ float mf[GM][S_ATT_MAX_SPLIT]; /* merge: each split's factor */
+    __shared__ float mL[GM];
     __shared__ int last;
-    const int G = n_heads / n_kv_heads;
+    const int G = n_heads / n_kv_heads; /* <= GM */
     const int tk = blockIdx.x, t = tk / n_kv_heads, kh = tk % n_kv_heads;
     const int split = blockIdx.y;
     const int np = pos[t] + 1;
@@ -839,77 +854,89 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
     if (split >= n_split)
         return;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
-    const int kv_dim = n_kv_heads * hd, h2 = hd / 2, nsub = S_AG_THREADS / h2;
-    const int d2 = tid % h2, sub = tid / h2;
-    const float *qr = q + (size_t)t * n_heads * hd + (size_t)kh * G * hd;
-    for (int i = tid; i < G * hd; i += S_AG_THREADS)
+    const int kv_dim = n_kv_heads * HD;
+    const int d2 = tid % H2, sub = tid / H2;
+    const float *qr = q + (size_t)t * n_heads * HD + (size_t)kh * G * HD;
+    for (int i = tid; i < G * HD; i += S_AG_THREADS)
         sq[i] = qr[i];
-    const float scale = 1.0f / sqrtf((float)hd); /* as the CPU computes it */
+    const float scale = 1.0f / sqrtf((float)HD); /* as the CPU computes it */
     const int32_t *tbl = tables + (size_t)seq[t] * max_blocks;
-    float m[S_AG_MAX_G], l[S_AG_MAX_G], a0[S_AG_MAX_G], a1[S_AG_MAX_G];
+    float m[GM], l[GM], a0[GM], a1[GM];
 #pragma unroll
-    for (int g = 0; g < S_AG_MAX_G; g++) {
+    for (int g = 0; g < GM; g++) {
         m[g] = -INFINITY;
         l[g] = a0[g] = a1[g] = 0.0f;
     }
     __syncthreads();
     for (int c0 = split * S_AG_TILE; c0 < np; c0 += n_split * S_AG_TILE) {
         const int cn = np - c0 < S_AG_TILE ? np - c0 : S_AG_TILE;
-        float sc[S_AG_MAX_G];
+        float sc[GM];
 #pragma unroll
-        for (int g = 0; g < S_AG_MAX_G; g++)
+        for (int g = 0; g < GM; g++)
             sc[g] = -INFINITY;
         if (tid < cn) {
             int p = c0 + tid;
             size_t row = (size_t)tbl[p / bs] * bs + (size_t)(p % bs);
-            srow[tid] = row;
-            const uint16_t *kr = kc + row * kv_dim + (size_t)kh * hd;
+            const uint4 *kr = (const uint4 *)(kc + row * kv_dim + (size_t)kh * HD);
+            const uint4 *vr = (const uint4 *)(vc + row * kv_dim + (size_t)kh * HD);
+            /* V straight to shared memory (cp.async: no registers held),
+             * waited for below, while K is scored */
 #pragma unroll
-            for (int g = 0; g < S_AG_MAX_G; g++)
+            for (int j = 0; j < V4; j++)
+                __pipeline_memcpy_async(&sv[tid * VS + j], vr + j, sizeof(uint4));
+            __pipeline_commit();
+            uint4 ku[V4];
+#pragma unroll
+            for (int j = 0; j < V4; j++)
+                ku[j] = __ldg(kr + j);
+#pragma unroll
+            for (int g = 0; g < GM; g++)
                 if (g < G)
                     sc[g] = 0.0f;
-            for (int d = 0; d < hd; d += 8) {
-                uint4 u = *(const uint4 *)(kr + d);
-                const __half2 *k2 = (const __half2 *)&u;
+#pragma unroll
+            for (int j = 0; j < V4; j++) {
+                const __half2 *k2 = (const __half2 *)&ku[j];
                 float kf[8];
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    float2 f = __half22float2(k2[j]);
-                    kf[2 * j] = f.x;
-                    kf[2 * j + 1] = f.y;
+                for (int e = 0; e < 4; e++) {
+                    float2 f = __half22float2(k2[e]);
+                    kf[2 * e] = f.x;
+                    kf[2 * e + 1] = f.y;
                 }
 #pragma unroll
-                for (int g = 0; g < S_AG_MAX_G; g++) {
+                for (int g = 0; g < GM; g++) {
                     if (g < G) {
-                        const float *qg = sq + g * hd + d;
-                        float s = sc[g];
+                        const float *qg = sq + g * HD + 8 * j;
+                        float sg = sc[g];
 #pragma unroll
-                        for (int j = 0; j < 8; j++)
-                            s = fmaf(qg[j], kf[j], s);
-                        sc[g] = s;
+                        for (int e = 0; e < 8; e++)
+                            sg = fmaf(qg[e], kf[e], sg);
+                        sc[g] = sg;
                     }
                 }
             }
 #pragma unroll
-            for (int g = 0; g < S_AG_MAX_G; g++)
+            for (int g = 0; g < GM; g++)
                 if (g < G)
                     sc[g] *= scale;
         }
 #pragma unroll
-        for (int g = 0; g < S_AG_MAX_G; g++) {
+        for (int g = 0; g < GM; g++) {
             if (g < G) {
                 float v = s_warp_max(sc[g]);
                 if (lane == 0)
                     smax[warp][g] = v;
             }
         }
+        __pipeline_wait_prior(0); /* this thread's V row; the barrier shows it to all */
         __syncthreads();
-        float r[S_AG_MAX_G];
+        float r[GM];
 #pragma unroll
-        for (int g = 0; g < S_AG_MAX_G; g++) {
+        for (int g = 0; g < GM; g++) {
             r[g] = 1.0f;
             if (g < G) {
                 float tm = smax[0][g];
+#pragma unroll
                 for (int w = 1; w < S_AG_THREADS / 32; w++)
                     tm = fmaxf(tm, smax[w][g]);
                 float mn = fmaxf(m[g], tm); /* finite: the tile has a position */
@@ -924,9 +951,10 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
         }
         __syncthreads();
 #pragma unroll
-        for (int g = 0; g < S_AG_MAX_G; g++) {
+        for (int g = 0; g < GM; g++) {
             if (g < G) {
                 float ts = 0.0f;
+#pragma unroll
                 for (int w = 0; w < S_AG_THREADS / 32; w++)
                     ts += ssum[w][g];
                 l[g] = l[g] * r[g] + ts;
@@ -934,12 +962,12 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
                 a1[g] *= r[g];
             }
         }
+        const __half2 *sv2 = (const __half2 *)sv;
 #pragma unroll 4
-        for (int i = sub; i < cn; i += nsub) {
-            const uint16_t *vr = vc + srow[i] * kv_dim + (size_t)kh * hd;
-            float2 vf = __half22float2(*(const __half2 *)(vr + 2 * d2));
+        for (int i = sub; i < cn; i += NSUB) {
+            float2 vf = __half22float2(sv2[i * (VS * 4) + d2]);
 #pragma unroll
-            for (int g = 0; g < S_AG_MAX_G; g++) {
+            for (int g = 0; g < GM; g++) {
                 if (g < G) {
                     float pg = sp[g][i];
                     a0[g] = fmaf(pg, vf.x, a0[g]);
@@ -947,18 +975,19 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
                 }
             }
         }
-        __syncthreads(); /* sp, srow and the sums are refilled next */
+        __syncthreads(); /* sv, sp and the sums are refilled next */
     }
+    float *so = (float *)sv;
 #pragma unroll
-    for (int g = 0; g < S_AG_MAX_G; g++) {
+    for (int g = 0; g < GM; g++) {
         if (g < G) {
-            so[(sub * G + g) * hd + 2 * d2] = a0[g];
-            so[(sub * G + g) * hd + 2 * d2 + 1] = a1[g];
+            so[(sub * G + g) * HD + 2 * d2] = a0[g];
+            so[(sub * G + g) * HD + 2 * d2 + 1] = a1[g];
         }
     }
     if (tid == 0) {
 #pragma unroll
-        for (int g = 0; g < S_AG_MAX_G; g++) {
+        for (int g = 0; g < GM; g++) {
             if (g < G) {
                 sm[g] = m[g];
                 sl[g] = l[g];
@@ -966,15 +995,16 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
         }
     }
     __syncthreads();
-    for (int i = tid; i < G * hd; i += S_AG_THREADS) {
-        int g = i / hd, d = i % hd, h = kh * G + g;
+    for (int i = tid; i < G * HD; i += S_AG_THREADS) {
+        int g = i / HD, d = i % HD, h = kh * G + g;
         float v = 0.0f;
-        for (int sb = 0; sb < nsub; sb++)
-            v += so[(sb * G + g) * hd + d];
+#pragma unroll
+        for (int sb = 0; sb < NSUB; sb++)
+            v += so[(sb * G + g) * HD + d];
         if (n_split == 1) {
-            out[(size_t)t * n_heads * hd + (size_t)h * hd + d] = v / sl[g];
+            out[(size_t)t * n_heads * HD + (size_t)h * HD + d] = v / sl[g];
         } else {
-            float *pp = part + ((size_t)(t * n_heads + h) * S + split) * (size_t)(hd + 2);
+            float *pp = part + ((size_t)(t * n_heads + h) * S + split) * (size_t)(HD + 2);
             if (d == 0) {
                 pp[0] = sm[g];
                 pp[1] = sl[g];
@@ -996,31 +1026,31 @@ k_attention_g(float *out, float *part, unsigned *count, const float *q, const ui
     /* each split's factor exp(m_s - M) and the sum L, per head */
     for (int i = tid; i < G * n_split; i += S_AG_THREADS) {
         int g = i / n_split, sp_ = i % n_split;
-        mf[g][sp_] = __ldcg(part + ((size_t)(t * n_heads + kh * G + g) * S + sp_) * (size_t)(hd + 2));
+        mf[g][sp_] = __ldcg(part + ((size_t)(t * n_heads + kh * G + g) * S + sp_) * (size_t)(HD + 2));
     }
     __syncthreads();
     if (tid < G) {
         float M = -INFINITY;
         for (int sp_ = 0; sp_ < n_split; sp_++)
             M = fmaxf(M, mf[tid][sp_]);
-        const float *pp = part + (size_t)(t * n_heads + kh * G + tid) * S * (size_t)(hd + 2);
+        const float *pp = part + (size_t)(t * n_heads + kh * G + tid) * S * (size_t)(HD + 2);
         float L = 0.0f;
         for (int sp_ = 0; sp_ < n_split; sp_++) {
             float f = expf(mf[tid][sp_] - M); /* every active split has positions */
-            L += __ldcg(pp + (size_t)sp_ * (hd + 2) + 1) * f;
+            L += __ldcg(pp + (size_t)sp_ * (HD + 2) + 1) * f;
             mf[tid][sp_] = f;
         }
         mL[tid] = L;
     }
     __syncthreads();
-    for (int i = tid; i < G * hd; i += S_AG_THREADS) {
-        int g = i / hd, d = i % hd, h = kh * G + g;
-        const float *pp = part + (size_t)(t * n_heads + h) * S * (size_t)(hd + 2) + 2 + d;
+    for (int i = tid; i < G * HD; i += S_AG_THREADS) {
+        int g = i / HD, d = i % HD, h = kh * G + g;
+        const float *pp = part + (size_t)(t * n_heads + h) * S * (size_t)(HD + 2) + 2 + d;
         float v = 0.0f;
 #pragma unroll 8
         for (int sp_ = 0; sp_ < n_split; sp_++)
-            v += __ldcg(pp + (size_t)sp_ * (hd + 2)) * mf[g][sp_];
-        out[(size_t)t * n_heads * hd + (size_t)h * hd + d] = v / mL[g];
+            v += __ldcg(pp + (size_t)sp_ * (HD + 2)) * mf[g][sp_];
+        out[(size_t)t * n_heads * HD + (size_t)h * HD + d] = v / mL[g];
     }
     if (tid == 0)
         count[tk] = 0; /* ready for the next launch */
@@ -1653,9 +1683,18 @@ static void s_attention_g(s_cuda *c, float *out, const float *q, const uint16_t 
     }
     s_prof_begin(c);
     dim3 grid((unsigned)items, (unsigned)split);
-    k_attention_g<<<grid, S_AG_THREADS, 0, c->stream>>>(
-        out, c->att_part, c->att_count, q, k, v, pos, map->seq, map->tables, map->max_blocks,
-        map->block_size, n_heads, n_kv_heads, head_dim);
+#define S_AG_LAUNCH(hd, gm)                                                                \
+    k_attention_g<hd, gm><<<grid, S_AG_THREADS, 0, c->stream>>>(                          \
+        out, c->att_part, c->att_count, q, k, v, pos, map->seq, map->tables, map->max_blocks, \
+        map->block_size, n_heads, n_kv_heads)
+    int g4 = n_heads / n_kv_heads <= 4;
+    if (head_dim == 32)
+        g4 ? S_AG_LAUNCH(32, 4) : S_AG_LAUNCH(32, 8);
+    else if (head_dim == 64)
+        g4 ? S_AG_LAUNCH(64, 4) : S_AG_LAUNCH(64, 8);
+    else
+        g4 ? S_AG_LAUNCH(128, 4) : S_AG_LAUNCH(128, 8);
+#undef S_AG_LAUNCH
     s_launched(c, "k_attention_g");
     s_prof_end(c, S_OP_ATTENTION);
 }
@@ -1797,7 +1836,9 @@ static int s_mv_norm_takes(const s_cuda *c, int count, const fi_weight *const *w
     for (int i = 0; i < count; i++)
         if (w[i]->cols != w[0]->cols || !s_mv_takes(c, w[i], x, n))
             return 0;
-    return (uintptr_t)g % 16 == 0 && (uintptr_t)x % 16 == 0 && w[0]->cols % 8 == 0;
+    /* k_rmsnorm's block is k_matvec's (256 threads) below 1024 columns */
+    return (uintptr_t)g % 16 == 0 && (uintptr_t)x % 16 == 0 && w[0]->cols % 8 == 0 &&
+           w[0]->cols < 1024 && s_norm_threads_dev(w[0]->cols) == S_MV_THREADS;
 }
 
 static void s_norm_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
