@@ -173,6 +173,7 @@ typedef struct s_cuda {
     int att_g;                   /* k_attention_g where it applies (else k_attention) */
     int replay;                  /* graph_begin_sig may relaunch (else it records) */
     int fused;                   /* the fused operations in one launch (else in several) */
+    int mv_pre;                  /* k_matvec: early row loads, and its one-token instance */
     unsigned *att_count;         /* per (token, KV head): k_attention_g blocks done */
     size_t att_count_elems;      /* its capacity */
     float2 *rope_tab;            /* (cos, sin) of position p, pair i at p * half + i */
@@ -401,6 +402,7 @@ typedef struct s_mv_args {
     const float *g; /* rmsnorm weights: x is normalised on the fly */
     float eps;
     int swiglu;     /* count 2, equal rows: y[0] = silu(W0 x) * (W1 x), y[1] = W1 x */
+    int prefetch;   /* issue the rows' first loads before the rmsnorm scales */
 } s_mv_args;
 
 /* k_rmsnorm's scale for a row whose squares sum to ss. */
@@ -418,19 +420,29 @@ __host__ __device__ static inline int s_norm_threads_dev(int dim) {
  * before their use (cols % 8 == 0, x 16-byte aligned: the host checks).
  * Quantised rows: lane l takes blocks l, l+32, ... A row's result
  * depends only on its weight row, x and g, so matmul, matmul_n,
- * matmul_add and the fused forms give the same bits. */
+ * matmul_add and the fused forms give the same bits. pre: the fp16 row's
+ * first four chunks of this lane, loaded already (s_mv_pre), or NULL. */
+template <int NT>
 __device__ static inline void s_mv_dot(const s_mv_args &a, int i, int r, const float *x, int cols,
-                                       int n, const float *scale, float *acc) {
+                                       int n, const float *scale, float *acc, const uint4 *pre) {
     int lane = threadIdx.x & 31;
     if (a.h[i]) {
         const __half *row = a.h[i] + (size_t)r * cols;
         int nch = cols / 8;
         for (int c = lane; c < nch; c += 4 * 32) {
             uint4 u[4];
+            float4 xl[4], xh[4]; /* one token: its x loads go out with u's */
 #pragma unroll
-            for (int j = 0; j < 4; j++)
-                if (c + 32 * j < nch)
-                    u[j] = __ldg((const uint4 *)(row + (size_t)(c + 32 * j) * 8));
+            for (int j = 0; j < 4; j++) {
+                if (c + 32 * j < nch) {
+                    int c0 = (c + 32 * j) * 8;
+                    u[j] = pre && c == lane ? pre[j] : __ldg((const uint4 *)(row + c0));
+                    if (NT == 1) {
+                        xl[j] = *(const float4 *)(x + c0);
+                        xh[j] = *(const float4 *)(x + c0 + 4);
+                    }
+                }
+            }
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 if (c + 32 * j >= nch)
@@ -451,10 +463,17 @@ __device__ static inline void s_mv_dot(const s_mv_args &a, int i, int r, const f
                     gf[4] = g1.x, gf[5] = g1.y, gf[6] = g1.z, gf[7] = g1.w;
                 }
 #pragma unroll
-                for (int k = 0; k < S_MV_MAX_N; k++) {
-                    if (k < n) {
-                        const float4 *xp = (const float4 *)(x + (size_t)k * cols + c0);
-                        float4 x0 = xp[0], x1 = xp[1];
+                for (int k = 0; k < NT; k++) {
+                    if (NT == 1 || k < n) {
+                        float4 x0, x1;
+                        if (NT == 1) {
+                            x0 = xl[j];
+                            x1 = xh[j];
+                        } else {
+                            const float4 *xp = (const float4 *)(x + (size_t)k * cols + c0);
+                            x0 = xp[0];
+                            x1 = xp[1];
+                        }
                         float xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
                         if (a.g) {
 #pragma unroll
@@ -481,8 +500,8 @@ __device__ static inline void s_mv_dot(const s_mv_args &a, int i, int r, const f
         for (int j = 0; j < S_QK; j++)
             v[j] = s_block_elem(t, blk, j);
 #pragma unroll
-        for (int k = 0; k < S_MV_MAX_N; k++) {
-            if (k < n) {
+        for (int k = 0; k < NT; k++) {
+            if (NT == 1 || k < n) {
                 const float *xk = x + (size_t)k * cols + (size_t)b * S_QK;
                 const float *gk = a.g ? a.g + (size_t)b * S_QK : NULL;
                 float s = 0.0f;
@@ -495,6 +514,19 @@ __device__ static inline void s_mv_dot(const s_mv_args &a, int i, int r, const f
     }
 }
 
+/* Loads the first four chunks of this lane of fp16 row r of weight i, as
+ * s_mv_dot would (nothing for quantised rows). */
+__device__ static inline void s_mv_pre(const s_mv_args &a, int i, int r, int cols, uint4 *u) {
+    if (!a.h[i])
+        return;
+    const __half *row = a.h[i] + (size_t)r * cols;
+    int lane = threadIdx.x & 31, nch = cols / 8;
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        if (lane + 32 * j < nch)
+            u[j] = __ldg((const uint4 *)(row + (size_t)(lane + 32 * j) * 8));
+}
+
 /* Matrix-vector products of n <= S_MV_MAX_N tokens: one warp per output
  * row (per row pair with a.swiglu), x read as fp32 (no conversion); see
  * s_mv_dot. With a.g, x is normalised on the fly: each block first finds
@@ -502,24 +534,38 @@ __device__ static inline void s_mv_dot(const s_mv_args &a, int i, int r, const f
  * threads (cols < 1024: the host checks), thread v summing the squares of
  * elements v, v + 256, ..., each warp's sums by s_warp_sum, then warp 0
  * those of the 8 warps, so that the products see the bits rmsnorm would
- * have written. */
+ * have written. The weight rows' first loads are issued before that, so
+ * that they are under way while the scales are found. */
+template <int NT>
 __global__ static void __launch_bounds__(S_MV_THREADS)
 k_matvec(s_mv_args a, const float *x, int cols, int n) {
     __shared__ float sscale[S_MV_MAX_N], part[S_MV_MAX_N][S_MV_THREADS / 32];
     int gw = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    int valid = gw < a.end[a.count - 1];
+    int i = 0;
+    if (!a.swiglu)
+        for (int j = 0; j + 1 < a.count; j++)
+            i += gw >= a.end[j];
+    int first = i ? a.end[i - 1] : 0, rows = a.end[i] - first, r = gw - first;
+    uint4 pre[4], pre2[4];
+    if (valid && a.prefetch) {
+        s_mv_pre(a, i, r, cols, pre);
+        if (a.swiglu)
+            s_mv_pre(a, 1, r, cols, pre2);
+    }
     if (a.g) {
-        float ss[S_MV_MAX_N];
+        float ss[NT];
 #pragma unroll
-        for (int k = 0; k < S_MV_MAX_N; k++) {
+        for (int k = 0; k < NT; k++) {
             ss[k] = 0.0f;
-            if (k < n)
+            if (NT == 1 || k < n)
                 for (int i = threadIdx.x; i < cols; i += S_MV_THREADS)
                     ss[k] = fmaf(x[(size_t)k * cols + i], x[(size_t)k * cols + i], ss[k]);
         }
 #pragma unroll
-        for (int k = 0; k < S_MV_MAX_N; k++) {
-            if (k < n) {
+        for (int k = 0; k < NT; k++) {
+            if (NT == 1 || k < n) {
                 float v = s_warp_sum(ss[k]);
                 if (lane == 0)
                     part[k][warp] = v;
@@ -535,27 +581,22 @@ k_matvec(s_mv_args a, const float *x, int cols, int n) {
         }
         __syncthreads();
     }
-    if (gw >= a.end[a.count - 1])
+    if (!valid)
         return;
-    int i = 0;
-    if (!a.swiglu)
-        for (int j = 0; j + 1 < a.count; j++)
-            i += gw >= a.end[j];
-    int first = i ? a.end[i - 1] : 0, rows = a.end[i] - first, r = gw - first;
-    float scale[S_MV_MAX_N];
+    float scale[NT];
 #pragma unroll
-    for (int k = 0; k < S_MV_MAX_N; k++)
-        scale[k] = a.g && k < n ? sscale[k] : 1.0f;
-    float acc[S_MV_MAX_N], acc2[S_MV_MAX_N];
+    for (int k = 0; k < NT; k++)
+        scale[k] = a.g && (NT == 1 || k < n) ? sscale[k] : 1.0f;
+    float acc[NT], acc2[NT];
 #pragma unroll
-    for (int k = 0; k < S_MV_MAX_N; k++)
+    for (int k = 0; k < NT; k++)
         acc[k] = acc2[k] = 0.0f;
-    s_mv_dot(a, i, r, x, cols, n, scale, acc);
+    s_mv_dot<NT>(a, i, r, x, cols, n, scale, acc, a.prefetch ? pre : NULL);
     if (a.swiglu)
-        s_mv_dot(a, 1, r, x, cols, n, scale, acc2);
+        s_mv_dot<NT>(a, 1, r, x, cols, n, scale, acc2, a.prefetch ? pre2 : NULL);
 #pragma unroll
-    for (int k = 0; k < S_MV_MAX_N; k++) {
-        if (k < n) {
+    for (int k = 0; k < NT; k++) {
+        if (NT == 1 || k < n) {
             float s = s_warp_sum(acc[k]);
             size_t at = (size_t)k * rows + r;
             if (a.swiglu) {
@@ -1464,8 +1505,15 @@ static void s_mv_add(s_mv_args *a, int i, const fi_weight *w, float *y) {
 static void s_mv_launch(s_cuda *c, const s_mv_args *a, const float *x, int cols, int n) {
     size_t threads = (size_t)a->end[a->count - 1] * 32;
     s_prof_begin(c);
-    k_matvec<<<(unsigned)((threads + S_MV_THREADS - 1) / S_MV_THREADS), S_MV_THREADS, 0,
-               c->stream>>>(*a, x, cols, n);
+    unsigned blocks = (unsigned)((threads + S_MV_THREADS - 1) / S_MV_THREADS);
+    /* one token (batch-1 decode): an instance whose x loads go out with the
+     * weights' and that holds one accumulator; the same arithmetic */
+    s_mv_args args = *a;
+    args.prefetch = c->mv_pre;
+    if (n == 1 && c->mv_pre)
+        k_matvec<1><<<blocks, S_MV_THREADS, 0, c->stream>>>(args, x, cols, n);
+    else
+        k_matvec<S_MV_MAX_N><<<blocks, S_MV_THREADS, 0, c->stream>>>(args, x, cols, n);
     s_launched(c, "k_matvec");
     s_prof_end(c, S_OP_MATVEC);
 }
@@ -2214,9 +2262,9 @@ extern "C" fi_backend *fi_cuda_backend_new(int device, char *err, size_t errlen)
     /* the newer kernels, each with a switch back for comparisons */
     {
         const char *names[] = {"FEDINFER_CUDA_MATVEC", "FEDINFER_CUDA_ATTN_G", "FEDINFER_CUDA_REPLAY",
-                               "FEDINFER_CUDA_FUSED"};
-        int *flags[] = {&c->matvec, &c->att_g, &c->replay, &c->fused};
-        for (int i = 0; i < 4; i++) {
+                               "FEDINFER_CUDA_FUSED", "FEDINFER_CUDA_MV_PRE"};
+        int *flags[] = {&c->matvec, &c->att_g, &c->replay, &c->fused, &c->mv_pre};
+        for (int i = 0; i < 5; i++) {
             const char *e = getenv(names[i]);
             if (e && *e && strcmp(e, "0") && strcmp(e, "1")) {
                 snprintf(err, errlen, "%s must be '0' or '1', not '%.32s'", names[i], e);
