@@ -66,7 +66,8 @@
 #define S_GRAPH_KEYS 64                      /* graphs kept: keys (batch sizes) 1..64 */
 #define S_STAGE_SLACK (16 * 16)              /* alignment of up to 16 staged copies */
 #define S_XH_MIN ((size_t)1 << 18)           /* fp16 activations made at start */
-#define S_MV_MAX_N 8                         /* most tokens of a k_matvec product */
+#define S_MV_MAX_N 32                        /* most tokens of a k_matvec product (fp16 rows) */
+#define S_MV_MAX_NQ FI_CUDA_QUANT_MAX_N      /* and of one on quantised rows */
 #define S_MV_THREADS 256                     /* k_matvec block: 8 rows */
 #define S_AG_THREADS 128                     /* k_attention_g block */
 #define S_AG_TILE 128                        /* positions per k_attention_g tile */
@@ -174,6 +175,7 @@ typedef struct s_cuda {
     int replay;                  /* graph_begin_sig may relaunch (else it records) */
     int fused;                   /* the fused operations in one launch (else in several) */
     int mv_pre;                  /* k_matvec: early row loads, and its one-token instance */
+    int mv_max_n;                /* most tokens k_matvec takes on fp16 rows (else cuBLASLt) */
     unsigned *att_count;         /* per (token, KV head): k_attention_g blocks done */
     size_t att_count_elems;      /* its capacity */
     float2 *rope_tab;            /* (cos, sin) of position p, pair i at p * half + i */
@@ -420,11 +422,13 @@ __host__ __device__ static inline int s_norm_threads_dev(int dim) {
  * before their use (cols % 8 == 0, x 16-byte aligned: the host checks).
  * Quantised rows: lane l takes blocks l, l+32, ... A row's result
  * depends only on its weight row, x and g, so matmul, matmul_n,
- * matmul_add and the fused forms give the same bits. pre: the fp16 row's
- * first four chunks of this lane, loaded already (s_mv_pre), or NULL. */
+ * matmul_add and the fused forms give the same bits. pre (when use_pre):
+ * the fp16 row's first four chunks of this lane, loaded already
+ * (s_mv_pre). */
 template <int NT>
 __device__ static inline void s_mv_dot(const s_mv_args &a, int i, int r, const float *x, int cols,
-                                       int n, const float *scale, float *acc, const uint4 *pre) {
+                                       int n, const float *scale, float *acc,
+                                       const uint4 (&pre)[4], int use_pre) {
     int lane = threadIdx.x & 31;
     if (a.h[i]) {
         const __half *row = a.h[i] + (size_t)r * cols;
@@ -436,7 +440,7 @@ __device__ static inline void s_mv_dot(const s_mv_args &a, int i, int r, const f
             for (int j = 0; j < 4; j++) {
                 if (c + 32 * j < nch) {
                     int c0 = (c + 32 * j) * 8;
-                    u[j] = pre && c == lane ? pre[j] : __ldg((const uint4 *)(row + c0));
+                    u[j] = use_pre && c == lane ? pre[j] : __ldg((const uint4 *)(row + c0));
                     if (NT == 1) {
                         xl[j] = *(const float4 *)(x + c0);
                         xh[j] = *(const float4 *)(x + c0 + 4);
@@ -537,9 +541,9 @@ __device__ static inline void s_mv_pre(const s_mv_args &a, int i, int r, int col
  * have written. The weight rows' first loads are issued before that, so
  * that they are under way while the scales are found. */
 template <int NT>
-__global__ static void __launch_bounds__(S_MV_THREADS)
+__global__ static void __launch_bounds__(S_MV_THREADS, 2)
 k_matvec(s_mv_args a, const float *x, int cols, int n) {
-    __shared__ float sscale[S_MV_MAX_N], part[S_MV_MAX_N][S_MV_THREADS / 32];
+    __shared__ float sscale[NT], part[NT][S_MV_THREADS / 32];
     int gw = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     int valid = gw < a.end[a.count - 1];
@@ -591,9 +595,9 @@ k_matvec(s_mv_args a, const float *x, int cols, int n) {
 #pragma unroll
     for (int k = 0; k < NT; k++)
         acc[k] = acc2[k] = 0.0f;
-    s_mv_dot<NT>(a, i, r, x, cols, n, scale, acc, a.prefetch ? pre : NULL);
+    s_mv_dot<NT>(a, i, r, x, cols, n, scale, acc, pre, a.prefetch);
     if (a.swiglu)
-        s_mv_dot<NT>(a, 1, r, x, cols, n, scale, acc2, a.prefetch ? pre2 : NULL);
+        s_mv_dot<NT>(a, 1, r, x, cols, n, scale, acc2, pre2, a.prefetch);
 #pragma unroll
     for (int k = 0; k < NT; k++) {
         if (NT == 1 || k < n) {
@@ -1482,10 +1486,10 @@ static void s_add_do(s_cuda *c, float *y, const float *x, size_t n) {
 /* Whether k_matvec takes the product of w with n tokens of x. */
 static int s_mv_takes(const s_cuda *c, const fi_weight *w, const float *x, int n) {
     const s_cweight *cw = (const s_cweight *)w->dev;
-    if (!cw || n > S_MV_MAX_N)
+    if (!cw || n > c->mv_max_n)
         return 0;
-    if (cw->q) /* blocks: always (a GEMM would dequantise the whole matrix first) */
-        return 1;
+    if (cw->q) /* blocks: up to 8 tokens (a GEMM would dequantise the whole matrix first) */
+        return n <= S_MV_MAX_NQ;
     return c->matvec && w->cols % 8 == 0 && (uintptr_t)x % 16 == 0;
 }
 
@@ -1512,6 +1516,8 @@ static void s_mv_launch(s_cuda *c, const s_mv_args *a, const float *x, int cols,
     args.prefetch = c->mv_pre;
     if (n == 1 && c->mv_pre)
         k_matvec<1><<<blocks, S_MV_THREADS, 0, c->stream>>>(args, x, cols, n);
+    else if (n <= 8)
+        k_matvec<8><<<blocks, S_MV_THREADS, 0, c->stream>>>(args, x, cols, n);
     else
         k_matvec<S_MV_MAX_N><<<blocks, S_MV_THREADS, 0, c->stream>>>(args, x, cols, n);
     s_launched(c, "k_matvec");
@@ -2259,6 +2265,17 @@ extern "C" fi_backend *fi_cuda_backend_new(int device, char *err, size_t errlen)
         goto fail;
     }
     c->graphs = !(genv && !strcmp(genv, "0"));
+    c->mv_max_n = S_MV_MAX_N;
+    genv = getenv("FEDINFER_CUDA_MV_MAX_N");
+    if (genv && *genv) {
+        char *end = NULL;
+        long v = strtol(genv, &end, 10);
+        if (*end || v < 1 || v > S_MV_MAX_N) {
+            snprintf(err, errlen, "FEDINFER_CUDA_MV_MAX_N must be 1 to %d, not '%.32s'", S_MV_MAX_N, genv);
+            goto fail;
+        }
+        c->mv_max_n = (int)v;
+    }
     /* the newer kernels, each with a switch back for comparisons */
     {
         const char *names[] = {"FEDINFER_CUDA_MATVEC", "FEDINFER_CUDA_ATTN_G", "FEDINFER_CUDA_REPLAY",
