@@ -127,15 +127,12 @@ typedef struct model_times {
 /* The model in weight mode `mode`, with the newer kernels and graph
  * relaunches on (1) or off (0, as before them: cuBLASLt for every product,
  * the warp-per-position attention, a recording every step). */
-static int s_model(const char *path, const char *mode, int newer, int mv_pre, int mv_max_n,
-                   model_times *mt) {
-    char err[512], mvn[16];
+static int s_model(const char *path, const char *mode, int newer, int mv_pre, model_times *mt) {
+    char err[512];
     const char *on = newer ? "1" : "0";
-    snprintf(mvn, sizeof mvn, "%d", mv_max_n);
     if (setenv("FEDINFER_CUDA_WEIGHTS", mode, 1) || setenv("FEDINFER_CUDA_MATVEC", on, 1) ||
         setenv("FEDINFER_CUDA_ATTN_G", on, 1) || setenv("FEDINFER_CUDA_REPLAY", on, 1) ||
-        setenv("FEDINFER_CUDA_FUSED", on, 1) || setenv("FEDINFER_CUDA_MV_PRE", mv_pre ? "1" : "0", 1) ||
-        setenv("FEDINFER_CUDA_MV_MAX_N", mvn, 1))
+        setenv("FEDINFER_CUDA_FUSED", on, 1) || setenv("FEDINFER_CUDA_MV_PRE", mv_pre ? "1" : "0", 1))
         return -1;
     fi_model_opts mo = {.simd = FI_SIMD_AUTO, .device = FI_DEVICE_CUDA};
     fi_model *m = fi_model_load(path, &mo, err, sizeof err);
@@ -342,13 +339,12 @@ static int s_run(const char *path) {
     fi_backend_destroy(&b);
 
     /* the third: fp16 weights with the kernels of before (see s_model);
-     * the fourth: without k_matvec's early loads (FEDINFER_CUDA_MV_PRE);
-     * the fifth: k_matvec up to 8 tokens only, cuBLASLt beyond */
-    const char *modes[] = {"f16", "quant", "f16 old", "f16 no-pre", "f16 mv8"},
-               *wmode[] = {"f16", "quant", "f16", "f16", "f16"};
-    for (int i = 0; i < 5; i++) {
+     * the fourth: without k_matvec's early loads (FEDINFER_CUDA_MV_PRE) */
+    const char *modes[] = {"f16", "quant", "f16 old", "f16 no-pre"},
+               *wmode[] = {"f16", "quant", "f16", "f16"};
+    for (int i = 0; i < 4; i++) {
         model_times mt = {0};
-        if (s_model(path, wmode[i], i != 2, i != 3, i == 4 ? 8 : 32, &mt) != 0)
+        if (s_model(path, wmode[i], i != 2, i != 3, &mt) != 0)
             return 1;
         char name[64];
         snprintf(name, sizeof name, "prefill 2048 [%s]", modes[i]);
