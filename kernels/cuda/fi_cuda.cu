@@ -5,37 +5,44 @@
  * Everything runs on one non-blocking stream per backend, so operations run
  * in call order and the host only waits in to_host, argmax and sync.
  *
- * Products: y (n x rows, row-major) = x (n x cols) . W^T. Row-major W is
- * column-major W^T with leading dimension cols, so cuBLASLt computes, in
- * column-major terms, D (rows x n) = op_T(A: cols x rows) . B (cols x n):
- * m = rows, n = tokens, k = cols. A and B are fp16 (x is converted on the
- * device into a scratch buffer first), D is fp32, accumulation is fp32.
- * The algorithm for each (m, n, k, alignment of D) is chosen once by
- * cublasLtMatmulAlgoGetHeuristic and kept in a small cache.
+ * Products of up to 8 tokens: k_matvec, a warp per output row reading
+ * fp16 (or GGUF block) rows against fp32 x; it also serves matmul_n,
+ * matmul_add and the fused norm_matmul_n and norm_matmul_swiglu (see the
+ * kernel). Larger products: y (n x rows, row-major) = x (n x cols) . W^T.
+ * Row-major W is column-major W^T with leading dimension cols, so cuBLASLt
+ * computes, in column-major terms, D (rows x n) = op_T(A: cols x rows) .
+ * B (cols x n): m = rows, n = tokens, k = cols. A and B are fp16 (x is
+ * converted on the device into a scratch buffer first), D is fp32,
+ * accumulation is fp32. The algorithm for each (m, n, k, alignment of D)
+ * is chosen once by cublasLtMatmulAlgoGetHeuristic and kept in a small
+ * cache.
  *
- * Attention: one block of S_ATT_WARPS warps per (token, head, split). A
- * warp scores one cached position at a time (lanes split head_dim) and
- * keeps an online softmax; the block then merges its warps. When there are
- * too few (token, head) pairs to fill the device (decode), the positions
- * are split over up to S_ATT_MAX_SPLIT blocks in interleaved chunks of
- * S_ATT_CHUNK positions, and a second kernel merges the partial results.
- * Each query's length (pos[t] + 1) is read on the device, so the host never
- * needs the positions.
+ * Attention: k_attention_g (head_dim 32/64/128, up to 8 query heads per KV
+ * head: one block per token and KV head, see the kernel), else
+ * k_attention: one block of S_ATT_WARPS warps per (token, head, split), a
+ * warp scoring one cached position at a time with an online softmax, the
+ * splits merged by k_attention_merge. Each query's length (pos[t] + 1) is
+ * read on the device, so the host never needs the positions.
  *
  * Graphs: between graph_begin and graph_end the stream is captured
  * (cudaStreamBeginCapture) instead of run; graph_end turns the capture into
  * a graph and launches it. The engine does this for every decode step,
  * keyed by its batch size; a step's graph differs from the last one of its
- * key only in kernel parameters (the KV-cache rows written), so each key's
- * executable graph is updated in place (cudaGraphExecUpdate) rather than
- * instantiated again. The first step of a key runs directly instead, which
- * grows the scratch buffers that batch size needs (a capture may not
- * allocate), and cuBLASLt's choices for its shapes are then cached. While capturing,
- * to_backend copies the host bytes into a pinned staging buffer at once and
- * captures a copy from there (a copy from pageable memory cannot be
- * captured); the next capture waits for the previous launch before it
- * reuses the buffer. Nothing may allocate during a capture, so the scratch
- * buffers a one-token step needs are allocated at creation.
+ * key only in kernel parameters, so each key's executable graph is updated
+ * in place (cudaGraphExecUpdate) rather than instantiated again. With
+ * graph_begin_sig, a step whose signature equals that of the key's last
+ * recording (and nothing of the backend's own moved since: c->gen) is not
+ * captured at all: its calls are hashed and checked against the
+ * recording's at graph_end, and the recording is relaunched. The first
+ * step of a key runs directly instead, which grows the scratch buffers
+ * that batch size needs (a capture may not allocate), and cuBLASLt's
+ * choices for its shapes are then cached. While capturing, to_backend
+ * copies the host bytes into a pinned staging buffer at once and captures
+ * a copy from there (a copy from pageable memory cannot be captured); a
+ * relaunch writes the same offsets; the next capture or relaunch waits for
+ * the previous launch before it reuses the buffer. Nothing may allocate
+ * during a capture, so the scratch buffers a one-token step needs are
+ * allocated at creation.
  *
  * Errors: see fi_cuda.h. s_ok / s_lt_ok record the first failure; every
  * operation starts with s_enter, which skips the work once failed.

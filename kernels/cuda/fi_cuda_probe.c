@@ -17,8 +17,11 @@
  *   - decode tokens/s at batch 1 in both weight modes (fp16, quantised
  *     read), wall time per token with and without CUDA graphs against the
  *     sum of kernel times from CUDA events (the launch-overhead gap);
- *   - a 32-token step as the proxy for batch-32 decode (the engine has one
- *     sequence per session; batched decode across sessions is not built).
+ *   - a 32-token step as the proxy for batch-32 decode (bench --serve
+ *     measures real batched decode);
+ *   in four configurations: fp16 weights, quantised weights, fp16 with the
+ *   first version's path (every FEDINFER_CUDA_* kernel switch off), and
+ *   fp16 without k_matvec's early loads (FEDINFER_CUDA_MV_PRE=0).
  * Without a device prints "SKIPPED: no CUDA device (...)" and exits 77.
  */
 #include <math.h>
