@@ -1,5 +1,5 @@
 # Core unit tests that also run in the sanitizer build.
-set_tests_properties(test_sampler test_textstream test_model test_sched PROPERTIES LABELS asan)
+set_tests_properties(test_sampler test_textstream test_model test_sched test_graph_replay PROPERTIES LABELS asan)
 # The scheduler on the default model (batched == alone, 512-token prefix
 # reuse, KV pressure).
 if(TARGET test_sched_model)
