@@ -387,13 +387,10 @@ static int s_diff(int argc, char **argv) {
         fprintf(stderr, "usage: fedctl policy diff FILE [--since T] [--until T] [--config FILE]\n");
         return 2;
     }
-    int64_t now = (int64_t)time(NULL);
-    int64_t t0 = a.val[0] ? fi_policy_cmd_time(a.val[0]) : now - 86400;
-    int64_t t1 = a.val[1] ? fi_policy_cmd_time(a.val[1]) : 0;
-    if (t0 < 0 || t1 < 0) {
-        fprintf(stderr, "fedctl policy diff: bad time (YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ or Unix seconds)\n");
+    int64_t t0 = (int64_t)time(NULL) - 86400, t1 = 0;
+    if (fi_policy_cmd_time_opt("policy diff", "--since", a.val[0], &t0) ||
+        fi_policy_cmd_time_opt("policy diff", "--until", a.val[1], &t1))
         return 2;
-    }
     const char *file = a.pos[0];
     fi_diags *d = fi_diags_new();
     fi_policy *np = d ? fi_policy_load(file, d) : NULL, *op = NULL;
@@ -554,14 +551,17 @@ int fi_ctl_audit(int argc, char **argv) {
                                         NULL};
     s_args a;
     if (s_parse("audit", argc, argv, names, &a)) return 2;
-    int64_t t0 = a.val[0] ? fi_policy_cmd_time(a.val[0]) : 0, t1 = a.val[1] ? fi_policy_cmd_time(a.val[1]) : 0;
-    char *e = NULL;
-    unsigned long long lim = a.val[8] ? strtoull(a.val[8], &e, 10) : 0;
-    if (a.n_pos || t0 < 0 || t1 < 0 || (e && *e) || lim > 1000000) {
-        fprintf(stderr, "usage: fedctl audit [filters] [--config FILE] (see --help; times: YYYY-MM-DD, "
-                        "YYYY-MM-DDTHH:MM:SSZ or Unix seconds)\n");
+    if (a.n_pos) {
+        fprintf(stderr, "fedctl audit: unexpected argument '%.64s' (filters are options: see --help)\n",
+                a.pos[0]);
         return 2;
     }
+    int64_t t0 = 0, t1 = 0;
+    uint64_t lim = 0;
+    if (fi_policy_cmd_time_opt("audit", "--since", a.val[0], &t0) ||
+        fi_policy_cmd_time_opt("audit", "--until", a.val[1], &t1) ||
+        fi_policy_cmd_limit("audit", a.val[8], FI_POLICY_CMD_LIMIT_MAX, &lim))
+        return 2;
     for (int i = 2; i <= 7; i++)
         if (a.val[i] && strlen(a.val[i]) > FI_WIRE_MAX_FILTER) {
             fprintf(stderr, "fedctl audit: a filter is longer than %d bytes\n", FI_WIRE_MAX_FILTER);

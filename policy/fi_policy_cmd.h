@@ -63,6 +63,17 @@ int fi_policy_replay_record(const fi_audit_record *r, void *arg);
  * including seconds above FI_POLICY_CMD_TIME_MAX (whose milliseconds, as
  * the audit filters use them, would overflow). */
 int64_t fi_policy_cmd_time(const char *s);
+/* The value v of option opt ("--since") of fedctl's command cmd ("audit")
+ * into *t by fi_policy_cmd_time: 0 (and *t untouched when v is NULL), or
+ * -1 after a message on stderr naming the option, the value and the forms
+ * and range taken. */
+int fi_policy_cmd_time_opt(const char *cmd, const char *opt, const char *v, int64_t *t);
+
+/* The most records a --limit asks for (the online audit's bound too). */
+#define FI_POLICY_CMD_LIMIT_MAX 1000000
+/* --limit's value v into *n (0..max; 0: no limit): 0 (and *n untouched
+ * when v is NULL), or -1 after a message naming the value and the range. */
+int fi_policy_cmd_limit(const char *cmd, const char *v, uint64_t max, uint64_t *n);
 
 /* Parses a policy version given on the command line: a whole number >= 1,
  * all of it ("x", "2x", "-1", "" and "0" are refused, never taken as "the

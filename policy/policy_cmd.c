@@ -134,6 +134,34 @@ int64_t fi_policy_cmd_time(const char *s) {
     return (int64_t)t;
 }
 
+int fi_policy_cmd_time_opt(const char *cmd, const char *opt, const char *v, int64_t *t) {
+    if (!v) return 0;
+    int64_t x = fi_policy_cmd_time(v);
+    if (x >= 0) {
+        *t = x;
+        return 0;
+    }
+    fprintf(stderr,
+            "fedctl %s: %s '%.64s' is not a time: YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ (a date that "
+            "exists) or Unix seconds from 0 to %lld\n",
+            cmd, opt, v, (long long)FI_POLICY_CMD_TIME_MAX);
+    return -1;
+}
+
+int fi_policy_cmd_limit(const char *cmd, const char *v, uint64_t max, uint64_t *n) {
+    if (!v) return 0;
+    char *e = NULL;
+    errno = 0;
+    unsigned long long x = strtoull(v, &e, 10);
+    if (*v >= '0' && *v <= '9' && !*e && !errno && x <= max) {
+        *n = x;
+        return 0;
+    }
+    fprintf(stderr, "fedctl %s: --limit '%.64s' is not a number of records from 0 (no limit) to %llu\n",
+            cmd, v, (unsigned long long)max);
+    return -1;
+}
+
 void fi_fmt_utc(int64_t t, char *buf, size_t cap) {
     time_t tt = (time_t)t;
     struct tm tm;
@@ -543,12 +571,10 @@ static int s_diff(int argc, char **argv) {
         fprintf(stderr, "usage: fedctl policy diff FILE (--active ACTIVE | --store DB) [--audit DB [--since T] [--until T]]\n");
         return 2;
     }
-    int64_t t0 = since ? fi_policy_cmd_time(since) : 0, t1 = until ? fi_policy_cmd_time(until) : 0;
-    if (t0 < 0 || t1 < 0) {
-        fprintf(stderr, "fedctl policy diff: bad time '%s' (YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ or Unix seconds)\n",
-                t0 < 0 ? since : until);
+    int64_t t0 = 0, t1 = 0;
+    if (fi_policy_cmd_time_opt("policy diff", "--since", since, &t0) ||
+        fi_policy_cmd_time_opt("policy diff", "--until", until, &t1))
         return 2;
-    }
     fi_policy *np = s_load(file, false), *op = NULL;
     char active_name[600];
     if (active) {
@@ -1058,14 +1084,15 @@ int fi_cmd_audit(int argc, char **argv) {
         fprintf(stderr, "usage: fedctl audit --db DB [filters] (see --help)\n");
         return 2;
     }
-    int64_t t0 = since ? fi_policy_cmd_time(since) : 0, t1 = until ? fi_policy_cmd_time(until) : 0;
-    if (t0 < 0 || t1 < 0) {
-        fprintf(stderr, "fedctl audit: bad time (YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ or Unix seconds)\n");
+    int64_t t0 = 0, t1 = 0;
+    uint64_t lim = 0;
+    if (fi_policy_cmd_time_opt("audit", "--since", since, &t0) ||
+        fi_policy_cmd_time_opt("audit", "--until", until, &t1) ||
+        fi_policy_cmd_limit("audit", limit, FI_POLICY_CMD_LIMIT_MAX, &lim))
         return 2;
-    }
     f.since_ms = t0 * 1000;
     f.until_ms = t1 * 1000;
-    f.limit = limit ? (size_t)strtoull(limit, NULL, 10) : 0;
+    f.limit = (size_t)lim;
     char err[400];
     fi_audit *a = fi_audit_open_readonly(db, err, sizeof err);
     if (!a) {

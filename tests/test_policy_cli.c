@@ -213,7 +213,23 @@ static void test_store_bundle_diff_audit(void **state) {
     s_has(f, "req-pii");
     if (strstr(f->out, "req-phi")) fail_msg("--since let an earlier record through:\n%s", f->out);
     assert_int_equal(s_run(f, "audit --db audit.db --since yesterday"), 2);
+    s_has(f, "fedctl audit: --since 'yesterday' is not a time");
     assert_int_equal(s_run(f, "audit --db audit.db --since 99999999999999999"), 2); /* ms would overflow */
+    s_has(f, "Unix seconds from 0 to 9223372036854775");
+    assert_int_equal(s_run(f, "audit --db audit.db --until 2027-02-30"), 2);
+    s_has(f, "--until '2027-02-30' is not a time");
+    assert_int_equal(s_run(f, "audit --db audit.db --limit 5x"), 2); /* was taken as 5 */
+    s_has(f, "--limit '5x' is not a number of records from 0 (no limit) to 1000000");
+    assert_int_equal(s_run(f, "audit --db audit.db --limit 1"), 0);
+    /* online, refused before any connection is tried */
+    assert_int_equal(s_run(f, "audit --limit 1000001"), 2);
+    s_has(f, "--limit '1000001' is not a number of records");
+    assert_int_equal(s_run(f, "audit --since 2027-13-01"), 2);
+    s_has(f, "--since '2027-13-01' is not a time");
+    assert_int_equal(s_run(f, "audit stray"), 2);
+    s_has(f, "unexpected argument 'stray'");
+    assert_int_equal(s_run(f, "policy diff new.policy --until never"), 2);
+    s_has(f, "fedctl policy diff: --until 'never' is not a time");
     /* the active version taken from the store: version 3 has version 1's content */
     assert_int_equal(s_run(f, "policy diff new.policy --store store.db"), 0);
     s_has(f, "compared with the active version 3 of store.db");
