@@ -59,6 +59,9 @@ struct fi_group {
     char refused_why[FI_GROUP_MAX_RANKS][512];
     uint64_t join_sent_ms[FI_GROUP_MAX_RANKS];
     char status[640];                     /* fi_group_status */
+    char logged[640];                     /* the status last logged while unavailable */
+    uint64_t logged_ms;                   /* when (the leader's "still" lines) */
+    uint64_t waiting_since_ms;            /* unavailable since (0: available) */
     /* the pass in progress */
     uint64_t cur_pass;
     uint32_t op;                          /* next sum's number */
@@ -449,6 +452,29 @@ static void s_update_status(fi_group *g) {
     snprintf(g->status, sizeof g->status, "available");
 }
 
+/* While the group is unavailable, the leader says why when that changes
+ * and again every S_WAIT_LOG_MS, so that ranks that never come up (a
+ * wrong endpoint, a firewall, a rank not started) do not leave it
+ * silent. */
+#define S_WAIT_LOG_MS 30000
+static void s_log_waiting(fi_group *g, int available, uint64_t now) {
+    if (available) {
+        g->waiting_since_ms = 0;
+        g->logged[0] = 0;
+        return;
+    }
+    if (!g->waiting_since_ms) g->waiting_since_ms = now;
+    if (strcmp(g->logged, g->status) != 0 && now - g->logged_ms >= 1000) { /* flaps: 1 a second */
+        fprintf(stderr, "group %s: waiting: %s\n", g->conf.name, g->status);
+        snprintf(g->logged, sizeof g->logged, "%s", g->status);
+        g->logged_ms = now;
+    } else if (now - g->logged_ms >= S_WAIT_LOG_MS) {
+        fprintf(stderr, "group %s: still unavailable after %llu s: %s\n", g->conf.name,
+                (unsigned long long)((now - g->waiting_since_ms) / 1000), g->status);
+        g->logged_ms = now;
+    }
+}
+
 static void s_send_join(fi_group *g, int r) {
     uint8_t p[S_JOIN_BYTES];
     s_put32(p, S_JOIN_VERSION);
@@ -598,8 +624,13 @@ int fi_group_lead_poll(fi_group *g, int timeout_ms, char *err, size_t errlen) {
     int was = !strcmp(g->status, "available");
     s_update_status(g);
     int is = fi_group_available(g);
-    if (was && !is) fprintf(stderr, "group %s: unavailable: %s\n", g->conf.name, g->status);
+    if (was && !is) {
+        fprintf(stderr, "group %s: unavailable: %s\n", g->conf.name, g->status);
+        snprintf(g->logged, sizeof g->logged, "%s", g->status); /* said: s_log_waiting */
+        g->logged_ms = g->waiting_since_ms = now;
+    }
     if (!was && is) fprintf(stderr, "group %s: available (%s)\n", g->conf.name, g->plan_text);
+    s_log_waiting(g, is, now);
     return is;
 }
 

@@ -540,6 +540,19 @@ static void test_leader_restart(void **state) {
     fi_client_destroy(&c);
 }
 
+/* A leader whose rank never comes up says so, naming the rank and its
+ * endpoint, instead of waiting silently. */
+static void test_leader_alone_says_why(void **state) {
+    fixture *f = *state;
+    s_spawn(f, 0, f->conf[0]);
+    const char *want = "waiting: rank 1: link down";
+    for (int i = 0; i < 200 && !s_log_has(f, 0, want); i++) h_sleep_ms(100);
+    if (!s_log_has(f, 0, want)) {
+        s_dump_logs(f);
+        fail_msg("the leader's log never said \"%s\"", want);
+    }
+}
+
 static void test_wrong_model_refused(void **state) {
     fixture *f = *state;
     /* A copy of the model with its last byte changed: it loads, but it is
@@ -590,6 +603,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_frozen_rank, setup, teardown),
         cmocka_unit_test_setup_teardown(test_leader_restart, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wrong_model_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_leader_alone_says_why, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
