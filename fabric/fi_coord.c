@@ -301,6 +301,16 @@ static void s_peer_remove(fi_coord *c, s_peer *p, const char *why, int quiet) {
     if (worker) s_tell_edges(c);
 }
 
+/* The requests open from p's key over all its connections (one normally;
+ * a connection that never says Hello does not replace the others), so
+ * that max_in_flight bounds a key, not a connection. */
+static uint64_t s_key_in_flight(const fi_coord *c, const s_peer *p) {
+    uint64_t n = 0;
+    for (size_t i = 0; i < c->n_peers; i++)
+        if (!memcmp(c->peers[i].rec.pub, p->rec.pub, FI_KEYS_BYTES)) n += c->peers[i].in_flight;
+    return n;
+}
+
 /* Finds or registers the peer behind a routing id; the identity is the
  * ZAP User-Id (the Z85 key) of the message. NULL when the message must be
  * dropped. */
@@ -563,9 +573,12 @@ static void s_on_infer(fi_coord *c, s_peer *e, Fi__InferRequest *rq) {
                      "tenant and application: at most 63 bytes each");
         return;
     }
-    if (e->in_flight >= (uint32_t)c->o.max_in_flight) {
-        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY,
-                     "too many requests in flight from this peer");
+    if (s_key_in_flight(c, e) >= (uint64_t)c->o.max_in_flight) {
+        char why[160];
+        snprintf(why, sizeof why,
+                 "too many requests in flight from this key (max_in_flight %d, over all its "
+                 "connections)", c->o.max_in_flight);
+        s_send_error(c, c->router, e->rid, e->rid_len, rid, FI__ERROR_CODE__ERR_BUSY, why);
         return;
     }
     /* The residency policy first: a worker is a candidate only once the

@@ -57,7 +57,7 @@ typedef struct fi_coord_opts {
     int handshake_ms;                 /* CURVE handshake limit */
     int max_msg;                      /* bytes of one message at most */
     int hwm;                          /* queue bound per peer, messages */
-    int max_in_flight;                /* open requests per edge at most */
+    int max_in_flight;                /* open requests per edge key at most (all its connections) */
     int plaintext;                    /* benchmark builds only */
     fi_coord_policy_fn policy;        /* may be NULL, see above */
     void *policy_user;                /* passed to policy */

@@ -533,6 +533,61 @@ static void test_capacity_and_cancel(void **state) {
     fi_client_destroy(&edge);
 }
 
+static int setup_in_flight(void **state) {
+    harness *h = calloc(1, sizeof *h);
+    if (!h || h_init(h)) return -1;
+    h->max_in_flight = 2;
+    if (h_start(h)) return -1;
+    *state = h;
+    return 0;
+}
+
+/* max_in_flight bounds a key's open requests over all its connections: a
+ * second connection of the same key that never says Hello (so it does
+ * not replace the first) gets no budget of its own. */
+static void test_in_flight_per_key(void **state) {
+    harness *h = *state;
+    fi_keypair ek;
+    assert_int_equal(fi_keys_generate(&ek), 0);
+    assert_int_equal(h_enrol_direct(h, &ek, FI__ROLE__ROLE_EDGE, "s5", "r1"), 0);
+    h_worker w;
+    assert_int_equal(h_worker_start_cap(h, &w, "one", 300, 10), 0);
+    s_raw a, b;
+    assert_int_equal(s_raw_open(&a, h, &ek), 0);
+    assert_int_equal(s_raw_open(&b, h, &ek), 0);
+    const char *ids[] = {"a1", "a2", "b1"};
+    uint8_t *enc[3];
+    size_t len[3];
+    for (int i = 0; i < 3; i++) {
+        Fi__InferRequest rq = FI__INFER_REQUEST__INIT;
+        rq.request_id = (char *)ids[i];
+        rq.model = (char *)"one";
+        rq.prompt = (char *)"a slow answer";
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_INFER;
+        m.infer = &rq;
+        enc[i] = fi_wire_encode(&m, &len[i]);
+        assert_non_null(enc[i]);
+    }
+    zmq_send(a.sock, enc[0], len[0], 0);
+    zmq_send(a.sock, enc[1], len[1], 0);
+    h_sleep_ms(200); /* both admitted, and slow (300 ms a token) */
+    fi_msg *m = s_raw_ask(&b, enc[2], len[2], 2000);
+    assert_non_null(m);
+    if (m->body_case != FI__ENVELOPE__BODY_ERROR)
+        fail_msg("the other connection's request was admitted (answer %d)", (int)m->body_case);
+    printf("  %s: %s\n", fi_wire_error_name(m->error->code), m->error->message);
+    assert_int_equal(m->error->code, FI__ERROR_CODE__ERR_BUSY);
+    assert_non_null(strstr(m->error->message, "from this key (max_in_flight 2"));
+    fi_wire_free(&m);
+    for (int i = 0; i < 3; i++)
+        free(enc[i]);
+    s_raw_close(&a);
+    s_raw_close(&b);
+    h_worker_stop(&w);
+    fi_keys_wipe(&ek);
+}
+
 /* A new edge key of site, enrolled and connected. */
 static fi_client *s_new_edge(harness *h, const char *site) {
     fi_keypair ek;
@@ -1156,6 +1211,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_locked_store_answers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_messages_answered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_in_flight_per_key, setup_in_flight, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_many_clusters, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_truncated, setup_small_msg, teardown),

@@ -44,6 +44,7 @@ typedef struct harness {
     int handshake_ms;       /* coordinator's handshake limit */
     int max_msg;            /* coordinator's message limit */
     int liveness;           /* heartbeats of silence before a peer is dead (0: H_LIVENESS) */
+    int max_in_flight;      /* coordinator's open requests per edge key (0: its default) */
 } harness;
 
 H_FN void h_sleep_ms(int ms) {
@@ -79,6 +80,7 @@ H_FN void h_opts(harness *h, fi_coord_opts *o, const char *bind, const char *enr
     o->liveness = h->liveness ? h->liveness : H_LIVENESS;
     o->handshake_ms = h->handshake_ms ? h->handshake_ms : 2000;
     if (h->max_msg) o->max_msg = h->max_msg;
+    if (h->max_in_flight) o->max_in_flight = h->max_in_flight;
 }
 
 /* Makes the directory, the keys and the bootstrapped operator. */
