@@ -89,7 +89,11 @@ struct fi_kvpool {
     int32_t *tables;        /* backend memory, tables_cap entries */
     size_t tables_cap;
     int32_t *slot_host;     /* (n) */
+    uint64_t serial;        /* never reused: names the pool in graph signatures */
 };
+
+/* Pools made so far (fi_kvpool.serial). */
+static _Atomic uint64_t s_pool_serial;
 
 struct fi_session {
     fi_model *m;
@@ -779,6 +783,7 @@ fi_kvpool *fi_kvpool_new(fi_model *m, int n_blocks, int max_tokens, int max_out,
         return NULL;
     }
     p->m = m;
+    p->serial = atomic_fetch_add(&s_pool_serial, 1) + 1;
     atomic_fetch_add(&m->n_pools, 1);
     p->n_blocks = n_blocks;
     p->max_tokens = max_tokens;
@@ -1029,12 +1034,14 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
             /* every argument of the step's calls follows from these; see
              * graph_begin_sig in fi_kernels.h */
             struct {
-                const void *m, *kv, *tables, *lg;
+                const void *m, *tables, *lg, *argmax;
+                uint64_t pool; /* a pool made where a freed one was is another */
                 int n, n_seqs, max_blocks;
             } sig;
             memset(&sig, 0, sizeof sig); /* no stray padding bytes */
             sig.m = m;
-            sig.kv = kv;
+            sig.pool = kv->serial;
+            sig.argmax = b->argmax;
             sig.tables = kv->tables;
             sig.lg = lg;
             sig.n = n;

@@ -213,8 +213,10 @@ typedef struct fi_backend_ops {
      * two steps of one key with equal sig make the same calls, in the same
      * order, with the same pointers and sizes (the engine puts in its
      * buffers and the batch's shape). When the key's last recorded step had
-     * an equal sig and nothing of the backend's own has moved since, the
-     * backend relaunches that recording instead of recording again: the
+     * an equal sig and nothing has moved since (the backend's own buffers;
+     * and any alloc or free ends every recording, since a buffer can come
+     * back where a freed one was), the backend relaunches that recording
+     * instead of recording again: the
      * operations in between are then only checked against the recording
      * (a call that differs fails the backend, naming the call), and each
      * to_backend refreshes the bytes the recording copies. */

@@ -218,6 +218,89 @@ static void test_batched_steps(void **state) {
     fi_kvpool_destroy(&kb);
 }
 
+/* Runs one step of b on both models' pools and compares the logits. */
+static void s_step_both(pair *p, fi_kvpool *ka, fi_kvpool *kb, const fi_batch *b, float *la,
+                        float *lb, const char *what, int step) {
+    char err[256];
+    assert_int_equal(fi_model_forward(p->plain, ka, b, NULL, NULL, la, err, sizeof err), 0);
+    if (fi_model_forward(p->graph, kb, b, NULL, NULL, lb, err, sizeof err) != 0)
+        fail_msg("%s, step %d: %s", what, step, err);
+    same_bits(la, lb, (size_t)b->n_out * p->V, what, step);
+}
+
+/* Between two steps of key 1 with the same shape, a wide step of key 2
+ * makes the engine's block-table buffer grow (freed and allocated again,
+ * past 1024 entries), and a step of key 1 then has the sequences of
+ * another n_seqs: each must record again, not relaunch old pointers or
+ * sizes. (Found by a review: removing n_seqs from the signature passed the
+ * tests above, and so did removing the tables' pointer before the wrapper
+ * ended its recordings on alloc and free, as the CUDA backend does.) */
+static void test_tables_grow_and_seqs_change(void **state) {
+    pair *p = *state;
+    char err[256];
+    enum { NB = 64, WIDE = 600 };
+    fi_kvpool *ka = fi_kvpool_new(p->plain, NB, 4, 2, err, sizeof err);
+    fi_kvpool *kb = fi_kvpool_new(p->graph, NB, 4, 2, err, sizeof err);
+    assert_non_null(ka);
+    assert_non_null(kb);
+    float *la = calloc((size_t)2 * p->V, sizeof *la), *lb = calloc((size_t)2 * p->V, sizeof *lb);
+    assert_non_null(la);
+    assert_non_null(lb);
+    static int32_t tables[2 * WIDE];
+    int32_t tok[2] = {3, 9}, pos[2] = {0, 0}, seq[2] = {0, 1}, rows[2] = {0, 1};
+    for (int step = 0; step < 14; step++) {
+        int wide = step == 4;        /* key 2: 2 x 600 table entries */
+        int two_seqs = step >= 9;    /* key 1, the token in sequence 1 of 2 */
+        int n = wide ? 2 : 1;
+        for (int i = 0; i < 2 * WIDE; i++)
+            tables[i] = (i * 5 + step) % NB;
+        seq[0] = two_seqs ? 1 : 0;
+        fi_batch b = {.n = n, .tok = tok, .pos = pos, .seq = seq,
+                      .n_seqs = wide || two_seqs ? 2 : 1, .tables = tables,
+                      .max_blocks = wide ? WIDE : 8, .out_rows = rows, .n_out = n};
+        s_step_both(p, ka, kb, &b, la, lb, "tables and sequences", step);
+        for (int k = 0; k < n; k++)
+            pos[k]++;
+        tok[0] = (tok[0] * 7 + 1) % p->V;
+    }
+    long rel;
+    fi_graph_stats(p->g, NULL, &rel, NULL);
+    printf("  14 steps: %ld relaunched\n", rel);
+    assert_true(rel >= 6);
+    free(la);
+    free(lb);
+    fi_kvpool_destroy(&ka);
+    fi_kvpool_destroy(&kb);
+}
+
+/* Pools destroyed and made again (malloc may hand back the same
+ * addresses): the steps on each new pool are the plain backend's. */
+static void test_pools_made_again(void **state) {
+    pair *p = *state;
+    char err[256];
+    float *la = calloc((size_t)p->V, sizeof *la), *lb = calloc((size_t)p->V, sizeof *lb);
+    assert_non_null(la);
+    assert_non_null(lb);
+    int32_t table[4] = {0, 1, 2, 3}, tok = 5, pos = 0, seq = 0, row = 0;
+    for (int round = 0; round < 4; round++) {
+        fi_kvpool *ka = fi_kvpool_new(p->plain, 4, 4, 1, err, sizeof err);
+        fi_kvpool *kb = fi_kvpool_new(p->graph, 4, 4, 1, err, sizeof err);
+        assert_non_null(ka);
+        assert_non_null(kb);
+        for (int step = 0; step < 6; step++) {
+            pos = step;
+            tok = (tok * 11 + round + 1) % p->V;
+            fi_batch b = {.n = 1, .tok = &tok, .pos = &pos, .seq = &seq, .n_seqs = 1,
+                          .tables = table, .max_blocks = 4, .out_rows = &row, .n_out = 1};
+            s_step_both(p, ka, kb, &b, la, lb, "pool made again", round * 10 + step);
+        }
+        fi_kvpool_destroy(&ka);
+        fi_kvpool_destroy(&kb);
+    }
+    free(la);
+    free(lb);
+}
+
 /* The wrapper itself: a relaunch whose calls differ from the recording
  * fails, naming it, instead of running stale work. */
 static void test_differing_relaunch_fails(void **state) {
@@ -252,6 +335,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_session_relaunches, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sessions_alternate, setup, teardown),
         cmocka_unit_test_setup_teardown(test_batched_steps, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_tables_grow_and_seqs_change, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_pools_made_again, setup, teardown),
         cmocka_unit_test_setup_teardown(test_differing_relaunch_fails, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -12,6 +12,7 @@
 
 #define G_KEYS 64                  /* keys 1..64, as the CUDA backend */
 #define G_STAGE ((size_t)64 << 10) /* staging buffer, as the CUDA backend */
+#define G_UPLOAD_MAX (G_STAGE - 256) /* the most a step may upload, as the CUDA backend */
 #define G_SIG_MAX FI_GRAPH_SIG_MAX
 
 enum { G_DIRECT, G_RECORD, G_RELAUNCH };
@@ -19,7 +20,7 @@ enum { G_DIRECT, G_RECORD, G_RELAUNCH };
 enum {
     C_TO_BACKEND, C_MATMUL, C_MATMUL_N, C_MATMUL_ADD, C_GET_ROWS, C_RMSNORM, C_ROPE,
     C_ATTENTION, C_STORE_F16, C_SWIGLU, C_ADD, C_KV_STORE, C_NORM_MATMUL_N,
-    C_NORM_MATMUL_SWIGLU, C_ROPE_STORE
+    C_NORM_MATMUL_SWIGLU, C_ROPE_STORE, C_COPY
 };
 
 /* One call: which arguments mean what is up to its kind (see g_run). */
@@ -37,6 +38,7 @@ typedef struct g_rec {
     unsigned long long hash;
     unsigned char sig[G_SIG_MAX];
     size_t sig_len; /* 0: none (plain graph_begin, or nothing kept) */
+    unsigned long gen; /* the backend's gen when recorded */
     int seen;       /* a step of this key ran directly */
 } g_rec;
 
@@ -51,6 +53,9 @@ struct fi_graph_backend {
     unsigned long long hash;
     int calls;
     int failed;
+    unsigned long gen; /* bumped by alloc and free, as the CUDA backend's: a
+                          buffer made where a freed one was ends every
+                          recording */
     char err[256];
     long recorded, relaunched, direct;
 };
@@ -98,6 +103,10 @@ static void g_run(fi_graph_backend *g, const g_call *c) {
     case C_TO_BACKEND:
         if (o->to_backend(x, (void *)c->p[0], g->stage + c->i[0], (size_t)c->i[1]))
             g_fail(g, "to_backend failed");
+        break;
+    case C_COPY:
+        if (o->copy(x, (void *)c->p[0], c->p[1], (size_t)c->i[0]))
+            g_fail(g, "copy failed");
         break;
     case C_MATMUL:
         o->matmul(x, (float *)c->p[0], c->p[1], c->p[2], (int)c->i[0]);
@@ -219,10 +228,22 @@ static void w_destroy(void *ctx) {
     free(g);
 }
 static void *w_alloc(void *ctx, size_t n) {
-    return G(ctx)->in->alloc(G(ctx)->ictx, n);
+    fi_graph_backend *g = G(ctx);
+    if (g->mode != G_DIRECT) {
+        g_fail(g, "alloc during a graph");
+        return NULL;
+    }
+    g->gen++;
+    return g->in->alloc(g->ictx, n);
 }
 static void w_free(void *ctx, void *p) {
-    G(ctx)->in->free(G(ctx)->ictx, p);
+    fi_graph_backend *g = G(ctx);
+    if (g->mode != G_DIRECT) {
+        g_fail(g, "free during a graph");
+        return;
+    }
+    g->gen++;
+    g->in->free(g->ictx, p);
 }
 static int w_to_backend(void *ctx, void *d, const void *s, size_t n) {
     fi_graph_backend *g = G(ctx);
@@ -251,7 +272,11 @@ static int w_to_host(void *ctx, void *d, const void *s, size_t n) {
     return g->failed ? -1 : g->in->to_host(g->ictx, d, s, n);
 }
 static int w_copy(void *ctx, void *d, const void *s, size_t n) {
-    return G(ctx)->in->copy(G(ctx)->ictx, d, s, n);
+    fi_graph_backend *g = G(ctx);
+    g_call c = g_new(C_COPY);
+    c.p[0] = d, c.p[1] = s, c.i[0] = (long long)n;
+    g_call_do(g, &c);
+    return g->failed ? -1 : 0;
 }
 static int w_weight_upload(void *ctx, fi_weight *w) {
     return G(ctx)->in->weight_upload(G(ctx)->ictx, w);
@@ -370,7 +395,7 @@ static int w_argmax(void *ctx, int32_t *out, const float *x, int n) {
 }
 
 static int w_begin(fi_graph_backend *g, int key, size_t upload, const void *sig, size_t len) {
-    if (g->failed || g->mode != G_DIRECT || key < 1 || key > G_KEYS || upload > G_STAGE / 2 ||
+    if (g->failed || g->mode != G_DIRECT || key < 1 || key > G_KEYS || upload > G_UPLOAD_MAX ||
         len > G_SIG_MAX)
         return -1;
     g_rec *r = &g->rec[key];
@@ -383,12 +408,13 @@ static int w_begin(fi_graph_backend *g, int key, size_t upload, const void *sig,
     g->stage_used = 0;
     g->hash = 14695981039346656037ull;
     g->calls = 0;
-    if (len && r->sig_len == len && !memcmp(r->sig, sig, len)) {
+    if (len && r->sig_len == len && r->gen == g->gen && !memcmp(r->sig, sig, len)) {
         g->mode = G_RELAUNCH;
         return 0;
     }
     g->mode = G_RECORD;
     r->n = 0;
+    r->gen = g->gen;
     r->sig_len = len;
     if (len)
         memcpy(r->sig, sig, len);

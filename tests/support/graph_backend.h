@@ -10,6 +10,8 @@
  *     with its arguments (pointers, sizes) as they were, and to_backend
  *     copies the host bytes into a staging buffer at once;
  *   - graph_end runs the kept calls, reading the staged bytes;
+ *   - alloc and free are refused in between, and end every recording
+ *     when made outside (a buffer may come back where a freed one was);
  *   - graph_begin_sig with the signature of the key's last recording
  *     relaunches it: the calls in between are only hashed and checked
  *     against the recording, to_backend writes the same staging offsets,
