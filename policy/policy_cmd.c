@@ -112,7 +112,8 @@ int64_t fi_policy_cmd_time(const char *s) {
     char *e;
     errno = 0;
     long long x = strtoll(s, &e, 10);
-    if (*s && !*e && !errno && x >= 0) return x <= FI_POLICY_CMD_TIME_MAX ? x : -1; /* Unix seconds */
+    if (*s >= '0' && *s <= '9' && !*e && !errno) /* Unix seconds: digits only (no " 5", "+5") */
+        return x <= FI_POLICY_CMD_TIME_MAX ? x : -1;
     size_t n = strlen(s);
     if (!((n == 20 && sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2dZ", &Y, &M, &D, &h, &m, &sec) == 6) ||
           (n == 10 && sscanf(s, "%4d-%2d-%2d", &Y, &M, &D) == 3)))

@@ -216,6 +216,9 @@ static void test_store_bundle_diff_audit(void **state) {
     s_has(f, "fedctl audit: --since 'yesterday' is not a time");
     assert_int_equal(s_run(f, "audit --db audit.db --since 99999999999999999"), 2); /* ms would overflow */
     s_has(f, "Unix seconds from 0 to 9223372036854775");
+    assert_int_equal(s_run(f, "audit --db audit.db --since +5"), 2); /* strtoll took it */
+    s_has(f, "--since '+5' is not a time");
+    assert_int_equal(s_run(f, "audit --db audit.db --since ' 5'"), 2);
     assert_int_equal(s_run(f, "audit --db audit.db --until 2027-02-30"), 2);
     s_has(f, "--until '2027-02-30' is not a time");
     assert_int_equal(s_run(f, "audit --db audit.db --limit 5x"), 2); /* was taken as 5 */

@@ -445,6 +445,9 @@ static void test_cmd_time_range(void **state) {
     snprintf(s, sizeof s, "%lld", (long long)FI_POLICY_CMD_TIME_MAX + 1);
     assert_true(fi_policy_cmd_time(s) == -1);
     assert_true(fi_policy_cmd_time("99999999999999999") == -1);
+    assert_true(fi_policy_cmd_time("+5") == -1); /* digits only, as the forms it names */
+    assert_true(fi_policy_cmd_time(" 5") == -1);
+    assert_true(fi_policy_cmd_time("5") == 5);
     assert_true(fi_policy_cmd_time("9223372036854775807") == -1);
     assert_true(fi_policy_cmd_time("1800000000") == 1800000000);
     assert_true(fi_policy_cmd_time("2027-01-15") == 1799971200);
