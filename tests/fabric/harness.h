@@ -45,6 +45,8 @@ typedef struct harness {
     int max_msg;            /* coordinator's message limit */
     int liveness;           /* heartbeats of silence before a peer is dead (0: H_LIVENESS) */
     int max_in_flight;      /* coordinator's open requests per edge key (0: its default) */
+    int edge_hb_ms;         /* h_edge_start's heartbeat_ms (0: H_HB_MS); an edge calls the
+                               coordinator unreachable after 3 of them in silence */
 } harness;
 
 H_FN void h_sleep_ms(int ms) {

@@ -107,7 +107,8 @@ H_FN fi_edge *h_edge_start(harness *h, const char *site, const char *region, con
             "site = %s\nport = 0\ndb = %s/edge.db\npolicy_dir = %s/policy\n"
             "policy_key = %s/sign.key.pub\ncoordinator = %s\ncoordinator_key = %s\n"
             "secret_key = %s\nshutdown_grace_s = 1\nheartbeat_ms = %d\n%s",
-            site, h->dir, h->dir, h->dir, h->ep, cpub, ekey, H_HB_MS, extra ? extra : "");
+            site, h->dir, h->dir, h->dir, h->ep, cpub, ekey, h->edge_hb_ms ? h->edge_hb_ms : H_HB_MS,
+            extra ? extra : "");
     fclose(fc);
     fi_edge_conf c;
     fi_edge_conf_default(&c);
