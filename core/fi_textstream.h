@@ -26,9 +26,11 @@ void fi_textstream_destroy(fi_textstream **ts);
 int fi_textstream_push(fi_textstream *ts, const char *bytes, size_t len);
 
 /* A piece that is not text (a control token's, shown as nothing): when a
- * stop string occurs in it, the stream stops here, as at a stop string in
- * the text, and 1 is returned; else 0 and nothing changes. So a client's
- * stop "<|im_start|>" still ends the answer where the model opens a turn. */
+ * stop string occurs in it, or begins in the text held back and ends in
+ * it, the stream stops there, as at a stop string in the text, and 1 is
+ * returned; else 0 and nothing changes. So a client's stop "<|im_start|>"
+ * (or "\n<|im_start|>") still ends the answer where the model opens a
+ * turn. */
 int fi_textstream_mark(fi_textstream *ts, const char *piece, size_t len);
 
 /* Text that is final: returns a pointer to *len bytes (valid until the next

@@ -60,12 +60,6 @@ int fi_gen_push_token(const fi_tok *tok, fi_textstream *ts, int32_t id, char *er
         s_err(err, errlen, "sampled token %d has no text", id);
         return -1;
     }
-    /* A control token the model samples mid-answer ("<jupyter_start>", a
-     * stray "<|im_start|>") is markup, not text: it counts as generated
-     * but adds nothing to the answer, as in OpenAI's and llama.cpp's
-     * servers; a stop string in it still stops. */
-    if (fi_tok_is_special(tok, id))
-        return (size_t)len <= sizeof piece ? fi_textstream_mark(ts, piece, (size_t)len) : 0;
     char *big = NULL;
     const char *pp = piece;
     if ((size_t)len > sizeof piece) { /* rare: a very long token */
@@ -77,7 +71,13 @@ int fi_gen_push_token(const fi_tok *tok, fi_textstream *ts, int32_t id, char *er
         }
         pp = big;
     }
-    int hit = fi_textstream_push(ts, pp, (size_t)len);
+    /* A control token the model samples mid-answer ("<jupyter_start>", a
+     * stray "<|im_start|>") is markup, not text: it counts as generated
+     * but adds nothing to the answer, as in OpenAI's and llama.cpp's
+     * servers; a stop string in it, or begun in the text before it and
+     * ended in it, still stops. */
+    int hit = fi_tok_is_special(tok, id) ? fi_textstream_mark(ts, pp, (size_t)len)
+                                         : fi_textstream_push(ts, pp, (size_t)len);
     free(big);
     if (hit < 0) s_err(err, errlen, "out of memory");
     return hit;

@@ -816,6 +816,7 @@ int fi_sched_step(fi_sched *s, char *err, size_t errlen) {
     fi_batch b = {.n = n, .tok = s->b_tok, .pos = s->b_pos, .seq = s->b_seq, .n_seqs = ns,
                   .tables = s->b_tables, .max_blocks = s->max_blocks, .out_rows = s->b_rows,
                   .n_out = n_out, .argmax = s->b_argmax};
+    if (err && errlen) err[0] = 0; /* a hook that fails without a word says nothing stale */
     int rc = s->o.forward
                  ? s->o.forward(s->o.forward_user, s->m, s->kv, &b, s->logits, err, errlen)
                  : fi_model_forward(s->m, s->kv, &b, NULL, NULL, s->logits, err, errlen);

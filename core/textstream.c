@@ -9,7 +9,10 @@
  * What is released is valid UTF-8 (clients put it in JSON): a byte that
  * does not begin a well-formed sequence (RFC 3629: no overlong forms, no
  * surrogates, nothing above U+10FFFF), or a sequence cut short at the end
- * of generation, is released as U+FFFD, as a decoder with "replace" does.
+ * of generation, is released as U+FFFD, as a decoder with "replace" does:
+ * one for each maximal subpart of an ill-formed sequence (a lead byte and
+ * the continuation bytes that fit it so far), as Unicode recommends and
+ * Python's and browsers' decoders do.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -106,8 +109,18 @@ int fi_textstream_push(fi_textstream *ts, const char *bytes, size_t len) {
 
 int fi_textstream_mark(fi_textstream *ts, const char *piece, size_t len) {
     if (ts->stop_at != (size_t)-1) return 1;
+    size_t held = ts->len - ts->out;
+    const char *tail = ts->buf ? ts->buf + ts->out : "";
     for (int i = 0; i < ts->n_stop; i++) {
         size_t L = ts->stop_len[i];
+        /* begun in the held text (k of its bytes there), ended in piece:
+         * the k bytes are the stop's, not the answer's */
+        for (size_t k = L - 1; k >= 1; k--)
+            if (k <= held && L - k <= len && !memcmp(tail + held - k, ts->stop[i], k) &&
+                !memcmp(piece, ts->stop[i] + k, L - k)) {
+                ts->stop_at = ts->len - k;
+                return 1;
+            }
         for (size_t p = 0; p + L <= len; p++)
             if (!memcmp(piece + p, ts->stop[i], L)) {
                 ts->stop_at = ts->len; /* everything before is final */
@@ -126,7 +139,10 @@ static size_t s_holdback(const fi_textstream *ts) {
     for (size_t i = 1; i <= 3 && i <= avail; i++) {
         unsigned char c = b[avail - i];
         if ((c & 0xC0) == 0x80) continue;           /* continuation byte */
-        size_t need = c >= 0xF0 && c <= 0xF4 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 && c < 0xE0 ? 2 : 1;
+        size_t need = c >= 0xF0 && c <= 0xF4   ? 4
+                      : c >= 0xE0 && c <= 0xEF ? 3
+                      : c >= 0xC2 && c <= 0xDF ? 2
+                                               : 1; /* ASCII, or never a lead: not held */
         if (need > i) hold = i;                     /* sequence not finished */
         break;
     }
@@ -143,22 +159,26 @@ static size_t s_holdback(const fi_textstream *ts) {
     return hold;
 }
 
-/* Length of the well-formed UTF-8 sequence at p (n bytes available), or 0
- * when p[0] does not begin one. */
-static size_t s_utf8_len(const unsigned char *p, size_t n) {
+/* The UTF-8 sequence at p (n bytes available): the bytes that fit a
+ * well-formed sequence from p[0] on (at least 1: a byte that begins none
+ * is a subpart of its own), and in *whole whether they are all of it. */
+static size_t s_utf8_part(const unsigned char *p, size_t n, int *whole) {
     unsigned char c = p[0];
+    *whole = 1;
     if (c < 0x80) return 1;
     size_t need = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
-    if (!need || need > n) return 0;
+    *whole = 0;
+    if (!need) return 1;
     unsigned char lo = 0x80, hi = 0xBF; /* the second byte's range */
     if (c == 0xE0) lo = 0xA0;
     else if (c == 0xED) hi = 0x9F;      /* no surrogates */
     else if (c == 0xF0) lo = 0x90;
     else if (c == 0xF4) hi = 0x8F;      /* nothing above U+10FFFF */
-    if (p[1] < lo || p[1] > hi) return 0;
-    for (size_t i = 2; i < need; i++)
-        if ((p[i] & 0xC0) != 0x80) return 0;
-    return need;
+    if (n < 2 || p[1] < lo || p[1] > hi) return 1;
+    size_t i = 2;
+    while (i < need && i < n && (p[i] & 0xC0) == 0x80) i++;
+    *whole = i == need;
+    return i;
 }
 
 const char *fi_textstream_take(fi_textstream *ts, int flush, size_t *len) {
@@ -178,16 +198,16 @@ const char *fi_textstream_take(fi_textstream *ts, int flush, size_t *len) {
     const unsigned char *b = (const unsigned char *)ts->buf + ts->out;
     size_t o = 0;
     for (size_t i = 0; i < n;) {
-        size_t k = s_utf8_len(b + i, n - i);
-        if (k) {
+        int whole;
+        size_t k = s_utf8_part(b + i, n - i, &whole);
+        if (whole) {
             memcpy(ts->rel + o, b + i, k);
             o += k;
-            i += k;
-        } else {
+        } else { /* one U+FFFD for the maximal subpart */
             memcpy(ts->rel + o, "\xEF\xBF\xBD", 3);
             o += 3;
-            i++;
         }
+        i += k;
     }
     ts->out = end;
     *len = o;

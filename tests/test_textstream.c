@@ -116,6 +116,13 @@ static void test_utf8_malformed_replaced(void **state) {
         {"\xF4\x90\x80\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"}, /* > U+10FFFF */
         {"\xC3\xA9\xC3(", "\xC3\xA9\xEF\xBF\xBD("},             /* cut by ASCII */
         {"\xF0\x9F\x98\x80", "\xF0\x9F\x98\x80"},                /* a valid emoji */
+        /* one U+FFFD per maximal subpart (as Python's "replace" decoder):
+         * a sequence cut short by the end is one, not one per byte */
+        {"a\xE2\x82", "a\xEF\xBF\xBD"},
+        {"\xF0\x9F\x98", "\xEF\xBF\xBD"},
+        {"\xF0\x9F(", "\xEF\xBF\xBD("},
+        {"\xE0\x80x", "\xEF\xBF\xBD\xEF\xBF\xBDx"},            /* E0 needs A0..BF next */
+        {"\xF5\x80", "\xEF\xBF\xBD\xEF\xBF\xBD"},              /* F5 begins nothing */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         fi_textstream *ts = fi_textstream_new(NULL, 0);
@@ -132,6 +139,43 @@ static void test_utf8_malformed_replaced(void **state) {
             fail_msg("case %zu: %zu bytes out, want %zu", i, n, strlen(cases[i].out));
         fi_textstream_destroy(&ts);
     }
+}
+
+/* A byte that begins no sequence (F5..FF) is not held back waiting for
+ * the rest of one: it is released (as U+FFFD) with the text at once. */
+static void test_invalid_lead_not_held(void **state) {
+    (void)state;
+    fi_textstream *ts = fi_textstream_new(NULL, 0);
+    size_t len;
+    assert_int_equal(fi_textstream_push(ts, "ok\xF8", 3), 0);
+    const char *p = fi_textstream_take(ts, 0, &len);
+    assert_int_equal(len, 5);
+    assert_memory_equal(p, "ok\xEF\xBF\xBD", 5);
+    fi_textstream_destroy(&ts);
+}
+
+/* A stop string begun in the text and ended in a control token's piece
+ * (which is not text) stops there; its first part is not released. */
+static void test_stop_ends_in_control_piece(void **state) {
+    (void)state;
+    const char *stop[] = {"\n<|im_start|>"};
+    fi_textstream *ts = fi_textstream_new(stop, 1);
+    size_t len;
+    assert_int_equal(fi_textstream_push(ts, "Done.\n", 6), 0);
+    const char *p = fi_textstream_take(ts, 0, &len);
+    assert_int_equal(len, 5); /* "\n" may begin the stop: held */
+    assert_memory_equal(p, "Done.", 5);
+    assert_int_equal(fi_textstream_mark(ts, "<|im_start|>", 12), 1);
+    p = fi_textstream_take(ts, 1, &len);
+    assert_int_equal(len, 0); /* the "\n" was the stop's */
+    fi_textstream_destroy(&ts);
+    /* a piece that only ends something else does not stop */
+    ts = fi_textstream_new(stop, 1);
+    assert_int_equal(fi_textstream_push(ts, "Done.", 5), 0);
+    assert_int_equal(fi_textstream_mark(ts, "<|im_start|>", 12), 0);
+    p = fi_textstream_take(ts, 1, &len);
+    assert_int_equal(len, 5);
+    fi_textstream_destroy(&ts);
 }
 
 static void test_stop_at_start_and_empty_stops(void **state) {
@@ -169,6 +213,8 @@ int main(void) {
         cmocka_unit_test(test_earliest_of_several_stops),
         cmocka_unit_test(test_utf8_held_until_complete),
         cmocka_unit_test(test_utf8_malformed_replaced),
+        cmocka_unit_test(test_invalid_lead_not_held),
+        cmocka_unit_test(test_stop_ends_in_control_piece),
         cmocka_unit_test(test_stop_at_start_and_empty_stops),
         cmocka_unit_test(test_long_stream),
     };
