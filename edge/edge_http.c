@@ -1170,6 +1170,7 @@ static enum MHD_Result s_infer(fi_edge *e, struct MHD_Connection *c, s_conn *cn,
     snprintf(job->tenant, sizeof job->tenant, "%s", tenant);
     snprintf(job->zone, sizeof job->zone, "%s", d->zone);
     for (int i = 0; i < d->n_eff_labels; i++) job->labels[job->n_labels++] = strdup(d->eff_labels[i]);
+    job->labels_defaulted = d->labels_defaulted;
     snprintf(job->target, sizeof job->target, "%s", d->t[t].name);
     if (t > 0 && s_routed(e, job, r, chat, tenant, app, ids, n_ids) != 0) {
         rc = s_error(e, c, 500, "internal_error", NULL, NULL, "out of memory");

@@ -73,6 +73,9 @@ typedef struct edge_job {
     char target[64];             /* the cluster chosen (routed), for the audit */
     edge_routed *routed;         /* routed: what goes on the wire (owned) */
     int n_labels;                /* count of labels */
+    int labels_defaulted;        /* they are the edge policy's default_label, not the
+                                    client's: the coordinator is sent none, so that its
+                                    own (newest) policy applies its default */
     double timeout_s;            /* whole request, from submission */
     char tenant[64];             /* from the bearer token ("" without one) */
     char zone[64];               /* residency zone of the cached state (edge_decision.zone) */
@@ -207,6 +210,7 @@ typedef struct edge_decision {
     char labels[256];              /* effective labels, comma-separated */
     const char *eff_labels[EDGE_MAX_LABELS]; /* into labels_buf */
     int n_eff_labels;
+    int labels_defaulted;          /* eff_labels is the policy's default_label */
     char labels_buf[EDGE_MAX_LABELS][64];
     int bad_labels;                /* a label unknown to the policy */
     int fallback;                  /* no valid policy: site only */

@@ -222,8 +222,10 @@ int edge_policy_decide(edge_policy *p, const char *tenant, const char *app, cons
     /* Labels: the request's, or the policy's default. */
     for (int i = 0; i < n_labels && i < EDGE_MAX_LABELS; i++)
         snprintf(d->labels_buf[d->n_eff_labels++], 64, "%s", labels[i]);
-    if (!d->n_eff_labels && current && fi_policy_default_label(pol))
+    if (!d->n_eff_labels && current && fi_policy_default_label(pol)) {
         snprintf(d->labels_buf[d->n_eff_labels++], 64, "%s", fi_policy_default_label(pol));
+        d->labels_defaulted = 1;
+    }
     size_t k = 0;
     for (int i = 0; i < d->n_eff_labels; i++) {
         d->eff_labels[i] = d->labels_buf[i];

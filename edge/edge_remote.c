@@ -160,8 +160,11 @@ static void s_send_new(s_remote *r) {
         rq.request_id = j->id;
         rq.model = j->model;
         rq.prompt = j->text ? j->text : (char *)"";
+        /* the client's labels only: where it gave none, the coordinator's
+         * newest policy applies its own default_label (or refuses), not
+         * this edge's possibly older one */
         rq.labels = j->labels;
-        rq.n_labels = (size_t)j->n_labels;
+        rq.n_labels = j->labels_defaulted ? 0 : (size_t)j->n_labels;
         rq.max_tokens = (uint32_t)j->max_tokens;
         rq.temperature = j->sp.temperature;
         rq.seed = j->sp.seed;

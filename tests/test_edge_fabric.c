@@ -748,6 +748,61 @@ static void s_many_clusters(int max_msg, const char *model) {
 }
 
 /* every row in the heartbeat */
+/* An edge holding an older bundle (v1: an unlabeled request is "public",
+ * permitted anywhere) routes an unlabeled request to a US cluster. The
+ * coordinator's newest bundle (v2: unlabeled is "internal", EU only) must
+ * decide it with its own default_label, and deny it: the edge sends the
+ * client's labels (none), not its own default made explicit, which the
+ * coordinator took as the client's ("public") and permitted. (Found by a
+ * review.) */
+static void test_stale_edge_default_label(void **state) {
+    (void)state;
+#define S_TOPO                                                                                   \
+    "jurisdiction EU;\njurisdiction US;\nregion eu-central in EU;\nregion us-east in US;\n"     \
+    "site berlin in eu-central;\ncluster virginia in us-east;\n"                               \
+    "permit \"public anywhere\" when request.labels <= [\"public\"];\n"                          \
+    "permit \"internal in the EU\" when target within \"EU\";\n"
+    const char *v1 = "labels public, internal;\ndefault_label \"public\";\n" S_TOPO;
+    const char *v2 = "labels public, internal;\ndefault_label \"internal\";\n" S_TOPO;
+#undef S_TOPO
+    harness h;
+    assert_int_equal(h_init(&h), 0);
+    snprintf(h.policy_check_key, sizeof h.policy_check_key, "%s/sign.key.pub", h.dir);
+    assert_int_equal(h_start(&h), 0);
+    h_worker w;
+    fi_shard_backend be = fi_shard_echo_backend(4, 0);
+    assert_int_equal(h_worker_start_be(&h, &w, "m", "virginia", &be, 4), 0);
+    w.owns_be = 1;
+    uint8_t pk[32], sk[64];
+    fi_edge *e = h_edge_start(&h, "berlin", "eu-central", v1, pk, sk, ""); /* v1 there */
+    /* the coordinator's store holds v2, the edge has not got it */
+    char err[256];
+    fi_store *st = fi_store_open(h.db, err, sizeof err);
+    assert_non_null(st);
+    char *b;
+    size_t bl;
+    int64_t now = (int64_t)time(NULL);
+    assert_int_equal(fi_bundle_sign(sk, 2, now - 60, now + 3600, v2, strlen(v2), &b, &bl), 0);
+    assert_int_equal(fi_store_bundle_put(st, 2, b, bl, "op"), 0);
+    free(b);
+    fi_store_destroy(&st);
+    h_sleep_ms(6 * H_HB_MS); /* the cluster's load reaches the edge */
+    resp r;
+    const char *body = "{\"model\":\"m\",\"prompt\":\"no labels\",\"max_tokens\":5}";
+    assert_int_equal(http_post(fi_edge_port(e), NULL, body, &r), 0);
+    print_message("unlabeled, edge on v1, coordinator on v2: status %d, %.200s\n", r.status, r.body);
+    assert_int_equal(r.status, 403);
+    assert_true(has(&r, "policy_denied"));
+    /* with the label given, v2 permits it anywhere, as v1 does */
+    body = "{\"model\":\"m\",\"prompt\":\"public\",\"max_tokens\":5,\"data_class\":\"public\"}";
+    assert_int_equal(http_post(fi_edge_port(e), NULL, body, &r), 0);
+    print_message("labelled public: status %d\n", r.status);
+    assert_int_equal(r.status, 200);
+    fi_edge_destroy(&e);
+    h_worker_stop(&w);
+    h_stop(&h);
+}
+
 static void test_many_clusters(void **state) {
     (void)state;
     s_many_clusters(0, "mX");
@@ -776,6 +831,7 @@ int main(void) {
         cmocka_unit_test(test_routed_finish_reasons),
         cmocka_unit_test(test_pushed_bundles),
         cmocka_unit_test(test_audit_upload_and_offline),
+        cmocka_unit_test(test_stale_edge_default_label),
         cmocka_unit_test(test_many_clusters),
         cmocka_unit_test(test_many_clusters_truncated),
     };

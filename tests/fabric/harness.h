@@ -47,6 +47,7 @@ typedef struct harness {
     int max_in_flight;      /* coordinator's open requests per edge key (0: its default) */
     int edge_hb_ms;         /* h_edge_start's heartbeat_ms (0: H_HB_MS); an edge calls the
                                coordinator unreachable after 3 of them in silence */
+    char policy_check_key[300]; /* coordinator's policy_check_key ("": no re-check) */
 } harness;
 
 H_FN void h_sleep_ms(int ms) {
@@ -83,6 +84,8 @@ H_FN void h_opts(harness *h, fi_coord_opts *o, const char *bind, const char *enr
     o->handshake_ms = h->handshake_ms ? h->handshake_ms : 2000;
     if (h->max_msg) o->max_msg = h->max_msg;
     if (h->max_in_flight) o->max_in_flight = h->max_in_flight;
+    if (h->policy_check_key[0])
+        snprintf(o->policy_check_key, sizeof o->policy_check_key, "%s", h->policy_check_key);
 }
 
 /* Makes the directory, the keys and the bootstrapped operator. */
