@@ -1125,6 +1125,14 @@ static int s_statement(parser *ps) {
             ps->errors++;
             return -1;
         }
+        if (t == 0) { /* 0 is "no expiry" inside: refused, not taken as never expiring */
+            p_diag(ps->d, FI_DIAG_ERROR, ps->t.line, ps->t.col,
+                   "give a time after 1970-01-01T00:00:00Z, or no expires statement for a "
+                   "policy without expiry",
+                   "expiry at the Unix epoch \"%.40s\"", ps->t.str);
+            ps->errors++;
+            return -1;
+        }
         if (pol->expires_line) {
             p_diag(ps->d, FI_DIAG_ERROR, line, col, "keep one expires statement", "expires given twice");
             ps->errors++;

@@ -294,6 +294,18 @@ static void test_expires_strict(void **state) {
         if (p || !strstr(line, want)) fail_msg("expires \"%s\": expected %s, got %s", bad[i], want, line);
         fi_diags_destroy(&d);
     }
+    /* the epoch itself was taken as "no expiry" (0 inside), so a policy
+     * long expired never expired (found by a review) */
+    {
+        const char *src = "expires \"1970-01-01T00:00:00Z\";\n";
+        char line[600] = "";
+        fi_diags *d = fi_diags_new();
+        fi_policy *p = fi_policy_parse(src, strlen(src), d);
+        if (fi_diags_count(d)) fi_diag_format(fi_diags_get(d, 0), "t", line, sizeof line);
+        if (p || !strstr(line, "t:1:9: error: expiry at the Unix epoch"))
+            fail_msg("expires at the epoch: got %s", line);
+        fi_diags_destroy(&d);
+    }
     const char *good[] = {"2030-01-01T05:00:00Z", "2028-02-29T23:59:59Z", "1970-01-01T00:00:01Z"};
     const int64_t when[] = {1893474000, 1835481599, 1};
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
