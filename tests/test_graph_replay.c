@@ -23,6 +23,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "fi_kernels.h"
 #include "fi_model.h"
 #include "gguf_writer.h"
 #include "graph_backend.h"
@@ -69,14 +70,6 @@ static int teardown(void **state) {
     return 0;
 }
 
-static int32_t argmax(const float *x, int n) {
-    int32_t b = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[b])
-            b = i;
-    return b;
-}
-
 static void same_bits(const float *a, const float *b, size_t n, const char *what, int step) {
     if (memcmp(a, b, n * sizeof *a) != 0) {
         size_t i = 0;
@@ -109,7 +102,7 @@ static void test_session_relaunches(void **state) {
     fi_graph_stats(p->g, &rec0, &rel0, NULL);
     const int steps = 40; /* crosses KV blocks of 16 positions twice */
     for (int s = 0; s < steps; s++) {
-        int32_t t = argmax(la, p->V);
+        int32_t t = fi_argmax_f32(la, p->V);
         assert_int_equal(fi_session_eval(sa, &t, 1, la, NULL, err, sizeof err), 0);
         if (fi_session_eval(sb, &t, 1, lb, NULL, err, sizeof err) != 0)
             fail_msg("step %d: %s", s, err);
@@ -150,7 +143,7 @@ static void test_sessions_alternate(void **state) {
             if (fi_session_eval(s[2 + q], &t[q], 1, l[2 + q], NULL, err, sizeof err) != 0)
                 fail_msg("step %d: %s", step, err);
             same_bits(l[q], l[2 + q], (size_t)p->V, q ? "second session" : "first session", step);
-            t[q] = argmax(l[q], p->V);
+            t[q] = fi_argmax_f32(l[q], p->V);
         }
     }
     long rel;
