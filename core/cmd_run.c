@@ -93,8 +93,8 @@ static void s_run_usage(FILE *f) {
             "      --act-bits N        activation precision in quantised products: 12\n"
             "                          (default: logits within ~0.2 of an exact\n"
             "                          computation), 16 (within ~0.02; slower batches on\n"
-            "                          AMX) or 8 (as llama.cpp; up to ~1; faster only\n"
-            "                          without the AVX512 paths)\n"
+            "                          AMX) or 8 (as llama.cpp; up to ~1.2; batches of\n"
+            "                          tokens faster with AVX512-VNNI)\n"
             "      --stats             print timings and token counts to stderr\n"
             "  -h, --help              this text\n",
             FI_DEFAULT_MODEL);

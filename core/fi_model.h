@@ -80,8 +80,8 @@ typedef struct fi_model_opts {
     fi_simd simd;    /* CPU code path */
     int act_bits;    /* activation precision of quantised products on the
                         CPU (fi_cpu_backend_set_act_bits): 12 (0 means this
-                        default), 16 (most exact) or 8 (least exact; faster
-                        only without the AVX512 paths); the CUDA backend
+                        default), 16 (most exact) or 8 (least exact;
+                        batches faster with AVX512-VNNI); the CUDA backend
                         always uses fp16 */
     fi_device device; /* backend; FI_DEVICE_CPU when zeroed */
     const fi_shard_plan *plan; /* NULL: the whole model */
