@@ -436,6 +436,8 @@ static void s_usage(FILE *f) {
             "                           first concurrency is taken within one repetition, and\n"
             "                           its median and range are printed\n"
             "      --device DEV         cpu, cuda or auto (default auto)\n"
+            "      --act-bits N         activation precision of the CPU's quantised products:\n"
+            "                           12 (default), 16 or 8 (see fedinfer run --help)\n"
             "  -h, --help               this text\n");
 }
 
@@ -446,11 +448,11 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         {"gen-tokens", required_argument, 0, 'G'},    {"shared-prefix", required_argument, 0, 'S'},
         {"only", required_argument, 0, 'O'},          {"device", required_argument, 0, 'D'},
         {"serve", no_argument, 0, 'V'},               {"help", no_argument, 0, 'h'},
-        {"reps", required_argument, 0, 'r'},
+        {"reps", required_argument, 0, 'r'},          {"act-bits", required_argument, 0, 'B'},
         {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *only = NULL;
     char conc[128] = "1,4,16,64";
-    long threads = 0, n_prompt = 64, n_gen = 64, n_prefix = 512, reps = 1;
+    long threads = 0, n_prompt = 64, n_gen = 64, n_prefix = 512, reps = 1, act_bits = 12;
     fi_device device = FI_DEVICE_AUTO;
     int c;
     optind = 1;
@@ -472,6 +474,13 @@ int fi_cmd_bench_serve(int argc, char **argv) {
             only = optarg;
             break;
         case 'D': if (fi_device_parse(optarg, &device)) goto bad; break;
+        case 'B':
+            act_bits = strtol(optarg, &end, 10);
+            if (*end || (act_bits != 8 && act_bits != 12 && act_bits != 16)) {
+                fprintf(stderr, "fedinfer: bench --serve: --act-bits must be 8, 12 or 16, not '%s'\n", optarg);
+                return 2;
+            }
+            break;
         case 'V': break;
         case 'h': s_usage(stdout); return 0;
         default: s_usage(stderr); return 2;
@@ -496,7 +505,8 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         return 2;
     }
     char err[512];
-    fi_model_opts mo = {.n_threads = (int)threads, .simd = FI_SIMD_AUTO, .device = device};
+    fi_model_opts mo = {.n_threads = (int)threads, .simd = FI_SIMD_AUTO, .device = device,
+                        .act_bits = (int)act_bits};
     bench b = {0};
     b.m = fi_model_load(model, &mo, err, sizeof err);
     if (!b.m) {
@@ -534,8 +544,8 @@ int fi_cmd_bench_serve(int argc, char **argv) {
     const fi_backend *be = fi_model_backend(b.m);
     printf("model          %s\n", model);
     if (fi_cpu_backend_simd(be))
-        printf("backend        %s, %d threads, simd %s\n", be->ops->name,
-               fi_cpu_backend_threads(be), fi_cpu_backend_simd(be));
+        printf("backend        %s, %d threads, simd %s, %d-bit activations\n", be->ops->name,
+               fi_cpu_backend_threads(be), fi_cpu_backend_simd(be), fi_cpu_backend_act_bits(be));
     else
         printf("backend        %s\n", be->ops->name);
 
