@@ -42,6 +42,8 @@ static void s_usage(FILE *f) {
             "  model, model_name           local GGUF model and the name requests use\n"
             "  model_sha256                the model file's SHA-256; another file is refused\n"
             "  threads, n_ctx              engine threads, context per session\n"
+            "  act_bits = 12|16|8          precision of the CPU's quantised products: 8 is\n"
+            "                              less exact, its batches faster (README)\n"
             "  concurrency, queue          local sessions at once, and waiting beyond (429)\n"
             "  max_body, max_tokens, default_max_tokens, request_timeout_s\n"
             "  conn_limit, per_ip_limit, conn_timeout_s, conn_memory   HTTP bounds\n"

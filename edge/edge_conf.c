@@ -8,8 +8,8 @@
 
 #include "fi_edge.h"
 
-#define S(k, req) {#k, FI_CONF_STR, offsetof(fi_edge_conf, k), req, 0, 0}
-#define I(k, lo, hi) {#k, FI_CONF_INT, offsetof(fi_edge_conf, k), 0, lo, hi}
+#define S(k, req) {#k, FI_CONF_STR, offsetof(fi_edge_conf, k), req, 0, 0, 0}
+#define I(k, lo, hi) {#k, FI_CONF_INT, offsetof(fi_edge_conf, k), 0, lo, hi, 0}
 
 const fi_conf_key fi_edge_conf_keys[] = {
     S(site, 1),
@@ -19,6 +19,7 @@ const fi_conf_key fi_edge_conf_keys[] = {
     S(model_name, 0),
     S(model_sha256, 0),
     I(threads, 0, 256),
+    {"act_bits", FI_CONF_INT, offsetof(fi_edge_conf, act_bits), 0, 8, 16, 4},
     I(n_ctx, 64, 32768),
     I(concurrency, 1, 64),
     I(queue, 0, 4096),
@@ -42,7 +43,7 @@ const fi_conf_key fi_edge_conf_keys[] = {
     S(region, 0),
     S(clusters, 0),
     I(heartbeat_ms, 50, 60000),
-    {NULL, FI_CONF_STR, 0, 0, 0, 0},
+    {NULL, FI_CONF_STR, 0, 0, 0, 0, 0},
 };
 
 void fi_edge_conf_default(fi_edge_conf *c) {
@@ -50,6 +51,7 @@ void fi_edge_conf_default(fi_edge_conf *c) {
     snprintf(c->listen, sizeof c->listen, "127.0.0.1");
     c->port = 8080;
     c->n_ctx = 2048;
+    c->act_bits = 12;
     c->concurrency = 4;
     c->queue = 16;
     c->max_body = 1 << 20;

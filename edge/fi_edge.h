@@ -30,6 +30,8 @@ typedef struct fi_edge_conf {
     char model_sha256[FI_CONF_STR_MAX];    /* its expected SHA-256 ("": not checked) */
     char model_name[FI_CONF_STR_MAX];      /* name requests use for it */
     int threads;                           /* engine threads (0: one per core) */
+    int act_bits;                          /* CPU activation precision: 12, 16 or 8
+                                              (fi_cpu_backend_set_act_bits) */
     int n_ctx;                             /* context per local session, tokens */
     int concurrency;                       /* local sessions that advance together */
     int queue;                             /* requests waiting beyond concurrency */

@@ -76,6 +76,11 @@ int fi_conf_load(const char *path, const fi_conf_key *keys, void *dst, char *err
                          path, lineno, name, keys[k].min, keys[k].max);
                 goto done;
             }
+            if (keys[k].step && v % keys[k].step) {
+                snprintf(err, errlen, "%s:%d: value of '%s' must be a multiple of %ld in [%ld, %ld]",
+                         path, lineno, name, keys[k].step, keys[k].min, keys[k].max);
+                goto done;
+            }
             int iv = (int)v;
             memcpy(at, &iv, sizeof iv);
         }

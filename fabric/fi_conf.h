@@ -30,6 +30,7 @@ typedef struct fi_conf_key {
     size_t offset;      /* where in the target struct */
     int required;       /* 1: the file must set it */
     long min, max;      /* FI_CONF_INT bounds */
+    long step;          /* FI_CONF_INT: 0, or the value must be a multiple of it */
 } fi_conf_key;
 
 /* Parses path into the struct at dst (which holds defaults on entry)

@@ -104,21 +104,21 @@ struct fi_coord {
 
 #define S_OFF(f) offsetof(fi_coord_opts, f)
 const fi_conf_key fi_coord_conf_keys[] = {
-    {"bind", FI_CONF_STR, S_OFF(bind), 0, 0, 0},
-    {"enrol_bind", FI_CONF_STR, S_OFF(enrol_bind), 0, 0, 0},
-    {"db", FI_CONF_STR, S_OFF(db), 1, 0, 0},
-    {"secret_key", FI_CONF_STR, S_OFF(secret_key), 1, 0, 0},
-    {"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 600000},
-    {"liveness", FI_CONF_INT, S_OFF(liveness), 0, 2, 100},
-    {"handshake_ms", FI_CONF_INT, S_OFF(handshake_ms), 0, 100, 60000},
-    {"max_msg", FI_CONF_INT, S_OFF(max_msg), 0, 1024, (long)FI_WIRE_MAX_MSG},
-    {"hwm", FI_CONF_INT, S_OFF(hwm), 0, 10, 1000000},
-    {"max_in_flight", FI_CONF_INT, S_OFF(max_in_flight), 0, 1, 100000},
-    {"policy_key", FI_CONF_STR, S_OFF(policy_key), 0, 0, 0},
-    {"audit_db", FI_CONF_STR, S_OFF(audit_db), 0, 0, 0},
-    {"policy_valid_s", FI_CONF_INT, S_OFF(policy_valid_s), 0, 60, 10 * 366 * 86400},
-    {"policy_check_key", FI_CONF_STR, S_OFF(policy_check_key), 0, 0, 0},
-    {NULL, FI_CONF_STR, 0, 0, 0, 0},
+    {"bind", FI_CONF_STR, S_OFF(bind), 0, 0, 0, 0},
+    {"enrol_bind", FI_CONF_STR, S_OFF(enrol_bind), 0, 0, 0, 0},
+    {"db", FI_CONF_STR, S_OFF(db), 1, 0, 0, 0},
+    {"secret_key", FI_CONF_STR, S_OFF(secret_key), 1, 0, 0, 0},
+    {"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 600000, 0},
+    {"liveness", FI_CONF_INT, S_OFF(liveness), 0, 2, 100, 0},
+    {"handshake_ms", FI_CONF_INT, S_OFF(handshake_ms), 0, 100, 60000, 0},
+    {"max_msg", FI_CONF_INT, S_OFF(max_msg), 0, 1024, (long)FI_WIRE_MAX_MSG, 0},
+    {"hwm", FI_CONF_INT, S_OFF(hwm), 0, 10, 1000000, 0},
+    {"max_in_flight", FI_CONF_INT, S_OFF(max_in_flight), 0, 1, 100000, 0},
+    {"policy_key", FI_CONF_STR, S_OFF(policy_key), 0, 0, 0, 0},
+    {"audit_db", FI_CONF_STR, S_OFF(audit_db), 0, 0, 0, 0},
+    {"policy_valid_s", FI_CONF_INT, S_OFF(policy_valid_s), 0, 60, 10 * 366 * 86400, 0},
+    {"policy_check_key", FI_CONF_STR, S_OFF(policy_check_key), 0, 0, 0, 0},
+    {NULL, FI_CONF_STR, 0, 0, 0, 0, 0},
 };
 
 void fi_coord_opts_default(fi_coord_opts *o) {

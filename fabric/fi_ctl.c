@@ -30,12 +30,12 @@ typedef struct s_ctl_conf {
 } s_ctl_conf;
 
 static const fi_conf_key s_ctl_keys[] = {
-    {"coordinator", FI_CONF_STR, offsetof(s_ctl_conf, coordinator), 1, 0, 0},
-    {"coordinator_key", FI_CONF_STR, offsetof(s_ctl_conf, coordinator_key), 1, 0, 0},
-    {"secret_key", FI_CONF_STR, offsetof(s_ctl_conf, secret_key), 1, 0, 0},
-    {"enrol_endpoint", FI_CONF_STR, offsetof(s_ctl_conf, enrol_endpoint), 0, 0, 0},
-    {"timeout_ms", FI_CONF_INT, offsetof(s_ctl_conf, timeout_ms), 0, 100, 600000},
-    {NULL, FI_CONF_STR, 0, 0, 0, 0},
+    {"coordinator", FI_CONF_STR, offsetof(s_ctl_conf, coordinator), 1, 0, 0, 0},
+    {"coordinator_key", FI_CONF_STR, offsetof(s_ctl_conf, coordinator_key), 1, 0, 0, 0},
+    {"secret_key", FI_CONF_STR, offsetof(s_ctl_conf, secret_key), 1, 0, 0, 0},
+    {"enrol_endpoint", FI_CONF_STR, offsetof(s_ctl_conf, enrol_endpoint), 0, 0, 0, 0},
+    {"timeout_ms", FI_CONF_INT, offsetof(s_ctl_conf, timeout_ms), 0, 100, 600000, 0},
+    {NULL, FI_CONF_STR, 0, 0, 0, 0, 0},
 };
 
 #define S_CONF_HELP                                                                  \

@@ -98,23 +98,23 @@ int fi_group_conf_load(const char *path, fi_group_conf *g, char *err, size_t err
 #define S_OFF(f) offsetof(s_raw, f)
     fi_conf_key keys[16 + 2 * FI_GROUP_MAX_RANKS];
     int k = 0;
-    keys[k++] = (fi_conf_key){"group", FI_CONF_STR, S_OFF(name), 1, 0, 0};
-    keys[k++] = (fi_conf_key){"world", FI_CONF_INT, S_OFF(world), 1, 1, FI_GROUP_MAX_RANKS};
-    keys[k++] = (fi_conf_key){"tp", FI_CONF_INT, S_OFF(tp), 0, 1, FI_GROUP_MAX_RANKS};
-    keys[k++] = (fi_conf_key){"tp_weights", FI_CONF_STR, S_OFF(tp_weights), 0, 0, 0};
-    keys[k++] = (fi_conf_key){"pp_weights", FI_CONF_STR, S_OFF(pp_weights), 0, 0, 0};
-    keys[k++] = (fi_conf_key){"kv_split", FI_CONF_STR, S_OFF(kv_split), 0, 0, 0};
-    keys[k++] = (fi_conf_key){"ffn_split", FI_CONF_STR, S_OFF(ffn_split), 0, 0, 0};
-    keys[k++] = (fi_conf_key){"layer_split", FI_CONF_STR, S_OFF(layer_split), 0, 0, 0};
-    keys[k++] = (fi_conf_key){"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 60000};
-    keys[k++] = (fi_conf_key){"timeout_ms", FI_CONF_INT, S_OFF(timeout_ms), 0, 30, 600000};
-    keys[k++] = (fi_conf_key){"collective", FI_CONF_STR, S_OFF(coll), 0, 0, 0};
-    keys[k++] = (fi_conf_key){"micro_batch", FI_CONF_INT, S_OFF(micro_batch), 0, 0, 1 << 16};
+    keys[k++] = (fi_conf_key){"group", FI_CONF_STR, S_OFF(name), 1, 0, 0, 0};
+    keys[k++] = (fi_conf_key){"world", FI_CONF_INT, S_OFF(world), 1, 1, FI_GROUP_MAX_RANKS, 0};
+    keys[k++] = (fi_conf_key){"tp", FI_CONF_INT, S_OFF(tp), 0, 1, FI_GROUP_MAX_RANKS, 0};
+    keys[k++] = (fi_conf_key){"tp_weights", FI_CONF_STR, S_OFF(tp_weights), 0, 0, 0, 0};
+    keys[k++] = (fi_conf_key){"pp_weights", FI_CONF_STR, S_OFF(pp_weights), 0, 0, 0, 0};
+    keys[k++] = (fi_conf_key){"kv_split", FI_CONF_STR, S_OFF(kv_split), 0, 0, 0, 0};
+    keys[k++] = (fi_conf_key){"ffn_split", FI_CONF_STR, S_OFF(ffn_split), 0, 0, 0, 0};
+    keys[k++] = (fi_conf_key){"layer_split", FI_CONF_STR, S_OFF(layer_split), 0, 0, 0, 0};
+    keys[k++] = (fi_conf_key){"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 60000, 0};
+    keys[k++] = (fi_conf_key){"timeout_ms", FI_CONF_INT, S_OFF(timeout_ms), 0, 30, 600000, 0};
+    keys[k++] = (fi_conf_key){"collective", FI_CONF_STR, S_OFF(coll), 0, 0, 0, 0};
+    keys[k++] = (fi_conf_key){"micro_batch", FI_CONF_INT, S_OFF(micro_batch), 0, 0, 1 << 16, 0};
     for (int r = 0; r < FI_GROUP_MAX_RANKS; r++) {
-        keys[k++] = (fi_conf_key){s_ep_names[r], FI_CONF_STR, S_OFF(ep[r]), 0, 0, 0};
-        keys[k++] = (fi_conf_key){s_key_names[r], FI_CONF_STR, S_OFF(key[r]), 0, 0, 0};
+        keys[k++] = (fi_conf_key){s_ep_names[r], FI_CONF_STR, S_OFF(ep[r]), 0, 0, 0, 0};
+        keys[k++] = (fi_conf_key){s_key_names[r], FI_CONF_STR, S_OFF(key[r]), 0, 0, 0, 0};
     }
-    keys[k] = (fi_conf_key){NULL, FI_CONF_STR, 0, 0, 0, 0};
+    keys[k] = (fi_conf_key){NULL, FI_CONF_STR, 0, 0, 0, 0, 0};
 #undef S_OFF
     s_raw *raw = calloc(1, sizeof *raw);
     if (!raw) {
@@ -227,29 +227,29 @@ int fi_group_conf_is_rank_file(const char *path) {
 int fi_group_rank_conf_load(const char *path, fi_group_rank_conf *r, char *err, size_t errlen) {
 #define S_OFF(f) offsetof(fi_group_rank_conf, f)
     static const fi_conf_key keys[] = {
-        {"group_file", FI_CONF_STR, S_OFF(group_file), 1, 0, 0},
-        {"rank", FI_CONF_INT, S_OFF(rank), 1, 0, FI_GROUP_MAX_RANKS - 1},
-        {"secret_key", FI_CONF_STR, S_OFF(secret_key), 1, 0, 0},
-        {"model", FI_CONF_STR, S_OFF(model), 1, 0, 0},
-        {"model_sha256", FI_CONF_STR, S_OFF(model_sha256), 0, 0, 0},
-        {"threads", FI_CONF_INT, S_OFF(threads), 0, 0, 1024},
-        {"coordinator", FI_CONF_STR, S_OFF(coordinator), 0, 0, 0},
-        {"coordinator_key", FI_CONF_STR, S_OFF(coordinator_key), 0, 0, 0},
-        {"enrol_endpoint", FI_CONF_STR, S_OFF(enrol_endpoint), 0, 0, 0},
-        {"site", FI_CONF_STR, S_OFF(site), 0, 0, 0},
-        {"region", FI_CONF_STR, S_OFF(region), 0, 0, 0},
-        {"model_name", FI_CONF_STR, S_OFF(model_name), 0, 0, 0},
-        {"capacity", FI_CONF_INT, S_OFF(capacity), 0, 1, 1024},
-        {"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 600000},
-        {"liveness", FI_CONF_INT, S_OFF(liveness), 0, 2, 100},
-        {"max_tokens", FI_CONF_INT, S_OFF(max_tokens), 0, 1, 1 << 20},
-        {"n_ctx", FI_CONF_INT, S_OFF(n_ctx), 0, 0, 1 << 20},
-        {"kv_mib", FI_CONF_INT, S_OFF(kv_mib), 0, 1, 1 << 20},
-        {"max_seqs", FI_CONF_INT, S_OFF(max_seqs), 0, 1, 1024},
-        {"step_tokens", FI_CONF_INT, S_OFF(step_tokens), 0, 1, 65536},
-        {"device", FI_CONF_STR, S_OFF(device), 0, 0, 0},
-        {"gpu", FI_CONF_INT, S_OFF(gpu), 0, 0, 1023},
-        {NULL, FI_CONF_STR, 0, 0, 0, 0},
+        {"group_file", FI_CONF_STR, S_OFF(group_file), 1, 0, 0, 0},
+        {"rank", FI_CONF_INT, S_OFF(rank), 1, 0, FI_GROUP_MAX_RANKS - 1, 0},
+        {"secret_key", FI_CONF_STR, S_OFF(secret_key), 1, 0, 0, 0},
+        {"model", FI_CONF_STR, S_OFF(model), 1, 0, 0, 0},
+        {"model_sha256", FI_CONF_STR, S_OFF(model_sha256), 0, 0, 0, 0},
+        {"threads", FI_CONF_INT, S_OFF(threads), 0, 0, 1024, 0},
+        {"coordinator", FI_CONF_STR, S_OFF(coordinator), 0, 0, 0, 0},
+        {"coordinator_key", FI_CONF_STR, S_OFF(coordinator_key), 0, 0, 0, 0},
+        {"enrol_endpoint", FI_CONF_STR, S_OFF(enrol_endpoint), 0, 0, 0, 0},
+        {"site", FI_CONF_STR, S_OFF(site), 0, 0, 0, 0},
+        {"region", FI_CONF_STR, S_OFF(region), 0, 0, 0, 0},
+        {"model_name", FI_CONF_STR, S_OFF(model_name), 0, 0, 0, 0},
+        {"capacity", FI_CONF_INT, S_OFF(capacity), 0, 1, 1024, 0},
+        {"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 600000, 0},
+        {"liveness", FI_CONF_INT, S_OFF(liveness), 0, 2, 100, 0},
+        {"max_tokens", FI_CONF_INT, S_OFF(max_tokens), 0, 1, 1 << 20, 0},
+        {"n_ctx", FI_CONF_INT, S_OFF(n_ctx), 0, 0, 1 << 20, 0},
+        {"kv_mib", FI_CONF_INT, S_OFF(kv_mib), 0, 1, 1 << 20, 0},
+        {"max_seqs", FI_CONF_INT, S_OFF(max_seqs), 0, 1, 1024, 0},
+        {"step_tokens", FI_CONF_INT, S_OFF(step_tokens), 0, 1, 65536, 0},
+        {"device", FI_CONF_STR, S_OFF(device), 0, 0, 0, 0},
+        {"gpu", FI_CONF_INT, S_OFF(gpu), 0, 0, 1023, 0},
+        {NULL, FI_CONF_STR, 0, 0, 0, 0, 0},
     };
 #undef S_OFF
     fi_group_rank_conf *raw = calloc(1, sizeof *raw);

@@ -13,25 +13,26 @@
 
 #define S_OFF(f) offsetof(fi_shard_conf, f)
 const fi_conf_key fi_shard_conf_keys[] = {
-    {"coordinator", FI_CONF_STR, S_OFF(coordinator), 1, 0, 0},
-    {"enrol_endpoint", FI_CONF_STR, S_OFF(enrol_endpoint), 0, 0, 0},
-    {"coordinator_key", FI_CONF_STR, S_OFF(coordinator_key), 1, 0, 0},
-    {"secret_key", FI_CONF_STR, S_OFF(secret_key), 1, 0, 0},
-    {"model", FI_CONF_STR, S_OFF(model), 1, 0, 0},
-    {"model_name", FI_CONF_STR, S_OFF(model_name), 1, 0, 0},
-    {"model_sha256", FI_CONF_STR, S_OFF(model_sha256), 0, 0, 0},
-    {"site", FI_CONF_STR, S_OFF(site), 0, 0, 0},
-    {"region", FI_CONF_STR, S_OFF(region), 0, 0, 0},
-    {"capacity", FI_CONF_INT, S_OFF(capacity), 0, 1, 1024},
-    {"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 600000},
-    {"liveness", FI_CONF_INT, S_OFF(liveness), 0, 2, 100},
-    {"n_ctx", FI_CONF_INT, S_OFF(n_ctx), 0, 0, 1 << 20},
-    {"threads", FI_CONF_INT, S_OFF(threads), 0, 0, 1024},
-    {"max_tokens", FI_CONF_INT, S_OFF(max_tokens), 0, 1, 1 << 20},
-    {"kv_mb", FI_CONF_INT, S_OFF(kv_mb), 0, 0, 1 << 20},
-    {"batch", FI_CONF_INT, S_OFF(batch), 0, 0, 4096},
-    {"prefix_cache", FI_CONF_INT, S_OFF(prefix_cache), 0, 0, 1},
-    {NULL, FI_CONF_STR, 0, 0, 0, 0},
+    {"coordinator", FI_CONF_STR, S_OFF(coordinator), 1, 0, 0, 0},
+    {"enrol_endpoint", FI_CONF_STR, S_OFF(enrol_endpoint), 0, 0, 0, 0},
+    {"coordinator_key", FI_CONF_STR, S_OFF(coordinator_key), 1, 0, 0, 0},
+    {"secret_key", FI_CONF_STR, S_OFF(secret_key), 1, 0, 0, 0},
+    {"model", FI_CONF_STR, S_OFF(model), 1, 0, 0, 0},
+    {"model_name", FI_CONF_STR, S_OFF(model_name), 1, 0, 0, 0},
+    {"model_sha256", FI_CONF_STR, S_OFF(model_sha256), 0, 0, 0, 0},
+    {"site", FI_CONF_STR, S_OFF(site), 0, 0, 0, 0},
+    {"region", FI_CONF_STR, S_OFF(region), 0, 0, 0, 0},
+    {"capacity", FI_CONF_INT, S_OFF(capacity), 0, 1, 1024, 0},
+    {"heartbeat_ms", FI_CONF_INT, S_OFF(heartbeat_ms), 0, 10, 600000, 0},
+    {"liveness", FI_CONF_INT, S_OFF(liveness), 0, 2, 100, 0},
+    {"n_ctx", FI_CONF_INT, S_OFF(n_ctx), 0, 0, 1 << 20, 0},
+    {"threads", FI_CONF_INT, S_OFF(threads), 0, 0, 1024, 0},
+    {"act_bits", FI_CONF_INT, S_OFF(act_bits), 0, 8, 16, 4},
+    {"max_tokens", FI_CONF_INT, S_OFF(max_tokens), 0, 1, 1 << 20, 0},
+    {"kv_mb", FI_CONF_INT, S_OFF(kv_mb), 0, 0, 1 << 20, 0},
+    {"batch", FI_CONF_INT, S_OFF(batch), 0, 0, 4096, 0},
+    {"prefix_cache", FI_CONF_INT, S_OFF(prefix_cache), 0, 0, 1, 0},
+    {NULL, FI_CONF_STR, 0, 0, 0, 0, 0},
 };
 
 void fi_shard_conf_default(fi_shard_conf *c) {
@@ -41,6 +42,7 @@ void fi_shard_conf_default(fi_shard_conf *c) {
     c->liveness = 3;
     c->max_tokens = 512;
     c->prefix_cache = 1;
+    c->act_bits = 12;
 }
 
 /* --- echo backend ------------------------------------------------------ */

@@ -320,6 +320,16 @@ static void test_conf_errors(void **state) {
     assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
     assert_non_null(strstr(err, ":2:"));
     assert_non_null(strstr(err, "port"));
+    /* the activation precision: 8, 12 (the default) or 16, nothing between */
+    fi_edge_conf_default(&c);
+    assert_int_equal(c.act_bits, 12);
+    write_file(path, "site = a\nmodel = m.gguf\nmodel_name = m\nact_bits = 8\n");
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), 0);
+    assert_int_equal(c.act_bits, 8);
+    write_file(path, "site = a\nmodel = m.gguf\nmodel_name = m\nact_bits = 10\n");
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":4: value of 'act_bits' must be a multiple of 4 in [8, 16]"));
     write_file(path, "model = m.gguf\nmodel_name = m\n");
     fi_edge_conf_default(&c);
     assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);

@@ -141,12 +141,14 @@ static void test_keys(void **state) {
 typedef struct s_cfg {
     char name[FI_CONF_STR_MAX]; /* required string */
     int n;                      /* optional int in [1, 10] */
+    int even;                   /* optional even int in [0, 8] */
 } s_cfg;
 
 static const fi_conf_key s_keys[] = {
-    {"name", FI_CONF_STR, offsetof(s_cfg, name), 1, 0, 0},
-    {"n", FI_CONF_INT, offsetof(s_cfg, n), 0, 1, 10},
-    {NULL, FI_CONF_STR, 0, 0, 0, 0},
+    {"name", FI_CONF_STR, offsetof(s_cfg, name), 1, 0, 0, 0},
+    {"n", FI_CONF_INT, offsetof(s_cfg, n), 0, 1, 10, 0},
+    {"even", FI_CONF_INT, offsetof(s_cfg, even), 0, 0, 8, 2},
+    {NULL, FI_CONF_STR, 0, 0, 0, 0, 0},
 };
 
 static int s_conf(const char *dir, const char *text, s_cfg *c, char *err, size_t errlen) {
@@ -320,6 +322,10 @@ static void test_conf(void **state) {
     assert_int_equal(s_conf(d->path, "name = x\nn = 11\n", &c, err, sizeof err), -1);
     assert_non_null(strstr(err, ":2:"));
     assert_int_equal(s_conf(d->path, "name = x\nn = 3x\n", &c, err, sizeof err), -1);
+    assert_int_equal(s_conf(d->path, "name = x\neven = 6\n", &c, err, sizeof err), 0);
+    assert_int_equal(c.even, 6);
+    assert_int_equal(s_conf(d->path, "name = x\n\neven = 5\n", &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "c.conf:3: value of 'even' must be a multiple of 2 in [0, 8]"));
     assert_int_equal(s_conf(d->path, "name = x\nname = y\n", &c, err, sizeof err), -1);
     assert_non_null(strstr(err, "twice"));
     assert_int_equal(s_conf(d->path, "n = 3\n", &c, err, sizeof err), -1);
