@@ -1,7 +1,8 @@
 /*
  * test_sched_model.c - the continuous-batching scheduler on the default
  * model (SmolLM2-135M-Instruct): chat prompts of different lengths entering
- * at different steps answer exactly as each alone; a request sharing a
+ * at different steps answer exactly as each alone (also with 8-bit
+ * activations where the kernels promise it); a request sharing a
  * 512-token prefix with an earlier one skips that prefill and answers as a
  * cold run, while another tenant or zone gets no hit; more long requests
  * than the KV pool holds all complete, unchanged.
@@ -84,8 +85,7 @@ static const char *s_questions[] = {
 };
 #define NQ 6
 
-static void test_batched_equals_alone(void **state) {
-    (void)state;
+static void s_batched_equals_alone(void) {
     int32_t p[NQ][256];
     int n[NQ];
     fi_capture solo[NQ], got[NQ];
@@ -116,6 +116,34 @@ static void test_batched_equals_alone(void **state) {
            (double)(st.decode_tokens + st.prefill_tokens) / (double)st.steps);
     assert_true(st.steps < st.decode_tokens + st.prefill_tokens);
     fi_sched_destroy(&s);
+}
+
+static void test_batched_equals_alone(void **state) {
+    (void)state;
+    s_batched_equals_alone();
+}
+
+/* The same with 8-bit activations, where the kernels promise it (the
+ * portable and AVX512 flavours; fi_cpu_backend_set_act_bits). */
+static void test_batched_equals_alone_8bit(void **state) {
+    (void)state;
+    fi_backend *b = fi_model_backend(g_m);
+    const char *simd = fi_cpu_backend_simd(b);
+    if (!simd || (strcmp(simd, "portable") && strcmp(simd, "avx512vnni"))) {
+        printf("  8-bit activations are not batch-invariant in the %s kernels: skipped\n",
+               simd ? simd : "non-CPU");
+        skip();
+    }
+    assert_int_equal(fi_cpu_backend_set_act_bits(b, 8), 0);
+    s_batched_equals_alone();
+}
+
+/* Back to the default precision for the tests that follow, even after a
+ * failure. */
+static int s_default_bits(void **state) {
+    (void)state;
+    fi_backend *b = fi_model_backend(g_m);
+    return fi_cpu_backend_simd(b) && fi_cpu_backend_set_act_bits(b, 12) != 0 ? -1 : 0;
 }
 
 /* A 512-token document shared by two questions. */
@@ -234,6 +262,7 @@ static int s_teardown(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batched_equals_alone),
+        cmocka_unit_test_teardown(test_batched_equals_alone_8bit, s_default_bits),
         cmocka_unit_test(test_prefix_512),
         cmocka_unit_test(test_pool_pressure),
     };
