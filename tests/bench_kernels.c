@@ -14,7 +14,8 @@
  *
  * Prints, per SIMD flavour and thread count: ns per matvec and GFLOP/s
  * (2 flops per weight) for the SmolLM2-135M shapes, prefill cost per token,
- * a decode-shaped sequence (30 layers of q,k,v,o,gate,up,down plus the
+ * attention (one long context; 16 short paged ones, as batched decode
+ * meets them, cold and warm), a decode-shaped sequence (30 layers of q,k,v,o,gate,up,down plus the
  * 49152-row Q8_0 output, with distinct weights so they come from L3/DRAM
  * as in a real run), the read bandwidth of the same bytes, and the pool's
  * dispatch overhead for an empty job. Runs are short; on a shared machine
@@ -359,6 +360,70 @@ int main(int argc, char **argv) {
                 free(vc);
                 free(q);
                 free(o);
+            }
+            {
+                /* attention as batched decode meets it: 16 sequences, each
+                 * one token at position 79 (5 blocks of 16 rows), blocks
+                 * scattered over a pool; warm (the same call again) and cold
+                 * (64 MiB streamed between calls, as a step's weights do) */
+                enum { NS = 16, NP = 80, BS = 16, NBLK = NS * NP / BS, POOL = 8 * NBLK };
+                const int kv_dim = 3 * 64;
+                const size_t rows = (size_t)POOL * BS;
+                uint16_t *kc = malloc(sizeof(uint16_t) * rows * kv_dim), *vc = malloc(sizeof(uint16_t) * rows * kv_dim);
+                float *q = malloc(sizeof(float) * NS * 576), *o = malloc(sizeof(float) * NS * 576);
+                size_t big = (size_t)64 << 20;
+                volatile uint8_t *flush = malloc(big);
+                volatile unsigned sink = 0;
+                int32_t pos[NS], seq[NS], tbl[NBLK], perm[POOL];
+                if (!kc || !vc || !q || !o || !flush) {
+                    fprintf(stderr, "bench_kernels: out of memory\n");
+                    return 1;
+                }
+                for (size_t i = 0; i < big; i += 4096)
+                    flush[i] = (uint8_t)i; /* its pages made once */
+                for (size_t i = 0; i < rows * kv_dim; i++) {
+                    kc[i] = fi_fp32_to_fp16((float)(s_rand(&r) % 2001) * 1e-3f - 1.0f);
+                    vc[i] = fi_fp32_to_fp16((float)(s_rand(&r) % 2001) * 1e-3f - 1.0f);
+                }
+                for (int i = 0; i < NS * 576; i++)
+                    q[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;
+                for (int i = 0; i < POOL; i++)
+                    perm[i] = i;
+                for (int i = POOL - 1; i > 0; i--) {
+                    int j = (int)(s_rand(&r) % (uint32_t)(i + 1)), tmp = perm[i];
+                    perm[i] = perm[j];
+                    perm[j] = tmp;
+                }
+                for (int i = 0; i < NBLK; i++)
+                    tbl[i] = perm[i];
+                for (int i = 0; i < NS; i++) {
+                    pos[i] = NP - 1;
+                    seq[i] = i;
+                }
+                fi_kv_map map = {.seq = seq, .tables = tbl, .max_blocks = NP / BS, .block_size = BS};
+                double warm = 1e30, cold = 1e30;
+                for (int rep = 0; rep < 7; rep++) {
+                    unsigned sum = 0; /* read, not written: clean lines, as weights are */
+                    for (size_t i = 0; i < big; i += 64)
+                        sum += flush[i];
+                    sink += sum;
+                    double t0 = s_now();
+                    b->ops->attention(b->ctx, o, q, kc, vc, NS, pos, &map, 9, 3, 64);
+                    double dt = s_now() - t0;
+                    cold = dt < cold ? dt : cold;
+                    t0 = s_now();
+                    b->ops->attention(b->ctx, o, q, kc, vc, NS, pos, &map, 9, 3, 64);
+                    dt = s_now() - t0;
+                    warm = dt < warm ? dt : warm;
+                }
+                printf("attention: 16 sequences at pos 79, paged: %.1f us cold, %.1f us warm (%.2f GB/s of "
+                       "cache rows cold)\n", cold * 1e6, warm * 1e6,
+                       (double)NS * NP * kv_dim * 2 * sizeof(uint16_t) / cold / 1e9);
+                free(kc);
+                free(vc);
+                free(q);
+                free(o);
+                free((void *)flush);
             }
             if (simd) {
                 /* decode-shaped: 7 matmuls x 30 layers + output; best of 5
