@@ -630,6 +630,7 @@ static void test_matmul16_batch_invariant(void **state) {
  * processor check is this test's). */
 #if defined(__x86_64__) || defined(__i386__)
 void fi_q16_kernels_avx2(fi_q16_kernels *k) __attribute__((weak));
+void fi_cpu_kernels_avx512(fi_cpu_kernels *k) __attribute__((weak));
 void fi_q16_kernels_avx512(fi_q16_kernels *k) __attribute__((weak));
 int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) __attribute__((weak));
 #endif
@@ -1069,6 +1070,124 @@ static void run_q16_tiling(int act_bits) {
     free(y1);
     free(yb);
     free(yp);
+}
+
+/* The 8-bit-activation kernels (fi_block_q8x) that promise batch
+ * invariance, portable and AVX512, called on row ranges the backend never
+ * makes (single rows, starts off multiples of 16), from the weights as
+ * given and as packed (fi_q16_pack, which the AVX512 ones read): every
+ * (row, token) result is the same bits as the token alone over all rows,
+ * close to the portable kernels, and within the quantisation bound of the
+ * exact product; weights at their extremes (nibble 15, Q8_0 quants -128
+ * and 127) against activations at +-127 included, where the integer sums
+ * are largest. */
+static void test_q8x_kernels_tiling(void **state) {
+    (void)state;
+    static const fi_dtype types[] = {FI_DTYPE_Q4_0, FI_DTYPE_Q4_1, FI_DTYPE_Q8_0};
+    static const int ns[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 19};
+    static const int cuts[] = {0, 1, 6, 7, 10, 23, 37}; /* row ranges [cuts[i], cuts[i+1]) */
+    static const int pcuts[] = {0, 16, 32, 37};          /* whole groups, then the rest */
+    enum { ROWS = 37, COLS = 160, NT = 19, NCUT = sizeof cuts / sizeof cuts[0] };
+    fi_cpu_kernels tab[2];
+    const char *names[2] = {"portable", "avx512vnni"};
+    int ntab = 1;
+    fi_cpu_kernels_portable(&tab[0]);
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (fi_cpu_kernels_avx512 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        fi_cpu_kernels_avx512(&tab[ntab++]);
+#endif
+    printf("  8-bit kernel tables tested:");
+    for (int i = 0; i < ntab; i++)
+        printf(" %s", names[i]);
+    printf("\n");
+    rng r = {8088};
+    float *x = fvec((size_t)NT * COLS);
+    for (int i = 0; i < NT * COLS; i++)
+        x[i] = rng_f(&r, -2, 2) * (i % 5 == 0 ? 8.0f : 1.0f);
+    /* token 4: every block's quants at +-127 (a block of equal magnitudes) */
+    for (int i = 0; i < COLS; i++)
+        x[4 * COLS + i] = i % 3 ? 1.5f : -1.5f;
+    const size_t xrow = (size_t)(COLS / 32) * sizeof(fi_block_q8x);
+    fi_block_q8x *xq = malloc(xrow * NT);
+    uint8_t *wpk = malloc(fi_dtype_row_bytes(FI_DTYPE_Q8_0, COLS) * ROWS); /* the widest type */
+    float *y1 = fvec((size_t)NT * ROWS), *yb = fvec((size_t)NT * ROWS), *yp = fvec((size_t)NT * ROWS);
+    double *wd = malloc((size_t)ROWS * COLS * sizeof *wd);
+    assert_non_null(xq);
+    assert_non_null(wpk);
+    assert_non_null(wd);
+    fi_quantize_q8x_ref(x, xq, NT * COLS / 32);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        size_t rb;
+        uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
+        /* rows 16..19: quants at their extremes */
+        for (int row = 16; row < 20; row++)
+            for (int b = 0; b < COLS / 32; b++) {
+                uint8_t *blk = wb + (size_t)row * rb + (size_t)b * fi_dtype_block_bytes(types[ti]);
+                if (types[ti] == FI_DTYPE_Q8_0)
+                    memset(blk + 2, row % 2 ? 0x80 : 0x7f, 32); /* -128 or 127 */
+                else
+                    memset(blk + (types[ti] == FI_DTYPE_Q4_1 ? 4 : 2), row % 2 ? 0xff : 0x00, 16);
+            }
+        for (int i = 0; i < ROWS; i++)
+            ref_dequant(types[ti], wb + i * rb, wd + (size_t)i * COLS, COLS);
+        fi_q16_pack(types[ti], wb, rb, ROWS, COLS, wpk);
+        for (int ki = 0; ki < ntab; ki++) {
+            fi_mm_fn fn = types[ti] == FI_DTYPE_Q4_0 ? tab[ki].mm_q4_0
+                        : types[ti] == FI_DTYPE_Q4_1 ? tab[ki].mm_q4_1 : tab[ki].mm_q8_0;
+            fi_mm_task t = {.w = wb, .w_stride = rb, .cols = COLS, .x_stride = xrow, .y_stride = ROWS};
+            char what[96];
+            snprintf(what, sizeof what, "8-bit %s kernels, %s", names[ki], fi_dtype_name(types[ti]));
+            /* each token alone, all rows in one call */
+            poison(y1, (size_t)NT * ROWS);
+            for (int k = 0; k < NT; k++) {
+                t.x = (const uint8_t *)xq + (size_t)k * xrow;
+                t.n = 1;
+                t.y = y1 + (size_t)k * ROWS;
+                fn(&t, 0, ROWS);
+            }
+            check_matmul(what, types[ti], 8, y1, wd, x, ROWS, COLS, NT);
+            if (ki == 0)
+                memcpy(yp, y1, (size_t)NT * ROWS * sizeof *yp);
+            for (size_t i = 0; i < (size_t)NT * ROWS; i++)
+                if (!(fabs((double)y1[i] - yp[i]) <= 2e-5 * (fabs(yp[i]) + 1.0) + 1e-4))
+                    fail_msg("%s: %g vs portable %g at %zu", what, (double)y1[i], (double)yp[i], i);
+            /* batches of n at every offset; rows in uneven ranges, then
+             * from the packed copy in whole groups and in uneven ranges */
+            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                int n = ns[ni];
+                for (int off = 0; off + n <= NT; off += (n < 5 ? 3 : 2))
+                    for (int way = 0; way < 3; way++) {
+                        const int *cv = way == 1 ? pcuts : cuts;
+                        int ncv = way == 1 ? 4 : NCUT;
+                        t.wp = way ? wpk : NULL;
+                        t.x = (const uint8_t *)xq + (size_t)off * xrow;
+                        t.n = n;
+                        t.y = yb;
+                        poison(yb, (size_t)n * ROWS);
+                        for (int c = 0; c + 1 < ncv; c++)
+                            fn(&t, cv[c], cv[c + 1]);
+                        for (int k = 0; k < n; k++)
+                            if (memcmp(y1 + (size_t)(off + k) * ROWS, yb + (size_t)k * ROWS,
+                                       ROWS * sizeof *yb) != 0)
+                                fail_msg("%s: token %d alone differs from place %d of %d (%s)", what,
+                                         off + k, k, n,
+                                         way == 0 ? "uneven row ranges"
+                                         : way == 1 ? "packed weights" : "packed, uneven row ranges");
+                    }
+            }
+        }
+        free(wb);
+    }
+    free(x);
+    free(xq);
+    free(wpk);
+    free(y1);
+    free(yb);
+    free(yp);
+    free(wd);
 }
 
 static void test_q16_kernels_tiling(void **state) {
@@ -1890,6 +2009,7 @@ int main(void) {
         cmocka_unit_test(test_act_bits_setting),
         cmocka_unit_test(test_matmul16_batch_invariant),
         cmocka_unit_test(test_q16_kernels_tiling),
+        cmocka_unit_test(test_q8x_kernels_tiling),
         cmocka_unit_test(test_q16_kernels_tiling_16),
         cmocka_unit_test(test_q16_quantize),
         cmocka_unit_test(test_q8x_quantize),
