@@ -71,12 +71,13 @@ int fi_conf_load(const char *path, const fi_conf_key *keys, void *dst, char *err
             char *end;
             errno = 0;
             long v = strtol(val, &end, 10);
-            if (errno || end == val || *end || v < keys[k].min || v > keys[k].max) {
+            int bad = errno || end == val || *end || v < keys[k].min || v > keys[k].max;
+            if (bad && !keys[k].step) {
                 snprintf(err, errlen, "%s:%d: value of '%s' must be an integer in [%ld, %ld]",
                          path, lineno, name, keys[k].min, keys[k].max);
                 goto done;
             }
-            if (keys[k].step && v % keys[k].step) {
+            if (bad || (keys[k].step && v % keys[k].step)) {
                 snprintf(err, errlen, "%s:%d: value of '%s' must be a multiple of %ld in [%ld, %ld]",
                          path, lineno, name, keys[k].step, keys[k].min, keys[k].max);
                 goto done;

@@ -88,13 +88,13 @@ S_INLINE void s_lane_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int 
 #pragma GCC unroll 8
         for (int j = 0; j < T; j++) {
             const fi_block_q8x *x = xr[j] + b;
-            const int32_t *xq = (const int32_t *)(const void *)x->qs;
+            const int8_t *xq = x->qs; /* dword c: quants 4c..4c+3 (s_ld32: no aliasing) */
             /* two chains, so that one token's products overlap */
-            __m512i c0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[0], _mm512_set1_epi32(xq[0]));
-            __m512i c1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[1], _mm512_set1_epi32(xq[1]));
+            __m512i c0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[0], _mm512_set1_epi32((int)s_ld32(xq)));
+            __m512i c1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[1], _mm512_set1_epi32((int)s_ld32(xq + 4)));
             for (int c = 2; c < 8; c += 2) {
-                c0 = _mm512_dpbusd_epi32(c0, W[c], _mm512_set1_epi32(xq[c]));
-                c1 = _mm512_dpbusd_epi32(c1, W[c + 1], _mm512_set1_epi32(xq[c + 1]));
+                c0 = _mm512_dpbusd_epi32(c0, W[c], _mm512_set1_epi32((int)s_ld32(xq + 4 * c)));
+                c1 = _mm512_dpbusd_epi32(c1, W[c + 1], _mm512_set1_epi32((int)s_ld32(xq + 4 * c + 4)));
             }
             __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c0, c1)), _mm512_set1_ps(x->d));
             acc[j] = _mm512_fmadd_ps(v, dw, acc[j]);

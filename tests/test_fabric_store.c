@@ -326,6 +326,8 @@ static void test_conf(void **state) {
     assert_int_equal(c.even, 6);
     assert_int_equal(s_conf(d->path, "name = x\n\neven = 5\n", &c, err, sizeof err), -1);
     assert_non_null(strstr(err, "c.conf:3: value of 'even' must be a multiple of 2 in [0, 8]"));
+    assert_int_equal(s_conf(d->path, "name = x\neven = 10\n", &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "c.conf:2: value of 'even' must be a multiple of 2 in [0, 8]"));
     assert_int_equal(s_conf(d->path, "name = x\nname = y\n", &c, err, sizeof err), -1);
     assert_non_null(strstr(err, "twice"));
     assert_int_equal(s_conf(d->path, "n = 3\n", &c, err, sizeof err), -1);
