@@ -269,10 +269,9 @@ const char *fi_cpu_backend_simd(const fi_backend *b);
  * llama.cpp does; logits move by up to ~1.2 and greedy text can part from
  * the exact one at near ties; with AVX512-VNNI the products of several
  * tokens take about 0.6 times as long as at 12 bits (one vpdpbusd per four
- * elements against one vpdpwssd per two), one token's the same; batch
- * invariant in the portable and AVX512 flavours, not in the AVX2 ones
- * (there a batch can differ from one token alone in the last bits). 0, or
- * -1 when bits is not 8, 12 or 16 or b is not a CPU backend. */
+ * elements against one vpdpwssd per two), one token's the same. Every
+ * precision is batch-invariant in every flavour. 0, or -1 when bits is
+ * not 8, 12 or 16 or b is not a CPU backend. */
 FI_MUST_CHECK int fi_cpu_backend_set_act_bits(fi_backend *b, int bits);
 int fi_cpu_backend_act_bits(const fi_backend *b);
 /* Threads in the CPU backend's pool; 0 when b is not a CPU backend. */

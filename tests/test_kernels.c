@@ -548,8 +548,7 @@ static void test_matmul_model_shapes(void **state) {
  * for bit, in every flavour, for batches of every tile shape the kernels
  * have (2 to 20 tokens: vector tiles, full and partial AMX tiles; a token
  * at different places in the batch) and 1 or 2 threads (different row
- * splits); with 8-bit activations the same in the portable and AVX512
- * flavours. The scheduler
+ * splits); with 8-bit activations too. The scheduler
  * relies on it: batched decode gives the same logits as one sequence
  * alone, and prefill the same as decode. */
 static void test_matmul16_batch_invariant(void **state) {
@@ -578,12 +577,6 @@ static void test_matmul16_batch_invariant(void **state) {
             int nb = make_backends_bits(bs, threads, bits);
             for (int bi = 0; bi < nb; bi++) {
                 fi_backend *b = bs[bi];
-                /* 8-bit activations: the AVX2 kernels' tiles sum in other
-                 * orders than their one-token path (documented in
-                 * fi_kernels.h); the portable and AVX512 ones do not */
-                if (bits == 8 && strcmp(fi_cpu_backend_simd(b), "portable") &&
-                    strcmp(fi_cpu_backend_simd(b), "avx512vnni"))
-                    continue;
                 /* each token alone */
                 for (int k = 0; k < NT; k++) {
                     poison(y1 + (size_t)k * ROWS, ROWS);
@@ -630,6 +623,8 @@ static void test_matmul16_batch_invariant(void **state) {
  * processor check is this test's). */
 #if defined(__x86_64__) || defined(__i386__)
 void fi_q16_kernels_avx2(fi_q16_kernels *k) __attribute__((weak));
+void fi_cpu_kernels_avx2(fi_cpu_kernels *k) __attribute__((weak));
+void fi_cpu_kernels_avxvnni(fi_cpu_kernels *k) __attribute__((weak));
 void fi_cpu_kernels_avx512(fi_cpu_kernels *k) __attribute__((weak));
 void fi_q16_kernels_avx512(fi_q16_kernels *k) __attribute__((weak));
 int fi_q16_kernels_avx512_amx(fi_q16_kernels *k) __attribute__((weak));
@@ -1072,9 +1067,9 @@ static void run_q16_tiling(int act_bits) {
     free(yp);
 }
 
-/* The 8-bit-activation kernels (fi_block_q8x) that promise batch
- * invariance, portable and AVX512, called on row ranges the backend never
- * makes (single rows, starts off multiples of 16), from the weights as
+/* The 8-bit-activation kernels (fi_block_q8x) of every flavour, called on
+ * row ranges the backend never makes (single rows, starts off multiples
+ * of 16; of 4 for the AVX2 ones), from the weights as
  * given and as packed (fi_q16_pack, which the AVX512 ones read): every
  * (row, token) result is the same bits as the token alone over all rows,
  * close to the portable kernels, and within the quantisation bound of the
@@ -1088,16 +1083,33 @@ static void test_q8x_kernels_tiling(void **state) {
     static const int cuts[] = {0, 1, 6, 7, 10, 23, 37}; /* row ranges [cuts[i], cuts[i+1]) */
     static const int pcuts[] = {0, 16, 32, 37};          /* whole groups, then the rest */
     enum { ROWS = 37, COLS = 160, NT = 19, NCUT = sizeof cuts / sizeof cuts[0] };
-    fi_cpu_kernels tab[2];
-    const char *names[2] = {"portable", "avx512vnni"};
-    int ntab = 1;
-    fi_cpu_kernels_portable(&tab[0]);
+    /* the AVX2 tables group rows in fours from the start of a range: their
+     * ranges start at multiples of 4 (the backend's at multiples of 16) */
+    static const int cuts4[] = {0, 4, 12, 16, 28, 37};
+    fi_cpu_kernels tab[4];
+    const char *names[4];
+    int ntab = 0, aligned4[4] = {0};
+    fi_cpu_kernels_portable(&tab[ntab]);
+    names[ntab++] = "portable";
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    if (fi_cpu_kernels_avx512 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-        fi_cpu_kernels_avx512(&tab[ntab++]);
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (avx2 && fi_cpu_kernels_avx2) {
+        aligned4[ntab] = 1;
+        fi_cpu_kernels_avx2(&tab[ntab]);
+        names[ntab++] = "avx2";
+    }
+    if (avx2 && fi_cpu_kernels_avxvnni && __builtin_cpu_supports("avxvnni")) {
+        aligned4[ntab] = 1;
+        fi_cpu_kernels_avxvnni(&tab[ntab]);
+        names[ntab++] = "avxvnni";
+    }
+    if (avx2 && fi_cpu_kernels_avx512 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni")) {
+        fi_cpu_kernels_avx512(&tab[ntab]);
+        names[ntab++] = "avx512vnni";
+    }
 #endif
     printf("  8-bit kernel tables tested:");
     for (int i = 0; i < ntab; i++)
@@ -1160,8 +1172,8 @@ static void test_q8x_kernels_tiling(void **state) {
                 int n = ns[ni];
                 for (int off = 0; off + n <= NT; off += (n < 5 ? 3 : 2))
                     for (int way = 0; way < 3; way++) {
-                        const int *cv = way == 1 ? pcuts : cuts;
-                        int ncv = way == 1 ? 4 : NCUT;
+                        const int *cv = way == 1 ? pcuts : aligned4[ki] ? cuts4 : cuts;
+                        int ncv = way == 1 ? 4 : aligned4[ki] ? 6 : NCUT;
                         t.wp = way ? wpk : NULL;
                         t.x = (const uint8_t *)xq + (size_t)off * xrow;
                         t.n = n;
