@@ -2,11 +2,19 @@
 # demo.sh - a TP=2 shard group on one machine: a coordinator, two ranks of
 # `fedinfer shard` splitting the default model between them, and fedctl.
 # Shows the group forming, withdrawing its model when a rank is killed and
-# coming back when that rank alone is restarted. Run from the repository
-# root after building (cmake --build build). Everything lives in a
-# temporary directory.
+# coming back when that rank alone is restarted. Sets up and builds what
+# is missing (examples/setup.sh, cmake). Everything lives in a temporary
+# directory.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+(
+  cd "$ROOT"
+  examples/setup.sh
+  if [ ! -x build/fedinfer ] || [ ! -x build/fedctl ]; then
+    cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build build -j"$(nproc)" --target fedinfer fedctl >/dev/null
+  fi
+)
 FI=$ROOT/build/fedinfer
 CTL=$ROOT/build/fedctl
 MODEL=${FEDINFER_MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}

@@ -72,7 +72,7 @@ region = eu-central
 threads = 1
 n_ctx = 1024
 CONF
-"$FI" shard --config shard.conf --enrol - <<<"$TOKEN" 2>shard.log &
+"$FI" shard --config shard.conf --enrol - <<<"$TOKEN" >shard.log 2>&1 &
 PIDS+=($!)
 
 declare -A URL

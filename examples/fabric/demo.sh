@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # demo.sh - the fabric on one machine: a coordinator, a cluster worker
-# serving the default model, and fedctl. Run from the repository root after
-# building (cmake --build build). Everything lives in a temporary directory.
+# serving the default model, and fedctl. Sets up and builds what is missing
+# (examples/setup.sh, cmake). Everything lives in a temporary directory.
 #
 #   examples/fabric/demo.sh            # worker with the model
 #   ECHO=1 examples/fabric/demo.sh     # worker with the echo backend
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+(
+  cd "$ROOT"
+  examples/setup.sh
+  if [ ! -x build/fedinfer ] || [ ! -x build/fedctl ]; then
+    cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build build -j"$(nproc)" --target fedinfer fedctl >/dev/null
+  fi
+)
 FI=$ROOT/build/fedinfer
 CTL=$ROOT/build/fedctl
 MODEL=${FEDINFER_MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}
