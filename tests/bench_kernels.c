@@ -46,6 +46,8 @@ static uint32_t s_rand(bench_rng *r) {
 /* Wall clock, or this thread's CPU time when the BENCH_CPUTIME
  * environment variable is set (steadier on a loaded machine, but only
  * meaningful for one thread). */
+static volatile unsigned s_sink; /* keeps reads the compiler would drop */
+
 static double s_now(void) {
     static const clockid_t clocks[2] = {CLOCK_MONOTONIC, CLOCK_THREAD_CPUTIME_ID};
     struct timespec ts;
@@ -373,7 +375,6 @@ int main(int argc, char **argv) {
                 float *q = malloc(sizeof(float) * NS * 576), *o = malloc(sizeof(float) * NS * 576);
                 size_t big = (size_t)64 << 20;
                 volatile uint8_t *flush = malloc(big);
-                volatile unsigned sink = 0;
                 int32_t pos[NS], seq[NS], tbl[NBLK], perm[POOL];
                 if (!kc || !vc || !q || !o || !flush) {
                     fprintf(stderr, "bench_kernels: out of memory\n");
@@ -406,7 +407,7 @@ int main(int argc, char **argv) {
                     unsigned sum = 0; /* read, not written: clean lines, as weights are */
                     for (size_t i = 0; i < big; i += 64)
                         sum += flush[i];
-                    sink += sum;
+                    s_sink += sum;
                     double t0 = s_now();
                     b->ops->attention(b->ctx, o, q, kc, vc, NS, pos, &map, 9, 3, 64);
                     double dt = s_now() - t0;
