@@ -18,6 +18,42 @@ static char *s_trim(char *s) {
     return s;
 }
 
+/* Edit distance (insertions, deletions, substitutions) between a and b;
+ * 99 for names over 63 bytes: only for suggesting a key. */
+static int s_distance(const char *a, const char *b) {
+    size_t n = strlen(a), m = strlen(b);
+    if (n > 63 || m > 63) return 99;
+    int row[64];
+    for (size_t j = 0; j <= m; j++) row[j] = (int)j;
+    for (size_t i = 1; i <= n; i++) {
+        int diag = row[0];
+        row[0] = (int)i;
+        for (size_t j = 1; j <= m; j++) {
+            int up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < best) best = up + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            row[j] = best;
+            diag = up;
+        }
+    }
+    return row[m];
+}
+
+/* The known key closest to name, within two edits and fewer than name's
+ * length (so that short noise suggests nothing), or NULL. */
+static const char *s_suggest(const fi_conf_key *keys, const char *name) {
+    const char *best = NULL;
+    int bd = 3;
+    for (int k = 0; keys[k].name; k++) {
+        int d = s_distance(name, keys[k].name);
+        if (d < bd && d < (int)strlen(name)) {
+            bd = d;
+            best = keys[k].name;
+        }
+    }
+    return best;
+}
+
 int fi_conf_load(const char *path, const fi_conf_key *keys, void *dst, char *err, size_t errlen) {
     FILE *f = fopen(path, "r");
     if (!f) {
@@ -51,7 +87,12 @@ int fi_conf_load(const char *path, const fi_conf_key *keys, void *dst, char *err
         int k = 0;
         while (keys[k].name && strcmp(keys[k].name, name)) k++;
         if (!keys[k].name) {
-            snprintf(err, errlen, "%s:%d: unknown key '%s'", path, lineno, name);
+            const char *near = s_suggest(keys, name);
+            if (near)
+                snprintf(err, errlen, "%s:%d: unknown key '%s' (did you mean '%s'?)", path, lineno, name,
+                         near);
+            else
+                snprintf(err, errlen, "%s:%d: unknown key '%s'", path, lineno, name);
             goto done;
         }
         if (k < S_MAX_KEYS && seen[k]) {

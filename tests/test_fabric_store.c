@@ -318,7 +318,16 @@ static void test_conf(void **state) {
     assert_int_equal(s_conf(d->path, "name = x\nn=7\n", &c, err, sizeof err), 0);
     assert_int_equal(c.n, 7);
     assert_int_equal(s_conf(d->path, "name = x\nnmae = 3\n", &c, err, sizeof err), -1);
-    assert_non_null(strstr(err, "c.conf:2: unknown key 'nmae'"));
+    assert_non_null(strstr(err, "c.conf:2: unknown key 'nmae' (did you mean 'name'?)"));
+    /* a near miss names the key meant; a name far from every key, or too
+     * short to tell, does not */
+    assert_int_equal(s_conf(d->path, "name = x\nevn = 2\n", &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "unknown key 'evn' (did you mean 'even'?)"));
+    assert_int_equal(s_conf(d->path, "name = x\nbatch = 2\n", &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "c.conf:2: unknown key 'batch'"));
+    assert_null(strstr(err, "did you mean"));
+    assert_int_equal(s_conf(d->path, "name = x\nq = 2\n", &c, err, sizeof err), -1);
+    assert_null(strstr(err, "did you mean"));
     assert_int_equal(s_conf(d->path, "name = x\nn = 11\n", &c, err, sizeof err), -1);
     assert_non_null(strstr(err, ":2:"));
     assert_int_equal(s_conf(d->path, "name = x\nn = 3x\n", &c, err, sizeof err), -1);
