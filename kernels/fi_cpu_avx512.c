@@ -106,32 +106,16 @@ S_INLINE void s_lane_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int 
         _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
 }
 
-/* Every token of rows r..r+nr-1 in tiles of S_PT8, then 4, 2, 1 (each a
- * compile-time size, so the tile's loops unroll); the group's weights (at
- * most 16 KiB for the default model) stay in L1 while the tiles pass. */
-S_INLINE void s_lane_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr) {
-    int k = 0, pf = 1; /* the first tile prefetches the groups ahead */
-    for (; k + S_PT8 <= t->n; k += S_PT8, pf = 0)
-        s_lane_tile(kind, bsz, t, r, nr, k, S_PT8, pf);
-    if (k + 4 <= t->n) {
-        s_lane_tile(kind, bsz, t, r, nr, k, 4, pf);
-        k += 4;
-        pf = 0;
-    }
-    if (k + 2 <= t->n) {
-        s_lane_tile(kind, bsz, t, r, nr, k, 2, pf);
-        k += 2;
-        pf = 0;
-    }
-    if (k < t->n)
-        s_lane_tile(kind, bsz, t, r, nr, k, 1, pf);
-}
+/* Tokens k..n-1 of rows r..r+nr-1 in tiles of S_PT8, then 4, 2, 1; the
+ * group's weights (at most 16 KiB for the default model) stay in L1 while
+ * the tiles pass. */
+S_DEFINE_TOKEN_TILES(s_lane_tokens, s_lane_tile, S_PT8)
 
 /* Rows [r0, r1) in groups of 16 (the backend's row ranges start at
  * multiples of 16, so its groups are the packed ones); one token or many. */
 S_INLINE void s_mm_lanes(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
     for (int r = r0; r < r1; r += 16)
-        s_lane_tokens(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16);
+        s_lane_tokens(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, 0, 1); /* the first tile prefetches */
 }
 
 static void s_mm512_q4_0(const fi_mm_task *t, int r0, int r1) {

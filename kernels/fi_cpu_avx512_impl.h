@@ -123,4 +123,26 @@ S_INLINE __m512i s_rows(const uint8_t *w0, size_t stride, int nr, const uint8_t 
     return _mm512_loadu_si512(off);
 }
 
+/* Defines NAME(kind, bsz, t, r, nr, k, pf): tokens k..t->n-1 of rows
+ * r..r+nr-1 through TILE(kind, bsz, t, r, nr, k, T, pf) in tiles of PT,
+ * then 4, 2 and 1 (each T a compile-time size, so that the tile's loops
+ * unroll); pf goes to the first tile only (the one that prefetches). */
+#define S_DEFINE_TOKEN_TILES(NAME, TILE, PT)                                                      \
+    S_INLINE void NAME(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int pf) { \
+        for (; k + (PT) <= t->n; k += (PT), pf = 0)                                               \
+            TILE(kind, bsz, t, r, nr, k, (PT), pf);                                               \
+        if (k + 4 <= t->n) {                                                                      \
+            TILE(kind, bsz, t, r, nr, k, 4, pf);                                                  \
+            k += 4;                                                                               \
+            pf = 0;                                                                               \
+        }                                                                                         \
+        if (k + 2 <= t->n) {                                                                      \
+            TILE(kind, bsz, t, r, nr, k, 2, pf);                                                  \
+            k += 2;                                                                               \
+            pf = 0;                                                                               \
+        }                                                                                         \
+        if (k < t->n)                                                                             \
+            TILE(kind, bsz, t, r, nr, k, 1, pf);                                                  \
+    }
+
 #endif /* FI_CPU_AVX512_IMPL_H */

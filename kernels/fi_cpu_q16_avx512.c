@@ -165,24 +165,8 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
         _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
 }
 
-/* Tokens k..n-1 of rows r..r+nr-1 in tiles of S_PT, then 4, 2, 1 (each a
- * compile-time size, so the tile's loops unroll). */
-S_INLINE void s_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int pf) {
-    for (; k + S_PT <= t->n; k += S_PT, pf = 0)
-        s_tile(kind, bsz, t, r, nr, k, S_PT, pf);
-    if (k + 4 <= t->n) {
-        s_tile(kind, bsz, t, r, nr, k, 4, pf);
-        k += 4;
-        pf = 0;
-    }
-    if (k + 2 <= t->n) {
-        s_tile(kind, bsz, t, r, nr, k, 2, pf);
-        k += 2;
-        pf = 0;
-    }
-    if (k < t->n)
-        s_tile(kind, bsz, t, r, nr, k, 1, pf);
-}
+/* Tokens k..n-1 of rows r..r+nr-1 in tiles of S_PT, then 4, 2, 1. */
+S_DEFINE_TOKEN_TILES(s_tokens, s_tile, S_PT)
 
 /* One token: groups of 16 rows, prefetching. Several: sub-blocks of S_RB
  * rows (their weights stay in L1 while the token tiles pass over them),
