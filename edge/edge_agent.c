@@ -48,15 +48,12 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
     if (edge_http_start(e, err, errlen) != 0) goto fail;
     /* the backend the load landed on: a GPU when one is visible (a
      * sandbox that hides /dev/nvidia* gives the CPU) */
-    const fi_backend *be = e->model ? fi_model_backend(e->model) : NULL;
-    char prec[48] = "";
-    if (be && fi_cpu_backend_act_bits(be) > 0)
-        snprintf(prec, sizeof prec, " %s, %d-bit activations", fi_cpu_backend_simd(be),
-                 fi_cpu_backend_act_bits(be));
-    fprintf(stderr, "edge: site %s serving on http://%s:%d (model %s on %s%s, concurrency %d, "
+    char dev[64];
+    fi_backend_describe(e->model ? fi_model_backend(e->model) : NULL, dev, sizeof dev);
+    fprintf(stderr, "edge: site %s serving on http://%s:%d (model %s on %s, concurrency %d, "
                     "queue %d%s%s)\n",
-            c->site, c->listen, e->port, e->model ? c->model_name : "none", be ? be->ops->name : "-",
-            prec, c->concurrency, c->queue, c->coordinator[0] ? ", coordinator " : ", offline only",
+            c->site, c->listen, e->port, e->model ? c->model_name : "none", dev, c->concurrency,
+            c->queue, c->coordinator[0] ? ", coordinator " : ", offline only",
             c->coordinator[0] ? c->coordinator : "");
     return e;
 fail:

@@ -143,12 +143,10 @@ int fi_cmd_shard(int argc, char **argv) {
     /* the engine's device: the CPU's kernels and precision, where it is the CPU */
     char dev[64] = "";
     const fi_model *em = echo ? NULL : fi_shard_engine_model(&be);
-    const fi_backend *mb = em ? fi_model_backend(em) : NULL;
-    if (mb && fi_cpu_backend_act_bits(mb) > 0)
-        snprintf(dev, sizeof dev, " on cpu %s, %d-bit activations", fi_cpu_backend_simd(mb),
-                 fi_cpu_backend_act_bits(mb));
-    else if (mb)
-        snprintf(dev, sizeof dev, " on %s", mb->ops->name);
+    if (em) {
+        char d[56];
+        snprintf(dev, sizeof dev, " on %s", fi_backend_describe(fi_model_backend(em), d, sizeof d));
+    }
     fprintf(stderr, "shard: serving %s (%s backend%s, capacity %d) to %s\n", conf.model_name,
             be.name, dev, conf.capacity, conf.coordinator);
     if (fi_shard_serve(c, &be, 4 * conf.capacity, &s_stop, err, sizeof err) != 0) {

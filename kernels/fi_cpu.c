@@ -1225,6 +1225,14 @@ int fi_cpu_backend_set_act_bits(fi_backend *b, int bits) {
     return 0;
 }
 
+const char *fi_backend_describe(const fi_backend *b, char *buf, size_t len) {
+    if (b && b->ops == &s_cpu_ops)
+        snprintf(buf, len, "cpu %s, %d-bit activations", fi_cpu_backend_simd(b), fi_cpu_backend_act_bits(b));
+    else
+        snprintf(buf, len, "%s", b ? b->ops->name : "-");
+    return buf;
+}
+
 int fi_cpu_backend_act_bits(const fi_backend *b) {
     if (!b || b->ops != &s_cpu_ops)
         return 0;

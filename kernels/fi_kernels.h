@@ -274,6 +274,10 @@ const char *fi_cpu_backend_simd(const fi_backend *b);
  * not 8, 12 or 16 or b is not a CPU backend. */
 FI_MUST_CHECK int fi_cpu_backend_set_act_bits(fi_backend *b, int bits);
 int fi_cpu_backend_act_bits(const fi_backend *b);
+/* The backend in a few words, for logs, into buf (len bytes): "cpu
+ * avx512vnni, 12-bit activations" for the CPU backend, else its name
+ * ("cuda"). Returns buf. */
+const char *fi_backend_describe(const fi_backend *b, char *buf, size_t len);
 /* Threads in the CPU backend's pool; 0 when b is not a CPU backend. */
 int fi_cpu_backend_threads(const fi_backend *b);
 
