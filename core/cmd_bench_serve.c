@@ -438,6 +438,8 @@ static void s_usage(FILE *f) {
             "      --device DEV         cpu, cuda or auto (default auto)\n"
             "      --act-bits N         activation precision of the CPU's quantised products:\n"
             "                           12 (default), 16 or 8 (see fedinfer run --help)\n"
+            "      --kv-bits N          the CPU's KV cache: 16 (fp16, default) or 8 (int8 with\n"
+            "                           a scale per head: half the bytes)\n"
             "  -h, --help               this text\n");
 }
 
@@ -449,10 +451,10 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         {"only", required_argument, 0, 'O'},          {"device", required_argument, 0, 'D'},
         {"serve", no_argument, 0, 'V'},               {"help", no_argument, 0, 'h'},
         {"reps", required_argument, 0, 'r'},          {"act-bits", required_argument, 0, 'B'},
-        {0, 0, 0, 0}};
+        {"kv-bits", required_argument, 0, 'K'},       {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *only = NULL;
     char conc[128] = "1,4,16,64";
-    long threads = 0, n_prompt = 64, n_gen = 64, n_prefix = 512, reps = 1, act_bits = 12;
+    long threads = 0, n_prompt = 64, n_gen = 64, n_prefix = 512, reps = 1, act_bits = 12, kv_bits = 16;
     fi_device device = FI_DEVICE_AUTO;
     int c;
     optind = 1;
@@ -481,6 +483,13 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                 return 2;
             }
             break;
+        case 'K':
+            kv_bits = strtol(optarg, &end, 10);
+            if (*end || (kv_bits != 8 && kv_bits != 16)) {
+                fprintf(stderr, "fedinfer: bench --serve: --kv-bits must be 8 or 16, not '%s'\n", optarg);
+                return 2;
+            }
+            break;
         case 'V': break;
         case 'h': s_usage(stdout); return 0;
         default: s_usage(stderr); return 2;
@@ -506,7 +515,7 @@ int fi_cmd_bench_serve(int argc, char **argv) {
     }
     char err[512];
     fi_model_opts mo = {.n_threads = (int)threads, .simd = FI_SIMD_AUTO, .device = device,
-                        .act_bits = (int)act_bits};
+                        .act_bits = (int)act_bits, .kv_bits = (int)kv_bits};
     bench b = {0};
     b.m = fi_model_load(model, &mo, err, sizeof err);
     if (!b.m) {
@@ -544,8 +553,9 @@ int fi_cmd_bench_serve(int argc, char **argv) {
     const fi_backend *be = fi_model_backend(b.m);
     printf("model          %s\n", model);
     if (fi_cpu_backend_simd(be))
-        printf("backend        %s, %d threads, simd %s, %d-bit activations\n", be->ops->name,
-               fi_cpu_backend_threads(be), fi_cpu_backend_simd(be), fi_cpu_backend_act_bits(be));
+        printf("backend        %s, %d threads, simd %s, %d-bit activations, %d-bit KV cache\n",
+               be->ops->name, fi_cpu_backend_threads(be), fi_cpu_backend_simd(be),
+               fi_cpu_backend_act_bits(be), fi_backend_kv_bits(be));
     else
         printf("backend        %s\n", be->ops->name);
 

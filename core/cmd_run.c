@@ -95,6 +95,9 @@ static void s_run_usage(FILE *f) {
             "                          computation), 16 (within ~0.02; slower batches on\n"
             "                          AMX) or 8 (as llama.cpp; up to ~1.2; batches of\n"
             "                          tokens faster with AVX512-VNNI)\n"
+            "      --kv-bits N         KV cache precision on the CPU: 16 (fp16, default)\n"
+            "                          or 8 (int8 with a scale per head: half the memory\n"
+            "                          and half the bytes attention reads)\n"
             "      --stats             print timings and token counts to stderr\n"
             "  -h, --help              this text\n",
             FI_DEFAULT_MODEL);
@@ -176,12 +179,13 @@ int fi_cmd_run(int argc, char **argv) {
         {"ctx", required_argument, 0, 'c'},     {"simd", required_argument, 0, 'I'},
         {"stats", no_argument, 0, 'z'},         {"help", no_argument, 0, 'h'},
         {"act-bits", required_argument, 0, 'B'}, {"device", required_argument, 0, 'D'},
+        {"kv-bits", required_argument, 0, 'K'},
         {"model-sha256", required_argument, 0, 'H'},
         {"presence-penalty", required_argument, 0, 'P'}, {"frequency-penalty", required_argument, 0, 'F'},
         {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *system = NULL, *sha256 = NULL;
     int raw = 0, stats = 0, seed_given = 0;
-    long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 12, v;
+    long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 12, kv_bits = 16, v;
     fi_simd simd = FI_SIMD_AUTO;
     fi_device device = FI_DEVICE_AUTO;
     fi_sampler_params sp = fi_sampler_defaults();
@@ -239,6 +243,11 @@ int fi_cmd_run(int argc, char **argv) {
                       return 2;
                   }
                   break;
+        case 'K': if (s_parse_int("--kv-bits", optarg, 8, 16, &kv_bits) || (kv_bits != 8 && kv_bits != 16)) {
+                      fprintf(stderr, "fedinfer: --kv-bits must be 8 or 16\n");
+                      return 2;
+                  }
+                  break;
         case 'h': s_run_usage(stdout); return 0;
         default: s_run_usage(stderr); return 2;
         }
@@ -279,7 +288,7 @@ int fi_cmd_run(int argc, char **argv) {
     int32_t *ids = NULL;
     fi_sched *s = NULL;
     fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .act_bits = (int)act_bits,
-                        .device = device, .sha256 = sha256};
+                        .kv_bits = (int)kv_bits, .device = device, .sha256 = sha256};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);

@@ -83,6 +83,11 @@ typedef struct fi_model_opts {
                         default), 16 (most exact) or 8 (least exact;
                         batches faster with AVX512-VNNI); the CUDA backend
                         always uses fp16 */
+    int kv_bits;     /* KV cache precision on the CPU
+                        (fi_cpu_backend_set_kv_bits): 16 (0 means this
+                        default, fp16) or 8 (int8 with a scale per head: half
+                        the memory, attention reads half the bytes); the
+                        CUDA backend keeps fp16 and refuses 8 */
     fi_device device; /* backend; FI_DEVICE_CPU when zeroed */
     const fi_shard_plan *plan; /* NULL: the whole model */
     int gpu;         /* CUDA device index (ranks sharing a machine) */

@@ -74,8 +74,10 @@ struct fi_model {
 struct fi_kvpool {
     fi_model *m;
     int n_blocks, max_tokens, max_out;
-    uint16_t *kcache;       /* (layers, n_blocks*FI_KV_BLOCK, kv_dim) fp16, backend */
-    uint16_t *vcache;
+    uint8_t *kcache;        /* (layers, n_blocks*FI_KV_BLOCK) rows of kv_row bytes in the
+                               backend's format (fi_backend_kv_row_bytes), backend */
+    uint8_t *vcache;
+    size_t kv_row;          /* bytes per cache row */
     /* Activations for up to max_tokens tokens, backend memory. */
     float *x;               /* (n, dim) residual stream */
     float *xb;              /* (n, dim) normed input / attention output */
@@ -232,6 +234,12 @@ static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t er
     if (opts->device == FI_DEVICE_CUDA || opts->device == FI_DEVICE_AUTO) {
         char why[384];
         fi_backend *be = fi_cuda_backend_open(opts->gpu, why, sizeof why);
+        if (be && opts->kv_bits && opts->kv_bits != FI_KV_ROW_F16) {
+            s_err(err, errlen, "an %d-bit KV cache is for the CPU backend only: the CUDA backend "
+                  "keeps it in fp16 (leave kv_bits at 16, or run on the CPU)", opts->kv_bits);
+            fi_backend_destroy(&be);
+            return NULL;
+        }
         if (be) return be;
         if (opts->device == FI_DEVICE_CUDA) {
             s_err(err, errlen, "no CUDA device: %s", why);
@@ -244,6 +252,10 @@ static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t er
     fi_backend *be = fi_cpu_backend_new(opts->n_threads, opts->simd, err, errlen);
     if (be && opts->act_bits && fi_cpu_backend_set_act_bits(be, opts->act_bits) != 0) {
         s_err(err, errlen, "activation precision must be 8, 12 or 16 bits, not %d", opts->act_bits);
+        fi_backend_destroy(&be);
+    }
+    if (be && opts->kv_bits && fi_cpu_backend_set_kv_bits(be, opts->kv_bits) != 0) {
+        s_err(err, errlen, "KV cache precision must be 8 or 16 bits, not %d", opts->kv_bits);
         fi_backend_destroy(&be);
     }
     return be;
@@ -764,7 +776,8 @@ uint64_t fi_model_weight_bytes_per_token(const fi_model *m) {
 /* --- the paged KV pool -------------------------------------------------- */
 
 size_t fi_kv_block_bytes(const fi_model *m) {
-    return (size_t)m->n_local_layers * 2 * FI_KV_BLOCK * (size_t)m->kv_dim_l * sizeof(uint16_t);
+    return (size_t)m->n_local_layers * 2 * FI_KV_BLOCK *
+           fi_backend_kv_row_bytes(m->be, m->n_kv_l, m->cfg.head_dim);
 }
 
 fi_kvpool *fi_kvpool_new(fi_model *m, int n_blocks, int max_tokens, int max_out, char *err,
@@ -786,6 +799,7 @@ fi_kvpool *fi_kvpool_new(fi_model *m, int n_blocks, int max_tokens, int max_out,
     p->serial = atomic_fetch_add(&s_pool_serial, 1) + 1;
     atomic_fetch_add(&m->n_pools, 1);
     p->n_blocks = n_blocks;
+    p->kv_row = fi_backend_kv_row_bytes(m->be, m->n_kv_l, c->head_dim);
     p->max_tokens = max_tokens;
     p->max_out = max_out;
     const fi_backend_ops *ops = m->be->ops;
@@ -943,7 +957,7 @@ static int s_layers(fi_model *m, fi_kvpool *kv, const fi_kv_map *map, int n, cha
     const fi_backend_ops *ops = m->be->ops;
     void *bc = m->be->ctx;
     int dim = c->dim, kv_dim = m->kv_dim_l;
-    size_t layer_rows = (size_t)kv->n_blocks * FI_KV_BLOCK * (size_t)kv_dim;
+    size_t layer_bytes = (size_t)kv->n_blocks * FI_KV_BLOCK * kv->kv_row;
     for (int l = 0; l < m->n_local_layers; l++) {
         const layer *L = &m->layers[l];
         /* attention (the backend's fused forms where it has them) */
@@ -955,16 +969,16 @@ static int s_layers(fi_model *m, fi_kvpool *kv, const fi_kv_map *map, int n, cha
             ops->rmsnorm(bc, kv->xb, kv->x, L->attn_norm, n, dim, c->norm_eps);
             s_products(ops, bc, 3, qkv, wqkv, kv->xb, n);
         }
-        uint16_t *kc = kv->kcache + (size_t)l * layer_rows;
-        uint16_t *vc = kv->vcache + (size_t)l * layer_rows;
+        uint8_t *kc = kv->kcache + (size_t)l * layer_bytes;
+        uint8_t *vc = kv->vcache + (size_t)l * layer_bytes;
         if (ops->rope_store) {
             ops->rope_store(bc, kv->q, kv->k, kv->v, kc, vc, n, m->n_heads_l, m->n_kv_l,
                             c->head_dim, kv->pos, c->rope_theta, kv->slot);
         } else {
             ops->rope(bc, kv->q, n, m->n_heads_l, c->head_dim, kv->pos, c->rope_theta);
             ops->rope(bc, kv->k, n, m->n_kv_l, c->head_dim, kv->pos, c->rope_theta);
-            ops->kv_store(bc, kc, kv->k, n, kv->slot, kv_dim);
-            ops->kv_store(bc, vc, kv->v, n, kv->slot, kv_dim);
+            ops->kv_store(bc, kc, kv->k, n, kv->slot, kv_dim, c->head_dim);
+            ops->kv_store(bc, vc, kv->v, n, kv->slot, kv_dim, c->head_dim);
         }
         ops->attention(bc, kv->xb, kv->q, kc, vc, n, kv->pos, map, m->n_heads_l, m->n_kv_l,
                        c->head_dim);
@@ -995,6 +1009,12 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
     void *bc = m->be->ctx;
     if (kv->m != m) {
         s_err(err, errlen, "KV pool belongs to another model");
+        return -1;
+    }
+    if (kv->kv_row != fi_backend_kv_row_bytes(m->be, m->n_kv_l, c->head_dim)) {
+        s_err(err, errlen, "KV pool's rows (%zu bytes) are not in the backend's cache format (%d-bit, "
+              "%zu bytes): made before the format changed", kv->kv_row, fi_backend_kv_bits(m->be),
+              fi_backend_kv_row_bytes(m->be, m->n_kv_l, c->head_dim));
         return -1;
     }
     if (s_unbound(m, err, errlen)) return -1;

@@ -31,7 +31,8 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
     e->started = (long)time(NULL);
     if (c->model[0]) {
         fi_model_opts mo = {.n_threads = c->threads, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_AUTO,
-                            .act_bits = c->act_bits, .sha256 = c->model_sha256};
+                            .act_bits = c->act_bits, .kv_bits = c->kv_bits,
+                            .sha256 = c->model_sha256};
         if (!(e->model = fi_model_load(c->model, &mo, err, errlen))) goto fail;
         int ctx_train = fi_model_config(e->model)->ctx_train;
         if (e->conf.n_ctx > ctx_train) e->conf.n_ctx = ctx_train;

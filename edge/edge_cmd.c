@@ -44,6 +44,8 @@ static void s_usage(FILE *f) {
             "  threads, n_ctx              engine threads, context per session\n"
             "  act_bits = 12|16|8          precision of the CPU's quantised products: 8 is\n"
             "                              less exact, its batches faster (README)\n"
+            "  kv_bits = 16|8              the CPU's KV cache: 8 keeps int8 with a scale per\n"
+            "                              head (half the memory; CPU only)\n"
             "  concurrency, queue          local sessions at once, and waiting beyond (429)\n"
             "  max_body, max_tokens, default_max_tokens, request_timeout_s\n"
             "  conn_limit, per_ip_limit, conn_timeout_s, conn_memory   HTTP bounds\n"

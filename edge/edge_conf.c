@@ -20,6 +20,7 @@ const fi_conf_key fi_edge_conf_keys[] = {
     S(model_sha256, 0),
     I(threads, 0, 256),
     {"act_bits", FI_CONF_INT, offsetof(fi_edge_conf, act_bits), 0, 8, 16, 4},
+    {"kv_bits", FI_CONF_INT, offsetof(fi_edge_conf, kv_bits), 0, 8, 16, 8},
     I(n_ctx, 64, 32768),
     I(concurrency, 1, 64),
     I(queue, 0, 4096),
@@ -52,6 +53,7 @@ void fi_edge_conf_default(fi_edge_conf *c) {
     c->port = 8080;
     c->n_ctx = 2048;
     c->act_bits = 12;
+    c->kv_bits = 16;
     c->concurrency = 4;
     c->queue = 16;
     c->max_body = 1 << 20;

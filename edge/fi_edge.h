@@ -32,6 +32,8 @@ typedef struct fi_edge_conf {
     int threads;                           /* engine threads (0: one per core) */
     int act_bits;                          /* CPU activation precision: 12, 16 or 8
                                               (fi_cpu_backend_set_act_bits) */
+    int kv_bits;                           /* CPU KV cache precision: 16 or 8
+                                              (fi_cpu_backend_set_kv_bits) */
     int n_ctx;                             /* context per local session, tokens */
     int concurrency;                       /* local sessions that advance together */
     int queue;                             /* requests waiting beyond concurrency */

@@ -40,6 +40,7 @@ void fi_group_cmd_help(FILE *f) {
             "  threads = N, device = cpu|cuda|auto, gpu = N (CUDA device, default 0;\n"
             "          ranks sharing a machine each take their own)\n"
             "  act_bits = 12|16|8           the CPU's activation precision (give every rank the same)\n"
+            "  kv_bits = 16|8               the CPU's KV cache precision (the same on every rank)\n"
             "  rank 0: coordinator, coordinator_key, model_name (required); capacity,\n"
             "          heartbeat_ms, liveness, max_tokens, n_ctx, kv_mib, max_seqs,\n"
             "          step_tokens; enrol_endpoint, site, region for --enrol\n"
@@ -107,6 +108,7 @@ int fi_group_cmd(const char *config, const char *token) {
     memset(&mo, 0, sizeof mo);
     mo.n_threads = rc.threads;
     mo.act_bits = rc.act_bits;
+    mo.kv_bits = rc.kv_bits;
     mo.simd = FI_SIMD_AUTO;
     mo.device = dev;
     mo.gpu = rc.gpu;

@@ -234,6 +234,7 @@ int fi_group_rank_conf_load(const char *path, fi_group_rank_conf *r, char *err, 
         {"model_sha256", FI_CONF_STR, S_OFF(model_sha256), 0, 0, 0, 0},
         {"threads", FI_CONF_INT, S_OFF(threads), 0, 0, 1024, 0},
         {"act_bits", FI_CONF_INT, S_OFF(act_bits), 0, 8, 16, 4},
+        {"kv_bits", FI_CONF_INT, S_OFF(kv_bits), 0, 8, 16, 8},
         {"coordinator", FI_CONF_STR, S_OFF(coordinator), 0, 0, 0, 0},
         {"coordinator_key", FI_CONF_STR, S_OFF(coordinator_key), 0, 0, 0, 0},
         {"enrol_endpoint", FI_CONF_STR, S_OFF(enrol_endpoint), 0, 0, 0, 0},
@@ -261,6 +262,7 @@ int fi_group_rank_conf_load(const char *path, fi_group_rank_conf *r, char *err, 
     int rc = -1;
     raw->capacity = 8;
     raw->act_bits = 12;
+    raw->kv_bits = 16;
     raw->heartbeat_ms = 1000;
     raw->liveness = 3;
     raw->max_tokens = 512;

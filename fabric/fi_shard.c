@@ -28,6 +28,7 @@ const fi_conf_key fi_shard_conf_keys[] = {
     {"n_ctx", FI_CONF_INT, S_OFF(n_ctx), 0, 0, 1 << 20, 0},
     {"threads", FI_CONF_INT, S_OFF(threads), 0, 0, 1024, 0},
     {"act_bits", FI_CONF_INT, S_OFF(act_bits), 0, 8, 16, 4},
+    {"kv_bits", FI_CONF_INT, S_OFF(kv_bits), 0, 8, 16, 8},
     {"max_tokens", FI_CONF_INT, S_OFF(max_tokens), 0, 1, 1 << 20, 0},
     {"kv_mb", FI_CONF_INT, S_OFF(kv_mb), 0, 0, 1 << 20, 0},
     {"batch", FI_CONF_INT, S_OFF(batch), 0, 0, 4096, 0},
@@ -43,6 +44,7 @@ void fi_shard_conf_default(fi_shard_conf *c) {
     c->max_tokens = 512;
     c->prefix_cache = 1;
     c->act_bits = 12;
+    c->kv_bits = 16;
 }
 
 /* --- echo backend ------------------------------------------------------ */

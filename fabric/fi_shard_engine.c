@@ -295,7 +295,8 @@ int fi_shard_engine_backend_hooks(const fi_shard_conf *conf, const fi_shard_engi
     }
     fi_model_opts mo = {.n_threads = conf->threads, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_AUTO,
                         .plan = hooks ? hooks->plan : NULL, /* a GPU when present */
-                        .act_bits = conf->act_bits, .sha256 = conf->model_sha256};
+                        .act_bits = conf->act_bits, .kv_bits = conf->kv_bits,
+                        .sha256 = conf->model_sha256};
     en->model = fi_model_load(conf->model, &mo, err, errlen);
     if (!en->model) {
         free(en);

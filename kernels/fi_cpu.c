@@ -71,6 +71,7 @@ typedef struct s_cpu {
     fi_cpu_kernels k;       /* the chosen kernels */
     fi_q16_kernels q16;     /* the chosen 16-bit-activation kernels */
     int act_bits;           /* activations of quantised matmuls: 12, 16 or 8 */
+    int kv_bits;            /* KV cache rows: 16 (FI_KV_ROW_F16) or 8 (FI_KV_ROW_Q8) */
     uint8_t *scratch;       /* quantised activations, S_ALIGN aligned */
     size_t scratch_bytes;   /* its size */
     uint8_t *amax;          /* matmul_argmax's keys, one _Atomic uint64_t per token */
@@ -759,7 +760,9 @@ typedef struct s_att_job {
     const fi_cpu_kernels *k;    /* att_dots / att_wsum / exp_sum */
     float *out;                 /* n rows of n_heads*head_dim */
     const float *q;             /* queries */
-    const uint16_t *kc, *vc;    /* key and value caches, fp16 */
+    const uint8_t *kc, *vc;     /* key and value caches */
+    size_t row_bytes;           /* bytes per cache row */
+    int q8;                     /* rows are FI_KV_ROW_Q8 (else FI_KV_ROW_F16) */
     const int32_t *pos;         /* position of each query token */
     const fi_kv_map *map;       /* where each position's row is */
     int n, n_heads, n_kv_heads, head_dim;
@@ -778,9 +781,9 @@ static float *s_att_part(const s_att_job *j, int t, int seg) {
 
 /* Asks for nr whole cache rows from row on to be brought into the cache
  * ahead of use. */
-static void s_att_prefetch(const uint16_t *c, size_t row, int nr, size_t kv_dim) {
-    const char *p = (const char *)(c + row * kv_dim);
-    for (size_t b = 0; b < (size_t)nr * kv_dim * sizeof *c; b += 64)
+static void s_att_prefetch(const uint8_t *c, size_t row, int nr, size_t row_bytes) {
+    const char *p = (const char *)(c + row * row_bytes);
+    for (size_t b = 0; b < (size_t)nr * row_bytes; b += 64)
         __builtin_prefetch(p + b, 0, 3);
 }
 
@@ -798,7 +801,7 @@ static void s_att_prefetch(const uint16_t *c, size_t row, int nr, size_t kv_dim)
 static void s_att_item(const s_att_job *j, int t, int seg) {
     const int hd = j->head_dim, nh = j->n_heads;
     const int group = nh / j->n_kv_heads;
-    const size_t kv_dim = (size_t)j->n_kv_heads * hd;
+    const size_t rb = j->row_bytes;
     const float scale = 1.0f / sqrtf((float)hd);
     const int p_begin = seg * j->seg_len;
     const int p_end = p_begin + j->seg_len < j->pos[t] + 1 ? p_begin + j->seg_len : j->pos[t] + 1;
@@ -823,10 +826,15 @@ static void s_att_item(const s_att_job *j, int t, int seg) {
         p += bs - p % bs < p_end - p ? bs - p % bs : p_end - p;
     }
     run_p[nrun] = p_end;
-    s_att_prefetch(j->kc, run_row[0], run_p[1] - run_p[0], kv_dim);
+    s_att_prefetch(j->kc, run_row[0], run_p[1] - run_p[0], rb);
     float sc[S_ATT_HEADS * S_ATT_SEG];
+    /* KV head kh's values: hd of them from byte kh*hd*es of a row; (Q8)
+     * its scale soff bytes after them, past every head's quants (qbytes) */
+    const size_t es = j->q8 ? 1 : sizeof(uint16_t);
+    const size_t qbytes = rb - 4 * (size_t)j->n_kv_heads;
     for (int kh = 0; kh < j->n_kv_heads; kh++) {
-        const uint16_t *kc = j->kc + (size_t)kh * hd, *vc = j->vc + (size_t)kh * hd;
+        const uint8_t *kc = j->kc + (size_t)kh * hd * es, *vc = j->vc + (size_t)kh * hd * es;
+        const size_t soff = qbytes + 4 * (size_t)kh - (size_t)kh * hd; /* used only when q8 */
         for (int g0 = 0; g0 < group; g0 += S_ATT_HEADS) {
             const int gn = group - g0 < S_ATT_HEADS ? group - g0 : S_ATT_HEADS;
             const int h0 = kh * group + g0;
@@ -837,18 +845,29 @@ static void s_att_item(const s_att_job *j, int t, int seg) {
                 int cn = run_p[r + 1] - run_p[r];
                 if (h0 == 0) {
                     if (r + 1 < nrun)
-                        s_att_prefetch(j->kc, run_row[r + 1], run_p[r + 2] - run_p[r + 1], kv_dim);
-                    s_att_prefetch(j->vc, run_row[r], cn, kv_dim);
+                        s_att_prefetch(j->kc, run_row[r + 1], run_p[r + 2] - run_p[r + 1], rb);
+                    s_att_prefetch(j->vc, run_row[r], cn, rb);
                 }
-                j->k->att_dots(sc + (run_p[r] - p_begin), S_ATT_SEG, q, gn, kc + run_row[r] * kv_dim,
-                               kv_dim, cn, hd, scale);
+                if (j->q8)
+                    j->k->att_dots_q8(sc + (run_p[r] - p_begin), S_ATT_SEG, q, gn,
+                                      (const int8_t *)(kc + run_row[r] * rb), rb, soff, cn, hd, scale);
+                else
+                    j->k->att_dots(sc + (run_p[r] - p_begin), S_ATT_SEG, q, gn,
+                                   (const uint16_t *)(const void *)(kc + run_row[r] * rb), rb / 2, cn, hd,
+                                   scale);
             }
             for (int g = 0; g < gn; g++)
                 l[g] = j->k->exp_sum(sc + g * S_ATT_SEG, p_end - p_begin, &m[g]);
             memset(o, 0, (size_t)gn * hd * sizeof *o);
-            for (int r = 0; r < nrun; r++)
-                j->k->att_wsum(o, sc + (run_p[r] - p_begin), S_ATT_SEG, gn, vc + run_row[r] * kv_dim,
-                               kv_dim, run_p[r + 1] - run_p[r], hd);
+            for (int r = 0; r < nrun; r++) {
+                const int cn = run_p[r + 1] - run_p[r];
+                if (j->q8)
+                    j->k->att_wsum_q8(o, sc + (run_p[r] - p_begin), S_ATT_SEG, gn,
+                                      (const int8_t *)(vc + run_row[r] * rb), rb, soff, cn, hd);
+                else
+                    j->k->att_wsum(o, sc + (run_p[r] - p_begin), S_ATT_SEG, gn,
+                                   (const uint16_t *)(const void *)(vc + run_row[r] * rb), rb / 2, cn, hd);
+            }
             for (int g = 0; g < gn; g++) {
                 if (part) {
                     part[(size_t)nh * hd + h0 + g] = m[g];
@@ -870,11 +889,10 @@ static void s_att_prefetch_item(const s_att_job *j, int t, int seg) {
     if (p > j->pos[t])
         return;
     const int32_t *tbl = j->map->tables + (size_t)j->map->seq[t] * (size_t)j->map->max_blocks;
-    const size_t kv_dim = (size_t)j->n_kv_heads * j->head_dim;
     const int np = bs - p % bs < j->pos[t] + 1 - p ? bs - p % bs : j->pos[t] + 1 - p;
     const size_t row = (size_t)tbl[p / bs] * (size_t)bs + (size_t)(p % bs);
-    s_att_prefetch(j->kc, row, np, kv_dim);
-    s_att_prefetch(j->vc, row, np, kv_dim);
+    s_att_prefetch(j->kc, row, np, j->row_bytes);
+    s_att_prefetch(j->vc, row, np, j->row_bytes);
 }
 
 /* Items (t, seg) numbered t segs + seg, from the thread's range (so the
@@ -923,13 +941,14 @@ static void s_att_merge(const s_att_job *j) {
         }
 }
 
-static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
-                        const uint16_t *v, int n, const int32_t *pos, const fi_kv_map *map,
-                        int n_heads, int n_kv_heads, int head_dim) {
+static void s_attention(void *ctx, float *out, const float *q, const void *k, const void *v,
+                        int n, const int32_t *pos, const fi_kv_map *map, int n_heads,
+                        int n_kv_heads, int head_dim) {
     s_cpu *c = ctx;
     assert(n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0 && map->block_size > 0);
     s_att_job j = {.k = &c->k, .out = out, .q = q, .kc = k, .vc = v, .pos = pos, .map = map,
-                   .n = n,
+                   .row_bytes = fi_kv_row_bytes((fi_kv_row)c->kv_bits, n_kv_heads, head_dim),
+                   .q8 = c->kv_bits == FI_KV_ROW_Q8, .n = n,
                    .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .segs = 1};
     int maxp = 0;
     for (int t = 0; t < n; t++)
@@ -997,11 +1016,26 @@ static void s_store_f16(void *ctx, uint16_t *dst, const float *src, size_t n) {
     c->k.to_f16(dst, src, n);
 }
 
-static void s_kv_store(void *ctx, uint16_t *cache, const float *src, int n, const int32_t *slot,
-                       int row) {
+static void s_kv_store(void *ctx, void *cache, const float *src, int n, const int32_t *slot,
+                       int row, int head_dim) {
     s_cpu *c = ctx;
+    if (c->kv_bits == FI_KV_ROW_Q8) {
+        /* each head's quants (kv_quant), then the row's head scales */
+        const int nh = row / head_dim;
+        const size_t rb = fi_kv_row_bytes(FI_KV_ROW_Q8, nh, head_dim), qbytes = rb - 4 * (size_t)nh;
+        for (int t = 0; t < n; t++) {
+            uint8_t *dst = (uint8_t *)cache + (size_t)slot[t] * rb;
+            const float *x = src + (size_t)t * (size_t)row;
+            for (int h = 0; h < nh; h++) {
+                float sc = c->k.kv_quant((int8_t *)dst + (size_t)h * head_dim, x + (size_t)h * head_dim,
+                                         head_dim);
+                memcpy(dst + qbytes + 4 * (size_t)h, &sc, sizeof sc);
+            }
+        }
+        return;
+    }
     for (int t = 0; t < n; t++)
-        c->k.to_f16(cache + (size_t)slot[t] * (size_t)row, src + (size_t)t * (size_t)row,
+        c->k.to_f16((uint16_t *)cache + (size_t)slot[t] * (size_t)row, src + (size_t)t * (size_t)row,
                     (size_t)row);
 }
 
@@ -1163,6 +1197,7 @@ fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char 
         goto fail;
     }
     c->act_bits = 12;
+    c->kv_bits = FI_KV_ROW_F16;
     if (s_pick_kernels(&c->k, &c->q16, flavour) != 0) {
         s_err(err, errlen, "cpu backend: kernels '%s' not built or not supported by this processor",
                  flavour);
@@ -1225,9 +1260,32 @@ int fi_cpu_backend_set_act_bits(fi_backend *b, int bits) {
     return 0;
 }
 
+int fi_cpu_backend_set_kv_bits(fi_backend *b, int bits) {
+    if (!b || b->ops != &s_cpu_ops || (bits != FI_KV_ROW_F16 && bits != FI_KV_ROW_Q8))
+        return -1;
+    ((s_cpu *)b->ctx)->kv_bits = bits;
+    return 0;
+}
+
+int fi_backend_kv_bits(const fi_backend *b) {
+    return b && b->ops == &s_cpu_ops ? ((const s_cpu *)b->ctx)->kv_bits : FI_KV_ROW_F16;
+}
+
+size_t fi_kv_row_bytes(fi_kv_row fmt, int n_kv_heads, int head_dim) {
+    size_t vals = (size_t)n_kv_heads * (size_t)head_dim;
+    if (fmt == FI_KV_ROW_Q8)
+        return ((vals + 3) & ~(size_t)3) + 4 * (size_t)n_kv_heads;
+    return 2 * vals;
+}
+
+size_t fi_backend_kv_row_bytes(const fi_backend *b, int n_kv_heads, int head_dim) {
+    return fi_kv_row_bytes((fi_kv_row)fi_backend_kv_bits(b), n_kv_heads, head_dim);
+}
+
 const char *fi_backend_describe(const fi_backend *b, char *buf, size_t len) {
     if (b && b->ops == &s_cpu_ops)
-        snprintf(buf, len, "cpu %s, %d-bit activations", fi_cpu_backend_simd(b), fi_cpu_backend_act_bits(b));
+        snprintf(buf, len, "cpu %s, %d-bit activations%s", fi_cpu_backend_simd(b), fi_cpu_backend_act_bits(b),
+                 fi_backend_kv_bits(b) == FI_KV_ROW_Q8 ? ", 8-bit KV cache" : "");
     else
         snprintf(buf, len, "%s", b ? b->ops->name : "-");
     return buf;

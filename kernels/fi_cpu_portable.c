@@ -13,6 +13,7 @@
 #include "fi_kernels_impl.h"
 
 #include <math.h>
+#include <string.h>
 
 #define S_ROW(t, r) ((const void *)((t)->w + (size_t)(r) * (t)->w_stride))
 #define S_XROW(t, k) ((const void *)((t)->x + (size_t)(k) * (t)->x_stride))
@@ -176,6 +177,46 @@ static void s_att_wsum(float *o, const float *s, size_t ss, int gn, const uint16
     }
 }
 
+/* A FI_KV_ROW_Q8 row's scale. */
+static float s_kv_scale(const int8_t *row, size_t soff) {
+    float f;
+    memcpy(&f, (const uint8_t *)row + soff, sizeof f);
+    return f;
+}
+
+static void s_att_dots_q8(float *s, size_t ss, const float *q, int gn, const int8_t *k,
+                          size_t stride, size_t soff, int np, int hd, float scale) {
+    for (int i = 0; i < np; i++) {
+        const int8_t *kr = (const int8_t *)((const uint8_t *)k + (size_t)i * stride);
+        const float ks = s_kv_scale(kr, soff);
+        for (int g = 0; g < gn; g++) {
+            const float *qg = q + (size_t)g * hd;
+            float a[4] = {0, 0, 0, 0};
+            int d = 0;
+            for (; d + 4 <= hd; d += 4)
+                for (int u = 0; u < 4; u++)
+                    a[u] += qg[d + u] * (float)kr[d + u];
+            for (; d < hd; d++)
+                a[0] += qg[d] * (float)kr[d];
+            s[g * ss + i] = (((a[0] + a[1]) + (a[2] + a[3])) * ks) * scale;
+        }
+    }
+}
+
+static void s_att_wsum_q8(float *o, const float *s, size_t ss, int gn, const int8_t *v,
+                          size_t stride, size_t soff, int np, int hd) {
+    for (int i = 0; i < np; i++) {
+        const int8_t *vr = (const int8_t *)((const uint8_t *)v + (size_t)i * stride);
+        const float vs = s_kv_scale(vr, soff);
+        for (int g = 0; g < gn; g++) {
+            float e = s[g * ss + i] * vs;
+            float *og = o + (size_t)g * hd;
+            for (int d = 0; d < hd; d++)
+                og[d] += e * (float)vr[d];
+        }
+    }
+}
+
 static float s_exp_sum(float *s, int n, float *m) {
     float mx = s[0], sum = 0.0f;
     for (int i = 1; i < n; i++)
@@ -226,6 +267,7 @@ static void s_rope(float *row, int n_heads, int head_dim, const float *tab) {
 void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->name = "portable";
     k->quantize_q8x = fi_quantize_q8x_ref;
+    k->kv_quant = fi_kv_quant_ref;
     k->mm_f32 = s_mm_f32;
     k->mm_f16 = s_mm_f16;
     k->mm_bf16 = s_mm_bf16;
@@ -234,6 +276,8 @@ void fi_cpu_kernels_portable(fi_cpu_kernels *k) {
     k->mm_q8_0 = s_mm_q8_0;
     k->att_dots = s_att_dots;
     k->att_wsum = s_att_wsum;
+    k->att_dots_q8 = s_att_dots_q8;
+    k->att_wsum_q8 = s_att_wsum_q8;
     k->exp_sum = s_exp_sum;
     k->rmsnorm = s_rmsnorm;
     k->swiglu = s_swiglu;

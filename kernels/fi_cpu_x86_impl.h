@@ -154,6 +154,35 @@ static void s_quantize_q8x(const float *x, fi_block_q8x *y, int nb) {
     }
 }
 
+/* fi_kv_quant_ref, 8 values at a time (the same bits: the same
+ * operations, lane by lane); n % 8 values through the reference. */
+static float s_kv_quant(int8_t *q, const float *x, int n) {
+    if (n & 7)
+        return fi_kv_quant_ref(q, x, n);
+    const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_MAX);
+    __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) {
+        __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ)); /* inf or NaN */
+        m = _mm256_max_ps(m, a);
+    }
+    if (_mm256_movemask_ps(bad)) {
+        memset(q, 0, (size_t)n);
+        return NAN;
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h), lo = 127.0f * FLT_MIN;
+    const __m256 vid = _mm256_set1_ps(amax >= lo ? 127.0f / amax : 0.0f);
+    for (int j = 0; j < n; j += 8) {
+        __m256i i = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), vid), S_RND));
+        __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+        _mm_storel_epi64((__m128i *)(void *)(q + j), _mm_packs_epi16(w, w));
+    }
+    return amax >= lo ? amax / 127.0f : 0.0f;
+}
+
 /* --- generic quantised tile (tails and Q8_0 prefill) ------------------- */
 
 /* Expands 16 nibble bytes to 32 bytes: low nibbles, then high nibbles. */
@@ -503,27 +532,53 @@ S_INLINE __m256 s_h8(const uint16_t *p) {
  * 12 accumulators, which with the converted row fit the 16 ymm registers. */
 #define S_AG 3
 
+/* Cache rows are bytes here: k points at a KV head's values in the first
+ * row, rows are `stride` bytes apart, and Q8 (a compile-time 0 or 1) says
+ * which format they are in: 0, fp16 (FI_KV_ROW_F16); 1, int8 quants
+ * whose head scale is the float `soff` bytes after the pointer given
+ * (FI_KV_ROW_Q8). A Q8 score is (dot * row scale) * scale, a Q8 weight
+ * s * row scale: the scale is applied once per row, not per value. */
+
+/* 8 values of a row from element d on, as floats. */
+S_INLINE __m256 s_kv8(const uint8_t *row, int d, const int Q8) {
+    if (Q8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(row + d))));
+    return s_h8((const uint16_t *)(const void *)row + d);
+}
+
+/* A Q8 row's scale. */
+S_INLINE float s_kv_scale(const uint8_t *row, size_t soff) {
+    float f;
+    memcpy(&f, row + soff, sizeof f);
+    return f;
+}
+
 /* Scores of G heads (G <= S_AG) against rows 0..nr-1 of k (1 <= nr <= 4).
  * Rows past nr repeat the last one and are dropped, so that every row goes
  * through the same sums whatever nr is. */
-S_INLINE void s_att_dots4(float *s, size_t ss, const float *q, const int G, const uint16_t *k,
-                          size_t stride, int nr, int hd, __m128 vs) {
-    const uint16_t *kr[4];
+S_INLINE void s_att_dots4(float *s, size_t ss, const float *q, const int G, const uint8_t *k,
+                          size_t stride, size_t soff, int nr, int hd, __m128 vs, const int Q8) {
+    const uint8_t *kr[4];
     __m256 a[S_AG][4];
     for (int r = 0; r < 4; r++) {
         kr[r] = k + (size_t)(r < nr ? r : nr - 1) * stride;
         for (int g = 0; g < G; g++)
             a[g][r] = _mm256_setzero_ps();
     }
+    __m128 ks = _mm_set1_ps(1.0f);
+    if (Q8)
+        ks = _mm_setr_ps(s_kv_scale(kr[0], soff), s_kv_scale(kr[1], soff), s_kv_scale(kr[2], soff),
+                         s_kv_scale(kr[3], soff));
     for (int d = 0; d < hd; d += 8)
         for (int r = 0; r < 4; r++) {
-            __m256 kv = s_h8(kr[r] + d);
+            __m256 kv = s_kv8(kr[r], d, Q8);
             for (int g = 0; g < G; g++)
                 a[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)g * hd + d), kv, a[g][r]);
         }
     for (int g = 0; g < G; g++) {
         __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
-        __m128 r = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vs);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        r = _mm_mul_ps(Q8 ? _mm_mul_ps(r, ks) : r, vs);
         if (nr == 4) {
             _mm_storeu_ps(s + g * ss, r);
         } else {
@@ -541,6 +596,13 @@ S_INLINE void s_att_dots4(float *s, size_t ss, const float *q, const int G, cons
 /* 16 fp16 values as floats. */
 S_INLINE __m512 s_h16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
+}
+
+/* 16 values of a row from element d on, as floats (s_kv8). */
+S_INLINE __m512 s_kv16(const uint8_t *row, int d, const int Q8) {
+    if (Q8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(row + d))));
+    return s_h16((const uint16_t *)(const void *)row + d);
 }
 
 /* [sum(a[0]), ..., sum(a[7])]: a transposition tree (each step adds two
@@ -564,43 +626,49 @@ S_INLINE __m256 s_hsum8x16(const __m512 a[8]) {
  * 16 values per step: 8*G accumulators, the K row and G query registers
  * fit the 32 zmm registers. Rows past nr repeat the last one and are
  * dropped, as in s_att_dots4. */
-S_INLINE void s_att_dots8_512(float *s, size_t ss, const float *q, const int G, const uint16_t *k,
-                              size_t stride, int nr, int hd, __m256 vs) {
-    const uint16_t *kr[8];
+S_INLINE void s_att_dots8_512(float *s, size_t ss, const float *q, const int G, const uint8_t *k,
+                              size_t stride, size_t soff, int nr, int hd, __m256 vs, const int Q8) {
+    const uint8_t *kr[8];
     __m512 a[S_AG][8];
+    float ksr[8];
     for (int r = 0; r < 8; r++) {
         kr[r] = k + (size_t)(r < nr ? r : nr - 1) * stride;
+        ksr[r] = Q8 ? s_kv_scale(kr[r], soff) : 1.0f;
         for (int g = 0; g < G; g++)
             a[g][r] = _mm512_setzero_ps();
     }
+    const __m256 ks = _mm256_loadu_ps(ksr);
     for (int d = 0; d < hd; d += 16) {
         __m512 qv[S_AG];
         for (int g = 0; g < G; g++)
             qv[g] = _mm512_loadu_ps(q + (size_t)g * hd + d);
         for (int r = 0; r < 8; r++) {
-            __m512 kv = s_h16(kr[r] + d);
+            __m512 kv = s_kv16(kr[r], d, Q8);
             for (int g = 0; g < G; g++)
                 a[g][r] = _mm512_fmadd_ps(qv[g], kv, a[g][r]);
         }
     }
-    for (int g = 0; g < G; g++)
-        _mm256_mask_storeu_ps(s + g * ss, (__mmask8)((1u << nr) - 1u), _mm256_mul_ps(s_hsum8x16(a[g]), vs));
+    for (int g = 0; g < G; g++) {
+        __m256 h = s_hsum8x16(a[g]);
+        _mm256_mask_storeu_ps(s + g * ss, (__mmask8)((1u << nr) - 1u), _mm256_mul_ps(Q8 ? _mm256_mul_ps(h, ks) : h, vs));
+    }
 }
 
 /* Columns [0, 16*C) of G heads: G*C accumulators over all the rows. */
 S_INLINE void s_att_wsum_512(float *o, const float *s, size_t ss, const int G, const int C,
-                             const uint16_t *v, size_t stride, int np, int hd) {
+                             const uint8_t *v, size_t stride, size_t soff, int np, int hd, const int Q8) {
     __m512 a[S_AG][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++)
             a[g][c] = _mm512_loadu_ps(o + (size_t)g * hd + 16 * c);
     for (int i = 0; i < np; i++) {
-        const uint16_t *vr = v + (size_t)i * stride;
+        const uint8_t *vr = v + (size_t)i * stride;
+        const float vsc = Q8 ? s_kv_scale(vr, soff) : 1.0f;
         __m512 vv[4];
         for (int c = 0; c < C; c++)
-            vv[c] = s_h16(vr + 16 * c);
+            vv[c] = s_kv16(vr, 16 * c, Q8);
         for (int g = 0; g < G; g++) {
-            __m512 w = _mm512_set1_ps(s[g * ss + i]);
+            __m512 w = _mm512_set1_ps(Q8 ? s[g * ss + i] * vsc : s[g * ss + i]);
             for (int c = 0; c < C; c++)
                 a[g][c] = _mm512_fmadd_ps(w, vv[c], a[g][c]);
         }
@@ -612,18 +680,21 @@ S_INLINE void s_att_wsum_512(float *o, const float *s, size_t ss, const int G, c
 
 #endif
 
-/* Heads in sets of S_AG, rows in tiles of 4, each K row converted once
- * per set. */
-static void s_att_dots(float *s, size_t ss, const float *q, int gn, const uint16_t *k,
-                       size_t stride, int np, int hd, float scale) {
+/* Heads in sets of S_AG, rows in tiles of 4 (8 with AVX512), each K row
+ * converted once per set. */
+S_INLINE void s_att_dots_g(float *s, size_t ss, const float *q, int gn, const uint8_t *k,
+                           size_t stride, size_t soff, int np, int hd, float scale, const int Q8) {
     if (hd & 7) {
-        for (int i = 0; i < np; i++)
+        for (int i = 0; i < np; i++) {
+            const uint8_t *kr = k + (size_t)i * stride;
             for (int g = 0; g < gn; g++) {
                 float a = 0.0f;
                 for (int d = 0; d < hd; d++)
-                    a += q[(size_t)g * hd + d] * fi_h2f(k[(size_t)i * stride + d]);
-                s[g * ss + i] = a * scale;
+                    a += q[(size_t)g * hd + d] *
+                         (Q8 ? (float)(int8_t)kr[d] : fi_h2f(((const uint16_t *)(const void *)kr)[d]));
+                s[g * ss + i] = (Q8 ? a * s_kv_scale(kr, soff) : a) * scale;
             }
+        }
         return;
     }
 #ifdef __AVX512F__
@@ -634,11 +705,11 @@ static void s_att_dots(float *s, size_t ss, const float *q, int gn, const uint16
             float *sg = s + g0 * ss;
             for (int i = 0; i < np; i += 8) {
                 int nr = np - i < 8 ? np - i : 8;
-                const uint16_t *ki = k + (size_t)i * stride;
+                const uint8_t *ki = k + (size_t)i * stride;
                 switch (gn - g0) {
-                case 1: s_att_dots8_512(sg + i, ss, qg, 1, ki, stride, nr, hd, vs); break;
-                case 2: s_att_dots8_512(sg + i, ss, qg, 2, ki, stride, nr, hd, vs); break;
-                default: s_att_dots8_512(sg + i, ss, qg, 3, ki, stride, nr, hd, vs); break;
+                case 1: s_att_dots8_512(sg + i, ss, qg, 1, ki, stride, soff, nr, hd, vs, Q8); break;
+                case 2: s_att_dots8_512(sg + i, ss, qg, 2, ki, stride, soff, nr, hd, vs, Q8); break;
+                default: s_att_dots8_512(sg + i, ss, qg, 3, ki, stride, soff, nr, hd, vs, Q8); break;
                 }
             }
         }
@@ -651,14 +722,24 @@ static void s_att_dots(float *s, size_t ss, const float *q, int gn, const uint16
         float *sg = s + g0 * ss;
         for (int i = 0; i < np; i += 4) {
             int nr = np - i < 4 ? np - i : 4;
-            const uint16_t *ki = k + (size_t)i * stride;
+            const uint8_t *ki = k + (size_t)i * stride;
             switch (gn - g0) {
-            case 1: s_att_dots4(sg + i, ss, qg, 1, ki, stride, nr, hd, vs); break;
-            case 2: s_att_dots4(sg + i, ss, qg, 2, ki, stride, nr, hd, vs); break;
-            default: s_att_dots4(sg + i, ss, qg, 3, ki, stride, nr, hd, vs); break;
+            case 1: s_att_dots4(sg + i, ss, qg, 1, ki, stride, soff, nr, hd, vs, Q8); break;
+            case 2: s_att_dots4(sg + i, ss, qg, 2, ki, stride, soff, nr, hd, vs, Q8); break;
+            default: s_att_dots4(sg + i, ss, qg, 3, ki, stride, soff, nr, hd, vs, Q8); break;
             }
         }
     }
+}
+
+static void s_att_dots(float *s, size_t ss, const float *q, int gn, const uint16_t *k,
+                       size_t stride, int np, int hd, float scale) {
+    s_att_dots_g(s, ss, q, gn, (const uint8_t *)(const void *)k, stride * sizeof *k, 0, np, hd, scale, 0);
+}
+
+static void s_att_dots_q8(float *s, size_t ss, const float *q, int gn, const int8_t *k,
+                          size_t stride, size_t soff, int np, int hd, float scale) {
+    s_att_dots_g(s, ss, q, gn, (const uint8_t *)k, stride, soff, np, hd, scale, 1);
 }
 
 /* exp(x) (Cephes polynomial, about 1 ulp) for x in [-87.33, 88]; x is
@@ -754,18 +835,19 @@ static float s_exp_sum(float *s, int n, float *m) {
 /* Columns [0, 8*C) of G heads (o and v already offset to the first one):
  * 2*G accumulators held over all the rows. */
 S_INLINE void s_att_wsum_cols(float *o, const float *s, size_t ss, const int G, const int C,
-                              const uint16_t *v, size_t stride, int np, int hd) {
+                              const uint8_t *v, size_t stride, size_t soff, int np, int hd, const int Q8) {
     __m256 a[S_AG][2];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++)
             a[g][c] = _mm256_loadu_ps(o + (size_t)g * hd + 8 * c);
     for (int i = 0; i < np; i++) {
-        const uint16_t *vr = v + (size_t)i * stride;
+        const uint8_t *vr = v + (size_t)i * stride;
+        const float vsc = Q8 ? s_kv_scale(vr, soff) : 1.0f;
         __m256 vv[2];
         for (int c = 0; c < C; c++)
-            vv[c] = s_h8(vr + 8 * c);
+            vv[c] = s_kv8(vr, 8 * c, Q8);
         for (int g = 0; g < G; g++) {
-            __m256 w = _mm256_broadcast_ss(s + g * ss + i);
+            __m256 w = Q8 ? _mm256_set1_ps(s[g * ss + i] * vsc) : _mm256_broadcast_ss(s + g * ss + i);
             for (int c = 0; c < C; c++)
                 a[g][c] = _mm256_fmadd_ps(w, vv[c], a[g][c]);
         }
@@ -775,15 +857,23 @@ S_INLINE void s_att_wsum_cols(float *o, const float *s, size_t ss, const int G, 
             _mm256_storeu_ps(o + (size_t)g * hd + 8 * c, a[g][c]);
 }
 
-/* Heads in sets of S_AG, columns 16 at a time (then 8), each V row
- * converted once per set and column range. */
-static void s_att_wsum(float *o, const float *s, size_t ss, int gn, const uint16_t *v,
-                       size_t stride, int np, int hd) {
+/* Heads in sets of S_AG, columns 64 and 16 at a time with AVX512, then 16
+ * and 8, each V row converted once per set and column range. The element
+ * offset d moves the pointer by d values (2d bytes for fp16) and the scale
+ * stays where it is, soff - d bytes on (Q8). */
+S_INLINE void s_att_wsum_g(float *o, const float *s, size_t ss, int gn, const uint8_t *v,
+                           size_t stride, size_t soff, int np, int hd, const int Q8) {
+    const size_t es = Q8 ? 1 : 2; /* bytes per value */
     if (hd & 7) {
-        for (int i = 0; i < np; i++)
-            for (int g = 0; g < gn; g++)
+        for (int i = 0; i < np; i++) {
+            const uint8_t *vr = v + (size_t)i * stride;
+            for (int g = 0; g < gn; g++) {
+                float e = Q8 ? s[g * ss + i] * s_kv_scale(vr, soff) : s[g * ss + i];
                 for (int d = 0; d < hd; d++)
-                    o[(size_t)g * hd + d] += s[g * ss + i] * fi_h2f(v[(size_t)i * stride + d]);
+                    o[(size_t)g * hd + d] +=
+                        e * (Q8 ? (float)(int8_t)vr[d] : fi_h2f(((const uint16_t *)(const void *)vr)[d]));
+            }
+        }
         return;
     }
     for (int g0 = 0; g0 < gn; g0 += S_AG) {
@@ -794,29 +884,40 @@ static void s_att_wsum(float *o, const float *s, size_t ss, int gn, const uint16
 #ifdef __AVX512F__
         for (; d + 64 <= hd; d += 64)
             switch (G) {
-            case 1: s_att_wsum_512(og + d, sg, ss, 1, 4, v + d, stride, np, hd); break;
-            case 2: s_att_wsum_512(og + d, sg, ss, 2, 4, v + d, stride, np, hd); break;
-            default: s_att_wsum_512(og + d, sg, ss, 3, 4, v + d, stride, np, hd); break;
+            case 1: s_att_wsum_512(og + d, sg, ss, 1, 4, v + d * es, stride, soff - d, np, hd, Q8); break;
+            case 2: s_att_wsum_512(og + d, sg, ss, 2, 4, v + d * es, stride, soff - d, np, hd, Q8); break;
+            default: s_att_wsum_512(og + d, sg, ss, 3, 4, v + d * es, stride, soff - d, np, hd, Q8); break;
             }
         for (; d + 16 <= hd; d += 16)
             switch (G) {
-            case 1: s_att_wsum_512(og + d, sg, ss, 1, 1, v + d, stride, np, hd); break;
-            case 2: s_att_wsum_512(og + d, sg, ss, 2, 1, v + d, stride, np, hd); break;
-            default: s_att_wsum_512(og + d, sg, ss, 3, 1, v + d, stride, np, hd); break;
+            case 1: s_att_wsum_512(og + d, sg, ss, 1, 1, v + d * es, stride, soff - d, np, hd, Q8); break;
+            case 2: s_att_wsum_512(og + d, sg, ss, 2, 1, v + d * es, stride, soff - d, np, hd, Q8); break;
+            default: s_att_wsum_512(og + d, sg, ss, 3, 1, v + d * es, stride, soff - d, np, hd, Q8); break;
             }
 #endif
         for (; d < hd; d += 16) {
             int C = hd - d >= 16 ? 2 : 1;
+            const uint8_t *vd = v + d * es;
             switch (G * 2 + C - 1) {
-            case 2: s_att_wsum_cols(og + d, sg, ss, 1, 1, v + d, stride, np, hd); break;
-            case 3: s_att_wsum_cols(og + d, sg, ss, 1, 2, v + d, stride, np, hd); break;
-            case 4: s_att_wsum_cols(og + d, sg, ss, 2, 1, v + d, stride, np, hd); break;
-            case 5: s_att_wsum_cols(og + d, sg, ss, 2, 2, v + d, stride, np, hd); break;
-            case 6: s_att_wsum_cols(og + d, sg, ss, 3, 1, v + d, stride, np, hd); break;
-            default: s_att_wsum_cols(og + d, sg, ss, 3, 2, v + d, stride, np, hd); break;
+            case 2: s_att_wsum_cols(og + d, sg, ss, 1, 1, vd, stride, soff - d, np, hd, Q8); break;
+            case 3: s_att_wsum_cols(og + d, sg, ss, 1, 2, vd, stride, soff - d, np, hd, Q8); break;
+            case 4: s_att_wsum_cols(og + d, sg, ss, 2, 1, vd, stride, soff - d, np, hd, Q8); break;
+            case 5: s_att_wsum_cols(og + d, sg, ss, 2, 2, vd, stride, soff - d, np, hd, Q8); break;
+            case 6: s_att_wsum_cols(og + d, sg, ss, 3, 1, vd, stride, soff - d, np, hd, Q8); break;
+            default: s_att_wsum_cols(og + d, sg, ss, 3, 2, vd, stride, soff - d, np, hd, Q8); break;
             }
         }
     }
+}
+
+static void s_att_wsum(float *o, const float *s, size_t ss, int gn, const uint16_t *v,
+                       size_t stride, int np, int hd) {
+    s_att_wsum_g(o, s, ss, gn, (const uint8_t *)(const void *)v, stride * sizeof *v, 0, np, hd, 0);
+}
+
+static void s_att_wsum_q8(float *o, const float *s, size_t ss, int gn, const int8_t *v,
+                          size_t stride, size_t soff, int np, int hd) {
+    s_att_wsum_g(o, s, ss, gn, (const uint8_t *)v, stride, soff, np, hd, 1);
 }
 
 /* The squares are exact in double, so lane k of the vector sums is the
@@ -967,6 +1068,7 @@ static int32_t s_argmax(const float *x, int n) {
 static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->name = name;
     k->quantize_q8x = s_quantize_q8x;
+    k->kv_quant = s_kv_quant;
     k->mm_f32 = s_mm_f32;
     k->mm_f16 = s_mm_f16;
     k->mm_bf16 = s_mm_bf16;
@@ -975,6 +1077,8 @@ static void s_x86_fill(fi_cpu_kernels *k, const char *name) {
     k->mm_q8_0 = s_mm_q8_0;
     k->att_dots = s_att_dots;
     k->att_wsum = s_att_wsum;
+    k->att_dots_q8 = s_att_dots_q8;
+    k->att_wsum_q8 = s_att_wsum_q8;
     k->exp_sum = s_exp_sum;
     k->rmsnorm = s_rmsnorm;
     k->swiglu = s_swiglu;

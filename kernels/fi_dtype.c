@@ -210,6 +210,25 @@ void fi_quantize_q8x_ref(const float *x, fi_block_q8x *y, int nb) {
     }
 }
 
+float fi_kv_quant_ref(int8_t *q, const float *x, int n) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int j = 0; j < n; j++) {
+        float a = fabsf(x[j]);
+        finite &= a <= FLT_MAX; /* 0 for an infinity or a NaN */
+        amax = a > amax ? a : amax;
+    }
+    if (!finite) {
+        memset(q, 0, (size_t)n);
+        return NAN;
+    }
+    const float lo = 127.0f * FLT_MIN; /* as fi_quantize_q8x_ref */
+    float id = amax >= lo ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < n; j++)
+        q[j] = (int8_t)nearbyintf(x[j] * id);
+    return amax >= lo ? amax / 127.0f : 0.0f;
+}
+
 /* --- argmax --------------------------------------------------------------- */
 
 int32_t fi_argmax_f32(const float *x, int n) {

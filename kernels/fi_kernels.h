@@ -124,11 +124,14 @@ typedef struct fi_backend_ops {
     void (*rope)(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos,
                  float theta);
     /* Causal grouped-query attention of n query tokens, which may belong
-     * to different sequences, against a paged cache of fp16 rows (IEEE
-     * half precision, written by kv_store or store_f16).
+     * to different sequences, against a paged cache written by kv_store,
+     * in the backend's cache-row format (FI_KV_ROW_F16: fp16, IEEE half
+     * precision, as store_f16 writes them; the CPU backend also has
+     * FI_KV_ROW_Q8, fi_cpu_backend_set_kv_bits).
      * q:   n rows of n_heads*head_dim.
      * k,v: the cache of one layer: rows of kv_dim = n_kv_heads*head_dim
-     *      values, in blocks of map->block_size rows. Query token t belongs
+     *      values (fi_backend_kv_row_bytes each), in blocks of
+     *      map->block_size rows. Query token t belongs
      *      to sequence s = map->seq[t] and sees its positions 0..pos[t];
      *      position p of sequence s is row
      *        map->tables[s*map->max_blocks + p/block_size]*block_size
@@ -137,8 +140,8 @@ typedef struct fi_backend_ops {
      *      0, 1, 2, ...)
      * out: n rows of n_heads*head_dim. Query head h uses KV head
      *      h / (n_heads / n_kv_heads). Scale 1/sqrt(head_dim). */
-    void (*attention)(void *ctx, float *out, const float *q, const uint16_t *k,
-                      const uint16_t *v, int n, const int32_t *pos, const fi_kv_map *map,
+    void (*attention)(void *ctx, float *out, const float *q, const void *k,
+                      const void *v, int n, const int32_t *pos, const fi_kv_map *map,
                       int n_heads, int n_kv_heads, int head_dim);
     /* dst[i] = fp16(src[i]) for i < n, round to nearest even. */
     void (*store_f16)(void *ctx, uint16_t *dst, const float *src, size_t n);
@@ -178,11 +181,13 @@ typedef struct fi_backend_ops {
     int (*graph_end)(void *ctx);
 
     /* --- required again (placed last to keep the table's order) --- */
-    /* Writes n rows of `row` floats into a paged cache as fp16: row t of
-     * src goes to cache row slot[t] (slot: backend memory; rows are
-     * `row` values apart). Rounds to nearest even, as store_f16. */
-    void (*kv_store)(void *ctx, uint16_t *cache, const float *src, int n, const int32_t *slot,
-                     int row);
+    /* Writes n rows of `row` floats (heads of head_dim values) into a
+     * paged cache in the backend's cache-row format: row t of src goes to
+     * cache row slot[t] (slot: backend memory; rows are
+     * fi_backend_kv_row_bytes apart). fp16 rows round to nearest even, as
+     * store_f16. */
+    void (*kv_store)(void *ctx, void *cache, const float *src, int n, const int32_t *slot,
+                     int row, int head_dim);
 
     /* --- optional again (NULL: the caller does without) --- */
     /* Several products of one input, y[i] = W[i] x for i < count (1 to
@@ -238,8 +243,8 @@ typedef struct fi_backend_ops {
                                float eps, int n);
     /* rope(ctx, q, n, n_heads, head_dim, pos, theta), rope(ctx, k, n,
      * n_kv_heads, ...), kv_store(ctx, kc, k, n, slot, n_kv_heads *
-     * head_dim), kv_store(ctx, vc, v, n, slot, n_kv_heads * head_dim). */
-    void (*rope_store)(void *ctx, float *q, float *k, const float *v, uint16_t *kc, uint16_t *vc,
+     * head_dim, head_dim), kv_store(ctx, vc, v, ...). */
+    void (*rope_store)(void *ctx, float *q, float *k, const float *v, void *kc, void *vc,
                        int n, int n_heads, int n_kv_heads, int head_dim, const int32_t *pos,
                        float theta, const int32_t *slot);
 } fi_backend_ops;
@@ -274,8 +279,35 @@ const char *fi_cpu_backend_simd(const fi_backend *b);
  * not 8, 12 or 16 or b is not a CPU backend. */
 FI_MUST_CHECK int fi_cpu_backend_set_act_bits(fi_backend *b, int bits);
 int fi_cpu_backend_act_bits(const fi_backend *b);
+
+/* Cache-row formats of the KV cache (ops->kv_store, ops->attention), for
+ * a row of n_kv_heads heads of head_dim values:
+ *   FI_KV_ROW_F16: the values as fp16, 2 * n_kv_heads * head_dim bytes;
+ *   FI_KV_ROW_Q8:  each head's values as int8 q with one float scale s
+ *                  per head (value = q * s, s = max |value| / 127, q
+ *                  rounded to nearest even): the quants of every head
+ *                  (n_kv_heads * head_dim bytes, then up to 3 bytes to a
+ *                  multiple of 4), then the n_kv_heads scales: 0.53 times
+ *                  the fp16 bytes for the default model (204 against 384). */
+typedef enum fi_kv_row { FI_KV_ROW_F16 = 16, FI_KV_ROW_Q8 = 8 } fi_kv_row;
+/* The CPU backend's KV cache precision: 16 (the default, FI_KV_ROW_F16)
+ * or 8 (FI_KV_ROW_Q8: half the memory, so twice the tokens in a budget,
+ * and attention that reads half the bytes; its scores move by about
+ * 1/254 of the largest key value). Set it before any KV cache is made:
+ * caches made earlier keep the format they were made in, which this
+ * backend then misreads. 0, or -1 when bits is not 8 or 16 or b is not a
+ * CPU backend. */
+FI_MUST_CHECK int fi_cpu_backend_set_kv_bits(fi_backend *b, int bits);
+/* 16 or 8 for a CPU backend, else 16 (every other backend keeps fp16). */
+int fi_backend_kv_bits(const fi_backend *b);
+/* Bytes of one cache row of n_kv_heads heads of head_dim values in b's
+ * format. */
+size_t fi_backend_kv_row_bytes(const fi_backend *b, int n_kv_heads, int head_dim);
+/* fi_backend_kv_row_bytes for a format. */
+size_t fi_kv_row_bytes(fi_kv_row fmt, int n_kv_heads, int head_dim);
 /* The backend in a few words, for logs, into buf (len bytes): "cpu
- * avx512vnni, 12-bit activations" for the CPU backend, else its name
+ * avx512vnni, 12-bit activations" for the CPU backend (", 8-bit KV
+ * cache" added when it has one), else its name
  * ("cuda"). Returns buf. */
 const char *fi_backend_describe(const fi_backend *b, char *buf, size_t len);
 /* Threads in the CPU backend's pool; 0 when b is not a CPU backend. */

@@ -103,6 +103,16 @@ typedef struct fi_cpu_kernels {
                      size_t stride, int np, int hd, float scale);
     void (*att_wsum)(float *o, const float *s, size_t ss, int gn, const uint16_t *v,
                      size_t stride, int np, int hd);
+    /* The same over FI_KV_ROW_Q8 rows (fi_kernels.h): k (v) points at
+     * the KV head's int8 quants in the first row, rows are `stride` bytes
+     * apart, and each row's scale for this head is the float soff bytes
+     * after its quants. att_dots_q8: s = (dot(q, quants) * row scale) *
+     * scale; att_wsum_q8: o += (s * row scale) * quants. The same
+     * guarantees as above. */
+    void (*att_dots_q8)(float *s, size_t ss, const float *q, int gn, const int8_t *k,
+                        size_t stride, size_t soff, int np, int hd, float scale);
+    void (*att_wsum_q8)(float *o, const float *s, size_t ss, int gn, const int8_t *v,
+                        size_t stride, size_t soff, int np, int hd);
     /* *m = max s[i]; s[i] = exp(s[i] - *m) for i < n (n >= 1); returns
      * their sum. */
     float (*exp_sum)(float *s, int n, float *m);
@@ -113,6 +123,8 @@ typedef struct fi_cpu_kernels {
     void (*rmsnorm)(float *y, const float *x, const float *g, int dim, float eps);
     /* g[i] = silu(g[i]) * u[i] for i < n. */
     void (*swiglu)(float *g, const float *u, size_t n);
+    /* fi_kv_quant_ref, the same bits (stores into an 8-bit KV cache). */
+    float (*kv_quant)(int8_t *q, const float *x, int n);
     /* fp32 -> fp16, round to nearest even (stores into the KV cache). */
     void (*to_f16)(uint16_t *dst, const float *src, size_t n);
     /* Rotary embedding of one token's n_heads heads (head_dim apart, even)
@@ -151,6 +163,11 @@ fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char 
 /* Portable quantiser, also the reference for the SIMD ones: d = amax/127,
  * qs = round-to-nearest-even(x * 127/amax). */
 void fi_quantize_q8x_ref(const float *x, fi_block_q8x *y, int nb);
+/* One head of a FI_KV_ROW_Q8 cache row: q[j] = x[j] * 127 / amax rounded
+ * to nearest even (amax = max |x[j]|; all 0 when amax < 127 FLT_MIN);
+ * returns the scale, amax / 127 (0 then). A NaN or an infinity among the
+ * n values gives the scale NaN and q all 0. fi_cpu_kernels.kv_quant. */
+float fi_kv_quant_ref(int8_t *q, const float *x, int n);
 
 /* fp16 -> fp32 for hot loops, exact for every encoding and branch-free
  * (so loops of it vectorise). Normal numbers, inf and NaN: shift the

@@ -330,6 +330,16 @@ static void test_conf_errors(void **state) {
     fi_edge_conf_default(&c);
     assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
     assert_non_null(strstr(err, ":4: value of 'act_bits' must be a multiple of 4 in [8, 16]"));
+    /* the KV cache precision: 16 (the default) or 8 */
+    fi_edge_conf_default(&c);
+    assert_int_equal(c.kv_bits, 16);
+    write_file(path, "site = a\nmodel = m.gguf\nmodel_name = m\nkv_bits = 8\n");
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), 0);
+    assert_int_equal(c.kv_bits, 8);
+    write_file(path, "site = a\nmodel = m.gguf\nkv_bits = 12\nmodel_name = m\n");
+    fi_edge_conf_default(&c);
+    assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":3: value of 'kv_bits' must be a multiple of 8 in [8, 16]"));
     write_file(path, "model = m.gguf\nmodel_name = m\n");
     fi_edge_conf_default(&c);
     assert_int_equal(fi_edge_conf_load(path, &c, err, sizeof err), -1);

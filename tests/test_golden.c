@@ -548,8 +548,10 @@ static int group_setup(void **state) {
     /* FI_GOLDEN_ACT_BITS=8 measures the 8-bit activation path (expected to
      * fail these tolerances: see make_golden.py --emulate). */
     const char *ab = getenv("FI_GOLDEN_ACT_BITS");
+    /* FI_GOLDEN_KV_BITS=8 measures the 8-bit KV cache (the same). */
+    const char *kb = getenv("FI_GOLDEN_KV_BITS");
     fi_model_opts o = {.n_threads = th ? atoi(th) : 1, .simd = FI_SIMD_AUTO,
-                       .act_bits = ab ? atoi(ab) : 0};
+                       .act_bits = ab ? atoi(ab) : 0, .kv_bits = kb ? atoi(kb) : 0};
     G.m = fi_model_load(FI_TEST_MODEL, &o, err, sizeof err);
     if (!G.m) {
         say("cannot load the model %s: %s\n", FI_TEST_MODEL, err);
@@ -564,9 +566,10 @@ static int group_setup(void **state) {
             return -1;
         }
     say("golden: %d prompts, subset of %d ids, full row of %d (%s p%d); model %s; %d thread(s), "
-        "act_bits %d (max |d| %.2f, near tie %.2f)\n",
+        "act_bits %d, kv_bits %d (max |d| %.2f, near tie %.2f)\n",
         G.n_prompts, G.n_subset, G.full_n, G.full_prompt, G.full_pos, FI_TEST_MODEL, o.n_threads,
-        fi_cpu_backend_act_bits(fi_model_backend(G.m)), G.max_diff, G.near_tie);
+        fi_cpu_backend_act_bits(fi_model_backend(G.m)), fi_backend_kv_bits(fi_model_backend(G.m)),
+        G.max_diff, G.near_tie);
     (void)state;
     return 0;
 }

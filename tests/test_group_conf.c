@@ -343,7 +343,8 @@ static void test_rank_file(void **state) {
     assert_string_equal(r.model, "/m.gguf");
     assert_string_equal(r.device, "cpu");
     assert_int_equal(r.gpu, 0);
-    assert_int_equal(r.act_bits, 12); /* the default precision */
+    assert_int_equal(r.act_bits, 12); /* the default precisions */
+    assert_int_equal(r.kv_bits, 16);
     /* Ranks sharing a machine name their GPUs; an index out of range is
      * refused, naming the key. */
     fp = fopen(path, "w");
@@ -365,6 +366,19 @@ static void test_rank_file(void **state) {
     fclose(fp);
     assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), -1);
     assert_non_null(strstr(err, ":5: value of 'act_bits' must be a multiple of 4"));
+    /* the KV cache precision: 16 (the default) or 8 */
+    fp = fopen(path, "w");
+    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
+                "kv_bits = 8\n");
+    fclose(fp);
+    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), 0);
+    assert_int_equal(r.kv_bits, 8);
+    fp = fopen(path, "w");
+    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
+                "kv_bits = 4\n");
+    fclose(fp);
+    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":5: value of 'kv_bits' must be a multiple of 8 in [8, 16]"));
     fp = fopen(path, "w");
     fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
                 "gpu = -1\n");

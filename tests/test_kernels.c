@@ -1728,8 +1728,8 @@ static void run_attention(const int32_t *pos, int n, int nh, int nkv, int hd, fl
                 if (flat[i] != fi_fp32_to_fp16(k[i]))
                     fail_msg("store_f16 %s: element %zu differs", fi_cpu_backend_simd(bs[bi]), i);
             for (int sq = 0; sq < nseq; sq++) {
-                bs[bi]->ops->kv_store(bs[bi]->ctx, kh, k + sq * nkvv, np, slot + sq * np, kv_dim);
-                bs[bi]->ops->kv_store(bs[bi]->ctx, vh, v + sq * nkvv, np, slot + sq * np, kv_dim);
+                bs[bi]->ops->kv_store(bs[bi]->ctx, kh, k + sq * nkvv, np, slot + sq * np, kv_dim, hd);
+                bs[bi]->ops->kv_store(bs[bi]->ctx, vh, v + sq * nkvv, np, slot + sq * np, kv_dim, hd);
             }
             for (int sq = 0; sq < nseq; sq++)
                 for (int p = 0; p < np; p++)

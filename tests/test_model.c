@@ -784,6 +784,69 @@ static void test_backend_reset(void **state) {
     fi_model_destroy(&m);
 }
 
+/* The 8-bit KV cache (fi_model_opts.kv_bits): half the bytes per block
+ * (a little more: a scale per head), logits close to the fp16 cache's, a
+ * backend reset keeps the format, and a pool made in one format is
+ * refused, by name, once the backend's has changed; a precision other
+ * than 8 or 16 fails the load. */
+static void test_kv_bits(void **state) {
+    (void)state;
+    char err[512];
+    fi_gw_llama_opts o = s_q4_untied();
+    const char *path = s_write(&o);
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU, .kv_bits = 12};
+    assert_null(fi_model_load(path, &mo, err, sizeof err));
+    assert_non_null(strstr(err, "KV cache precision must be 8 or 16 bits, not 12"));
+    mo.kv_bits = 0; /* the default, fp16 */
+    fi_model *m16 = fi_model_load(path, &mo, err, sizeof err);
+    mo.kv_bits = 8;
+    fi_model *m8 = fi_model_load(path, &mo, err, sizeof err);
+    unlink(path);
+    assert_true(m16 && m8);
+    assert_int_equal(fi_backend_kv_bits(fi_model_backend(m16)), 16);
+    assert_int_equal(fi_backend_kv_bits(fi_model_backend(m8)), 8);
+    const fi_config *c = fi_model_config(m8);
+    size_t b16 = fi_kv_block_bytes(m16), b8 = fi_kv_block_bytes(m8);
+    printf("  block bytes: %zu fp16, %zu 8-bit\n", b16, b8);
+    assert_int_equal(b16, (size_t)c->n_layers * 2 * FI_KV_BLOCK * 2 * c->n_kv_heads * c->head_dim);
+    assert_int_equal(b8, (size_t)c->n_layers * 2 * FI_KV_BLOCK *
+                             (((size_t)c->n_kv_heads * c->head_dim + 3) / 4 * 4 + 4 * (size_t)c->n_kv_heads));
+    size_t V = (size_t)c->n_vocab;
+    int32_t toks[40];
+    s_tokens(toks, 40, c->n_vocab, 9);
+    float *l16 = malloc(V * sizeof *l16), *l8 = malloc(V * sizeof *l8), *again = malloc(V * sizeof *again);
+    assert_true(l16 && l8 && again);
+    fi_session *s16 = fi_session_new(m16, 64, err, sizeof err), *s8 = fi_session_new(m8, 64, err, sizeof err);
+    assert_true(s16 && s8);
+    assert_int_equal(fi_session_eval(s16, toks, 40, l16, NULL, err, sizeof err), 0);
+    assert_int_equal(fi_session_eval(s8, toks, 40, l8, NULL, err, sizeof err), 0);
+    double d = s_max_abs_diff(l8, l16, V), mx = 0;
+    for (size_t i = 0; i < V; i++)
+        mx = fmax(mx, fabs(l16[i]));
+    printf("  logits after 40 tokens: max |8-bit - fp16| %.4f (largest |logit| %.2f)\n", d, mx);
+    assert_true(d > 0.0 && d < 0.05 * mx); /* the cache is really int8, and close */
+    /* a pool of the fp16 format on a backend switched to 8 bits: refused */
+    assert_int_equal(fi_cpu_backend_set_kv_bits(fi_model_backend(m16), 8), 0);
+    assert_int_equal(fi_session_eval(s16, toks, 1, l16, NULL, err, sizeof err), -1);
+    printf("  stale pool: %s\n", err);
+    assert_non_null(strstr(err, "not in the backend's cache format"));
+    fi_session_destroy(&s16);
+    /* a reset (a backend that failed for good) makes an 8-bit backend again */
+    fi_session_destroy(&s8);
+    if (fi_model_reset_backend(m8, err, sizeof err) != 0) fail_msg("reset: %s", err);
+    assert_int_equal(fi_backend_kv_bits(fi_model_backend(m8)), 8);
+    s8 = fi_session_new(m8, 64, err, sizeof err);
+    assert_non_null(s8);
+    assert_int_equal(fi_session_eval(s8, toks, 40, again, NULL, err, sizeof err), 0);
+    assert_memory_equal(again, l8, V * sizeof *l8);
+    fi_session_destroy(&s8);
+    free(l16);
+    free(l8);
+    free(again);
+    fi_model_destroy(&m16);
+    fi_model_destroy(&m8);
+}
+
 /* The model file shrunk in place after the load (a copy of another file
  * over it): a reset, which binds the weights from the file's mapping
  * again, refuses naming the change instead of reading past the file's new
@@ -829,6 +892,7 @@ int main(void) {
         cmocka_unit_test(test_plan_tensor_parallel),
         cmocka_unit_test(test_plan_errors),
         cmocka_unit_test(test_backend_reset),
+        cmocka_unit_test(test_kv_bits),
         cmocka_unit_test(test_backend_reset_file_shrunk),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -132,12 +132,25 @@ static void test_batched_equals_alone_8bit(void **state) {
     s_batched_equals_alone();
 }
 
-/* Back to the default precision for the tests that follow, even after a
+/* The same with the 8-bit KV cache (fi_cpu_backend_set_kv_bits; no pool
+ * is alive between tests): every request's text must still be the one it
+ * gets alone, with the same cache format. */
+static void test_batched_equals_alone_kv8(void **state) {
+    (void)state;
+    fi_backend *b = fi_model_backend(g_m);
+    assert_int_equal(fi_cpu_backend_set_kv_bits(b, 8), 0);
+    s_batched_equals_alone();
+}
+
+/* Back to the default precisions for the tests that follow, even after a
  * failure. */
 static int s_default_bits(void **state) {
     (void)state;
     fi_backend *b = fi_model_backend(g_m);
-    return fi_cpu_backend_simd(b) && fi_cpu_backend_set_act_bits(b, 12) != 0 ? -1 : 0;
+    return fi_cpu_backend_simd(b) &&
+                   (fi_cpu_backend_set_act_bits(b, 12) != 0 || fi_cpu_backend_set_kv_bits(b, 16) != 0)
+               ? -1
+               : 0;
 }
 
 /* A 512-token document shared by two questions. */
@@ -257,6 +270,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batched_equals_alone),
         cmocka_unit_test_teardown(test_batched_equals_alone_8bit, s_default_bits),
+        cmocka_unit_test_teardown(test_batched_equals_alone_kv8, s_default_bits),
         cmocka_unit_test(test_prefix_512),
         cmocka_unit_test(test_pool_pressure),
     };

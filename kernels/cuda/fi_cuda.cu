@@ -1760,10 +1760,11 @@ static void s_attention_g(s_cuda *c, float *out, const float *q, const uint16_t 
     s_prof_end(c, S_OP_ATTENTION);
 }
 
-static void s_attention(void *ctx, float *out, const float *q, const uint16_t *k,
-                        const uint16_t *v, int n, const int32_t *pos, const fi_kv_map *map,
-                        int n_heads, int n_kv_heads, int head_dim) {
+static void s_attention(void *ctx, float *out, const float *q, const void *kp, const void *vp,
+                        int n, const int32_t *pos, const fi_kv_map *map, int n_heads,
+                        int n_kv_heads, int head_dim) {
     s_cuda *c = (s_cuda *)ctx;
+    const uint16_t *k = (const uint16_t *)kp, *v = (const uint16_t *)vp; /* FI_KV_ROW_F16 */
     if (!s_enter(c) || n <= 0)
         return;
     if (head_dim > S_ATT_MAX_HD) {
@@ -1831,9 +1832,11 @@ __global__ static void k_kv_store(uint16_t *cache, const float *src, int n, cons
     }
 }
 
-static void s_kv_store(void *ctx, uint16_t *cache, const float *src, int n, const int32_t *slot,
-                       int row) {
+static void s_kv_store(void *ctx, void *cp, const float *src, int n, const int32_t *slot, int row,
+                       int head_dim) {
     s_cuda *c = (s_cuda *)ctx;
+    uint16_t *cache = (uint16_t *)cp; /* FI_KV_ROW_F16: whole rows, head_dim not needed */
+    (void)head_dim;
     if (!s_enter(c) || n <= 0 || row <= 0)
         return;
     S_NOTE(c, S_OP_KV_STORE, S_P(cache), S_P(src), (uint64_t)n, S_P(slot), (uint64_t)row);
@@ -1984,10 +1987,11 @@ static void s_norm_matmul_swiglu(void *ctx, float *h, float *u, const fi_weight 
     s_mv_launch(c, &a, x, wg->cols, n);
 }
 
-static void s_rope_store(void *ctx, float *q, float *k, const float *v, uint16_t *kc,
-                         uint16_t *vc, int n, int n_heads, int n_kv_heads, int head_dim,
-                         const int32_t *pos, float theta, const int32_t *slot) {
+static void s_rope_store(void *ctx, float *q, float *k, const float *v, void *kcp, void *vcp,
+                         int n, int n_heads, int n_kv_heads, int head_dim, const int32_t *pos,
+                         float theta, const int32_t *slot) {
     s_cuda *c = (s_cuda *)ctx;
+    uint16_t *kc = (uint16_t *)kcp, *vc = (uint16_t *)vcp; /* FI_KV_ROW_F16 */
     if (!s_enter(c) || n <= 0 || head_dim < 2)
         return;
     const float2 *tab = s_rope_table(c, head_dim, theta);

@@ -1006,8 +1006,8 @@ static void run_rope_store(pair *p, rng *r, const rope_shape *s, int n, const in
                        s->theta, dslot);
     g->ops->rope(g->ctx, dq2, n, s->heads, s->hd, dpos, s->theta);
     g->ops->rope(g->ctx, dk2, n, s->kv_heads, s->hd, dpos, s->theta);
-    g->ops->kv_store(g->ctx, dkc2, dk2, n, dslot, kv_dim);
-    g->ops->kv_store(g->ctx, dvc2, dv, n, dslot, kv_dim);
+    g->ops->kv_store(g->ctx, dkc2, dk2, n, dslot, kv_dim, s->hd);
+    g->ops->kv_store(g->ctx, dvc2, dv, n, dslot, kv_dim, s->hd);
     float *qg = from_dev(g, dq, qn * fb), *qg2 = from_dev(g, dq2, qn * fb);
     float *kg = from_dev(g, dk, kn * fb), *kg2 = from_dev(g, dk2, kn * fb);
     float *vg = from_dev(g, dv, kn * fb);

@@ -61,8 +61,8 @@ static void f_rmsnorm(void *ctx, float *y, const float *x, const float *g, int n
 static void f_rope(void *ctx, float *x, int n, int nh, int hd, const int32_t *pos, float theta) {
     if (!FAILED(ctx)) F(ctx)->in->rope(F(ctx)->ictx, x, n, nh, hd, pos, theta);
 }
-static void f_attention(void *ctx, float *out, const float *q, const uint16_t *k,
-                        const uint16_t *v, int n, const int32_t *pos, const fi_kv_map *map,
+static void f_attention(void *ctx, float *out, const float *q, const void *k,
+                        const void *v, int n, const int32_t *pos, const fi_kv_map *map,
                         int nh, int nkv, int hd) {
     if (!FAILED(ctx)) F(ctx)->in->attention(F(ctx)->ictx, out, q, k, v, n, pos, map, nh, nkv, hd);
 }
@@ -82,9 +82,9 @@ static const char *f_last_error(void *ctx) {
 static int f_argmax(void *ctx, int32_t *out, const float *x, int n) {
     return FAILED(ctx) ? -1 : F(ctx)->in->argmax(F(ctx)->ictx, out, x, n);
 }
-static void f_kv_store(void *ctx, uint16_t *c, const float *s, int n, const int32_t *slot,
-                       int row) {
-    if (!FAILED(ctx)) F(ctx)->in->kv_store(F(ctx)->ictx, c, s, n, slot, row);
+static void f_kv_store(void *ctx, void *c, const float *s, int n, const int32_t *slot,
+                       int row, int hd) {
+    if (!FAILED(ctx)) F(ctx)->in->kv_store(F(ctx)->ictx, c, s, n, slot, row, hd);
 }
 static void f_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
                        const float *x, int n) {

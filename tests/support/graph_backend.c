@@ -150,7 +150,7 @@ static void g_run(fi_graph_backend *g, const g_call *c) {
         o->add(x, (float *)c->p[0], c->p[1], (size_t)c->i[0]);
         break;
     case C_KV_STORE:
-        o->kv_store(x, (uint16_t *)c->p[0], c->p[1], (int)c->i[0], c->p[2], (int)c->i[1]);
+        o->kv_store(x, (void *)c->p[0], c->p[1], (int)c->i[0], c->p[2], (int)c->i[1], (int)c->i[2]);
         break;
     case C_NORM_MATMUL_N: { /* the calls it replaces (fi_kernels.h) */
         g_call r = *c;
@@ -175,8 +175,8 @@ static void g_run(fi_graph_backend *g, const g_call *c) {
         int n = (int)c->i[0], nh = (int)c->i[1], nkv = (int)c->i[2], hd = (int)c->i[3];
         o->rope(x, (float *)c->p[0], n, nh, hd, c->p[5], c->f[0]);
         o->rope(x, (float *)c->p[1], n, nkv, hd, c->p[5], c->f[0]);
-        o->kv_store(x, (uint16_t *)c->p[3], c->p[1], n, c->p[6], nkv * hd);
-        o->kv_store(x, (uint16_t *)c->p[4], c->p[2], n, c->p[6], nkv * hd);
+        o->kv_store(x, (void *)c->p[3], c->p[1], n, c->p[6], nkv * hd, hd);
+        o->kv_store(x, (void *)c->p[4], c->p[2], n, c->p[6], nkv * hd, hd);
         break;
     }
     }
@@ -325,8 +325,8 @@ static void w_rope(void *ctx, float *x, int n, int nh, int hd, const int32_t *po
     c.p[0] = x, c.p[1] = pos, c.i[0] = n, c.i[1] = nh, c.i[2] = hd, c.f[0] = theta;
     g_call_do(G(ctx), &c);
 }
-static void w_attention(void *ctx, float *out, const float *q, const uint16_t *k,
-                        const uint16_t *v, int n, const int32_t *pos, const fi_kv_map *map, int nh,
+static void w_attention(void *ctx, float *out, const float *q, const void *k,
+                        const void *v, int n, const int32_t *pos, const fi_kv_map *map, int nh,
                         int nkv, int hd) {
     g_call c = g_new(C_ATTENTION);
     c.p[0] = out, c.p[1] = q, c.p[2] = k, c.p[3] = v, c.p[4] = pos;
@@ -349,10 +349,10 @@ static void w_add(void *ctx, float *y, const float *x, size_t n) {
     c.p[0] = y, c.p[1] = x, c.i[0] = (long long)n;
     g_call_do(G(ctx), &c);
 }
-static void w_kv_store(void *ctx, uint16_t *cache, const float *s, int n, const int32_t *slot,
-                       int row) {
+static void w_kv_store(void *ctx, void *cache, const float *s, int n, const int32_t *slot,
+                       int row, int hd) {
     g_call c = g_new(C_KV_STORE);
-    c.p[0] = cache, c.p[1] = s, c.p[2] = slot, c.i[0] = n, c.i[1] = row;
+    c.p[0] = cache, c.p[1] = s, c.p[2] = slot, c.i[0] = n, c.i[1] = row, c.i[2] = hd;
     g_call_do(G(ctx), &c);
 }
 static void w_norm_matmul_n(void *ctx, int count, float *const *y, const fi_weight *const *w,
@@ -371,8 +371,8 @@ static void w_norm_matmul_swiglu(void *ctx, float *h, float *u, const fi_weight 
     c.p[8] = x, c.p[9] = xn, c.p[10] = gw, c.i[0] = n, c.f[0] = eps;
     g_call_do(G(ctx), &c);
 }
-static void w_rope_store(void *ctx, float *q, float *k, const float *v, uint16_t *kc,
-                         uint16_t *vc, int n, int nh, int nkv, int hd, const int32_t *pos,
+static void w_rope_store(void *ctx, float *q, float *k, const float *v, void *kc,
+                         void *vc, int n, int nh, int nkv, int hd, const int32_t *pos,
                          float theta, const int32_t *slot) {
     g_call c = g_new(C_ROPE_STORE);
     c.p[0] = q, c.p[1] = k, c.p[2] = v, c.p[3] = kc, c.p[4] = vc, c.p[5] = pos, c.p[6] = slot;
