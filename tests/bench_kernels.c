@@ -15,7 +15,7 @@
  * Prints, per SIMD flavour and thread count: ns per matvec and GFLOP/s
  * (2 flops per weight) for the SmolLM2-135M shapes, prefill cost per token,
  * attention (one long context; 16 short paged ones, as batched decode
- * meets them, cold and warm), a decode-shaped sequence (30 layers of q,k,v,o,gate,up,down plus the
+ * meets them, cold and warm, with fp16 and with 8-bit cache rows), a decode-shaped sequence (30 layers of q,k,v,o,gate,up,down plus the
  * 49152-row Q8_0 output, with distinct weights so they come from L3/DRAM
  * as in a real run), the read bandwidth of the same bytes, and the pool's
  * dispatch overhead for an empty job. Runs are short; on a shared machine
@@ -367,25 +367,30 @@ int main(int argc, char **argv) {
                 /* attention as batched decode meets it: 16 sequences, each
                  * one token at position 79 (5 blocks of 16 rows), blocks
                  * scattered over a pool; warm (the same call again) and cold
-                 * (64 MiB streamed between calls, as a step's weights do) */
+                 * (64 MiB streamed between calls, as a step's weights do);
+                 * fp16 rows, then the 8-bit rows of kv_bits = 8 (written
+                 * by kv_store, as the engine writes them) */
                 enum { NS = 16, NP = 80, BS = 16, NBLK = NS * NP / BS, POOL = 8 * NBLK };
                 const int kv_dim = 3 * 64;
-                const size_t rows = (size_t)POOL * BS;
-                uint16_t *kc = malloc(sizeof(uint16_t) * rows * kv_dim), *vc = malloc(sizeof(uint16_t) * rows * kv_dim);
+                const size_t rows = (size_t)POOL * BS, rb16 = fi_kv_row_bytes(FI_KV_ROW_F16, 3, 64);
+                uint8_t *kc = malloc(rb16 * rows), *vc = malloc(rb16 * rows);
+                float *kf = malloc(sizeof(float) * rows * kv_dim), *vf = malloc(sizeof(float) * rows * kv_dim);
                 float *q = malloc(sizeof(float) * NS * 576), *o = malloc(sizeof(float) * NS * 576);
                 size_t big = (size_t)64 << 20;
                 volatile uint8_t *flush = malloc(big);
-                int32_t pos[NS], seq[NS], tbl[NBLK], perm[POOL];
-                if (!kc || !vc || !q || !o || !flush) {
+                int32_t pos[NS], seq[NS], tbl[NBLK], perm[POOL], *slot = malloc(sizeof(int32_t) * rows);
+                if (!kc || !vc || !kf || !vf || !q || !o || !flush || !slot) {
                     fprintf(stderr, "bench_kernels: out of memory\n");
                     return 1;
                 }
                 for (size_t i = 0; i < big; i += 4096)
                     flush[i] = (uint8_t)i; /* its pages made once */
                 for (size_t i = 0; i < rows * kv_dim; i++) {
-                    kc[i] = fi_fp32_to_fp16((float)(s_rand(&r) % 2001) * 1e-3f - 1.0f);
-                    vc[i] = fi_fp32_to_fp16((float)(s_rand(&r) % 2001) * 1e-3f - 1.0f);
+                    kf[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;
+                    vf[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;
                 }
+                for (size_t i = 0; i < rows; i++)
+                    slot[i] = (int32_t)i;
                 for (int i = 0; i < NS * 576; i++)
                     q[i] = (float)(s_rand(&r) % 2001) * 1e-3f - 1.0f;
                 for (int i = 0; i < POOL; i++)
@@ -402,26 +407,38 @@ int main(int argc, char **argv) {
                     seq[i] = i;
                 }
                 fi_kv_map map = {.seq = seq, .tables = tbl, .max_blocks = NP / BS, .block_size = BS};
-                double warm = 1e30, cold = 1e30;
-                for (int rep = 0; rep < 7; rep++) {
-                    unsigned sum = 0; /* read, not written: clean lines, as weights are */
-                    for (size_t i = 0; i < big; i += 64)
-                        sum += flush[i];
-                    s_sink += sum;
-                    double t0 = s_now();
-                    b->ops->attention(b->ctx, o, q, kc, vc, NS, pos, &map, 9, 3, 64);
-                    double dt = s_now() - t0;
-                    cold = dt < cold ? dt : cold;
-                    t0 = s_now();
-                    b->ops->attention(b->ctx, o, q, kc, vc, NS, pos, &map, 9, 3, 64);
-                    dt = s_now() - t0;
-                    warm = dt < warm ? dt : warm;
+                for (int bits = 16; bits >= 8; bits -= 8) {
+                    if (fi_cpu_backend_set_kv_bits(b, bits) != 0)
+                        return 1;
+                    const size_t rb = fi_backend_kv_row_bytes(b, 3, 64);
+                    b->ops->kv_store(b->ctx, kc, kf, (int)rows, slot, kv_dim, 64);
+                    b->ops->kv_store(b->ctx, vc, vf, (int)rows, slot, kv_dim, 64);
+                    double warm = 1e30, cold = 1e30;
+                    for (int rep = 0; rep < 7; rep++) {
+                        unsigned sum = 0; /* read, not written: clean lines, as weights are */
+                        for (size_t i = 0; i < big; i += 64)
+                            sum += flush[i];
+                        s_sink += sum;
+                        double t0 = s_now();
+                        b->ops->attention(b->ctx, o, q, kc, vc, NS, pos, &map, 9, 3, 64);
+                        double dt = s_now() - t0;
+                        cold = dt < cold ? dt : cold;
+                        t0 = s_now();
+                        b->ops->attention(b->ctx, o, q, kc, vc, NS, pos, &map, 9, 3, 64);
+                        dt = s_now() - t0;
+                        warm = dt < warm ? dt : warm;
+                    }
+                    printf("attention: 16 sequences at pos 79, paged, %2d-bit rows: %.1f us cold, %.1f us warm "
+                           "(%.2f GB/s of cache rows cold)\n", bits, cold * 1e6, warm * 1e6,
+                           (double)NS * NP * 2 * rb / cold / 1e9);
                 }
-                printf("attention: 16 sequences at pos 79, paged: %.1f us cold, %.1f us warm (%.2f GB/s of "
-                       "cache rows cold)\n", cold * 1e6, warm * 1e6,
-                       (double)NS * NP * kv_dim * 2 * sizeof(uint16_t) / cold / 1e9);
+                if (fi_cpu_backend_set_kv_bits(b, 16) != 0)
+                    return 1;
                 free(kc);
                 free(vc);
+                free(kf);
+                free(vf);
+                free(slot);
                 free(q);
                 free(o);
                 free((void *)flush);

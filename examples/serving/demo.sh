@@ -13,6 +13,8 @@
 #   examples/serving/demo.sh
 #   ACT_BITS=8 examples/serving/demo.sh   # 8-bit activations: batches faster
 #                                         # on AVX512-VNNI, logits less exact
+#   KV_BITS=8 examples/serving/demo.sh    # 8-bit KV cache: half the memory,
+#                                         # attention reads half the bytes
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
@@ -38,6 +40,7 @@ concurrency = 16
 queue = 16
 n_ctx = 2048
 act_bits = ${ACT_BITS:-12}
+kv_bits = ${KV_BITS:-16}
 db = $T/edge.db
 auth = 1
 CONF
