@@ -87,7 +87,8 @@ typedef struct fi_model_opts {
                         (fi_cpu_backend_set_kv_bits): 16 (0 means this
                         default, fp16) or 8 (int8 with a scale per head: half
                         the memory, attention reads half the bytes); the
-                        CUDA backend keeps fp16 and refuses 8 */
+                        CUDA backend keeps fp16: FI_DEVICE_CUDA refuses 8,
+                        and FI_DEVICE_AUTO takes the CPU for it */
     fi_device device; /* backend; FI_DEVICE_CPU when zeroed */
     const fi_shard_plan *plan; /* NULL: the whole model */
     int gpu;         /* CUDA device index (ranks sharing a machine) */

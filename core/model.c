@@ -229,23 +229,24 @@ int fi_device_parse(const char *s, fi_device *out) {
 }
 
 /* The backend opts asks for. NULL with a message: for CUDA without a
- * device, "no CUDA device: <why>". AUTO falls back to the CPU quietly. */
+ * device, "no CUDA device: <why>". AUTO falls back to the CPU quietly, and
+ * takes the CPU at once for an 8-bit KV cache, which only it has. */
 static fi_backend *s_backend_new(const fi_model_opts *opts, char *err, size_t errlen) {
-    if (opts->device == FI_DEVICE_CUDA || opts->device == FI_DEVICE_AUTO) {
+    const int kv8 = opts->kv_bits && opts->kv_bits != FI_KV_ROW_F16;
+    if (opts->device == FI_DEVICE_CUDA && kv8) {
+        s_err(err, errlen, "an %d-bit KV cache is for the CPU backend only: the CUDA backend "
+              "keeps it in fp16 (leave kv_bits at 16, or run on the CPU)", opts->kv_bits);
+        return NULL;
+    }
+    if (opts->device == FI_DEVICE_CUDA || (opts->device == FI_DEVICE_AUTO && !kv8)) {
         char why[384];
         fi_backend *be = fi_cuda_backend_open(opts->gpu, why, sizeof why);
-        if (be && opts->kv_bits && opts->kv_bits != FI_KV_ROW_F16) {
-            s_err(err, errlen, "an %d-bit KV cache is for the CPU backend only: the CUDA backend "
-                  "keeps it in fp16 (leave kv_bits at 16, or run on the CPU)", opts->kv_bits);
-            fi_backend_destroy(&be);
-            return NULL;
-        }
         if (be) return be;
         if (opts->device == FI_DEVICE_CUDA) {
             s_err(err, errlen, "no CUDA device: %s", why);
             return NULL;
         }
-    } else if (opts->device != FI_DEVICE_CPU) {
+    } else if (opts->device != FI_DEVICE_CPU && opts->device != FI_DEVICE_AUTO) {
         s_err(err, errlen, "unknown device %d", (int)opts->device);
         return NULL;
     }

@@ -59,7 +59,8 @@ int fi_cmd_shard(int argc, char **argv) {
                        "  act_bits = 12|16|8           precision of the CPU's quantised products:\n"
                        "                               8 is less exact, its batches faster\n"
                        "  kv_bits = 16|8               the CPU's KV cache: 8 keeps int8 with a\n"
-                       "                               scale per head (half the memory; CPU only)\n"
+                       "                               scale per head (half the memory; runs on\n"
+                       "                               the CPU even where a GPU is present)\n"
                        "  kv_mb = N                    KV-cache pool in MiB (0: 256)\n"
                        "  batch = N                    sequences per forward pass (0: capacity)\n"
                        "  prefix_cache = 0|1           reuse cached prompt prefixes (1)\n\n");

@@ -797,10 +797,17 @@ static void test_kv_bits(void **state) {
     fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU, .kv_bits = 12};
     assert_null(fi_model_load(path, &mo, err, sizeof err));
     assert_non_null(strstr(err, "KV cache precision must be 8 or 16 bits, not 12"));
-    mo.kv_bits = 0; /* the default, fp16 */
-    fi_model *m16 = fi_model_load(path, &mo, err, sizeof err);
-    mo.kv_bits = 8;
+    mo.kv_bits = 8; /* only the CPU has it: CUDA refuses, AUTO takes the CPU */
+    mo.device = FI_DEVICE_CUDA;
+    assert_null(fi_model_load(path, &mo, err, sizeof err));
+    assert_non_null(strstr(err, "8-bit KV cache is for the CPU backend only"));
+    mo.device = FI_DEVICE_AUTO;
     fi_model *m8 = fi_model_load(path, &mo, err, sizeof err);
+    if (!m8) fail_msg("load: %s", err);
+    assert_non_null(fi_cpu_backend_simd(fi_model_backend(m8)));
+    mo.kv_bits = 0; /* the default, fp16 */
+    mo.device = FI_DEVICE_CPU;
+    fi_model *m16 = fi_model_load(path, &mo, err, sizeof err);
     unlink(path);
     assert_true(m16 && m8);
     assert_int_equal(fi_backend_kv_bits(fi_model_backend(m16)), 16);
