@@ -146,75 +146,74 @@ static void s_mm_bf16(const fi_mm_task *t, int r0, int r1) {
     s_mm_half(FI_DTYPE_BF16, t, r0, r1);
 }
 
-static void s_att_dots(float *s, size_t ss, const float *q, int gn, const uint16_t *k,
-                       size_t stride, int np, int hd, float scale) {
+/* Value d of a cache row: fp16 (Q8 = 0) or int8 (Q8 = 1, FI_KV_ROW_Q8). */
+static inline float s_kv_val(const uint8_t *row, int d, const int Q8) {
+    if (Q8)
+        return (float)((const int8_t *)row)[d];
+    uint16_t h;
+    memcpy(&h, row + 2 * (size_t)d, sizeof h);
+    return fi_h2f(h);
+}
+
+/* A FI_KV_ROW_Q8 row's scale, soff bytes after its head's quants. */
+static inline float s_kv_scale(const uint8_t *row, size_t soff) {
+    float f;
+    memcpy(&f, row + soff, sizeof f);
+    return f;
+}
+
+/* Rows `stride` bytes apart; a Q8 score is (dot * row scale) * scale. */
+static inline void s_att_dots_g(float *s, size_t ss, const float *q, int gn, const uint8_t *k,
+                                size_t stride, size_t soff, int np, int hd, float scale, const int Q8) {
     for (int i = 0; i < np; i++) {
-        const uint16_t *kr = k + (size_t)i * stride;
+        const uint8_t *kr = k + (size_t)i * stride;
         for (int g = 0; g < gn; g++) {
             const float *qg = q + (size_t)g * hd;
             float a[4] = {0, 0, 0, 0};
             int d = 0;
             for (; d + 4 <= hd; d += 4)
                 for (int u = 0; u < 4; u++)
-                    a[u] += qg[d + u] * fi_h2f(kr[d + u]);
+                    a[u] += qg[d + u] * s_kv_val(kr, d + u, Q8);
             for (; d < hd; d++)
-                a[0] += qg[d] * fi_h2f(kr[d]);
-            s[g * ss + i] = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
+                a[0] += qg[d] * s_kv_val(kr, d, Q8);
+            float dot = (a[0] + a[1]) + (a[2] + a[3]);
+            s[g * ss + i] = (Q8 ? dot * s_kv_scale(kr, soff) : dot) * scale;
         }
     }
+}
+
+/* A Q8 row's weight is s * row scale. */
+static inline void s_att_wsum_g(float *o, const float *s, size_t ss, int gn, const uint8_t *v,
+                                size_t stride, size_t soff, int np, int hd, const int Q8) {
+    for (int i = 0; i < np; i++) {
+        const uint8_t *vr = v + (size_t)i * stride;
+        for (int g = 0; g < gn; g++) {
+            float e = Q8 ? s[g * ss + i] * s_kv_scale(vr, soff) : s[g * ss + i];
+            float *og = o + (size_t)g * hd;
+            for (int d = 0; d < hd; d++)
+                og[d] += e * s_kv_val(vr, d, Q8);
+        }
+    }
+}
+
+static void s_att_dots(float *s, size_t ss, const float *q, int gn, const uint16_t *k,
+                       size_t stride, int np, int hd, float scale) {
+    s_att_dots_g(s, ss, q, gn, (const uint8_t *)k, stride * sizeof *k, 0, np, hd, scale, 0);
 }
 
 static void s_att_wsum(float *o, const float *s, size_t ss, int gn, const uint16_t *v,
                        size_t stride, int np, int hd) {
-    for (int i = 0; i < np; i++) {
-        const uint16_t *vr = v + (size_t)i * stride;
-        for (int g = 0; g < gn; g++) {
-            float e = s[g * ss + i];
-            float *og = o + (size_t)g * hd;
-            for (int d = 0; d < hd; d++)
-                og[d] += e * fi_h2f(vr[d]);
-        }
-    }
-}
-
-/* A FI_KV_ROW_Q8 row's scale. */
-static float s_kv_scale(const int8_t *row, size_t soff) {
-    float f;
-    memcpy(&f, (const uint8_t *)row + soff, sizeof f);
-    return f;
+    s_att_wsum_g(o, s, ss, gn, (const uint8_t *)v, stride * sizeof *v, 0, np, hd, 0);
 }
 
 static void s_att_dots_q8(float *s, size_t ss, const float *q, int gn, const int8_t *k,
                           size_t stride, size_t soff, int np, int hd, float scale) {
-    for (int i = 0; i < np; i++) {
-        const int8_t *kr = (const int8_t *)((const uint8_t *)k + (size_t)i * stride);
-        const float ks = s_kv_scale(kr, soff);
-        for (int g = 0; g < gn; g++) {
-            const float *qg = q + (size_t)g * hd;
-            float a[4] = {0, 0, 0, 0};
-            int d = 0;
-            for (; d + 4 <= hd; d += 4)
-                for (int u = 0; u < 4; u++)
-                    a[u] += qg[d + u] * (float)kr[d + u];
-            for (; d < hd; d++)
-                a[0] += qg[d] * (float)kr[d];
-            s[g * ss + i] = (((a[0] + a[1]) + (a[2] + a[3])) * ks) * scale;
-        }
-    }
+    s_att_dots_g(s, ss, q, gn, (const uint8_t *)k, stride, soff, np, hd, scale, 1);
 }
 
 static void s_att_wsum_q8(float *o, const float *s, size_t ss, int gn, const int8_t *v,
                           size_t stride, size_t soff, int np, int hd) {
-    for (int i = 0; i < np; i++) {
-        const int8_t *vr = (const int8_t *)((const uint8_t *)v + (size_t)i * stride);
-        const float vs = s_kv_scale(vr, soff);
-        for (int g = 0; g < gn; g++) {
-            float e = s[g * ss + i] * vs;
-            float *og = o + (size_t)g * hd;
-            for (int d = 0; d < hd; d++)
-                og[d] += e * (float)vr[d];
-        }
-    }
+    s_att_wsum_g(o, s, ss, gn, (const uint8_t *)v, stride, soff, np, hd, 1);
 }
 
 static float s_exp_sum(float *s, int n, float *m) {
