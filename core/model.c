@@ -78,6 +78,7 @@ struct fi_kvpool {
                                backend's format (fi_backend_kv_row_bytes), backend */
     uint8_t *vcache;
     size_t kv_row;          /* bytes per cache row */
+    int kv_bits;            /* their format (fi_backend_kv_bits when made) */
     /* Activations for up to max_tokens tokens, backend memory. */
     float *x;               /* (n, dim) residual stream */
     float *xb;              /* (n, dim) normed input / attention output */
@@ -801,6 +802,7 @@ fi_kvpool *fi_kvpool_new(fi_model *m, int n_blocks, int max_tokens, int max_out,
     atomic_fetch_add(&m->n_pools, 1);
     p->n_blocks = n_blocks;
     p->kv_row = fi_backend_kv_row_bytes(m->be, m->n_kv_l, c->head_dim);
+    p->kv_bits = fi_backend_kv_bits(m->be);
     p->max_tokens = max_tokens;
     p->max_out = max_out;
     const fi_backend_ops *ops = m->be->ops;
@@ -1012,10 +1014,9 @@ static int s_forward(fi_model *m, fi_kvpool *kv, const fi_batch *b, const float 
         s_err(err, errlen, "KV pool belongs to another model");
         return -1;
     }
-    if (kv->kv_row != fi_backend_kv_row_bytes(m->be, m->n_kv_l, c->head_dim)) {
-        s_err(err, errlen, "KV pool's rows (%zu bytes) are not in the backend's cache format (%d-bit, "
-              "%zu bytes): made before the format changed", kv->kv_row, fi_backend_kv_bits(m->be),
-              fi_backend_kv_row_bytes(m->be, m->n_kv_l, c->head_dim));
+    if (kv->kv_bits != fi_backend_kv_bits(m->be)) {
+        s_err(err, errlen, "KV pool's rows are %d-bit, not in the backend's cache format (%d-bit): "
+              "made before the format changed", kv->kv_bits, fi_backend_kv_bits(m->be));
         return -1;
     }
     if (s_unbound(m, err, errlen)) return -1;

@@ -838,6 +838,26 @@ static void test_kv_bits(void **state) {
     printf("  stale pool: %s\n", err);
     assert_non_null(strstr(err, "not in the backend's cache format"));
     fi_session_destroy(&s16);
+    /* the same where the two formats' rows have the same size (head_dim 4:
+     * 8 bytes of fp16, or 4 quants and a scale): the format is compared */
+    fi_gw_llama_opts o4 = s_q4_untied();
+    o4.n_heads = 16; /* dim 64: head_dim 4 */
+    o4.wtype = o4.embd_type = FI_DTYPE_F32;
+    const char *p4 = s_write(&o4);
+    mo.kv_bits = 16;
+    fi_model *m4 = fi_model_load(p4, &mo, err, sizeof err);
+    unlink(p4);
+    if (!m4) fail_msg("load: %s", err);
+    assert_int_equal(fi_model_config(m4)->head_dim, 4);
+    assert_int_equal(fi_kv_row_bytes(FI_KV_ROW_Q8, 2, 4), fi_kv_row_bytes(FI_KV_ROW_F16, 2, 4));
+    fi_session *s4 = fi_session_new(m4, 64, err, sizeof err);
+    assert_non_null(s4);
+    assert_int_equal(fi_session_eval(s4, toks, 8, NULL, NULL, err, sizeof err), 0);
+    assert_int_equal(fi_cpu_backend_set_kv_bits(fi_model_backend(m4), 8), 0);
+    assert_int_equal(fi_session_eval(s4, toks, 1, NULL, NULL, err, sizeof err), -1);
+    assert_non_null(strstr(err, "not in the backend's cache format"));
+    fi_session_destroy(&s4);
+    fi_model_destroy(&m4);
     /* a reset (a backend that failed for good) makes an 8-bit backend again */
     fi_session_destroy(&s8);
     if (fi_model_reset_backend(m8, err, sizeof err) != 0) fail_msg("reset: %s", err);
