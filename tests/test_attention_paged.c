@@ -301,8 +301,11 @@ static void test_q8_quantiser(void **state) {
         fi_backend *b = fi_cpu_backend_new_flavour(1, flavours[f], err, sizeof err);
         if (!b)
             continue;
+        char desc[128];
+        assert_null(strstr(fi_backend_describe(b, desc, sizeof desc), "KV cache"));
         assert_int_equal(fi_cpu_backend_set_kv_bits(b, 8), 0);
         assert_int_equal(fi_backend_kv_bits(b), 8);
+        assert_non_null(strstr(fi_backend_describe(b, desc, sizeof desc), ", 8-bit KV cache")); /* start-up lines */
         assert_int_not_equal(fi_cpu_backend_set_kv_bits(b, 12), 0);
         size_t rb = fi_kv_row_bytes(FI_KV_ROW_Q8, 1, HD);
         assert_int_equal(rb, HD + 4);
