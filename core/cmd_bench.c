@@ -141,6 +141,8 @@ static void s_usage(FILE *f) {
             "  -r, --reps N             repetitions; medians are reported (default 3)\n"
             "      --simd MODE          auto, portable or avx2 (default auto)\n"
             "      --device DEV         cpu, cuda or auto (default auto: CUDA when present)\n"
+            "      --kv-bits N          the CPU's KV cache: 16 (fp16, default) or 8 (int8 with a\n"
+            "                           scale per head: the peak RSS shows the smaller cache)\n"
             "      --serve              the serving benchmarks instead (see --serve --help)\n"
             "  -h, --help               this text\n");
 }
@@ -164,9 +166,10 @@ int fi_cmd_bench(int argc, char **argv) {
         {"prompt-tokens", required_argument, 0, 'P'}, {"gen-tokens", required_argument, 0, 'G'},
         {"ctx", required_argument, 0, 'c'},          {"reps", required_argument, 0, 'r'},
         {"simd", required_argument, 0, 'I'},         {"help", no_argument, 0, 'h'},
-        {"device", required_argument, 0, 'D'},       {0, 0, 0, 0}};
+        {"device", required_argument, 0, 'D'},       {"kv-bits", required_argument, 0, 'K'},
+        {0, 0, 0, 0}};
     const char *model = fi_default_model_path();
-    long threads = 0, n_prompt = 256, n_gen = 128, n_ctx = 2048, reps = 3;
+    long threads = 0, n_prompt = 256, n_gen = 128, n_ctx = 2048, reps = 3, kv_bits = 16;
     fi_simd simd = FI_SIMD_AUTO;
     fi_device device = FI_DEVICE_AUTO;
     int c;
@@ -186,6 +189,13 @@ int fi_cmd_bench(int argc, char **argv) {
                 return 2;
             }
             break;
+        case 'K':
+            if (s_arg_int("--kv-bits", optarg, 8, 16, &kv_bits)) return 2;
+            if (kv_bits != 8 && kv_bits != 16) {
+                fprintf(stderr, "fedinfer: --kv-bits expects 8 or 16, not '%s'\n", optarg);
+                return 2;
+            }
+            break;
         case 'h': s_usage(stdout); return 0;
         default: s_usage(stderr); return 2;
         }
@@ -195,7 +205,8 @@ int fi_cmd_bench(int argc, char **argv) {
         return 2;
     }
     char err[512];
-    fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .device = device};
+    fi_model_opts mo = {.n_threads = (int)threads, .simd = simd, .device = device,
+                        .kv_bits = (int)kv_bits};
     fi_model *m = fi_model_load(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "fedinfer: %s\n", err);
@@ -245,7 +256,8 @@ int fi_cmd_bench(int argc, char **argv) {
     printf("config         %d layers, dim %d, ffn %d, heads %d/%d, vocab %d\n", cfg->n_layers,
            cfg->dim, cfg->ffn_dim, cfg->n_heads, cfg->n_kv_heads, cfg->n_vocab);
     if (fi_cpu_backend_simd(be))
-        printf("backend        %s, %d threads, simd %s\n", be->ops->name, nth, fi_cpu_backend_simd(be));
+        printf("backend        %s, %d threads, simd %s, %d-bit KV cache\n", be->ops->name, nth,
+               fi_cpu_backend_simd(be), fi_backend_kv_bits(be));
     else
         printf("backend        %s\n", be->ops->name);
 
