@@ -51,3 +51,16 @@ if(TARGET fedinfer)
      awk -v c=\"$cur\" -v o=\"$old\" -v r=\"$rr\" -v c2=\"$cur2\" -v n2=\"$nf2\" -v r2=\"$rr2\" 'BEGIN { num = \"^[0-9.]+$\"; exit !(c ~ num && o ~ num && r ~ num && c2 ~ num && n2 ~ num && r2 ~ num && c + 0 > r + 0 && o + 0 > r + 0 && c2 + 0 > n2 + 0 && c2 + 0 > r2 + 0) }'")
   set_tests_properties(bench_serve_routing PROPERTIES LABELS "model" REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
 endif()
+# The 8-bit KV cache from the command line: run answers with it; a
+# precision other than 8 or 16 is refused (exit 2) naming the flag; CUDA
+# with it is refused naming the reason, before any device is opened.
+if(TARGET fedinfer)
+  add_test(NAME cli_kv_bits COMMAND sh -c
+    "m='${FEDINFER_DEFAULT_MODEL}'; f='$<TARGET_FILE:fedinfer>'
+     a=$($f run -m \"$m\" -t 1 --raw -n 10 --temp 0 --kv-bits 8 '1, 2, 3,') || exit 1
+     test -n \"$a\" || { echo 'no answer'; exit 1; }
+     $f run -m \"$m\" --kv-bits 12 x 2>err.txt; test $? = 2 && grep -q -- --kv-bits err.txt || exit 1
+     $f bench --serve -m \"$m\" --kv-bits 4 2>err.txt; test $? = 2 && grep -q -- --kv-bits err.txt || exit 1
+     $f run -m \"$m\" --device cuda --kv-bits 8 x 2>err.txt; test $? != 0 && grep -q 'for the CPU backend only' err.txt")
+  set_tests_properties(cli_kv_bits PROPERTIES LABELS "model" REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
+endif()
