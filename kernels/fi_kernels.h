@@ -292,8 +292,8 @@ int fi_cpu_backend_act_bits(const fi_backend *b);
 typedef enum fi_kv_row { FI_KV_ROW_F16 = 16, FI_KV_ROW_Q8 = 8 } fi_kv_row;
 /* The CPU backend's KV cache precision: 16 (the default, FI_KV_ROW_F16)
  * or 8 (FI_KV_ROW_Q8: half the memory, so twice the tokens in a budget,
- * and attention that reads half the bytes; its scores move by about
- * 1/254 of the largest key value). Set it before any KV cache is made:
+ * and attention that reads half the bytes; each cached value moves by at
+ * most half a step, max |head| / 254). Set it before any KV cache is made:
  * caches made earlier keep the format they were made in, which this
  * backend then misreads. 0, or -1 when bits is not 8 or 16 or b is not a
  * CPU backend. */
