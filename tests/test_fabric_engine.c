@@ -545,6 +545,35 @@ static void test_max_tokens_from_wire(void **state) {
     be.destroy(be.ctx);
 }
 
+/* kv_bits = 8 in the worker's configuration: its model's backend keeps
+ * 8-bit cache rows, the same kv_mb holds 1.9x the blocks (reported to the
+ * coordinator with the load; 8 MiB stays under the pool's cap of what
+ * its sessions can use), and a request is served. */
+static void test_engine_kv_bits(void **state) {
+    (void)state;
+    uint32_t total[2];
+    for (int i = 0; i < 2; i++) {
+        fi_shard_conf conf;
+        s_engine_conf(&conf, 256, 8);
+        conf.kv_mb = 8;
+        conf.kv_bits = i ? 8 : 16;
+        fi_shard_backend be;
+        char err[512];
+        if (fi_shard_engine_backend(&conf, &be, err, sizeof err) != 0) fail_msg("engine: %s", err);
+        assert_int_equal(fi_backend_kv_bits(fi_model_backend(fi_shard_engine_model(&be))), conf.kv_bits);
+        s_sinkbuf b;
+        if (s_one(&be, &b, err, sizeof err)) fail_msg("kv_bits %d: %s%s", conf.kv_bits, err, b.error);
+        assert_true(b.n_generated > 0);
+        uint32_t l[4];
+        be.load(be.ctx, &l[0], &l[1], &l[2], &l[3]);
+        total[i] = l[3];
+        print_message("kv_bits %d: %u KV blocks in 8 MiB; \"%s\"\n", conf.kv_bits, l[3], b.text);
+        assert_int_equal(l[3], ((size_t)8 << 20) / fi_kv_block_bytes(fi_shard_engine_model(&be)));
+        be.destroy(be.ctx);
+    }
+    assert_true(total[1] * 100 >= total[0] * 185 && total[1] * 100 <= total[0] * 195);
+}
+
 /* A batched backend that serves nothing and reports a pool of 5000 KV
  * blocks; it keeps the size of the prefix filter it is asked for. */
 static atomic_int s_filter_asked;
@@ -603,6 +632,7 @@ int main(void) {
         cmocka_unit_test(test_engine_down),
         cmocka_unit_test(test_engine_down_through_fabric),
         cmocka_unit_test(test_max_tokens_from_wire),
+        cmocka_unit_test(test_engine_kv_bits),
         cmocka_unit_test(test_filter_sized_from_pool),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
