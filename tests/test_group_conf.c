@@ -326,6 +326,17 @@ static void test_micro_split(void **state) {
     assert_memory_not_equal(d1, d2, sizeof d1);
 }
 
+/* Writes rank 1's file at path with the line(s) extra after its four
+ * required keys (extra starts at line 5), and loads it. */
+static int s_rank1_with(const char *path, const char *extra, fi_group_rank_conf *r, char *err,
+                        size_t errlen) {
+    FILE *fp = fopen(path, "w");
+    assert_non_null(fp);
+    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n%s", extra);
+    fclose(fp);
+    return fi_group_rank_conf_load(path, r, err, errlen);
+}
+
 static void test_rank_file(void **state) {
     fixture *f = *state;
     char path[160], err[512];
@@ -347,45 +358,21 @@ static void test_rank_file(void **state) {
     assert_int_equal(r.kv_bits, 16);
     /* Ranks sharing a machine name their GPUs; an index out of range is
      * refused, naming the key. */
-    fp = fopen(path, "w");
-    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
-                "device = cuda\ngpu = 3\n");
-    fclose(fp);
-    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), 0);
+    assert_int_equal(s_rank1_with(path, "device = cuda\ngpu = 3\n", &r, err, sizeof err), 0);
     assert_int_equal(r.gpu, 3);
-    /* the activation precision: 8, 12 or 16 */
-    fp = fopen(path, "w");
-    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
-                "act_bits = 8\n");
-    fclose(fp);
-    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), 0);
-    assert_int_equal(r.act_bits, 8);
-    fp = fopen(path, "w");
-    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
-                "act_bits = 14\n");
-    fclose(fp);
-    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), -1);
-    assert_non_null(strstr(err, ":5: value of 'act_bits' must be a multiple of 4"));
-    /* the KV cache precision: 16 (the default) or 8 */
-    fp = fopen(path, "w");
-    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
-                "kv_bits = 8\n");
-    fclose(fp);
-    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), 0);
-    assert_int_equal(r.kv_bits, 8);
-    fp = fopen(path, "w");
-    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
-                "kv_bits = 4\n");
-    fclose(fp);
-    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), -1);
-    assert_non_null(strstr(err, ":5: value of 'kv_bits' must be a multiple of 8 in [8, 16]"));
-    fp = fopen(path, "w");
-    fprintf(fp, "group_file = group.conf\nrank = 1\nsecret_key = rank1.key\nmodel = /m.gguf\n"
-                "gpu = -1\n");
-    fclose(fp);
-    assert_int_equal(fi_group_rank_conf_load(path, &r, err, sizeof err), -1);
+    assert_int_equal(s_rank1_with(path, "gpu = -1\n", &r, err, sizeof err), -1);
     printf("  %s\n", err);
     assert_non_null(strstr(err, "gpu"));
+    /* the activation precision: 8, 12 or 16 */
+    assert_int_equal(s_rank1_with(path, "act_bits = 8\n", &r, err, sizeof err), 0);
+    assert_int_equal(r.act_bits, 8);
+    assert_int_equal(s_rank1_with(path, "act_bits = 14\n", &r, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":5: value of 'act_bits' must be a multiple of 4"));
+    /* the KV cache precision: 16 (the default) or 8 */
+    assert_int_equal(s_rank1_with(path, "kv_bits = 8\n", &r, err, sizeof err), 0);
+    assert_int_equal(r.kv_bits, 8);
+    assert_int_equal(s_rank1_with(path, "kv_bits = 4\n", &r, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":5: value of 'kv_bits' must be a multiple of 8 in [8, 16]"));
     /* Rank 0 must know its coordinator. */
     fp = fopen(path, "w");
     fprintf(fp, "group_file = group.conf\nrank = 0\nsecret_key = rank0.key\nmodel = /m.gguf\n");

@@ -738,6 +738,18 @@ static fi_gw_llama_opts s_q4_untied(void) {
     return o;
 }
 
+/* Resets m's backend (no session alive), then evaluates toks[0..n) in a
+ * new session into got: the logits must be want's, bit for bit. */
+static void s_reset_and_eval(fi_model *m, const int32_t *toks, int n, const float *want, float *got) {
+    char err[512];
+    if (fi_model_reset_backend(m, err, sizeof err) != 0) fail_msg("reset: %s", err);
+    fi_session *s = fi_session_new(m, 64, err, sizeof err);
+    assert_non_null(s);
+    assert_int_equal(fi_session_eval(s, toks, n, got, NULL, err, sizeof err), 0);
+    assert_memory_equal(got, want, (size_t)fi_model_config(m)->n_vocab * sizeof *got);
+    fi_session_destroy(&s);
+}
+
 /* A backend that fails for good (as a GPU's does) is replaced without a
  * restart: passes fail with its message, fi_model_backend_failed says so,
  * the reset waits for the model's sessions to go, and the new backend
@@ -771,14 +783,9 @@ static void test_backend_reset(void **state) {
     printf("  reset refused: %s\n", err);
     assert_non_null(strstr(err, "1 KV pool or session"));
     fi_session_destroy(&s);
-    if (fi_model_reset_backend(m, err, sizeof err) != 0) fail_msg("reset: %s", err);
+    s_reset_and_eval(m, toks, 12, ref, got);
     /* f went with the old backend */
     assert_int_equal(fi_model_backend_failed(m, why, sizeof why), 0);
-    s = fi_session_new(m, 64, err, sizeof err);
-    assert_non_null(s);
-    assert_int_equal(fi_session_eval(s, toks, 12, got, NULL, err, sizeof err), 0);
-    assert_memory_equal(got, ref, V * sizeof *ref);
-    fi_session_destroy(&s);
     free(ref);
     free(got);
     fi_model_destroy(&m);
@@ -860,13 +867,8 @@ static void test_kv_bits(void **state) {
     fi_model_destroy(&m4);
     /* a reset (a backend that failed for good) makes an 8-bit backend again */
     fi_session_destroy(&s8);
-    if (fi_model_reset_backend(m8, err, sizeof err) != 0) fail_msg("reset: %s", err);
+    s_reset_and_eval(m8, toks, 40, l8, again);
     assert_int_equal(fi_backend_kv_bits(fi_model_backend(m8)), 8);
-    s8 = fi_session_new(m8, 64, err, sizeof err);
-    assert_non_null(s8);
-    assert_int_equal(fi_session_eval(s8, toks, 40, again, NULL, err, sizeof err), 0);
-    assert_memory_equal(again, l8, V * sizeof *l8);
-    fi_session_destroy(&s8);
     free(l16);
     free(l8);
     free(again);
