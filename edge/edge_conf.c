@@ -10,6 +10,7 @@
 
 #define S(k, req) {#k, FI_CONF_STR, offsetof(fi_edge_conf, k), req, 0, 0, 0}
 #define I(k, lo, hi) {#k, FI_CONF_INT, offsetof(fi_edge_conf, k), 0, lo, hi, 0}
+#define E_OFF(f) offsetof(fi_edge_conf, f)
 
 const fi_conf_key fi_edge_conf_keys[] = {
     S(site, 1),
@@ -19,8 +20,7 @@ const fi_conf_key fi_edge_conf_keys[] = {
     S(model_name, 0),
     S(model_sha256, 0),
     I(threads, 0, 256),
-    {"act_bits", FI_CONF_INT, offsetof(fi_edge_conf, act_bits), 0, 8, 16, 4},
-    {"kv_bits", FI_CONF_INT, offsetof(fi_edge_conf, kv_bits), 0, 8, 16, 8},
+    FI_CONF_PRECISION_KEYS(E_OFF),
     I(n_ctx, 64, 32768),
     I(concurrency, 1, 64),
     I(queue, 0, 4096),

@@ -33,6 +33,15 @@ typedef struct fi_conf_key {
     long step;          /* FI_CONF_INT: 0, or the value must be a multiple of it */
 } fi_conf_key;
 
+/* The engine's precision keys, alike in every configuration that runs the
+ * engine (edge, shard worker, shard-group rank): act_bits 8, 12 or 16
+ * (fi_cpu_backend_set_act_bits) and kv_bits 8 or 16
+ * (fi_cpu_backend_set_kv_bits), into int fields of those names; OFF(f)
+ * is the offset of field f in the target struct. */
+#define FI_CONF_PRECISION_KEYS(OFF)                          \
+    {"act_bits", FI_CONF_INT, OFF(act_bits), 0, 8, 16, 4}, \
+    {"kv_bits", FI_CONF_INT, OFF(kv_bits), 0, 8, 16, 8}
+
 /* Parses path into the struct at dst (which holds defaults on entry)
  * according to keys. Returns 0, or -1 with "FILE:LINE: ..." in err. */
 FI_WIRE_MUST_CHECK int fi_conf_load(const char *path, const fi_conf_key *keys, void *dst,
