@@ -49,7 +49,7 @@ fi_edge *fi_edge_new(const fi_edge_conf *c, char *err, size_t errlen) {
     if (edge_http_start(e, err, errlen) != 0) goto fail;
     /* the backend the load landed on: a GPU when one is visible (a
      * sandbox that hides /dev/nvidia* gives the CPU) */
-    char dev[64];
+    char dev[96];
     fi_backend_describe(e->model ? fi_model_backend(e->model) : NULL, dev, sizeof dev);
     fprintf(stderr, "edge: site %s serving on http://%s:%d (model %s on %s, concurrency %d, "
                     "queue %d%s%s)\n",

@@ -123,8 +123,10 @@ int fi_group_cmd(const char *config, const char *token) {
         fprintf(stderr, "fedinfer shard: %s\n", err);
         goto done;
     }
-    fprintf(stderr, "group %s: rank %d ready in %.1f s (digest and slice), listening on %s\n",
-            gc.name, rc.rank, s_now() - t0, gc.endpoint[rc.rank]);
+    char d[96];
+    fprintf(stderr, "group %s: rank %d ready in %.1f s (digest and slice) on %s, listening on %s\n",
+            gc.name, rc.rank, s_now() - t0, fi_backend_describe(fi_model_backend(m), d, sizeof d),
+            gc.endpoint[rc.rank]);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = s_on_signal;

@@ -144,10 +144,10 @@ int fi_cmd_shard(int argc, char **argv) {
         goto done;
     }
     /* the engine's device: the CPU's kernels and precision, where it is the CPU */
-    char dev[64] = "";
+    char dev[128] = "";
     const fi_model *em = echo ? NULL : fi_shard_engine_model(&be);
     if (em) {
-        char d[56];
+        char d[96];
         snprintf(dev, sizeof dev, " on %s", fi_backend_describe(fi_model_backend(em), d, sizeof d));
     }
     fprintf(stderr, "shard: serving %s (%s backend%s, capacity %d) to %s\n", conf.model_name,

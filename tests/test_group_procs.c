@@ -53,6 +53,10 @@ typedef struct fixture {
     int port;             /* rank 0's link port */
 } fixture;
 
+/* The KV cache precision of the ranks (kv_bits in their files) and of the
+ * single-process engine they are compared with: 16, or 8 for setup_kv8. */
+static int s_kv_bits = 16;
+
 static int setup(void **state) {
     if (access(FI_TEST_MODEL, R_OK) != 0) {
         printf("SKIPPED: the model %s is absent\n", FI_TEST_MODEL);
@@ -91,8 +95,8 @@ static int setup(void **state) {
         fp = fopen(f->conf[r], "w");
         if (!fp) return -1;
         fprintf(fp, "group_file = group.conf\nrank = %d\nsecret_key = rank%d.key\nmodel = %s\n"
-                    "threads = 1\n",
-                r, r, FI_TEST_MODEL);
+                    "threads = 1\nkv_bits = %d\n",
+                r, r, FI_TEST_MODEL, s_kv_bits);
         if (r == 0)
             fprintf(fp, "coordinator = %s\ncoordinator_key = coord.pub\nmodel_name = smollm2\n"
                         "capacity = 4\nheartbeat_ms = %d\nliveness = %d\nmax_tokens = 400\n"
@@ -274,7 +278,8 @@ static int s_wait_serving(fi_client *c, int ms) {
 /* The single-process engine's greedy text for S_PROMPT (chat), n tokens. */
 static void s_engine_text(char *out, size_t cap, int n) {
     char err[512];
-    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU};
+    fi_model_opts mo = {.n_threads = 1, .simd = FI_SIMD_AUTO, .device = FI_DEVICE_CPU,
+                        .kv_bits = s_kv_bits};
     fi_model *m = fi_model_load(FI_TEST_MODEL, &mo, err, sizeof err);
     assert_non_null(m);
     const fi_tok *tok = fi_model_tok(m);
@@ -596,6 +601,38 @@ static void test_wrong_model_refused(void **state) {
     fi_client_destroy(&c);
 }
 
+/* The ranks with the 8-bit KV cache (kv_bits = 8): each keeps its own KV
+ * heads as int8 rows with a scale per head, as the whole model would, so
+ * the group's greedy text is the single-process engine's with that cache;
+ * the ranks' start-up lines say so. */
+static int setup_kv8(void **state) {
+    s_kv_bits = 8;
+    return setup(state);
+}
+
+static int teardown_kv8(void **state) {
+    s_kv_bits = 16;
+    return teardown(state);
+}
+
+static void test_kv8_end_to_end(void **state) {
+    fixture *f = *state;
+    char want[4096];
+    s_engine_text(want, sizeof want, 8);
+    fi_client *c = s_group_up(f);
+    s_req q;
+    s_send(c, &q, "kv8", S_PROMPT, 8);
+    s_pump(c, &q, 1, 30000);
+    assert_true(q.done);
+    if (q.code) fail_msg("kv8: %s", q.msg);
+    printf("TP=2 group, 8-bit KV cache: \"%.*s\"\nsingle-process engine, the same: \"%s\"\n", (int)q.len,
+           q.text, want);
+    assert_int_equal(q.len, strlen(want));
+    assert_memory_equal(q.text, want, q.len);
+    assert_true(s_log_has(f, 0, "8-bit KV cache") && s_log_has(f, 1, "8-bit KV cache"));
+    fi_client_destroy(&c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_end_to_end_and_kill, setup, teardown),
@@ -604,6 +641,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_leader_restart, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wrong_model_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_leader_alone_says_why, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_kv8_end_to_end, setup_kv8, teardown_kv8),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
