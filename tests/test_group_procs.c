@@ -358,20 +358,26 @@ static void s_fault(fixture *f, fi_client *c, int sig, const char *what) {
     assert_int_equal(n.code, FI__ERROR_CODE__ERR_NO_WORKER);
 }
 
+/* Request id (S_PROMPT, 8 tokens) through c to the group: it must be
+ * served with want, the single-process engine's text. */
+static void s_ask_as_engine(fi_client *c, s_req *q, const char *id, const char *want) {
+    s_send(c, q, id, S_PROMPT, 8);
+    s_pump(c, q, 1, 30000);
+    assert_true(q->done);
+    if (q->code) fail_msg("%s: %s", id, q->msg);
+    printf("%s: edge -> coordinator -> TP=2 group: \"%.*s\"\nsingle-process engine: \"%s\"\n", id,
+           (int)q->len, q->text, want);
+    assert_int_equal(q->len, strlen(want));
+    assert_memory_equal(q->text, want, q->len);
+}
+
 static void test_end_to_end_and_kill(void **state) {
     fixture *f = *state;
     char want[4096];
     s_engine_text(want, sizeof want, 8);
     fi_client *c = s_group_up(f);
     s_req q;
-    s_send(c, &q, "e2e", S_PROMPT, 8);
-    s_pump(c, &q, 1, 30000);
-    assert_true(q.done);
-    if (q.code) fail_msg("e2e: %s", q.msg);
-    printf("edge -> coordinator -> TP=2 group: \"%.*s\"\nsingle-process engine:      \"%s\"\n",
-           (int)q.len, q.text, want);
-    assert_int_equal(q.len, strlen(want));
-    assert_memory_equal(q.text, want, q.len);
+    s_ask_as_engine(c, &q, "e2e", want);
     /* The conversation as the edge sends a chat (messages, no prompt), and
      * a stop string: the group takes them as a single worker does. */
     s_send_chat(c, &q, "chat", S_PROMPT, 8, NULL);
@@ -621,14 +627,7 @@ static void test_kv8_end_to_end(void **state) {
     s_engine_text(want, sizeof want, 8);
     fi_client *c = s_group_up(f);
     s_req q;
-    s_send(c, &q, "kv8", S_PROMPT, 8);
-    s_pump(c, &q, 1, 30000);
-    assert_true(q.done);
-    if (q.code) fail_msg("kv8: %s", q.msg);
-    printf("TP=2 group, 8-bit KV cache: \"%.*s\"\nsingle-process engine, the same: \"%s\"\n", (int)q.len,
-           q.text, want);
-    assert_int_equal(q.len, strlen(want));
-    assert_memory_equal(q.text, want, q.len);
+    s_ask_as_engine(c, &q, "kv8", want);
     assert_true(s_log_has(f, 0, "8-bit KV cache") && s_log_has(f, 1, "8-bit KV cache"));
     fi_client_destroy(&c);
 }
