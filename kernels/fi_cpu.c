@@ -48,6 +48,7 @@
                                            the split by tokens; see s_rmsnorm) */
 #define S_ATT_SEG 256                   /* positions per segment (batch-invariant) */
 #define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
+#define S_ATT_SPLIT 2                   /* fewer items a thread: split them by KV heads */
 
 /* Memory for packed weights, handed out in order from chunks of huge
  * pages: a decode step streams every weight once, and on 4 KiB pages the
@@ -748,14 +749,17 @@ static void s_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const 
         s_rope_worker(&j, 0, 1);
 }
 
-/* Attention work item: token t, position segment seg, all heads. The
- * query heads that share a KV head are done together, so each K/V row is
- * converted from fp16 once per group, and one item reads whole cache rows
- * (all the KV heads), in runs of contiguous rows. Positions past S_ATT_SEG
- * are split into segments of S_ATT_SEG whose partial softmax states (max,
- * sum, unnormalised output) are merged after the parallel part, as in
- * flash-decoding: decode at a long context keeps every thread busy, and
- * the split never depends on the batch. */
+/* Attention work item: token t, position segment seg, all heads, or
+ * (when there are fewer items than S_ATT_SPLIT per thread: one sequence's
+ * decode) a share of the KV heads. The query heads that share a KV head
+ * are done together, so each K/V row is converted from fp16 once per
+ * group, and an item of all heads reads whole cache rows, in runs of
+ * contiguous rows. Positions past S_ATT_SEG are split into segments of
+ * S_ATT_SEG whose partial softmax states (max, sum, unnormalised output)
+ * are merged after the parallel part, as in flash-decoding: decode at a
+ * long context keeps every thread busy, and the split never depends on
+ * the batch. Neither does a head's arithmetic depend on which item holds
+ * it: KV heads are independent. */
 typedef struct s_att_job {
     const fi_cpu_kernels *k;    /* att_dots / att_wsum / exp_sum */
     float *out;                 /* n rows of n_heads*head_dim */
@@ -767,6 +771,7 @@ typedef struct s_att_job {
     const fi_kv_map *map;       /* where each position's row is */
     int n, n_heads, n_kv_heads, head_dim;
     int segs;                   /* position segments per token */
+    int hparts;                 /* items per (token, segment): shares of the KV heads */
     int seg_len;                /* positions per segment (last may be short) */
     float *part;                /* segs > 1: per (t, seg): o[n_heads][head_dim], m[n_heads], l[n_heads] */
     s_range *rg;                /* the threads' ranges of items */
@@ -798,7 +803,7 @@ static void s_att_prefetch(const uint8_t *c, size_t row, int nr, size_t row_byte
  * heads find them in cache. A token's operations depend only on its own
  * position and the block size, never on the other tokens or the thread
  * split. */
-static void s_att_item(const s_att_job *j, int t, int seg) {
+static void s_att_item(const s_att_job *j, int t, int seg, int kh0, int kh1) {
     const int hd = j->head_dim, nh = j->n_heads;
     const int group = nh / j->n_kv_heads;
     const size_t rb = j->row_bytes;
@@ -811,7 +816,7 @@ static void s_att_item(const s_att_job *j, int t, int seg) {
     if (p_end <= p_begin) {
         /* past pos[t]: an empty segment, which the merge skips */
         assert(part);
-        for (int h = 0; h < nh; h++) {
+        for (int h = kh0 * group; h < kh1 * group; h++) {
             part[(size_t)nh * hd + h] = -INFINITY;
             part[(size_t)nh * (hd + 1) + h] = 0.0f;
         }
@@ -832,7 +837,7 @@ static void s_att_item(const s_att_job *j, int t, int seg) {
      * its scale soff bytes after them, past every head's quants (qbytes) */
     const size_t es = j->q8 ? 1 : sizeof(uint16_t);
     const size_t qbytes = rb - 4 * (size_t)j->n_kv_heads;
-    for (int kh = 0; kh < j->n_kv_heads; kh++) {
+    for (int kh = kh0; kh < kh1; kh++) {
         const uint8_t *kc = j->kc + (size_t)kh * hd * es, *vc = j->vc + (size_t)kh * hd * es;
         const size_t soff = qbytes + 4 * (size_t)kh - (size_t)kh * hd; /* used only when q8 */
         for (int g0 = 0; g0 < group; g0 += S_ATT_HEADS) {
@@ -843,7 +848,7 @@ static void s_att_item(const s_att_job *j, int t, int seg) {
             float m[S_ATT_HEADS], l[S_ATT_HEADS];
             for (int r = 0; r < nrun; r++) {
                 int cn = run_p[r + 1] - run_p[r];
-                if (h0 == 0) {
+                if (kh == kh0 && g0 == 0) {
                     if (r + 1 < nrun)
                         s_att_prefetch(j->kc, run_row[r + 1], run_p[r + 2] - run_p[r + 1], rb);
                     s_att_prefetch(j->vc, run_row[r], cn, rb);
@@ -895,19 +900,22 @@ static void s_att_prefetch_item(const s_att_job *j, int t, int seg) {
     s_att_prefetch(j->vc, row, np, j->row_bytes);
 }
 
-/* Items (t, seg) numbered t segs + seg, from the thread's range (so the
- * tokens it attends for are those whose rows it normalised and will
- * quantise); the next item's first rows are prefetched while it works on
- * the current one (the first rows of an item are otherwise a wait on
- * memory). */
+/* Items (t, seg, part) numbered (t segs + seg) hparts + part, from the
+ * thread's range (so the tokens it attends for are those whose rows it
+ * normalised and will quantise); the next item's first rows are
+ * prefetched while it works on the current one (the first rows of an item
+ * are otherwise a wait on memory). Part p of hparts takes KV heads
+ * [p n_kv / hparts, (p + 1) n_kv / hparts). */
 static void s_att_worker(void *arg, int ith, int nth) {
     s_att_job *j = arg;
+    const int hp = j->hparts, nkv = j->n_kv_heads;
     int a, b;
     while (s_ranges_next(j->rg, ith, nth, 1, &a, &b))
         for (int i = a; i < b; i++) {
-            if (i + 1 < b)
-                s_att_prefetch_item(j, (i + 1) / j->segs, (i + 1) % j->segs);
-            s_att_item(j, i / j->segs, i % j->segs);
+            const int ts = i / hp, p = i % hp;
+            if (i + 1 < b && (i + 1) % hp == 0)
+                s_att_prefetch_item(j, (ts + 1) / j->segs, (ts + 1) % j->segs);
+            s_att_item(j, ts / j->segs, ts % j->segs, p * nkv / hp, (p + 1) * nkv / hp);
         }
 }
 
@@ -949,7 +957,8 @@ static void s_attention(void *ctx, float *out, const float *q, const void *k, co
     s_att_job j = {.k = &c->k, .out = out, .q = q, .kc = k, .vc = v, .pos = pos, .map = map,
                    .row_bytes = fi_kv_row_bytes((fi_kv_row)c->kv_bits, n_kv_heads, head_dim),
                    .q8 = c->kv_bits == FI_KV_ROW_Q8, .n = n,
-                   .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .segs = 1};
+                   .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .segs = 1,
+                   .hparts = 1};
     int maxp = 0;
     for (int t = 0; t < n; t++)
         maxp = pos[t] > maxp ? pos[t] : maxp;
@@ -972,9 +981,14 @@ static void s_attention(void *ctx, float *out, const float *q, const void *k, co
         j.seg_len = S_ATT_SEG;
         j.part = (float *)c->scratch;
     }
-    int nth = c->n_threads > 1 && n * j.segs > 1 ? c->n_threads : 1;
+    /* few items (one sequence's decode at a short context: one item): the
+     * KV heads shared out, so that every thread has work */
+    if (c->n_threads > 1 && n * j.segs < S_ATT_SPLIT * c->n_threads)
+        j.hparts = n_kv_heads;
+    int items = n * j.segs * j.hparts;
+    int nth = c->n_threads > 1 && items > 1 ? c->n_threads : 1;
     j.rg = c->att_rg;
-    s_ranges_init(j.rg, nth, n * j.segs, 1);
+    s_ranges_init(j.rg, nth, items, 1);
     if (nth > 1)
         fi_pool_run(c->pool, s_att_worker, &j);
     else
