@@ -39,7 +39,7 @@ target_compile_definitions(bench_edge PRIVATE FI_TEST_MODEL="${FEDINFER_DEFAULT_
 
 # Fuzzing the edge's Content-Length check (edge/edge_head.c), the one parser
 # of outside input the edge has before libmicrohttpd: libFuzzer needs clang.
-if(TARGET fi_edge AND CMAKE_C_COMPILER_ID MATCHES "Clang")
+if(TARGET fi_edge AND FI_FUZZERS)
   add_executable(fuzz_http_head ${CMAKE_CURRENT_LIST_DIR}/edge/fuzz_http_head.c
                  ${CMAKE_SOURCE_DIR}/edge/edge_head.c)
   target_link_libraries(fuzz_http_head PRIVATE fi_edge)
@@ -50,6 +50,6 @@ if(TARGET fi_edge AND CMAKE_C_COMPILER_ID MATCHES "Clang")
   set_tests_properties(fuzz_http_head PROPERTIES TIMEOUT 60 LABELS asan)
 elseif(TARGET fi_edge)
   add_test(NAME fuzz_http_head COMMAND ${CMAKE_COMMAND} -E echo
-           "fuzz_http_head skipped: libFuzzer needs clang (configure with -DCMAKE_C_COMPILER=clang)")
+           "fuzz_http_head skipped: libFuzzer needs clang, and no ThreadSanitizer build (configure with -DCMAKE_C_COMPILER=clang)")
   set_tests_properties(fuzz_http_head PROPERTIES SKIP_REGULAR_EXPRESSION "skipped")
 endif()

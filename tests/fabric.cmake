@@ -32,7 +32,7 @@ set_tests_properties(fabric_cli PROPERTIES TIMEOUT 60)
 set(FI_FUZZ_CORPUS ${CMAKE_CURRENT_BINARY_DIR}/fuzz_wire_corpus)
 add_executable(fuzz_wire_seeds ${CMAKE_CURRENT_LIST_DIR}/fuzz/fuzz_wire_seeds.c)
 target_link_libraries(fuzz_wire_seeds PRIVATE fi_fabric)
-if(CMAKE_C_COMPILER_ID MATCHES "Clang")
+if(FI_FUZZERS)
   # The decoder and the generated descriptors are compiled into the target
   # itself so that libFuzzer's coverage sees them.
   set(FI_FUZZ_GEN ${CMAKE_BINARY_DIR}/fabric/gen/fi_fabric.pb-c.c)
@@ -54,7 +54,7 @@ if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   set_tests_properties(fuzz_wire PROPERTIES TIMEOUT 120 LABELS asan)
 else()
   add_test(NAME fuzz_wire COMMAND ${CMAKE_COMMAND} -E echo
-           "fuzz_wire skipped: libFuzzer needs clang (configure with -DCMAKE_C_COMPILER=clang)")
+           "fuzz_wire skipped: libFuzzer needs clang, and no ThreadSanitizer build (configure with -DCMAKE_C_COMPILER=clang)")
   set_tests_properties(fuzz_wire PROPERTIES SKIP_REGULAR_EXPRESSION "skipped")
 endif()
 

@@ -17,7 +17,7 @@ if(CMAKE_SYSTEM_NAME STREQUAL "Linux")
   target_compile_definitions(test_gguf PRIVATE FI_TEST_WRAP_ALLOC=1)
 endif()
 
-if(CMAKE_C_COMPILER_ID STREQUAL "Clang")
+if(FI_FUZZERS)
   add_executable(fuzz_gguf ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz_gguf.c
                            ${PROJECT_SOURCE_DIR}/core/gguf.c)
   target_include_directories(fuzz_gguf PRIVATE ${PROJECT_SOURCE_DIR}/core
@@ -40,6 +40,6 @@ if(CMAKE_C_COMPILER_ID STREQUAL "Clang")
   set_tests_properties(fuzz_gguf PROPERTIES FIXTURES_REQUIRED fuzz_gguf_corpus
                                             LABELS "asan;fuzz" TIMEOUT 120)
 else()
-  message(STATUS "fedinfer: fuzz_gguf not built: libFuzzer needs clang "
+  message(STATUS "fedinfer: fuzz_gguf not built: libFuzzer needs clang and no ThreadSanitizer "
                  "(C compiler is ${CMAKE_C_COMPILER_ID})")
 endif()

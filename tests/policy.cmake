@@ -31,7 +31,7 @@ if(TARGET fedctl)
   endif()
 endif()
 
-if(CMAKE_C_COMPILER_ID STREQUAL "Clang")
+if(FI_FUZZERS)
   # The library's sources are compiled into the target so that libFuzzer
   # sees their coverage.
   file(GLOB FI_POLICY_FUZZ_SRC CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/policy/*.c)

@@ -8,6 +8,9 @@
 #      that test_edge passed its 300 s limit (-O1: 74 s)
 #   3. gcc, Debug with the sanitizers: built only, so that a warning that
 #      gcc gives there and not at -O3 (format truncation) fails here too
+#   4. clang with ThreadSanitizer: the tests labelled "tsan" (those whose
+#      code runs on several of our threads: the kernels' pool, attention,
+#      the scheduler, the edge), at -O1; only their targets are built
 set -euo pipefail
 cd "$(dirname "$0")/.."
 examples/setup.sh
@@ -25,3 +28,9 @@ ctest --test-dir build-asan --output-on-failure -j"$JOBS" -L asan
 cmake -S . -B build-gcc-debug -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=gcc \
       -DFEDINFER_SANITIZE=ON -DFEDINFER_CUDA=OFF >/dev/null
 cmake --build build-gcc-debug -j"$JOBS"
+
+cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang \
+      -DCMAKE_C_FLAGS_DEBUG="-g -O1" -DFEDINFER_TSAN=ON -DFEDINFER_CUDA=OFF >/dev/null
+cmake --build build-tsan -j"$JOBS" --target test_kernels test_attention_paged test_sched \
+      test_sched_model test_edge
+ctest --test-dir build-tsan --output-on-failure -j"$JOBS" -L tsan

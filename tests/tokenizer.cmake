@@ -19,7 +19,7 @@ if(TARGET test_tokenizer)
                                              -Wl,--wrap=realloc)
 endif()
 
-if(CMAKE_C_COMPILER_ID STREQUAL "Clang" AND TARGET fi_test_support)
+if(FI_FUZZERS AND TARGET fi_test_support)
   add_executable(fuzz_tokenizer ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz_tokenizer.c
                                 ${PROJECT_SOURCE_DIR}/core/tokenizer.c
                                 ${PROJECT_SOURCE_DIR}/core/tokenizer_chat.c
