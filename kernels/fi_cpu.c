@@ -48,7 +48,7 @@
                                            the split by tokens; see s_rmsnorm) */
 #define S_ATT_SEG 256                   /* positions per segment (batch-invariant) */
 #define S_ATT_HEADS 8                   /* query heads sharing a pass over K/V */
-#define S_ATT_SPLIT 2                   /* fewer items a thread: split them by KV heads */
+#define S_ATT_SPLIT 2                   /* under this many items a thread: split by KV heads */
 
 /* Memory for packed weights, handed out in order from chunks of huge
  * pages: a decode step streams every weight once, and on 4 KiB pages the
