@@ -21,10 +21,6 @@
 #include <sys/resource.h>
 #include <time.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "fi_cmd.h"
 #include "fi_model.h"
 
@@ -42,82 +38,6 @@ static int s_cmp_double(const void *a, const void *b) {
 static double s_median(double *v, int n) {
     qsort(v, (size_t)n, sizeof *v, s_cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* --- bandwidth probe ---------------------------------------------------- */
-
-typedef struct probe {
-    const unsigned char *buf; /* buffer to read */
-    size_t bytes;             /* its size, a multiple of 64 * nth */
-    uint64_t sink[64];        /* per-thread results, so reads are not elided */
-    int avx2;                 /* use 256-bit loads */
-} probe;
-
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) static uint64_t s_read_avx2(const unsigned char *p, size_t n) {
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (size_t i = 0; i + 128 <= n; i += 128) {
-        a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i *)(p + i)));
-        a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i *)(p + i + 32)));
-        a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i *)(p + i + 64)));
-        a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i *)(p + i + 96)));
-    }
-    a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
-    return (uint64_t)_mm256_extract_epi64(a0, 0) ^ (uint64_t)_mm256_extract_epi64(a0, 3);
-}
-#endif
-
-static uint64_t s_read_portable(const unsigned char *p, size_t n) {
-    const uint64_t *q = (const uint64_t *)(const void *)p;
-    uint64_t a = 0, b = 0, c = 0, d = 0;
-    for (size_t i = 0; i + 4 <= n / 8; i += 4) {
-        a ^= q[i];
-        b ^= q[i + 1];
-        c ^= q[i + 2];
-        d ^= q[i + 3];
-    }
-    return a ^ b ^ c ^ d;
-}
-
-static void s_probe_task(void *arg, int ith, int nth) {
-    probe *pr = arg;
-    size_t chunk = pr->bytes / (size_t)nth;
-    const unsigned char *p = pr->buf + chunk * (size_t)ith;
-#if defined(__x86_64__)
-    if (pr->avx2) {
-        pr->sink[ith % 64] ^= s_read_avx2(p, chunk);
-        return;
-    }
-#endif
-    pr->sink[ith % 64] ^= s_read_portable(p, chunk);
-}
-
-/* Best read bandwidth in bytes/s over `reps` passes of a `bytes` buffer. */
-static double s_bandwidth(fi_pool *pool, size_t bytes, int reps) {
-    int nth = fi_pool_threads(pool);
-    size_t unit = (size_t)128 * (size_t)nth;
-    bytes = (bytes + unit - 1) / unit * unit;
-    unsigned char *buf = aligned_alloc(64, bytes);
-    if (!buf) return 0;
-    for (size_t i = 0; i < bytes; i++) buf[i] = (unsigned char)(i * 131u + 7u); /* touch every page */
-    probe pr = {buf, bytes, {0}, 0};
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    pr.avx2 = __builtin_cpu_supports("avx2");
-#endif
-    fi_pool_run(pool, s_probe_task, &pr); /* warm */
-    double best = 1e30;
-    for (int r = 0; r < reps; r++) {
-        double t0 = s_now();
-        fi_pool_run(pool, s_probe_task, &pr);
-        double dt = s_now() - t0;
-        if (dt < best) best = dt;
-    }
-    uint64_t x = 0;
-    for (int i = 0; i < 64; i++) x ^= pr.sink[i];
-    free(buf);
-    if (x == 0x5a5a5a5a5a5a5a5aULL) fprintf(stderr, " "); /* keep the reads observable */
-    return (double)bytes / best;
 }
 
 /* --- bench ------------------------------------------------------------- */
@@ -345,8 +265,8 @@ int fi_cmd_bench(int argc, char **argv) {
         fprintf(stderr, "fedinfer: could not start the probe's threads\n");
         goto done;
     }
-    double bw_w = s_bandwidth(pool, (size_t)wbytes, 20);
-    double bw_d = s_bandwidth(pool, (size_t)1 << 30, 5);
+    double bw_w = fi_bench_read_bandwidth(pool, (size_t)wbytes, 20);
+    double bw_d = fi_bench_read_bandwidth(pool, (size_t)1 << 30, 5);
     double floor_w = bw_w / (double)wbytes, floor_d = bw_d / (double)wbytes;
     printf("weights/token  %.1f MiB read per decoded token\n", (double)wbytes / (1 << 20));
     printf("bandwidth      %.1f GB/s reading a %.0f MiB buffer (the weights' size) -> floor %.1f tok/s\n",

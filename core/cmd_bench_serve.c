@@ -421,7 +421,10 @@ static void s_usage(FILE *f) {
             "the steps that carried nothing else (an engine figure: at high concurrency\n"
             "it leaves out the slow mixed steps one stream never has). Percentiles are\n"
             "nearest-rank over the requests of a row: a p99 of fewer than 100 requests\n"
-            "is their maximum (the first wave's, which all arrive at once).\n"
+            "is their maximum (the first wave's, which all arrive at once). With 1 first\n"
+            "in the list, on the CPU, one stream's decode is also given against the DRAM\n"
+            "floor measured in the same run (the read bandwidth of a 1 GiB buffer over\n"
+            "the bytes of weights a token reads).\n"
             "\n"
             "options:\n"
             "  -m, --model FILE         GGUF model (default: the set-up's model)\n"
@@ -605,6 +608,26 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                        "%.2fx [%.2f-%.2f]\n",
                        cl[i], cl[0], reps, med[0], lo[0], hi[0], med[1], lo[1], hi[1], med[2], lo[2],
                        hi[2]);
+        }
+        if (cl[0] == 1 && fi_cpu_backend_simd(be)) {
+            /* one stream against what memory allows, in the same run: its
+             * decode reads every weight once a token, so its ratio to the
+             * floor says how much of a many-against-one ratio is the
+             * machine's (the floor moves with the machine's other load) */
+            double one[S_MAX_REPS];
+            for (int r = 0; r < reps; r++)
+                one[r] = v[r][0][1];
+            const double d1 = s_median(one, (int)reps);
+            const uint64_t wbytes = fi_model_weight_bytes_per_token(b.m);
+            fi_pool *pool = fi_pool_new(fi_cpu_backend_threads(be));
+            const double bw = pool && wbytes ? fi_bench_read_bandwidth(pool, (size_t)1 << 30, 5) : 0;
+            fi_pool_destroy(&pool);
+            if (bw > 0)
+                printf("        -> one stream's decoding steps, %.1f tok/s: %.2f of the DRAM floor "
+                       "(%.1f tok/s: %.1f GB/s read by %d threads over %.1f MiB of weights a "
+                       "token)\n",
+                       d1, d1 / (bw / (double)wbytes), bw / (double)wbytes, bw / 1e9,
+                       fi_cpu_backend_threads(be), (double)wbytes / (1 << 20));
         }
         free(v);
     }

@@ -45,6 +45,13 @@ const char *fi_default_model_path(void);
  * anything else. */
 int fi_parse_simd(const char *s, fi_simd *out);
 
+/* The best read bandwidth, in bytes/s, of the pool's threads over `reps`
+ * passes of a buffer of `bytes` (each thread its share, wide loads); 0
+ * when the buffer cannot be had. The bench commands' floor: a decode that
+ * reads every weight once a token runs at most this over the weights'
+ * bytes. */
+double fi_bench_read_bandwidth(fi_pool *pool, size_t bytes, int reps);
+
 #ifdef __cplusplus
 }
 #endif

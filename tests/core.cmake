@@ -64,3 +64,16 @@ if(TARGET fedinfer)
      $f run -m \"$m\" --device cuda --kv-bits 8 x 2>err.txt; test $? != 0 && grep -q 'for the CPU backend only' err.txt")
   set_tests_properties(cli_kv_bits PROPERTIES LABELS "model" REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
 endif()
+# bench --serve's concurrency rows: with 1 first in the list, each ratio
+# line and, for the CPU, one stream's decode against the DRAM floor
+# measured in the same run (a fraction above 0: a floor was measured and
+# the stream decoded; no bound above, as a cached model can pass the floor).
+if(TARGET fedinfer)
+  add_test(NAME bench_serve_floor COMMAND sh -c
+    "out=$('$<TARGET_FILE:fedinfer>' bench --serve -m '${FEDINFER_DEFAULT_MODEL}' -t 1 --only concurrency --concurrency 1,2 --prompt-tokens 8 --gen-tokens 4) || exit 1
+     echo \"$out\"
+     echo \"$out\" | grep -q 'concurrency 2: [0-9.]*x the aggregate throughput of concurrency 1' || exit 1
+     f=$(echo \"$out\" | awk '/of the DRAM floor/ { for (i = 1; i < NF; i++) if ($(i + 1) == \"of\" && $(i + 2) == \"the\" && $(i + 3) == \"DRAM\") print $i }')
+     awk -v f=\"$f\" 'BEGIN { exit !(f ~ /^[0-9.]+$/ && f + 0 > 0) }'")
+  set_tests_properties(bench_serve_floor PROPERTIES LABELS "model" REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
+endif()
