@@ -135,8 +135,7 @@ void fi_coord_opts_default(fi_coord_opts *o) {
     o->policy_valid_s = FI_SHIP_DEFAULT_VALID_S;
 }
 
-static void s_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void s_log(const char *fmt, ...) {
+void fi_coord_log(const char *fmt, ...) {
     char ts[32];
     time_t now = time(NULL);
     struct tm tm;
@@ -174,7 +173,7 @@ static int s_zap_check(void *user, const char *domain, const uint8_t pub[FI_KEYS
         snprintf(uid, uidlen, "%s", z);
         return 1;
     }
-    s_log("refused %s %s from %s at the handshake (%s endpoint)", reason, fpr, address,
+    fi_coord_log("refused %s %s from %s at the handshake (%s endpoint)", reason, fpr, address,
           enrol ? "enrolment" : "fabric");
     return 0;
 }
@@ -292,7 +291,7 @@ static void s_tell_edges(fi_coord *c);
  * why unless quiet. A cluster worker's going is told to the edges at once. */
 static void s_peer_remove(fi_coord *c, s_peer *p, const char *why, int quiet) {
     if (!quiet)
-        s_log("peer %s (%s %s) removed: %s", p->rec.fpr, fi_wire_role_name(p->rec.role),
+        fi_coord_log("peer %s (%s %s) removed: %s", p->rec.fpr, fi_wire_role_name(p->rec.role),
               p->rec.site[0] ? p->rec.site : "-", why);
     s_fail_requests_of(c, p, why);
     free(p->filter);
@@ -318,13 +317,13 @@ static s_peer *s_peer_for(fi_coord *c, const void *rid, size_t rid_len, const ch
                           const char *addr) {
     uint8_t pub[FI_KEYS_BYTES];
     if (!uid || fi_keys_from_z85(uid, pub) != 0) {
-        s_log("dropped a message without an authenticated key (from %s)", addr);
+        fi_coord_log("dropped a message without an authenticated key (from %s)", addr);
         return NULL;
     }
     s_peer *p = s_peer_by_rid(c, rid, rid_len);
     if (p) {
         if (memcmp(p->rec.pub, pub, FI_KEYS_BYTES)) {
-            s_log("dropped a message whose key does not match its connection (from %s)", addr);
+            fi_coord_log("dropped a message whose key does not match its connection (from %s)", addr);
             return NULL;
         }
     } else {
@@ -340,7 +339,7 @@ static s_peer *s_peer_for(fi_coord *c, const void *rid, size_t rid_len, const ch
         memset(p, 0, sizeof *p);
         int have = fi_store_peer_get(c->st, pub, &p->rec);
         if (have != 1) {
-            s_log("dropped a message from a key not in the store (from %s)", addr);
+            fi_coord_log("dropped a message from a key not in the store (from %s)", addr);
             return NULL;
         }
         if (p->rec.revoked) return NULL; /* not registered again by a message sent before its cut */
@@ -413,7 +412,7 @@ static void s_on_hello(fi_coord *c, s_peer *p, const Fi__Hello *h) {
         }
     }
     if (!p->hello)
-        s_log("peer %s (%s %s/%s) %s from %s, %d model(s)", p->rec.fpr,
+        fi_coord_log("peer %s (%s %s/%s) %s from %s, %d model(s)", p->rec.fpr,
               fi_wire_role_name(p->rec.role), p->rec.site[0] ? p->rec.site : "-",
               p->rec.region[0] ? p->rec.region : "-", replaced ? "reconnected" : "connected",
               p->addr, p->n_models);
@@ -468,7 +467,7 @@ static void s_audit_route(fi_coord *c, const s_peer *e, const Fi__InferRequest *
     r.rules = rules;
     r.policy_digest = digest ? digest : "";
     if (fi_coord_audit_put(c->raudit, &r) != 0)
-        s_log("audit: cannot record the routing of %s: out of memory", rq->request_id);
+        fi_coord_log("audit: cannot record the routing of %s: out of memory", rq->request_id);
 }
 
 /* A permitted live worker serving the request's model with room for it,
@@ -937,11 +936,11 @@ static void s_on_token(fi_coord *c, s_peer *op, const Fi__TokenRequest *tr) {
     fi_keys_token_hash(tok, hash);
     if (fi_store_token_add(c->st, hash, tr->role, site, region, expires, err, sizeof err) != 0) {
         sodium_memzero(tok, sizeof tok);
-        s_log("token: %s", err);
+        fi_coord_log("token: %s", err);
         s_send_error(c, c->router, op->rid, op->rid_len, "", FI__ERROR_CODE__ERR_INTERNAL, err);
         return;
     }
-    s_log("operator %s created an enrolment token for %s %s/%s, expires in %u s", op->rec.fpr,
+    fi_coord_log("operator %s created an enrolment token for %s %s/%s, expires in %u s", op->rec.fpr,
           fi_wire_role_name(tr->role), site[0] ? site : "-", region[0] ? region : "-", tr->ttl_s);
     Fi__TokenReply r = FI__TOKEN_REPLY__INIT;
     r.token = tok;
@@ -1007,7 +1006,7 @@ static void s_on_revoke(fi_coord *c, s_peer *op, const Fi__RevokeRequest *rr) {
                      rc < 0 ? FI__ERROR_CODE__ERR_INTERNAL : FI__ERROR_CODE__ERR_NOT_FOUND, why);
         return;
     }
-    s_log("operator %s revoked %s (%s %s)", op->rec.fpr, rec.fpr, fi_wire_role_name(rec.role),
+    fi_coord_log("operator %s revoked %s (%s %s)", op->rec.fpr, rec.fpr, fi_wire_role_name(rec.role),
           rec.site[0] ? rec.site : "-");
     uint64_t op_serial = op->serial;
     for (size_t i = 0; i < c->n_peers;) {
@@ -1064,7 +1063,7 @@ static void s_on_bundle(fi_coord *c, s_peer *op, const Fi__PolicyBundle *b) {
     for (size_t i = 0; i < c->n_peers; i++)
         if (c->peers[i].rec.role == FI__ROLE__ROLE_EDGE)
             sent += s_send_msg(c, c->router, c->peers[i].rid, c->peers[i].rid_len, &m) == 0;
-    s_log("policy bundle version %llu (%zu bytes) from %s stored, pushed to %d edge(s)",
+    fi_coord_log("policy bundle version %llu (%zu bytes) from %s stored, pushed to %d edge(s)",
           (unsigned long long)b->version, b->bundle.len, op->rec.fpr, sent);
     char ref[32];
     snprintf(ref, sizeof ref, "bundle %llu", (unsigned long long)b->version);
@@ -1165,7 +1164,7 @@ static void s_on_apptok(fi_coord *c, s_peer *op, const Fi__AppTokenRequest *rq) 
     fi_apptok_fleet fl = {s_site_has_edge, s_push_site, c};
     size_t len = 0;
     uint8_t *buf = fi_apptok_handle(c->apptok, author, rq, &fl, &len);
-    s_log("operator %s: application token %s%s%s", author, rq->op ? rq->op : "?",
+    fi_coord_log("operator %s: application token %s%s%s", author, rq->op ? rq->op : "?",
           rq->site && rq->site[0] ? " for " : "", rq->site ? rq->site : "");
     op = s_peer_by_serial(c, serial);
     if (op) (void)s_send(c, c->router, op->rid, op->rid_len, buf, &len);
@@ -1190,7 +1189,7 @@ static void s_take_load(s_peer *w, const Fi__WorkerLoad *l) {
                       : n && (n < 64 || n > 65536 || (n & (n - 1))) ? "prefix_filter (not a power of two of 64..65536 bytes)"
                                                                 : NULL;
     if (bad) {
-        s_log("peer %s: load report dropped: bad %s", w->rec.fpr, bad);
+        fi_coord_log("peer %s: load report dropped: bad %s", w->rec.fpr, bad);
         n = 0;
         w->running = w->queued = w->kv_free = w->kv_total = 0;
     } else {
@@ -1202,7 +1201,7 @@ static void s_take_load(s_peer *w, const Fi__WorkerLoad *l) {
     if (n && n != w->filter_len) {
         uint8_t *f = realloc(w->filter, n);
         if (!f) {
-            s_log("peer %s: prefix filter dropped: out of memory", w->rec.fpr);
+            fi_coord_log("peer %s: prefix filter dropped: out of memory", w->rec.fpr);
             n = 0;
         } else {
             w->filter = f;
@@ -1341,10 +1340,10 @@ static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, size_t *len) {
         beat = fi_wire_encode(&m, len);
     }
     if (truncated && !c->loads_truncated)
-        s_log("heartbeats to edges carry %zu (cluster, model) rows, not all (%s): edges read "
+        fi_coord_log("heartbeats to edges carry %zu (cluster, model) rows, not all (%s): edges read "
               "the others as unknown", n, why);
     else if (!truncated && c->loads_truncated)
-        s_log("heartbeats to edges carry every (cluster, model) row again (%zu)", n);
+        fi_coord_log("heartbeats to edges carry every (cluster, model) row again (%zu)", n);
     c->loads_truncated = truncated;
     free(pairs);
     free(rows);
@@ -1383,7 +1382,7 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
         char msg[128];
         snprintf(msg, sizeof msg, "a %s may not send %s", fi_wire_role_name(p->rec.role),
                  fi_wire_type_name(m->body_case));
-        s_log("peer %s: %s", p->rec.fpr, msg);
+        fi_coord_log("peer %s: %s", p->rec.fpr, msg);
         s_send_error(c, c->router, p->rid, p->rid_len, "",
                      m->body_case == FI__ENVELOPE__BODY_ENROL ? FI__ERROR_CODE__ERR_UNKNOWN_TYPE
                                                               : FI__ERROR_CODE__ERR_UNAUTHORISED,
@@ -1412,7 +1411,7 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
                 while ((buf = fi_apptok_sync_site(c->apptok, p->rec.site, &at, &len))) {
                     if (s_send(c, c->router, p->rid, p->rid_len, buf, &len) != 0) {
                         /* the rest at its next Hello (a reconnect) */
-                        s_log("edge %s: application tokens from the %lld-th on not sent (its "
+                        fi_coord_log("edge %s: application tokens from the %lld-th on not sent (its "
                               "queue is full)", p->rec.fpr, from + 1);
                         break;
                     }
@@ -1468,12 +1467,12 @@ static void s_on_enrol(fi_coord *c, const void *rid, size_t rid_len, const char 
     fi_keys_token_hash(en->token ? en->token : "", hash);
     if (fi_store_enrol(c->st, hash, en->role, site, region, pub, (int64_t)time(NULL), err,
                        sizeof err) != 0) {
-        s_log("enrolment of %s (%s %s/%s) from %s refused: %s", fpr, fi_wire_role_name(en->role),
+        fi_coord_log("enrolment of %s (%s %s/%s) from %s refused: %s", fpr, fi_wire_role_name(en->role),
               site, region, addr, err);
         s_send_error(c, c->enrol, rid, rid_len, "", FI__ERROR_CODE__ERR_BAD_TOKEN, err);
         return;
     }
-    s_log("enrolled %s as %s %s/%s from %s", fpr, fi_wire_role_name(en->role), site, region, addr);
+    fi_coord_log("enrolled %s as %s %s/%s from %s", fpr, fi_wire_role_name(en->role), site, region, addr);
     Fi__EnrolReply r = FI__ENROL_REPLY__INIT;
     r.fingerprint = fpr;
     r.role = en->role;
@@ -1547,7 +1546,7 @@ static int s_drain(fi_coord *c, void *sock) {
             char fpr[FI_KEYS_FPR_LEN] = "?";
             uint8_t pub[FI_KEYS_BYTES];
             if (uid && fi_keys_from_z85(uid, pub) == 0) fi_keys_fingerprint(pub, fpr);
-            s_log("bad message from %s (%s): %s", fpr, addr, err);
+            fi_coord_log("bad message from %s (%s): %s", fpr, addr, err);
             s_send_error(c, sock, rid, rid_len, "", code, err);
         } else if (sock == c->router) {
             s_dispatch(c, p, m);
@@ -1606,7 +1605,7 @@ static void s_tell_edges(fi_coord *c) {
 static void s_tick(fi_coord *c) {
     uint64_t now = fi_wire_now_ms();
     if (c->failed_handshakes) {
-        s_log("dropped %llu connection(s) that failed the handshake (not ZMTP, timed out or "
+        fi_coord_log("dropped %llu connection(s) that failed the handshake (not ZMTP, timed out or "
               "not CURVE); %llu since start",
               (unsigned long long)c->failed_handshakes, (unsigned long long)c->failed_total);
         c->failed_handshakes = 0;
@@ -1753,7 +1752,7 @@ void fi_coord_audit_wait(fi_coord *c) {
 }
 
 int fi_coord_run(fi_coord *c, atomic_int *stop) {
-    s_log("serving on %s (enrolment on %s), heartbeat %d ms x %d", c->ep[0], c->ep[1],
+    fi_coord_log("serving on %s (enrolment on %s), heartbeat %d ms x %d", c->ep[0], c->ep[1],
           c->o.heartbeat_ms, c->o.liveness);
     while (!atomic_load(stop)) {
         zmq_pollitem_t items[5] = {{c->zap, 0, ZMQ_POLLIN, 0},
@@ -1766,11 +1765,11 @@ int fi_coord_run(fi_coord *c, atomic_int *stop) {
         if (timeout > 100) timeout = 100; /* so that *stop is seen soon */
         if (zmq_poll(items, 5, timeout) < 0) {
             if (zmq_errno() == EINTR) continue;
-            s_log("zmq_poll: %s", zmq_strerror(zmq_errno()));
+            fi_coord_log("zmq_poll: %s", zmq_strerror(zmq_errno()));
             return -1;
         }
         if ((items[0].revents & ZMQ_POLLIN) && fi_zap_handle(c->zap, s_zap_check, c) < 0)
-            s_log("ZAP handler: %s", zmq_strerror(zmq_errno()));
+            fi_coord_log("ZAP handler: %s", zmq_strerror(zmq_errno()));
         if ((items[1].revents & ZMQ_POLLIN) && s_drain(c, c->router) < 0) return -1;
         if ((items[2].revents & ZMQ_POLLIN) && s_drain(c, c->enrol) < 0) return -1;
         if (items[3].revents & ZMQ_POLLIN) s_monitor(c, c->mon[0]);

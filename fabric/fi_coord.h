@@ -80,6 +80,12 @@ void fi_coord_opts_default(fi_coord_opts *o);
 /* The configuration file's keys (fi_conf), for fi_coord_opts. */
 extern const fi_conf_key fi_coord_conf_keys[];
 
+/* One line of the coordinator's log on stderr: a UTC timestamp, then
+ * "coordinator: " and the message (no newline needed). Every part of the
+ * coordinator (its loop, policy shipping, the audit writer thread, the
+ * policy check) logs through it, so its lines read alike. */
+void fi_coord_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
 typedef struct fi_coord fi_coord;
 
 /* Opens the store, starts the ZAP handler, then binds both endpoints.

@@ -3,6 +3,7 @@
  * thread of their own. See fi_coord_audit.h.
  */
 #include "fi_coord_audit.h"
+#include "fi_coord.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -106,15 +107,14 @@ static void s_write_retrying(fi_coord_audit *a, s_rec *batch, size_t n) {
     unsigned pause = S_RETRY_MIN_MS, tries = 0;
     while (s_write(a, batch, n, err, sizeof err) != 0) {
         if (!tries++)
-            fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) wait; trying again\n",
-                    err, n);
+            fi_coord_log("audit: %s: %zu routing record(s) wait; trying again", err, n);
         pthread_mutex_lock(&a->mu);
         /* one deadline for everything still queued when the stop came */
         if (a->stop && !a->stop_at) a->stop_at = s_ms() + S_STOP_TRY_MS;
         if (a->stop_at && s_ms() >= a->stop_at) {
             pthread_mutex_unlock(&a->mu);
-            fprintf(stderr, "coordinator: audit: %s: %zu routing record(s) NOT WRITTEN (stopping "
-                            "after %u tries)\n", err, n, tries);
+            fi_coord_log("audit: %s: %zu routing record(s) NOT WRITTEN (stopping after %u tries)", err,
+                         n, tries);
             return;
         }
         unsigned wait = a->stop && pause > S_RETRY_MIN_MS ? S_RETRY_MIN_MS : pause;
@@ -132,8 +132,7 @@ static void s_write_retrying(fi_coord_audit *a, s_rec *batch, size_t n) {
         pause = pause * 2 > S_RETRY_MAX_MS ? S_RETRY_MAX_MS : pause * 2;
     }
     if (tries)
-        fprintf(stderr, "coordinator: audit: %zu routing record(s) written after %u tries\n", n,
-                tries + 1);
+        fi_coord_log("audit: %zu routing record(s) written after %u tries", n, tries + 1);
 }
 
 static void *s_main(void *arg) {

@@ -26,13 +26,12 @@ void fi_coord_policy_attach(fi_coord_opts *o) {
     const char *env = getenv(FI_COORD_POLICY_KEY_ENV);
     if (env && env[0]) {
         if (o->policy_check_key[0] && strcmp(o->policy_check_key, env))
-            fprintf(stderr, "coordinator: %s overrides policy_check_key %s\n",
-                    FI_COORD_POLICY_KEY_ENV, o->policy_check_key);
+            fi_coord_log("%s overrides policy_check_key %s", FI_COORD_POLICY_KEY_ENV, o->policy_check_key);
         snprintf(o->policy_check_key, sizeof o->policy_check_key, "%s", env);
     }
     if (!o->policy_check_key[0]) {
-        fprintf(stderr, "coordinator: no policy_check_key (nor %s): routed requests are not "
-                        "re-checked against the residency policy\n", FI_COORD_POLICY_KEY_ENV);
+        fi_coord_log("no policy_check_key (nor %s): routed requests are not re-checked against the "
+                     "residency policy", FI_COORD_POLICY_KEY_ENV);
         return;
     }
     fi_coord_policy_ctx *x = fi_coord_policy_ctx_new(o);
@@ -45,8 +44,8 @@ void fi_coord_policy_attach(fi_coord_opts *o) {
         o->policy_user = x;
         o->policy_free = fi_coord_policy_ctx_free;
     }
-    fprintf(stderr, "coordinator: routed requests are checked against the newest policy bundle "
-                    "signed by %s (fail closed)\n", o->policy_check_key);
+    fi_coord_log("routed requests are checked against the newest policy bundle signed by %s (fail "
+                 "closed)", o->policy_check_key);
 }
 
 /* The newest bundle in the store, malloc'd; NULL when none. Bundles

@@ -3,11 +3,11 @@
  * See fi_coord_ship.h.
  */
 #include "fi_coord_ship.h"
+#include "fi_coord.h"
 
 #include <errno.h>
 #include <jansson.h>
 #include <sodium.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,21 +32,6 @@ struct fi_ship {
     char key_path[FI_CONF_STR_MAX];  /* for the message when it is missing */
     int64_t valid_s;                 /* default bundle validity */
 };
-
-static void s_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void s_log(const char *fmt, ...) {
-    char ts[32];
-    time_t now = time(NULL);
-    struct tm tm;
-    gmtime_r(&now, &tm);
-    strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%SZ", &tm);
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "%s coordinator: ", ts);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-}
 
 void fi_ship_paths(const char *db, const char *policy_key, const char *audit_db, char *key, size_t keycap,
                    char *audit, size_t auditcap) {
@@ -140,7 +125,7 @@ fi_ship *fi_ship_open(fi_store *fleet, const char *db, const char *audit_db, con
         }
         s->have_key = 1;
     } else {
-        s_log("no policy-signing key at %s: policy apply and rollback are refused until "
+        fi_coord_log("no policy-signing key at %s: policy apply and rollback are refused until "
               "`fedinfer coordinator --init` makes one",
               key_path ? key_path : "(none)");
     }
@@ -272,7 +257,7 @@ static uint8_t *s_shipped(fi_ship *s, uint64_t v, const s_diag *dg, fi_ship_push
     if (!bmsg) return s_error(FI__ERROR_CODE__ERR_INTERNAL, "the new version cannot be read back", len);
     int pushed = push ? push(push_user, bmsg, blen) : 0;
     free(bmsg);
-    s_log("operator %s stored policy version %llu (digest %.16s%s), pushed to %d edge(s)", from->fpr,
+    fi_coord_log("operator %s stored policy version %llu (digest %.16s%s), pushed to %d edge(s)", from->fpr,
           (unsigned long long)v, sv.digest, sv.rollback_of ? ", a rollback" : "", pushed);
     Fi__PolicyReply r = FI__POLICY_REPLY__INIT;
     r.version = v;
@@ -324,7 +309,7 @@ static uint8_t *s_apply(fi_ship *s, const fi_peer_rec *from, const Fi__PolicyApp
     if (dg.errors) {
         char *msg = malloc(S_MAX_DIAG_TEXT + 128);
         if (msg) snprintf(msg, S_MAX_DIAG_TEXT + 128, "policy refused: %zu error(s):\n%s", dg.errors, dg.text);
-        s_log("operator %s: policy refused, %zu error(s)", from->fpr, dg.errors);
+        fi_coord_log("operator %s: policy refused, %zu error(s)", from->fpr, dg.errors);
         out = s_error(FI__ERROR_CODE__ERR_BAD_REQUEST, msg ? msg : "policy refused", len);
         free(msg);
         s_diag_free(&dg);
@@ -335,7 +320,7 @@ static uint8_t *s_apply(fi_ship *s, const fi_peer_rec *from, const Fi__PolicyApp
     int prc = fi_pstore_apply(s->ps, a->content, clen, from->fpr, a->comment ? a->comment : "", s->sk, now,
                               valid_for, &v, err, sizeof err);
     if (prc != 0) {
-        s_log("operator %s: policy apply failed: %s", from->fpr, err);
+        fi_coord_log("operator %s: policy apply failed: %s", from->fpr, err);
         out = s_error(prc == FI_PSTORE_FAILED ? FI__ERROR_CODE__ERR_INTERNAL : FI__ERROR_CODE__ERR_BAD_REQUEST, err,
                       len);
     } else {
@@ -369,7 +354,7 @@ static uint8_t *s_rollback(fi_ship *s, const fi_peer_rec *from, const Fi__Policy
     int prc = fi_pstore_rollback(s->ps, rb->version, from->fpr, rb->comment ? rb->comment : "", s->sk, now,
                                  s->valid_s, &v, err, sizeof err);
     if (prc != 0) {
-        s_log("operator %s: rollback to %llu failed: %s", from->fpr, (unsigned long long)rb->version, err);
+        fi_coord_log("operator %s: rollback to %llu failed: %s", from->fpr, (unsigned long long)rb->version, err);
         out = s_error(prc == FI_PSTORE_FAILED ? FI__ERROR_CODE__ERR_INTERNAL : FI__ERROR_CODE__ERR_BAD_REQUEST, err,
                       len);
     } else {
@@ -665,7 +650,7 @@ static uint8_t *s_audit_upload(fi_ship *s, const fi_peer_rec *from, const Fi__Au
     char err[512];
     int r = fi_audit_ingest(s->au, from->fpr, from->site, recs, n, &taken, err, sizeof err);
     if (r < 0) {
-        s_log("audit batch %s from %s: %s", bid, from->fpr, err);
+        fi_coord_log("audit batch %s from %s: %s", bid, from->fpr, err);
         out = s_error(FI__ERROR_CODE__ERR_INTERNAL, "cannot store the audit batch", len);
     } else if (r > 0) {
         snprintf(msg, sizeof msg, "%s", err);
@@ -673,11 +658,11 @@ static uint8_t *s_audit_upload(fi_ship *s, const fi_peer_rec *from, const Fi__Au
     } else {
         if (taken && s->fleet &&
             fi_store_audit_put(s->fleet, from->fpr, bid, u->first_seq, u->count, u->batch.data, u->batch.len) != 0)
-            s_log("audit batch %s from %s: its records are in the audit log; the raw copy could not be kept", bid,
+            fi_coord_log("audit batch %s from %s: its records are in the audit log; the raw copy could not be kept", bid,
                   from->fpr);
-        if (err[0]) s_log("audit batch %s from %s: %s (a replaced key of the same log)", bid, from->fpr, err);
+        if (err[0]) fi_coord_log("audit batch %s from %s: %s (a replaced key of the same log)", bid, from->fpr, err);
         if (taken != n)
-            s_log("audit batch %s from %s: %zu record(s), %zu new (the rest were received before)", bid, from->fpr, n,
+            fi_coord_log("audit batch %s from %s: %zu record(s), %zu new (the rest were received before)", bid, from->fpr, n,
                   taken);
         out = fi_wire_ack(bid, len);
     }
@@ -685,7 +670,7 @@ static uint8_t *s_audit_upload(fi_ship *s, const fi_peer_rec *from, const Fi__Au
     json_decref(arr);
     return out;
 refuse:
-    s_log("refused audit batch from %s: %s", from->fpr, msg);
+    fi_coord_log("refused audit batch from %s: %s", from->fpr, msg);
     free(recs);
     json_decref(arr);
     return s_error(FI__ERROR_CODE__ERR_BAD_REQUEST, msg, len);
