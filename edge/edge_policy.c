@@ -394,17 +394,21 @@ char *edge_policy_audit_batch(edge_policy *p, int64_t after, int max, int64_t *l
     return out;
 }
 
-int64_t edge_policy_uploaded(edge_policy *p) {
-    int64_t seq = 0;
+/* The one integer that sql selects from the audit database, or 0 when it
+ * selects nothing (or fails). */
+static int64_t s_select_int64(edge_policy *p, const char *sql) {
+    int64_t v = 0;
     sqlite3_stmt *st = NULL;
     pthread_mutex_lock(&p->amu);
-    if (sqlite3_prepare_v2(p->db, "SELECT seq FROM edge_upload WHERE id=1", -1, &st, NULL) ==
-            SQLITE_OK &&
-        sqlite3_step(st) == SQLITE_ROW)
-        seq = sqlite3_column_int64(st, 0);
+    if (sqlite3_prepare_v2(p->db, sql, -1, &st, NULL) == SQLITE_OK && sqlite3_step(st) == SQLITE_ROW)
+        v = sqlite3_column_int64(st, 0);
     sqlite3_finalize(st);
     pthread_mutex_unlock(&p->amu);
-    return seq;
+    return v;
+}
+
+int64_t edge_policy_uploaded(edge_policy *p) {
+    return s_select_int64(p, "SELECT seq FROM edge_upload WHERE id=1");
 }
 
 void edge_policy_set_uploaded(edge_policy *p, int64_t seq) {
@@ -420,14 +424,5 @@ void edge_policy_set_uploaded(edge_policy *p, int64_t seq) {
 }
 
 int64_t edge_policy_audit_head(edge_policy *p) {
-    int64_t seq = 0;
-    sqlite3_stmt *st = NULL;
-    pthread_mutex_lock(&p->amu);
-    if (sqlite3_prepare_v2(p->db, "SELECT COALESCE(MAX(seq),0) FROM audit", -1, &st, NULL) ==
-            SQLITE_OK &&
-        sqlite3_step(st) == SQLITE_ROW)
-        seq = sqlite3_column_int64(st, 0);
-    sqlite3_finalize(st);
-    pthread_mutex_unlock(&p->amu);
-    return seq;
+    return s_select_int64(p, "SELECT COALESCE(MAX(seq),0) FROM audit");
 }
