@@ -127,9 +127,10 @@ typedef struct s_fig {
 
 /* Prefill one P-token prompt in each of n sequences (one pass), then
  * `steps` decode passes of one token per sequence. Returns the seconds of
- * the decode; *ttft the prefill's. */
+ * the decode; *ttft the prefill's; at_decode (unless NULL) the leader's
+ * counters between the two. */
 static int s_drive(fi_group *g, fi_model *m, fi_kvpool *kv, const fi_group_model *mi, int n,
-                   int P, int steps, double *ttft, double *decode) {
+                   int P, int steps, double *ttft, double *decode, fi_group_stats *at_decode) {
     const int mb = (P + steps + FI_KV_BLOCK) / FI_KV_BLOCK + 1;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)(n * P)), *pos = malloc(sizeof(int32_t) * (size_t)(n * P));
     int32_t *seq = malloc(sizeof(int32_t) * (size_t)(n * P)), *tables = malloc(sizeof(int32_t) * (size_t)(n * mb));
@@ -154,6 +155,7 @@ static int s_drive(fi_group *g, fi_model *m, fi_kvpool *kv, const fi_group_model
     if (fi_group_forward(g, m, kv, &b, logits, err, sizeof err)) goto fail;
     *ttft = s_now() - t0;
     for (int i = 0; i < n; i++) next[i] = fi_argmax(logits + (size_t)i * mi->n_vocab, mi->n_vocab);
+    if (at_decode) fi_group_get_stats(g, at_decode);
     t0 = s_now();
     for (int s = 0; s < steps; s++) {
         for (int i = 0; i < n; i++) {
@@ -242,23 +244,25 @@ static int s_layout(const s_opts *o0, const char *dir, int port, int world, int 
         goto done;
     }
     /* Batch 1: TTFT, decode speed, communication per token. */
-    fi_group_stats a, b1, c1;
+    fi_group_stats a, b1, m1, c1;
     double ttft, dec;
     fi_group_get_stats(L->g, &a);
-    if (s_drive(L->g, L->m, kv, mi, 1, o->prompt, 0, &ttft, &dec)) goto pool;
+    if (s_drive(L->g, L->m, kv, mi, 1, o->prompt, 0, &ttft, &dec, NULL)) goto pool;
     fi_group_get_stats(L->g, &b1);
     fig->ttft_ms = ttft * 1e3;
     fig->pre_comm_ms = (b1.comm_s - a.comm_s) * 1e3;
     fig->pre_comp_ms = (b1.compute_s - a.compute_s) * 1e3;
     if (b1.allreduces > a.allreduces)
         fig->ar_big_ms = (b1.comm_s - a.comm_s) * 1e3 / (double)(b1.allreduces - a.allreduces);
-    if (s_drive(L->g, L->m, kv, mi, 1, o->prompt, o->steps, &ttft, &dec)) goto pool;
+    if (s_drive(L->g, L->m, kv, mi, 1, o->prompt, o->steps, &ttft, &dec, &m1)) goto pool;
     fi_group_get_stats(L->g, &c1);
-    /* The decode part of that run: subtract a prefill like the first. */
-    double comm = (c1.comm_s - b1.comm_s) - (b1.comm_s - a.comm_s);
-    double wait = (c1.wait_s - b1.wait_s) - (b1.wait_s - a.wait_s);
-    double comp = (c1.compute_s - b1.compute_s) - (b1.compute_s - a.compute_s);
-    uint64_t ars = (c1.allreduces - b1.allreduces) - (b1.allreduces - a.allreduces);
+    /* The decode part of that run, from the counters read between its
+     * prefill and its decode (not by subtracting another run's prefill,
+     * whose time differs from this one's on a busy machine) */
+    double comm = c1.comm_s - m1.comm_s;
+    double wait = c1.wait_s - m1.wait_s;
+    double comp = c1.compute_s - m1.compute_s;
+    uint64_t ars = c1.allreduces - m1.allreduces;
     fig->tps1 = o->steps / dec;
     fig->comm_ms_tok = comm * 1e3 / o->steps;
     fig->wait_ms_tok = wait * 1e3 / o->steps;
@@ -274,13 +278,13 @@ static int s_layout(const s_opts *o0, const char *dir, int port, int world, int 
         before += s.bytes_sent;
     }
     double ttftb;
-    if (s_drive(L->g, L->m, kv, mi, B, o->prompt, 0, &ttftb, &dec)) goto pool;
+    if (s_drive(L->g, L->m, kv, mi, B, o->prompt, 0, &ttftb, &dec, NULL)) goto pool;
     uint64_t mid = 0;
     for (int r = 0; r < world; r++) {
         fi_group_get_stats(ranks[r].g, &s);
         mid += s.bytes_sent;
     }
-    if (s_drive(L->g, L->m, kv, mi, B, o->prompt, o->steps, &ttftb, &dec)) goto pool;
+    if (s_drive(L->g, L->m, kv, mi, B, o->prompt, o->steps, &ttftb, &dec, NULL)) goto pool;
     for (int r = 0; r < world; r++) {
         fi_group_get_stats(ranks[r].g, &s);
         after += s.bytes_sent;
