@@ -124,7 +124,7 @@ int fi_group_conf_load(const char *path, fi_group_conf *g, char *err, size_t err
     int rc = -1;
     raw->heartbeat_ms = 250;
     raw->timeout_ms = 1500;
-    raw->micro_batch = FI_GROUP_MICRO_BATCH;
+    raw->micro_batch = -1; /* unset: by the collective, below */
     if (fi_conf_load(path, keys, raw, err, errlen) != 0) goto done;
     memset(g, 0, sizeof *g);
     snprintf(g->path, sizeof g->path, "%s", path);
@@ -139,7 +139,6 @@ int fi_group_conf_load(const char *path, fi_group_conf *g, char *err, size_t err
     g->pp = g->world / g->tp;
     g->heartbeat_ms = raw->heartbeat_ms;
     g->timeout_ms = raw->timeout_ms;
-    g->micro_batch = raw->micro_batch;
     if (g->timeout_ms < 2 * g->heartbeat_ms) {
         snprintf(err, errlen, "%s: timeout_ms = %d must be at least twice heartbeat_ms = %d", path,
                  g->timeout_ms, g->heartbeat_ms);
@@ -153,6 +152,10 @@ int fi_group_conf_load(const char *path, fi_group_conf *g, char *err, size_t err
         snprintf(err, errlen, "%s: collective = %s: expected zmq or nccl", path, raw->coll);
         goto done;
     }
+    if (raw->micro_batch >= 0)
+        g->micro_batch = raw->micro_batch;
+    else
+        g->micro_batch = g->coll == FI_GROUP_COLL_NCCL ? FI_GROUP_MICRO_BATCH_GPU : FI_GROUP_MICRO_BATCH_CPU;
     for (int r = 0; r < FI_GROUP_MAX_RANKS; r++) {
         if (r >= g->world) {
             if (raw->ep[r][0] || raw->key[r][0]) {

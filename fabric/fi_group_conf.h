@@ -23,7 +23,8 @@
  *   heartbeat_ms = 250            # link heartbeats between ranks
  *   timeout_ms = 1500             # silence after which a rank is dead
  *   collective = zmq              # zmq (CPU, any machine) or nccl (GPUs, one machine)
- *   micro_batch = 16              # pipeline: tokens per micro-batch at least (0: off)
+ *   micro_batch = 4               # pipeline: tokens per micro-batch at least (0: off;
+ *                                 # default 4 with zmq, 16 with nccl)
  *
  * The rank file is each process's own (fedinfer shard --config FILE):
  *
@@ -55,7 +56,14 @@ extern "C" {
 #define FI_GROUP_MAX_RANKS 16   /* ranks in one group */
 #define FI_GROUP_DIGEST_BYTES 32 /* BLAKE2b-256 */
 #define FI_GROUP_DIGEST_HEX 65   /* 64 hex characters and a NUL */
-#define FI_GROUP_MICRO_BATCH 16  /* micro_batch by default: a tile of the CPU kernels */
+/* micro_batch by default. With collective = zmq (CPU ranks) 4: on the
+ * 2-core machine a decode pass of 8 or 16 sequences went through PP=2
+ * 1.2x faster cut in micro-batches of 4 (fi_group_bench -b 8 / -b 16),
+ * and at 2 tokens a micro-batch the cuts cost more than the overlap gave.
+ * With nccl (GPUs) 16: a GPU pass of few tokens costs about what one of
+ * many does, so only larger passes gain by being cut. */
+#define FI_GROUP_MICRO_BATCH_CPU 4
+#define FI_GROUP_MICRO_BATCH_GPU 16
 #define FI_GROUP_MICRO_MAX (2 * FI_GROUP_MAX_RANKS) /* micro-batches per pass, at most */
 
 typedef enum fi_group_coll {
@@ -171,7 +179,7 @@ FI_WIRE_MUST_CHECK int fi_group_plan_make(const fi_group_conf *g, const fi_group
 void fi_group_plan_digest(const fi_group_conf *g, const fi_shard_plan *plans,
                           uint8_t out[FI_GROUP_DIGEST_BYTES]);
 /* The canonical text (also what logs show): "group=NAME world=2 tp=2 pp=1
- * coll=zmq; r0 L0-30 kv0+2 ffn0+768 E O; r1 ...", with " mb=16" after
+ * coll=zmq; r0 L0-30 kv0+2 ffn0+768 E O; r1 ...", with " mb=4" after
  * the collective when there are stages. Truncated to cap. */
 void fi_group_plan_text(const fi_group_conf *g, const fi_shard_plan *plans, char *buf,
                         size_t cap);

@@ -282,11 +282,24 @@ static void test_micro_split(void **state) {
     fi_shard_plan p[FI_GROUP_MAX_RANKS];
     int at[FI_GROUP_MICRO_MAX + 1];
     s_plan(*state, 2, "", &g, p); /* TP: never cut */
-    assert_int_equal(g.micro_batch, FI_GROUP_MICRO_BATCH);
+    assert_int_equal(g.micro_batch, FI_GROUP_MICRO_BATCH_CPU);
     assert_int_equal(fi_group_micro_split(&g, 1000, at), 1);
     assert_int_equal(at[0], 0);
     assert_int_equal(at[1], 1000);
-    s_plan(*state, 2, "tp = 1\n", &g, p); /* PP=2, micro-batches of 16 at least */
+    /* the default by collective: CPU ranks cut a decode pass of 8
+     * sequences in two, GPU ranks not below 32 tokens */
+    s_plan(*state, 2, "tp = 1\n", &g, p);
+    assert_int_equal(g.micro_batch, 4);
+    assert_int_equal(fi_group_micro_split(&g, 7, at), 1);
+    assert_int_equal(fi_group_micro_split(&g, 8, at), 2);
+    assert_int_equal(at[1], 4);
+    assert_int_equal(fi_group_micro_split(&g, 16, at), 4); /* 2 pp at most */
+    for (int k = 0; k <= 4; k++) assert_int_equal(at[k], 4 * k);
+    s_plan(*state, 2, "tp = 1\ncollective = nccl\n", &g, p);
+    assert_int_equal(g.micro_batch, 16);
+    assert_int_equal(fi_group_micro_split(&g, 31, at), 1);
+    assert_int_equal(fi_group_micro_split(&g, 32, at), 2);
+    s_plan(*state, 2, "tp = 1\nmicro_batch = 16\n", &g, p); /* PP=2, micro-batches of 16 at least */
     assert_int_equal(fi_group_micro_split(&g, 1, at), 1);
     assert_int_equal(fi_group_micro_split(&g, 31, at), 1);
     assert_int_equal(at[1], 31);
