@@ -57,9 +57,10 @@ extern "C" {
 #define FI_GROUP_DIGEST_BYTES 32 /* BLAKE2b-256 */
 #define FI_GROUP_DIGEST_HEX 65   /* 64 hex characters and a NUL */
 /* micro_batch by default. With collective = zmq (CPU ranks) 4: on the
- * 2-core machine a decode pass of 8 or 16 sequences went through PP=2
- * 1.2x faster cut in micro-batches of 4 (fi_group_bench -b 8 / -b 16),
- * and at 2 tokens a micro-batch the cuts cost more than the overlap gave.
+ * 2-core machine decode of 8 or 16 sequences went through PP=2 1.1-1.4x
+ * faster cut in micro-batches of 4 (fi_group_bench -b 8 / -b 16, see
+ * examples/cluster/README.md), and at 2 tokens a micro-batch the cuts
+ * cost more than the overlap gave.
  * With nccl (GPUs) 16: a GPU pass of few tokens costs about what one of
  * many does, so only larger passes gain by being cut. */
 #define FI_GROUP_MICRO_BATCH_CPU 4
