@@ -41,3 +41,17 @@ if(FEDINFER_HAVE_CUDA)
   add_test(NAME group_gpu_check COMMAND group_gpu_check)
   set_tests_properties(group_gpu_check PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 300 RUN_SERIAL TRUE)
 endif()
+
+# The group benchmark runs (every layout forms and serves), names the
+# micro-batched layout by -u, and reports no negative time: its per-token
+# figures come from counters read around the decode itself.
+if(TARGET fi_group_bench)
+  add_test(NAME group_bench COMMAND sh -c
+    "out=$('$<TARGET_FILE:fi_group_bench>' -m '${FEDINFER_DEFAULT_MODEL}' -t 1 -b 8 -n 4 -p 8 -u 2) || exit 1
+     echo \"$out\"
+     echo \"$out\" | awk '/^(TP|PP)/ { rows++; for (i = 3; i <= NF; i++) if ($i + 0 < 0) bad++ }
+                         /^PP=2,mb=2 / { mb++ } /^PP=2,mb=0 / { whole++ }
+                         END { exit !(rows == 5 && !bad && mb == 1 && whole == 1) }'")
+  set_tests_properties(group_bench PROPERTIES LABELS "model" TIMEOUT 300 RUN_SERIAL TRUE
+                       REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL}")
+endif()

@@ -47,6 +47,7 @@
 typedef struct s_opts {
     const char *model;
     int threads, steps, prompt, batch, all;
+    int micro; /* the micro-batched PP=2 layout's micro_batch; -1: the default */
 } s_opts;
 
 typedef struct s_rank {
@@ -373,32 +374,40 @@ done:
 
 static void s_usage(FILE *f) {
     fprintf(f, "usage: fi_group_bench [-m MODEL] [-t THREADS_PER_RANK] [-n DECODE_STEPS]\n"
-               "                      [-p PROMPT_TOKENS] [-b BATCH] [-a]\n\n"
+               "                      [-p PROMPT_TOKENS] [-b BATCH] [-u MICRO_BATCH] [-a]\n\n"
                "The model sharded over ranks (threads with their own CURVE links on loopback):\n"
                "TTFT, decode tok/s, bytes between ranks per token, communication time per\n"
                "token, for TP=1, TP=2, PP=2 (stages in turn, then micro-batched; -a: also TP=3\n"
-               "and TP=2xPP=2), and a projection for a model 50x larger. Defaults: -t 1 -n 32 -p 128 -b 4, the default model.\n");
+               "and TP=2xPP=2), and a projection for a model 50x larger. -u: the micro-batched\n"
+               "PP=2 layout's micro_batch (default: the group file's default, 4 with zmq).\n"
+               "Defaults: -t 1 -n 32 -p 128 -b 4, the default model.\n");
 }
 
 int main(int argc, char **argv) {
     s_opts o = {getenv("FEDINFER_MODEL") ? getenv("FEDINFER_MODEL") : FI_DEFAULT_MODEL, 1, 32,
-                128, 4, 0};
+                128, 4, 0, -1};
     static const struct option lo[] = {{"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
     int ch;
-    while ((ch = getopt_long(argc, argv, "m:t:n:p:b:ah", lo, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "m:t:n:p:b:u:ah", lo, NULL)) != -1) {
         switch (ch) {
         case 'm': o.model = optarg; break;
         case 't': o.threads = atoi(optarg); break;
         case 'n': o.steps = atoi(optarg); break;
         case 'p': o.prompt = atoi(optarg); break;
         case 'b': o.batch = atoi(optarg); break;
+        case 'u': {
+            char *e = NULL;
+            long v = strtol(optarg, &e, 10);
+            o.micro = e != optarg && !*e && v >= 0 && v <= 1 << 16 ? (int)v : -2; /* -2: refused below */
+            break;
+        }
         case 'a': o.all = 1; break;
         case 'h': s_usage(stdout); return 0;
         default: s_usage(stderr); return 2;
         }
     }
     if (o.threads < 1 || o.steps < 1 || o.prompt < 1 || o.batch < 1 || o.batch > S_MAX_BATCH ||
-        optind != argc) {
+        o.micro < -1 || optind != argc) {
         s_usage(stderr);
         return 2;
     }
@@ -430,6 +439,7 @@ int main(int argc, char **argv) {
     struct { int world, tp, tmul, micro; } layouts[] = {{1, 1, 1, -1}, {1, 1, 2, -1}, {2, 2, 1, -1},
                                                         {2, 1, 1, 0},  {2, 1, 1, -1}, {3, 3, 1, -1},
                                                         {4, 2, 1, -1}};
+    layouts[4].micro = o.micro;
     int n_layouts = o.all ? 7 : 5;
     s_fig figs[7];
     memset(figs, 0, sizeof figs);
