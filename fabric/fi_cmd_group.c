@@ -123,6 +123,12 @@ int fi_group_cmd(const char *config, const char *token) {
         fprintf(stderr, "fedinfer shard: %s\n", err);
         goto done;
     }
+    if (gc.pp > 1 && !gc.micro_batch_set && gc.coll == FI_GROUP_COLL_ZMQ &&
+        !fi_model_backend(m)->ops->host_memory)
+        fprintf(stderr, "group %s: rank %d: micro_batch is %d, the default for CPU ranks; with "
+                        "GPUs a pass of few tokens costs about what one of many does, so set "
+                        "micro_batch = %d (or more) in %s on every rank\n",
+                gc.name, rc.rank, gc.micro_batch, FI_GROUP_MICRO_BATCH_GPU, rc.group_file);
     char d[96];
     fprintf(stderr, "group %s: rank %d ready in %.1f s (digest and slice) on %s, listening on %s\n",
             gc.name, rc.rank, s_now() - t0, fi_backend_describe(fi_model_backend(m), d, sizeof d),

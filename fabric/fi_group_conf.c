@@ -152,7 +152,8 @@ int fi_group_conf_load(const char *path, fi_group_conf *g, char *err, size_t err
         snprintf(err, errlen, "%s: collective = %s: expected zmq or nccl", path, raw->coll);
         goto done;
     }
-    if (raw->micro_batch >= 0)
+    g->micro_batch_set = raw->micro_batch >= 0;
+    if (g->micro_batch_set)
         g->micro_batch = raw->micro_batch;
     else
         g->micro_batch = g->coll == FI_GROUP_COLL_NCCL ? FI_GROUP_MICRO_BATCH_GPU : FI_GROUP_MICRO_BATCH_CPU;

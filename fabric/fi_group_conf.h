@@ -92,6 +92,7 @@ typedef struct fi_group_conf {
     int micro_batch;              /* pp > 1: a pass of at least 2 x this many tokens
                                      goes through the stages in micro-batches of at
                                      least this many (fi_group_micro_split); 0: whole */
+    int micro_batch_set;          /* 1: given in the file; 0: the collective's default */
 } fi_group_conf;
 
 /* Parses and checks a group file (strict: unknown or repeated keys,

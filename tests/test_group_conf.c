@@ -290,6 +290,7 @@ static void test_micro_split(void **state) {
      * sequences in two, GPU ranks not below 32 tokens */
     s_plan(*state, 2, "tp = 1\n", &g, p);
     assert_int_equal(g.micro_batch, 4);
+    assert_int_equal(g.micro_batch_set, 0); /* (fedinfer shard warns GPU ranks then) */
     assert_int_equal(fi_group_micro_split(&g, 7, at), 1);
     assert_int_equal(fi_group_micro_split(&g, 8, at), 2);
     assert_int_equal(at[1], 4);
@@ -300,6 +301,7 @@ static void test_micro_split(void **state) {
     assert_int_equal(fi_group_micro_split(&g, 31, at), 1);
     assert_int_equal(fi_group_micro_split(&g, 32, at), 2);
     s_plan(*state, 2, "tp = 1\nmicro_batch = 16\n", &g, p); /* PP=2, micro-batches of 16 at least */
+    assert_int_equal(g.micro_batch_set, 1);
     assert_int_equal(fi_group_micro_split(&g, 1, at), 1);
     assert_int_equal(fi_group_micro_split(&g, 31, at), 1);
     assert_int_equal(at[1], 31);
