@@ -423,8 +423,9 @@ static void s_usage(FILE *f) {
             "nearest-rank over the requests of a row: a p99 of fewer than 100 requests\n"
             "is their maximum (the first wave's, which all arrive at once). With 1 first\n"
             "in the list, on the CPU, one stream's decode is also given against the DRAM\n"
-            "floor measured in the same run (the read bandwidth of a 1 GiB buffer over\n"
-            "the bytes of weights a token reads).\n"
+            "floor (the read bandwidth of a 1 GiB buffer over the bytes of weights a\n"
+            "token reads), probed right after each repetition's one-stream run: the\n"
+            "median fraction, and their range.\n"
             "\n"
             "options:\n"
             "  -m, --model FILE         GGUF model (default: the set-up's model)\n"
@@ -568,6 +569,15 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         /* [rep][i][agg, dec, step] */
         double (*v)[S_MAX_CONC][3] = calloc((size_t)reps, sizeof *v);
         if (!v) goto done;
+        /* one stream against what memory allows: with 1 first in the
+         * list, on the CPU, the read bandwidth is probed right after each
+         * repetition's one-stream run (the floor moves with the machine's
+         * other load, so each run is set against its own window) */
+        const uint64_t wbytes = fi_model_weight_bytes_per_token(b.m);
+        fi_pool *probe = cl[0] == 1 && fi_cpu_backend_simd(be) && wbytes
+                             ? fi_pool_new(fi_cpu_backend_threads(be))
+                             : NULL;
+        double bw[S_MAX_REPS] = {0};
         for (int r = 0; r < reps; r++) {
             if (reps > 1)
                 printf("rep %d of %ld (%s order)\n", r + 1, reps, r % 2 ? "reverse" : "list");
@@ -580,10 +590,14 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                 if (s_concurrency(&b, cl[i], (int)n_prompt, (int)n_gen, cl[i] < 64 ? 64 : cl[i],
                                   &v[r][i][0], &v[r][i][1], &v[r][i][2])) {
                     free(v);
+                    fi_pool_destroy(&probe);
                     goto done;
                 }
+                if (probe && i == 0)
+                    bw[r] = fi_bench_read_bandwidth(probe, (size_t)1 << 30, 5);
             }
         }
+        fi_pool_destroy(&probe);
         /* each throughput against the first concurrency's in the same
          * repetition; medians over the repetitions */
         for (int i = 1; i < ncl; i++) {
@@ -609,25 +623,35 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                        cl[i], cl[0], reps, med[0], lo[0], hi[0], med[1], lo[1], hi[1], med[2], lo[2],
                        hi[2]);
         }
-        if (cl[0] == 1 && fi_cpu_backend_simd(be)) {
-            /* one stream against what memory allows, in the same run: its
-             * decode reads every weight once a token, so its ratio to the
-             * floor says how much of a many-against-one ratio is the
-             * machine's (the floor moves with the machine's other load) */
-            double one[S_MAX_REPS];
-            for (int r = 0; r < reps; r++)
-                one[r] = v[r][0][1];
-            const double d1 = s_median(one, (int)reps);
-            const uint64_t wbytes = fi_model_weight_bytes_per_token(b.m);
-            fi_pool *pool = fi_pool_new(fi_cpu_backend_threads(be));
-            const double bw = pool && wbytes ? fi_bench_read_bandwidth(pool, (size_t)1 << 30, 5) : 0;
-            fi_pool_destroy(&pool);
-            if (bw > 0)
-                printf("        -> one stream's decoding steps, %.1f tok/s: %.2f of the DRAM floor "
-                       "(%.1f tok/s: %.1f GB/s read by %d threads over %.1f MiB of weights a "
-                       "token)\n",
-                       d1, d1 / (bw / (double)wbytes), bw / (double)wbytes, bw / 1e9,
-                       fi_cpu_backend_threads(be), (double)wbytes / (1 << 20));
+        /* each repetition's one stream against the floor probed right
+         * after it: its decode reads every weight once a token, so the
+         * fraction says how much of a many-against-one ratio is the
+         * machine's */
+        double fr[S_MAX_REPS], one[S_MAX_REPS], gbs[S_MAX_REPS];
+        int np = 0;
+        for (int r = 0; r < reps; r++)
+            if (bw[r] > 0 && v[r][0][1] > 0) {
+                one[np] = v[r][0][1];
+                gbs[np] = bw[r] / 1e9;
+                fr[np++] = v[r][0][1] / (bw[r] / (double)wbytes);
+            }
+        if (np > 0) {
+            double flo = fr[0], fhi = fr[0], blo = gbs[0], bhi = gbs[0];
+            for (int k = 1; k < np; k++) {
+                flo = fr[k] < flo ? fr[k] : flo;
+                fhi = fr[k] > fhi ? fr[k] : fhi;
+                blo = gbs[k] < blo ? gbs[k] : blo;
+                bhi = gbs[k] > bhi ? gbs[k] : bhi;
+            }
+            const double gmed = s_median(gbs, np);
+            printf("        -> one stream's decoding steps, %.1f tok/s: %.2f of the DRAM floor (%.1f tok/s: "
+                   "%.1f GB/s read by %d threads over %.1f MiB of weights a token",
+                   s_median(one, np), s_median(fr, np), gmed * 1e9 / (double)wbytes, gmed,
+                   fi_cpu_backend_threads(be), (double)wbytes / (1 << 20));
+            if (np > 1)
+                printf("; medians of %d repetitions, each against a probe right after its one-stream "
+                       "run: fractions %.2f-%.2f, %.1f-%.1f GB/s", np, flo, fhi, blo, bhi);
+            printf(")\n");
         }
         free(v);
     }
