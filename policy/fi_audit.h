@@ -181,21 +181,24 @@ int fi_audit_source_head(fi_audit *self, const char *source, int64_t *seq, char 
 void fi_audit_chain_hash(const char *prev_hex, const fi_audit_record *rec, char out[65]);
 
 typedef struct fi_audit_check {
-    int64_t records;  /* records read */
-    int64_t bad_seq;  /* first record found wrong (0: none) */
-    char head[65];    /* hash of the last record ("" when empty) */
-    char what[256];   /* what is wrong, when broken */
+    int64_t records;   /* records read */
+    int64_t bad_seq;   /* first record found wrong (0: none) */
+    char head[65];     /* hash of the last record ("" when empty) */
+    char what[256];    /* what is wrong, when broken */
+    int64_t witnesses; /* witnesses checked (fi_audit_witness_put) */
 } fi_audit_check;
 
 /* Walks the whole chain, in one read transaction: the log's own chain,
  * then each source's run (consecutive source_seq from 1, or from the
  * record after another source's last one, a replaced key's log taken
  * over; each source_hash the source's chain hash), then each head in
- * audit_sources against its source's last record. Returns 0 when intact,
+ * audit_sources against its source's last record, then each witness
+ * (audit_witnesses) against the record it was told. Returns 0 when intact,
  * 1 when broken (out->what says where and how: removed, edited or
  * reordered, naming the record and source; out->bad_seq is the record, or
  * for a head that does not match, the source's last record in this log,
- * or the log's last when it has none), -1 on a database error. */
+ * or the log's last when it has none; for a witness, the record it was
+ * told), -1 on a database error. */
 int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) FI_WUR;
 
 /* A checkpoint of a log: record seq and its chain hash, noted by an
@@ -216,6 +219,45 @@ int fi_audit_point_row(const fi_audit_record *r, void *arg);
 /* After the query: 0 when the record is there with the hash noted; else 1
  * with a message in err naming what changed. */
 int fi_audit_point_check(const fi_audit_point *p, int64_t records, char *err, size_t cap);
+
+/* The log's last record: *seq (0 when the log is empty) and its chain
+ * hash into head ("" when empty). 0 or -1 (message in err). */
+int fi_audit_head(fi_audit *self, int64_t *seq, char head[65], char *err, size_t cap) FI_WUR;
+
+/* Witnesses: the cut the checks above cannot see. Parties outside this
+ * host (the coordinator's edges) are told the log's head (fi_audit_head)
+ * from time to time; each keeps the newest it was told and reports it
+ * back. A reported head is a checkpoint the log must hold for ever:
+ * record seq, with that hash. The log keeps, per witness, the newest
+ * reported (table audit_witnesses, outside the chain: rows are replaced),
+ * and fi_audit_verify checks each. So records cut off the end, with
+ * audit_sources edited to match, are caught once any witness was told a
+ * record past the cut; a witness that reports again (an edge after the
+ * coordinator restarts) brings its checkpoint back even when the cut also
+ * removed its row. What no witness was told yet (the last heartbeat
+ * interval) stays open to the cut. */
+typedef struct fi_audit_witness {
+    const char *who;   /* the witness (an edge's key fingerprint), 1..FI_AUDIT_WITNESS_MAX bytes */
+    const char *site;  /* where it is, for messages ("" unknown) */
+    int64_t seq;       /* the record it was told, >= 1 */
+    char hash[65];     /* that record's chain hash, 64 lower-case hex */
+    int64_t reported;  /* when it reported it, Unix ms */
+} fi_audit_witness;
+#define FI_AUDIT_WITNESS_MAX 128
+
+/* 1 when seq and hash could name a record of a log (seq >= 1, hash 64
+ * lower-case hex digits): what a witness report must be. */
+int fi_audit_head_valid(int64_t seq, const char *hash);
+/* Checks one witness against the log as it is now. 0 when the log holds
+ * record w->seq with w->hash; 1 when not, with a message in err naming
+ * the witness and what changed (cut off the end, or rewritten); -1 on a
+ * database error. */
+int fi_audit_witness_check(fi_audit *self, const fi_audit_witness *w, char *err, size_t cap) FI_WUR;
+/* Keeps n witness reports, in one transaction: per witness the report of
+ * the highest seq (a lower one, from a witness that lost its record, does
+ * not replace it). A report that is not valid (who, fi_audit_head_valid)
+ * refuses the call: 1 with err, nothing kept. 0, 1 or -1. */
+int fi_audit_witness_put(fi_audit *self, const fi_audit_witness *w, size_t n, char *err, size_t cap) FI_WUR;
 
 #ifdef __cplusplus
 }

@@ -22,6 +22,7 @@ struct fi_audit {
     int prov;    /* the audit table has the provenance columns (not: a log made before them, read-only) */
     int sources; /* the file has audit_sources (the held heads) */
     int legacy;  /* it has audit_sources_legacy (the heads held when the columns were added) */
+    int witnessed; /* it has audit_witnesses (a log made before them, read-only, has not) */
 };
 
 static const char *s_schema =
@@ -43,7 +44,10 @@ static const char *s_schema =
     "CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit"
     " BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;"
     "CREATE TABLE IF NOT EXISTS audit_sources("
-    " source TEXT PRIMARY KEY, seq INTEGER NOT NULL, hash TEXT NOT NULL);";
+    " source TEXT PRIMARY KEY, seq INTEGER NOT NULL, hash TEXT NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS audit_witnesses("
+    " who TEXT PRIMARY KEY, site TEXT NOT NULL, seq INTEGER NOT NULL, hash TEXT NOT NULL,"
+    " reported INTEGER NOT NULL);";
 
 /* A log made before provenance existed (fi_audit_open adds the columns;
  * a read-only handle reads them as absent). Its heads of that time are
@@ -94,7 +98,8 @@ static int s_has_prov(sqlite3 *db) {
 /* Notes which tables and columns the file has. 0 or -1 (SQLite error). */
 static int s_probe(fi_audit *a) {
     if ((a->prov = s_has_prov(a->db)) < 0 || (a->sources = s_has_table(a->db, "audit_sources")) < 0 ||
-        (a->legacy = s_has_table(a->db, "audit_sources_legacy")) < 0)
+        (a->legacy = s_has_table(a->db, "audit_sources_legacy")) < 0 ||
+        (a->witnessed = s_has_table(a->db, "audit_witnesses")) < 0)
         return -1;
     return 0;
 }
@@ -1049,6 +1054,152 @@ static int s_check_heads(fi_audit *self, s_srcs *m, fi_audit_check *out, int *oo
     return broken;
 }
 
+/* --- witnesses ------------------------------------------------------------ */
+
+int fi_audit_head_valid(int64_t seq, const char *hash) {
+    if (seq < 1 || !hash || strlen(hash) != 64) return 0;
+    for (const char *c = hash; *c; c++)
+        if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f'))) return 0;
+    return 1;
+}
+
+int fi_audit_head(fi_audit *self, int64_t *seq, char head[65], char *err, size_t cap) {
+    sqlite3_stmt *st = NULL;
+    *seq = 0;
+    head[0] = 0;
+    int r = sqlite3_prepare_v2(self->db, "SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1", -1, &st, NULL);
+    if (r == SQLITE_OK && (r = sqlite3_step(st)) == SQLITE_ROW) {
+        *seq = sqlite3_column_int64(st, 0);
+        snprintf(head, 65, "%s", s_nz((const char *)sqlite3_column_text(st, 1)));
+    }
+    sqlite3_finalize(st);
+    if (r == SQLITE_ROW || r == SQLITE_DONE) return 0;
+    snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+    return -1;
+}
+
+/* w against the log, as one read (inside the caller's transaction, if
+ * any): 0 holds, 1 not (err says so), -1. */
+static int s_witness_check(fi_audit *self, const fi_audit_witness *w, char *err, size_t cap) {
+    sqlite3_stmt *st = NULL;
+    char got[65] = "";
+    int found = 0;
+    int64_t last = 0;
+    int r = sqlite3_prepare_v2(self->db,
+                               "SELECT (SELECT hash FROM audit WHERE seq = ?1), (SELECT max(seq) FROM audit)", -1,
+                               &st, NULL);
+    if (r == SQLITE_OK) {
+        sqlite3_bind_int64(st, 1, w->seq);
+        if ((r = sqlite3_step(st)) == SQLITE_ROW) {
+            found = sqlite3_column_type(st, 0) != SQLITE_NULL;
+            snprintf(got, sizeof got, "%s", s_nz((const char *)sqlite3_column_text(st, 0)));
+            last = sqlite3_column_int64(st, 1);
+        }
+    }
+    sqlite3_finalize(st);
+    if (r != SQLITE_ROW) {
+        snprintf(err, cap, "audit log: %s", sqlite3_errmsg(self->db));
+        return -1;
+    }
+    if (found && !strcmp(got, w->hash)) return 0;
+    char when[32] = "?";
+    time_t t = (time_t)(w->reported / 1000);
+    struct tm tm;
+    if (w->reported > 0 && gmtime_r(&t, &tm)) strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    const char *site = w->site && w->site[0] ? w->site : "";
+    if (!found)
+        snprintf(err, cap,
+                 "witness %.64s%s%.63s%s was told record %lld (hash %.16s...), reported %s, but the log ends at "
+                 "record %lld: records were cut off the end",
+                 w->who, site[0] ? " (site " : "", site, site[0] ? ")" : "", (long long)w->seq, w->hash, when,
+                 (long long)last);
+    else
+        snprintf(err, cap,
+                 "witness %.64s%s%.63s%s was told record %lld with hash %.16s..., reported %s, but it now has "
+                 "hash %.16s...: the log was rewritten from there on",
+                 w->who, site[0] ? " (site " : "", site, site[0] ? ")" : "", (long long)w->seq, w->hash, when, got);
+    return 1;
+}
+
+int fi_audit_witness_check(fi_audit *self, const fi_audit_witness *w, char *err, size_t cap) {
+    if (!w->who || !w->who[0] || !fi_audit_head_valid(w->seq, w->hash)) {
+        snprintf(err, cap, "a witness needs a name, a record number >= 1 and a 64-hex-digit hash");
+        return 1;
+    }
+    return s_witness_check(self, w, err, cap);
+}
+
+int fi_audit_witness_put(fi_audit *self, const fi_audit_witness *w, size_t n, char *err, size_t cap) {
+    for (size_t i = 0; i < n; i++) {
+        size_t wl = w[i].who ? strlen(w[i].who) : 0;
+        if (wl == 0 || wl > FI_AUDIT_WITNESS_MAX || !fi_audit_head_valid(w[i].seq, w[i].hash) ||
+            (w[i].site && strlen(w[i].site) > FI_AUDIT_WITNESS_MAX)) {
+            snprintf(err, cap, "witness report %zu: needs a name of 1..%d bytes, a record number >= 1 and a "
+                     "64-hex-digit hash", i, FI_AUDIT_WITNESS_MAX);
+            return 1;
+        }
+    }
+    if (!self->witnessed) {
+        snprintf(err, cap, "audit log %s was opened read-only: it keeps no witnesses", s_path(self));
+        return -1;
+    }
+    sqlite3_stmt *st = NULL;
+    int r = sqlite3_exec(self->db, "BEGIN IMMEDIATE", NULL, NULL, NULL);
+    if (r == SQLITE_OK)
+        r = sqlite3_prepare_v2(self->db,
+                               "INSERT INTO audit_witnesses(who, site, seq, hash, reported) VALUES(?1, ?2, ?3, ?4, ?5)"
+                               " ON CONFLICT(who) DO UPDATE SET site = excluded.site, seq = excluded.seq,"
+                               " hash = excluded.hash, reported = excluded.reported WHERE excluded.seq >= seq",
+                               -1, &st, NULL);
+    for (size_t i = 0; r == SQLITE_OK && i < n; i++) {
+        sqlite3_reset(st);
+        sqlite3_bind_text(st, 1, w[i].who, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_text(st, 2, w[i].site ? w[i].site : "", -1, SQLITE_TRANSIENT);
+        sqlite3_bind_int64(st, 3, w[i].seq);
+        sqlite3_bind_text(st, 4, w[i].hash, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_int64(st, 5, w[i].reported);
+        r = sqlite3_step(st) == SQLITE_DONE ? SQLITE_OK : sqlite3_errcode(self->db);
+    }
+    sqlite3_finalize(st);
+    if (r == SQLITE_OK) r = sqlite3_exec(self->db, "COMMIT", NULL, NULL, NULL);
+    if (r == SQLITE_OK) return 0;
+    snprintf(err, cap, "audit log: witnesses: %s", sqlite3_errmsg(self->db));
+    sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL);
+    return -1;
+}
+
+/* Every witness kept, inside verify's snapshot: 0, 1 broken (out says
+ * which), -1. */
+static int s_check_witnesses(fi_audit *self, fi_audit_check *out) {
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(self->db, "SELECT who, site, seq, hash, reported FROM audit_witnesses ORDER BY who", -1,
+                           &st, NULL) != SQLITE_OK)
+        return -1;
+    int broken = 0, r;
+    while (!broken && (r = sqlite3_step(st)) == SQLITE_ROW) {
+        fi_audit_witness w = {.who = s_nz((const char *)sqlite3_column_text(st, 0)),
+                              .site = s_nz((const char *)sqlite3_column_text(st, 1)),
+                              .seq = sqlite3_column_int64(st, 2),
+                              .reported = sqlite3_column_int64(st, 4)};
+        snprintf(w.hash, sizeof w.hash, "%s", s_nz((const char *)sqlite3_column_text(st, 3)));
+        out->witnesses++;
+        char why[sizeof out->what];
+        int c = s_witness_check(self, &w, why, sizeof why);
+        if (c < 0) {
+            sqlite3_finalize(st);
+            return -1;
+        }
+        if (c) {
+            snprintf(out->what, sizeof out->what, "%s", why);
+            out->bad_seq = w.seq;
+            broken = 1;
+        }
+    }
+    int dberr = !broken && r != SQLITE_DONE;
+    sqlite3_finalize(st);
+    return dberr ? -1 : broken;
+}
+
 int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) {
     memset(out, 0, sizeof *out);
     sqlite3_stmt *st = NULL;
@@ -1129,6 +1280,7 @@ int fi_audit_verify(fi_audit *self, fi_audit_check *out, char *err, size_t cap) 
     sqlite3_finalize(st);
     st = NULL;
     if (!broken && self->sources && (broken = s_check_heads(self, &m, out, &oom)) < 0) goto dberr;
+    if (!broken && self->witnessed && (broken = s_check_witnesses(self, out)) < 0) goto dberr;
     s_srcs_free(&m);
     sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL); /* read only: ends the snapshot */
     snprintf(out->head, sizeof out->head, "%s", expect_prev);

@@ -84,6 +84,7 @@ static int s_sql(const fx *f, const char *sql) {
     sqlite3 *db;
     assert_int_equal(sqlite3_open(f->path, &db), SQLITE_OK);
     int rc = sqlite3_exec(db, sql, NULL, NULL, NULL);
+    if (rc != SQLITE_OK) fprintf(stderr, "s_sql: %s\n", sqlite3_errmsg(db));
     sqlite3_close(db);
     return rc;
 }
@@ -719,6 +720,149 @@ static void test_heads_checked(void **state) {
     }
 }
 
+/* (d) Witnesses close the hole test_heads_checked leaves: an edge told
+ * the head (fi_audit_head) reports it back, the log keeps it, and verify
+ * then finds the end cut with its heads, and a rewritten tail; a log that
+ * only grew since passes. A lower report does not replace a higher one;
+ * malformed reports are refused whole. */
+static void test_witnesses(void **state) {
+    fx *f = *state;
+    char err[300];
+    fi_audit_record ra[5], rb[2];
+    s_src_records(ra, 1, 5, "", "s1");
+    s_src_records(rb, 1, 2, "", "s1");
+    fi_audit *a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    int64_t seq = -1;
+    char head[65] = "x";
+    assert_int_equal(fi_audit_head(a, &seq, head, err, sizeof err), 0);
+    assert_true(seq == 0 && head[0] == 0); /* empty */
+    s_ingest(a, "edge-a", ra, 5, 5);        /* log records 1..5 */
+    s_ingest(a, "edge-b", rb, 2, 2);        /* 6..7 */
+    assert_int_equal(fi_audit_head(a, &seq, head, err, sizeof err), 0);
+    assert_true(seq == 7);
+    fi_audit_check ck;
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
+    assert_string_equal(ck.head, head);
+    assert_true(ck.witnesses == 0);
+
+    /* the edge was told record 7; a second edge record 6, then a lower
+     * report of its own (it lost its state) that must not replace it */
+    fi_audit_witness w[3] = {{.who = "fpr-edge-1", .site = "berlin", .seq = 7, .reported = 1764567000000},
+                             {.who = "fpr-edge-2", .site = "", .seq = 6, .reported = 1764567000000},
+                             {.who = "fpr-edge-2", .site = "", .seq = 2, .reported = 1764567001000}};
+    memcpy(w[0].hash, head, 65);
+    int64_t s6;
+    char h6[65];
+    {
+        sqlite3 *db;
+        sqlite3_stmt *st;
+        assert_int_equal(sqlite3_open(f->path, &db), SQLITE_OK);
+        assert_int_equal(sqlite3_prepare_v2(db, "SELECT seq, hash FROM audit WHERE seq IN (2, 6) ORDER BY seq", -1,
+                                            &st, NULL),
+                         SQLITE_OK);
+        assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+        snprintf(w[2].hash, 65, "%s", (const char *)sqlite3_column_text(st, 1));
+        assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+        s6 = sqlite3_column_int64(st, 0);
+        snprintf(h6, sizeof h6, "%s", (const char *)sqlite3_column_text(st, 1));
+        sqlite3_finalize(st);
+        sqlite3_close(db);
+    }
+    assert_true(s6 == 6);
+    memcpy(w[1].hash, h6, 65);
+    for (int i = 0; i < 3; i++) assert_int_equal(fi_audit_witness_check(a, &w[i], err, sizeof err), 0);
+    assert_int_equal(fi_audit_witness_put(a, w, 3, err, sizeof err), 0);
+    {
+        sqlite3 *db;
+        sqlite3_stmt *st;
+        assert_int_equal(sqlite3_open(f->path, &db), SQLITE_OK);
+        assert_int_equal(sqlite3_prepare_v2(db, "SELECT seq, reported FROM audit_witnesses WHERE who = 'fpr-edge-2'",
+                                            -1, &st, NULL),
+                         SQLITE_OK);
+        assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+        assert_true(sqlite3_column_int64(st, 0) == 6); /* the lower report did not replace it */
+        assert_true(sqlite3_column_int64(st, 1) == 1764567000000);
+        sqlite3_finalize(st);
+        sqlite3_close(db);
+    }
+
+    /* refused whole: no name, record 0, a short or upper-case hash */
+    fi_audit_witness bad = w[0];
+    bad.who = "";
+    assert_int_equal(fi_audit_witness_put(a, &bad, 1, err, sizeof err), 1);
+    assert_non_null(strstr(err, "witness report 0"));
+    bad = w[0];
+    bad.seq = 0;
+    assert_int_equal(fi_audit_witness_check(a, &bad, err, sizeof err), 1);
+    bad = w[0];
+    bad.hash[63] = 0;
+    assert_false(fi_audit_head_valid(bad.seq, bad.hash));
+    bad = w[0];
+    bad.hash[0] = 'A';
+    fi_audit_witness two[2] = {w[0], bad};
+    two[0].seq = 1; /* would lower edge-1's, were the call taken */
+    assert_int_equal(fi_audit_witness_put(a, two, 2, err, sizeof err), 1);
+    assert_non_null(strstr(err, "witness report 1"));
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0);
+    assert_true(ck.witnesses == 2);
+    fi_audit_destroy(&a);
+
+    /* the log grows: every witness still holds */
+    fi_audit_record rc[1];
+    s_src_records(rc, 1, 1, "", "s1");
+    a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    s_ingest(a, "edge-c", rc, 1, 1); /* 8 */
+    fi_audit_destroy(&a);
+    assert_int_equal(s_verify(f, &ck), 0);
+    assert_true(ck.records == 8 && ck.witnesses == 2);
+
+    /* the cut test_heads_checked cannot see: records 7 and 8 gone with
+     * their sources' heads moved back (and edge-c's removed) */
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    assert_int_equal(s_sql(f, "DELETE FROM audit WHERE seq >= 7; DELETE FROM audit_sources WHERE source = 'edge-c';"
+                              "UPDATE audit_sources SET seq = 1, hash = (SELECT source_hash FROM audit"
+                              " WHERE seq = 6) WHERE source = 'edge-b'"),
+                     SQLITE_OK);
+    assert_int_equal(s_verify(f, &ck), 1);
+    printf("%s\n", ck.what);
+    assert_true(ck.bad_seq == 7);
+    assert_non_null(strstr(ck.what, "witness fpr-edge-1 (site berlin) was told record 7"));
+    assert_non_null(strstr(ck.what, "the log ends at record 6: records were cut off the end"));
+    assert_non_null(strstr(ck.what, "reported 2025-12-01T05:30:00Z"));
+    /* ... and without that witness's row, the other one still holds and
+     * the cut goes unseen, as before: it is the edge's report that counts */
+    assert_int_equal(s_sql(f, "DELETE FROM audit_witnesses WHERE who = 'fpr-edge-1'"), SQLITE_OK);
+    assert_int_equal(s_verify(f, &ck), 0);
+    assert_true(ck.witnesses == 1);
+    a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    assert_int_equal(fi_audit_witness_check(a, &w[0], err, sizeof err), 1);
+    assert_non_null(strstr(err, "records were cut off the end"));
+    assert_int_equal(fi_audit_witness_put(a, w, 1, err, sizeof err), 0); /* it reports again */
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 1);
+
+    /* rewritten from record 6 on: same length, another hash (the
+     * triggers are back: fi_audit_open makes them) */
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    assert_int_equal(s_sql(f, "DELETE FROM audit_witnesses WHERE who = 'fpr-edge-1';"
+                              "UPDATE audit SET hash = replace(hash, substr(hash, 1, 1), 'f') WHERE seq = 6"),
+                     SQLITE_OK);
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 1); /* the chain itself finds this one */
+    assert_int_equal(fi_audit_witness_check(a, &w[1], err, sizeof err), 1);
+    printf("%s\n", err);
+    assert_non_null(strstr(err, "witness fpr-edge-2 was told record 6 with hash"));
+    assert_non_null(strstr(err, "the log was rewritten from there on"));
+    fi_audit_destroy(&a);
+
+    /* a read-only handle checks witnesses but keeps none */
+    a = fi_audit_open_readonly(f->path, err, sizeof err);
+    assert_non_null(a);
+    assert_int_equal(fi_audit_witness_put(a, w, 1, err, sizeof err), -1);
+    fi_audit_destroy(&a);
+}
+
 /* The schema of a log made before provenance, as policy_audit.c wrote it. */
 static const char *OLD_SCHEMA =
     "PRAGMA journal_mode=WAL;"
@@ -931,6 +1075,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_provenance_edit_detected, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_source_run_checked, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_heads_checked, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_witnesses, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_old_log_upgraded, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_adoption_verified, s_setup, s_teardown),
     };
