@@ -5,6 +5,7 @@
  *   fedinfer edge --config edge.conf             serve
  *   fedinfer edge token add --config F --tenant T --app A    prints a bearer token once
  *   fedinfer edge token revoke --config F TOKEN|HASH
+ *   fedinfer edge witness --config F [--reset]
  *
  * SIGHUP reloads the configuration's limits and the policy bundle; SIGTERM
  * and SIGINT stop: new requests get 503, in-flight ones have
@@ -32,10 +33,15 @@ static void s_usage(FILE *f) {
     fprintf(f,
             "usage: fedinfer edge --config FILE [--enrol TOKEN]\n"
             "       fedinfer edge token add --config FILE --tenant NAME --app NAME\n"
-            "       fedinfer edge token revoke --config FILE TOKEN|HASH\n\n"
+            "       fedinfer edge token revoke --config FILE TOKEN|HASH\n"
+            "       fedinfer edge witness --config FILE [--reset]\n\n"
             "Serves the OpenAI-compatible API of a site: local model, residency policy,\n"
             "routing to core clusters over the fabric. --enrol - reads the one-time token\n"
             "from standard input (a command line is visible to every local user).\n\n"
+            "witness prints the newest head of the coordinator's audit log this site was\n"
+            "told (record and hash, kept in db), which the coordinator's log must still hold\n"
+            "(fedctl audit verify); --reset, with the agent stopped, forgets it after the\n"
+            "coordinator's log was replaced on purpose.\n\n"
             "Configuration (key = value lines; unknown keys are errors):\n"
             "  site = NAME                 this site, as the policy names it (required)\n"
             "  listen, port                HTTP address (127.0.0.1:8080)\n"
@@ -139,8 +145,42 @@ static int s_token(int argc, char **argv) {
     return 2;
 }
 
+static int s_witness(int argc, char **argv) {
+    static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
+                                         {"reset", no_argument, NULL, 'r'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    const char *config = NULL;
+    int reset = 0, ch;
+    optind = 0;
+    while ((ch = getopt_long(argc, argv, "c:rh", opts, NULL)) != -1) {
+        if (ch == 'c') config = optarg;
+        else if (ch == 'r') reset = 1;
+        else {
+            s_usage(ch == 'h' ? stdout : stderr);
+            return ch == 'h' ? 0 : 2;
+        }
+    }
+    if (!config || optind != argc) {
+        fprintf(stderr, "fedinfer edge witness: %s (see --help)\n",
+                !config ? "--config is required" : "unexpected argument");
+        return 2;
+    }
+    fi_edge_conf c;
+    char err[768], line[512];
+    fi_edge_conf_default(&c);
+    if (fi_edge_conf_load(config, &c, err, sizeof err) != 0 ||
+        edge_witness_cmd(c.db, reset, line, sizeof line, err, sizeof err) != 0) {
+        fprintf(stderr, "fedinfer edge witness: %s\n", err);
+        return 1;
+    }
+    printf("%s\n", line);
+    return 0;
+}
+
 int fi_cmd_edge(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "token")) return s_token(argc - 1, argv + 1);
+    if (argc > 1 && !strcmp(argv[1], "witness")) return s_witness(argc - 1, argv + 1);
     static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
                                          {"enrol", required_argument, NULL, 'e'},
                                          {"help", no_argument, NULL, 'h'},

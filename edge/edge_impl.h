@@ -251,6 +251,17 @@ char *edge_policy_audit_batch(edge_policy *p, int64_t after, int max, int64_t *l
 int64_t edge_policy_uploaded(edge_policy *p);
 void edge_policy_set_uploaded(edge_policy *p, int64_t seq);
 int64_t edge_policy_audit_head(edge_policy *p);
+/* The head of the coordinator's audit log this edge witnessed
+ * (fi_client_audit_witness), kept in the db across restarts with the
+ * coordinator's key fingerprint: *seq 0 and hash "" when none, or when
+ * the one kept is of another coordinator (said on stderr). */
+void edge_policy_witness(edge_policy *p, const char *coordinator, int64_t *seq, char hash[65]);
+/* Keeps the witness of coordinator (the client only ever moves it up). */
+void edge_policy_set_witness(edge_policy *p, const char *coordinator, int64_t seq, const char *hash);
+/* `fedinfer edge witness`: the witness kept in db, as a line into out
+ * (reset: cleared first, for an operator who replaced the coordinator's
+ * log on purpose; with the agent stopped). 0, or -1 with err. */
+int edge_witness_cmd(const char *db, int reset, char *out, size_t cap, char *err, size_t errlen);
 
 /* --- the agent ----------------------------------------------------------- */
 

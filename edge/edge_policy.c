@@ -11,7 +11,9 @@
  * Every decision is appended to the hash-chained audit log (policy/
  * fi_audit.h) in the edge's SQLite file; a small table of our own there
  * remembers how far the coordinator has acknowledged the log, so an upload
- * resumes after a restart of either side.
+ * resumes after a restart of either side, and another the newest head of
+ * the coordinator's own log that it was told (this site's witness of that
+ * log, fabric/fi_client.h).
  *
  * Threads: HTTP threads decide and audit at once; the policy pointer is
  * swapped under a read-write lock, the audit log is used under a mutex.
@@ -118,7 +120,10 @@ edge_policy *edge_policy_new(const char *dir, const char *pubkey, const char *db
                           "PRAGMA busy_timeout=5000;"
                           "CREATE TABLE IF NOT EXISTS edge_upload(id INTEGER PRIMARY KEY CHECK(id=1),"
                           " seq INTEGER NOT NULL);"
-                          "INSERT OR IGNORE INTO edge_upload(id, seq) VALUES(1, 0);",
+                          "INSERT OR IGNORE INTO edge_upload(id, seq) VALUES(1, 0);"
+                          "CREATE TABLE IF NOT EXISTS edge_witness(id INTEGER PRIMARY KEY CHECK(id=1),"
+                          " coordinator TEXT NOT NULL, seq INTEGER NOT NULL, hash TEXT NOT NULL);"
+                          "INSERT OR IGNORE INTO edge_witness(id, coordinator, seq, hash) VALUES(1, '', 0, '');",
                           NULL, NULL, NULL);
     if (rc != SQLITE_OK) {
         const char *why = p->db ? sqlite3_errmsg(p->db) : "cannot open";
@@ -421,6 +426,94 @@ void edge_policy_set_uploaded(edge_policy *p, int64_t seq) {
     }
     sqlite3_finalize(st);
     pthread_mutex_unlock(&p->amu);
+}
+
+/* The witness row of db: 1 with a valid one, 0 none, -1 (SQLite). */
+static int s_witness_get(sqlite3 *db, char coord[128], int64_t *seq, char hash[65]) {
+    sqlite3_stmt *st = NULL;
+    *seq = 0;
+    hash[0] = coord[0] = 0;
+    int r = sqlite3_prepare_v2(db, "SELECT coordinator, seq, hash FROM edge_witness WHERE id=1", -1, &st, NULL);
+    if (r == SQLITE_OK && (r = sqlite3_step(st)) == SQLITE_ROW) {
+        const char *c = (const char *)sqlite3_column_text(st, 0), *h = (const char *)sqlite3_column_text(st, 2);
+        if (c && h && fi_audit_head_valid(sqlite3_column_int64(st, 1), h)) {
+            snprintf(coord, 128, "%s", c);
+            *seq = sqlite3_column_int64(st, 1);
+            snprintf(hash, 65, "%s", h);
+        }
+    }
+    sqlite3_finalize(st);
+    return r == SQLITE_ROW ? *seq > 0 : r == SQLITE_DONE ? 0 : -1;
+}
+
+static int s_witness_set(sqlite3 *db, const char *coord, int64_t seq, const char *hash) {
+    sqlite3_stmt *st = NULL;
+    int r = sqlite3_prepare_v2(db, "UPDATE edge_witness SET coordinator=?1, seq=?2, hash=?3 WHERE id=1", -1, &st,
+                               NULL);
+    if (r == SQLITE_OK) {
+        sqlite3_bind_text(st, 1, coord, -1, SQLITE_TRANSIENT);
+        sqlite3_bind_int64(st, 2, seq);
+        sqlite3_bind_text(st, 3, hash, -1, SQLITE_TRANSIENT);
+        r = sqlite3_step(st);
+    }
+    sqlite3_finalize(st);
+    return r == SQLITE_DONE ? 0 : -1;
+}
+
+void edge_policy_witness(edge_policy *p, const char *coordinator, int64_t *seq, char hash[65]) {
+    char coord[128];
+    pthread_mutex_lock(&p->amu);
+    int r = s_witness_get(p->db, coord, seq, hash);
+    pthread_mutex_unlock(&p->amu);
+    if (r > 0 && strcmp(coord, coordinator)) {
+        s_log("audit: the coordinator's audit head kept here (record %lld) is of another coordinator (%.64s), not "
+              "of %.64s: starting afresh",
+              (long long)*seq, coord, coordinator);
+        *seq = 0;
+        hash[0] = 0;
+    }
+}
+
+void edge_policy_set_witness(edge_policy *p, const char *coordinator, int64_t seq, const char *hash) {
+    pthread_mutex_lock(&p->amu);
+    if (s_witness_set(p->db, coordinator, seq, hash) != 0)
+        s_log("audit: cannot keep the coordinator's audit head (witness of record %lld): %s", (long long)seq,
+              sqlite3_errmsg(p->db));
+    pthread_mutex_unlock(&p->amu);
+}
+
+int edge_witness_cmd(const char *db, int reset, char *out, size_t cap, char *err, size_t errlen) {
+    sqlite3 *h = NULL;
+    char coord[128], hash[65];
+    int64_t seq;
+    int rc = -1;
+    if (sqlite3_open_v2(db, &h, SQLITE_OPEN_READWRITE, NULL) != SQLITE_OK) {
+        snprintf(err, errlen, "%s: %s", db, h ? sqlite3_errmsg(h) : "cannot open");
+        goto done;
+    }
+    sqlite3_busy_timeout(h, 5000);
+    int r = s_witness_get(h, coord, &seq, hash);
+    if (r < 0) {
+        snprintf(err, errlen, "%s: %s (has this agent ever run with a coordinator?)", db, sqlite3_errmsg(h));
+        goto done;
+    }
+    if (!r) {
+        snprintf(out, cap, "%s: no head of a coordinator's audit log witnessed", db);
+    } else if (reset) {
+        if (s_witness_set(h, "", 0, "") != 0) {
+            snprintf(err, errlen, "%s: %s", db, sqlite3_errmsg(h));
+            goto done;
+        }
+        snprintf(out, cap, "%s: witness of coordinator %s's audit log (record %lld, hash %s) reset", db, coord,
+                 (long long)seq, hash);
+    } else {
+        snprintf(out, cap, "%s: witness of coordinator %s's audit log: record %lld, hash %s", db, coord,
+                 (long long)seq, hash);
+    }
+    rc = 0;
+done:
+    sqlite3_close(h);
+    return rc;
 }
 
 int64_t edge_policy_audit_head(edge_policy *p) {

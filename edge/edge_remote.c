@@ -58,6 +58,8 @@ typedef struct s_remote {
     int64_t upload_last;        /* its last seq */
     uint64_t upload_at;         /* when it was sent */
     uint64_t said_version;      /* policy version the client says in Hello */
+    unsigned wit_gen;           /* fi_client_audit_witness's count when last kept */
+    char coord_fpr[FI_KEYS_FPR_LEN]; /* the coordinator's key fingerprint (whose log we witness) */
     /* clusters' load from the coordinator's heartbeats, under mu (the
      * thread alone writes them) */
     fi_cluster_load *loads;     /* owned */
@@ -417,6 +419,16 @@ static void s_take_loads(s_remote *r) {
     free(old);
 }
 
+/* Keeps the coordinator's audit head when the witness moved up. */
+static void s_keep_witness(s_remote *r) {
+    int64_t seq;
+    char hash[65];
+    unsigned gen = fi_client_audit_witness(r->client, &seq, hash, NULL);
+    if (gen == r->wit_gen) return;
+    r->wit_gen = gen;
+    edge_policy_set_witness(r->e->policy, r->coord_fpr, seq, hash);
+}
+
 static void *s_run(void *arg) {
     s_remote *r = arg;
     char err[512];
@@ -444,6 +456,7 @@ static void *s_run(void *arg) {
             r->said_version = held;
         }
         s_take_loads(r);
+        s_keep_witness(r);
         int online = fi_client_ready(r->client);
         atomic_store(&r->online, online);
         if (online != was_online)
@@ -580,6 +593,9 @@ int edge_remote_new(fi_edge *e, edge_exec *out, char *err, size_t errlen) {
     /* Say which bundle we hold, so that the coordinator does not push the
      * same one again after each Hello. */
     o.policy_version = r->said_version = edge_policy_version(e->policy);
+    /* and which head of its audit log we witnessed, kept from before */
+    fi_keys_fingerprint(o.server_pub, r->coord_fpr);
+    edge_policy_witness(e->policy, r->coord_fpr, &o.audit_seq, o.audit_hash);
     r->client = fi_client_new(&o, err, errlen);
     fi_keys_wipe(&o.kp);
     if (!r->client) goto fail;

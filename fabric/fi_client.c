@@ -16,6 +16,7 @@
 #include <string.h>
 #include <zmq.h>
 
+#include "fi_audit.h"
 #include "fi_transport.h"
 
 struct fi_client {
@@ -43,6 +44,13 @@ struct fi_client {
     int n_loads, cap_loads; /* rows in loads / allocated */
     int loads_truncated;    /* those rows are not all the live ones */
     uint64_t loads_ms;      /* when the last heartbeat (and its loads) came */
+    int64_t wit_seq;        /* edges: the coordinator's audit head witnessed (0: none) */
+    char wit_hash[65];      /* ... its chain hash */
+    unsigned wit_gen;       /* bumped when the witness advances */
+    unsigned wit_back;      /* heads told that went back from it */
+    int64_t back_seq;       /* the last such head, warned of once */
+    char back_hash[65];
+    int head_malformed;     /* a malformed head came (warned once) */
 };
 
 void fi_client_set_load(fi_client *c, uint32_t running, uint32_t queued, uint32_t kv_free,
@@ -110,6 +118,43 @@ static void s_take_loads(fi_client *c, const Fi__Heartbeat *h) {
     }
 }
 
+/* An audit head of the coordinator's heartbeat: the witness moves up to
+ * it, never back. */
+static void s_take_audit_head(fi_client *c, const Fi__AuditHead *ah) {
+    if (!ah || c->o.role != FI__ROLE__ROLE_EDGE) return;
+    int64_t seq = ah->seq <= (uint64_t)INT64_MAX ? (int64_t)ah->seq : 0;
+    if (!fi_audit_head_valid(seq, ah->hash)) {
+        if (!c->head_malformed)
+            fprintf(stderr, "fabric client: the coordinator's heartbeat carries a malformed audit head (record "
+                            "%llu); ignored\n", (unsigned long long)ah->seq);
+        c->head_malformed = 1;
+        return;
+    }
+    if (seq > c->wit_seq) {
+        c->wit_seq = seq;
+        memcpy(c->wit_hash, ah->hash, 65);
+        c->wit_gen++;
+        return;
+    }
+    if (seq == c->wit_seq && !strcmp(ah->hash, c->wit_hash)) return;
+    c->wit_back++;
+    if (seq == c->back_seq && !strcmp(ah->hash, c->back_hash)) return;
+    c->back_seq = seq;
+    memcpy(c->back_hash, ah->hash, 65);
+    fprintf(stderr,
+            "fabric client: the coordinator's audit log went back: its last record is now %lld (hash %.16s...), "
+            "but it was told as %lld (hash %.16s...) before: records were cut off its end, or it is another "
+            "log; %lld stays this site's witness\n",
+            (long long)seq, ah->hash, (long long)c->wit_seq, c->wit_hash, (long long)c->wit_seq);
+}
+
+unsigned fi_client_audit_witness(const fi_client *c, int64_t *seq, char hash[65], unsigned *went_back) {
+    *seq = c->wit_seq;
+    memcpy(hash, c->wit_hash, 65);
+    if (went_back) *went_back = c->wit_back;
+    return c->wit_gen;
+}
+
 void fi_client_set_policy_version(fi_client *c, uint64_t version) { c->policy_version = version; }
 
 /* The bundle version an edge holds: set, else the one it started with. */
@@ -163,6 +208,12 @@ static int s_send_hello(fi_client *c) {
     h.heartbeat_ms = (uint32_t)c->o.heartbeat_ms;
     h.policy_version = s_version(c);
     c->version_said = h.policy_version;
+    Fi__AuditHead wit = FI__AUDIT_HEAD__INIT;
+    if (c->o.role == FI__ROLE__ROLE_EDGE && c->wit_seq > 0) {
+        wit.seq = (uint64_t)c->wit_seq;
+        wit.hash = c->wit_hash;
+        h.audit_head = &wit;
+    }
     h.n_models = n;
     h.models = n ? ptrs : NULL;
     fi_msg m = FI__ENVELOPE__INIT;
@@ -235,6 +286,10 @@ fi_client *fi_client_new(const fi_client_opts *o, char *err, size_t errlen) {
     }
     c->o = *o;
     c->backoff_ms = o->reconnect_ms;
+    if (o->role == FI__ROLE__ROLE_EDGE && fi_audit_head_valid(o->audit_seq, o->audit_hash)) {
+        c->wit_seq = o->audit_seq;
+        memcpy(c->wit_hash, o->audit_hash, 65);
+    }
     if (!(c->ctx = zmq_ctx_new())) {
         snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
         fi_client_destroy(&c);
@@ -320,9 +375,15 @@ static void s_housekeeping(fi_client *c) {
          * an edge says at once which policy it holds when that changes. */
         Fi__Heartbeat h = FI__HEARTBEAT__INIT;
         h.sent_ms = now;
+        Fi__AuditHead wit = FI__AUDIT_HEAD__INIT;
         if (c->o.role == FI__ROLE__ROLE_EDGE) {
             h.policy_version = s_version(c);
             c->version_said = h.policy_version;
+            if (c->wit_seq > 0) {
+                wit.seq = (uint64_t)c->wit_seq;
+                wit.hash = c->wit_hash;
+                h.audit_head = &wit;
+            }
         }
         if (c->have_load) {
             h.load = &c->load;
@@ -406,6 +467,7 @@ int fi_client_recv_or(fi_client *c, int timeout_ms, void *other, fi_msg **out, c
             switch (m->body_case) {
             case FI__ENVELOPE__BODY_HEARTBEAT:
                 s_take_loads(c, m->heartbeat);
+                s_take_audit_head(c, m->heartbeat->audit_head);
                 fi_wire_free(&m);
                 continue;
             case FI__ENVELOPE__BODY_HELLO:

@@ -41,6 +41,8 @@ typedef struct fi_client_opts {
     uint32_t capacity[FI_CLIENT_MAX_MODELS]; /* requests at once, per model */
     int plaintext;                      /* benchmark builds only */
     uint64_t policy_version;            /* edges: policy bundle version held (see below) */
+    int64_t audit_seq;                  /* edges: the coordinator's audit head witnessed so far */
+    char audit_hash[65];                /* (0 / "": none), see fi_client_audit_witness */
 } fi_client_opts;
 
 /* Defaults: heartbeat 1000 ms, liveness 3, handshake 2000 ms, reconnect
@@ -84,6 +86,16 @@ int fi_client_ready(const fi_client *c);
  * pushes its active bundle after Hello only when it is newer (0, the
  * default: whatever is active). */
 void fi_client_set_policy_version(fi_client *c, uint64_t version);
+/* Edges: the newest head of the coordinator's audit log (record seq and
+ * chain hash) that its heartbeats have told, starting from
+ * o.audit_seq / o.audit_hash: *seq 0 and hash "" when none. Every Hello
+ * and heartbeat says it back (the coordinator checks its log against it:
+ * a witness, policy/fi_audit.h). A head lower than it, or the same record
+ * with another hash, is never taken: the client warns on stderr (once per
+ * such head) and counts it in *went_back (may be NULL). Returns a count
+ * that changes whenever the witness advances, for the caller to keep it
+ * (the edge stores it in its database, and starts from it). */
+unsigned fi_client_audit_witness(const fi_client *c, int64_t *seq, char hash[65], unsigned *went_back);
 /* Clusters: the load sent with every heartbeat from now on (at least once
  * per heartbeat interval, even while streaming): sequences running and
  * queued, KV-cache blocks, and the prefix filter (fi_sched_prefix_filter;

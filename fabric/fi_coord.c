@@ -59,6 +59,13 @@ typedef struct s_peer {
     uint8_t *filter;               /* clusters: reported prefix filter (owned), NULL: none */
     size_t filter_len;             /* its bytes */
     uint32_t filter_ones;          /* its bits set (its fill, for the router) */
+    int64_t wit_seq;               /* edges: the audit head they say they were told (0: none) */
+    char wit_hash[65];             /* ... its hash */
+    int64_t wit_ms;                /* when they first said it (Unix ms) */
+    int wit_dirty;                 /* not yet kept in the audit log's witnesses */
+    int wit_malformed;             /* it sent a malformed one (logged once) */
+    int wit_failed;                /* its witness is not in our log as it was told: it is
+                                      told no newer head, so it keeps saying that one */
 } s_peer;
 
 /* The worker that served a conversation (a user of an edge) last. */
@@ -99,6 +106,7 @@ struct fi_coord {
     uint64_t n_routed;             /* routing choices made: the tie key of hash-less requests */
     uint64_t next_beat_ms;         /* when heartbeats go out next */
     int loads_truncated;           /* the last heartbeat to edges left rows out (logged once) */
+    int head_failing;              /* the audit head could not be read (logged once) */
     s_affinity affinity[S_AFFINITY]; /* conversations and their last worker */
 };
 
@@ -289,11 +297,76 @@ static void s_tell_edges(fi_coord *c);
 
 /* Removes p from routing; its requests end (see s_fail_requests_of). Logs
  * why unless quiet. A cluster worker's going is told to the edges at once. */
+/* --- witnesses of the audit log (policy/fi_audit.h) ------------------------- */
+
+/* The witness of edge p as fi_audit takes it. */
+static fi_audit_witness s_witness_of(const s_peer *p) {
+    fi_audit_witness w = {.who = p->rec.fpr, .site = p->rec.site, .seq = p->wit_seq, .reported = p->wit_ms};
+    memcpy(w.hash, p->wit_hash, sizeof w.hash);
+    return w;
+}
+
+/* Keeps the witnesses not yet kept (only's, when only is not NULL) in the
+ * audit log, in one transaction; a failure is logged and tried again at
+ * the next tick. */
+static void s_keep_witnesses(fi_coord *c, s_peer *only) {
+    enum { batch = 64 };
+    fi_audit_witness w[batch];
+    size_t at[batch], i = 0;
+    for (;;) {
+        size_t n = 0;
+        for (; i < c->n_peers && n < batch; i++) {
+            s_peer *p = &c->peers[i];
+            if (!p->wit_dirty || (only && p != only)) continue;
+            at[n] = i;
+            w[n++] = s_witness_of(p);
+        }
+        if (!n) return;
+        char err[300];
+        if (fi_audit_witness_put(fi_ship_audit(c->ship), w, n, err, sizeof err) != 0) {
+            fi_coord_log("audit: cannot keep %zu witness report(s) now: %s", n, err);
+            return;
+        }
+        for (size_t k = 0; k < n; k++) c->peers[at[k]].wit_dirty = 0;
+    }
+}
+
+/* An edge's Hello or heartbeat says which head of our audit log it was
+ * told last: checked against the log at once when it changes (a cut or a
+ * rewrite is logged loudly), kept at the next tick. An edge whose witness
+ * the log does not hold is told no newer head (s_tell_edges): it goes on
+ * saying the one it has, so that every verify finds it again (the audit
+ * log keeps a failing witness, fi_audit_witness_put), after our restarts
+ * too, until an operator resets it (fedinfer edge witness --reset). */
+static void s_take_witness(fi_coord *c, s_peer *p, const Fi__AuditHead *ah) {
+    if (!ah || p->rec.role != FI__ROLE__ROLE_EDGE) return;
+    int64_t seq = ah->seq <= (uint64_t)INT64_MAX ? (int64_t)ah->seq : 0;
+    if (!fi_audit_head_valid(seq, ah->hash)) {
+        if (!p->wit_malformed)
+            fi_coord_log("edge %s: its audit witness (record %llu) is malformed; ignored", p->rec.fpr,
+                         (unsigned long long)ah->seq);
+        p->wit_malformed = 1;
+        return;
+    }
+    if (seq == p->wit_seq && !strcmp(ah->hash, p->wit_hash)) return;
+    p->wit_seq = seq;
+    memcpy(p->wit_hash, ah->hash, sizeof p->wit_hash);
+    p->wit_ms = (int64_t)time(NULL) * 1000;
+    p->wit_dirty = 1;
+    fi_audit_witness w = s_witness_of(p);
+    char why[400];
+    int r = fi_audit_witness_check(fi_ship_audit(c->ship), &w, why, sizeof why);
+    p->wit_failed = r > 0;
+    if (r > 0) fi_coord_log("AUDIT LOG NOT AS WITNESSED: %s", why);
+    else if (r < 0) fi_coord_log("audit: cannot check edge %s's witness: %s", p->rec.fpr, why);
+}
+
 static void s_peer_remove(fi_coord *c, s_peer *p, const char *why, int quiet) {
     if (!quiet)
         fi_coord_log("peer %s (%s %s) removed: %s", p->rec.fpr, fi_wire_role_name(p->rec.role),
               p->rec.site[0] ? p->rec.site : "-", why);
     s_fail_requests_of(c, p, why);
+    if (p->wit_dirty) s_keep_witnesses(c, p);
     free(p->filter);
     int worker = p->rec.role == FI__ROLE__ROLE_CLUSTER && p->hello;
     *p = c->peers[--c->n_peers];
@@ -1267,7 +1340,7 @@ static int s_pair_cmp(const void *a, const void *b) {
  * another model does not hide the free slots of the others (unclamped,
  * its count could exceed its share of the row's capacity and make the
  * row look full). The KV blocks are the worker's pool, in each row alike. */
-static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, size_t *len) {
+static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, int with_head, size_t *len) {
     size_t n_pairs = 0;
     for (size_t i = 0; i < c->n_peers; i++) {
         const s_peer *w = &c->peers[i];
@@ -1326,6 +1399,23 @@ static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, size_t *len) {
     }
     Fi__Heartbeat h = FI__HEARTBEAT__INIT;
     h.sent_ms = now;
+    /* our audit log's last record, for the edges to witness */
+    Fi__AuditHead ah = FI__AUDIT_HEAD__INIT;
+    int64_t head_seq = 0;
+    char head[65], herr[300];
+    if (!with_head) {
+        /* for edges whose witness our log no longer holds */
+    } else if (fi_audit_head(fi_ship_audit(c->ship), &head_seq, head, herr, sizeof herr) != 0) {
+        if (!c->head_failing) fi_coord_log("audit: heartbeats go without the log's head: %s", herr);
+        c->head_failing = 1;
+    } else {
+        c->head_failing = 0;
+        if (head_seq > 0) {
+            ah.seq = (uint64_t)head_seq;
+            ah.hash = head;
+            h.audit_head = &ah;
+        }
+    }
     h.n_clusters = n;
     h.clusters = ptrs;
     h.clusters_truncated = truncated;
@@ -1401,6 +1491,7 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
         if (p->rec.role == FI__ROLE__ROLE_EDGE) {
             uint64_t serial = p->serial;
             s_on_hello(c, p, m->hello);
+            if ((p = s_peer_by_serial(c, serial))) s_take_witness(c, p, m->hello->audit_head);
             if ((p = s_peer_by_serial(c, serial))) s_push_active(c, p, m->hello->policy_version);
             if ((p = s_peer_by_serial(c, serial))) {
                 /* The site's application tokens, all of them, in pages, so an
@@ -1428,6 +1519,7 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
         /* the policy an edge holds now (fedctl status), after a push or reload */
         if (p->rec.role == FI__ROLE__ROLE_EDGE && m->heartbeat->policy_version)
             p->policy_version = m->heartbeat->policy_version;
+        s_take_witness(c, p, m->heartbeat->audit_head);
         break;
     case FI__ENVELOPE__BODY_INFER: s_on_infer(c, p, m->infer); break;
     case FI__ENVELOPE__BODY_CANCEL: s_on_cancel(c, p, m->cancel); break;
@@ -1439,8 +1531,15 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
     case FI__ENVELOPE__BODY_POLICY_ROLLBACK:
     case FI__ENVELOPE__BODY_POLICY_HISTORY_REQUEST:
     case FI__ENVELOPE__BODY_POLICY_GET:
-    case FI__ENVELOPE__BODY_AUDIT_QUERY:
-    case FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST: s_on_ship(c, p, m); break;
+    case FI__ENVELOPE__BODY_AUDIT_QUERY: s_on_ship(c, p, m); break;
+    case FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST:
+        /* verify checks every witness the edges say now, also one whose
+         * row was removed meanwhile */
+        for (size_t i = 0; i < c->n_peers; i++)
+            if (c->peers[i].rec.role == FI__ROLE__ROLE_EDGE && c->peers[i].wit_seq > 0) c->peers[i].wit_dirty = 1;
+        s_keep_witnesses(c, NULL);
+        s_on_ship(c, p, m);
+        break;
     case FI__ENVELOPE__BODY_POLICY_BUNDLE: s_on_bundle(c, p, m->policy_bundle); break;
     case FI__ENVELOPE__BODY_STATUS_REQUEST: s_on_status(c, p); break;
     case FI__ENVELOPE__BODY_TOKEN_REQUEST: s_on_token(c, p, m->token_request); break;
@@ -1591,15 +1690,22 @@ static void s_monitor(fi_coord *c, void *mon) {
 static void s_tell_edges(fi_coord *c) {
     uint64_t now = fi_wire_now_ms();
     size_t len = 0;
-    uint8_t *beat = s_cluster_loads(c, now, &len);
+    uint8_t *beat = s_cluster_loads(c, now, 1, &len), *headless = NULL;
+    size_t hlen = 0;
     if (!beat) return; /* out of memory: the edges' view goes stale, then unknown */
+    for (size_t i = 0; i < c->n_peers; i++)
+        if (c->peers[i].rec.role == FI__ROLE__ROLE_EDGE && c->peers[i].wit_failed && !headless)
+            headless = s_cluster_loads(c, now, 0, &hlen);
     for (size_t i = 0; i < c->n_peers; i++) {
         const s_peer *p = &c->peers[i];
         if (p->rec.role != FI__ROLE__ROLE_EDGE) continue;
-        if (zmq_send(c->router, p->rid, p->rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0)
-            (void)zmq_send(c->router, beat, len, ZMQ_DONTWAIT);
+        const uint8_t *b = p->wit_failed ? headless : beat;
+        size_t bl = p->wit_failed ? hlen : len;
+        if (b && zmq_send(c->router, p->rid, p->rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0)
+            (void)zmq_send(c->router, b, bl, ZMQ_DONTWAIT);
     }
     free(beat);
+    free(headless);
 }
 
 static void s_tick(fi_coord *c) {
@@ -1626,6 +1732,7 @@ static void s_tick(fi_coord *c) {
         i++;
     }
     s_tell_edges(c);
+    s_keep_witnesses(c, NULL);
     c->next_beat_ms = now + (uint64_t)c->o.heartbeat_ms;
 }
 

@@ -575,6 +575,7 @@ static uint8_t *s_audit_verify(fi_ship *s, size_t *len) {
     v.bad_seq = (uint64_t)ck.bad_seq;
     v.head = ck.head;
     v.what = ck.what;
+    v.witnesses = (uint64_t)ck.witnesses;
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY;
     m.audit_verify_reply = &v;

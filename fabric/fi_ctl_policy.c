@@ -470,11 +470,13 @@ static int s_audit_verify(int argc, char **argv) {
     if (s_help(argc, argv)) {
         printf("usage: fedctl audit verify [--head HASH | --head SEQ:HASH] [--config FILE]\n\n"
                "Asks the coordinator to walk the hash chain of its audit log; exit status 1\n"
-               "when a record was removed, edited or reordered. Prints the record count, the\n"
-               "head hash and a checkpoint SEQ:HASH to keep elsewhere; with --head HASH, also\n"
-               "fails when the head differs from HASH (records cut off the end); with --head\n"
-               "SEQ:HASH, when record SEQ is gone or no longer has HASH (a log that has grown\n"
-               "since passes).\n" S_CONF_HELP
+               "when a record was removed, edited or reordered, or when a record an edge was\n"
+               "told as the log's head (its witness) is gone or changed: records cut off the\n"
+               "end. Prints the record count, the head hash, the number of edge witnesses and\n"
+               "a checkpoint SEQ:HASH to keep elsewhere; with --head HASH, also fails when the\n"
+               "head differs from HASH (records cut off the end); with --head SEQ:HASH, when\n"
+               "record SEQ is gone or no longer has HASH (a log that has grown since passes).\n"
+               S_CONF_HELP
                "\nOffline: fedctl audit verify --db DB [--head HASH | --head SEQ:HASH]\n");
         return 0;
     }
@@ -523,8 +525,9 @@ static int s_audit_verify(int argc, char **argv) {
                (unsigned long long)v->records, v->head, a.val[0]);
         rc = 1;
     } else {
-        printf("coordinator audit log: intact: %llu records, head %s\n", (unsigned long long)v->records,
-               v->head[0] ? v->head : "(empty)");
+        printf("coordinator audit log: intact: %llu records, head %s; witnessed by %llu edge(s), every one "
+               "holds\n",
+               (unsigned long long)v->records, v->head[0] ? v->head : "(empty)", (unsigned long long)v->witnesses);
         if (v->records) printf("checkpoint %llu:%s\n", (unsigned long long)v->records, v->head);
     }
     fi_wire_free(&r);

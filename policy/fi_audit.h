@@ -255,8 +255,10 @@ int fi_audit_head_valid(int64_t seq, const char *hash);
 int fi_audit_witness_check(fi_audit *self, const fi_audit_witness *w, char *err, size_t cap) FI_WUR;
 /* Keeps n witness reports, in one transaction: per witness the report of
  * the highest seq (a lower one, from a witness that lost its record, does
- * not replace it). A report that is not valid (who, fi_audit_head_valid)
- * refuses the call: 1 with err, nothing kept. 0, 1 or -1. */
+ * not replace it), except that a kept report the log no longer holds is
+ * never replaced: it is the evidence, until someone removes the row. A
+ * report that is not valid (who, fi_audit_head_valid) refuses the call: 1
+ * with err, nothing kept. 0, 1 or -1. */
 int fi_audit_witness_put(fi_audit *self, const fi_audit_witness *w, size_t n, char *err, size_t cap) FI_WUR;
 
 #ifdef __cplusplus

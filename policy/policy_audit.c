@@ -1129,6 +1129,27 @@ int fi_audit_witness_check(fi_audit *self, const fi_audit_witness *w, char *err,
     return s_witness_check(self, w, err, cap);
 }
 
+/* 1 when the row kept for w->who is another report than w and the log
+ * no longer holds it: the evidence stays (fi_audit_witness_put); 0, or -1
+ * on a database error. */
+static int s_witness_failing(fi_audit *self, const fi_audit_witness *w) {
+    sqlite3_stmt *st = NULL;
+    fi_audit_witness old = {.who = w->who};
+    int r = sqlite3_prepare_v2(self->db, "SELECT seq, hash FROM audit_witnesses WHERE who = ?", -1, &st, NULL);
+    if (r == SQLITE_OK) {
+        sqlite3_bind_text(st, 1, w->who, -1, SQLITE_TRANSIENT);
+        if ((r = sqlite3_step(st)) == SQLITE_ROW) {
+            old.seq = sqlite3_column_int64(st, 0);
+            snprintf(old.hash, sizeof old.hash, "%s", s_nz((const char *)sqlite3_column_text(st, 1)));
+        }
+    }
+    sqlite3_finalize(st);
+    if (r != SQLITE_ROW && r != SQLITE_DONE) return -1;
+    if (r == SQLITE_DONE || (old.seq == w->seq && !strcmp(old.hash, w->hash))) return 0;
+    char why[8];
+    return s_witness_check(self, &old, why, sizeof why);
+}
+
 int fi_audit_witness_put(fi_audit *self, const fi_audit_witness *w, size_t n, char *err, size_t cap) {
     for (size_t i = 0; i < n; i++) {
         size_t wl = w[i].who ? strlen(w[i].who) : 0;
@@ -1152,6 +1173,12 @@ int fi_audit_witness_put(fi_audit *self, const fi_audit_witness *w, size_t n, ch
                                " hash = excluded.hash, reported = excluded.reported WHERE excluded.seq >= seq",
                                -1, &st, NULL);
     for (size_t i = 0; r == SQLITE_OK && i < n; i++) {
+        int keep = s_witness_failing(self, &w[i]);
+        if (keep < 0) {
+            r = sqlite3_errcode(self->db);
+            break;
+        }
+        if (keep) continue;
         sqlite3_reset(st);
         sqlite3_bind_text(st, 1, w[i].who, -1, SQLITE_TRANSIENT);
         sqlite3_bind_text(st, 2, w[i].site ? w[i].site : "", -1, SQLITE_TRANSIENT);

@@ -1048,7 +1048,8 @@ static int s_audit_verify(int argc, char **argv) {
                db, (long long)ck.records, ck.head, head);
         return 1;
     }
-    printf("%s: intact: %lld records, head %s\n", db, (long long)ck.records, ck.head[0] ? ck.head : "(empty)");
+    printf("%s: intact: %lld records, head %s; %lld witness(es) hold\n", db, (long long)ck.records,
+           ck.head[0] ? ck.head : "(empty)", (long long)ck.witnesses);
     if (ck.records) printf("checkpoint %lld:%s\n", (long long)ck.records, ck.head);
     return 0;
 }

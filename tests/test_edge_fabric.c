@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <sqlite3.h>
 
 #include "fabric/harness_edge.h"
 #include "fi_audit.h"
@@ -807,6 +808,150 @@ static void test_stale_edge_default_label(void **state) {
     h_stop(&h);
 }
 
+/* The coordinator's audit log as a client sees it (operator: verify). */
+static fi_msg *s_coord_verify(harness *h) {
+    fi_client *c = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(c);
+    Fi__AuditVerifyRequest vq = FI__AUDIT_VERIFY_REQUEST__INIT;
+    fi_msg m = FI__ENVELOPE__INIT, *rep = NULL;
+    m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST;
+    m.audit_verify_request = &vq;
+    char err[256];
+    int rc = fi_client_call(c, &m, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY, 5000, &rep, err, sizeof err);
+    fi_client_destroy(&c);
+    if (rc != 1 || rep->body_case != FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY) fail_msg("verify: rc %d %s", rc, err);
+    return rep;
+}
+
+/* Records cut off the end of the coordinator's audit log, with the heads
+ * that would show it (audit_sources) moved back to match and the
+ * witnesses it kept removed: a shorter log that verifies. The edge,
+ * which the coordinator's heartbeats told the log's head, says that head
+ * again when the coordinator comes back, and verify finds the cut; the
+ * edge is then told no newer head, so the finding stays while the log
+ * grows again. */
+static void test_audit_witness(void **state) {
+    (void)state;
+    harness h;
+    assert_int_equal(h_init(&h), 0);
+    assert_int_equal(h_start(&h), 0);
+    h_worker w;
+    fi_shard_backend be = fi_shard_echo_backend(4, 0);
+    assert_int_equal(h_worker_start_be(&h, &w, "echo-model", "core1", &be, 4), 0);
+    w.owns_be = 1;
+    uint8_t pk[32], sk[64];
+    fi_edge *e = h_edge_start(&h, "berlin-clinic", "eu-central", s_pol_v1, pk, sk, "");
+    char coord[FI_KEYS_FPR_LEN], audit[400], err[300];
+    fi_keys_fingerprint(h.coord.pub, coord);
+    snprintf(audit, sizeof audit, "%s.audit", h.db);
+    resp r;
+    const char *b = "{\"model\":\"echo-model\",\"prompt\":\"witness me\",\"max_tokens\":8}";
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(http_post(fi_edge_port(e), NULL, b, &r), 0);
+        assert_int_equal(r.status, 200);
+    }
+    /* the edge holds the log's last record (the routing decisions and the
+     * edge's uploaded ones), three heartbeats running */
+    int64_t head_seq = 0, wit_seq = 0;
+    char head[65] = "", wit[65] = "";
+    int same = 0;
+    for (int i = 0; i < 150 && same < 3; i++) {
+        h_sleep_ms(H_HB_MS);
+        fi_audit *a = fi_audit_open_readonly(audit, err, sizeof err);
+        assert_non_null(a);
+        assert_int_equal(fi_audit_head(a, &head_seq, head, err, sizeof err), 0);
+        fi_audit_destroy(&a);
+        edge_policy_witness(e->policy, coord, &wit_seq, wit);
+        same = head_seq >= 4 && wit_seq == head_seq && !strcmp(wit, head) ? same + 1 : 0;
+    }
+    print_message("coordinator's log: %lld records; the edge witnessed %lld\n", (long long)head_seq,
+                  (long long)wit_seq);
+    assert_int_equal(same, 3);
+    fi_msg *v = s_coord_verify(&h);
+    assert_true(v->audit_verify_reply->intact);
+    assert_true(v->audit_verify_reply->witnesses == 1);
+    fi_wire_free(&v);
+
+    /* stopped, its last two records cut, with everything that said so */
+    h_halt(&h);
+    int64_t keep = head_seq - 2;
+    char sql[1024];
+    snprintf(sql, sizeof sql,
+             "DROP TRIGGER audit_no_update; DROP TRIGGER audit_no_delete;"
+             "DELETE FROM audit WHERE seq > %lld;"
+             "DELETE FROM audit_sources WHERE source NOT IN (SELECT source FROM audit);"
+             "UPDATE audit_sources SET"
+             " seq = (SELECT source_seq FROM audit a WHERE a.source = audit_sources.source ORDER BY a.seq DESC LIMIT 1),"
+             " hash = (SELECT source_hash FROM audit a WHERE a.source = audit_sources.source ORDER BY a.seq DESC LIMIT 1);"
+             "DELETE FROM audit_witnesses;",
+             (long long)keep);
+    sqlite3 *db;
+    assert_int_equal(sqlite3_open(audit, &db), SQLITE_OK);
+    char *msg = NULL;
+    if (sqlite3_exec(db, sql, NULL, NULL, &msg) != SQLITE_OK) fail_msg("tamper: %s", msg);
+    sqlite3_close(db);
+    fi_audit *a = fi_audit_open_readonly(audit, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_check ck;
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 0); /* the hole: it verifies */
+    assert_true(ck.records == keep && ck.witnesses == 0);
+    fi_audit_destroy(&a);
+
+    /* back on the same endpoints: the edge's Hello says its witness */
+    assert_int_equal(h_restart(&h), 0);
+    int found = 0;
+    char what[300] = "";
+    for (int i = 0; i < 100 && !found; i++) {
+        h_sleep_ms(H_HB_MS);
+        v = s_coord_verify(&h);
+        found = !v->audit_verify_reply->intact;
+        snprintf(what, sizeof what, "%s", v->audit_verify_reply->what);
+        if (found) assert_true(v->audit_verify_reply->bad_seq == (uint64_t)wit_seq);
+        fi_wire_free(&v);
+    }
+    print_message("after the cut: %s\n", what);
+    assert_true(found);
+    assert_non_null(strstr(what, "(site berlin-clinic) was told record"));
+    assert_non_null(strstr(what, "records were cut off the end"));
+
+    /* the log grows past the cut again: the edge keeps its witness, and
+     * verify still finds it (record wit_seq is now another record) */
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(http_post(fi_edge_port(e), NULL, b, &r), 0);
+        assert_int_equal(r.status, 200);
+    }
+    h_sleep_ms(10 * H_HB_MS);
+    a = fi_audit_open_readonly(audit, err, sizeof err);
+    assert_non_null(a);
+    assert_int_equal(fi_audit_head(a, &head_seq, head, err, sizeof err), 0);
+    fi_audit_destroy(&a);
+    int64_t now_seq;
+    char now_hash[65];
+    edge_policy_witness(e->policy, coord, &now_seq, now_hash);
+    print_message("log now %lld records; the edge still witnesses %lld\n", (long long)head_seq, (long long)now_seq);
+    assert_true(head_seq > wit_seq);
+    assert_true(now_seq == wit_seq && !strcmp(now_hash, wit));
+    v = s_coord_verify(&h);
+    assert_false(v->audit_verify_reply->intact);
+    assert_non_null(strstr(v->audit_verify_reply->what, "the log was rewritten from there on"));
+    fi_wire_free(&v);
+    fi_edge_destroy(&e);
+
+    /* fedinfer edge witness: shown, then reset (the agent stopped) */
+    char edb[400], line[512];
+    snprintf(edb, sizeof edb, "%s/edge.db", h.dir);
+    assert_int_equal(edge_witness_cmd(edb, 0, line, sizeof line, err, sizeof err), 0);
+    char want[160];
+    snprintf(want, sizeof want, "audit log: record %lld, hash %s", (long long)wit_seq, wit);
+    assert_non_null(strstr(line, want));
+    assert_int_equal(edge_witness_cmd(edb, 1, line, sizeof line, err, sizeof err), 0);
+    assert_non_null(strstr(line, "reset"));
+    assert_int_equal(edge_witness_cmd(edb, 0, line, sizeof line, err, sizeof err), 0);
+    assert_non_null(strstr(line, "no head of a coordinator's audit log witnessed"));
+    h_worker_stop(&w);
+    h_stop(&h);
+}
+
 static void test_many_clusters(void **state) {
     (void)state;
     s_many_clusters(0, "mX");
@@ -838,6 +983,7 @@ int main(void) {
         cmocka_unit_test(test_stale_edge_default_label),
         cmocka_unit_test(test_many_clusters),
         cmocka_unit_test(test_many_clusters_truncated),
+        cmocka_unit_test(test_audit_witness),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

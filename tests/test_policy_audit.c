@@ -831,6 +831,26 @@ static void test_witnesses(void **state) {
     assert_non_null(strstr(ck.what, "witness fpr-edge-1 (site berlin) was told record 7"));
     assert_non_null(strstr(ck.what, "the log ends at record 6: records were cut off the end"));
     assert_non_null(strstr(ck.what, "reported 2025-12-01T05:30:00Z"));
+    /* the log grows past the cut again (other records 7 and 8) and the
+     * witness reports record 8, which holds: its failing report stays */
+    fi_audit_record rd[2];
+    s_src_records(rd, 1, 2, "", "s1");
+    a = fi_audit_open(f->path, err, sizeof err);
+    assert_non_null(a);
+    s_ingest(a, "edge-d", rd, 2, 2); /* 7, 8 */
+    fi_audit_witness w8 = w[0];
+    assert_int_equal(fi_audit_head(a, &w8.seq, w8.hash, err, sizeof err), 0);
+    assert_true(w8.seq == 8);
+    assert_int_equal(fi_audit_witness_check(a, &w8, err, sizeof err), 0);
+    assert_int_equal(fi_audit_witness_put(a, &w8, 1, err, sizeof err), 0);
+    assert_int_equal(fi_audit_verify(a, &ck, err, sizeof err), 1);
+    printf("%s\n", ck.what);
+    assert_non_null(strstr(ck.what, "witness fpr-edge-1 (site berlin) was told record 7 with hash"));
+    assert_non_null(strstr(ck.what, "the log was rewritten from there on"));
+    fi_audit_destroy(&a);
+    assert_int_equal(s_sql(f, UNGUARD), SQLITE_OK);
+    assert_int_equal(s_sql(f, "DELETE FROM audit WHERE seq >= 7; DELETE FROM audit_sources WHERE source = 'edge-d'"),
+                     SQLITE_OK);
     /* ... and without that witness's row, the other one still holds and
      * the cut goes unseen, as before: it is the edge's report that counts */
     assert_int_equal(s_sql(f, "DELETE FROM audit_witnesses WHERE who = 'fpr-edge-1'"), SQLITE_OK);

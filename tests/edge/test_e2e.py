@@ -208,5 +208,25 @@ class EndToEnd(unittest.TestCase):
                     self.assertNotIn(tok[4:].encode(), fh.read(), name)
 
 
+    def test_6_audit_log_witnessed_by_the_edges(self):
+        # The coordinator tells the edges the head of its audit log with its
+        # heartbeats; each edge keeps the newest (fedinfer edge witness) and
+        # says it back, and fedctl audit verify checks the log against both.
+        f = self.f
+        t, _, _, _ = self.ask(self.cb, "public")  # a routed request: a record there
+        self.assertEqual(t, "fra-gpu-1")
+        deadline = time.monotonic() + 20
+        out = ""
+        while time.monotonic() < deadline:
+            out = f.ctl("audit", "verify")
+            if "witnessed by 2 edge(s), every one holds" in out:
+                break
+            time.sleep(0.5)
+        self.assertIn("witnessed by 2 edge(s), every one holds", out)
+        w = f.run(FEDINFER, "edge", "witness", "--config", f"{f.dir}/berlin-clinic.conf")
+        self.assertRegex(w, r"witness of coordinator [0-9a-f]+'s audit log: record [1-9][0-9]*, "
+                            r"hash [0-9a-f]{64}$")
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

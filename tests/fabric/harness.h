@@ -114,6 +114,23 @@ H_FN int h_start(harness *h) {
     return pthread_create(&h->th, NULL, h_coord_main, h) ? -1 : 0;
 }
 
+/* Starts the coordinator again, after h_halt, on the endpoints it had, so
+ * that its peers come back to it. */
+H_FN int h_restart(harness *h) {
+    fi_coord_opts o;
+    char err[256], ep[256], enrol_ep[256];
+    snprintf(ep, sizeof ep, "%s", h->ep);
+    snprintf(enrol_ep, sizeof enrol_ep, "%s", h->enrol_ep);
+    h_opts(h, &o, ep, enrol_ep);
+    h->c = fi_coord_new(&o, &h->coord, err, sizeof err);
+    if (!h->c) {
+        fprintf(stderr, "harness: %s\n", err);
+        return -1;
+    }
+    atomic_store(&h->stop, 0);
+    return pthread_create(&h->th, NULL, h_coord_main, h) ? -1 : 0;
+}
+
 H_FN void h_halt(harness *h) {
     if (!h->c) return;
     atomic_store(&h->stop, 1);
