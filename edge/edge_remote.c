@@ -59,6 +59,7 @@ typedef struct s_remote {
     uint64_t upload_at;         /* when it was sent */
     uint64_t said_version;      /* policy version the client says in Hello */
     unsigned wit_gen;           /* fi_client_audit_witness's count when last kept */
+    uint64_t wit_kept_ms;       /* when it was last kept */
     char coord_fpr[FI_KEYS_FPR_LEN]; /* the coordinator's key fingerprint (whose log we witness) */
     /* clusters' load from the coordinator's heartbeats, under mu (the
      * thread alone writes them) */
@@ -419,13 +420,19 @@ static void s_take_loads(s_remote *r) {
     free(old);
 }
 
-/* Keeps the coordinator's audit head when the witness moved up. */
-static void s_keep_witness(s_remote *r) {
+/* Keeps the coordinator's audit head when the witness moved up: at most
+ * every EDGE_WITNESS_KEEP_MS (each is a synced write; the coordinator
+ * sends a head every heartbeat while its log grows), and at the end
+ * (now). */
+#define EDGE_WITNESS_KEEP_MS 5000
+static void s_keep_witness(s_remote *r, int now) {
     int64_t seq;
     char hash[65];
     unsigned gen = fi_client_audit_witness(r->client, &seq, hash, NULL);
-    if (gen == r->wit_gen) return;
+    uint64_t t = fi_wire_now_ms();
+    if (gen == r->wit_gen || (!now && t - r->wit_kept_ms < EDGE_WITNESS_KEEP_MS)) return;
     r->wit_gen = gen;
+    r->wit_kept_ms = t;
     edge_policy_set_witness(r->e->policy, r->coord_fpr, seq, hash);
 }
 
@@ -456,7 +463,7 @@ static void *s_run(void *arg) {
             r->said_version = held;
         }
         s_take_loads(r);
-        s_keep_witness(r);
+        s_keep_witness(r, 0);
         int online = fi_client_ready(r->client);
         atomic_store(&r->online, online);
         if (online != was_online)
@@ -498,6 +505,7 @@ static void *s_run(void *arg) {
         if (stopping && r->n_open_t == 0) break;
     }
     if (atomic_load(&r->online) && r->upload_id[0] == 0) s_upload(r); /* last records, best effort */
+    s_keep_witness(r, 1);
     return NULL;
 }
 

@@ -33,6 +33,7 @@
 #define S_MAX_HASHES 512   /* prefix hashes of a request taken */
 #define S_DRAIN_MS 20      /* one socket's turn at the loop, at most */
 #define S_ENROL_HWM 64     /* enrolment messages that may wait per connection */
+#define S_WITNESS_KEEP_MS 5000 /* the edges' audit witnesses are written at most this often */
 
 typedef struct s_model {
     char name[S_MODEL_NAME]; /* model a worker serves */
@@ -107,6 +108,7 @@ struct fi_coord {
     uint64_t next_beat_ms;         /* when heartbeats go out next */
     int loads_truncated;           /* the last heartbeat to edges left rows out (logged once) */
     int head_failing;              /* the audit head could not be read (logged once) */
+    uint64_t wit_kept_ms;          /* when the edges' witnesses were last kept (s_tick) */
     s_affinity affinity[S_AFFINITY]; /* conversations and their last worker */
 };
 
@@ -1732,7 +1734,12 @@ static void s_tick(fi_coord *c) {
         i++;
     }
     s_tell_edges(c);
-    s_keep_witnesses(c, NULL);
+    /* each keep is a synced write on the loop: every few seconds (a
+     * failing witness is logged at once, and verify keeps them first) */
+    if (now - c->wit_kept_ms >= S_WITNESS_KEEP_MS) {
+        s_keep_witnesses(c, NULL);
+        c->wit_kept_ms = now;
+    }
     c->next_beat_ms = now + (uint64_t)c->o.heartbeat_ms;
 }
 
@@ -1829,6 +1836,7 @@ fail:
 void fi_coord_destroy(fi_coord **cp) {
     if (!cp || !*cp) return;
     fi_coord *c = *cp;
+    if (c->ship) s_keep_witnesses(c, NULL); /* what the edges said since the last tick */
     fi_sock_close_monitored(c->router);
     fi_sock_close_monitored(c->enrol);
     if (c->zap) zmq_close(c->zap);

@@ -536,6 +536,11 @@ static int s_audit_verify(int argc, char **argv) {
 
 int fi_ctl_audit(int argc, char **argv) {
     if (s_has(argc, argv, "--db")) return fi_cmd_audit(argc, argv);
+    if (argc >= 2 && !strcmp(argv[1], "witnesses")) {
+        if (s_help(argc - 1, argv + 1)) return fi_cmd_audit(argc, argv);
+        fprintf(stderr, "fedctl audit witnesses: works on the coordinator's audit file: --db DB (on its host)\n");
+        return 2;
+    }
     if (argc >= 2 && !strcmp(argv[1], "verify")) return s_audit_verify(argc - 1, argv + 1);
     if (s_help(argc, argv)) {
         printf("usage: fedctl audit [--since T] [--until T] [--site SITE] [--label L] [--target T]\n"
@@ -546,7 +551,8 @@ int fi_ctl_audit(int argc, char **argv) {
                "edges uploaded), oldest first; with --limit, the newest N. --origin is --site.\n"
                "Times: YYYY-MM-DD, YYYY-MM-DDTHH:MM:SSZ or Unix seconds.\n" S_CONF_HELP
                "\nOffline (an edge's or a copied log file): fedctl audit --db DB [filters],\n"
-               "fedctl audit verify --db DB [--head HASH]\n");
+               "fedctl audit verify --db DB [--head HASH]; on the coordinator's host, its\n"
+               "log's witnesses: fedctl audit witnesses --db DB [--forget WHO | --forget-all]\n");
         return 0;
     }
     static const char *const names[] = {"--since=",   "--until=",   "--site|--origin=", "--label=", "--target=",

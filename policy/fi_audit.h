@@ -260,6 +260,14 @@ int fi_audit_witness_check(fi_audit *self, const fi_audit_witness *w, char *err,
  * report that is not valid (who, fi_audit_head_valid) refuses the call: 1
  * with err, nothing kept. 0, 1 or -1. */
 int fi_audit_witness_put(fi_audit *self, const fi_audit_witness *w, size_t n, char *err, size_t cap) FI_WUR;
+/* Calls fn for each witness kept (by name), with holds 1 when the log
+ * holds its record now, else 0 and why; stops when fn returns nonzero.
+ * 0 or -1. */
+int fi_audit_witness_each(fi_audit *self, int (*fn)(const fi_audit_witness *w, int holds, const char *why, void *arg),
+                          void *arg, char *err, size_t cap) FI_WUR;
+/* Removes the witness kept for who (NULL: all of them), after the log was
+ * replaced on purpose; *removed gets how many. 0 or -1. */
+int fi_audit_witness_forget(fi_audit *self, const char *who, int64_t *removed, char *err, size_t cap) FI_WUR;
 
 #ifdef __cplusplus
 }

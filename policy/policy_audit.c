@@ -1195,6 +1195,59 @@ int fi_audit_witness_put(fi_audit *self, const fi_audit_witness *w, size_t n, ch
     return -1;
 }
 
+int fi_audit_witness_each(fi_audit *self, int (*fn)(const fi_audit_witness *w, int holds, const char *why, void *arg),
+                          void *arg, char *err, size_t cap) {
+    if (!self->witnessed) return 0; /* a log made before witnesses, read as it is */
+    sqlite3_stmt *st = NULL;
+    int r = sqlite3_exec(self->db, "BEGIN", NULL, NULL, NULL);
+    if (r == SQLITE_OK)
+        r = sqlite3_prepare_v2(self->db, "SELECT who, site, seq, hash, reported FROM audit_witnesses ORDER BY who",
+                               -1, &st, NULL);
+    int c = 0;
+    while (r == SQLITE_OK && (r = sqlite3_step(st)) == SQLITE_ROW) {
+        fi_audit_witness w = {.who = s_nz((const char *)sqlite3_column_text(st, 0)),
+                              .site = s_nz((const char *)sqlite3_column_text(st, 1)),
+                              .seq = sqlite3_column_int64(st, 2),
+                              .reported = sqlite3_column_int64(st, 4)};
+        snprintf(w.hash, sizeof w.hash, "%s", s_nz((const char *)sqlite3_column_text(st, 3)));
+        char why[300] = "";
+        if ((c = s_witness_check(self, &w, why, sizeof why)) < 0) break;
+        if (fn(&w, c == 0, why, arg)) {
+            r = SQLITE_DONE;
+            break;
+        }
+        r = SQLITE_OK;
+    }
+    if (c >= 0 && r == SQLITE_DONE) {
+        sqlite3_finalize(st);
+        sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL);
+        return 0;
+    }
+    snprintf(err, cap, "audit log: witnesses: %s", sqlite3_errmsg(self->db));
+    sqlite3_finalize(st);
+    sqlite3_exec(self->db, "ROLLBACK", NULL, NULL, NULL);
+    return -1;
+}
+
+int fi_audit_witness_forget(fi_audit *self, const char *who, int64_t *removed, char *err, size_t cap) {
+    *removed = 0;
+    if (!self->witnessed) return 0;
+    sqlite3_stmt *st = NULL;
+    int r = sqlite3_prepare_v2(self->db, who ? "DELETE FROM audit_witnesses WHERE who = ?" : "DELETE FROM audit_witnesses",
+                               -1, &st, NULL);
+    if (r == SQLITE_OK) {
+        if (who) sqlite3_bind_text(st, 1, who, -1, SQLITE_TRANSIENT);
+        r = sqlite3_step(st);
+    }
+    sqlite3_finalize(st);
+    if (r == SQLITE_DONE) {
+        *removed = sqlite3_changes(self->db);
+        return 0;
+    }
+    snprintf(err, cap, "audit log: witnesses: %s", sqlite3_errmsg(self->db));
+    return -1;
+}
+
 /* Every witness kept, inside verify's snapshot: 0, 1 broken (out says
  * which), -1. */
 static int s_check_witnesses(fi_audit *self, fi_audit_check *out) {

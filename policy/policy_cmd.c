@@ -1054,13 +1054,83 @@ static int s_audit_verify(int argc, char **argv) {
     return 0;
 }
 
+/* One line per witness (fedctl audit witnesses); counts the failing. */
+static int s_witness_row(const fi_audit_witness *w, int holds, const char *why, void *arg) {
+    int *failing = arg;
+    char when[32] = "?";
+    time_t t = (time_t)(w->reported / 1000);
+    struct tm tm;
+    if (w->reported > 0 && gmtime_r(&t, &tm)) strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    printf("%-34s %-16s %-8lld %.16s... %-20s %s%s\n", w->who, w->site[0] ? w->site : "-", (long long)w->seq, w->hash,
+           when, holds ? "holds" : "FAILS: ", holds ? "" : why);
+    if (!holds) (*failing)++;
+    return 0;
+}
+
+static int s_audit_witnesses(int argc, char **argv) {
+    if (s_help(argc, argv)) {
+        printf("usage: fedctl audit witnesses --db DB [--forget WHO | --forget-all]\n\n"
+               "Lists the witnesses of the audit log DB (the coordinator's): per edge, the\n"
+               "newest head of the log it said it was told, and whether the log still holds\n"
+               "that record with that hash; exit status 1 when one does not (records cut off\n"
+               "the end, or the log rewritten). A witness the log does not hold stays until it\n"
+               "is forgotten: after the log was replaced on purpose, reset the edges first\n"
+               "(fedinfer edge witness --reset, agents stopped: a running edge says its\n"
+               "witness again), then --forget WHO (a key fingerprint) or --forget-all.\n");
+        return 0;
+    }
+    const char *const with[] = {"--db", "--forget", NULL};
+    const char *const flags[] = {"--forget-all", NULL};
+    if (s_options_ok(argc, argv, "audit witnesses", with, flags)) return 2;
+    bool bad = false;
+    const char *db = s_opt(argc, argv, "--db", NULL, &bad);
+    const char *who = s_opt(argc, argv, "--forget", NULL, &bad);
+    bool all = s_flag(argc, argv, "--forget-all");
+    if (bad || !db || (who && all) || s_pos(argc, argv, 0, with)) {
+        fprintf(stderr, "usage: fedctl audit witnesses --db DB [--forget WHO | --forget-all]\n");
+        return 2;
+    }
+    char err[400];
+    fi_audit *a = who || all ? fi_audit_open(db, err, sizeof err) : fi_audit_open_readonly(db, err, sizeof err);
+    if (!a) {
+        fprintf(stderr, "fedctl audit witnesses: %s\n", err);
+        return 1;
+    }
+    int rc = 0;
+    if (who || all) {
+        int64_t n = 0;
+        if (fi_audit_witness_forget(a, all ? NULL : who, &n, err, sizeof err) != 0) {
+            fprintf(stderr, "fedctl audit witnesses: %s\n", err);
+            rc = 1;
+        } else if (who && n == 0) {
+            fprintf(stderr, "fedctl audit witnesses: %s keeps no witness %s\n", db, who);
+            rc = 1;
+        } else {
+            printf("%s: forgot %lld witness(es)\n", db, (long long)n);
+        }
+    } else {
+        int failing = 0;
+        printf("%-34s %-16s %-8s %-19s %-20s %s\n", "witness", "site", "record", "hash", "reported", "state");
+        if (fi_audit_witness_each(a, s_witness_row, &failing, err, sizeof err) != 0) {
+            fprintf(stderr, "fedctl audit witnesses: %s\n", err);
+            rc = 1;
+        } else if (failing) {
+            rc = 1;
+        }
+    }
+    fi_audit_destroy(&a);
+    return rc;
+}
+
 int fi_cmd_audit(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "verify")) return s_audit_verify(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "witnesses")) return s_audit_witnesses(argc - 1, argv + 1);
     if (s_help(argc, argv)) {
         printf("usage: fedctl audit --db DB [--since T] [--until T] [--origin|--site SITE] [--label L]\n"
                "                    [--target T] [--decision permit|deny|fallback] [--request ID]\n"
                "                    [--rule ID] [--limit N]\n"
-               "       fedctl audit verify --db DB [--head HASH | --head SEQ:HASH]\n\n"
+               "       fedctl audit verify --db DB [--head HASH | --head SEQ:HASH]\n"
+               "       fedctl audit witnesses --db DB [--forget WHO | --forget-all]\n\n"
                "Lists the decisions recorded in the audit log DB (an edge's or the coordinator's),\n"
                "oldest first (with --limit, the newest N). Times: YYYY-MM-DD,\n"
                "YYYY-MM-DDTHH:MM:SSZ or Unix seconds.\n");

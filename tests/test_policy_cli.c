@@ -83,6 +83,8 @@ static void test_help(void **state) {
     assert_int_equal(s_run(f, "audit --help"), 0);
     s_has(f, "usage: fedctl audit");
     assert_int_equal(s_run(f, "audit verify --help"), 0);
+    assert_int_equal(s_run(f, "audit witnesses --help"), 0);
+    s_has(f, "usage: fedctl audit witnesses");
     assert_int_equal(s_run(f, "policy nope"), 2);
     assert_int_equal(s_run(f, "policy check"), 2);
 }
@@ -297,6 +299,52 @@ static void test_store_bundle_diff_audit(void **state) {
     s_has(f, "BROKEN: record 2 was edited");
 }
 
+/* fedctl audit witnesses --db: each witness of the log and whether the log
+ * still holds it; a cut makes it fail (exit 1) until forgotten. */
+static void test_audit_witnesses(void **state) {
+    fx *f = *state;
+    s_seed_audit(f, "wit.db");
+    s_seed_audit(f, "wit.db"); /* records 1..4 */
+    char err[300], path[600];
+    snprintf(path, sizeof path, "%s/wit.db", f->dir);
+    fi_audit *a = fi_audit_open(path, err, sizeof err);
+    assert_non_null(a);
+    fi_audit_witness w = {.who = "edge-fpr-1", .site = "berlin-clinic", .reported = 1800000000000LL};
+    assert_int_equal(fi_audit_head(a, &w.seq, w.hash, err, sizeof err), 0);
+    assert_true(w.seq == 4);
+    assert_int_equal(fi_audit_witness_put(a, &w, 1, err, sizeof err), 0);
+    fi_audit_destroy(&a);
+    assert_int_equal(s_run(f, "audit witnesses --db wit.db"), 0);
+    s_has(f, "edge-fpr-1");
+    s_has(f, "berlin-clinic");
+    s_has(f, "2027-01-15T08:00:00Z holds");
+    assert_int_equal(s_run(f, "audit verify --db wit.db"), 0);
+    s_has(f, "1 witness(es) hold");
+    sqlite3 *db;
+    assert_int_equal(sqlite3_open(path, &db), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(db, "DROP TRIGGER audit_no_delete; DELETE FROM audit WHERE seq = 4", NULL, NULL, NULL),
+                     SQLITE_OK);
+    sqlite3_close(db);
+    assert_int_equal(s_run(f, "audit witnesses --db wit.db"), 1);
+    s_has(f, "FAILS: witness edge-fpr-1 (site berlin-clinic) was told record 4");
+    assert_int_equal(s_run(f, "audit verify --db wit.db"), 1);
+    s_has(f, "BROKEN: witness edge-fpr-1");
+    /* usage errors, an unknown witness */
+    assert_int_equal(s_run(f, "audit witnesses --db wit.db --forget a --forget-all"), 2);
+    assert_int_equal(s_run(f, "audit witnesses --db wit.db extra"), 2);
+    assert_int_equal(s_run(f, "audit witnesses --db wit.db --forgot a"), 2);
+    assert_int_equal(s_run(f, "audit witnesses"), 2);
+    s_has(f, "--db DB");
+    assert_int_equal(s_run(f, "audit witnesses --db wit.db --forget nobody"), 1);
+    s_has(f, "keeps no witness nobody");
+    /* forgotten on purpose: the log verifies again */
+    assert_int_equal(s_run(f, "audit witnesses --db wit.db --forget edge-fpr-1"), 0);
+    s_has(f, "forgot 1 witness(es)");
+    assert_int_equal(s_run(f, "audit witnesses --db wit.db"), 0);
+    assert_int_equal(s_run(f, "audit verify --db wit.db"), 0);
+    s_has(f, "0 witness(es) hold");
+}
+
 /* A damaged file given to fedctl (a log to list or verify, a store) is
  * refused at once, with exit status 1 and a message that names it and
  * says it is damaged (before: audit verify and the listing failed midway
@@ -367,6 +415,7 @@ int main(void) {
         cmocka_unit_test(test_help),
         cmocka_unit_test(test_check_test_explain_flows),
         cmocka_unit_test(test_store_bundle_diff_audit),
+        cmocka_unit_test(test_audit_witnesses),
         cmocka_unit_test(test_damaged_files_refused),
         cmocka_unit_test(test_diff_long_labels),
         cmocka_unit_test(test_bench_runs),
