@@ -162,6 +162,13 @@ echo
 echo "== berlin-clinic's audit log"
 "$CTL" audit --db berlin-clinic.db 2>/dev/null || sqlite3 berlin-clinic.db \
   "SELECT seq, request_id, labels, decision, target, rules FROM audit"
+echo "== the coordinator's audit log, checked against the head each edge was told (its witness)"
+for _ in $(seq 20); do
+  "$CTL" audit verify 2>/dev/null | grep -q "witnessed by 2 edge" && break
+  sleep 0.5
+done
+"$CTL" audit verify
+"$FI" edge witness --config berlin-clinic.conf
 echo "== stopping"
 stop_all
 echo "stopped cleanly"
