@@ -1401,18 +1401,16 @@ static uint8_t *s_cluster_loads(fi_coord *c, uint64_t now, int with_head, size_t
     }
     Fi__Heartbeat h = FI__HEARTBEAT__INIT;
     h.sent_ms = now;
-    /* our audit log's last record, for the edges to witness */
+    /* our audit log's last record, for the edges to witness (not for
+     * those whose witness our log no longer holds: with_head 0) */
     Fi__AuditHead ah = FI__AUDIT_HEAD__INIT;
     int64_t head_seq = 0;
     char head[65], herr[300];
-    if (!with_head) {
-        /* for edges whose witness our log no longer holds */
-    } else if (fi_audit_head(fi_ship_audit(c->ship), &head_seq, head, herr, sizeof herr) != 0) {
-        if (!c->head_failing) fi_coord_log("audit: heartbeats go without the log's head: %s", herr);
-        c->head_failing = 1;
-    } else {
-        c->head_failing = 0;
-        if (head_seq > 0) {
+    if (with_head) {
+        int failing = fi_audit_head(fi_ship_audit(c->ship), &head_seq, head, herr, sizeof herr) != 0;
+        if (failing && !c->head_failing) fi_coord_log("audit: heartbeats go without the log's head: %s", herr);
+        c->head_failing = failing;
+        if (!failing && head_seq > 0) {
             ah.seq = (uint64_t)head_seq;
             ah.hash = head;
             h.audit_head = &ah;

@@ -1058,9 +1058,7 @@ static int s_audit_verify(int argc, char **argv) {
 static int s_witness_row(const fi_audit_witness *w, int holds, const char *why, void *arg) {
     int *failing = arg;
     char when[32] = "?";
-    time_t t = (time_t)(w->reported / 1000);
-    struct tm tm;
-    if (w->reported > 0 && gmtime_r(&t, &tm)) strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    if (w->reported > 0) fi_fmt_utc(w->reported / 1000, when, sizeof when);
     printf("%-34s %-16s %-8lld %.16s... %-20s %s%s\n", w->who, w->site[0] ? w->site : "-", (long long)w->seq, w->hash,
            when, holds ? "holds" : "FAILS: ", holds ? "" : why);
     if (!holds) (*failing)++;

@@ -51,3 +51,14 @@ if(FI_FUZZERS)
             ${CMAKE_SOURCE_DIR}/examples/policies)
   set_tests_properties(fuzz_policy PROPERTIES LABELS "asan;fuzz" TIMEOUT 120)
 endif()
+
+# What witnessing the audit log costs (a benchmark, not a test):
+#   ./build/tests/bench_audit [RECORDS [WITNESSES]]
+# The ctest run is a smoke run on a small log: every figure is printed.
+if(TARGET fi_test_support)
+  add_executable(bench_audit ${CMAKE_CURRENT_LIST_DIR}/policy/bench_audit.c)
+  target_link_libraries(bench_audit PRIVATE ${FI_TEST_LIBS})
+  add_test(NAME bench_audit_smoke COMMAND sh -c
+    "out=$($<TARGET_FILE:bench_audit> 2000 10) || exit 1; echo \"$out\"; for k in 'log:' 'fi_audit_head' 'fi_audit_witness_check' 'fi_audit_witness_put of 10' 'with 10 ('; do echo \"$out\" | grep -qF \"$k\" || { echo \"missing: $k\"; exit 1; }; done")
+  set_tests_properties(bench_audit_smoke PROPERTIES TIMEOUT 120)
+endif()
