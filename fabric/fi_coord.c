@@ -937,6 +937,8 @@ static int s_status_row(void *user, const fi_peer_rec *rec) {
         ps->idle_ms = now - p->last_ms;
         ps->in_flight = p->in_flight;
         ps->policy_version = p->policy_version;
+        ps->audit_witness = p->wit_seq > 0 ? (uint64_t)p->wit_seq : 0;
+        ps->audit_witness_fails = p->wit_failed;
         if (p->rec.role == FI__ROLE__ROLE_CLUSTER) {
             Fi__WorkerLoad *wl = &s->loads[i];
             fi__worker_load__init(wl);

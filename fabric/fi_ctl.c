@@ -165,7 +165,8 @@ int fi_ctl_status(int argc, char **argv) {
                      p->load->kv_blocks_total);
         }
         if (p->role == FI__ROLE__ROLE_EDGE && p->connected)
-            snprintf(models, sizeof models, "policy=%llu", (unsigned long long)p->policy_version);
+            snprintf(models, sizeof models, "policy=%llu audit-witness=%llu%s", (unsigned long long)p->policy_version,
+                     (unsigned long long)p->audit_witness, p->audit_witness_fails ? " FAILS" : "");
         printf("%-9s %-16s %-12s %-32s %-10s %-9u %s\n", fi_wire_role_name(p->role),
                p->site[0] ? p->site : "-", p->region[0] ? p->region : "-", p->fingerprint, health,
                p->in_flight, models[0] ? models : "-");

@@ -823,6 +823,30 @@ static fi_msg *s_coord_verify(harness *h) {
     return rep;
 }
 
+/* The edge's row of the coordinator's status: 1 with its witness, 0 none. */
+static int s_edge_witness_status(harness *h, uint64_t *seq, int *fails) {
+    fi_client *c = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(c);
+    Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
+    fi_msg m = FI__ENVELOPE__INIT, *rep = NULL;
+    m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
+    m.status_request = &sq;
+    char err[256];
+    int rc = fi_client_call(c, &m, FI__ENVELOPE__BODY_STATUS_REPLY, 5000, &rep, err, sizeof err);
+    fi_client_destroy(&c);
+    if (rc != 1 || rep->body_case != FI__ENVELOPE__BODY_STATUS_REPLY) fail_msg("status: rc %d %s", rc, err);
+    int found = 0;
+    for (size_t i = 0; i < rep->status_reply->n_peers; i++) {
+        const Fi__PeerStatus *p = rep->status_reply->peers[i];
+        if (p->role != FI__ROLE__ROLE_EDGE || !p->connected) continue;
+        *seq = p->audit_witness;
+        *fails = p->audit_witness_fails;
+        found = 1;
+    }
+    fi_wire_free(&rep);
+    return found;
+}
+
 /* Records cut off the end of the coordinator's audit log, with the heads
  * that would show it (audit_sources) moved back to match and the
  * witnesses it kept removed: a shorter log that verifies. The edge,
@@ -871,6 +895,10 @@ static void test_audit_witness(void **state) {
     assert_true(v->audit_verify_reply->intact);
     assert_true(v->audit_verify_reply->witnesses == 1);
     fi_wire_free(&v);
+    uint64_t st_seq = 0;
+    int st_fails = 1;
+    assert_int_equal(s_edge_witness_status(&h, &st_seq, &st_fails), 1);
+    assert_true(st_seq == (uint64_t)wit_seq && !st_fails); /* fedctl status shows it */
 
     /* stopped, its last two records cut, with everything that said so */
     h_halt(&h);
@@ -913,6 +941,8 @@ static void test_audit_witness(void **state) {
     assert_true(found);
     assert_non_null(strstr(what, "(site berlin-clinic) was told record"));
     assert_non_null(strstr(what, "records were cut off the end"));
+    assert_int_equal(s_edge_witness_status(&h, &st_seq, &st_fails), 1);
+    assert_true(st_seq == (uint64_t)wit_seq && st_fails);
 
     /* the log grows past the cut again: the edge keeps its witness, and
      * verify still finds it (record wit_seq is now another record) */

@@ -223,6 +223,9 @@ class EndToEnd(unittest.TestCase):
                 break
             time.sleep(0.5)
         self.assertIn("witnessed by 2 edge(s), every one holds", out)
+        st = f.ctl("status")
+        self.assertRegex(st, r"(?m)berlin-clinic .* policy=1 audit-witness=[1-9][0-9]*$", st)
+        self.assertNotIn("FAILS", st)
         w = f.run(FEDINFER, "edge", "witness", "--config", f"{f.dir}/berlin-clinic.conf")
         self.assertRegex(w, r"witness of coordinator [0-9a-f]+'s audit log: record [1-9][0-9]*, "
                             r"hash [0-9a-f]{64}$")
