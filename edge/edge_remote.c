@@ -428,7 +428,7 @@ static void s_take_loads(s_remote *r) {
 static void s_keep_witness(s_remote *r, int now) {
     int64_t seq;
     char hash[65];
-    unsigned gen = fi_client_audit_witness(r->client, &seq, hash, NULL);
+    unsigned gen = fi_client_audit_witness(r->client, &seq, hash);
     uint64_t t = fi_wire_now_ms();
     if (gen == r->wit_gen || (!now && t - r->wit_kept_ms < EDGE_WITNESS_KEEP_MS)) return;
     r->wit_gen = gen;

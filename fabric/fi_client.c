@@ -47,7 +47,6 @@ struct fi_client {
     int64_t wit_seq;        /* edges: the coordinator's audit head witnessed (0: none) */
     char wit_hash[65];      /* ... its chain hash */
     unsigned wit_gen;       /* bumped when the witness advances */
-    unsigned wit_back;      /* heads told that went back from it */
     int64_t back_seq;       /* the last such head, warned of once */
     char back_hash[65];
     int head_malformed;     /* a malformed head came (warned once) */
@@ -137,7 +136,6 @@ static void s_take_audit_head(fi_client *c, const Fi__AuditHead *ah) {
         return;
     }
     if (seq == c->wit_seq && !strcmp(ah->hash, c->wit_hash)) return;
-    c->wit_back++;
     if (seq == c->back_seq && !strcmp(ah->hash, c->back_hash)) return;
     c->back_seq = seq;
     memcpy(c->back_hash, ah->hash, 65);
@@ -148,10 +146,9 @@ static void s_take_audit_head(fi_client *c, const Fi__AuditHead *ah) {
             (long long)seq, ah->hash, (long long)c->wit_seq, c->wit_hash, (long long)c->wit_seq);
 }
 
-unsigned fi_client_audit_witness(const fi_client *c, int64_t *seq, char hash[65], unsigned *went_back) {
+unsigned fi_client_audit_witness(const fi_client *c, int64_t *seq, char hash[65]) {
     *seq = c->wit_seq;
     memcpy(hash, c->wit_hash, 65);
-    if (went_back) *went_back = c->wit_back;
     return c->wit_gen;
 }
 

@@ -91,11 +91,11 @@ void fi_client_set_policy_version(fi_client *c, uint64_t version);
  * o.audit_seq / o.audit_hash: *seq 0 and hash "" when none. Every Hello
  * and heartbeat says it back (the coordinator checks its log against it:
  * a witness, policy/fi_audit.h). A head lower than it, or the same record
- * with another hash, is never taken: the client warns on stderr (once per
- * such head) and counts it in *went_back (may be NULL). Returns a count
- * that changes whenever the witness advances, for the caller to keep it
- * (the edge stores it in its database, and starts from it). */
-unsigned fi_client_audit_witness(const fi_client *c, int64_t *seq, char hash[65], unsigned *went_back);
+ * with another hash, is never taken: the client warns on stderr, once
+ * per such head. Returns a count that changes whenever the witness
+ * advances, for the caller to keep it (the edge stores it in its
+ * database, and starts from it). */
+unsigned fi_client_audit_witness(const fi_client *c, int64_t *seq, char hash[65]);
 /* Clusters: the load sent with every heartbeat from now on (at least once
  * per heartbeat interval, even while streaming): sequences running and
  * queued, KV-cache blocks, and the prefix filter (fi_sched_prefix_filter;

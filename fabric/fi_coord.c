@@ -297,8 +297,6 @@ static void s_fail_requests_of(fi_coord *c, const s_peer *p, const char *why) {
 
 static void s_tell_edges(fi_coord *c);
 
-/* Removes p from routing; its requests end (see s_fail_requests_of). Logs
- * why unless quiet. A cluster worker's going is told to the edges at once. */
 /* --- witnesses of the audit log (policy/fi_audit.h) ------------------------- */
 
 /* The witness of edge p as fi_audit takes it. */
@@ -363,6 +361,30 @@ static void s_take_witness(fi_coord *c, s_peer *p, const Fi__AuditHead *ah) {
     else if (r < 0) fi_coord_log("audit: cannot check edge %s's witness: %s", p->rec.fpr, why);
 }
 
+/* Every edge's witness against the log as it is now, before each tick's
+ * heartbeats: a log cut or rewritten while we run is found within a
+ * heartbeat, before the edges could be told a newer head (they are not,
+ * once theirs fails), and a failing witness is kept again (its row may
+ * have been removed with the records). */
+static void s_recheck_witnesses(fi_coord *c) {
+    for (size_t i = 0; i < c->n_peers; i++) {
+        s_peer *p = &c->peers[i];
+        if (p->rec.role != FI__ROLE__ROLE_EDGE || p->wit_seq <= 0) continue;
+        fi_audit_witness w = s_witness_of(p);
+        char why[400];
+        int r = fi_audit_witness_check(fi_ship_audit(c->ship), &w, why, sizeof why);
+        if (r < 0) {
+            fi_coord_log("audit: cannot check edge %s's witness: %s", p->rec.fpr, why);
+            return;
+        }
+        if (r > 0 && !p->wit_failed) fi_coord_log("AUDIT LOG NOT AS WITNESSED: %s", why);
+        if (r > 0) p->wit_dirty = 1;
+        p->wit_failed = r > 0;
+    }
+}
+
+/* Removes p from routing; its requests end (see s_fail_requests_of). Logs
+ * why unless quiet. A cluster worker's going is told to the edges at once. */
 static void s_peer_remove(fi_coord *c, s_peer *p, const char *why, int quiet) {
     if (!quiet)
         fi_coord_log("peer %s (%s %s) removed: %s", p->rec.fpr, fi_wire_role_name(p->rec.role),
@@ -1733,6 +1755,7 @@ static void s_tick(fi_coord *c) {
             (void)s_send(c, c->router, p->rid, p->rid_len, fi_wire_heartbeat(now, &len), &len);
         i++;
     }
+    s_recheck_witnesses(c);
     s_tell_edges(c);
     /* each keep is a synced write on the loop: every few seconds (a
      * failing witness is logged at once, and verify keeps them first) */
