@@ -11,7 +11,9 @@
 
 #include <sqlite3.h>
 
+#include "db_damage.h"
 #include "fabric/harness.h"
+#include "fi_audit.h"
 
 static int setup(void **state) {
     harness *h = calloc(1, sizeof *h);
@@ -637,6 +639,65 @@ static void test_edge_view_follows_workers(void **state) {
     fi_client_destroy(&edge);
 }
 
+/* Witnesses on the wire: an edge hears the head of the coordinator's
+ * audit log in its heartbeats and keeps it; witnesses it says that are
+ * malformed (record 0, a hash that is not 64 lower-case hex digits) are
+ * ignored, the coordinator serves on, and verify counts the edge's valid
+ * one. */
+static void test_audit_witness_wire(void **state) {
+    harness *h = *state;
+    char audit[400], err[300];
+    snprintf(audit, sizeof audit, "%s.audit", h->db);
+    assert_int_equal(fi_test_audit_fill(audit, 5, err, sizeof err), 0);
+    fi_audit *a = fi_audit_open_readonly(audit, err, sizeof err);
+    assert_non_null(a);
+    int64_t head_seq;
+    char head[65];
+    assert_int_equal(fi_audit_head(a, &head_seq, head, err, sizeof err), 0);
+    fi_audit_destroy(&a);
+    assert_true(head_seq == 5);
+    fi_client *edge = s_new_edge(h, "s7");
+    int64_t seq = 0;
+    char hash[65];
+    unsigned gen0 = fi_client_audit_witness(edge, &seq, hash);
+    assert_true(seq == 0); /* none before a heartbeat */
+    s_listen(edge, 4 * H_HB_MS);
+    assert_true(fi_client_audit_witness(edge, &seq, hash) != gen0);
+    assert_true(seq == 5);
+    assert_string_equal(hash, head);
+    const char *bad_hash[] = {head, "ABC", NULL};
+    const uint64_t bad_seq[] = {0, 5, 5};
+    char upper[65];
+    snprintf(upper, sizeof upper, "%s", head);
+    upper[0] = upper[0] >= 'a' ? 'A' : '?';
+    bad_hash[2] = upper;
+    for (int i = 0; i < 3; i++) {
+        Fi__AuditHead ah = FI__AUDIT_HEAD__INIT;
+        ah.seq = bad_seq[i];
+        ah.hash = (char *)bad_hash[i];
+        Fi__Heartbeat hb = FI__HEARTBEAT__INIT;
+        hb.audit_head = &ah;
+        fi_msg m = FI__ENVELOPE__INIT;
+        m.body_case = FI__ENVELOPE__BODY_HEARTBEAT;
+        m.heartbeat = &hb;
+        assert_int_equal(fi_client_send(edge, &m), 0);
+    }
+    s_listen(edge, 2 * H_HB_MS);
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    Fi__AuditVerifyRequest vq = FI__AUDIT_VERIFY_REQUEST__INIT;
+    fi_msg m = FI__ENVELOPE__INIT, *r = NULL;
+    m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST;
+    m.audit_verify_request = &vq;
+    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY, 3000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY);
+    if (!r->audit_verify_reply->intact) fail_msg("verify: %s", r->audit_verify_reply->what);
+    assert_true(r->audit_verify_reply->records == 5 && r->audit_verify_reply->witnesses == 1);
+    fi_wire_free(&r);
+    fi_client_destroy(&op);
+    fi_client_destroy(&edge);
+}
+
 /* n clusters c00, c01, ... each with one echo worker of model, in h. */
 static h_worker *s_clusters(harness *h, int n, const char *model) {
     h_worker *w = calloc((size_t)n, sizeof *w);
@@ -1213,6 +1274,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_capacity_and_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_in_flight_per_key, setup_in_flight, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_audit_witness_wire, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_many_clusters, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_truncated, setup_small_msg, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_multi_model_worker, setup, teardown),
