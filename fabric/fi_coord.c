@@ -11,6 +11,7 @@
 #include "fi_coord_route.h"
 #include "fi_coord_ship.h"
 #include "fi_coord_tokens.h"
+#include "fi_coord_verify.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -90,6 +91,7 @@ struct fi_coord {
     fi_ship *ship;                 /* policy store, signing key, audit log */
     fi_apptok *apptok;             /* edges' application tokens (hashes) */
     fi_coord_audit *raudit;        /* writer of our routing decisions to the audit log */
+    fi_coord_verify *verify;       /* fedctl audit verify, on its own thread */
     void *ctx;                     /* ZeroMQ context */
     void *zap;                     /* ZAP handler (REP, inproc) */
     void *router;                  /* fabric endpoint */
@@ -1184,6 +1186,28 @@ static int s_push_edges(void *user, const uint8_t *buf, size_t len) {
     return sent;
 }
 
+/* fedctl audit verify: on the verify thread (fi_coord_verify.h), answered
+ * by s_verify_done; one at a time. */
+static void s_on_verify(fi_coord *c, s_peer *p) {
+    int r = fi_coord_verify_start(c->verify, p->serial);
+    if (r == 0) return;
+    s_send_error(c, c->router, p->rid, p->rid_len, "",
+                 r > 0 ? FI__ERROR_CODE__ERR_BUSY : FI__ERROR_CODE__ERR_INTERNAL,
+                 r > 0 ? "an audit verify is running: ask again when it is done"
+                       : "cannot start the audit verify (no thread)");
+}
+
+/* The finished verify's answer to whoever asked, if still connected. */
+static void s_verify_done(fi_coord *c) {
+    uint64_t serial;
+    uint8_t *buf;
+    size_t len = 0;
+    if (!fi_coord_verify_done(c->verify, &serial, &buf, &len)) return;
+    s_peer *p = s_peer_by_serial(c, serial);
+    if (p) (void)s_send(c, c->router, p->rid, p->rid_len, buf, &len);
+    else free(buf);
+}
+
 /* Policy and audit requests, and audit uploads (fi_coord_ship.c). */
 static void s_on_ship(fi_coord *c, s_peer *p, const fi_msg *m) {
     uint64_t serial = p->serial;
@@ -1562,7 +1586,7 @@ static void s_dispatch(fi_coord *c, s_peer *p, fi_msg *m) {
         for (size_t i = 0; i < c->n_peers; i++)
             if (c->peers[i].rec.role == FI__ROLE__ROLE_EDGE && c->peers[i].wit_seq > 0) c->peers[i].wit_dirty = 1;
         s_keep_witnesses(c, NULL);
-        s_on_ship(c, p, m);
+        s_on_verify(c, p);
         break;
     case FI__ENVELOPE__BODY_POLICY_BUNDLE: s_on_bundle(c, p, m->policy_bundle); break;
     case FI__ENVELOPE__BODY_STATUS_REQUEST: s_on_status(c, p); break;
@@ -1803,6 +1827,7 @@ fi_coord *fi_coord_new(const fi_coord_opts *o, const fi_keypair *kp, char *err, 
         fi_ship_paths(o->db, o->policy_key, o->audit_db, key, sizeof key, audit, sizeof audit);
         if (!(c->ship = fi_ship_open(c->st, o->db, audit, key, o->policy_valid_s, err, errlen))) goto fail;
         if (!(c->raudit = fi_coord_audit_new(audit, err, errlen))) goto fail;
+        if (!(c->verify = fi_coord_verify_new(audit, err, errlen))) goto fail;
     }
     if (!(c->apptok = fi_apptok_open(o->db, err, errlen))) goto fail;
     fi_apptok_busy_timeout(c->apptok, FI_SHIP_BUSY_MS);
@@ -1867,6 +1892,7 @@ void fi_coord_destroy(fi_coord **cp) {
         if (c->mon[i]) zmq_close(c->mon[i]);
     if (c->ctx) zmq_ctx_term(c->ctx);
     fi_store_destroy(&c->st);
+    fi_coord_verify_destroy(&c->verify); /* a verify running stops */
     fi_coord_audit_destroy(&c->raudit); /* writes what is queued */
     if (c->o.policy_free) c->o.policy_free(c->o.policy_user);
     fi_ship_destroy(&c->ship);
@@ -1913,6 +1939,7 @@ int fi_coord_run(fi_coord *c, atomic_int *stop) {
         if (items[3].revents & ZMQ_POLLIN) s_monitor(c, c->mon[0]);
         if (items[4].revents & ZMQ_POLLIN) s_monitor(c, c->mon[1]);
         if (fi_wire_now_ms() >= c->next_beat_ms) s_tick(c);
+        s_verify_done(c);
     }
     return 0;
 }

@@ -564,22 +564,26 @@ static uint8_t *s_audit_query(fi_ship *s, const Fi__AuditQuery *q, size_t *len) 
     return out;
 }
 
-static uint8_t *s_audit_verify(fi_ship *s, size_t *len) {
-    fi_audit_check ck;
-    char err[400];
-    int r = fi_audit_verify(s->au, &ck, err, sizeof err);
-    if (r < 0) return s_error(FI__ERROR_CODE__ERR_INTERNAL, err, len);
+uint8_t *fi_ship_verify_reply(int rc, const fi_audit_check *ck, const char *err, size_t *len) {
+    if (rc < 0) return s_error(FI__ERROR_CODE__ERR_INTERNAL, err, len);
     Fi__AuditVerifyReply v = FI__AUDIT_VERIFY_REPLY__INIT;
-    v.intact = r == 0;
-    v.records = (uint64_t)ck.records;
-    v.bad_seq = (uint64_t)ck.bad_seq;
-    v.head = ck.head;
-    v.what = ck.what;
-    v.witnesses = (uint64_t)ck.witnesses;
+    v.intact = rc == 0;
+    v.records = (uint64_t)ck->records;
+    v.bad_seq = (uint64_t)ck->bad_seq;
+    v.head = (char *)ck->head;
+    v.what = (char *)ck->what;
+    v.witnesses = (uint64_t)ck->witnesses;
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY;
     m.audit_verify_reply = &v;
     return fi_wire_encode(&m, len);
+}
+
+static uint8_t *s_audit_verify(fi_ship *s, size_t *len) {
+    fi_audit_check ck;
+    char err[400];
+    int r = fi_audit_verify(s->au, &ck, err, sizeof err);
+    return fi_ship_verify_reply(r, &ck, err, len);
 }
 
 /* The string member key of o, "" when absent; -1 when present and not a

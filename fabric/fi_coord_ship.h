@@ -92,6 +92,11 @@ int fi_ship_serves(fi_msg_type t);
  * it holds in Hello), or on error. */
 uint8_t *fi_ship_active_bundle(fi_ship *s, uint64_t held, size_t *len);
 
+/* The encoded reply to AuditVerifyRequest for fi_audit_verify's result
+ * (rc, ck; err when rc < 0): AuditVerifyReply, or Error internal. NULL
+ * when out of memory. */
+uint8_t *fi_ship_verify_reply(int rc, const fi_audit_check *ck, const char *err, size_t *len);
+
 /* The audit log (owned by s), for tests. */
 fi_audit *fi_ship_audit(fi_ship *s);
 

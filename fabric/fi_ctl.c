@@ -80,10 +80,14 @@ fi_client *fi_ctl_connect(const char *verb, const char *config) {
 }
 
 fi_msg *fi_ctl_call(const char *verb, fi_client *c, const fi_msg *m, int want, int *code) {
+    return fi_ctl_call_wait(verb, c, m, want, code, FI_CTL_WAIT_MS);
+}
+
+fi_msg *fi_ctl_call_wait(const char *verb, fi_client *c, const fi_msg *m, int want, int *code, int wait_ms) {
     fi_msg *r = NULL;
     char err[512];
     if (code) *code = FI__ERROR_CODE__ERR_UNSPECIFIED;
-    int rc = fi_client_call(c, m, (fi_msg_type)want, 10000, &r, err, sizeof err);
+    int rc = fi_client_call(c, m, (fi_msg_type)want, wait_ms, &r, err, sizeof err);
     if (rc != 1) {
         fprintf(stderr, "fedctl %s: %s\n", verb, err);
         return NULL;

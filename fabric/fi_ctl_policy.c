@@ -493,7 +493,8 @@ static int s_audit_verify(int argc, char **argv) {
     fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST;
     m.audit_verify_request = &vq;
-    fi_msg *r = fi_ctl_call("audit verify", c, &m, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY, NULL);
+    fi_msg *r = fi_ctl_call_wait("audit verify", c, &m, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY, NULL,
+                                 FI_CTL_VERIFY_WAIT_MS);
     if (!r) {
         fi_client_destroy(&c);
         return 1;

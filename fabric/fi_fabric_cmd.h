@@ -40,6 +40,12 @@ fi_client *fi_ctl_connect(const char *verb, const char *config);
  * and NULL returned (as on a timeout). *code (may be NULL) gets the
  * error's code, ERR_UNSPECIFIED otherwise. */
 fi_msg *fi_ctl_call(const char *verb, fi_client *c, const fi_msg *m, int want, int *code);
+/* fi_ctl_call waits FI_CTL_WAIT_MS; this one wait_ms (audit verify: the
+ * coordinator walks the whole log on its verify thread, seconds for a
+ * few million records). */
+#define FI_CTL_WAIT_MS 10000
+#define FI_CTL_VERIFY_WAIT_MS 600000
+fi_msg *fi_ctl_call_wait(const char *verb, fi_client *c, const fi_msg *m, int want, int *code, int wait_ms);
 
 #ifdef __cplusplus
 }

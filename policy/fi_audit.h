@@ -97,6 +97,10 @@ fi_audit *fi_audit_open(const char *path, char *err, size_t cap) FI_WUR;
  * it fail. NULL with a message. */
 fi_audit *fi_audit_open_readonly(const char *path, char *err, size_t cap) FI_WUR;
 void fi_audit_destroy(fi_audit **self_p);
+/* Makes a query or verify that another thread runs on self stop soon
+ * (it fails with SQLite's "interrupted"); for a shutdown that must not
+ * wait for a verify of a large log. Safe from any thread. */
+void fi_audit_interrupt(fi_audit *self);
 /* How long a write waits for another connection's lock before it fails
  * (5000 ms from fi_audit_open); for a writer that retries on its own. */
 void fi_audit_busy_timeout(fi_audit *self, int ms);

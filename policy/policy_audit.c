@@ -246,6 +246,8 @@ void fi_audit_set_adopt_check(fi_audit *self,
     self->adopt_user = user;
 }
 
+void fi_audit_interrupt(fi_audit *self) { sqlite3_interrupt(self->db); }
+
 void fi_audit_destroy(fi_audit **self_p) {
     if (!self_p || !*self_p) return;
     sqlite3_close((*self_p)->db);

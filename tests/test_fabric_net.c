@@ -698,6 +698,59 @@ static void test_audit_witness_wire(void **state) {
     fi_client_destroy(&edge);
 }
 
+/* fedctl audit verify runs off the coordinator's loop: on a log of
+ * 20,000 records, a status request sent after it is answered first, and
+ * a second verify while the first runs is refused busy; the verify's
+ * own answer comes last. (On the loop, the walk held every other
+ * message back: seconds on a large log, long enough for edges to call
+ * the coordinator dead.) */
+static void test_audit_verify_off_loop(void **state) {
+    harness *h = *state;
+    char audit[400], err[300];
+    snprintf(audit, sizeof audit, "%s.audit", h->db);
+    assert_int_equal(fi_test_audit_fill(audit, 20000, err, sizeof err), 0);
+    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    assert_non_null(op);
+    Fi__AuditVerifyRequest vq = FI__AUDIT_VERIFY_REQUEST__INIT;
+    fi_msg v = FI__ENVELOPE__INIT;
+    v.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST;
+    v.audit_verify_request = &vq;
+    Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
+    fi_msg st = FI__ENVELOPE__INIT;
+    st.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
+    st.status_request = &sq;
+    assert_int_equal(fi_client_send(op, &v), 0);
+    assert_int_equal(fi_client_send(op, &v), 0);
+    assert_int_equal(fi_client_send(op, &st), 0);
+    fi_msg_type got[3];
+    int n = 0;
+    uint64_t end = fi_wire_now_ms() + 30000;
+    while (n < 3 && fi_wire_now_ms() < end) {
+        fi_msg *m = NULL;
+        if (fi_client_recv(op, 100, &m, err, sizeof err) != 1) continue;
+        got[n] = m->body_case;
+        if (m->body_case == FI__ENVELOPE__BODY_ERROR)
+            assert_int_equal(m->error->code, FI__ERROR_CODE__ERR_BUSY);
+        if (m->body_case == FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY) {
+            assert_true(m->audit_verify_reply->intact);
+            assert_true(m->audit_verify_reply->records == 20000);
+        }
+        print_message("reply %d: %s\n", n, fi_wire_type_name(m->body_case));
+        n++;
+        fi_wire_free(&m);
+    }
+    assert_int_equal(n, 3);
+    assert_int_equal(got[0], FI__ENVELOPE__BODY_ERROR);
+    assert_int_equal(got[1], FI__ENVELOPE__BODY_STATUS_REPLY);
+    assert_int_equal(got[2], FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY);
+    /* and the next one runs */
+    fi_msg *r = NULL;
+    assert_int_equal(fi_client_call(op, &v, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY, 30000, &r, err, sizeof err), 1);
+    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY);
+    fi_wire_free(&r);
+    fi_client_destroy(&op);
+}
+
 /* n clusters c00, c01, ... each with one echo worker of model, in h. */
 static h_worker *s_clusters(harness *h, int n, const char *model) {
     h_worker *w = calloc((size_t)n, sizeof *w);
@@ -1275,6 +1328,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_in_flight_per_key, setup_in_flight, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_follows_workers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_audit_witness_wire, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_audit_verify_off_loop, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_many_clusters, setup, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_truncated, setup_small_msg, teardown),
         cmocka_unit_test_setup_teardown(test_edge_view_multi_model_worker, setup, teardown),
