@@ -5,7 +5,10 @@
  * transaction, at most every 5 s on the coordinator's loop), and verify
  * with and without witnesses, on a log of RECORDS records.
  *
- *   build/tests/bench_audit [RECORDS [WITNESSES]]     (200000 and 100)
+ *   build/tests/bench_audit [RECORDS [WITNESSES [KEEP]]]     (200000 and 100)
+ *
+ * KEEP: a path where the log is left (a coordinator's audit_db, to time
+ * its answers while it verifies).
  *
  * Prints figures, checks nothing: the tests are test_policy_audit.c.
  */
@@ -37,8 +40,9 @@ static int s_hash_of(const fi_audit_record *r, void *arg) {
 int main(int argc, char **argv) {
     long n = argc > 1 ? strtol(argv[1], NULL, 10) : 200000;
     long nw = argc > 2 ? strtol(argv[2], NULL, 10) : 100;
-    if (argc > 3 || n < 10 || n > 10000000 || nw < 1 || nw > 10000) {
-        fprintf(stderr, "usage: bench_audit [RECORDS (10..10000000) [WITNESSES (1..10000)]]\n");
+    const char *keep = argc > 3 ? argv[3] : NULL;
+    if (argc > 4 || n < 10 || n > 10000000 || nw < 1 || nw > 10000) {
+        fprintf(stderr, "usage: bench_audit [RECORDS (10..10000000) [WITNESSES (1..10000) [KEEP]]]\n");
         return 2;
     }
     char dir[] = "/tmp/fi_bench_audit_XXXXXX", path[64], err[400];
@@ -94,6 +98,10 @@ int main(int argc, char **argv) {
     fi_audit_destroy(&a);
     free(w);
     free(names);
+    if (keep && rename(path, keep) != 0) {
+        fprintf(stderr, "bench_audit: cannot move the log to %s\n", keep);
+        return 1;
+    }
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     if (system(cmd) != 0) fprintf(stderr, "bench_audit: could not remove %s\n", dir);
