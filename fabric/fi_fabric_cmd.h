@@ -44,7 +44,7 @@ fi_msg *fi_ctl_call(const char *verb, fi_client *c, const fi_msg *m, int want, i
  * coordinator walks the whole log on its verify thread, seconds for a
  * few million records). */
 #define FI_CTL_WAIT_MS 10000
-#define FI_CTL_VERIFY_WAIT_MS 600000
+#define FI_CTL_VERIFY_WAIT_MS 300000
 fi_msg *fi_ctl_call_wait(const char *verb, fi_client *c, const fi_msg *m, int want, int *code, int wait_ms);
 
 #ifdef __cplusplus
