@@ -808,33 +808,21 @@ static void test_stale_edge_default_label(void **state) {
     h_stop(&h);
 }
 
-/* The coordinator's audit log as a client sees it (operator: verify). */
+/* The coordinator's audit log as fedctl audit verify sees it. */
 static fi_msg *s_coord_verify(harness *h) {
-    fi_client *c = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
-    assert_non_null(c);
-    Fi__AuditVerifyRequest vq = FI__AUDIT_VERIFY_REQUEST__INIT;
-    fi_msg m = FI__ENVELOPE__INIT, *rep = NULL;
-    m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST;
-    m.audit_verify_request = &vq;
-    char err[256];
-    int rc = fi_client_call(c, &m, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY, 5000, &rep, err, sizeof err);
-    fi_client_destroy(&c);
-    if (rc != 1 || rep->body_case != FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY) fail_msg("verify: rc %d %s", rc, err);
+    fi_msg *rep = h_audit_verify(h);
+    assert_non_null(rep);
     return rep;
 }
 
 /* The edge's row of the coordinator's status: 1 with its witness, 0 none. */
 static int s_edge_witness_status(harness *h, uint64_t *seq, int *fails) {
-    fi_client *c = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
-    assert_non_null(c);
     Fi__StatusRequest sq = FI__STATUS_REQUEST__INIT;
-    fi_msg m = FI__ENVELOPE__INIT, *rep = NULL;
+    fi_msg m = FI__ENVELOPE__INIT;
     m.body_case = FI__ENVELOPE__BODY_STATUS_REQUEST;
     m.status_request = &sq;
-    char err[256];
-    int rc = fi_client_call(c, &m, FI__ENVELOPE__BODY_STATUS_REPLY, 5000, &rep, err, sizeof err);
-    fi_client_destroy(&c);
-    if (rc != 1 || rep->body_case != FI__ENVELOPE__BODY_STATUS_REPLY) fail_msg("status: rc %d %s", rc, err);
+    fi_msg *rep = h_op_call(h, &m, FI__ENVELOPE__BODY_STATUS_REPLY);
+    assert_non_null(rep);
     int found = 0;
     for (size_t i = 0; i < rep->status_reply->n_peers; i++) {
         const Fi__PeerStatus *p = rep->status_reply->peers[i];

@@ -683,18 +683,11 @@ static void test_audit_witness_wire(void **state) {
         assert_int_equal(fi_client_send(edge, &m), 0);
     }
     s_listen(edge, 2 * H_HB_MS);
-    fi_client *op = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
-    assert_non_null(op);
-    Fi__AuditVerifyRequest vq = FI__AUDIT_VERIFY_REQUEST__INIT;
-    fi_msg m = FI__ENVELOPE__INIT, *r = NULL;
-    m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST;
-    m.audit_verify_request = &vq;
-    assert_int_equal(fi_client_call(op, &m, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY, 3000, &r, err, sizeof err), 1);
-    assert_int_equal(r->body_case, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY);
+    fi_msg *r = h_audit_verify(h);
+    assert_non_null(r);
     if (!r->audit_verify_reply->intact) fail_msg("verify: %s", r->audit_verify_reply->what);
     assert_true(r->audit_verify_reply->records == 5 && r->audit_verify_reply->witnesses == 1);
     fi_wire_free(&r);
-    fi_client_destroy(&op);
     fi_client_destroy(&edge);
 }
 

@@ -175,6 +175,32 @@ H_FN fi_client *h_client(const harness *h, const fi_keypair *kp, Fi__Role role) 
 /* An audit batch as an edge uploads it (fi_ship_audit_batch): n records
  * numbered first.. with origin site, chained from prev ("" for record 1);
  * the last record's hash goes to last (may be NULL). malloc'd JSON. */
+/* One request of the harness's operator, on a connection of its own: the
+ * reply of type want (free with fi_wire_free), or NULL, said on stderr,
+ * on a timeout (5 s), an Error or a reply of another type. */
+H_FN fi_msg *h_op_call(harness *h, const fi_msg *m, fi_msg_type want) {
+    fi_client *c = h_client(h, &h->op, FI__ROLE__ROLE_OPERATOR);
+    if (!c) return NULL;
+    fi_msg *rep = NULL;
+    char err[256] = "";
+    int rc = fi_client_call(c, m, want, 5000, &rep, err, sizeof err);
+    fi_client_destroy(&c);
+    if (rc == 1 && rep->body_case == want) return rep;
+    fprintf(stderr, "harness: operator call: %s\n",
+            rc != 1 ? err : rep->body_case == FI__ENVELOPE__BODY_ERROR ? rep->error->message : "another reply");
+    fi_wire_free(&rep);
+    return NULL;
+}
+
+/* fedctl audit verify's request: the coordinator's AuditVerifyReply. */
+H_FN fi_msg *h_audit_verify(harness *h) {
+    Fi__AuditVerifyRequest vq = FI__AUDIT_VERIFY_REQUEST__INIT;
+    fi_msg m = FI__ENVELOPE__INIT;
+    m.body_case = FI__ENVELOPE__BODY_AUDIT_VERIFY_REQUEST;
+    m.audit_verify_request = &vq;
+    return h_op_call(h, &m, FI__ENVELOPE__BODY_AUDIT_VERIFY_REPLY);
+}
+
 H_FN char *h_audit_batch(const char *site, int64_t first, size_t n, const char *prev, char last[65]) {
     fi_audit_record *r = calloc(n ? n : 1, sizeof *r);
     char ids[64][32];
