@@ -333,6 +333,23 @@ static void s_keep_witnesses(fi_coord *c, s_peer *only) {
     }
 }
 
+/* Edge p's witness against the log now: a failure is logged when it is
+ * new, and the witness marked to be kept (its row may be gone with the
+ * records). 0 holds, 1 fails, -1 the log could not be read (logged). */
+static int s_check_witness(fi_coord *c, s_peer *p) {
+    fi_audit_witness w = s_witness_of(p);
+    char why[400];
+    int r = fi_audit_witness_check(fi_ship_audit(c->ship), &w, why, sizeof why);
+    if (r < 0) {
+        fi_coord_log("audit: cannot check edge %s's witness: %s", p->rec.fpr, why);
+        return -1;
+    }
+    if (r > 0 && !p->wit_failed) fi_coord_log("AUDIT LOG NOT AS WITNESSED: %s", why);
+    if (r > 0) p->wit_dirty = 1;
+    p->wit_failed = r > 0;
+    return r;
+}
+
 /* An edge's Hello or heartbeat says which head of our audit log it was
  * told last: checked against the log at once when it changes (a cut or a
  * rewrite is logged loudly), kept at the next tick. An edge whose witness
@@ -355,12 +372,8 @@ static void s_take_witness(fi_coord *c, s_peer *p, const Fi__AuditHead *ah) {
     memcpy(p->wit_hash, ah->hash, sizeof p->wit_hash);
     p->wit_ms = (int64_t)time(NULL) * 1000;
     p->wit_dirty = 1;
-    fi_audit_witness w = s_witness_of(p);
-    char why[400];
-    int r = fi_audit_witness_check(fi_ship_audit(c->ship), &w, why, sizeof why);
-    p->wit_failed = r > 0;
-    if (r > 0) fi_coord_log("AUDIT LOG NOT AS WITNESSED: %s", why);
-    else if (r < 0) fi_coord_log("audit: cannot check edge %s's witness: %s", p->rec.fpr, why);
+    p->wit_failed = 0; /* a new witness: its failure is news */
+    (void)s_check_witness(c, p);
 }
 
 /* Every edge's witness against the log as it is now, before each tick's
@@ -372,16 +385,7 @@ static void s_recheck_witnesses(fi_coord *c) {
     for (size_t i = 0; i < c->n_peers; i++) {
         s_peer *p = &c->peers[i];
         if (p->rec.role != FI__ROLE__ROLE_EDGE || p->wit_seq <= 0) continue;
-        fi_audit_witness w = s_witness_of(p);
-        char why[400];
-        int r = fi_audit_witness_check(fi_ship_audit(c->ship), &w, why, sizeof why);
-        if (r < 0) {
-            fi_coord_log("audit: cannot check edge %s's witness: %s", p->rec.fpr, why);
-            return;
-        }
-        if (r > 0 && !p->wit_failed) fi_coord_log("AUDIT LOG NOT AS WITNESSED: %s", why);
-        if (r > 0) p->wit_dirty = 1;
-        p->wit_failed = r > 0;
+        if (s_check_witness(c, p) < 0) return; /* logged: the next tick tries again */
     }
 }
 
