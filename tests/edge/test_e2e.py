@@ -117,13 +117,14 @@ class EndToEnd(unittest.TestCase):
         return -1
 
     def test_3_disconnect_cancels_at_cluster(self):
-        # A long routed stream (up to 800 tokens: many seconds of work for
-        # the worker), dropped after its first chunks: the worker's
-        # scheduler ends it (its reported running count drops to 0 long
-        # before 800 tokens could be made), and a short request right after
-        # is served at once.
+        # A long routed stream (800 tokens: many seconds of work for the
+        # worker; the end-of-text token is barred, so that the model cannot
+        # end it early, as a sampled story sometimes did after 20 tokens),
+        # dropped after its first chunks: the worker's scheduler ends it
+        # (its reported running count drops to 0 long before 800 tokens
+        # could be made), and a short request right after is served at once.
         s = self.cb.completions.create(
-            model=M, max_tokens=800, temperature=1.0, seed=7, stream=True,
+            model=M, max_tokens=800, temperature=1.0, seed=7, stream=True, logit_bias={"2": -100},
             prompt="Write a very long story about a dragon, in many chapters.")
         it = iter(s)
         for _ in range(3):
