@@ -537,11 +537,6 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
     }
 }
 
-/* Quantised matrices get a copy in the packed layout where the kernels
- * read one (fi_q16_kernels.pack: the AVX512 kernels): same bytes, same
- * results, but each block's scales come in one load and its quants need
- * no shuffling. Without memory for it the kernels read the matrix in
- * place, as other flavours always do. */
 /* bytes (S_ALIGN aligned) from the packed chunks, or NULL. */
 static uint8_t *s_packed_alloc(s_cpu *c, size_t bytes) {
     bytes = s_round_up(bytes, S_ALIGN);
@@ -568,10 +563,11 @@ static uint8_t *s_packed_alloc(s_cpu *c, size_t bytes) {
 }
 
 /* Quantised matrices get a copy in the packed layout where the kernels
- * read one (fi_q16_kernels.pack: the AVX512 kernels): same bytes, same
- * results, but each block's scales come in one load and its quants need
- * no shuffling. Without memory for it the kernels read the matrix in
- * place, as other flavours always do. The copies live until the backend
+ * read one (fi_q16_kernels.pack: the AVX2 and AVX512 kernels): same
+ * bytes, same results, but each block's scales come in one load and its
+ * quants need no shuffling. Without memory for it the kernels read the
+ * matrix in place (gathered into the same layout), as the portable ones
+ * always do. The copies live until the backend
  * is destroyed (weights are uploaded once, at load). */
 static int s_weight_upload(void *ctx, fi_weight *w) {
     s_cpu *c = ctx;

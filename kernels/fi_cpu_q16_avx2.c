@@ -3,15 +3,31 @@
  * fi_cpu_q16_impl.h). Compiled with -mavx2 -mfma -mf16c and entered only
  * after a run-time check.
  *
- * Per 32-element block: the weights are widened to 16 bits once
- * (vpmovzxbw / vpmovsxbw) and multiplied with the activation quants of up
- * to four tokens by vpmaddwd, which sums adjacent products into 32 bits
- * (|w| <= 15 or 127, |x| <= 32767: no overflow); the block's integer sums
- * are scaled by d_w * d_x in float and accumulated with FMA. One token
- * takes four rows at a time (independent FMA chains) and prefetches the
- * weights ahead, as decode streams them from L3/DRAM.
+ * Eight rows per register, as the AVX512 kernels have sixteen: from the
+ * backend's packed copy (fi_q16_pack: per block, the 16 rows' scales, then
+ * their quants transposed by dwords), lane r of a register holds two
+ * 16-bit weights of row r; vpmaddwd with one pair of the token's quants
+ * broadcast from memory and vpaddd (no VNNI here) leave lane r with row
+ * r's whole integer dot product for the block after 16 pairs. One
+ * conversion, one multiply by d_x and one or two FMAs then serve eight
+ * (row, token) pairs, and no lane is summed across. Each block's widened
+ * weights serve S_PT tokens. Rows outside a packed group are gathered
+ * into the same layout, block by block.
+ *
+ * Why: the kernel this replaced (four rows, each row's block widened and
+ * multiplied on its own, its eight partial sums converted and scaled in
+ * float) spent six instructions per 32 products, and its 4 x 4 tile of
+ * float accumulators did not fit AVX2's 16 registers. On the 2-core AMD
+ * EPYC (Zen 3) machine the default model's decode-shaped products for 16
+ * tokens took 23.5-24.5 ms at 2 threads, against 42.5 (build/tests/
+ * bench_kernels 2, BENCH_DECODE_ONLY=1), and one token's 3.84-3.91 ms
+ * against 4.45.
+ *
+ * No overflow: |w| <= 15 (Q4, unsigned nibbles) or 128 (Q8_0) times |x| <=
+ * 32767, 32 products per 32-bit lane: below 2^28.
  */
 #include "fi_cpu_q16_impl.h"
+#include "fi_cpu_lanes8_impl.h"
 
 #include <float.h>
 #include <immintrin.h>
@@ -59,219 +75,205 @@ static void s_quantize(const float *x, fi_block_q16x *y, int nb, int qmax) {
 }
 
 #define S_INLINE static inline __attribute__((always_inline))
-#define S_RB 16      /* rows per sub-block when several tokens share a call */
-#define S_PF_TILES 4 /* one token: prefetch this many 4-row tiles ahead */
+#ifndef S_RB
+#define S_RB 32       /* rows per sub-block when several tokens share a call */
+#endif
 #ifndef S_PT
-#define S_PT 4       /* tokens per prefill tile (4 rows each) */
+#define S_PT 8        /* tokens per tile of eight rows */
+#endif
+#ifndef S_PF_GROUPS
+#define S_PF_GROUPS 2 /* prefetch this many 16-row groups ahead */
 #endif
 
-/* 16 nibble bytes widened once to 16 bits (byte j = lo + 16 hi): the low
- * nibbles (elements 0..15) are the low 4 bits, the high nibbles (16..31)
- * the value shifted right by 4. One vpmovzxbw instead of two. */
-S_INLINE void s_widen_nibbles(const uint8_t *qs, __m256i *wl, __m256i *wh) {
-    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)qs));
-    *wl = _mm256_and_si256(w, _mm256_set1_epi16(0x0f));
-    *wh = _mm256_srli_epi16(w, 4);
+/* A token's element pair c of a block (quants 2c, 2c+1) in every lane. */
+S_INLINE __m256i s_pair(const fi_block_q16x *x, int c) {
+    int32_t v;
+    memcpy(&v, x->qs + 2 * c, sizeof v);
+    return _mm256_set1_epi32(v);
 }
 
-/* Block b's weights widened to 16 bits: wl elements 0..15, wh 16..31;
- * d and a (the offset per unit of sum(x): m for Q4_1, -8d for Q4_0, 0 for
- * Q8_0) as scalars in lane 0. kind: 0 Q4_0, 1 Q4_1, 2 Q8_0. */
-S_INLINE void s_block(int kind, const uint8_t *blk, __m256i *wl, __m256i *wh, __m128 *d, __m128 *a) {
-    if (kind == 2) {
-        const fi_block_q8_0 *w = (const fi_block_q8_0 *)(const void *)blk;
-        *wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)w->qs));
-        *wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w->qs + 16)));
-        *d = _mm_set_ss(_cvtsh_ss(w->d));
-        *a = _mm_setzero_ps();
+/* Q4: dword k of the quants of H halves of eight rows (s[h]) against
+ * tokens x[0..T-1] (block b), added to isum[h][j] (see s_dots); each
+ * broadcast pair of the token serves every half. */
+S_INLINE void s_dots4(const fi_l8_block *s, int H, const fi_block_q16x *const *x, int b, int T, int k,
+                      __m256i isum[2][S_PT]) {
+    const __m256i e0 = _mm256_setr_epi32((int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu,
+                                         (int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu);
+    const __m256i e1 = _mm256_setr_epi32((int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu,
+                                         (int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu);
+    const __m256i m4 = _mm256_set1_epi16(0x0f);
+    __m256i W[2][4]; /* pairs 2k, 2k+1, 8+2k, 9+2k */
+    for (int h = 0; h < H; h++) {
+        __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(s[h].q + k * s[h].qstep));
+        __m256i u0 = _mm256_shuffle_epi8(D, e0), u1 = _mm256_shuffle_epi8(D, e1);
+        W[h][0] = _mm256_and_si256(u0, m4);
+        W[h][1] = _mm256_and_si256(u1, m4);
+        W[h][2] = _mm256_srli_epi16(u0, 4);
+        W[h][3] = _mm256_srli_epi16(u1, 4);
+    }
+    for (int j = 0; j < T; j++) {
+        const fi_block_q16x *xb = x[j] + b;
+        for (int c = 0; c < 4; c++) {
+            __m256i xp = s_pair(xb, (c & 2) * 4 + 2 * k + (c & 1));
+            for (int h = 0; h < H; h++)
+                isum[h][j] = _mm256_add_epi32(isum[h][j], _mm256_madd_epi16(W[h][c], xp));
+        }
+    }
+}
+
+/* Q8_0: dword k of the quants (signed bytes 4k..4k+3) of H halves against
+ * tokens x[0..T-1] (block b), added to isum[h][j]: each byte into the
+ * high byte of a 16-bit lane, then an arithmetic shift, sign-extends it. */
+S_INLINE void s_dots8(const fi_l8_block *s, int H, const fi_block_q16x *const *x, int b, int T, int k,
+                      __m256i isum[2][S_PT]) {
+    const __m256i h0 = _mm256_setr_epi32((int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u,
+                                         (int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u);
+    const __m256i h1 = _mm256_setr_epi32((int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u,
+                                         (int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u);
+    __m256i W[2][2];
+    for (int h = 0; h < H; h++) {
+        __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(s[h].q + k * s[h].qstep));
+        W[h][0] = _mm256_srai_epi16(_mm256_shuffle_epi8(D, h0), 8);
+        W[h][1] = _mm256_srai_epi16(_mm256_shuffle_epi8(D, h1), 8);
+    }
+    for (int j = 0; j < T; j++) {
+        const fi_block_q16x *xb = x[j] + b;
+        for (int c = 0; c < 2; c++) {
+            __m256i xp = s_pair(xb, 2 * k + c);
+            for (int h = 0; h < H; h++)
+                isum[h][j] = _mm256_add_epi32(isum[h][j], _mm256_madd_epi16(W[h][c], xp));
+        }
+    }
+}
+
+/* The integer dot products of H halves of eight rows (s[h]) with tokens
+ * x[0..T-1] (block b) in isum[h][j], lane r for row r. Each dword k of
+ * quants gives the 16-bit pairs of lane r's row: Q4, low nibbles of bytes
+ * 4k, 4k+1 (pair 2k) and 4k+2, 4k+3 (pair 2k+1), their high nibbles pairs
+ * 8+2k and 9+2k; Q8_0, the signed bytes, pairs 2k and 2k+1. vpmaddwd of a
+ * pair of weights with the token's pair broadcast, then vpaddd: without
+ * VNNI, two instructions per 16 products. Four or more tokens' sums keep
+ * the registers busy in a loop over the dwords (unrolled, the compiler
+ * hoists every product ahead of the adds and spills them); fewer are
+ * unrolled. */
+S_INLINE void s_dots(fi_dtype kind, const fi_l8_block *s, int H, const fi_block_q16x *const *x, int b, int T,
+                     __m256i isum[2][S_PT]) {
+    for (int h = 0; h < H; h++)
+        for (int j = 0; j < T; j++)
+            isum[h][j] = _mm256_setzero_si256();
+    if (kind == FI_DTYPE_Q8_0 && T >= 4) {
+#pragma GCC unroll 1
+        for (int k = 0; k < 8; k++)
+            s_dots8(s, H, x, b, T, k, isum);
+    } else if (kind == FI_DTYPE_Q8_0) {
+        for (int k = 0; k < 8; k++)
+            s_dots8(s, H, x, b, T, k, isum);
+    } else if (T >= 4) {
+#pragma GCC unroll 1
+        for (int k = 0; k < 4; k++)
+            s_dots4(s, H, x, b, T, k, isum);
+    } else {
+        for (int k = 0; k < 4; k++)
+            s_dots4(s, H, x, b, T, k, isum);
+    }
+}
+
+/* Rows r..r+nr-1 (nr <= 8 H; a partial half repeats its last row) times
+ * tokens k..k+T-1, H halves of eight rows (one row per lane) sharing each
+ * token's loads. pf: prefetch the group S_PF_GROUPS ahead (the first pass
+ * over these rows; only from packed weights, where a block's 16 rows are
+ * one run of bytes).
+ *
+ * Batch invariance: every (row, token) result is formed by the same
+ * sequence of floating-point operations whatever the tile: per block, in
+ * the row's lane, v = float(isum) * d_x, acc = fma(v, d_w, acc), then (Q4)
+ * acc = fma(a, s, acc); y = acc. The integer sum isum is exact whatever
+ * the order of its products, and vector operations work lane by lane, so
+ * neither the other rows sharing a register nor the number of tokens
+ * changes a lane's value. All intrinsics: no compiler contraction can
+ * tell the shapes apart. (The AVX512 kernels take the same steps.) */
+S_INLINE void s_tile(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int nr, int r1, int k, int H, int T,
+                     int pf) {
+    const int nb = t->cols / FI_QK;
+    const fi_block_q16x *xr[S_PT];
+    fi_l8_rows rw;
+    __m256 acc[2][S_PT];
+    fi_l8_rows_of(t, r, nr, r1, H, &rw);
+    for (int j = 0; j < T; j++) {
+        xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+        for (int h = 0; h < H; h++)
+            acc[h][j] = _mm256_setzero_ps();
+    }
+    const uint8_t *ahead = pf && r % 16 == 0 && rw.pk[0] ? rw.pk[0] + S_PF_GROUPS * 16 * t->w_stride : NULL;
+    _Alignas(32) uint8_t buf[2][FI_L8_GATHER_BYTES];
+    for (int b = 0; b < nb; b++) {
+        fi_l8_prefetch(ahead, bsz, b);
+        fi_l8_block s[2];
+        __m256 dw[2], aw[2];
+        for (int h = 0; h < H; h++) {
+            s[h] = fi_l8_block_of(kind, bsz, &rw, r, h, b, buf[h]);
+            fi_l8_scales(kind, s[h], &dw[h], &aw[h]);
+        }
+        __m256i isum[2][S_PT];
+        s_dots(kind, s, H, xr, b, T, isum);
+        for (int h = 0; h < H; h++)
+            for (int j = 0; j < T; j++) {
+                const fi_block_q16x *xb = xr[j] + b;
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][j]), _mm256_set1_ps(xb->d));
+                acc[h][j] = _mm256_fmadd_ps(v, dw[h], acc[h][j]);
+                if (kind != FI_DTYPE_Q8_0)
+                    acc[h][j] = _mm256_fmadd_ps(aw[h], _mm256_set1_ps(xb->s), acc[h][j]);
+            }
+    }
+    for (int h = 0; h < H; h++)
+        for (int j = 0; j < T; j++)
+            fi_l8_store(t->y + (size_t)(k + j) * t->y_stride + r + 8 * h, acc[h][j], rw.nh[h]);
+}
+
+/* One token: groups of 16 rows (two halves, two independent chains),
+ * prefetching. Several: sub-blocks of S_RB rows (their weights stay in L1
+ * while the token tiles pass over them), eight rows times S_PT tokens,
+ * then tiles of 4, 2 and 1 for the rest (each T a constant, so that the
+ * tile's loops unroll). */
+S_INLINE void s_mm(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
+    if (t->n == 1) {
+        for (int r = r0; r < r1; r += 16) {
+            int nr = r1 - r < 16 ? r1 - r : 16;
+            if (nr > 8)
+                s_tile(kind, bsz, t, r, nr, r1, 0, 2, 1, 1);
+            else
+                s_tile(kind, bsz, t, r, nr, r1, 0, 1, 1, 1);
+        }
         return;
     }
-    const uint8_t *qs;
-    if (kind == 1) {
-        const fi_block_q4_1 *w = (const fi_block_q4_1 *)(const void *)blk;
-        qs = w->qs;
-        *d = _mm_set_ss(_cvtsh_ss(w->d));
-        *a = _mm_set_ss(_cvtsh_ss(w->m));
-    } else {
-        const fi_block_q4_0 *w = (const fi_block_q4_0 *)(const void *)blk;
-        qs = w->qs;
-        *d = _mm_set_ss(_cvtsh_ss(w->d));
-        *a = _mm_mul_ss(*d, _mm_set_ss(-8.0f)); /* (q - 8) d = q d + (-8 d) */
-    }
-    s_widen_nibbles(qs, wl, wh);
-}
-
-/* Rows r..r+R-1 times tokens k..k+T-1 (R*T <= 4 x 4). Every (row, token)
- * result is formed by the same sequence of operations whatever R and T
- * are: per block, acc += float(int dot) * (d * dx) and mt += a * s, then
- * y = hsum(acc) + mt. So a token's result does not depend on how many
- * tokens share the call, nor a row's on how rows are grouped (all
- * intrinsics: no compiler contraction can tell the shapes apart). pf: the
- * one-token tile, which prefetches the tiles ahead. */
-S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int k, int R, int T, int pf) {
-    const size_t stride = t->w_stride;
-    const uint8_t *w0 = t->w + (size_t)r * stride;
-    const int nb = t->cols / FI_QK;
-    const fi_block_q16x *xr[4];
-    __m256 acc[4][4];
-    __m128 mt[4][4];
-    for (int j = 0; j < T; j++)
-        xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < T; j++) {
-            acc[i][j] = _mm256_setzero_ps();
-            mt[i][j] = _mm_setzero_ps();
-        }
-    for (int b = 0; b < nb; b++) {
-        if (pf) {
-            /* this step's share of the tile S_PF_TILES ahead: 4*bsz bytes */
-            const char *p = (const char *)w0 + S_PF_TILES * 4 * stride + (size_t)b * 4 * bsz;
-            _mm_prefetch(p, _MM_HINT_T1);
-            _mm_prefetch(p + 64, _MM_HINT_T1);
-            if (4 * bsz > 128)
-                _mm_prefetch(p + 128, _MM_HINT_T1);
-        }
-        for (int i = 0; i < R; i++) {
-            __m256i wl, wh;
-            __m128 d, a;
-            s_block(kind, w0 + (size_t)i * stride + (size_t)b * bsz, &wl, &wh, &d, &a);
-            for (int j = 0; j < T; j++) {
-                const fi_block_q16x *x = xr[j] + b;
-                __m256i xl = _mm256_loadu_si256((const __m256i *)(const void *)x->qs);
-                __m256i xh = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 16));
-                __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(wl, xl), _mm256_madd_epi16(wh, xh));
-                __m128 sc = _mm_mul_ss(d, _mm_load_ss(&x->d));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcastss_ps(sc), acc[i][j]);
-                mt[i][j] = _mm_add_ss(mt[i][j], _mm_mul_ss(a, _mm_load_ss(&x->s)));
-            }
-        }
-    }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < T; j++)
-            t->y[(size_t)(k + j) * t->y_stride + r + i] = s_hsum(acc[i][j]) + _mm_cvtss_f32(mt[i][j]);
-}
-
-S_INLINE uint32_t s_ld32(const void *p) {
-    uint32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-S_INLINE int s_ld16(const void *p) {
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* Rows r..r+3 times tokens k..k+T-1 (T <= 4): s_tile(kind, bsz, t, r, k,
- * 4, T, pf) with the four rows' scales converted and multiplied in one
- * register each. Lane i of a vector multiply or add is the same IEEE
- * operation as the scalar one in s_tile, so the results are identical to
- * it, bit for bit. */
-S_INLINE void s_rows4(int kind, size_t bsz, const fi_mm_task *t, int r, int k, int T, int pf) {
-    const size_t stride = t->w_stride;
-    const uint8_t *w0 = t->w + (size_t)r * stride;
-    const int nb = t->cols / FI_QK;
-    const fi_block_q16x *xr[4];
-    __m256 acc[4][4];
-    __m128 mt[4];
-    for (int j = 0; j < T; j++) {
-        xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
-        mt[j] = _mm_setzero_ps();
-        for (int i = 0; i < 4; i++)
-            acc[i][j] = _mm256_setzero_ps();
-    }
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *wb = w0 + (size_t)b * bsz;
-        if (pf) {
-            const char *p = (const char *)w0 + S_PF_TILES * 4 * stride + (size_t)b * 4 * bsz;
-            _mm_prefetch(p, _MM_HINT_T1);
-            _mm_prefetch(p + 64, _MM_HINT_T1);
-            if (4 * bsz > 128)
-                _mm_prefetch(p + 128, _MM_HINT_T1);
-        }
-        __m128 d, a;
-        if (kind == 1) {
-            __m128i h = _mm_cvtsi32_si128((int)s_ld32(wb));
-            h = _mm_insert_epi32(h, (int)s_ld32(wb + stride), 1);
-            h = _mm_insert_epi32(h, (int)s_ld32(wb + 2 * stride), 2);
-            h = _mm_insert_epi32(h, (int)s_ld32(wb + 3 * stride), 3);
-            __m256 dm = _mm256_cvtph_ps(h); /* d0 m0 d1 m1 d2 m2 d3 m3 */
-            d = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
-            a = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0)));
-        } else {
-            __m128i h = _mm_cvtsi32_si128(s_ld16(wb));
-            h = _mm_insert_epi16(h, s_ld16(wb + stride), 1);
-            h = _mm_insert_epi16(h, s_ld16(wb + 2 * stride), 2);
-            h = _mm_insert_epi16(h, s_ld16(wb + 3 * stride), 3);
-            d = _mm_cvtph_ps(h);
-            a = kind == 0 ? _mm_mul_ps(d, _mm_set1_ps(-8.0f)) : _mm_setzero_ps();
-        }
-        __m256 sc[4];
-        for (int j = 0; j < T; j++) {
-            sc[j] = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_set1_ps(xr[j][b].d)));
-            if (kind != 2)
-                mt[j] = _mm_add_ps(mt[j], _mm_mul_ps(a, _mm_set1_ps(xr[j][b].s)));
-        }
-        for (int i = 0; i < 4; i++) {
-            __m256i wl, wh;
-            const uint8_t *blk = wb + (size_t)i * stride;
-            if (kind == 2) {
-                wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(blk + 2)));
-                wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(blk + 18)));
-            } else {
-                s_widen_nibbles(blk + (kind == 1 ? 4 : 2), &wl, &wh);
-            }
-            for (int j = 0; j < T; j++) {
-                const fi_block_q16x *x = xr[j] + b;
-                __m256i xl = _mm256_loadu_si256((const __m256i *)(const void *)x->qs);
-                __m256i xh = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 16));
-                __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(wl, xl), _mm256_madd_epi16(wh, xh));
-                __m256 si = _mm256_permutevar8x32_ps(sc[j], _mm256_set1_epi32(i));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), si, acc[i][j]);
-            }
-        }
-    }
-    for (int j = 0; j < T; j++) {
-        float m4v[4];
-        _mm_storeu_ps(m4v, mt[j]);
-        for (int i = 0; i < 4; i++)
-            t->y[(size_t)(k + j) * t->y_stride + r + i] = s_hsum(acc[i][j]) + m4v[i];
-    }
-}
-
-/* One token: rows in 4s (four independent FMA chains, prefetching).
- * Several: sub-blocks of S_RB rows, tokens in 4s sharing each widened
- * block, leftover tokens as one token. */
-S_INLINE void s_mm(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
-    for (int rb = r0; rb < r1; rb += (t->n == 1 ? r1 - r0 : S_RB)) {
-        int re = t->n == 1 ? r1 : (rb + S_RB < r1 ? rb + S_RB : r1);
+    for (int rb = r0; rb < r1; rb += S_RB) {
+        int re = rb + S_RB < r1 ? rb + S_RB : r1;
         int k = 0;
-        int r4 = rb + (re - rb) / 4 * 4;
-        for (; k + S_PT <= t->n; k += S_PT) {
-            for (int r = rb; r < r4; r += 4)
-                s_rows4(kind, bsz, t, r, k, S_PT, 0);
-            for (int r = r4; r < re; r++)
-                s_tile(kind, bsz, t, r, k, 1, S_PT, 0);
+        for (; k + S_PT <= t->n; k += S_PT)
+            for (int r = rb; r < re; r += 8)
+                s_tile(kind, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, S_PT, k == 0);
+        if (k + 4 <= t->n) {
+            for (int r = rb; r < re; r += 8)
+                s_tile(kind, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 4, k == 0);
+            k += 4;
         }
-        for (; k < t->n; k++) {
-            int r = rb;
-            for (; r + 4 <= re; r += 4)
-                s_rows4(kind, bsz, t, r, k, 1, t->n == 1);
-            for (; r < re; r++)
-                s_tile(kind, bsz, t, r, k, 1, 1, 0);
-        }
+        for (; k + 2 <= t->n; k += 2)
+            for (int r = rb; r < re; r += 8)
+                s_tile(kind, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 2, k == 0);
+        for (; k < t->n; k++)
+            for (int r = rb; r < re; r += 8)
+                s_tile(kind, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 1, k == 0);
     }
 }
 
 static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
-    s_mm(0, sizeof(fi_block_q4_0), t, r0, r1);
+    s_mm(FI_DTYPE_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);
 }
 static void s_mm_q4_1(const fi_mm_task *t, int r0, int r1) {
-    s_mm(1, sizeof(fi_block_q4_1), t, r0, r1);
+    s_mm(FI_DTYPE_Q4_1, sizeof(fi_block_q4_1), t, r0, r1);
 }
 static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
-    s_mm(2, sizeof(fi_block_q8_0), t, r0, r1);
+    s_mm(FI_DTYPE_Q8_0, sizeof(fi_block_q8_0), t, r0, r1);
 }
 
 void fi_q16_kernels_avx2(fi_q16_kernels *k) {
@@ -280,5 +282,5 @@ void fi_q16_kernels_avx2(fi_q16_kernels *k) {
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;
     k->split = NULL;
-    k->pack = NULL;
+    k->pack = fi_q16_pack;
 }

@@ -76,7 +76,7 @@ typedef struct fi_q16_kernels {
      * of the kernel once per range of rows. */
     void (*split)(const fi_block_q16x *x, int nb, uint8_t *tile, int j, int qmax);
     /* NULL, or fi_q16_pack where the kernels read fi_mm_task.wp (the
-     * AVX512 ones): the backend packs each quantised matrix once. */
+     * AVX2 and AVX512 ones): the backend packs each quantised matrix once. */
     void (*pack)(fi_dtype type, const uint8_t *w, size_t stride, int rows, int cols, uint8_t *out);
 } fi_q16_kernels;
 

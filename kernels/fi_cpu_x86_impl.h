@@ -14,22 +14,11 @@
  *   Q8_0: dw*dx*sum(w*x)               (|w| . x*sign(w), or in the VNNI
  *                                       decode (w^0x80) . x - 128*dw*s)
  *
- * Decode (one token) kernels take four rows per step. For Q4_x two rows
- * share one register (row A in the low 128-bit lane, row B in the high),
- * so one nibble expansion, one int dot and one FMA serve two rows, and the
- * fp16 scales of four rows are converted by one vcvtph2ps. The next tiles
- * are prefetched, because decode streams each weight once from L3/DRAM.
- *
- * Several tokens go through the same four-row kernels, two tokens at a
- * time sharing each block's scales and nibble expansion (Q4), each token
- * with the operations it has alone; rows are walked in sub-blocks of S_RB
- * with every token inside, so that a sub-block's weights stay in L1. A
- * (row, token) result is then the same bits alone or in any batch, on any
- * split into ranges starting at multiples of 4 (the backend's start at
- * multiples of 16), as the scheduler needs. (The two-row x four-token
- * kernels this replaced summed in another order than the one-token path;
- * at 16 and 64 tokens they took 27.1 and 97 ms for the decode-shaped
- * products at 2 threads, against 26.7 and 99.8 now.)
+ * They hold eight rows per register, one row per 32-bit lane (see
+ * "quantised products" below), and the same tile serves one token and
+ * several, so a (row, token) result is the same bits alone or in any
+ * batch, on any split of the rows, as the scheduler needs. One token
+ * streams each weight once from L3/DRAM and prefetches the groups ahead.
  */
 #ifndef FI_X86_VNNI
 #error "define FI_X86_VNNI before including fi_cpu_x86_impl.h"
@@ -41,6 +30,8 @@
 #include <float.h>
 #include <math.h>
 
+#include "fi_cpu_lanes8_impl.h"
+
 /* FI_X86_VNNI: 0 AVX2 maddubs + madd; 1 AVX-VNNI (VEX vpdpbusd); 2
  * AVX512-VNNI + VL (the EVEX encoding of the same 256-bit instruction). */
 #if FI_X86_VNNI == 1
@@ -50,17 +41,8 @@
 #endif
 
 #define S_INLINE static inline __attribute__((always_inline))
-#define S_RB 16 /* rows per sub-block when several tokens share a call */
+#define S_RB 16 /* float weights: rows per sub-block when several tokens share a call */
 #define S_RND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-/* Decode prefetch: this many 4-row tiles ahead, into L2 (measured on the
- * 2-core Sapphire Rapids VM: T1 beats T0 by ~5%, NTA loses ~30%; 2-8
- * tiles are within noise of each other). */
-#ifndef S_PF_HINT
-#define S_PF_HINT _MM_HINT_T1
-#endif
-#ifndef S_PF_TILES
-#define S_PF_TILES 4
-#endif
 
 S_INLINE float s_hsum(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -69,54 +51,10 @@ S_INLINE float s_hsum(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
-/* Sum of each 128-bit lane of v: [sum(v0..v3), sum(v4..v7)]. */
-S_INLINE void s_hsum2(__m256 v, float *lo, float *hi) {
-    __m128 a = _mm256_castps256_ps128(v), b = _mm256_extractf128_ps(v, 1);
-    __m128 s = _mm_hadd_ps(a, b);   /* a01 a23 b01 b23 */
-    s = _mm_hadd_ps(s, s);          /* a b a b */
-    *lo = _mm_cvtss_f32(s);
-    *hi = _mm_cvtss_f32(_mm_movehdup_ps(s));
-}
-
 S_INLINE uint32_t s_ld32(const void *p) {
     uint32_t v;
     memcpy(&v, p, sizeof v);
     return v;
-}
-
-S_INLINE uint16_t s_ld16(const void *p) {
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-S_INLINE uint64_t s_ld64(const void *p) {
-    uint64_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* u8 x s8 dot products, 4 adjacent pairs summed into each int32 lane,
- * added to acc. u must be < 128 for the AVX2 form not to saturate (or the
- * pair sums must stay within int16, as they do for |w| <= 128, |x| <= 127). */
-S_INLINE __m256i s_dpbusd(__m256i acc, __m256i u, __m256i s) {
-#if FI_X86_VNNI
-    return S_DPBUSD256(acc, u, s);
-#else
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-    return _mm256_add_epi32(acc, p);
-#endif
-}
-
-/* The same for two pairs of operands into one fresh sum (the AVX2 form
- * adds in int16 first: 2 * 2*15*127 fits). */
-S_INLINE __m256i s_dot2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
-#if FI_X86_VNNI
-    return S_DPBUSD256(S_DPBUSD256(_mm256_setzero_si256(), u0, s0), u1, s1);
-#else
-    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-#endif
 }
 
 /* --- activation quantiser (same arithmetic as fi_quantize_q8x_ref) ----- */
@@ -183,264 +121,230 @@ static float s_kv_quant(int8_t *q, const float *x, int n) {
     return amax >= lo ? amax / 127.0f : 0.0f;
 }
 
-/* --- generic quantised tile (tails and Q8_0 prefill) ------------------- */
+/* --- quantised products: eight rows per register ---------------------------
+ *
+ * One row per 32-bit lane (fi_cpu_lanes8_impl.h: the backend's packed copy,
+ * or rows gathered into its layout), so a block's integer dot products need
+ * no horizontal sums: lane r of D[k] holds quant bytes 4k..4k+3 of row r,
+ * which for Q4 are elements 4k..4k+3 (low nibbles) and 16+4k..19+4k (high
+ * nibbles), for Q8_0 elements 4k..4k+3; each pairs with one dword of the
+ * token's quants broadcast from memory. Without VNNI, vpmaddubsw leaves
+ * 16-bit pair sums, |15 * 127 * 2| per pair, so a Q4 block's eight of them
+ * add up in 16 bits (<= 30480) before one vpmaddwd widens them; Q8_0's
+ * pairs reach 2 * 128 * 127 and are widened one by one (|w| against x
+ * with w's sign). With VNNI, vpdpbusd does each step; Q8_0's signed quants
+ * become unsigned as w ^ 0x80 = w + 128, and the 128 * sum(x) that adds
+ * is taken off with the offset term, a = -128 dw.
+ *
+ * Batch invariance: per block, in the row's lane, v = float(isum) * dx,
+ * acc = fma(v, dw, acc), then (where a is not 0) acc = fma(a, s, acc);
+ * isum is exact in any order, and lanes do not mix (a partial half repeats
+ * its last row), so a token's row is the same bits alone or in a batch of
+ * any size, on any thread split, packed or not.
+ *
+ * Why: the kernels this replaced held two rows per register and ended
+ * every (row, token) with a horizontal sum, and a batch's tokens re-read
+ * each block's weights: on the 2-core AMD EPYC (Zen 3) machine the default
+ * model's decode-shaped products for 16 tokens took 34.2 ms at 2 threads
+ * (build/tests/bench_kernels 2, BENCH_DECODE_ONLY=1 BENCH_ACT_BITS=8). */
+#define S_L8_PT 8        /* tokens per tile */
+#define S_L8_RB 32       /* rows per sub-block when several tokens share a call */
+#define S_L8_PF_GROUPS 2 /* prefetch this many 16-row groups ahead */
 
-/* Expands 16 nibble bytes to 32 bytes: low nibbles, then high nibbles. */
-S_INLINE __m256i s_nibbles(const uint8_t *qs) {
-    __m128i b = _mm_loadu_si128((const __m128i *)qs);
-    __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+/* The token's quants 4c..4c+3 in every lane. */
+S_INLINE __m256i s_l8_x4(const fi_block_q8x *x, int c) {
+    return _mm256_set1_epi32((int)s_ld32(x->qs + 4 * c));
 }
 
-/* Weight block b of a row of type ty: its byte vector and [dw, aux] where
- * aux is m (Q4_1) or dw (Q4_0, Q8_0). */
-S_INLINE __m256i s_wblock(int ty, const uint8_t *row, int b, __m128 *ws) {
-    if (ty == FI_DTYPE_Q4_1) {
-        const fi_block_q4_1 *w = (const fi_block_q4_1 *)row + b;
-        *ws = _mm_cvtph_ps(_mm_cvtsi32_si128((int)s_ld32(w)));
-        return s_nibbles(w->qs);
-    }
-    if (ty == FI_DTYPE_Q4_0) {
-        const fi_block_q4_0 *w = (const fi_block_q4_0 *)row + b;
-        *ws = _mm_cvtph_ps(_mm_set1_epi16((short)w->d));
-        return s_nibbles(w->qs);
-    }
-    const fi_block_q8_0 *w = (const fi_block_q8_0 *)row + b;
-    *ws = _mm_cvtph_ps(_mm_set1_epi16((short)w->d));
-    return _mm256_loadu_si256((const __m256i *)w->qs);
-}
-
-/* 8 int32 partial sums of w . x, as floats. */
-S_INLINE __m256 s_bdot(int ty, __m256i w, __m256i x) {
-    __m256i z = _mm256_setzero_si256();
-    if (ty == FI_DTYPE_Q8_0)
-        return _mm256_cvtepi32_ps(s_dpbusd(z, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)));
-    return _mm256_cvtepi32_ps(s_dpbusd(z, w, x));
-}
-
-/* Rows r..r+R-1 times tokens k..k+T-1, all blocks; R*T <= 4. */
-S_INLINE void s_qtile(int ty, const fi_mm_task *t, int r, int k, int R, int T) {
-    int nb = t->cols / FI_QK;
-    const uint8_t *wr[4];
-    const fi_block_q8x *xr[4];
-    __m256 acc[4][4];
-    __m128 aux[4][4];
-    for (int i = 0; i < R; i++)
-        wr[i] = t->w + (size_t)(r + i) * t->w_stride;
-    for (int j = 0; j < T; j++)
-        xr[j] = (const fi_block_q8x *)(t->x + (size_t)(k + j) * t->x_stride);
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < T; j++) {
-            acc[i][j] = _mm256_setzero_ps();
-            aux[i][j] = _mm_setzero_ps();
-        }
-    for (int b = 0; b < nb; b++) {
-        for (int i = 0; i < R; i++) {
-            __m128 ws;
-            __m256i wv = s_wblock(ty, wr[i], b, &ws);
-            for (int j = 0; j < T; j++) {
-                const fi_block_q8x *x = xr[j] + b;
-                __m128 xs = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)x));
-                __m128 p = _mm_mul_ps(ws, xs); /* [dw*dx, aux*s] */
-                __m256i xv = _mm256_loadu_si256((const __m256i *)x->qs);
-                acc[i][j] = _mm256_fmadd_ps(s_bdot(ty, wv, xv), _mm256_broadcastss_ps(p), acc[i][j]);
-                if (ty != FI_DTYPE_Q8_0)
-                    aux[i][j] = _mm_add_ps(aux[i][j], p);
-            }
-        }
-    }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < T; j++) {
-            float v = s_hsum(acc[i][j]);
-            float a = _mm_cvtss_f32(_mm_movehdup_ps(aux[i][j]));
-            if (ty == FI_DTYPE_Q4_1)
-                v += a;
-            else if (ty == FI_DTYPE_Q4_0)
-                v -= 8.0f * a;
-            t->y[(size_t)(k + j) * t->y_stride + r + i] = v;
-        }
-}
-
-/* --- decode: four rows, one token ------------------------------------------ */
-
-/* Prefetches this block step's share of the tile S_PF_TILES ahead: a tile
- * is 4 contiguous rows, consumed 4*bsz bytes per block step. */
-S_INLINE void s_prefetch_step(const uint8_t *w0, size_t stride, int b, size_t bsz) {
-    const char *p = (const char *)w0 + S_PF_TILES * 4 * stride + (size_t)b * 4 * bsz;
-    _mm_prefetch(p, S_PF_HINT);
-    _mm_prefetch(p + 64, S_PF_HINT);
-    if (4 * bsz > 128)
-        _mm_prefetch(p + 128, S_PF_HINT);
-}
-
-/* The fp16 scale words of block b of four rows (at byte offset `off` of
- * the block), as 4 x 32-bit lanes of one register. */
-S_INLINE __m128i s_gather32(const uint8_t *w0, size_t stride, size_t boff) {
-    __m128i h = _mm_cvtsi32_si128((int)s_ld32(w0 + boff));
-    h = _mm_insert_epi32(h, (int)s_ld32(w0 + stride + boff), 1);
-    h = _mm_insert_epi32(h, (int)s_ld32(w0 + 2 * stride + boff), 2);
-    return _mm_insert_epi32(h, (int)s_ld32(w0 + 3 * stride + boff), 3);
-}
-
-S_INLINE __m128i s_gather16(const uint8_t *w0, size_t stride, size_t boff) {
-    __m128i h = _mm_cvtsi32_si128(s_ld16(w0 + boff));
-    h = _mm_insert_epi16(h, s_ld16(w0 + stride + boff), 1);
-    h = _mm_insert_epi16(h, s_ld16(w0 + 2 * stride + boff), 2);
-    return _mm_insert_epi16(h, s_ld16(w0 + 3 * stride + boff), 3);
-}
-
-/* Two rows' nibbles of one block in one register pair: lo = low nibbles
- * [A | B], hi = high nibbles [A | B]. */
-S_INLINE void s_nibbles2(const uint8_t *qa, const uint8_t *qb, __m256i *lo, __m256i *hi) {
+/* Q4: dword c of the quants of H halves of eight rows (s[h]) against
+ * tokens x[0..T-1] (block b): 16-bit pair sums added to p[h][j] (no
+ * VNNI), or 32-bit sums (VNNI); each broadcast dword of the token serves
+ * every half. */
+S_INLINE void s_l8_q4_step(const fi_l8_block *s, int H, const fi_block_q8x *const *x, int b, int T, int c,
+                           __m256i p[2][S_L8_PT]) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qa)),
-                                        _mm_loadu_si128((const __m128i *)qb), 1);
-    *lo = _mm256_and_si256(v, m4);
-    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-}
-
-/* Q4_0 / Q4_1, rows r..r+3, tokens k..k+T-1 (T <= 2): each token the same
- * operations as alone, the block's scales and nibbles expanded once. */
-S_INLINE void s_q4_dec4(int ty, const fi_mm_task *t, int r, int k, int T) {
-    const size_t stride = t->w_stride;
-    const size_t bsz = ty == FI_DTYPE_Q4_1 ? sizeof(fi_block_q4_1) : sizeof(fi_block_q4_0);
-    const size_t qoff = ty == FI_DTYPE_Q4_1 ? 4 : 2;
-    const uint8_t *w0 = t->w + (size_t)r * stride;
-    const fi_block_q8x *xt[2];
-    const int nb = t->cols / FI_QK;
-    __m256 acc01[2], acc23[2], aux[2]; /* aux: Q4_1's m*s in the odd lanes */
-    __m128 aux4[2];                    /* Q4_0: d*s per row */
-    for (int j = 0; j < T; j++) {
-        xt[j] = (const fi_block_q8x *)(t->x + (size_t)(k + j) * t->x_stride);
-        acc01[j] = acc23[j] = aux[j] = _mm256_setzero_ps();
-        aux4[j] = _mm_setzero_ps();
-    }
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *wb = w0 + (size_t)b * bsz;
-        s_prefetch_step(w0, stride, b, bsz);
-        /* the block's weights, once for the tile's tokens */
-        __m256 dm = _mm256_setzero_ps();
-        __m128 d = _mm_setzero_ps();
-        if (ty == FI_DTYPE_Q4_1)
-            dm = _mm256_cvtph_ps(s_gather32(wb, stride, 0)); /* d0 m0 d1 m1 d2 m2 d3 m3 */
-        else
-            d = _mm_cvtph_ps(s_gather16(wb, stride, 0));     /* d0 d1 d2 d3 */
-        __m256i lo01, hi01, lo23, hi23;
-        s_nibbles2(wb + qoff, wb + stride + qoff, &lo01, &hi01);
-        s_nibbles2(wb + 2 * stride + qoff, wb + 3 * stride + qoff, &lo23, &hi23);
-        for (int j = 0; j < T; j++) {
-            const fi_block_q8x *x = xt[j];
-            __m256 s01, s23;
-            if (ty == FI_DTYPE_Q4_1) {
-                /* [d0 m0 d1 m1 d2 m2 d3 m3] * [dx s dx s ...] */
-                __m256 xs = _mm256_castsi256_ps(_mm256_set1_epi64x((long long)s_ld64(&x[b])));
-                __m256 p = _mm256_mul_ps(dm, xs);
-                aux[j] = _mm256_add_ps(aux[j], p);
-                s01 = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
-                s23 = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6));
-            } else {
-                /* [d0 d1 d2 d3] * dx, and the offset term d * s */
-                __m256 p = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_set1_ps(x[b].d)));
-                aux4[j] = _mm_fmadd_ps(d, _mm_set1_ps(x[b].s), aux4[j]);
-                s01 = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-                s23 = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
-            }
-            __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x[b].qs));
-            __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[b].qs + 16)));
-            acc01[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_dot2(lo01, xlo, hi01, xhi)), s01, acc01[j]);
-            acc23[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_dot2(lo23, xlo, hi23, xhi)), s23, acc23[j]);
-        }
+    __m256i lo[2], hi[2];
+    for (int h = 0; h < H; h++) {
+        __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(s[h].q + c * s[h].qstep));
+        lo[h] = _mm256_and_si256(D, m4);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(D, 4), m4);
     }
     for (int j = 0; j < T; j++) {
-        float v[4], a[8], a4[4];
-        s_hsum2(acc01[j], &v[0], &v[1]);
-        s_hsum2(acc23[j], &v[2], &v[3]);
-        _mm256_storeu_ps(a, aux[j]);
-        _mm_storeu_ps(a4, aux4[j]);
-        float *y = t->y + (size_t)(k + j) * t->y_stride + r;
-        for (int i = 0; i < 4; i++)
-            y[i] = ty == FI_DTYPE_Q4_1 ? v[i] + a[2 * i + 1] : v[i] - 8.0f * a4[i];
+        const __m256i x0 = s_l8_x4(x[j] + b, c), x1 = s_l8_x4(x[j] + b, 4 + c);
+        for (int h = 0; h < H; h++) {
+#if FI_X86_VNNI
+            p[h][j] = S_DPBUSD256(S_DPBUSD256(p[h][j], lo[h], x0), hi[h], x1);
+#else
+            __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
+            p[h][j] = _mm256_add_epi16(p[h][j], q);
+#endif
+        }
     }
 }
 
-/* Q8_0, rows r..r+3, token k. */
-S_INLINE void s_q8_dec4(const fi_mm_task *t, int r, int k) {
-    const size_t stride = t->w_stride;
-    const size_t bsz = sizeof(fi_block_q8_0);
-    const uint8_t *w0 = t->w + (size_t)r * stride;
-    const fi_block_q8x *x = (const fi_block_q8x *)(t->x + (size_t)k * t->x_stride);
+/* Q8_0: dword c of the quants of H halves against tokens x[0..T-1]
+ * (block b), added to isum[h][j]. */
+S_INLINE void s_l8_q8_step(const fi_l8_block *s, int H, const fi_block_q8x *const *x, int b, int T, int c,
+                           __m256i isum[2][S_L8_PT]) {
+    __m256i W[2];
+#if FI_X86_VNNI
+    for (int h = 0; h < H; h++)
+        W[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)(s[h].q + c * s[h].qstep)),
+                                _mm256_set1_epi8((char)0x80));
+    for (int j = 0; j < T; j++) {
+        const __m256i x0 = s_l8_x4(x[j] + b, c);
+        for (int h = 0; h < H; h++)
+            isum[h][j] = S_DPBUSD256(isum[h][j], W[h], x0);
+    }
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i A[2];
+    for (int h = 0; h < H; h++) {
+        W[h] = _mm256_loadu_si256((const __m256i *)(const void *)(s[h].q + c * s[h].qstep));
+        A[h] = _mm256_abs_epi8(W[h]); /* |-128| is 128 unsigned */
+    }
+    for (int j = 0; j < T; j++) {
+        const __m256i x0 = s_l8_x4(x[j] + b, c);
+        for (int h = 0; h < H; h++) {
+            __m256i q = _mm256_maddubs_epi16(A[h], _mm256_sign_epi8(x0, W[h]));
+            isum[h][j] = _mm256_add_epi32(isum[h][j], _mm256_madd_epi16(q, ones));
+        }
+    }
+#endif
+}
+
+/* The integer dot products of H halves of eight rows (s[h]) with tokens
+ * x[0..T-1] (block b) in isum[h][j], lane r for row r. Four or more
+ * tokens' sums keep the registers busy in a loop over the dwords
+ * (unrolled, the compiler hoists every product ahead of the adds and
+ * spills them); fewer are unrolled. */
+S_INLINE void s_l8_dots(fi_dtype ty, const fi_l8_block *s, int H, const fi_block_q8x *const *x, int b, int T,
+                        __m256i isum[2][S_L8_PT]) {
+    for (int h = 0; h < H; h++)
+        for (int j = 0; j < T; j++)
+            isum[h][j] = _mm256_setzero_si256();
+    if (ty == FI_DTYPE_Q8_0) {
+        if (T >= 4) {
+#pragma GCC unroll 1
+            for (int c = 0; c < 8; c++)
+                s_l8_q8_step(s, H, x, b, T, c, isum);
+        } else {
+            for (int c = 0; c < 8; c++)
+                s_l8_q8_step(s, H, x, b, T, c, isum);
+        }
+        return;
+    }
+    if (T >= 4) {
+#pragma GCC unroll 1
+        for (int c = 0; c < 4; c++)
+            s_l8_q4_step(s, H, x, b, T, c, isum);
+    } else {
+        for (int c = 0; c < 4; c++)
+            s_l8_q4_step(s, H, x, b, T, c, isum);
+    }
+#if !FI_X86_VNNI
+    for (int h = 0; h < H; h++)
+        for (int j = 0; j < T; j++)
+            isum[h][j] = _mm256_madd_epi16(isum[h][j], _mm256_set1_epi16(1));
+#endif
+}
+
+/* Rows r..r+nr-1 (nr <= 8 H) times tokens k..k+T-1, H halves of eight
+ * rows sharing each token's loads; pf: prefetch the group S_L8_PF_GROUPS
+ * ahead (the first pass over these rows). */
+S_INLINE void s_l8_tile(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int nr, int r1, int k, int H,
+                        int T, int pf) {
     const int nb = t->cols / FI_QK;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-#if FI_X86_VNNI
-    __m128 aux = _mm_setzero_ps();
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
-#endif
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *wb = w0 + (size_t)b * bsz;
-        s_prefetch_step(w0, stride, b, bsz);
-        __m128 d = _mm_cvtph_ps(s_gather16(wb, stride, 0));
-        __m256 p = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_set1_ps(x[b].d)));
-#if FI_X86_VNNI
-        aux = _mm_fmadd_ps(d, _mm_set1_ps(x[b].s), aux);
-#endif
-        __m256i xv = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        for (int i = 0; i < 4; i++) {
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + (size_t)i * stride + 2));
-#if FI_X86_VNNI
-            __m256i isum = S_DPBUSD256(_mm256_setzero_si256(), _mm256_xor_si256(wv, bias), xv);
-#else
-            __m256i isum = s_dpbusd(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-#endif
-            __m256 s = _mm256_permutevar8x32_ps(p, _mm256_set1_epi32(i));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[i]);
-        }
+    const fi_block_q8x *xr[S_L8_PT];
+    fi_l8_rows rw;
+    __m256 acc[2][S_L8_PT];
+    fi_l8_rows_of(t, r, nr, r1, H, &rw);
+    for (int j = 0; j < T; j++) {
+        xr[j] = (const fi_block_q8x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+        for (int h = 0; h < H; h++)
+            acc[h][j] = _mm256_setzero_ps();
     }
-    float *y = t->y + (size_t)k * t->y_stride + r;
+    const uint8_t *ahead = pf && r % 16 == 0 && rw.pk[0] ? rw.pk[0] + S_L8_PF_GROUPS * 16 * t->w_stride : NULL;
+    _Alignas(32) uint8_t buf[2][FI_L8_GATHER_BYTES];
+    for (int b = 0; b < nb; b++) {
+        fi_l8_prefetch(ahead, bsz, b);
+        fi_l8_block s[2];
+        __m256 dw[2], aw[2];
+        for (int h = 0; h < H; h++) {
+            s[h] = fi_l8_block_of(ty, bsz, &rw, r, h, b, buf[h]);
+            fi_l8_scales(ty, s[h], &dw[h], &aw[h]);
 #if FI_X86_VNNI
-    float a[4];
-    _mm_storeu_ps(a, aux);
-    for (int i = 0; i < 4; i++)
-        y[i] = s_hsum(acc[i]) - 128.0f * a[i];
-#else
-    for (int i = 0; i < 4; i++)
-        y[i] = s_hsum(acc[i]);
+            if (ty == FI_DTYPE_Q8_0)
+                aw[h] = _mm256_mul_ps(dw[h], _mm256_set1_ps(-128.0f)); /* exact */
 #endif
+        }
+#if FI_X86_VNNI
+        const int offset = 1;
+#else
+        const int offset = ty != FI_DTYPE_Q8_0;
+#endif
+        __m256i isum[2][S_L8_PT];
+        s_l8_dots(ty, s, H, xr, b, T, isum);
+        for (int h = 0; h < H; h++)
+            for (int j = 0; j < T; j++) {
+                const fi_block_q8x *xb = xr[j] + b;
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][j]), _mm256_set1_ps(xb->d));
+                acc[h][j] = _mm256_fmadd_ps(v, dw[h], acc[h][j]);
+                if (offset)
+                    acc[h][j] = _mm256_fmadd_ps(aw[h], _mm256_set1_ps(xb->s), acc[h][j]);
+            }
+    }
+    for (int h = 0; h < H; h++)
+        for (int j = 0; j < T; j++)
+            fi_l8_store(t->y + (size_t)(k + j) * t->y_stride + r + 8 * h, acc[h][j], rw.nh[h]);
 }
 
-S_INLINE void s_mm_quant(int ty, const fi_mm_task *t, int r0, int r1) {
-    for (int rb = r0; rb < r1; rb += S_RB) {
-        int re = rb + S_RB < r1 ? rb + S_RB : r1;
-        for (int k = 0; k < t->n; k += 2) {
-            const int T = k + 1 < t->n ? 2 : 1; /* Q4: two tokens share each block's expansion */
-            int r = rb;
-            for (; r + 4 <= re; r += 4) {
-                if (ty != FI_DTYPE_Q8_0) {
-                    if (T == 2)
-                        s_q4_dec4(ty, t, r, k, 2);
-                    else
-                        s_q4_dec4(ty, t, r, k, 1);
-                    continue;
-                }
-                for (int j = 0; j < T; j++)
-                    s_q8_dec4(t, r, k + j);
-            }
-            for (; r < re; r++)
-                for (int j = 0; j < T; j++)
-                    s_qtile(ty, t, r, k + j, 1, 1);
+/* One token: groups of 16 rows (two halves, two independent chains),
+ * prefetching. Several: sub-blocks of S_L8_RB rows (their weights stay in
+ * L1 while the token tiles pass over them), eight rows times S_L8_PT
+ * tokens, then tiles of 4, 2 and 1 (each T a constant, so that the tile's
+ * loops unroll). */
+S_INLINE void s_mm_quant(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r0, int r1) {
+    if (t->n == 1) {
+        for (int r = r0; r < r1; r += 16) {
+            int nr = r1 - r < 16 ? r1 - r : 16;
+            if (nr > 8)
+                s_l8_tile(ty, bsz, t, r, nr, r1, 0, 2, 1, 1);
+            else
+                s_l8_tile(ty, bsz, t, r, nr, r1, 0, 1, 1, 1);
         }
+        return;
+    }
+    for (int rb = r0; rb < r1; rb += S_L8_RB) {
+        int re = rb + S_L8_RB < r1 ? rb + S_L8_RB : r1;
+        int k = 0;
+        for (; k + S_L8_PT <= t->n; k += S_L8_PT)
+            for (int r = rb; r < re; r += 8)
+                s_l8_tile(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, S_L8_PT, k == 0);
+        if (k + 4 <= t->n) {
+            for (int r = rb; r < re; r += 8)
+                s_l8_tile(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 4, k == 0);
+            k += 4;
+        }
+        for (; k + 2 <= t->n; k += 2)
+            for (int r = rb; r < re; r += 8)
+                s_l8_tile(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 2, k == 0);
+        for (; k < t->n; k++)
+            for (int r = rb; r < re; r += 8)
+                s_l8_tile(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 1, k == 0);
     }
 }
 
 static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
-    s_mm_quant(FI_DTYPE_Q4_0, t, r0, r1);
+    s_mm_quant(FI_DTYPE_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);
 }
 
 static void s_mm_q4_1(const fi_mm_task *t, int r0, int r1) {
-    s_mm_quant(FI_DTYPE_Q4_1, t, r0, r1);
+    s_mm_quant(FI_DTYPE_Q4_1, sizeof(fi_block_q4_1), t, r0, r1);
 }
 
 static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
-    s_mm_quant(FI_DTYPE_Q8_0, t, r0, r1);
+    s_mm_quant(FI_DTYPE_Q8_0, sizeof(fi_block_q8_0), t, r0, r1);
 }
 
 /* --- float weights -------------------------------------------------------- */

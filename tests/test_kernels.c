@@ -1083,19 +1083,15 @@ static void test_q8x_kernels_tiling(void **state) {
     static const int cuts[] = {0, 1, 6, 7, 10, 23, 37}; /* row ranges [cuts[i], cuts[i+1]) */
     static const int pcuts[] = {0, 16, 32, 37};          /* whole groups, then the rest */
     enum { ROWS = 37, COLS = 160, NT = 19, NCUT = sizeof cuts / sizeof cuts[0] };
-    /* the AVX2 tables group rows in fours from the start of a range: their
-     * ranges start at multiples of 4 (the backend's at multiples of 16) */
-    static const int cuts4[] = {0, 4, 12, 16, 28, 37};
     fi_cpu_kernels tab[4];
     const char *names[4];
-    int ntab = 0, aligned4[4] = {0};
+    int ntab = 0;
     fi_cpu_kernels_portable(&tab[ntab]);
     names[ntab++] = "portable";
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     if (avx2 && fi_cpu_kernels_avx2) {
-        aligned4[ntab] = 1;
         fi_cpu_kernels_avx2(&tab[ntab]);
         names[ntab++] = "avx2";
     }
@@ -1104,7 +1100,6 @@ static void test_q8x_kernels_tiling(void **state) {
     char err[128];
     fi_backend *vnni = fi_cpu_backend_new_flavour(1, "avxvnni", err, sizeof err);
     if (avx2 && fi_cpu_kernels_avxvnni && vnni) {
-        aligned4[ntab] = 1;
         fi_cpu_kernels_avxvnni(&tab[ntab]);
         names[ntab++] = "avxvnni";
     }
@@ -1177,8 +1172,8 @@ static void test_q8x_kernels_tiling(void **state) {
                 int n = ns[ni];
                 for (int off = 0; off + n <= NT; off += (n < 5 ? 3 : 2))
                     for (int way = 0; way < 3; way++) {
-                        const int *cv = way == 1 ? pcuts : aligned4[ki] ? cuts4 : cuts;
-                        int ncv = way == 1 ? 4 : aligned4[ki] ? 6 : NCUT;
+                        const int *cv = way == 1 ? pcuts : cuts;
+                        int ncv = way == 1 ? 4 : NCUT;
                         t.wp = way ? wpk : NULL;
                         t.x = (const uint8_t *)xq + (size_t)off * xrow;
                         t.n = n;
