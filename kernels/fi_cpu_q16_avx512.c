@@ -8,9 +8,11 @@
  * their own target attributes and are chosen only after a CPUID check and
  * the OS's grant of the tile state (fi_q16_kernels_avx512_amx).
  *
- * Why: the AVX2 kernel spends about three cycles per 32-element block and
- * (row, token) on this core, most of them not on the products: every
- * block's 8 partial sums are converted to float and scaled on their own.
+ * Why: the AVX2 kernel of the time (four rows, since replaced by eight
+ * per register, fi_cpu_q16_avx2.c) spent about three cycles per
+ * 32-element block and (row, token) on this core, most of them not on the
+ * products: every block's 8 partial sums were converted to float and
+ * scaled on their own.
  *
  * Sixteen rows per register: a block of sixteen rows is transposed once
  * (row loads, two-source dword permutes, vpshufb into 16-bit pairs)
@@ -24,7 +26,7 @@
  * tokens. The products are the bound: vpdpwssd on 512 bits issues about
  * once per cycle here (on 256 bits twice, the same 32 products), and a
  * tile of eight tokens runs near that rate (about 180 GFLOP/s per thread
- * on Sapphire Rapids, against 65 for the AVX2 kernel). Tiles of sixteen
+ * on Sapphire Rapids, against 65 for that AVX2 kernel). Tiles of sixteen
  * tokens, and a last tile of FI_Q16_AMX_MIN or more, go to the AMX tile
  * unit where there is one (see below: about 270).
  *
