@@ -124,4 +124,58 @@ FI_L8_INLINE void fi_l8_store(float *y, __m256 v, int nh) {
     memcpy(y, a, (size_t)nh * sizeof *y);
 }
 
+/* Runs STEP, a statement using c, for c = 0..N-1: in a loop that stays a
+ * loop where T, the tile's tokens, is 4 or more (their sums keep the
+ * registers busy; unrolled, the compiler hoists every product ahead of the
+ * adds and spills them), unrolled for fewer. */
+#define FI_L8_STEPS(N, T, c, STEP)                        \
+    do {                                                  \
+        if ((T) >= 4) {                                   \
+            _Pragma("GCC unroll 1") for (int c = 0; c < (N); c++) STEP; \
+        } else {                                          \
+            for (int c = 0; c < (N); c++)                 \
+                STEP;                                     \
+        }                                                 \
+    } while (0)
+
+/* Defines NAME(ty, bsz, t, r0, r1), the driver of a tile function
+ * TILE(ty, bsz, t, r, nr, r1, k, H, T, pf) (rows r..r+nr-1, nr <= 8 H,
+ * times tokens k..k+T-1; pf: the first pass over these rows, which
+ * prefetches). One token: groups of 16 rows, two halves (two independent
+ * chains). Several: sub-blocks of RB rows (their weights stay in L1 while
+ * the token tiles pass over them), eight rows times PT tokens, then tiles
+ * of 4, 2 and 1 for the rest (each T a constant, so that the tile's loops
+ * unroll). */
+#define FI_L8_DEFINE_MM(NAME, TILE, PT, RB)                                                    \
+    static inline __attribute__((always_inline)) void NAME(fi_dtype ty, size_t bsz,         \
+                                                           const fi_mm_task *t, int r0, int r1) { \
+        if (t->n == 1) {                                                                      \
+            for (int r = r0; r < r1; r += 16) {                                               \
+                int nr = r1 - r < 16 ? r1 - r : 16;                                           \
+                if (nr > 8)                                                                   \
+                    TILE(ty, bsz, t, r, nr, r1, 0, 2, 1, 1);                                  \
+                else                                                                          \
+                    TILE(ty, bsz, t, r, nr, r1, 0, 1, 1, 1);                                  \
+            }                                                                                 \
+            return;                                                                           \
+        }                                                                                     \
+        for (int rb = r0; rb < r1; rb += (RB)) {                                              \
+            int re = rb + (RB) < r1 ? rb + (RB) : r1, k = 0;                                  \
+            for (; k + (PT) <= t->n; k += (PT))                                               \
+                for (int r = rb; r < re; r += 8)                                              \
+                    TILE(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, (PT), k == 0);     \
+            if (k + 4 <= t->n) {                                                              \
+                for (int r = rb; r < re; r += 8)                                              \
+                    TILE(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 4, k == 0);        \
+                k += 4;                                                                       \
+            }                                                                                 \
+            for (; k + 2 <= t->n; k += 2)                                                     \
+                for (int r = rb; r < re; r += 8)                                              \
+                    TILE(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 2, k == 0);        \
+            for (; k < t->n; k++)                                                             \
+                for (int r = rb; r < re; r += 8)                                              \
+                    TILE(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 1, k == 0);        \
+        }                                                                                     \
+    }
+
 #endif /* FI_CPU_LANES8_IMPL_H */

@@ -152,30 +152,16 @@ S_INLINE void s_dots8(const fi_l8_block *s, int H, const fi_block_q16x *const *x
  * 4k, 4k+1 (pair 2k) and 4k+2, 4k+3 (pair 2k+1), their high nibbles pairs
  * 8+2k and 9+2k; Q8_0, the signed bytes, pairs 2k and 2k+1. vpmaddwd of a
  * pair of weights with the token's pair broadcast, then vpaddd: without
- * VNNI, two instructions per 16 products. Four or more tokens' sums keep
- * the registers busy in a loop over the dwords (unrolled, the compiler
- * hoists every product ahead of the adds and spills them); fewer are
- * unrolled. */
+ * VNNI, two instructions per 16 products. */
 S_INLINE void s_dots(fi_dtype kind, const fi_l8_block *s, int H, const fi_block_q16x *const *x, int b, int T,
                      __m256i isum[2][S_PT]) {
     for (int h = 0; h < H; h++)
         for (int j = 0; j < T; j++)
             isum[h][j] = _mm256_setzero_si256();
-    if (kind == FI_DTYPE_Q8_0 && T >= 4) {
-#pragma GCC unroll 1
-        for (int k = 0; k < 8; k++)
-            s_dots8(s, H, x, b, T, k, isum);
-    } else if (kind == FI_DTYPE_Q8_0) {
-        for (int k = 0; k < 8; k++)
-            s_dots8(s, H, x, b, T, k, isum);
-    } else if (T >= 4) {
-#pragma GCC unroll 1
-        for (int k = 0; k < 4; k++)
-            s_dots4(s, H, x, b, T, k, isum);
-    } else {
-        for (int k = 0; k < 4; k++)
-            s_dots4(s, H, x, b, T, k, isum);
-    }
+    if (kind == FI_DTYPE_Q8_0)
+        FI_L8_STEPS(8, T, k, s_dots8(s, H, x, b, T, k, isum));
+    else
+        FI_L8_STEPS(4, T, k, s_dots4(s, H, x, b, T, k, isum));
 }
 
 /* Rows r..r+nr-1 (nr <= 8 H; a partial half repeats its last row) times
@@ -230,41 +216,7 @@ S_INLINE void s_tile(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int 
             fi_l8_store(t->y + (size_t)(k + j) * t->y_stride + r + 8 * h, acc[h][j], rw.nh[h]);
 }
 
-/* One token: groups of 16 rows (two halves, two independent chains),
- * prefetching. Several: sub-blocks of S_RB rows (their weights stay in L1
- * while the token tiles pass over them), eight rows times S_PT tokens,
- * then tiles of 4, 2 and 1 for the rest (each T a constant, so that the
- * tile's loops unroll). */
-S_INLINE void s_mm(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
-    if (t->n == 1) {
-        for (int r = r0; r < r1; r += 16) {
-            int nr = r1 - r < 16 ? r1 - r : 16;
-            if (nr > 8)
-                s_tile(kind, bsz, t, r, nr, r1, 0, 2, 1, 1);
-            else
-                s_tile(kind, bsz, t, r, nr, r1, 0, 1, 1, 1);
-        }
-        return;
-    }
-    for (int rb = r0; rb < r1; rb += S_RB) {
-        int re = rb + S_RB < r1 ? rb + S_RB : r1;
-        int k = 0;
-        for (; k + S_PT <= t->n; k += S_PT)
-            for (int r = rb; r < re; r += 8)
-                s_tile(kind, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, S_PT, k == 0);
-        if (k + 4 <= t->n) {
-            for (int r = rb; r < re; r += 8)
-                s_tile(kind, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 4, k == 0);
-            k += 4;
-        }
-        for (; k + 2 <= t->n; k += 2)
-            for (int r = rb; r < re; r += 8)
-                s_tile(kind, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 2, k == 0);
-        for (; k < t->n; k++)
-            for (int r = rb; r < re; r += 8)
-                s_tile(kind, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 1, k == 0);
-    }
-}
+FI_L8_DEFINE_MM(s_mm, s_tile, S_PT, S_RB)
 
 static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
     s_mm(FI_DTYPE_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);

@@ -214,34 +214,17 @@ S_INLINE void s_l8_q8_step(const fi_l8_block *s, int H, const fi_block_q8x *cons
 }
 
 /* The integer dot products of H halves of eight rows (s[h]) with tokens
- * x[0..T-1] (block b) in isum[h][j], lane r for row r. Four or more
- * tokens' sums keep the registers busy in a loop over the dwords
- * (unrolled, the compiler hoists every product ahead of the adds and
- * spills them); fewer are unrolled. */
+ * x[0..T-1] (block b) in isum[h][j], lane r for row r. */
 S_INLINE void s_l8_dots(fi_dtype ty, const fi_l8_block *s, int H, const fi_block_q8x *const *x, int b, int T,
                         __m256i isum[2][S_L8_PT]) {
     for (int h = 0; h < H; h++)
         for (int j = 0; j < T; j++)
             isum[h][j] = _mm256_setzero_si256();
     if (ty == FI_DTYPE_Q8_0) {
-        if (T >= 4) {
-#pragma GCC unroll 1
-            for (int c = 0; c < 8; c++)
-                s_l8_q8_step(s, H, x, b, T, c, isum);
-        } else {
-            for (int c = 0; c < 8; c++)
-                s_l8_q8_step(s, H, x, b, T, c, isum);
-        }
+        FI_L8_STEPS(8, T, c, s_l8_q8_step(s, H, x, b, T, c, isum));
         return;
     }
-    if (T >= 4) {
-#pragma GCC unroll 1
-        for (int c = 0; c < 4; c++)
-            s_l8_q4_step(s, H, x, b, T, c, isum);
-    } else {
-        for (int c = 0; c < 4; c++)
-            s_l8_q4_step(s, H, x, b, T, c, isum);
-    }
+    FI_L8_STEPS(4, T, c, s_l8_q4_step(s, H, x, b, T, c, isum));
 #if !FI_X86_VNNI
     for (int h = 0; h < H; h++)
         for (int j = 0; j < T; j++)
@@ -299,41 +282,7 @@ S_INLINE void s_l8_tile(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int
             fi_l8_store(t->y + (size_t)(k + j) * t->y_stride + r + 8 * h, acc[h][j], rw.nh[h]);
 }
 
-/* One token: groups of 16 rows (two halves, two independent chains),
- * prefetching. Several: sub-blocks of S_L8_RB rows (their weights stay in
- * L1 while the token tiles pass over them), eight rows times S_L8_PT
- * tokens, then tiles of 4, 2 and 1 (each T a constant, so that the tile's
- * loops unroll). */
-S_INLINE void s_mm_quant(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r0, int r1) {
-    if (t->n == 1) {
-        for (int r = r0; r < r1; r += 16) {
-            int nr = r1 - r < 16 ? r1 - r : 16;
-            if (nr > 8)
-                s_l8_tile(ty, bsz, t, r, nr, r1, 0, 2, 1, 1);
-            else
-                s_l8_tile(ty, bsz, t, r, nr, r1, 0, 1, 1, 1);
-        }
-        return;
-    }
-    for (int rb = r0; rb < r1; rb += S_L8_RB) {
-        int re = rb + S_L8_RB < r1 ? rb + S_L8_RB : r1;
-        int k = 0;
-        for (; k + S_L8_PT <= t->n; k += S_L8_PT)
-            for (int r = rb; r < re; r += 8)
-                s_l8_tile(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, S_L8_PT, k == 0);
-        if (k + 4 <= t->n) {
-            for (int r = rb; r < re; r += 8)
-                s_l8_tile(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 4, k == 0);
-            k += 4;
-        }
-        for (; k + 2 <= t->n; k += 2)
-            for (int r = rb; r < re; r += 8)
-                s_l8_tile(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 2, k == 0);
-        for (; k < t->n; k++)
-            for (int r = rb; r < re; r += 8)
-                s_l8_tile(ty, bsz, t, r, re - r < 8 ? re - r : 8, r1, k, 1, 1, k == 0);
-    }
-}
+FI_L8_DEFINE_MM(s_mm_quant, s_l8_tile, S_L8_PT, S_L8_RB)
 
 static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
     s_mm_quant(FI_DTYPE_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);
