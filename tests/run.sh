@@ -5,7 +5,11 @@
 #      labelled "asan" (parsers of outside input, malformed-file corpora),
 #      at -O1 as the sanitizers' manuals advise: at -O0 the engine's SIMD
 #      kernels run so slowly where there is no AMX tile unit (AMD EPYC)
-#      that test_edge passed its 300 s limit (-O1: 74 s)
+#      that test_edge passed its 300 s limit (-O1: 74 s); the SIMD kernel
+#      files themselves build at -O2 there (kernels/CMakeLists.txt: at -O1
+#      the AVX2 tiles' vectors stay in instrumented memory, and test_edge
+#      took 201 s alone on the 2-core Zen 3 machine, over 300 in the suite,
+#      against 134 s at -O2)
 #   3. gcc, Debug with the sanitizers: built only, so that a warning that
 #      gcc gives there and not at -O3 (format truncation) fails here too
 #   4. clang with ThreadSanitizer: the tests labelled "tsan" (those whose
