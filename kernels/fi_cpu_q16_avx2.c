@@ -31,6 +31,7 @@
 
 #include <float.h>
 #include <immintrin.h>
+#include <stddef.h>
 #include <string.h>
 
 
@@ -86,10 +87,9 @@ static void s_quantize(const float *x, fi_block_q16x *y, int nb, int qmax) {
 #endif
 
 /* A token's element pair c of a block (quants 2c, 2c+1) in every lane. */
+_Static_assert(offsetof(fi_block_q16x, qs) % 4 == 0, "q16x quants start on a dword");
 S_INLINE __m256i s_pair(const fi_block_q16x *x, int c) {
-    int32_t v;
-    memcpy(&v, x->qs + 2 * c, sizeof v);
-    return _mm256_set1_epi32(v);
+    return fi_l8_bcast32(x->qs + 2 * c);
 }
 
 /* Q4: dword k of the quants of H halves of eight rows (s[h]) against

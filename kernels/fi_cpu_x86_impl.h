@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #include <float.h>
 #include <math.h>
+#include <stddef.h>
 
 #include "fi_cpu_lanes8_impl.h"
 
@@ -152,8 +153,9 @@ static float s_kv_quant(int8_t *q, const float *x, int n) {
 #define S_L8_PF_GROUPS 2 /* prefetch this many 16-row groups ahead */
 
 /* The token's quants 4c..4c+3 in every lane. */
+_Static_assert(offsetof(fi_block_q8x, qs) % 4 == 0, "q8x quants start on a dword");
 S_INLINE __m256i s_l8_x4(const fi_block_q8x *x, int c) {
-    return _mm256_set1_epi32((int)s_ld32(x->qs + 4 * c));
+    return fi_l8_bcast32(x->qs + 4 * c);
 }
 
 /* Q4: dword c of the quants of H halves of eight rows (s[h]) against
