@@ -124,6 +124,16 @@ FI_L8_INLINE __m256i fi_l8_bcast32(const void *p) {
     return _mm256_set1_epi32(*(const fi_l8_dword *)p);
 }
 
+/* One block's step of every (row, token) result in its lane, the same
+ * sequence of floating-point operations in every tile (batch invariance):
+ * v = float(isum) * dx, acc = fma(v, dw, acc), then, with an offset term,
+ * acc = fma(aw, s, acc). */
+FI_L8_INLINE __m256 fi_l8_accum(__m256 acc, __m256i isum, float dx, float s, __m256 dw, __m256 aw, int offset) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dx));
+    acc = _mm256_fmadd_ps(v, dw, acc);
+    return offset ? _mm256_fmadd_ps(aw, _mm256_set1_ps(s), acc) : acc;
+}
+
 /* Stores lane i < nh of v at y[i]. */
 FI_L8_INLINE void fi_l8_store(float *y, __m256 v, int nh) {
     if (nh == 8) {

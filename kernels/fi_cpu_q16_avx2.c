@@ -203,13 +203,9 @@ S_INLINE void s_tile(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int 
         __m256i isum[2][S_PT];
         s_dots(kind, s, H, xr, b, T, isum);
         for (int h = 0; h < H; h++)
-            for (int j = 0; j < T; j++) {
-                const fi_block_q16x *xb = xr[j] + b;
-                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][j]), _mm256_set1_ps(xb->d));
-                acc[h][j] = _mm256_fmadd_ps(v, dw[h], acc[h][j]);
-                if (kind != FI_DTYPE_Q8_0)
-                    acc[h][j] = _mm256_fmadd_ps(aw[h], _mm256_set1_ps(xb->s), acc[h][j]);
-            }
+            for (int j = 0; j < T; j++)
+                acc[h][j] = fi_l8_accum(acc[h][j], isum[h][j], xr[j][b].d, xr[j][b].s, dw[h], aw[h],
+                                        kind != FI_DTYPE_Q8_0);
     }
     for (int h = 0; h < H; h++)
         for (int j = 0; j < T; j++)

@@ -271,13 +271,8 @@ S_INLINE void s_l8_tile(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int
         __m256i isum[2][S_L8_PT];
         s_l8_dots(ty, s, H, xr, b, T, isum);
         for (int h = 0; h < H; h++)
-            for (int j = 0; j < T; j++) {
-                const fi_block_q8x *xb = xr[j] + b;
-                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][j]), _mm256_set1_ps(xb->d));
-                acc[h][j] = _mm256_fmadd_ps(v, dw[h], acc[h][j]);
-                if (offset)
-                    acc[h][j] = _mm256_fmadd_ps(aw[h], _mm256_set1_ps(xb->s), acc[h][j]);
-            }
+            for (int j = 0; j < T; j++)
+                acc[h][j] = fi_l8_accum(acc[h][j], isum[h][j], xr[j][b].d, xr[j][b].s, dw[h], aw[h], offset);
     }
     for (int h = 0; h < H; h++)
         for (int j = 0; j < T; j++)
