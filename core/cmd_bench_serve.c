@@ -578,6 +578,15 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                              ? fi_pool_new(fi_cpu_backend_threads(be))
                              : NULL;
         double bw[S_MAX_REPS] = {0};
+        /* many streams against what compute allows: the products'
+         * ceiling for the backend's kernels, probed right after each
+         * repetition's run of the largest concurrency (the same window) */
+        int top = 0;
+        for (int i = 1; i < ncl; i++)
+            top = cl[i] > cl[top] ? i : top;
+        fi_pool *cprobe = ncl > 1 && fi_cpu_backend_simd(be) ? fi_pool_new(fi_cpu_backend_threads(be)) : NULL;
+        double ceil_tps[S_MAX_REPS] = {0};
+        char ceil_what[256] = "";
         for (int r = 0; r < reps; r++) {
             if (reps > 1)
                 printf("rep %d of %ld (%s order)\n", r + 1, reps, r % 2 ? "reverse" : "list");
@@ -591,13 +600,19 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                                   &v[r][i][0], &v[r][i][1], &v[r][i][2])) {
                     free(v);
                     fi_pool_destroy(&probe);
+                    fi_pool_destroy(&cprobe);
                     goto done;
                 }
                 if (probe && i == 0)
                     bw[r] = fi_bench_read_bandwidth(probe, (size_t)1 << 30, 5);
+                if (cprobe && i == top)
+                    ceil_tps[r] = fi_bench_product_ceiling(cprobe, b.m, fi_cpu_backend_simd(be),
+                                                           fi_cpu_backend_act_bits(be), ceil_what,
+                                                           sizeof ceil_what);
             }
         }
         fi_pool_destroy(&probe);
+        fi_pool_destroy(&cprobe);
         /* each throughput against the first concurrency's in the same
          * repetition; medians over the repetitions */
         for (int i = 1; i < ncl; i++) {
@@ -652,6 +667,34 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                 printf("; medians of %d repetitions, each against a probe right after its one-stream "
                        "run: fractions %.2f-%.2f, %.1f-%.1f GB/s", np, flo, fhi, blo, bhi);
             printf(")\n");
+        }
+        /* the largest concurrency's decode-only steps against the
+         * products' ceiling, and that ceiling against one stream: how
+         * much of a many-against-one ratio this machine's arithmetic
+         * allows at all */
+        if (ncl > 1 && fi_cpu_backend_simd(be)) {
+            double fc[S_MAX_REPS], cc[S_MAX_REPS], kc[S_MAX_REPS], st[S_MAX_REPS];
+            int nc = 0, probed = 0;
+            for (int r = 0; r < reps; r++) {
+                probed += ceil_tps[r] > 0;
+                if (ceil_tps[r] > 0 && v[r][top][2] > 0 && v[r][0][1] > 0) {
+                    st[nc] = v[r][top][2];
+                    cc[nc] = ceil_tps[r];
+                    fc[nc] = v[r][top][2] / ceil_tps[r];
+                    kc[nc++] = ceil_tps[r] / v[r][0][1];
+                }
+            }
+            if (nc > 0)
+                printf("        -> concurrency %d's decode-only steps, %.1f tok/s: %.2f of the products' ceiling "
+                       "(%.1f tok/s: %s; probed right after its run%s); that ceiling is %.2fx concurrency "
+                       "%d's decoding steps\n",
+                       cl[top], s_median(st, nc), s_median(fc, nc), s_median(cc, nc), ceil_what,
+                       nc > 1 ? ", medians over the repetitions" : "", s_median(kc, nc), cl[0]);
+            else if (probed)
+                printf("        -> the products' ceiling: %.1f tok/s (%s); no decode-only steps at "
+                       "concurrency %d to set against it\n", ceil_tps[0], ceil_what, cl[top]);
+            else
+                printf("        -> the products' ceiling: not probed (%s)\n", ceil_what);
         }
         free(v);
     }

@@ -128,6 +128,10 @@ FI_MUST_CHECK int fi_model_reset_backend(fi_model *m, char *err, size_t errlen);
 /* Bytes of weights one decode step reads (every matrix once, plus one
  * embedding row). */
 uint64_t fi_model_weight_bytes_per_token(const fi_model *m);
+/* Multiply-adds of one token's matrix products (the layers' seven
+ * matrices and the logits matrix, rows x columns each) whose weights are
+ * of type `type` (an fi_dtype), or of every type when type < 0. */
+uint64_t fi_model_macs_per_token(const fi_model *m, int type);
 /* The plan the model was loaded with (the whole model when none). */
 const fi_shard_plan *fi_model_plan(const fi_model *m);
 /* Installs the tensor-parallel sum (NULL: none, a single rank). */

@@ -775,6 +775,20 @@ uint64_t fi_model_weight_bytes_per_token(const fi_model *m) {
     return total;
 }
 
+uint64_t fi_model_macs_per_token(const fi_model *m, int type) {
+    uint64_t total = 0;
+    for (int l = 0; l < m->n_local_layers; l++) {
+        const layer *L = &m->layers[l];
+        const fi_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++)
+            if (type < 0 || (int)ws[i]->type == type)
+                total += (uint64_t)ws[i]->rows * (uint64_t)ws[i]->cols;
+    }
+    if (m->output_norm && (type < 0 || (int)m->output.type == type)) /* the logits matrix */
+        total += (uint64_t)m->output.rows * (uint64_t)m->output.cols;
+    return total;
+}
+
 /* --- the paged KV pool -------------------------------------------------- */
 
 size_t fi_kv_block_bytes(const fi_model *m) {

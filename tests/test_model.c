@@ -80,8 +80,25 @@ static void test_config_and_shapes(void **state) {
     assert_int_equal(c->ctx_train, o.ctx);
     assert_int_equal(c->tied_output, 1);
     assert_true(fi_model_weight_bytes_per_token(m) > 0);
+    /* multiply-adds a token: each layer's q, k, v, o, gate, up and down,
+     * and the logits matrix (the tied embeddings); all of them, and by
+     * type, Q8_0 here */
+    const uint64_t kv = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim, d = (uint64_t)c->dim;
+    const uint64_t want = (uint64_t)c->n_layers * (2 * d * d + 2 * kv * d + 3 * (uint64_t)c->ffn_dim * d) +
+                          (uint64_t)c->n_vocab * d;
+    assert_int_equal(fi_model_macs_per_token(m, -1), want);
+    assert_int_equal(fi_model_macs_per_token(m, FI_DTYPE_Q8_0), want);
+    assert_int_equal(fi_model_macs_per_token(m, FI_DTYPE_Q4_1), 0);
     fi_model_destroy(&m);
     assert_null(m);
+    /* Q4_1 layers beside Q8_0 embeddings: the split follows the types */
+    o.wtype = FI_DTYPE_Q4_1;
+    m = s_load(&o, FI_SIMD_AUTO, 1);
+    c = fi_model_config(m);
+    assert_int_equal(fi_model_macs_per_token(m, FI_DTYPE_Q8_0), (uint64_t)c->n_vocab * d);
+    assert_int_equal(fi_model_macs_per_token(m, FI_DTYPE_Q4_1), want - (uint64_t)c->n_vocab * d);
+    assert_int_equal(fi_model_macs_per_token(m, -1), want);
+    fi_model_destroy(&m);
     fi_model_destroy(&m); /* safe twice */
 }
 

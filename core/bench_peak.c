@@ -1,0 +1,159 @@
+/*
+ * bench_peak.c - the compute probe of `fedinfer bench --serve`: how many
+ * multiply-adds a second this machine's threads can issue in the integer
+ * instruction sequence of the CPU kernels' quantised products, with every
+ * operand already in a register. A batch of tokens reads each weight once
+ * for all of them, so the products, not memory, bound many streams'
+ * decode; this is that bound, as the read bandwidth (bench_bw.c) is one
+ * stream's.
+ *
+ * The sequences are the kernels' own per-instruction work (AVX2, no VNNI):
+ *   vpmaddwd + vpaddd                  16 multiply-adds: 12- and 16-bit
+ *                                      activations, every weight type
+ *                                      (kernels/fi_cpu_q16_avx2.c)
+ *   vpmaddubsw + vpaddw                32: 8-bit activations, Q4 weights
+ *   vpsignb + vpmaddubsw + vpmaddwd    32: 8-bit activations, Q8_0 weights
+ *     + vpaddd                         (kernels/fi_cpu_x86_impl.h)
+ * Eight independent accumulators a thread, in registers, the loop written
+ * in assembly (in C, GCC reassociates the adds, or hoists the
+ * loop-invariant products out of the loop).
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "fi_cmd.h"
+#include "fi_model.h"
+
+static double s_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+#define S_ITERS 4000000L /* loop iterations a thread (8 sequences each) */
+
+/* multiply-adds per sequence */
+static const int s_macs[3] = {16, 32, 32};
+
+typedef struct peak {
+    fi_peak_mix mix;
+    uint64_t sink[64]; /* per-thread results, so the work is not elided */
+} peak;
+
+#if defined(__x86_64__)
+/* One mix's loop body: eight sequences into accumulators %0..%7 from
+ * weights %9..%12 and activations %13 (and %14), ymm14 and ymm15 free. */
+#define S_WD(a, w, x) "vpmaddwd " x ", " w ", %%ymm14\n\tvpaddd %%ymm14, " a ", " a "\n\t"
+#define S_UB(a, w, x) "vpmaddubsw " x ", " w ", %%ymm14\n\tvpaddw %%ymm14, " a ", " a "\n\t"
+/* signed weights w against signed activations x as the Q8_0 kernel has
+ * them: |w| unsigned times x with w's sign, pairs widened by %14 (ones) */
+#define S_Q8(a, w, x)                                                                         \
+    "vpabsb " w ", %%ymm15\n\tvpsignb " w ", " x ", %%ymm14\n\tvpmaddubsw %%ymm14, %%ymm15, " \
+    "%%ymm14\n\tvpmaddwd %14, %%ymm14, %%ymm14\n\tvpaddd %%ymm14, " a ", " a "\n\t"
+#define S_BODY(OP)                                                                            \
+    "1:\n\t" OP("%0", "%9", "%13") OP("%1", "%10", "%13") OP("%2", "%11", "%13")              \
+        OP("%3", "%12", "%13") OP("%4", "%9", "%13") OP("%5", "%10", "%13")                   \
+            OP("%6", "%11", "%13") OP("%7", "%12", "%13") "dec %8\n\tjnz 1b\n\t"
+
+/* S_ITERS x 8 sequences of the mix, in assembly: the compiler can
+ * neither reorder, reassociate nor hoist them. */
+__attribute__((target("avx2"))) static uint64_t s_run(fi_peak_mix mix) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const __m256i w0 = _mm256_set1_epi16(0x0305), w1 = _mm256_set1_epi16(0x0702),
+                  w2 = _mm256_set1_epi16(-0x0b0d), w3 = _mm256_set1_epi16(0x0109),
+                  x0 = _mm256_set1_epi16(0x11fe), ones = _mm256_set1_epi16(1);
+    long n = S_ITERS;
+    if (mix == FI_PEAK_MADDWD)
+        __asm__ volatile(S_BODY(S_WD)
+                         : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7), "+r"(n)
+                         : "x"(w0), "x"(w1), "x"(w2), "x"(w3), "x"(x0), "x"(ones)
+                         : "xmm14", "xmm15", "cc");
+    else if (mix == FI_PEAK_MADDUBSW)
+        __asm__ volatile(S_BODY(S_UB)
+                         : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7), "+r"(n)
+                         : "x"(w0), "x"(w1), "x"(w2), "x"(w3), "x"(x0), "x"(ones)
+                         : "xmm14", "xmm15", "cc");
+    else
+        __asm__ volatile(S_BODY(S_Q8)
+                         : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7), "+r"(n)
+                         : "x"(w0), "x"(w1), "x"(w2), "x"(w3), "x"(x0), "x"(ones)
+                         : "xmm14", "xmm15", "cc");
+    __m256i s = _mm256_xor_si256(_mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)),
+                                 _mm256_xor_si256(_mm256_xor_si256(a4, a5), _mm256_xor_si256(a6, a7)));
+    return (uint64_t)_mm256_extract_epi64(s, 0) ^ (uint64_t)_mm256_extract_epi64(s, 3);
+}
+
+static void s_peak_task(void *arg, int ith, int nth) {
+    (void)nth;
+    peak *pk = arg;
+    pk->sink[ith % 64] ^= s_run(pk->mix);
+}
+#endif
+
+const char *fi_peak_mix_name(fi_peak_mix mix) {
+    static const char *const names[3] = {"vpmaddwd+vpaddd", "vpmaddubsw+vpaddw",
+                                         "vpsignb+vpmaddubsw+vpmaddwd+vpaddd"};
+    return mix >= 0 && mix < 3 ? names[mix] : "?";
+}
+
+double fi_bench_product_peak(fi_pool *pool, fi_peak_mix mix, int reps) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || mix < 0 || mix > 2 || reps < 1) return 0;
+    peak pk = {.mix = mix};
+    fi_pool_run(pool, s_peak_task, &pk); /* warm: clocks up, pages in */
+    double best = 1e30;
+    for (int r = 0; r < reps; r++) {
+        double t0 = s_now();
+        fi_pool_run(pool, s_peak_task, &pk);
+        double dt = s_now() - t0;
+        if (dt < best) best = dt;
+    }
+    uint64_t x = 0;
+    for (int i = 0; i < 64; i++) x ^= pk.sink[i];
+    if (x == 0x5a5a5a5a5a5a5a5aULL) fprintf(stderr, " "); /* keep the sums observable */
+    return (double)S_ITERS * 8 * s_macs[mix] * fi_pool_threads(pool) / best;
+#else
+    (void)pool, (void)mix, (void)reps;
+    return 0;
+#endif
+}
+
+double fi_bench_product_ceiling(fi_pool *pool, const fi_model *m, const char *simd, int act_bits, char *what,
+                                size_t len) {
+    snprintf(what, len, "no probe for this backend");
+    /* the flavours whose quantised products are the AVX2 sequences: the
+     * avxvnni one keeps AVX2's at 12 and 16 bits (vpdpbusd at 8) */
+    if (!simd || !(!strcmp(simd, "avx2") || (!strcmp(simd, "avxvnni") && act_bits != 8))) return 0;
+    const uint64_t all = fi_model_macs_per_token(m, -1), q8 = fi_model_macs_per_token(m, FI_DTYPE_Q8_0);
+    const uint64_t q4 = fi_model_macs_per_token(m, FI_DTYPE_Q4_0) + fi_model_macs_per_token(m, FI_DTYPE_Q4_1);
+    if (!all || q4 + q8 != all) { /* float weights take another path */
+        snprintf(what, len, "no probe for float weights");
+        return 0;
+    }
+    double sec; /* a token's products at the peak rates */
+    if (act_bits != 8) {
+        double p = fi_bench_product_peak(pool, FI_PEAK_MADDWD, 3);
+        if (p <= 0) return 0;
+        sec = (double)all / p;
+        snprintf(what, len, "%.1f GMAC/s of %s by %d thread%s, no loads, over %.1f M multiply-adds a token",
+                 p / 1e9, fi_peak_mix_name(FI_PEAK_MADDWD), fi_pool_threads(pool),
+                 fi_pool_threads(pool) > 1 ? "s" : "", (double)all / 1e6);
+    } else {
+        double p4 = q4 ? fi_bench_product_peak(pool, FI_PEAK_MADDUBSW, 3) : 1;
+        double p8 = q8 ? fi_bench_product_peak(pool, FI_PEAK_Q8_SIGNED, 3) : 1;
+        if (p4 <= 0 || p8 <= 0) return 0;
+        sec = (double)q4 / p4 + (double)q8 / p8;
+        snprintf(what, len, "Q4 %.1f M multiply-adds a token at %.1f GMAC/s of %s, Q8_0 %.1f M at %.1f of %s; "
+                 "%d thread%s, no loads", (double)q4 / 1e6, p4 / 1e9, fi_peak_mix_name(FI_PEAK_MADDUBSW),
+                 (double)q8 / 1e6, p8 / 1e9, fi_peak_mix_name(FI_PEAK_Q8_SIGNED), fi_pool_threads(pool),
+                 fi_pool_threads(pool) > 1 ? "s" : "");
+    }
+    return 1.0 / sec;
+}
