@@ -279,7 +279,72 @@ S_INLINE void s_l8_tile(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int
             fi_l8_store(t->y + (size_t)(k + j) * t->y_stride + r + 8 * h, acc[h][j], rw.nh[h]);
 }
 
-FI_L8_DEFINE_MM(s_mm_quant, s_l8_tile, S_L8_PT, S_L8_RB)
+#if !FI_X86_VNNI
+/* s_l8_tile for Q4 weights and several tokens where the eight rows are a
+ * packed half (all full groups of a call's rows): the block's pointers
+ * step by a constant, nothing is gathered, and each token's 16-bit sums
+ * stay in a register as one chain of adds. The empty asm statements pin
+ * that order: without them GCC reassociates each step's two products and
+ * the running sum into a tree, with a register copy per token and step.
+ * The same integer sums and the same float steps (fi_l8_accum) as
+ * s_l8_tile, so the same bits. Sixteen tokens' Q4_1 products (one thread,
+ * weights in cache, the default model's shapes): 1.15-1.30x s_l8_tile
+ * on the 2-core AMD EPYC (Zen 3) machine, alternated in one process. */
+S_INLINE void s_l8_tile_pk(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int k, int T, int pf) {
+    const int nb = t->cols / FI_QK;
+    const uint8_t *pk = t->wp + (size_t)(r & ~15) * t->w_stride; /* the packed group */
+    const int half = (r >> 3) & 1;
+    const uint8_t *pd = pk + 16 * half, *pm = pk + 32 + 16 * half;
+    const uint8_t *pq = pk + (ty == FI_DTYPE_Q4_1 ? 64 : 32) + 32 * half;
+    const size_t bstep = 16 * bsz; /* one block of the group's 16 rows */
+    const uint8_t *ahead = pf && half == 0 ? pk + S_L8_PF_GROUPS * 16 * t->w_stride : NULL;
+    const fi_block_q8x *xr[S_L8_PT];
+    __m256 acc[S_L8_PT];
+    for (int j = 0; j < T; j++) {
+        xr[j] = (const fi_block_q8x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+        acc[j] = _mm256_setzero_ps();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int b = 0; b < nb; b++, pd += bstep, pm += bstep, pq += bstep) {
+        fi_l8_prefetch(ahead, bsz, b);
+        __m256 dw, aw;
+        fi_l8_scales(ty, (fi_l8_block){pd, pm, pq, 64}, &dw, &aw);
+        __m256i p[S_L8_PT];
+        for (int j = 0; j < T; j++)
+            p[j] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 1") for (int c = 0; c < 4; c++) {
+            const __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(pq + 64 * c));
+            const __m256i lo = _mm256_and_si256(D, m4), hi = _mm256_and_si256(_mm256_srli_epi16(D, 4), m4);
+            for (int j = 0; j < T; j++) {
+                const __m256i x0 = s_l8_x4(xr[j] + b, c), x1 = s_l8_x4(xr[j] + b, 4 + c);
+                p[j] = _mm256_add_epi16(p[j], _mm256_maddubs_epi16(lo, x0));
+                __asm__("" : "+x"(p[j]));
+                p[j] = _mm256_add_epi16(p[j], _mm256_maddubs_epi16(hi, x1));
+                __asm__("" : "+x"(p[j]));
+            }
+        }
+        for (int j = 0; j < T; j++)
+            acc[j] = fi_l8_accum(acc[j], _mm256_madd_epi16(p[j], _mm256_set1_epi16(1)), xr[j][b].d, xr[j][b].s,
+                                 dw, aw, 1);
+    }
+    for (int j = 0; j < T; j++)
+        _mm256_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, acc[j]);
+}
+#endif
+
+/* s_l8_tile, or s_l8_tile_pk where it applies. */
+S_INLINE void s_l8_tile_any(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int nr, int r1, int k, int H,
+                            int T, int pf) {
+#if !FI_X86_VNNI
+    if (H == 1 && T > 1 && ty != FI_DTYPE_Q8_0 && fi_l8_packed(t, r, nr, r1)) {
+        s_l8_tile_pk(ty, bsz, t, r, k, T, pf);
+        return;
+    }
+#endif
+    s_l8_tile(ty, bsz, t, r, nr, r1, k, H, T, pf);
+}
+
+FI_L8_DEFINE_MM(s_mm_quant, s_l8_tile_any, S_L8_PT, S_L8_RB)
 
 static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
     s_mm_quant(FI_DTYPE_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);
