@@ -212,7 +212,88 @@ S_INLINE void s_tile(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int 
             fi_l8_store(t->y + (size_t)(k + j) * t->y_stride + r + 8 * h, acc[h][j], rw.nh[h]);
 }
 
-FI_L8_DEFINE_MM(s_mm, s_tile, S_PT, S_RB)
+/* s_tile for several tokens where the eight rows are a packed half (all
+ * full groups of a call's rows): the block's pointers step by a constant,
+ * nothing is gathered, the weights are unpacked one pair at a time (few
+ * live registers) and each token's sum stays in a register as one chain
+ * of adds, which the empty asm statements pin (GCC otherwise reassociates
+ * the adds, hoists the products and spills them). The same integer sums
+ * and float steps (fi_l8_accum) as s_tile, so the same bits. Sixteen
+ * tokens' products (one thread, weights in cache, the default model's
+ * shapes): Q4_1 1.12-1.17x s_tile, Q8_0 1.12-1.23x, on the 2-core AMD
+ * EPYC (Zen 3) machine, alternated in one process. */
+S_INLINE void s_tile_pk(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int k, int T, int pf) {
+    const int nb = t->cols / FI_QK;
+    const uint8_t *pk = t->wp + (size_t)(r & ~15) * t->w_stride;
+    const int half = (r >> 3) & 1;
+    const uint8_t *pd = pk + 16 * half, *pm = pk + 32 + 16 * half;
+    const uint8_t *pq = pk + (kind == FI_DTYPE_Q4_1 ? 64 : 32) + 32 * half;
+    const size_t bstep = 16 * bsz;
+    const uint8_t *ahead = pf && half == 0 ? pk + S_PF_GROUPS * 16 * t->w_stride : NULL;
+    const fi_block_q16x *xr[S_PT];
+    __m256 acc[S_PT];
+    for (int j = 0; j < T; j++) {
+        xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
+        acc[j] = _mm256_setzero_ps();
+    }
+    const __m256i e0 = _mm256_setr_epi32((int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu,
+                                         (int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu);
+    const __m256i e1 = _mm256_setr_epi32((int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu,
+                                         (int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu);
+    const __m256i m4 = _mm256_set1_epi16(0x0f);
+    const __m256i h0 = _mm256_setr_epi32((int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u,
+                                         (int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u);
+    const __m256i h1 = _mm256_setr_epi32((int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u,
+                                         (int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u);
+    for (int b = 0; b < nb; b++, pd += bstep, pm += bstep, pq += bstep) {
+        fi_l8_prefetch(ahead, bsz, b);
+        __m256 dw, aw;
+        fi_l8_scales(kind, (fi_l8_block){pd, pm, pq, 64}, &dw, &aw);
+        __m256i isum[S_PT];
+        for (int j = 0; j < T; j++)
+            isum[j] = _mm256_setzero_si256();
+        if (kind == FI_DTYPE_Q8_0) {
+            _Pragma("GCC unroll 1") for (int kk = 0; kk < 8; kk++) {
+                const __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(pq + 64 * kk));
+                for (int c = 0; c < 2; c++) {
+                    const __m256i W = _mm256_srai_epi16(_mm256_shuffle_epi8(D, c ? h1 : h0), 8);
+                    for (int j = 0; j < T; j++) {
+                        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(W, s_pair(xr[j] + b, 2 * kk + c)));
+                        __asm__("" : "+x"(isum[j]));
+                    }
+                }
+            }
+        } else {
+            _Pragma("GCC unroll 1") for (int kk = 0; kk < 4; kk++) {
+                const __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(pq + 64 * kk));
+                for (int c = 0; c < 4; c++) {
+                    const __m256i u = _mm256_shuffle_epi8(D, c & 1 ? e1 : e0);
+                    const __m256i W = c & 2 ? _mm256_srli_epi16(u, 4) : _mm256_and_si256(u, m4);
+                    for (int j = 0; j < T; j++) {
+                        __m256i xp = s_pair(xr[j] + b, (c & 2) * 4 + 2 * kk + (c & 1));
+                        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(W, xp));
+                        __asm__("" : "+x"(isum[j]));
+                    }
+                }
+            }
+        }
+        for (int j = 0; j < T; j++)
+            acc[j] = fi_l8_accum(acc[j], isum[j], xr[j][b].d, xr[j][b].s, dw, aw, kind != FI_DTYPE_Q8_0);
+    }
+    for (int j = 0; j < T; j++)
+        _mm256_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, acc[j]);
+}
+
+/* s_tile, or s_tile_pk where it applies. */
+S_INLINE void s_tile_any(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int nr, int r1, int k, int H,
+                         int T, int pf) {
+    if (H == 1 && T > 1 && fi_l8_packed(t, r, nr, r1))
+        s_tile_pk(kind, bsz, t, r, k, T, pf);
+    else
+        s_tile(kind, bsz, t, r, nr, r1, k, H, T, pf);
+}
+
+FI_L8_DEFINE_MM(s_mm, s_tile_any, S_PT, S_RB)
 
 static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
     s_mm(FI_DTYPE_Q4_0, sizeof(fi_block_q4_0), t, r0, r1);
