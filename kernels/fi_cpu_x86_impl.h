@@ -280,16 +280,17 @@ S_INLINE void s_l8_tile(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int
 }
 
 #if !FI_X86_VNNI
-/* s_l8_tile for Q4 weights and several tokens where the eight rows are a
- * packed half (all full groups of a call's rows): the block's pointers
- * step by a constant, nothing is gathered, and each token's 16-bit sums
- * stay in a register as one chain of adds. The empty asm statements pin
- * that order: without them GCC reassociates each step's two products and
- * the running sum into a tree, with a register copy per token and step.
- * The same integer sums and the same float steps (fi_l8_accum) as
- * s_l8_tile, so the same bits. Sixteen tokens' Q4_1 products (one thread,
- * weights in cache, the default model's shapes): 1.15-1.30x s_l8_tile
- * on the 2-core AMD EPYC (Zen 3) machine, alternated in one process. */
+/* s_l8_tile for several tokens where the eight rows are a packed half
+ * (all full groups of a call's rows): the block's pointers step by a
+ * constant, nothing is gathered, and each token's sums (16-bit for Q4,
+ * 32-bit for Q8_0) stay in a register as one chain of adds. The empty asm
+ * statements pin that order: without them GCC reassociates each step's
+ * products and the running sum into a tree, with a register copy per
+ * token and step. The same integer sums and the same float steps
+ * (fi_l8_accum) as s_l8_tile, so the same bits. Sixteen tokens' products
+ * (one thread, weights in cache, the default model's shapes): Q4_1
+ * 1.15-1.30x s_l8_tile on the 2-core AMD EPYC (Zen 3) machine, alternated
+ * in one process. */
 S_INLINE void s_l8_tile_pk(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int k, int T, int pf) {
     const int nb = t->cols / FI_QK;
     const uint8_t *pk = t->wp + (size_t)(r & ~15) * t->w_stride; /* the packed group */
@@ -304,7 +305,7 @@ S_INLINE void s_l8_tile_pk(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, 
         xr[j] = (const fi_block_q8x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
         acc[j] = _mm256_setzero_ps();
     }
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++, pd += bstep, pm += bstep, pq += bstep) {
         fi_l8_prefetch(ahead, bsz, b);
         __m256 dw, aw;
@@ -312,6 +313,22 @@ S_INLINE void s_l8_tile_pk(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, 
         __m256i p[S_L8_PT];
         for (int j = 0; j < T; j++)
             p[j] = _mm256_setzero_si256();
+        if (ty == FI_DTYPE_Q8_0) {
+            /* signed bytes: |w| against x with w's sign, each pair sum
+             * widened at once (two would pass 16 bits) */
+            _Pragma("GCC unroll 1") for (int c = 0; c < 8; c++) {
+                const __m256i W = _mm256_loadu_si256((const __m256i *)(const void *)(pq + 64 * c));
+                const __m256i A = _mm256_abs_epi8(W); /* |-128| is 128 unsigned */
+                for (int j = 0; j < T; j++) {
+                    const __m256i q = _mm256_maddubs_epi16(A, _mm256_sign_epi8(s_l8_x4(xr[j] + b, c), W));
+                    p[j] = _mm256_add_epi32(p[j], _mm256_madd_epi16(q, ones));
+                    __asm__("" : "+x"(p[j]));
+                }
+            }
+            for (int j = 0; j < T; j++)
+                acc[j] = fi_l8_accum(acc[j], p[j], xr[j][b].d, xr[j][b].s, dw, aw, 0);
+            continue;
+        }
         _Pragma("GCC unroll 1") for (int c = 0; c < 4; c++) {
             const __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(pq + 64 * c));
             const __m256i lo = _mm256_and_si256(D, m4), hi = _mm256_and_si256(_mm256_srli_epi16(D, 4), m4);
@@ -324,8 +341,7 @@ S_INLINE void s_l8_tile_pk(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, 
             }
         }
         for (int j = 0; j < T; j++)
-            acc[j] = fi_l8_accum(acc[j], _mm256_madd_epi16(p[j], _mm256_set1_epi16(1)), xr[j][b].d, xr[j][b].s,
-                                 dw, aw, 1);
+            acc[j] = fi_l8_accum(acc[j], _mm256_madd_epi16(p[j], ones), xr[j][b].d, xr[j][b].s, dw, aw, 1);
     }
     for (int j = 0; j < T; j++)
         _mm256_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, acc[j]);
@@ -336,7 +352,7 @@ S_INLINE void s_l8_tile_pk(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, 
 S_INLINE void s_l8_tile_any(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int nr, int r1, int k, int H,
                             int T, int pf) {
 #if !FI_X86_VNNI
-    if (H == 1 && T > 1 && ty != FI_DTYPE_Q8_0 && fi_l8_packed(t, r, nr, r1)) {
+    if (H == 1 && T > 1 && fi_l8_packed(t, r, nr, r1)) {
         s_l8_tile_pk(ty, bsz, t, r, k, T, pf);
         return;
     }
