@@ -53,7 +53,7 @@ int fi_parse_simd(const char *s, fi_simd *out);
 double fi_bench_read_bandwidth(fi_pool *pool, size_t bytes, int reps);
 
 /* The integer instruction sequences of the CPU kernels' quantised products
- * (bench_peak.c): per sequence, 16 or 32 multiply-adds. */
+ * (bench_probes.c): per sequence, 16 or 32 multiply-adds. */
 typedef enum fi_peak_mix {
     FI_PEAK_MADDWD,    /* vpmaddwd + vpaddd, 16: 12- and 16-bit activations */
     FI_PEAK_MADDUBSW,  /* vpmaddubsw + vpaddw, 32: 8-bit, Q4 weights */

@@ -92,24 +92,39 @@ S_INLINE __m256i s_pair(const fi_block_q16x *x, int c) {
     return fi_l8_bcast32(x->qs + 2 * c);
 }
 
+/* Pair c (0..3) of 16-bit weights in each lane from D, the lanes' Q4
+ * quant dword: low nibbles of bytes 0, 1 (c = 0) and 2, 3 (c = 1), high
+ * nibbles of bytes 0, 1 (c = 2) and 2, 3 (c = 3). */
+S_INLINE __m256i s_q4_pair(__m256i D, int c) {
+    const __m256i e0 = _mm256_setr_epi32((int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu,
+                                         (int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu);
+    const __m256i e1 = _mm256_setr_epi32((int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu,
+                                         (int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu);
+    const __m256i u = _mm256_shuffle_epi8(D, c & 1 ? e1 : e0);
+    return c & 2 ? _mm256_srli_epi16(u, 4) : _mm256_and_si256(u, _mm256_set1_epi16(0x0f));
+}
+
+/* Pair c (0, 1) of 16-bit weights in each lane from D, the lanes' Q8_0
+ * quant dword: bytes 0, 1 or 2, 3, each into the high byte of a 16-bit
+ * lane, then an arithmetic shift sign-extends it. */
+S_INLINE __m256i s_q8_pair(__m256i D, int c) {
+    const __m256i h0 = _mm256_setr_epi32((int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u,
+                                         (int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u);
+    const __m256i h1 = _mm256_setr_epi32((int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u,
+                                         (int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u);
+    return _mm256_srai_epi16(_mm256_shuffle_epi8(D, c ? h1 : h0), 8);
+}
+
 /* Q4: dword k of the quants of H halves of eight rows (s[h]) against
  * tokens x[0..T-1] (block b), added to isum[h][j] (see s_dots); each
  * broadcast pair of the token serves every half. */
 S_INLINE void s_dots4(const fi_l8_block *s, int H, const fi_block_q16x *const *x, int b, int T, int k,
                       __m256i isum[2][S_PT]) {
-    const __m256i e0 = _mm256_setr_epi32((int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu,
-                                         (int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu);
-    const __m256i e1 = _mm256_setr_epi32((int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu,
-                                         (int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu);
-    const __m256i m4 = _mm256_set1_epi16(0x0f);
     __m256i W[2][4]; /* pairs 2k, 2k+1, 8+2k, 9+2k */
     for (int h = 0; h < H; h++) {
         __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(s[h].q + k * s[h].qstep));
-        __m256i u0 = _mm256_shuffle_epi8(D, e0), u1 = _mm256_shuffle_epi8(D, e1);
-        W[h][0] = _mm256_and_si256(u0, m4);
-        W[h][1] = _mm256_and_si256(u1, m4);
-        W[h][2] = _mm256_srli_epi16(u0, 4);
-        W[h][3] = _mm256_srli_epi16(u1, 4);
+        for (int c = 0; c < 4; c++)
+            W[h][c] = s_q4_pair(D, c);
     }
     for (int j = 0; j < T; j++) {
         const fi_block_q16x *xb = x[j] + b;
@@ -126,15 +141,11 @@ S_INLINE void s_dots4(const fi_l8_block *s, int H, const fi_block_q16x *const *x
  * high byte of a 16-bit lane, then an arithmetic shift, sign-extends it. */
 S_INLINE void s_dots8(const fi_l8_block *s, int H, const fi_block_q16x *const *x, int b, int T, int k,
                       __m256i isum[2][S_PT]) {
-    const __m256i h0 = _mm256_setr_epi32((int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u,
-                                         (int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u);
-    const __m256i h1 = _mm256_setr_epi32((int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u,
-                                         (int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u);
     __m256i W[2][2];
     for (int h = 0; h < H; h++) {
         __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(s[h].q + k * s[h].qstep));
-        W[h][0] = _mm256_srai_epi16(_mm256_shuffle_epi8(D, h0), 8);
-        W[h][1] = _mm256_srai_epi16(_mm256_shuffle_epi8(D, h1), 8);
+        W[h][0] = s_q8_pair(D, 0);
+        W[h][1] = s_q8_pair(D, 1);
     }
     for (int j = 0; j < T; j++) {
         const fi_block_q16x *xb = x[j] + b;
@@ -224,11 +235,8 @@ S_INLINE void s_tile(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int 
  * EPYC (Zen 3) machine, alternated in one process. */
 S_INLINE void s_tile_pk(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int k, int T, int pf) {
     const int nb = t->cols / FI_QK;
-    const uint8_t *pk = t->wp + (size_t)(r & ~15) * t->w_stride;
+    const uint8_t *pk = t->wp + (size_t)(r & ~15) * t->w_stride; /* the packed group */
     const int half = (r >> 3) & 1;
-    const uint8_t *pd = pk + 16 * half, *pm = pk + 32 + 16 * half;
-    const uint8_t *pq = pk + (kind == FI_DTYPE_Q4_1 ? 64 : 32) + 32 * half;
-    const size_t bstep = 16 * bsz;
     const uint8_t *ahead = pf && half == 0 ? pk + S_PF_GROUPS * 16 * t->w_stride : NULL;
     const fi_block_q16x *xr[S_PT];
     __m256 acc[S_PT];
@@ -236,19 +244,12 @@ S_INLINE void s_tile_pk(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, i
         xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
         acc[j] = _mm256_setzero_ps();
     }
-    const __m256i e0 = _mm256_setr_epi32((int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu,
-                                         (int)0x80018000u, (int)0x80058004u, (int)0x80098008u, (int)0x800D800Cu);
-    const __m256i e1 = _mm256_setr_epi32((int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu,
-                                         (int)0x80038002u, (int)0x80078006u, (int)0x800B800Au, (int)0x800F800Eu);
-    const __m256i m4 = _mm256_set1_epi16(0x0f);
-    const __m256i h0 = _mm256_setr_epi32((int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u,
-                                         (int)0x01800080u, (int)0x05800480u, (int)0x09800880u, (int)0x0D800C80u);
-    const __m256i h1 = _mm256_setr_epi32((int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u,
-                                         (int)0x03800280u, (int)0x07800680u, (int)0x0B800A80u, (int)0x0F800E80u);
-    for (int b = 0; b < nb; b++, pd += bstep, pm += bstep, pq += bstep) {
+    for (int b = 0; b < nb; b++) {
         fi_l8_prefetch(ahead, bsz, b);
+        const fi_l8_block blk = fi_l8_half(kind, pk, bsz, b, half);
+        const uint8_t *pq = blk.q;
         __m256 dw, aw;
-        fi_l8_scales(kind, (fi_l8_block){pd, pm, pq, 64}, &dw, &aw);
+        fi_l8_scales(kind, blk, &dw, &aw);
         __m256i isum[S_PT];
         for (int j = 0; j < T; j++)
             isum[j] = _mm256_setzero_si256();
@@ -256,7 +257,7 @@ S_INLINE void s_tile_pk(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, i
             _Pragma("GCC unroll 1") for (int kk = 0; kk < 8; kk++) {
                 const __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(pq + 64 * kk));
                 for (int c = 0; c < 2; c++) {
-                    const __m256i W = _mm256_srai_epi16(_mm256_shuffle_epi8(D, c ? h1 : h0), 8);
+                    const __m256i W = s_q8_pair(D, c);
                     for (int j = 0; j < T; j++) {
                         isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(W, s_pair(xr[j] + b, 2 * kk + c)));
                         __asm__("" : "+x"(isum[j]));
@@ -267,8 +268,7 @@ S_INLINE void s_tile_pk(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, i
             _Pragma("GCC unroll 1") for (int kk = 0; kk < 4; kk++) {
                 const __m256i D = _mm256_loadu_si256((const __m256i *)(const void *)(pq + 64 * kk));
                 for (int c = 0; c < 4; c++) {
-                    const __m256i u = _mm256_shuffle_epi8(D, c & 1 ? e1 : e0);
-                    const __m256i W = c & 2 ? _mm256_srli_epi16(u, 4) : _mm256_and_si256(u, m4);
+                    const __m256i W = s_q4_pair(D, c);
                     for (int j = 0; j < T; j++) {
                         __m256i xp = s_pair(xr[j] + b, (c & 2) * 4 + 2 * kk + (c & 1));
                         isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(W, xp));

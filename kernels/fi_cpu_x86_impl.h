@@ -295,9 +295,6 @@ S_INLINE void s_l8_tile_pk(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, 
     const int nb = t->cols / FI_QK;
     const uint8_t *pk = t->wp + (size_t)(r & ~15) * t->w_stride; /* the packed group */
     const int half = (r >> 3) & 1;
-    const uint8_t *pd = pk + 16 * half, *pm = pk + 32 + 16 * half;
-    const uint8_t *pq = pk + (ty == FI_DTYPE_Q4_1 ? 64 : 32) + 32 * half;
-    const size_t bstep = 16 * bsz; /* one block of the group's 16 rows */
     const uint8_t *ahead = pf && half == 0 ? pk + S_L8_PF_GROUPS * 16 * t->w_stride : NULL;
     const fi_block_q8x *xr[S_L8_PT];
     __m256 acc[S_L8_PT];
@@ -306,10 +303,12 @@ S_INLINE void s_l8_tile_pk(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, 
         acc[j] = _mm256_setzero_ps();
     }
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int b = 0; b < nb; b++, pd += bstep, pm += bstep, pq += bstep) {
+    for (int b = 0; b < nb; b++) {
         fi_l8_prefetch(ahead, bsz, b);
+        const fi_l8_block blk = fi_l8_half(ty, pk, bsz, b, half);
+        const uint8_t *pq = blk.q;
         __m256 dw, aw;
-        fi_l8_scales(ty, (fi_l8_block){pd, pm, pq, 64}, &dw, &aw);
+        fi_l8_scales(ty, blk, &dw, &aw);
         __m256i p[S_L8_PT];
         for (int j = 0; j < T; j++)
             p[j] = _mm256_setzero_si256();
