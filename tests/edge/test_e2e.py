@@ -84,6 +84,22 @@ class EndToEnd(unittest.TestCase):
             if "phi" in r[2].split(","):
                 self.assertEqual(r[4], "berlin-clinic", r)
 
+    def test_1b_seeded_sampling_same_anywhere(self):
+        # A sampled request with a seed gives the same text wherever the
+        # policy sends it: on site (phi) and at the cluster (unlabelled),
+        # as the seed and every sampling parameter travel with the request
+        # and both engines compute the same logits.
+        texts = {}
+        for labels in ("phi", ""):
+            h = {"X-Data-Class": labels} if labels else {}
+            r = self.cb.completions.with_raw_response.create(
+                model=M, max_tokens=24, temperature=1.0, seed=7, logit_bias={"2": -100},
+                prompt="Write a very long story about a dragon.", extra_headers=h)
+            texts[r.headers["x-fedinfer-target"]] = r.parse().choices[0].text
+        self.assertEqual(set(texts), {"berlin-clinic", "fra-gpu-1"})
+        self.assertTrue(texts["berlin-clinic"])
+        self.assertEqual(texts["berlin-clinic"], texts["fra-gpu-1"])
+
     def test_2_coordinator_rechecks(self):
         # paris holds a permissive policy and routes PHI; the coordinator,
         # which knows the request comes from paris-clinic by its key,
