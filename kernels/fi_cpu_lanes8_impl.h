@@ -134,6 +134,24 @@ FI_L8_INLINE __m256 fi_l8_accum(__m256 acc, __m256i isum, float dx, float s, __m
     return offset ? _mm256_fmadd_ps(aw, _mm256_set1_ps(s), acc) : acc;
 }
 
+/* FI_L8_PACKED_TILES: whether the tiles of several tokens over packed
+ * rows take their own path (s_tile_pk, s_l8_tile_pk). Not under
+ * AddressSanitizer or ThreadSanitizer: instrumented by clang, they ran
+ * about 1.4x slower than the general tiles (bench_kernels, 32 tokens'
+ * decode-shaped products at 12 bits: 760 against 552 ms), and test_edge
+ * passed its time limit there. The general tiles give the same bits, and
+ * the uninstrumented builds' tests compare the two. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define FI_L8_PACKED_TILES 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define FI_L8_PACKED_TILES 0
+#endif
+#endif
+#ifndef FI_L8_PACKED_TILES
+#define FI_L8_PACKED_TILES 1
+#endif
+
 /* Stores lane i < nh of v at y[i]. */
 FI_L8_INLINE void fi_l8_store(float *y, __m256 v, int nh) {
     if (nh == 8) {

@@ -287,7 +287,7 @@ S_INLINE void s_tile_pk(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, i
 /* s_tile, or s_tile_pk where it applies. */
 S_INLINE void s_tile_any(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int nr, int r1, int k, int H,
                          int T, int pf) {
-    if (H == 1 && T > 1 && fi_l8_packed(t, r, nr, r1))
+    if (FI_L8_PACKED_TILES && H == 1 && T > 1 && fi_l8_packed(t, r, nr, r1))
         s_tile_pk(kind, bsz, t, r, k, T, pf);
     else
         s_tile(kind, bsz, t, r, nr, r1, k, H, T, pf);

@@ -351,7 +351,7 @@ S_INLINE void s_l8_tile_pk(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, 
 S_INLINE void s_l8_tile_any(fi_dtype ty, size_t bsz, const fi_mm_task *t, int r, int nr, int r1, int k, int H,
                             int T, int pf) {
 #if !FI_X86_VNNI
-    if (H == 1 && T > 1 && fi_l8_packed(t, r, nr, r1)) {
+    if (FI_L8_PACKED_TILES && H == 1 && T > 1 && fi_l8_packed(t, r, nr, r1)) {
         s_l8_tile_pk(ty, bsz, t, r, k, T, pf);
         return;
     }

@@ -6,7 +6,9 @@
 # builds them at -O1, several times slower), ThreadSanitizer's too, it is
 # built with FI_EDGE_TEST_QUICK (fewer clients and tokens, time limits of
 # 240 s): about 75 s on 2 cores of earlier machines, 134 s under
-# AddressSanitizer and 208 s under ThreadSanitizer on the Zen 3 one.
+# AddressSanitizer and 208 s under ThreadSanitizer on the Zen 3 one
+# (176-183 s under AddressSanitizer there on a slower day, 110 s with the
+# quick build's shorter closed loop in test_no_429_within_capacity).
 foreach(t test_edge test_edge_coord test_edge_fabric test_edge_route)
   if(TARGET ${t})
     set_tests_properties(${t} PROPERTIES LABELS asan TIMEOUT 300)
