@@ -192,6 +192,10 @@ class EndToEnd(unittest.TestCase):
             time.sleep(0.5)
         for s, h in heads.items():
             self.assertTrue(got.get(s, set()) >= set(range(1, h + 1)), (s, h, got.get(s)))
+        # the fleet whole again for the tests after: the edges see the
+        # coordinator and the worker serves (test_6 once routed a request
+        # before the worker was back: 503, no live worker)
+        f.wait_ready()
 
     def test_5_app_tokens_with_fedctl(self):
         # fedctl makes the token; only its SHA-256 reaches the coordinator
