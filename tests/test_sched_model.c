@@ -22,6 +22,20 @@
 
 static fi_model *g_m;
 
+/* Tokens generated a request. The sanitizer builds (tests/CMakeLists.txt
+ * defines FI_SCHED_TEST_QUICK there: every memory access instrumented,
+ * ThreadSanitizer's stage beside test_edge on 2 cores) make fewer, with
+ * the same checks: the batches still mix prefill and decode, and the pool
+ * still overflows (six requests of ~180 positions in 32 blocks of 16). */
+#ifdef FI_SCHED_TEST_QUICK
+#define GEN_BATCHED 16
+#define GEN_PREFIX 8
+#define GEN_PRESSURE 32
+#else
+#define GEN_BATCHED 32
+#define GEN_PREFIX 16
+#define GEN_PRESSURE 64
+#endif
 
 /* Chat-formatted prompt tokens of a user message. */
 static int s_chat(const char *user, int32_t *ids, int cap) {
@@ -91,7 +105,7 @@ static void s_batched_equals_alone(void) {
     fi_capture solo[NQ], got[NQ];
     for (int i = 0; i < NQ; i++) {
         n[i] = s_chat(s_questions[i], p[i], 256);
-        s_solo(p[i], n[i], 32, &solo[i]);
+        s_solo(p[i], n[i], GEN_BATCHED, &solo[i]);
     }
     char err[256];
     fi_sched_opts so = {.max_seqs = 8, .step_tokens = 32, .n_ctx = 2048};
@@ -100,7 +114,7 @@ static void s_batched_equals_alone(void) {
     int next = 0;
     for (int step = 0; next < NQ || fi_sched_pending(s); step++) {
         if (next < NQ && step % 4 == 0) { /* newcomers join a running batch */
-            s_submit(s, p[next], n[next], 32, &got[next], "t", "eu");
+            s_submit(s, p[next], n[next], GEN_BATCHED, &got[next], "t", "eu");
             next++;
         }
         assert_true(fi_sched_step(s, err, sizeof err) >= 0);
@@ -184,11 +198,11 @@ static void test_prefix_512(void **state) {
     fi_sched *s = fi_sched_new(g_m, &so, err, sizeof err);
     assert_non_null(s);
     fi_capture oa, ob, cold;
-    s_submit(s, a, na, 16, &oa, "hospital-a", "fr");
+    s_submit(s, a, na, GEN_PREFIX, &oa, "hospital-a", "fr");
     s_run(s);
     fi_sched_stats s0, s1;
     fi_sched_get_stats(s, &s0);
-    s_submit(s, b, nb, 16, &ob, "hospital-a", "fr");
+    s_submit(s, b, nb, GEN_PREFIX, &ob, "hospital-a", "fr");
     s_run(s);
     fi_sched_get_stats(s, &s1);
     unsigned long long hit = s1.prefix_hit_tokens - s0.prefix_hit_tokens;
@@ -197,7 +211,7 @@ static void test_prefix_512(void **state) {
            computed);
     assert_int_equal(hit, 512);
     assert_int_equal(computed, (unsigned long long)(nb - 512));
-    s_solo(b, nb, 16, &cold);
+    s_solo(b, nb, GEN_PREFIX, &cold);
     s_same(&ob, &cold, "after a 512-token prefix hit", 1);
 
     /* the same prompt from another tenant or another zone: nothing reused */
@@ -206,7 +220,7 @@ static void test_prefix_512(void **state) {
         fi_sched_stats x0, x1;
         fi_sched_get_stats(s, &x0);
         fi_capture o;
-        s_submit(s, b, nb, 16, &o, who[i][0], who[i][1]);
+        s_submit(s, b, nb, GEN_PREFIX, &o, who[i][0], who[i][1]);
         s_run(s);
         fi_sched_get_stats(s, &x1);
         assert_int_equal(x1.prefix_hit_tokens - x0.prefix_hit_tokens, 0);
@@ -216,7 +230,7 @@ static void test_prefix_512(void **state) {
     fi_sched_destroy(&s);
 }
 
-/* Six requests of ~150 + 64 tokens in a pool of 32 blocks (512
+/* Six requests of ~150 + GEN_PRESSURE tokens in a pool of 32 blocks (512
  * positions): they cannot all be resident; all complete, unchanged. */
 static void test_pool_pressure(void **state) {
     (void)state;
@@ -233,16 +247,17 @@ static void test_pool_pressure(void **state) {
     fi_sched_opts so = {.kv_bytes = 32 * fi_kv_block_bytes(g_m), .max_seqs = 6, .n_ctx = 2048};
     fi_sched *s = fi_sched_new(g_m, &so, err, sizeof err);
     assert_non_null(s);
-    for (int i = 0; i < 6; i++) s_submit(s, p[i], n[i], 64, &got[i], "t", "z");
+    for (int i = 0; i < 6; i++) s_submit(s, p[i], n[i], GEN_PRESSURE, &got[i], "t", "z");
     s_run(s);
     fi_sched_stats st;
     fi_sched_get_stats(s, &st);
     printf("  6 requests in 32 blocks: %llu preemptions, %llu steps\n",
            (unsigned long long)st.preemptions, (unsigned long long)st.steps);
+    assert_true(st.preemptions >= 1); /* the pool did overflow: recompute was exercised */
     for (int i = 0; i < 6; i++) {
         assert_int_equal(got[i].done, 1);
         assert_string_equal(got[i].error, "");
-        s_solo(p[i], n[i], 64, &solo[i]);
+        s_solo(p[i], n[i], GEN_PRESSURE, &solo[i]);
         s_same(&got[i], &solo[i], "under KV pressure", i);
     }
     fi_sched_destroy(&s);
