@@ -574,9 +574,7 @@ int fi_cmd_bench_serve(int argc, char **argv) {
          * repetition's one-stream run (the floor moves with the machine's
          * other load, so each run is set against its own window) */
         const uint64_t wbytes = fi_model_weight_bytes_per_token(b.m);
-        fi_pool *probe = cl[0] == 1 && fi_cpu_backend_simd(be) && wbytes
-                             ? fi_pool_new(fi_cpu_backend_threads(be))
-                             : NULL;
+        const int want_bw = cl[0] == 1 && fi_cpu_backend_simd(be) && wbytes;
         double bw[S_MAX_REPS] = {0};
         /* many streams against what compute allows: the products'
          * ceiling for the backend's kernels, probed right after each
@@ -584,7 +582,9 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         int top = 0;
         for (int i = 1; i < ncl; i++)
             top = cl[i] > cl[top] ? i : top;
-        fi_pool *cprobe = ncl > 1 && fi_cpu_backend_simd(be) ? fi_pool_new(fi_cpu_backend_threads(be)) : NULL;
+        const int want_ceil = ncl > 1 && fi_cpu_backend_simd(be);
+        /* both probes run on one pool of the backend's thread count */
+        fi_pool *probe = want_bw || want_ceil ? fi_pool_new(fi_cpu_backend_threads(be)) : NULL;
         double ceil_tps[S_MAX_REPS] = {0};
         char ceil_what[256] = "";
         for (int r = 0; r < reps; r++) {
@@ -600,19 +600,17 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                                   &v[r][i][0], &v[r][i][1], &v[r][i][2])) {
                     free(v);
                     fi_pool_destroy(&probe);
-                    fi_pool_destroy(&cprobe);
                     goto done;
                 }
-                if (probe && i == 0)
+                if (probe && want_bw && i == 0)
                     bw[r] = fi_bench_read_bandwidth(probe, (size_t)1 << 30, 5);
-                if (cprobe && i == top)
-                    ceil_tps[r] = fi_bench_product_ceiling(cprobe, b.m, fi_cpu_backend_simd(be),
+                if (probe && want_ceil && i == top)
+                    ceil_tps[r] = fi_bench_product_ceiling(probe, b.m, fi_cpu_backend_simd(be),
                                                            fi_cpu_backend_act_bits(be), ceil_what,
                                                            sizeof ceil_what);
             }
         }
         fi_pool_destroy(&probe);
-        fi_pool_destroy(&cprobe);
         /* each throughput against the first concurrency's in the same
          * repetition; medians over the repetitions */
         for (int i = 1; i < ncl; i++) {
@@ -674,9 +672,10 @@ int fi_cmd_bench_serve(int argc, char **argv) {
          * allows at all */
         if (ncl > 1 && fi_cpu_backend_simd(be)) {
             double fc[S_MAX_REPS], cc[S_MAX_REPS], kc[S_MAX_REPS], st[S_MAX_REPS];
-            int nc = 0, probed = 0;
+            int nc = 0;
+            double probed = 0; /* the first ceiling probed */
             for (int r = 0; r < reps; r++) {
-                probed += ceil_tps[r] > 0;
+                if (probed == 0) probed = ceil_tps[r];
                 if (ceil_tps[r] > 0 && v[r][top][2] > 0 && v[r][0][1] > 0) {
                     st[nc] = v[r][top][2];
                     cc[nc] = ceil_tps[r];
@@ -690,9 +689,9 @@ int fi_cmd_bench_serve(int argc, char **argv) {
                        "%d's decoding steps\n",
                        cl[top], s_median(st, nc), s_median(fc, nc), s_median(cc, nc), ceil_what,
                        nc > 1 ? ", medians over the repetitions" : "", s_median(kc, nc), cl[0]);
-            else if (probed)
+            else if (probed > 0)
                 printf("        -> the products' ceiling: %.1f tok/s (%s); no decode-only steps at "
-                       "concurrency %d to set against it\n", ceil_tps[0], ceil_what, cl[top]);
+                       "concurrency %d to set against it\n", probed, ceil_what, cl[top]);
             else
                 printf("        -> the products' ceiling: not probed (%s)\n", ceil_what);
         }
