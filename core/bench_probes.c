@@ -20,6 +20,12 @@
  *   vpmaddubsw + vpaddw                32: 8-bit activations, Q4 weights
  *   vpsignb + vpmaddubsw + vpmaddwd    32: 8-bit activations, Q8_0 weights
  *     + vpaddd                         (kernels/fi_cpu_x86_impl.h)
+ * and with AVX512-VNNI (kernels/fi_cpu_q16_avx512.c, fi_cpu_avx512.c), one
+ * instruction on 512 bits:
+ *   vpdpwssd                           32: 12- and 16-bit activations
+ *   vpdpbusd                           64: 8-bit activations (Q8_0's
+ *                                      signed quants offset by 128 once
+ *                                      a block, not once a product)
  * Eight independent accumulators a thread, in registers, the loop written
  * in assembly (in C, GCC reassociates the adds, or hoists the
  * loop-invariant products out of the loop).
@@ -31,6 +37,7 @@
 #include <time.h>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -130,7 +137,7 @@ double fi_bench_read_bandwidth(fi_pool *pool, size_t bytes, int reps) {
 #define S_ITERS 4000000L /* loop iterations a thread (8 sequences each) */
 
 /* multiply-adds per sequence */
-static const int s_macs[3] = {16, 32, 32};
+static const int s_macs[FI_PEAK_N] = {16, 32, 32, 32, 64};
 
 typedef struct peak {
     fi_peak_mix mix;
@@ -180,23 +187,58 @@ __attribute__((target("avx2"))) static uint64_t s_run(fi_peak_mix mix) {
     return (uint64_t)_mm256_extract_epi64(s, 0) ^ (uint64_t)_mm256_extract_epi64(s, 3);
 }
 
+/* The AVX512-VNNI mixes: eight chains of one instruction, accumulating
+ * in %0..%7, weights %9..%12, activations %13. */
+#define S_VNNI(OP, a, w, x) OP " " x ", " w ", " a "\n\t"
+#define S_BODY512(OP)                                                                         \
+    "1:\n\t" S_VNNI(OP, "%0", "%9", "%13") S_VNNI(OP, "%1", "%10", "%13")                      \
+        S_VNNI(OP, "%2", "%11", "%13") S_VNNI(OP, "%3", "%12", "%13")                           \
+            S_VNNI(OP, "%4", "%9", "%13") S_VNNI(OP, "%5", "%10", "%13")                        \
+                S_VNNI(OP, "%6", "%11", "%13") S_VNNI(OP, "%7", "%12", "%13") "dec %8\n\tjnz 1b\n\t"
+
+__attribute__((target("avx512f,avx512vnni"))) static uint64_t s_run512(fi_peak_mix mix) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const __m512i w0 = _mm512_set1_epi16(0x0305), w1 = _mm512_set1_epi16(0x0702),
+                  w2 = _mm512_set1_epi16(-0x0b0d), w3 = _mm512_set1_epi16(0x0109),
+                  x0 = _mm512_set1_epi16(0x11fe);
+    long n = S_ITERS;
+    if (mix == FI_PEAK_DPWSSD512)
+        __asm__ volatile(S_BODY512("vpdpwssd")
+                         : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+r"(n)
+                         : "v"(w0), "v"(w1), "v"(w2), "v"(w3), "v"(x0)
+                         : "cc");
+    else
+        __asm__ volatile(S_BODY512("vpdpbusd")
+                         : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+r"(n)
+                         : "v"(w0), "v"(w1), "v"(w2), "v"(w3), "v"(x0)
+                         : "cc");
+    __m512i s = _mm512_xor_si512(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)),
+                                 _mm512_xor_si512(_mm512_xor_si512(a4, a5), _mm512_xor_si512(a6, a7)));
+    uint64_t v[8];
+    _mm512_storeu_si512(v, s);
+    return v[0] ^ v[7];
+}
+
 static void s_peak_task(void *arg, int ith, int nth) {
     (void)nth;
     peak *pk = arg;
-    pk->sink[ith % 64] ^= s_run(pk->mix);
+    pk->sink[ith % 64] ^= pk->mix >= FI_PEAK_DPWSSD512 ? s_run512(pk->mix) : s_run(pk->mix);
 }
 #endif
 
 const char *fi_peak_mix_name(fi_peak_mix mix) {
-    static const char *const names[3] = {"vpmaddwd+vpaddd", "vpmaddubsw+vpaddw",
-                                         "vpsignb+vpmaddubsw+vpmaddwd+vpaddd"};
-    return mix >= 0 && mix < 3 ? names[mix] : "?";
+    static const char *const names[FI_PEAK_N] = {"vpmaddwd+vpaddd", "vpmaddubsw+vpaddw",
+                                                 "vpsignb+vpmaddubsw+vpmaddwd+vpaddd",
+                                                 "vpdpwssd (512-bit)", "vpdpbusd (512-bit)"};
+    return mix >= 0 && mix < FI_PEAK_N ? names[mix] : "?";
 }
 
 double fi_bench_product_peak(fi_pool *pool, fi_peak_mix mix, int reps) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || mix < 0 || mix > 2 || reps < 1) return 0;
+    if (mix < 0 || mix >= FI_PEAK_N || reps < 1) return 0;
+    if (mix >= FI_PEAK_DPWSSD512 ? !__builtin_cpu_supports("avx512vnni") : !__builtin_cpu_supports("avx2"))
+        return 0;
     peak pk = {.mix = mix};
     double best = s_best(pool, s_peak_task, &pk, reps);
     uint64_t x = 0;
@@ -209,12 +251,32 @@ double fi_bench_product_peak(fi_pool *pool, fi_peak_mix mix, int reps) {
 #endif
 }
 
+/* Whether the processor has the AMX-INT8 tile unit (CPUID leaf 7, EDX
+ * bit 25), which the avx512vnni flavour's 12- and 16-bit batches use
+ * where the OS grants it: no instruction mix here bounds it. */
+static int s_has_amx_int8(void) {
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1);
+#else
+    return 0;
+#endif
+}
+
 double fi_bench_product_ceiling(fi_pool *pool, const fi_model *m, const char *simd, int act_bits, char *what,
                                 size_t len) {
     snprintf(what, len, "no probe for this backend");
     /* the flavours whose quantised products are the AVX2 sequences: the
-     * avxvnni one keeps AVX2's at 12 and 16 bits (vpdpbusd at 8) */
-    if (!simd || !(!strcmp(simd, "avx2") || (!strcmp(simd, "avxvnni") && act_bits != 8))) return 0;
+     * avxvnni one keeps AVX2's at 12 and 16 bits (vpdpbusd at 8); the
+     * avx512vnni one has its own, but at 12 and 16 bits batches go to the
+     * AMX tile unit where there is one (not probed) */
+    const int avx2 = simd && (!strcmp(simd, "avx2") || (!strcmp(simd, "avxvnni") && act_bits != 8));
+    const int avx512 = simd && !strcmp(simd, "avx512vnni");
+    if (!avx2 && !avx512) return 0;
+    if (avx512 && act_bits != 8 && s_has_amx_int8()) {
+        snprintf(what, len, "no probe for the AMX tile unit");
+        return 0;
+    }
     const uint64_t all = fi_model_macs_per_token(m, -1), q8 = fi_model_macs_per_token(m, FI_DTYPE_Q8_0);
     const uint64_t q4 = fi_model_macs_per_token(m, FI_DTYPE_Q4_0) + fi_model_macs_per_token(m, FI_DTYPE_Q4_1);
     if (!all || q4 + q8 != all) { /* float weights take another path */
@@ -222,12 +284,13 @@ double fi_bench_product_ceiling(fi_pool *pool, const fi_model *m, const char *si
         return 0;
     }
     double sec; /* a token's products at the peak rates */
-    if (act_bits != 8) {
-        double p = fi_bench_product_peak(pool, FI_PEAK_MADDWD, 3);
+    if (avx512 || act_bits != 8) { /* one mix for every weight type */
+        const fi_peak_mix mix = !avx512 ? FI_PEAK_MADDWD : act_bits == 8 ? FI_PEAK_DPBUSD512 : FI_PEAK_DPWSSD512;
+        double p = fi_bench_product_peak(pool, mix, 3);
         if (p <= 0) return 0;
         sec = (double)all / p;
         snprintf(what, len, "%.1f GMAC/s of %s by %d thread%s, no loads, over %.1f M multiply-adds a token",
-                 p / 1e9, fi_peak_mix_name(FI_PEAK_MADDWD), fi_pool_threads(pool),
+                 p / 1e9, fi_peak_mix_name(mix), fi_pool_threads(pool),
                  fi_pool_threads(pool) > 1 ? "s" : "", (double)all / 1e6);
     } else {
         double p4 = q4 ? fi_bench_product_peak(pool, FI_PEAK_MADDUBSW, 3) : 1;

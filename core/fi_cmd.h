@@ -53,16 +53,19 @@ int fi_parse_simd(const char *s, fi_simd *out);
 double fi_bench_read_bandwidth(fi_pool *pool, size_t bytes, int reps);
 
 /* The integer instruction sequences of the CPU kernels' quantised products
- * (bench_probes.c): per sequence, 16 or 32 multiply-adds. */
+ * (bench_probes.c): per sequence, 16 to 64 multiply-adds. */
 typedef enum fi_peak_mix {
     FI_PEAK_MADDWD,    /* vpmaddwd + vpaddd, 16: 12- and 16-bit activations */
     FI_PEAK_MADDUBSW,  /* vpmaddubsw + vpaddw, 32: 8-bit, Q4 weights */
     FI_PEAK_Q8_SIGNED, /* vpsignb + vpmaddubsw + vpmaddwd + vpaddd, 32: 8-bit, Q8_0 */
+    FI_PEAK_DPWSSD512, /* AVX512-VNNI vpdpwssd on 512 bits, 32: 12- and 16-bit */
+    FI_PEAK_DPBUSD512, /* AVX512-VNNI vpdpbusd on 512 bits, 64: 8-bit, every type */
+    FI_PEAK_N
 } fi_peak_mix;
 const char *fi_peak_mix_name(fi_peak_mix mix);
 /* The best rate, in multiply-adds/s, at which the pool's threads run the
  * mix with every operand in registers, over `reps` timed passes (about
- * 0.1 s each); 0 without AVX2. */
+ * 0.1 s each); 0 where the processor lacks the mix's instructions. */
 double fi_bench_product_peak(fi_pool *pool, fi_peak_mix mix, int reps);
 struct fi_model;
 /* The tokens/s that the products of a batch of tokens of model m can reach
@@ -70,7 +73,8 @@ struct fi_model;
  * activations: each weight type's multiply-adds a token
  * (fi_model_macs_per_token) at the peak rate of its kernels' mix, probed
  * now by the pool's threads; `what` says how. 0 where no probe fits the
- * flavour (portable, AVX512, AVX-VNNI at 8 bits) or the weights (float),
+ * flavour (portable, AVX-VNNI at 8 bits, AVX512 where the AMX tile
+ * unit takes the 12- and 16-bit batches) or the weights (float),
  * `what` saying why. */
 double fi_bench_product_ceiling(fi_pool *pool, const struct fi_model *m, const char *simd, int act_bits,
                                 char *what, size_t len);
