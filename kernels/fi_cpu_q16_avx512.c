@@ -119,15 +119,16 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
     const size_t stride = t->w_stride;
     const uint8_t *w0 = t->w + (size_t)r * stride;
     const int nb = t->cols / FI_QK;
-    const uint8_t *p[16];
-    const __m512i vidx = s_rows(w0, stride, nr, p);
+    /* a packed group is read from wp alone; other rows need their
+     * pointers and offsets */
+    const uint8_t *pk = s_packed(t, r, nr), *p[16] = {0};
+    const __m512i vidx = pk ? _mm512_setzero_si512() : s_rows(w0, stride, nr, p);
     const fi_block_q16x *xr[S_PT];
     __m512 acc[S_PT];
     for (int j = 0; j < T; j++) {
         xr[j] = (const fi_block_q16x *)(const void *)(t->x + (size_t)(k + j) * t->x_stride);
         acc[j] = _mm512_setzero_ps();
     }
-    const uint8_t *pk = s_packed(t, r, nr);
     for (int b = 0; b < nb; b++) {
         if (pf) {
             /* this step's share of the group S_PF_GROUPS ahead */
@@ -141,8 +142,9 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
         __m512i D[8], W[16];
         s_quants(kind, p, pb ? pb + S_QOFF(kind) : NULL, D);
         s_w16_of(kind, D, W);
-        for (int i = 0; i < 16; i++)
-            p[i] += bsz;
+        if (!pb)
+            for (int i = 0; i < 16; i++)
+                p[i] += bsz;
 #pragma GCC unroll 8
         for (int j = 0; j < T; j++) {
             const fi_block_q16x *x = xr[j] + b;
