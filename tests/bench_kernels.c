@@ -380,7 +380,9 @@ int main(int argc, char **argv) {
                 enum { NS = 16, NP = 80, BS = 16, NBLK = NS * NP / BS, POOL = 8 * NBLK };
                 const int kv_dim = 3 * 64;
                 const size_t rows = (size_t)POOL * BS, rb16 = fi_kv_row_bytes(FI_KV_ROW_F16, 3, 64);
-                uint8_t *kc = malloc(rb16 * rows), *vc = malloc(rb16 * rows);
+                /* from the backend, as the engine's cache (huge pages where the
+                 * kernel grants them) */
+                uint8_t *kc = b->ops->alloc(b->ctx, rb16 * rows), *vc = b->ops->alloc(b->ctx, rb16 * rows);
                 float *kf = malloc(sizeof(float) * rows * kv_dim), *vf = malloc(sizeof(float) * rows * kv_dim);
                 float *q = malloc(sizeof(float) * NS * 576), *o = malloc(sizeof(float) * NS * 576);
                 size_t big = (size_t)64 << 20;
@@ -441,8 +443,8 @@ int main(int argc, char **argv) {
                 }
                 if (fi_cpu_backend_set_kv_bits(b, 16) != 0)
                     return 1;
-                free(kc);
-                free(vc);
+                b->ops->free(b->ctx, kc);
+                b->ops->free(b->ctx, vc);
                 free(kf);
                 free(vf);
                 free(slot);
