@@ -76,7 +76,10 @@
 #define S_PT 8        /* tokens per tile */
 #endif
 #ifndef S_CH
-#define S_CH 4        /* dot-product chains per token and block */
+#define S_CH 4        /* dot-product chains per token and block, tiles under S_PT tokens */
+#endif
+#ifndef S_CH_FULL
+#define S_CH_FULL 2   /* the same, full tiles of S_PT tokens */
 #endif
 #ifndef S_PF_GROUPS
 #define S_PF_GROUPS 2 /* one token: prefetch this many 16-row groups ahead */
@@ -151,14 +154,19 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
         for (int j = 0; j < T; j++) {
             const fi_block_q16x *x = xr[j] + b;
             const int32_t *xq = (const int32_t *)(const void *)x->qs;
-            /* S_CH independent chains, so that one token's products
-             * overlap; integer sums: any order gives the same value */
-            __m512i ch[S_CH];
-            for (int c = 0; c < S_CH; c++)
+            /* nch independent chains, so that one token's products
+             * overlap: a full tile has S_PT tokens' chains in flight and
+             * needs fewer per token (each one more is an add per token and
+             * block; on Zen 5, 2 against 4 made 16-sequence decode steps
+             * 4-6% faster, 1 made them 7% slower: too few in flight);
+             * integer sums: any order gives the same value */
+            const int nch = T == S_PT ? S_CH_FULL : S_CH;
+            __m512i ch[S_CH > S_CH_FULL ? S_CH : S_CH_FULL];
+            for (int c = 0; c < nch; c++)
                 ch[c] = _mm512_madd_epi16(W[c], _mm512_set1_epi32(xq[c])); /* dpwssd(0, ...) */
-            for (int c = S_CH; c < 16; c++)
-                ch[c % S_CH] = _mm512_dpwssd_epi32(ch[c % S_CH], W[c], _mm512_set1_epi32(xq[c]));
-            for (int c = 1; c < S_CH; c++)
+            for (int c = nch; c < 16; c++)
+                ch[c % nch] = _mm512_dpwssd_epi32(ch[c % nch], W[c], _mm512_set1_epi32(xq[c]));
+            for (int c = 1; c < nch; c++)
                 ch[0] = _mm512_add_epi32(ch[0], ch[c]);
             __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(ch[0]), _mm512_set1_ps(x->d));
             acc[j] = _mm512_fmadd_ps(v, dw, acc[j]);
@@ -171,8 +179,27 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
         _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
 }
 
-/* Tokens k..n-1 of rows r..r+nr-1 in tiles of S_PT, then 4, 2, 1. */
-S_DEFINE_TOKEN_TILES(s_tokens, s_tile, S_PT)
+/* Tokens k..n-1 of rows r..r+nr-1: tiles of S_PT, then one tile of the
+ * rest (a tile of each size, so that its loops unroll). One tile for the
+ * rest rather than tiles of 4, 2 and 1: each tile unpacks the rows'
+ * weights again, and a step of 13-15 sequences (a closed loop of 16 whose
+ * requests end at different steps) then paid four unpackings a block
+ * instead of two. */
+S_INLINE void s_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int pf) {
+    for (; k + S_PT <= t->n; k += S_PT, pf = 0)
+        s_tile(kind, bsz, t, r, nr, k, S_PT, pf);
+    _Static_assert(S_PT == 8, "one case per size of the rest");
+    switch (t->n - k) {
+    case 7: s_tile(kind, bsz, t, r, nr, k, 7, pf); break;
+    case 6: s_tile(kind, bsz, t, r, nr, k, 6, pf); break;
+    case 5: s_tile(kind, bsz, t, r, nr, k, 5, pf); break;
+    case 4: s_tile(kind, bsz, t, r, nr, k, 4, pf); break;
+    case 3: s_tile(kind, bsz, t, r, nr, k, 3, pf); break;
+    case 2: s_tile(kind, bsz, t, r, nr, k, 2, pf); break;
+    case 1: s_tile(kind, bsz, t, r, nr, k, 1, pf); break;
+    default: break;
+    }
+}
 
 /* One token: groups of 16 rows, prefetching. Several: sub-blocks of S_RB
  * rows (their weights stay in L1 while the token tiles pass over them),
