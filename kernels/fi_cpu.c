@@ -811,11 +811,11 @@ static uint64_t s_att_touch(const uint8_t *c, size_t row, int nr, size_t row_byt
  * byte of every line of its K and V runs, run by run, and only then does
  * the arithmetic, from cache. Plain loads, independent of each other, keep
  * many more misses in flight than the arithmetic's own loads or software
- * prefetches issued beside it: on the 2-core Zen 5 machine, 16 sequences'
- * decode steps at positions 16-272 took 8-21% less time with this read
- * pass than with the prefetches (both alternated step by step in one
- * process), one sequence's the same; attention alone, 16 sequences at
- * position 79 from cold, 50-80 us against 85-125. An item of some KV heads
+ * prefetches issued beside it: on the 2-core Zen 5 machine, with this read
+ * pass against those prefetches (alternated step by step in one process,
+ * positions 16-272), steps of 16 sequences' decode took 2-4% less time,
+ * of 13-15 sequences 9% less, all decode steps together 5-6%, one
+ * sequence's the same. An item of some KV heads
  * (one sequence's decode at a short context, the heads shared out between
  * threads) needs only part of each row: while its first KV head scores a
  * run, it prefetches the next run of K and this run of V, whole rows, for

@@ -76,10 +76,7 @@
 #define S_PT 8        /* tokens per tile */
 #endif
 #ifndef S_CH
-#define S_CH 4        /* dot-product chains per token and block, tiles under S_PT tokens */
-#endif
-#ifndef S_CH_FULL
-#define S_CH_FULL 2   /* the same, full tiles of S_PT tokens */
+#define S_CH 4        /* dot-product chains per token and block */
 #endif
 #ifndef S_PF_GROUPS
 #define S_PF_GROUPS 2 /* one token: prefetch this many 16-row groups ahead */
@@ -154,19 +151,16 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
         for (int j = 0; j < T; j++) {
             const fi_block_q16x *x = xr[j] + b;
             const int32_t *xq = (const int32_t *)(const void *)x->qs;
-            /* nch independent chains, so that one token's products
-             * overlap: a full tile has S_PT tokens' chains in flight and
-             * needs fewer per token (each one more is an add per token and
-             * block; on Zen 5, 2 against 4 made 16-sequence decode steps
-             * 4-6% faster, 1 made them 7% slower: too few in flight);
-             * integer sums: any order gives the same value */
-            const int nch = T == S_PT ? S_CH_FULL : S_CH;
-            __m512i ch[S_CH > S_CH_FULL ? S_CH : S_CH_FULL];
-            for (int c = 0; c < nch; c++)
+            /* S_CH independent chains, so that one token's products
+             * overlap (on Zen 5, in full tiles of 8 tokens, 2 or 8 chains
+             * made 16-sequence decode steps 2-4% slower than 4, 1 chain
+             * 7%); integer sums: any order gives the same value */
+            __m512i ch[S_CH];
+            for (int c = 0; c < S_CH; c++)
                 ch[c] = _mm512_madd_epi16(W[c], _mm512_set1_epi32(xq[c])); /* dpwssd(0, ...) */
-            for (int c = nch; c < 16; c++)
-                ch[c % nch] = _mm512_dpwssd_epi32(ch[c % nch], W[c], _mm512_set1_epi32(xq[c]));
-            for (int c = 1; c < nch; c++)
+            for (int c = S_CH; c < 16; c++)
+                ch[c % S_CH] = _mm512_dpwssd_epi32(ch[c % S_CH], W[c], _mm512_set1_epi32(xq[c]));
+            for (int c = 1; c < S_CH; c++)
                 ch[0] = _mm512_add_epi32(ch[0], ch[c]);
             __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(ch[0]), _mm512_set1_ps(x->d));
             acc[j] = _mm512_fmadd_ps(v, dw, acc[j]);
@@ -183,8 +177,8 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
  * rest (a tile of each size, so that its loops unroll). One tile for the
  * rest rather than tiles of 4, 2 and 1: each tile unpacks the rows'
  * weights again, and a step of 13-15 sequences (a closed loop of 16 whose
- * requests end at different steps) then paid four unpackings a block
- * instead of two. */
+ * requests end at different steps) paid four unpackings a block instead
+ * of two; such steps are 3-5% faster this way on Zen 5 (in-process A/B). */
 S_INLINE void s_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int pf) {
     for (; k + S_PT <= t->n; k += S_PT, pf = 0)
         s_tile(kind, bsz, t, r, nr, k, S_PT, pf);
