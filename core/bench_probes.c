@@ -268,12 +268,12 @@ double fi_bench_product_ceiling(fi_pool *pool, const fi_model *m, const char *si
     snprintf(what, len, "no probe for this backend");
     /* the flavours whose quantised products are the AVX2 sequences: the
      * avxvnni one keeps AVX2's at 12 and 16 bits (vpdpbusd at 8); the
-     * avx512vnni one has its own, but at 12 and 16 bits batches go to the
-     * AMX tile unit where there is one (not probed) */
+     * avx512vnni one has its own, but at 12 bits batches go to the AMX
+     * tile unit where there is one (not probed) */
     const int avx2 = simd && (!strcmp(simd, "avx2") || (!strcmp(simd, "avxvnni") && act_bits != 8));
     const int avx512 = simd && !strcmp(simd, "avx512vnni");
     if (!avx2 && !avx512) return 0;
-    if (avx512 && act_bits != 8 && s_has_amx_int8()) {
+    if (avx512 && act_bits == 12 && s_has_amx_int8()) {
         snprintf(what, len, "no probe for the AMX tile unit");
         return 0;
     }

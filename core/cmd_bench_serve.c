@@ -441,7 +441,7 @@ static void s_usage(FILE *f) {
             "                           its median and range are printed\n"
             "      --device DEV         cpu, cuda or auto (default auto)\n"
             "      --act-bits N         activation precision of the CPU's quantised products:\n"
-            "                           12 (default), 16 or 8 (see fedinfer run --help)\n"
+            "                           16, 12 or 8 (default and meaning: fedinfer run --help)\n"
             "      --kv-bits N          the CPU's KV cache: 16 (fp16, default) or 8 (int8 with\n"
             "                           a scale per head: half the bytes)\n"
             "  -h, --help               this text\n");
@@ -458,7 +458,7 @@ int fi_cmd_bench_serve(int argc, char **argv) {
         {"kv-bits", required_argument, 0, 'K'},       {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *only = NULL;
     char conc[128] = "1,4,16,64";
-    long threads = 0, n_prompt = 64, n_gen = 64, n_prefix = 512, reps = 1, act_bits = 12, kv_bits = 16;
+    long threads = 0, n_prompt = 64, n_gen = 64, n_prefix = 512, reps = 1, act_bits = 0, kv_bits = 16;
     fi_device device = FI_DEVICE_AUTO;
     int c;
     optind = 1;

@@ -90,11 +90,13 @@ static void s_run_usage(FILE *f) {
             "      --simd MODE         auto, portable or avx2 (default auto)\n"
             "      --device DEV        cpu, cuda or auto: CUDA device 0 when present, else\n"
             "                          the CPU (default auto)\n"
-            "      --act-bits N        activation precision in quantised products: 12\n"
-            "                          (default: logits within ~0.2 of an exact\n"
-            "                          computation), 16 (within ~0.02; slower batches on\n"
-            "                          AMX) or 8 (as llama.cpp; up to ~1.2; batches of\n"
-            "                          tokens faster with AVX512-VNNI)\n"
+            "      --act-bits N        activation precision in quantised products: 16\n"
+            "                          (one scale per token; logits within ~0.08 of an\n"
+            "                          exact computation), 12 (a scale per 32 values,\n"
+            "                          within ~0.2; batches faster on AMX) or 8 (as\n"
+            "                          llama.cpp; up to ~1.2; batches of tokens faster\n"
+            "                          with AVX512-VNNI); default 12 where an AMX tile\n"
+            "                          unit serves the products, else 16\n"
             "      --kv-bits N         KV cache precision on the CPU: 16 (fp16, default)\n"
             "                          or 8 (int8 with a scale per head: half the memory\n"
             "                          and half the bytes attention reads)\n"
@@ -185,7 +187,7 @@ int fi_cmd_run(int argc, char **argv) {
         {0, 0, 0, 0}};
     const char *model = fi_default_model_path(), *system = NULL, *sha256 = NULL;
     int raw = 0, stats = 0, seed_given = 0;
-    long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 12, kv_bits = 16, v;
+    long max_tokens = 256, threads = 0, n_ctx = 4096, act_bits = 0, kv_bits = 16, v;
     fi_simd simd = FI_SIMD_AUTO;
     fi_device device = FI_DEVICE_AUTO;
     fi_sampler_params sp = fi_sampler_defaults();

@@ -79,10 +79,11 @@ typedef struct fi_model_opts {
     int n_threads;   /* CPU threads; <= 0: one per core */
     fi_simd simd;    /* CPU code path */
     int act_bits;    /* activation precision of quantised products on the
-                        CPU (fi_cpu_backend_set_act_bits): 12 (0 means this
-                        default), 16 (most exact) or 8 (least exact;
-                        batches faster with AVX512-VNNI); the CUDA backend
-                        always uses fp16 */
+                        CPU (fi_cpu_backend_set_act_bits): 16, 12 or 8
+                        (least exact; batches faster with AVX512-VNNI);
+                        0: the backend's default (12 where an AMX tile
+                        unit serves the products, else 16); the CUDA
+                        backend always uses fp16 */
     int kv_bits;     /* KV cache precision on the CPU
                         (fi_cpu_backend_set_kv_bits): 16 (0 means this
                         default, fp16) or 8 (int8 with a scale per head: half

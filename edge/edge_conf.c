@@ -52,7 +52,7 @@ void fi_edge_conf_default(fi_edge_conf *c) {
     snprintf(c->listen, sizeof c->listen, "127.0.0.1");
     c->port = 8080;
     c->n_ctx = 2048;
-    c->act_bits = 12;
+    c->act_bits = 0; /* the backend's default (fi_cpu_backend_set_act_bits) */
     c->kv_bits = 16;
     c->concurrency = 4;
     c->queue = 16;

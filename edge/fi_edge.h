@@ -30,7 +30,8 @@ typedef struct fi_edge_conf {
     char model_sha256[FI_CONF_STR_MAX];    /* its expected SHA-256 ("": not checked) */
     char model_name[FI_CONF_STR_MAX];      /* name requests use for it */
     int threads;                           /* engine threads (0: one per core) */
-    int act_bits;                          /* CPU activation precision: 12, 16 or 8
+    int act_bits;                          /* CPU activation precision: 16, 12 or 8,
+                                              0 the backend's default
                                               (fi_cpu_backend_set_act_bits) */
     int kv_bits;                           /* CPU KV cache precision: 16 or 8
                                               (fi_cpu_backend_set_kv_bits) */

@@ -264,7 +264,7 @@ int fi_group_rank_conf_load(const char *path, fi_group_rank_conf *r, char *err, 
     }
     int rc = -1;
     raw->capacity = 8;
-    raw->act_bits = 12;
+    raw->act_bits = 0; /* the backend's default (fi_cpu_backend_set_act_bits) */
     raw->kv_bits = 16;
     raw->heartbeat_ms = 1000;
     raw->liveness = 3;

@@ -110,7 +110,7 @@ typedef struct fi_group_rank_conf {
     char model[FI_CONF_STR_MAX];      /* GGUF path */
     char model_sha256[FI_CONF_STR_MAX]; /* its expected SHA-256 ("": not checked) */
     int threads;                      /* CPU threads, 0: all */
-    int act_bits;                     /* CPU activation precision: 12, 16 or 8 */
+    int act_bits;                     /* CPU activation precision: 16, 12 or 8; 0 the backend's default */
     int kv_bits;                      /* CPU KV cache precision: 16 or 8 */
     char device[FI_CONF_STR_MAX];     /* cpu, cuda, auto (default cpu) */
     int gpu;                          /* CUDA device index (default 0): ranks

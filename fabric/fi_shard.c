@@ -42,7 +42,7 @@ void fi_shard_conf_default(fi_shard_conf *c) {
     c->liveness = 3;
     c->max_tokens = 512;
     c->prefix_cache = 1;
-    c->act_bits = 12;
+    c->act_bits = 0; /* the backend's default (fi_cpu_backend_set_act_bits) */
     c->kv_bits = 16;
 }
 

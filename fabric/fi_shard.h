@@ -129,7 +129,7 @@ typedef struct fi_shard_conf {
     int liveness;                          /* silent intervals before reconnecting */
     int n_ctx;                             /* context per session, tokens */
     int threads;                           /* CPU threads, 0: all */
-    int act_bits;                          /* CPU activation precision: 12, 16 or 8 */
+    int act_bits;                          /* CPU activation precision: 16, 12 or 8; 0 the backend's default */
     int kv_bits;                           /* CPU KV cache precision: 16 or 8 */
     int max_tokens;                        /* cap on a request's max_tokens */
     int kv_mb;                             /* KV-cache pool, MiB (0: the scheduler's 256) */

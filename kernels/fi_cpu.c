@@ -17,8 +17,9 @@
  * call, for every product of that input (matmul_n), inside the same job,
  * into a scratch buffer owned by the backend (grown on demand; when
  * growing fails the tokens are processed in groups that fit): to 16-bit
- * quants, below 12 bits for Q4 weights by default (fi_cpu_q16_impl.h), or
- * to 8 bits (fi_cpu_backend_set_act_bits).
+ * quants with one scale per token, or per block below 12 bits for Q4
+ * weights where the AMX tile unit serves them (fi_cpu_q16_impl.h), or to
+ * 8 bits (fi_cpu_backend_set_act_bits).
  *
  * Not thread-safe: one thread drives a backend, as the engine does.
  */
@@ -250,6 +251,7 @@ typedef struct s_mm_job {
     const float *x;                 /* n rows of cols floats */
     int n, cols, bits;              /* shape, activation bits (12, 16 or 8) */
     int qmax;                       /* 12 and 16: the quants' bound (fi_q16_qmax) */
+    int xtok;                       /* 16: one scale per token (fi_mm_task.xtok) */
     size_t xrow;                    /* bytes per quantised row */
     uint8_t *xq;                    /* the quantised rows */
     uint8_t *xs;                    /* their split tiles, or NULL */
@@ -280,7 +282,10 @@ static void s_prep_row(const s_mm_job *j, int k, uint8_t *xq, uint8_t *xs) {
         c->k.quantize_q8x(x, (fi_block_q8x *)(void *)q, nb);
         return;
     }
-    c->q16.quantize(x, (fi_block_q16x *)(void *)q, nb, j->qmax);
+    if (j->xtok)
+        c->q16.quantize_tok(x, (fi_block_q16x *)(void *)q, nb);
+    else
+        c->q16.quantize(x, (fi_block_q16x *)(void *)q, nb, j->qmax);
     if (xs)
         c->q16.split((const fi_block_q16x *)(const void *)q, nb,
                      xs + (size_t)(k / 16) * FI_Q16_TILE_BYTES(nb), k % 16, j->qmax);
@@ -445,6 +450,7 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
     assert(count >= 1 && count <= S_MM_MAX);
     const int cols = w[0]->cols, bits = c->act_bits;
     const int quant = fi_dtype_block_elems(w[0]->type) > 1, qmax = fi_q16_qmax(w[0]->type, bits);
+    const int xtok = bits == 16;
     for (int i = 1; i < count; i++)
         if ((fi_dtype_block_elems(w[i]->type) > 1) != quant || w[i]->cols != cols ||
             fi_q16_qmax(w[i]->type, bits) != qmax) {
@@ -462,7 +468,7 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
         j.task[i] = (fi_mm_task){
             .w = w[i]->data, .wp = w[i]->dev, .w_stride = w[i]->row_bytes, .cols = cols,
             .x = (const uint8_t *)x, .x_stride = (size_t)cols * sizeof(float),
-            .n = n, .y = y[i], .y_stride = w[i]->rows, .qmax = qmax,
+            .n = n, .y = y[i], .y_stride = w[i]->rows, .qmax = qmax, .xtok = xtok,
         };
         j.nrows[i] = w[i]->rows;
         j.row0[i + 1] = j.row0[i] + (w[i]->rows + 15) / 16 * 16;
@@ -478,7 +484,7 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
     const size_t xrow = (size_t)nb * (bits != 8 ? sizeof(fi_block_q16x) : sizeof(fi_block_q8x));
     int split = bits != 8 && c->q16.split && n >= FI_Q16_AMX_MIN;
     for (int i = 0; i < count; i++)
-        split = split && fi_q16_tiles(w[i]->type, qmax);
+        split = split && fi_q16_tiles(w[i]->type, qmax, xtok);
     size_t tile = FI_Q16_TILE_BYTES(nb);
     int group = n;
     /* the whole input, quantised (and split) */
@@ -519,6 +525,7 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
         j.cols = cols;
         j.bits = bits;
         j.qmax = qmax;
+        j.xtok = xtok;
         j.xrow = xrow;
         j.xq = c->scratch;
         j.xs_off = s_round_up((size_t)g * xrow, S_ALIGN);
@@ -1238,13 +1245,16 @@ fi_backend *fi_cpu_backend_new_flavour(int n_threads, const char *flavour, char 
         s_err(err, errlen, "cpu backend: out of memory");
         goto fail;
     }
-    c->act_bits = 12;
     c->kv_bits = FI_KV_ROW_F16;
     if (s_pick_kernels(&c->k, &c->q16, flavour) != 0) {
         s_err(err, errlen, "cpu backend: kernels '%s' not built or not supported by this processor",
                  flavour);
         goto fail;
     }
+    /* one scale per token (more exact, and without the per-block multiply
+     * faster), except where the tile unit takes 12-bit blocks in one
+     * product (fi_cpu_backend_set_act_bits) */
+    c->act_bits = c->q16.split ? 12 : 16;
     c->scratch = aligned_alloc(S_ALIGN, S_SCRATCH_MIN);
     c->scratch_bytes = S_SCRATCH_MIN;
     c->pool = fi_pool_new(n_threads);
@@ -1337,6 +1347,10 @@ int fi_cpu_backend_act_bits(const fi_backend *b) {
     if (!b || b->ops != &s_cpu_ops)
         return 0;
     return ((const s_cpu *)b->ctx)->act_bits;
+}
+
+int fi_cpu_backend_tiles(const fi_backend *b) {
+    return b && b->ops == &s_cpu_ops && ((const s_cpu *)b->ctx)->q16.split != NULL;
 }
 
 int fi_cpu_backend_threads(const fi_backend *b) {

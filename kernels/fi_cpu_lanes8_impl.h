@@ -134,6 +134,13 @@ FI_L8_INLINE __m256 fi_l8_accum(__m256 acc, __m256i isum, float dx, float s, __m
     return offset ? _mm256_fmadd_ps(aw, _mm256_set1_ps(s), acc) : acc;
 }
 
+/* fi_l8_accum for x with one scale per token (fi_mm_task.xtok, s in units
+ * of it): no multiply by dx here; the row's sum takes it once at the end. */
+FI_L8_INLINE __m256 fi_l8_accum_tok(__m256 acc, __m256i isum, float s, __m256 dw, __m256 aw, int offset) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dw, acc);
+    return offset ? _mm256_fmadd_ps(aw, _mm256_set1_ps(s), acc) : acc;
+}
+
 /* FI_L8_PACKED_TILES: whether the tiles of several tokens over packed
  * rows take their own path (s_tile_pk, s_l8_tile_pk). Not under
  * AddressSanitizer or ThreadSanitizer: instrumented by clang, they ran

@@ -30,6 +30,30 @@ void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb, int qmax) {
     }
 }
 
+/* One scale for the row: d = amax / 32767 over all its blocks, each
+ * block's s the sum of its x times 1 / d (fi_block_q16x). The same guards
+ * as above: a row too small for a normal d quantises to zeros with d 0 and
+ * s 0, a NaN amax gives d NaN and quants 0. */
+void fi_quantize_q16x_tok_ref(const float *x, fi_block_q16x *y, int nb) {
+    const float fq = (float)FI_Q16_QMAX;
+    float amax = 0.0f;
+    for (int i = 0; i < nb * FI_QK; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax || a != a ? a : amax;
+    }
+    const float lo = fq * FLT_MIN;
+    float d = !(amax < lo) ? amax / fq : 0.0f, id = amax >= lo ? fq / amax : 0.0f;
+    for (int b = 0; b < nb; b++, x += FI_QK) {
+        float s = 0.0f;
+        for (int i = 0; i < FI_QK; i++)
+            s += x[i];
+        y[b].d = d;
+        y[b].s = s * id;
+        for (int i = 0; i < FI_QK; i++)
+            y[b].qs[i] = (int16_t)lrintf(x[i] * id);
+    }
+}
+
 /* Sum over one block of (nibble value) * qs, nibbles as GGML lays them. */
 static int32_t s_dot_nib(const uint8_t *qs, const int16_t *x) {
     int32_t sum = 0;
@@ -46,10 +70,10 @@ static void s_mm_q4_0(const fi_mm_task *t, int r0, int r1) {
             const fi_block_q16x *x = (const fi_block_q16x *)(const void *)(t->x + (size_t)k * t->x_stride);
             float acc = 0.0f;
             for (int b = 0; b < nb; b++) {
-                float d = fi_h2f(w[b].d);
-                acc += d * x[b].d * (float)s_dot_nib(w[b].qs, x[b].qs) - 8.0f * d * x[b].s;
+                float d = fi_h2f(w[b].d), dx = t->xtok ? 1.0f : x[b].d;
+                acc += d * dx * (float)s_dot_nib(w[b].qs, x[b].qs) - 8.0f * d * x[b].s;
             }
-            t->y[(size_t)k * t->y_stride + r] = acc;
+            t->y[(size_t)k * t->y_stride + r] = t->xtok ? acc * x[0].d : acc;
         }
     }
 }
@@ -62,9 +86,9 @@ static void s_mm_q4_1(const fi_mm_task *t, int r0, int r1) {
             const fi_block_q16x *x = (const fi_block_q16x *)(const void *)(t->x + (size_t)k * t->x_stride);
             float acc = 0.0f;
             for (int b = 0; b < nb; b++)
-                acc += fi_h2f(w[b].d) * x[b].d * (float)s_dot_nib(w[b].qs, x[b].qs) +
+                acc += fi_h2f(w[b].d) * (t->xtok ? 1.0f : x[b].d) * (float)s_dot_nib(w[b].qs, x[b].qs) +
                        fi_h2f(w[b].m) * x[b].s;
-            t->y[(size_t)k * t->y_stride + r] = acc;
+            t->y[(size_t)k * t->y_stride + r] = t->xtok ? acc * x[0].d : acc;
         }
     }
 }
@@ -80,9 +104,9 @@ static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
                 int32_t sum = 0;
                 for (int i = 0; i < FI_QK; i++)
                     sum += (int32_t)w[b].qs[i] * x[b].qs[i];
-                acc += fi_h2f(w[b].d) * x[b].d * (float)sum;
+                acc += fi_h2f(w[b].d) * (t->xtok ? 1.0f : x[b].d) * (float)sum;
             }
-            t->y[(size_t)k * t->y_stride + r] = acc;
+            t->y[(size_t)k * t->y_stride + r] = t->xtok ? acc * x[0].d : acc;
         }
     }
 }
@@ -110,6 +134,7 @@ void fi_q16_pack(fi_dtype type, const uint8_t *w, size_t stride, int rows, int c
 
 void fi_q16_kernels_portable(fi_q16_kernels *k) {
     k->quantize = fi_quantize_q16x_ref;
+    k->quantize_tok = fi_quantize_q16x_tok_ref;
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;

@@ -30,6 +30,7 @@
 #include "fi_cpu_lanes8_impl.h"
 
 #include <float.h>
+#include <math.h>
 #include <immintrin.h>
 #include <stddef.h>
 #include <string.h>
@@ -68,6 +69,39 @@ static void s_quantize(const float *x, fi_block_q16x *y, int nb, int qmax) {
         __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid));
         __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
         /* packs works within 128-bit lanes; the permute restores order */
+        __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+        __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
+        _mm256_storeu_si256((__m256i *)(void *)y[b].qs, p0);
+        _mm256_storeu_si256((__m256i *)(void *)(y[b].qs + 16), p1);
+    }
+}
+
+/* One scale for the row (fi_quantize_q16x_tok_ref, the same bits but for
+ * s, which is the sum above, times 1 / d): a pass for the row's max, then
+ * the blocks as above. */
+static void s_quantize_tok(const float *x, fi_block_q16x *y, int nb) {
+    const float fq = (float)FI_Q16_QMAX;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < nb * FI_QK; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        mx = _mm256_max_ps(_mm256_andnot_ps(sign, v), mx);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    /* a NaN in x makes amax NaN, as in the reference (vmaxps drops it) */
+    float amax = _mm256_movemask_ps(nan) ? NAN : s_hmax(mx);
+    const float lo = fq * FLT_MIN;
+    const float d = !(amax < lo) ? amax / fq : 0.0f, id = amax >= lo ? fq / amax : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id);
+    for (int b = 0; b < nb; b++, x += FI_QK) {
+        __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+        __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
+        y[b].d = d;
+        y[b].s = s_hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3))) * id;
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
         __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
         __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
         _mm256_storeu_si256((__m256i *)(void *)y[b].qs, p0);
@@ -184,14 +218,15 @@ S_INLINE void s_dots(fi_dtype kind, const fi_l8_block *s, int H, const fi_block_
  * Batch invariance: every (row, token) result is formed by the same
  * sequence of floating-point operations whatever the tile: per block, in
  * the row's lane, v = float(isum) * d_x, acc = fma(v, d_w, acc), then (Q4)
- * acc = fma(a, s, acc); y = acc. The integer sum isum is exact whatever
+ * acc = fma(a, s, acc); y = acc (one scale per token, fi_mm_task.xtok:
+ * fi_l8_accum_tok, and y = acc * d_x). The integer sum isum is exact whatever
  * the order of its products, and vector operations work lane by lane, so
  * neither the other rows sharing a register nor the number of tokens
  * changes a lane's value. All intrinsics: no compiler contraction can
  * tell the shapes apart. (The AVX512 kernels take the same steps.) */
 S_INLINE void s_tile(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int nr, int r1, int k, int H, int T,
                      int pf) {
-    const int nb = t->cols / FI_QK;
+    const int nb = t->cols / FI_QK, xtok = t->xtok;
     const fi_block_q16x *xr[S_PT];
     fi_l8_rows rw;
     __m256 acc[2][S_PT];
@@ -215,12 +250,15 @@ S_INLINE void s_tile(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int 
         s_dots(kind, s, H, xr, b, T, isum);
         for (int h = 0; h < H; h++)
             for (int j = 0; j < T; j++)
-                acc[h][j] = fi_l8_accum(acc[h][j], isum[h][j], xr[j][b].d, xr[j][b].s, dw[h], aw[h],
-                                        kind != FI_DTYPE_Q8_0);
+                acc[h][j] = xtok ? fi_l8_accum_tok(acc[h][j], isum[h][j], xr[j][b].s, dw[h], aw[h],
+                                                   kind != FI_DTYPE_Q8_0)
+                                 : fi_l8_accum(acc[h][j], isum[h][j], xr[j][b].d, xr[j][b].s, dw[h], aw[h],
+                                               kind != FI_DTYPE_Q8_0);
     }
     for (int h = 0; h < H; h++)
         for (int j = 0; j < T; j++)
-            fi_l8_store(t->y + (size_t)(k + j) * t->y_stride + r + 8 * h, acc[h][j], rw.nh[h]);
+            fi_l8_store(t->y + (size_t)(k + j) * t->y_stride + r + 8 * h,
+                        xtok ? _mm256_mul_ps(acc[h][j], _mm256_set1_ps(xr[j]->d)) : acc[h][j], rw.nh[h]);
 }
 
 /* s_tile for several tokens where the eight rows are a packed half (all
@@ -234,7 +272,7 @@ S_INLINE void s_tile(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int 
  * shapes): Q4_1 1.12-1.17x s_tile, Q8_0 1.12-1.23x, on the 2-core AMD
  * EPYC (Zen 3) machine, alternated in one process. */
 S_INLINE void s_tile_pk(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, int k, int T, int pf) {
-    const int nb = t->cols / FI_QK;
+    const int nb = t->cols / FI_QK, xtok = t->xtok;
     const uint8_t *pk = t->wp + (size_t)(r & ~15) * t->w_stride; /* the packed group */
     const int half = (r >> 3) & 1;
     const uint8_t *ahead = pf && half == 0 ? pk + S_PF_GROUPS * 16 * t->w_stride : NULL;
@@ -278,10 +316,12 @@ S_INLINE void s_tile_pk(fi_dtype kind, size_t bsz, const fi_mm_task *t, int r, i
             }
         }
         for (int j = 0; j < T; j++)
-            acc[j] = fi_l8_accum(acc[j], isum[j], xr[j][b].d, xr[j][b].s, dw, aw, kind != FI_DTYPE_Q8_0);
+            acc[j] = xtok ? fi_l8_accum_tok(acc[j], isum[j], xr[j][b].s, dw, aw, kind != FI_DTYPE_Q8_0)
+                          : fi_l8_accum(acc[j], isum[j], xr[j][b].d, xr[j][b].s, dw, aw, kind != FI_DTYPE_Q8_0);
     }
     for (int j = 0; j < T; j++)
-        _mm256_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, acc[j]);
+        _mm256_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r,
+                         xtok ? _mm256_mul_ps(acc[j], _mm256_set1_ps(xr[j]->d)) : acc[j]);
 }
 
 /* s_tile, or s_tile_pk where it applies. */
@@ -307,6 +347,7 @@ static void s_mm_q8_0(const fi_mm_task *t, int r0, int r1) {
 
 void fi_q16_kernels_avx2(fi_q16_kernels *k) {
     k->quantize = s_quantize;
+    k->quantize_tok = s_quantize_tok;
     k->mm_q4_0 = s_mm_q4_0;
     k->mm_q4_1 = s_mm_q4_1;
     k->mm_q8_0 = s_mm_q8_0;

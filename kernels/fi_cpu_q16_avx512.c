@@ -45,7 +45,8 @@
  * Batch invariance: every (row, token) result is formed by the same
  * sequence of floating-point operations whatever the tile: per block, in
  * the row's lane, v = float(isum) * d_x, acc = fma(v, d_w, acc), then (Q4)
- * acc = fma(a, s, acc); y = acc. The integer sum isum is exact whatever
+ * acc = fma(a, s, acc); y = acc (with one scale per token, xtok: v =
+ * float(isum), and y = acc * d_x). The integer sum isum is exact whatever
  * the order of its products. Vector operations work lane by lane, so
  * neither the other rows sharing a register (a partial group of rows
  * repeats its last row) nor the number of tokens in the tile changes a
@@ -115,7 +116,8 @@ S_INLINE void s_w16_of(int kind, const __m512i *D, __m512i W[16]) {
 /* Rows r..r+nr-1 (1 <= nr <= 16; a partial group repeats its last row)
  * times tokens k..k+T-1 (T <= S_PT), one row per lane. pf: the one-token
  * tile, which prefetches the groups ahead. */
-S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int T, int pf) {
+S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int T, int pf,
+                     int xtok) {
     const size_t stride = t->w_stride;
     const uint8_t *w0 = t->w + (size_t)r * stride;
     const int nb = t->cols / FI_QK;
@@ -162,15 +164,20 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
                 ch[c % S_CH] = _mm512_dpwssd_epi32(ch[c % S_CH], W[c], _mm512_set1_epi32(xq[c]));
             for (int c = 1; c < S_CH; c++)
                 ch[0] = _mm512_add_epi32(ch[0], ch[c]);
-            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(ch[0]), _mm512_set1_ps(x->d));
+            __m512 v = _mm512_cvtepi32_ps(ch[0]);
+            if (!xtok)
+                v = _mm512_mul_ps(v, _mm512_set1_ps(x->d));
             acc[j] = _mm512_fmadd_ps(v, dw, acc[j]);
             if (kind != S_Q8_0)
                 acc[j] = _mm512_fmadd_ps(aw, _mm512_set1_ps(x->s), acc[j]);
         }
     }
     const __mmask16 m = (__mmask16)((1u << nr) - 1);
-    for (int j = 0; j < T; j++)
+    for (int j = 0; j < T; j++) {
+        if (xtok)
+            acc[j] = _mm512_mul_ps(acc[j], _mm512_set1_ps(xr[j]->d));
         _mm512_mask_storeu_ps(t->y + (size_t)(k + j) * t->y_stride + r, m, acc[j]);
+    }
 }
 
 /* Tokens k..n-1 of rows r..r+nr-1: tiles of S_PT, then one tile of the
@@ -179,18 +186,18 @@ S_INLINE void s_tile(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, i
  * weights again, and a step of 13-15 sequences (a closed loop of 16 whose
  * requests end at different steps) paid four unpackings a block instead
  * of two; such steps are 3-5% faster this way on Zen 5 (in-process A/B). */
-S_INLINE void s_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int pf) {
+S_INLINE void s_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr, int k, int pf, int xtok) {
     for (; k + S_PT <= t->n; k += S_PT, pf = 0)
-        s_tile(kind, bsz, t, r, nr, k, S_PT, pf);
+        s_tile(kind, bsz, t, r, nr, k, S_PT, pf, xtok);
     _Static_assert(S_PT == 8, "one case per size of the rest");
     switch (t->n - k) {
-    case 7: s_tile(kind, bsz, t, r, nr, k, 7, pf); break;
-    case 6: s_tile(kind, bsz, t, r, nr, k, 6, pf); break;
-    case 5: s_tile(kind, bsz, t, r, nr, k, 5, pf); break;
-    case 4: s_tile(kind, bsz, t, r, nr, k, 4, pf); break;
-    case 3: s_tile(kind, bsz, t, r, nr, k, 3, pf); break;
-    case 2: s_tile(kind, bsz, t, r, nr, k, 2, pf); break;
-    case 1: s_tile(kind, bsz, t, r, nr, k, 1, pf); break;
+    case 7: s_tile(kind, bsz, t, r, nr, k, 7, pf, xtok); break;
+    case 6: s_tile(kind, bsz, t, r, nr, k, 6, pf, xtok); break;
+    case 5: s_tile(kind, bsz, t, r, nr, k, 5, pf, xtok); break;
+    case 4: s_tile(kind, bsz, t, r, nr, k, 4, pf, xtok); break;
+    case 3: s_tile(kind, bsz, t, r, nr, k, 3, pf, xtok); break;
+    case 2: s_tile(kind, bsz, t, r, nr, k, 2, pf, xtok); break;
+    case 1: s_tile(kind, bsz, t, r, nr, k, 1, pf, xtok); break;
     default: break;
     }
 }
@@ -198,10 +205,10 @@ S_INLINE void s_tokens(int kind, size_t bsz, const fi_mm_task *t, int r, int nr,
 /* One token: groups of 16 rows, prefetching. Several: sub-blocks of S_RB
  * rows (their weights stay in L1 while the token tiles pass over them),
  * groups of 16 rows times tiles of tokens. */
-S_INLINE void s_mm(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
+S_INLINE void s_mm_scaled(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1, int xtok) {
     if (t->n == 1) {
         for (int r = r0; r < r1; r += 16)
-            s_tile(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, 0, 1, 1);
+            s_tile(kind, bsz, t, r, r1 - r < 16 ? r1 - r : 16, 0, 1, 1, xtok);
         return;
     }
     /* the first pass over a sub-block prefetches the rows ahead */
@@ -210,11 +217,19 @@ S_INLINE void s_mm(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
         int k = 0;
         for (; k + S_PT <= t->n; k += S_PT)
             for (int r = rb; r < re; r += 16)
-                s_tile(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, S_PT, k == 0);
+                s_tile(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, S_PT, k == 0, xtok);
         if (k < t->n)
             for (int r = rb; r < re; r += 16)
-                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, k == 0);
+                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, k == 0, xtok);
     }
+}
+
+/* s_mm_scaled with its loops made for one scale per token or per block. */
+S_INLINE void s_mm(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
+    if (t->xtok)
+        s_mm_scaled(kind, bsz, t, r0, r1, 1);
+    else
+        s_mm_scaled(kind, bsz, t, r0, r1, 0);
 }
 
 /* --- activation quantiser --------------------------------------------------
@@ -653,7 +668,7 @@ S_AMX_INLINE void s_amx_tile(int kind, size_t bsz, const fi_mm_task *t, int r0, 
 S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, int r1) {
     const int nb = t->cols / FI_QK;
     const fi_dtype type = kind == S_Q8_0 ? FI_DTYPE_Q8_0 : FI_DTYPE_Q4_0; /* Q4_0 stands for both Q4 */
-    if (t->n < FI_Q16_AMX_MIN || nb > S_AMX_NB || !fi_q16_tiles(type, t->qmax)) {
+    if (t->n < FI_Q16_AMX_MIN || nb > S_AMX_NB || !fi_q16_tiles(type, t->qmax, t->xtok)) {
         s_mm(kind, bsz, t, r0, r1);
         return;
     }
@@ -676,7 +691,7 @@ S_AMX_INLINE void s_mm_amx(int kind, size_t bsz, const fi_mm_task *t, int r0, in
         for (int rb = r0; rb < r1; rb += S_RB) {
             int re = rb + S_RB < r1 ? rb + S_RB : r1;
             for (int r = rb; r < re; r += 16)
-                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, 0);
+                s_tokens(kind, bsz, t, r, re - r < 16 ? re - r : 16, k, 0, 0); /* xtok 0, as above */
         }
 }
 

@@ -6,12 +6,18 @@
  * Why 16 bits: quantising activations to 8 bits per element (as the
  * fi_block_q8x path does) moves the default model's logits by up to ~1.0
  * against an exact reference, enough to flip greedy choices whose margin is
- * well above any near tie; 16-bit quants keep the error within ~0.02, and
- * the default bound of 2039 for Q4 products' inputs (fi_q16_qmax: one tile
- * product per block) within ~0.17 (measured by tests/test_golden.c), while
+ * well above any near tie; 16-bit quants with one scale per token
+ * (act_bits 16, the default without an AMX tile unit) keep it within
+ * ~0.08, and one scale per block with the bound of 2039 for Q4 products'
+ * inputs (act_bits 12, fi_q16_qmax: one tile product per block, the
+ * default with the tile unit) within ~0.18 (tests/test_golden.c), while
  * the products stay in integer SIMD (vpmaddwd: 16 products per
  * instruction; vpdpwssd on 512 bits: 32; AMX-INT8 on the quants split into
  * two bytes, fi_cpu_q16_avx512.c).
+ *
+ * One scale per token (fi_mm_task.xtok) drops a multiply per block and
+ * (row, token): the kernels sum d_w * isum + a * s over the blocks and
+ * multiply the row's sum by the token's d once.
  *
  * Every kernel here is batch-invariant: a (row, token) result is the same
  * bits whatever the number of tokens in the call and whatever row range
@@ -24,11 +30,15 @@
 #include "fi_kernels_impl.h"
 
 /* One 32-element block of an activation row: x[i] ~= qs[i] * d with
- * |qs[i]| <= qmax (fi_q16_qmax: 32767 or 2039), and s the exact float sum of the block's x (Q4_1's
- * minimum and Q4_0's offset multiply it). 72 bytes. */
+ * |qs[i]| <= qmax (fi_q16_qmax: 32767 or 2039), and s the float sum of
+ * the block's x (Q4_1's minimum and Q4_0's offset multiply it). Rows
+ * quantised with one scale per token (fi_mm_task.xtok, act_bits 16) have
+ * the token's d in every block and s in units of d (sum of x times
+ * qmax / amax), so that the kernels multiply by d once per row instead of
+ * once per block. 72 bytes. */
 typedef struct fi_block_q16x {
     float d;              /* scale */
-    float s;              /* sum of x over the block */
+    float s;              /* sum of x over the block (per token: over d) */
     int16_t qs[FI_QK];    /* quants */
 } fi_block_q16x;
 
@@ -36,7 +46,8 @@ _Static_assert(sizeof(fi_block_q16x) == 72, "q16x block is 72 bytes");
 
 /* The bound of the activation quants (fi_mm_task.qmax), by weight type and
  * the backend's activation precision (fi_cpu_backend_set_act_bits). 16:
- * 32767 for every type. 12, the default: Q8_0 weights still take 32767,
+ * 32767 for every type, one scale per token (fi_mm_task.xtok). 12 (one
+ * scale per block, the default where there is an AMX tile unit): Q8_0 weights still take 32767,
  * Q4 weights (nibbles 0..15) take 2039, a little under 12 bits, so that
  * x = 16 h + l with h in [-128, 127] and l in [-8, 7] are both bytes and
  * the tile unit forms x . q in one product of [h | l] with [16 q ; q]
@@ -53,17 +64,21 @@ static inline int fi_q16_qmax(fi_dtype t, int act_bits) {
 }
 
 /* Whether the AMX kernels give a product of weights of type t, with x
- * quantised within qmax, to the tile unit (and read fi_mm_task.xs): Q8_0
- * at any bound, Q4 only within FI_Q16_QMAX_Q4 (one byte product per block;
- * wider Q4 inputs go to the vector kernels). */
-static inline int fi_q16_tiles(fi_dtype t, int qmax) {
-    return t == FI_DTYPE_Q8_0 || qmax <= FI_Q16_QMAX_Q4;
+ * quantised within qmax, to the tile unit (and read fi_mm_task.xs): one
+ * scale per block only (xtok 0; rows with one scale per token go to the
+ * vector kernels), then Q8_0 at any bound, Q4 only within FI_Q16_QMAX_Q4
+ * (one byte product per block; wider Q4 inputs go to the vector kernels). */
+static inline int fi_q16_tiles(fi_dtype t, int qmax, int xtok) {
+    return !xtok && (t == FI_DTYPE_Q8_0 || qmax <= FI_Q16_QMAX_Q4);
 }
 
 /* The 16-bit-activation kernels of one SIMD flavour. The matmul functions
  * take an fi_mm_task whose x holds fi_block_q16x rows. */
 typedef struct fi_q16_kernels {
     void (*quantize)(const float *x, fi_block_q16x *y, int nb, int qmax); /* |qs| <= qmax */
+    /* one scale for the whole row of nb blocks, |qs| <= FI_Q16_QMAX (see
+     * fi_block_q16x: s in units of d) */
+    void (*quantize_tok)(const float *x, fi_block_q16x *y, int nb);
     fi_mm_fn mm_q4_0;
     fi_mm_fn mm_q4_1;
     fi_mm_fn mm_q8_0;
@@ -103,6 +118,7 @@ void fi_q16_pack(fi_dtype type, const uint8_t *w, size_t stride, int rows, int c
 /* Portable kernels; also the reference for the SIMD ones. */
 void fi_q16_kernels_portable(fi_q16_kernels *k);
 void fi_quantize_q16x_ref(const float *x, fi_block_q16x *y, int nb, int qmax);
+void fi_quantize_q16x_tok_ref(const float *x, fi_block_q16x *y, int nb);
 #if defined(FI_HAVE_X86) && FI_HAVE_X86
 /* AVX2 kernels; call only after checking the processor has AVX2 and FMA. */
 void fi_q16_kernels_avx2(fi_q16_kernels *k);

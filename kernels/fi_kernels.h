@@ -266,19 +266,26 @@ fi_backend *fi_cpu_backend_new(int n_threads, fi_simd simd, char *err, size_t er
 /* Which SIMD path the CPU backend chose ("avx2", "portable"); NULL when b is
  * not a CPU backend. */
 const char *fi_cpu_backend_simd(const fi_backend *b);
-/* Precision of the activations in products with quantised weights. 12
- * (the default): 16-bit quants, within 2039 for Q4 weights (so that the
- * AMX tile unit needs one product per block instead of two: batches of 16
- * tokens ~25% faster there); logits within 0.17 of an exact computation on
- * the default model. 16: 16-bit quants for every type (within 0.02). 8: as
- * llama.cpp does; logits move by up to ~1.2 and greedy text can part from
- * the exact one at near ties; with AVX512-VNNI the products of several
- * tokens take about 0.6 times as long as at 12 bits (one vpdpbusd per four
- * elements against one vpdpwssd per two), one token's the same. Every
- * precision is batch-invariant in every flavour. 0, or -1 when bits is
- * not 8, 12 or 16 or b is not a CPU backend. */
+/* Precision of the activations in products with quantised weights. 16
+ * (the default without an AMX tile unit): 16-bit quants with one scale
+ * per token; logits within 0.08 of an exact computation on the default
+ * model. 12 (the default where the AMX tile unit serves the products,
+ * fi_cpu_backend_tiles): 16-bit quants with one scale per 32-element
+ * block, within 2039 for Q4 weights, so that the tile unit needs one
+ * product per block instead of two (batches of 16 tokens ~25% faster
+ * there); logits within 0.18. 8: as llama.cpp does; logits move by up to
+ * ~1.2 and greedy text can part from the exact one at near ties; with
+ * AVX512-VNNI the products of several tokens take about 0.6 times as long
+ * as at 12 bits (one vpdpbusd per four elements against one vpdpwssd per
+ * two), one token's the same. Every precision is batch-invariant in every
+ * flavour. 0, or -1 when bits is not 8, 12 or 16 or b is not a CPU
+ * backend. */
 FI_MUST_CHECK int fi_cpu_backend_set_act_bits(fi_backend *b, int bits);
 int fi_cpu_backend_act_bits(const fi_backend *b);
+/* 1 if b's products of batches go to the AMX tile unit (at 12 or 8 bits:
+ * the processor has one, the OS grants it and the build has its kernels),
+ * else 0. */
+int fi_cpu_backend_tiles(const fi_backend *b);
 
 /* Cache-row formats of the KV cache (ops->kv_store, ops->attention), for
  * a row of n_kv_heads heads of head_dim values:

@@ -74,6 +74,8 @@ typedef struct fi_mm_task {
                            tokens (the kernels split x themselves if NULL) */
     int qmax;           /* 16-bit activations (fi_block_q16x): the bound x
                            was quantised with (fi_q16_qmax) */
+    int xtok;           /* 16-bit activations: 1 if x has one scale per
+                           token (fi_block_q16x), 0 one per block */
 } fi_mm_task;
 
 /* Computes rows [r0, r1) of task t for all its tokens. */

@@ -282,7 +282,7 @@ int main(int argc, char **argv) {
     /* every flavour built and supported here; BENCH_SIMD picks one */
     static const char *const flavours[4] = {"portable", "avx2", "avxvnni", "avx512vnni"};
     const char *only = getenv("BENCH_SIMD");
-    int act_bits = getenv("BENCH_ACT_BITS") ? atoi(getenv("BENCH_ACT_BITS")) : 12;
+    int act_bits = getenv("BENCH_ACT_BITS") ? atoi(getenv("BENCH_ACT_BITS")) : 0; /* 0: the default */
     int nbatch = getenv("BENCH_N") ? atoi(getenv("BENCH_N")) : 16; /* x and y hold 64 tokens */
     if (nbatch < 2 || nbatch > 64) {
         fprintf(stderr, "bench_kernels: BENCH_N must be 2..64\n");
@@ -306,11 +306,11 @@ int main(int argc, char **argv) {
                 continue;
             const char *sname = fi_cpu_backend_simd(b);
             int simd = fl > 0;
-            if (fi_cpu_backend_set_act_bits(b, act_bits) != 0) {
+            if (act_bits && fi_cpu_backend_set_act_bits(b, act_bits) != 0) {
                 fi_backend_destroy(&b);
                 continue;
             }
-            printf("\n== %s, %d thread(s), %d-bit activations ==\n", sname, threads[ti], act_bits);
+            printf("\n== %s, %d thread(s), %d-bit activations ==\n", sname, threads[ti], fi_cpu_backend_act_bits(b));
             for (int s = 0; s < nshapes && !decode_only; s++) {
                 fi_weight w = s_weight(&r, shapes[s].t, shapes[s].rows, shapes[s].cols);
                 s_upload(b, &w);

@@ -8,8 +8,16 @@ if(TARGET test_golden)
     TIMEOUT 300
     LABELS "golden;model"
     REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL};${CMAKE_CURRENT_LIST_DIR}/golden/golden.txt;${CMAKE_CURRENT_LIST_DIR}/golden/logits_full.txt")
-  # the same with 16-bit activation quants everywhere, held to the tighter
-  # tolerances of the engine's most exact mode
+  # test_golden runs the backend's default precision; these run each of
+  # the two 16-bit-quant precisions whatever the default is here: one
+  # scale per token (16, held to the tighter tolerances of the engine's
+  # most exact mode) and one per block within 2039 for Q4 (12)
+  add_test(NAME test_golden_12 COMMAND test_golden)
+  set_tests_properties(test_golden_12 PROPERTIES
+    ENVIRONMENT "FI_GOLDEN_ACT_BITS=12"
+    TIMEOUT 300
+    LABELS "golden;model"
+    REQUIRED_FILES "${FEDINFER_DEFAULT_MODEL};${CMAKE_CURRENT_LIST_DIR}/golden/golden.txt;${CMAKE_CURRENT_LIST_DIR}/golden/logits_full.txt")
   add_test(NAME test_golden_16 COMMAND test_golden)
   set_tests_properties(test_golden_16 PROPERTIES
     ENVIRONMENT "FI_GOLDEN_ACT_BITS=16"

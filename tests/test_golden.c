@@ -54,13 +54,15 @@
 #define FULL_FILE FI_TEST_DIR "/golden/logits_full.txt"
 
 /* The engine's logits differ from the reference's by its rounding: with
- * 16-bit activation quants (FI_GOLDEN_ACT_BITS=16) by up to ~0.02 on the
- * default model, with the default precision (Q4 products' inputs within
- * 2039) by up to ~0.17. Per precision, MAX_DIFF bounds that difference on
- * the checked ids, and reference logits closer than NEAR_TIE (about twice
- * the largest difference seen) may legitimately swap. */
-#define MAX_DIFF_16 0.05
-#define NEAR_TIE_16 0.05
+ * 16-bit activation quants and one scale per token (act_bits 16, the
+ * default without an AMX tile unit) by up to ~0.08 on the default model,
+ * with one scale per block and Q4 products' inputs within 2039 (12, the
+ * default with one) by up to ~0.18. Per precision, MAX_DIFF bounds that
+ * difference on the checked ids, and reference logits closer than
+ * NEAR_TIE (about twice the largest difference seen) may legitimately
+ * swap. */
+#define MAX_DIFF_16 0.12
+#define NEAR_TIE_16 0.15
 #define MAX_DIFF_12 0.25
 #define NEAR_TIE_12 0.35
 #define NEAR_TIE G.near_tie

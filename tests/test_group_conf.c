@@ -369,7 +369,7 @@ static void test_rank_file(void **state) {
     assert_string_equal(r.model, "/m.gguf");
     assert_string_equal(r.device, "cpu");
     assert_int_equal(r.gpu, 0);
-    assert_int_equal(r.act_bits, 12); /* the default precisions */
+    assert_int_equal(r.act_bits, 0); /* the default precisions: the backend's */
     assert_int_equal(r.kv_bits, 16);
     /* Ranks sharing a machine name their GPUs; an index out of range is
      * refused, naming the key. */

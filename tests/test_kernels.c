@@ -12,6 +12,7 @@
 
 #include <cmocka.h>
 
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -168,7 +169,8 @@ static int make_backends_bits(fi_backend **out, int n_threads, int act_bits) {
         if (b) {
             assert_string_equal(fi_cpu_backend_simd(b), names[i]);
             assert_int_equal(fi_cpu_backend_threads(b), n_threads);
-            assert_int_equal(fi_cpu_backend_act_bits(b), 12); /* the default */
+            /* the default: 12 where the tile unit serves the products */
+            assert_int_equal(fi_cpu_backend_act_bits(b), fi_cpu_backend_tiles(b) ? 12 : 16);
             assert_int_equal(fi_cpu_backend_set_act_bits(b, act_bits), 0);
             out[n++] = b;
         } else {
@@ -412,8 +414,9 @@ static void test_dequantize(void **state) {
 
 /* Checks y (n x rows) against double references; for quantised weights
  * the tolerance is the bound of activation rounding: each x[i] moves by at
- * most half its block's step, amax/127 (8 bits) or amax/qmax (12 and 16
- * bits: fi_q16_qmax, 2039 for Q4 at 12 bits, else 32767). */
+ * most half its step, amax/127 (8 bits) or amax/qmax (12 and 16 bits:
+ * fi_q16_qmax, 2039 for Q4 at 12 bits, else 32767), amax that of its
+ * block, or at 16 bits (one scale per token) that of its row. */
 static void check_matmul(const char *what, fi_dtype t, int act_bits, const float *y,
                          const double *wd, const float *x, int rows, int cols, int n) {
     int quant = fi_dtype_block_elems(t) == 32;
@@ -421,12 +424,16 @@ static void check_matmul(const char *what, fi_dtype t, int act_bits, const float
         const float *xk = x + (size_t)k * cols;
         for (int r = 0; r < rows; r++) {
             const double *wr = wd + (size_t)r * cols;
-            double ref = 0, mag = 0, qerr = 0;
+            double ref = 0, mag = 0, qerr = 0, rmax = 0;
+            for (int c = 0; c < cols; c++)
+                rmax = fmax(rmax, fabs(xk[c]));
             for (int b = 0; b < cols; b += 32) {
                 double amax = 0;
                 int e = b + 32 < cols ? b + 32 : cols;
                 for (int c = b; c < e; c++)
                     amax = fmax(amax, fabs(xk[c]));
+                if (act_bits == 16)
+                    amax = rmax;
                 for (int c = b; c < e; c++) {
                     ref += wr[c] * xk[c];
                     mag += fabs(wr[c] * xk[c]);
@@ -910,9 +917,21 @@ static int q16_tables(fi_q16_kernels *out, const char **names) {
     return n;
 }
 
-/* The 16-bit-activation kernels at act_bits 12 or 16 (the quants' bound,
- * fi_q16_qmax), every flavour against the portable one and against itself
- * on other tilings. */
+/* x's nt rows of cols quantised as the backend does at act_bits: one
+ * scale per block within fi_q16_qmax (12), or one per token (16). */
+static void q16_quantize_rows(const float *x, fi_block_q16x *xq, int nt, int cols, fi_dtype t, int act_bits) {
+    if (act_bits != 16) {
+        fi_quantize_q16x_ref(x, xq, nt * cols / 32, fi_q16_qmax(t, act_bits));
+        return;
+    }
+    for (int k = 0; k < nt; k++)
+        fi_quantize_q16x_tok_ref(x + (size_t)k * cols, xq + (size_t)k * (cols / 32), cols / 32);
+}
+
+/* The 16-bit-activation kernels at act_bits 12 (one scale per block, the
+ * quants' bound fi_q16_qmax) or 16 (one scale per token, fi_mm_task.xtok),
+ * every flavour against the portable one and against itself on other
+ * tilings. */
 static void run_q16_tiling(int act_bits) {
     static const fi_dtype types[] = {FI_DTYPE_Q4_0, FI_DTYPE_Q4_1, FI_DTYPE_Q8_0};
     static const int ns[] = {1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 19};
@@ -940,12 +959,12 @@ static void run_q16_tiling(int act_bits) {
         uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
         for (int i = 0; i < ROWS; i++)
             ref_dequant(types[ti], wb + i * rb, wd + (size_t)i * COLS, COLS);
-        fi_quantize_q16x_ref(x, xq, NT * COLS / 32, fi_q16_qmax(types[ti], act_bits));
+        q16_quantize_rows(x, xq, NT, COLS, types[ti], act_bits);
         for (int ki = 0; ki < ntab; ki++) {
             fi_mm_fn fn = types[ti] == FI_DTYPE_Q4_0 ? tab[ki].mm_q4_0
                         : types[ti] == FI_DTYPE_Q4_1 ? tab[ki].mm_q4_1 : tab[ki].mm_q8_0;
             fi_mm_task t = {.w = wb, .w_stride = rb, .cols = COLS, .x_stride = xrow, .y_stride = ROWS,
-                            .qmax = fi_q16_qmax(types[ti], act_bits)};
+                            .qmax = fi_q16_qmax(types[ti], act_bits), .xtok = act_bits == 16};
             /* each token alone, all rows in one call */
             poison(y1, (size_t)NT * ROWS);
             for (int k = 0; k < NT; k++) {
@@ -1002,8 +1021,8 @@ static void run_q16_tiling(int act_bits) {
                         }
                         t.wp = NULL;
                     }
-                    if (!tab[ki].split || n < FI_Q16_AMX_MIN)
-                        continue;
+                    if (!tab[ki].split || n < FI_Q16_AMX_MIN || act_bits == 16)
+                        continue; /* one scale per token: never the tile unit's */
                     /* the same with the input split by the caller (fi_mm_task.xs) */
                     for (int k = 0; k < n; k++)
                         tab[ki].split((const fi_block_q16x *)(const void *)((const uint8_t *)xq +
@@ -1033,7 +1052,7 @@ static void run_q16_tiling(int act_bits) {
     for (int i = 0; i < NT * COLS; i++)
         x[i] = (i / COLS) % 2 ? -3.0f : 3.0f;
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
-        fi_quantize_q16x_ref(x, xq, NT * COLS / 32, fi_q16_qmax(types[ti], act_bits));
+        q16_quantize_rows(x, xq, NT, COLS, types[ti], act_bits);
         size_t rb;
         uint8_t *wb = make_weight(&r, types[ti], ROWS, COLS, &rb);
         size_t bb = fi_dtype_block_bytes(types[ti]), qo = types[ti] == FI_DTYPE_Q4_1 ? 4 : 2;
@@ -1046,7 +1065,7 @@ static void run_q16_tiling(int act_bits) {
                         : types[ti] == FI_DTYPE_Q4_1 ? tab[ki].mm_q4_1 : tab[ki].mm_q8_0;
             fi_mm_task t = {.w = wb, .w_stride = rb, .cols = COLS, .x = (const uint8_t *)xq,
                             .x_stride = xrow, .n = NT, .y = y1, .y_stride = ROWS,
-                            .qmax = fi_q16_qmax(types[ti], act_bits)};
+                            .qmax = fi_q16_qmax(types[ti], act_bits), .xtok = act_bits == 16};
             poison(y1, (size_t)NT * ROWS);
             fn(&t, 0, ROWS);
             char what[96];
@@ -1217,8 +1236,11 @@ static void test_act_bits_setting(void **state) {
     char err[128];
     fi_backend *b = fi_cpu_backend_new(1, FI_SIMD_AUTO, err, sizeof err);
     assert_non_null(b);
-    assert_int_equal(fi_cpu_backend_act_bits(b), 12);
+    const int def = fi_cpu_backend_tiles(b) ? 12 : 16;
+    assert_int_equal(fi_cpu_backend_act_bits(b), def);
     assert_int_equal(fi_cpu_backend_set_act_bits(b, 10), -1);
+    assert_int_equal(fi_cpu_backend_act_bits(b), def);
+    assert_int_equal(fi_cpu_backend_set_act_bits(b, 12), 0);
     assert_int_equal(fi_cpu_backend_act_bits(b), 12);
     assert_int_equal(fi_cpu_backend_set_act_bits(b, 16), 0);
     assert_int_equal(fi_cpu_backend_act_bits(b), 16);
@@ -1332,6 +1354,79 @@ static void test_q16_quantize(void **state) {
     free(ref);
     free(got);
     free(avx2);
+}
+
+/* fi_q16_kernels.quantize_tok of every flavour against
+ * fi_quantize_q16x_tok_ref: one scale for the whole row (every block's d
+ * the same bits, amax / 32767 over the row), the same quants, s the
+ * block's sum over d up to the order of its additions; a row too small
+ * for a normal d quantises to zeros, a NaN makes d NaN; nothing written
+ * past the row. */
+static void test_q16_quantize_tok(void **state) {
+    (void)state;
+    static const int nbs[] = {1, 2, 17, 18, 48, 49};
+    enum { NNB = sizeof nbs / sizeof nbs[0], MAXNB = 49, KINDS = 6 };
+    fi_q16_kernels tab[4];
+    const char *names[4];
+    int ntab = q16_tables(tab, names);
+    float *x = fvec((size_t)MAXNB * FI_QK);
+    fi_block_q16x *ref = malloc(MAXNB * sizeof *ref), *got = malloc((MAXNB + 1) * sizeof *got), canary;
+    assert_non_null(ref);
+    assert_non_null(got);
+    memset(&canary, 0xa5, sizeof canary);
+    rng r = {977};
+    for (int c = 0; c < NNB * KINDS; c++) {
+        const int nb = nbs[c / KINDS], kind = c % KINDS;
+        for (int i = 0; i < nb * FI_QK; i++) {
+            float v = rng_f(&r, -2, 2);
+            x[i] = kind == 1 ? 0.0f : kind == 2 ? v * 1e-41f : kind == 3 ? v * 1e35f : v;
+        }
+        if (kind == 4)
+            x[rng_u32(&r) % (uint32_t)(nb * FI_QK)] = 1000.0f; /* an outlier sets the row's scale */
+        if (kind == 5)
+            x[rng_u32(&r) % (uint32_t)(nb * FI_QK)] = NAN;
+        fi_quantize_q16x_tok_ref(x, ref, nb);
+        double amax = 0.0;
+        for (int i = 0; i < nb * FI_QK; i++)
+            amax = fmax(amax, fabs((double)x[i]));
+        for (int b = 0; b < nb; b++) {
+            if (kind == 5 ? !isnan(ref[b].d) : memcmp(&ref[b].d, &ref[0].d, sizeof ref[b].d) != 0)
+                fail_msg("q16 per-token reference quantiser, %d blocks (kind %d): block %d's d %a, "
+                         "block 0's %a", nb, kind, b, (double)ref[b].d, (double)ref[0].d);
+            for (int i = 0; i < FI_QK; i++) {
+                int q = ref[b].qs[i];
+                double want = kind >= 5 || amax < FI_Q16_QMAX * (double)FLT_MIN
+                                  ? 0.0 : x[(size_t)b * FI_QK + i] * (FI_Q16_QMAX / amax);
+                if (q > FI_Q16_QMAX || q < -FI_Q16_QMAX || fabs(q - want) > 0.5 + 4e-7 * fabs(want) + 1e-3) /* float rounding of x * id */
+                    fail_msg("q16 per-token reference quantiser, %d blocks (kind %d): block %d quant %d "
+                             "is %d, want %.3f", nb, kind, b, i, q, want);
+            }
+        }
+        for (int ki = 0; ki < ntab; ki++) {
+            for (int b = 0; b <= nb; b++)
+                got[b] = canary;
+            tab[ki].quantize_tok(x, got, nb);
+            if (memcmp(&got[nb], &canary, sizeof canary) != 0)
+                fail_msg("q16 %s per-token quantiser, %d blocks: wrote past the row", names[ki], nb);
+            for (int b = 0; b < nb; b++) {
+                double sabs = 0.0;
+                for (int i = 0; i < FI_QK; i++)
+                    sabs += fabs((double)x[(size_t)b * FI_QK + i]);
+                sabs *= kind == 5 || !(amax > 0) ? 0.0 : FI_Q16_QMAX / amax;
+                int same_d = kind == 5 ? isnan(got[b].d) : memcmp(&got[b].d, &ref[b].d, sizeof ref[b].d) == 0;
+                int same_s = kind == 5 ? 1 : fabs((double)got[b].s - ref[b].s) <= 1e-6 * sabs + 1e-30;
+                if (!same_d || !same_s || (kind != 5 && memcmp(got[b].qs, ref[b].qs, sizeof ref[b].qs) != 0))
+                    fail_msg("q16 %s per-token quantiser, %d blocks (kind %d), block %d: d %a s %a vs "
+                             "reference d %a s %a, or the quants differ", names[ki], nb, kind, b,
+                             (double)got[b].d, (double)got[b].s, (double)ref[b].d, (double)ref[b].s);
+            }
+        }
+    }
+    for (int ki = 0; ki < ntab; ki++)
+        print_message("q16 per-token quantiser tested: %s\n", names[ki]);
+    free(x);
+    free(ref);
+    free(got);
 }
 
 /* --- real weights ---------------------------------------------------------- */
@@ -2024,6 +2119,7 @@ int main(void) {
         cmocka_unit_test(test_q8x_kernels_tiling),
         cmocka_unit_test(test_q16_kernels_tiling_16),
         cmocka_unit_test(test_q16_quantize),
+        cmocka_unit_test(test_q16_quantize_tok),
         cmocka_unit_test(test_q8x_quantize),
         cmocka_unit_test(test_matmul_n),
         cmocka_unit_test(test_matmul_add),

@@ -162,7 +162,8 @@ static int s_default_bits(void **state) {
     (void)state;
     fi_backend *b = fi_model_backend(g_m);
     return fi_cpu_backend_simd(b) &&
-                   (fi_cpu_backend_set_act_bits(b, 12) != 0 || fi_cpu_backend_set_kv_bits(b, 16) != 0)
+                   (fi_cpu_backend_set_act_bits(b, fi_cpu_backend_tiles(b) ? 12 : 16) != 0 ||
+                    fi_cpu_backend_set_kv_bits(b, 16) != 0)
                ? -1
                : 0;
 }
