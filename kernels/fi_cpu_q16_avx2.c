@@ -50,29 +50,43 @@ static inline float s_hmax(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* One block of x (v[0..3]) quantised with scale id into qs, rounded to
+ * nearest even (the default MXCSR). */
+static inline void s_quant_block(const __m256 v[4], float id, int16_t *qs) {
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], vid));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], vid));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], vid));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], vid));
+    /* packs works within 128-bit lanes; the permute restores order */
+    __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+    __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
+    _mm256_storeu_si256((__m256i *)(void *)qs, p0);
+    _mm256_storeu_si256((__m256i *)(void *)(qs + 16), p1);
+}
+
+/* A block's four vectors from x, and their sum (v0 + v1) + (v2 + v3),
+ * the order every AVX quantiser keeps (fi_cpu_q16_avx512.c). */
+static inline float s_load_block(const float *x, __m256 v[4]) {
+    for (int k = 0; k < 4; k++)
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+    return s_hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
 static void s_quantize(const float *x, fi_block_q16x *y, int nb, int qmax) {
     const float fq = (float)qmax;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++, x += FI_QK) {
-        __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
-        __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                  _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m256 v[4];
+        const float sum = s_load_block(x, v);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
         float amax = s_hmax(mx);
         const float lo = fq * FLT_MIN; /* as fi_quantize_q16x_ref */
         float id = amax >= lo ? fq / amax : 0.0f;
         y[b].d = !(amax < lo) ? amax / fq : 0.0f;
-        y[b].s = s_hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-        __m256 vid = _mm256_set1_ps(id);
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid));
-        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid));
-        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid));
-        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
-        /* packs works within 128-bit lanes; the permute restores order */
-        __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
-        __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
-        _mm256_storeu_si256((__m256i *)(void *)y[b].qs, p0);
-        _mm256_storeu_si256((__m256i *)(void *)(y[b].qs + 16), p1);
+        y[b].s = sum;
+        s_quant_block(v, id, y[b].qs);
     }
 }
 
@@ -92,20 +106,11 @@ static void s_quantize_tok(const float *x, fi_block_q16x *y, int nb) {
     float amax = _mm256_movemask_ps(nan) ? NAN : s_hmax(mx);
     const float lo = fq * FLT_MIN;
     const float d = !(amax < lo) ? amax / fq : 0.0f, id = amax >= lo ? fq / amax : 0.0f;
-    const __m256 vid = _mm256_set1_ps(id);
     for (int b = 0; b < nb; b++, x += FI_QK) {
-        __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
-        __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
+        __m256 v[4];
         y[b].d = d;
-        y[b].s = s_hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3))) * id;
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid));
-        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid));
-        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid));
-        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
-        __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
-        __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
-        _mm256_storeu_si256((__m256i *)(void *)y[b].qs, p0);
-        _mm256_storeu_si256((__m256i *)(void *)(y[b].qs + 16), p1);
+        y[b].s = s_load_block(x, v) * id;
+        s_quant_block(v, id, y[b].qs);
     }
 }
 
