@@ -251,7 +251,6 @@ typedef struct s_mm_job {
     const float *x;                 /* n rows of cols floats */
     int n, cols, bits;              /* shape, activation bits (12, 16 or 8) */
     int qmax;                       /* 12 and 16: the quants' bound (fi_q16_qmax) */
-    int xtok;                       /* 16: one scale per token (fi_mm_task.xtok) */
     size_t xrow;                    /* bytes per quantised row */
     uint8_t *xq;                    /* the quantised rows */
     uint8_t *xs;                    /* their split tiles, or NULL */
@@ -282,7 +281,7 @@ static void s_prep_row(const s_mm_job *j, int k, uint8_t *xq, uint8_t *xs) {
         c->k.quantize_q8x(x, (fi_block_q8x *)(void *)q, nb);
         return;
     }
-    if (j->xtok)
+    if (j->task[0].xtok) /* one scale per token: every task's the same */
         c->q16.quantize_tok(x, (fi_block_q16x *)(void *)q, nb);
     else
         c->q16.quantize(x, (fi_block_q16x *)(void *)q, nb, j->qmax);
@@ -525,7 +524,6 @@ static void s_products(s_cpu *c, int count, float *const *y, const fi_weight *co
         j.cols = cols;
         j.bits = bits;
         j.qmax = qmax;
-        j.xtok = xtok;
         j.xrow = xrow;
         j.xq = c->scratch;
         j.xs_off = s_round_up((size_t)g * xrow, S_ALIGN);
