@@ -497,6 +497,10 @@ S_AMX_INLINE void s_amx_config(int kind, int T) {
     c.colsb[2] = c.colsb[3] = kind == S_Q8_0 ? 32 : 64;
     c.rows[4] = kind == S_Q8_0 ? 8 : 16;
     c.colsb[4] = 64;
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of
+     * the operand, not 64, so the stores of the rows and widths could be
+     * dropped as dead (ldtilecfg then faults): this makes all 64 live */
+    __asm__ volatile("" : : "m"(c));
     _tile_loadconfig(&c);
 }
 
