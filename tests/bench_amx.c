@@ -66,39 +66,27 @@ static _Alignas(64) uint8_t s_tile_src[16][64]; /* the tile loads' bytes */
     else if (mode == MODE_LOAD)                                                                   \
         _tile_loadd(2, s_tile_src, 64)
 
-/* Seconds for OUTER x 96 FMAs on 512-bit vectors; *sink keeps the sums. */
-ATTR_512 static double s_run512(int mode, float *sink) {
-    __m512 m = _mm512_set1_ps(1.0000001f), a0 = m, a1 = m, a2 = m, a3 = m, a4 = m, a5 = m, a6 = m,
-           a7 = m, a8 = m, a9 = m, a10 = m, a11 = m;
-    double t0 = s_now();
-    for (long r = 0; r < OUTER; r++) {
-        CHAINS(_mm512_fmadd_ps);
+/* NAME(mode, sink): seconds for OUTER x 96 FMAs on VEC vectors; *sink
+ * keeps the sums observable. One definition per width. */
+#define DEFINE_RUN(NAME, ATTR, VEC, SET1, FMA, ADD, STOREU)                                       \
+    ATTR static double NAME(int mode, float *sink) {                                              \
+        VEC m = SET1(1.0000001f), a0 = m, a1 = m, a2 = m, a3 = m, a4 = m, a5 = m, a6 = m, a7 = m, \
+            a8 = m, a9 = m, a10 = m, a11 = m;                                                     \
+        double t0 = s_now();                                                                      \
+        for (long r = 0; r < OUTER; r++) {                                                        \
+            CHAINS(FMA);                                                                          \
+        }                                                                                         \
+        double t = s_now() - t0;                                                                  \
+        VEC s = ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7)));                \
+        s = ADD(s, ADD(ADD(a8, a9), ADD(a10, a11)));                                              \
+        float v[16];                                                                              \
+        STOREU(v, s);                                                                             \
+        *sink += v[0];                                                                            \
+        return t;                                                                                 \
     }
-    double t = s_now() - t0;
-    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
-    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
-    *sink += _mm512_reduce_add_ps(s);
-    return t;
-}
 
-/* The same on 256-bit vectors. */
-ATTR_256 static double s_run256(int mode, float *sink) {
-    __m256 m = _mm256_set1_ps(1.0000001f), a0 = m, a1 = m, a2 = m, a3 = m, a4 = m, a5 = m, a6 = m,
-           a7 = m, a8 = m, a9 = m, a10 = m, a11 = m;
-    double t0 = s_now();
-    for (long r = 0; r < OUTER; r++) {
-        CHAINS(_mm256_fmadd_ps);
-    }
-    double t = s_now() - t0;
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
-    float v[8];
-    _mm256_storeu_ps(v, s);
-    *sink += v[0];
-    return t;
-}
+DEFINE_RUN(s_run512, ATTR_512, __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps, _mm512_storeu_ps)
+DEFINE_RUN(s_run256, ATTR_256, __m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_storeu_ps)
 
 /* LDTILECFG's operand, palette 1: tiles 0, 2 and 4 of 16 rows of 64 bytes. */
 typedef struct s_tilecfg {
