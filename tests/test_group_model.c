@@ -50,12 +50,18 @@
 #define MB 8              /* blocks per sequence: 128 positions */
 #define MAX_TOK 160       /* tokens in a pass (the prefill of all four) */
 #define NEAR_TIE 0.05     /* engine's top-2 gap under which tokens may flip */
-#define LOGIT_TOL 0.1     /* |group - engine| on any compared logit (logits span ~30) */
+#define LOGIT_TOL 0.15    /* |group - engine| on any compared logit (logits span ~30) */
 /* Both sides quantise activations to 16 bits for every product (act_bits
- * 16), so that LOGIT_TOL measures the sharding, not the rounding: with the
- * default 12 (Q4 inputs within 2039) a sum in another order that moves a
- * value across a rounding edge moves it by a 16x larger step, and the
- * logits of the sharded and whole model part by up to ~0.3. */
+ * 16), so that LOGIT_TOL measures the sharding, not the rounding: with 12
+ * (Q4 inputs within 2039) a sum in another order that moves a value across
+ * a rounding edge moves it by a 16x larger step, and the logits of the
+ * sharded and whole model part by up to ~0.3. At 16 bits the quants have
+ * one scale per token (the token's largest value over 32767, not each
+ * block's), and a rank's slice of the feed-forward's hidden vector has its
+ * own largest value, so its quants differ from the whole row's, not only
+ * its sums' order: on the 2-core AMD EPYC (Zen 3) machine, AVX2, the
+ * logits parted by 0.0885 at TP=2 and 0.109 at TP=3 (2026-12-03), over
+ * the 0.1 that per-block 16-bit scales kept to. */
 #define ACT_BITS 16
 
 static const char *s_prompts[N_SEQ] = {
